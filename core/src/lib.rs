@@ -1,0 +1,4 @@
+//! iris-core: everything between the plugin ABI and the user-facing binary.
+//!
+//! Dependencies point one way: `cli -> core -> plugins`. Core validates; devices only report
+//! what a caller cannot foresee (out of memory, device lost).

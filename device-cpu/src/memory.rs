@@ -1,0 +1,226 @@
+//! The CPU device's memory: buffers are 64-byte-aligned host allocations behind opaque handles,
+//! bounded by a capacity that `mem_info` and `alloc` honour.
+//!
+//! A buffer table maps handles to reference-counted regions. Ops clone the regions they use
+//! under the table lock and work on them after releasing it, so a concurrent `free` of an
+//! unrelated buffer never waits for an op. `used` counts bytes until a region is actually
+//! dropped, so the figure never under-reports what the process holds.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use iris_plugin::abi::{BufferHandle, MemInfo, PluginError};
+
+use crate::error::invalid;
+
+/// Alignment of every buffer: a cache line, and enough for AVX-512 loads.
+pub const BUFFER_ALIGN: usize = 64;
+
+/// One device allocation.
+pub(crate) struct Region {
+    ptr: NonNull<u8>,
+    len: usize,
+    used: Arc<AtomicU64>,
+}
+
+// SAFETY: the region is plain memory; concurrent access is governed by the ABI contract (the
+// host orders calls that touch the same buffer).
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// Length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Pointer to the first byte.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` was returned by `alloc_zeroed` with this exact layout, which
+        // `Memory::alloc` built and validated.
+        unsafe { dealloc(self.ptr.as_ptr(), layout(self.len)) };
+        self.used.fetch_sub(self.len as u64, Ordering::AcqRel);
+    }
+}
+
+/// The buffer table and its accounting.
+pub(crate) struct Memory {
+    capacity: u64,
+    used: Arc<AtomicU64>,
+    next_handle: AtomicU64,
+    table: Mutex<HashMap<u64, Arc<Region>>>,
+}
+
+impl Memory {
+    /// An empty table that admits at most `capacity` bytes.
+    pub(crate) fn new(capacity: u64) -> Memory {
+        Memory {
+            capacity,
+            used: Arc::new(AtomicU64::new(0)),
+            next_handle: AtomicU64::new(1),
+            table: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `(free, total)`.
+    pub(crate) fn mem_info(&self) -> MemInfo {
+        let used = self.used.load(Ordering::Acquire);
+        MemInfo {
+            free: self.capacity.saturating_sub(used),
+            total: self.capacity,
+        }
+    }
+
+    /// Allocates `bytes` zeroed bytes.
+    pub(crate) fn alloc(&self, bytes: u64) -> Result<BufferHandle, PluginError> {
+        if bytes == 0 {
+            return Err(invalid("alloc", "size must be greater than 0"));
+        }
+        let len = usize::try_from(bytes)
+            .ok()
+            .filter(|len| Layout::from_size_align(*len, BUFFER_ALIGN).is_ok())
+            .ok_or_else(|| {
+                PluginError::out_of_memory(format!("alloc: {bytes} bytes is too large"))
+            })?;
+        // Reserve the bytes first so that concurrent allocations cannot overshoot capacity.
+        let reserved = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(bytes)
+                    .filter(|total| *total <= self.capacity)
+            });
+        if let Err(used) = reserved {
+            return Err(PluginError::out_of_memory(format!(
+                "alloc: {bytes} bytes requested, {} of {} bytes free",
+                self.capacity.saturating_sub(used),
+                self.capacity
+            )));
+        }
+        // SAFETY: the layout has a non-zero size (checked above).
+        let raw = unsafe { alloc_zeroed(layout(len)) };
+        let Some(ptr) = NonNull::new(raw) else {
+            self.used.fetch_sub(bytes, Ordering::AcqRel);
+            return Err(PluginError::out_of_memory(format!(
+                "alloc: the host allocator refused {bytes} bytes"
+            )));
+        };
+        let region = Arc::new(Region {
+            ptr,
+            len,
+            used: Arc::clone(&self.used),
+        });
+        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        self.lock().insert(handle, region);
+        Ok(BufferHandle(handle))
+    }
+
+    /// Frees a buffer; its bytes return to the pool once no op holds it.
+    pub(crate) fn free(&self, buf: BufferHandle) -> Result<(), PluginError> {
+        match self.lock().remove(&buf.0) {
+            Some(_) => Ok(()),
+            None => Err(invalid("free", format!("unknown buffer handle {}", buf.0))),
+        }
+    }
+
+    /// The region behind `buf`, for an op named `op`.
+    pub(crate) fn region(&self, op: &str, buf: BufferHandle) -> Result<Arc<Region>, PluginError> {
+        self.lock()
+            .get(&buf.0)
+            .cloned()
+            .ok_or_else(|| invalid(op, format!("unknown buffer handle {}", buf.0)))
+    }
+
+    /// Number of live buffers.
+    pub(crate) fn buffer_count(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Arc<Region>>> {
+        // A poisoned lock only means another call panicked mid-update of a HashMap whose
+        // operations cannot leave it inconsistent; keep serving.
+        self.table
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Checks that `[offset, offset + len)` lies inside `region`; returns the start as `usize`.
+pub(crate) fn check_range(
+    op: &str,
+    what: &str,
+    region: &Region,
+    offset: u64,
+    len: u64,
+) -> Result<usize, PluginError> {
+    let end = offset.checked_add(len);
+    match end {
+        Some(end) if end <= region.len() as u64 => usize::try_from(offset).map_err(|_| {
+            invalid(
+                op,
+                format!("{what}: offset {offset} does not fit in memory"),
+            )
+        }),
+        _ => Err(invalid(
+            op,
+            format!(
+                "{what}: bytes [{offset}, {offset}+{len}) lie outside the buffer of {} bytes",
+                region.len()
+            ),
+        )),
+    }
+}
+
+fn layout(len: usize) -> Layout {
+    // Invariant: callers pass lengths validated by `Layout::from_size_align` in `alloc`.
+    Layout::from_size_align(len, BUFFER_ALIGN).expect("validated in Memory::alloc")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacity_is_honoured_and_freed_bytes_return() {
+        let memory = Memory::new(1000);
+        let a = memory.alloc(600).unwrap();
+        assert_eq!(memory.mem_info().free, 400);
+        let err = memory.alloc(500).unwrap_err();
+        assert_eq!(err.code, iris_plugin::ErrorCode::OUT_OF_MEMORY);
+        memory.free(a).unwrap();
+        assert_eq!(memory.mem_info().free, 1000);
+        assert_eq!(memory.buffer_count(), 0);
+    }
+
+    #[test]
+    fn unknown_handles_and_zero_sizes_are_invalid() {
+        let memory = Memory::new(1000);
+        assert_eq!(
+            memory.free(BufferHandle(77)).unwrap_err().code,
+            iris_plugin::ErrorCode::INVALID_ARGUMENT
+        );
+        assert_eq!(
+            memory.alloc(0).unwrap_err().code,
+            iris_plugin::ErrorCode::INVALID_ARGUMENT
+        );
+    }
+
+    #[test]
+    fn ranges_outside_a_buffer_are_rejected() {
+        let memory = Memory::new(1000);
+        let a = memory.alloc(100).unwrap();
+        let region = memory.region("t", a).unwrap();
+        assert!(check_range("t", "x", &region, 90, 10).is_ok());
+        assert!(check_range("t", "x", &region, 90, 11).is_err());
+        assert!(check_range("t", "x", &region, u64::MAX, 2).is_err());
+    }
+}

@@ -1,0 +1,18 @@
+//! Helpers shared by the integration tests: where cargo put the plugin libraries this test
+//! binary depends on.
+
+use std::path::PathBuf;
+
+/// The folder holding the test binary; cargo builds `cdylib` dev-dependencies (the CPU device,
+/// the template, the load-failure fixtures) into the same folder.
+pub fn artifact_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binaries know their own path");
+    exe.parent()
+        .expect("a test binary lives in a folder")
+        .to_path_buf()
+}
+
+/// Path of the plugin library `libiris_device_<name>.so` built next to the test binary.
+pub fn plugin_library(name: &str) -> PathBuf {
+    artifact_dir().join(iris_plugin::loader::library_file_name(name))
+}
