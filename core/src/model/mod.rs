@@ -16,6 +16,19 @@
 //!
 //! Loading reads only what the tower needs: safetensors headers, then the byte ranges of the
 //! vision tensors; with a `model.safetensors.index.json`, only the shards that hold them.
+//!
+//! ```
+//! use iris_core::model::{ModelSpec, WeightSource};
+//! use iris_plugin::DType;
+//!
+//! let spec = ModelSpec::preset("tiny")?;
+//! let weights = WeightSource::Dummy { seed: 0 }.load(&spec.vision, DType::F32)?;
+//! let hidden = spec.vision.hidden;
+//! let qkv = weights.expect("blocks.0.attn.qkv.weight", DType::F32, &[3 * hidden, hidden])?;
+//! assert_eq!(qkv.bytes.len(), 3 * hidden * hidden * 4);
+//! assert_eq!(weights.total_bytes(), spec.vision.weight_bytes(DType::F32)?);
+//! # Ok::<(), iris_core::model::ModelError>(())
+//! ```
 
 mod config;
 mod dummy;
