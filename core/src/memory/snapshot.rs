@@ -218,3 +218,148 @@ pub fn check_free_at_start(snapshot: &MemorySnapshot, requested: u64) -> Result<
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    fn allocator() -> Arc<CachingAllocator> {
+        let plugin = iris_plugin::Plugin::builtin(iris_device_cpu::plugin_root());
+        let device = plugin
+            .open(0, &[("capacity".into(), "64MiB".into())])
+            .unwrap();
+        CachingAllocator::new(Arc::new(device))
+    }
+
+    #[test]
+    fn non_allocator_memory_is_used_minus_reserved() {
+        let stats = AllocatorStats {
+            allocated: 100,
+            reserved: 300,
+            peak_allocated: 150,
+            peak_reserved: 400,
+            ..AllocatorStats::default()
+        };
+        let snapshot = MemorySnapshot::from_parts(
+            &stats,
+            MemInfo {
+                free: 600,
+                total: 1000,
+            },
+        );
+        assert_eq!(snapshot.device_used, 400);
+        assert_eq!(snapshot.non_allocator, 100);
+        assert_eq!(snapshot.allocator_peak_reserved, 400);
+        // A device that reports less used memory than the allocator holds (another process
+        // freed memory between the reads): saturate, never wrap.
+        let snapshot = MemorySnapshot::from_parts(
+            &stats,
+            MemInfo {
+                free: 900,
+                total: 1000,
+            },
+        );
+        assert_eq!(snapshot.non_allocator, 0);
+        let json = serde_json::to_value(snapshot).unwrap();
+        assert_eq!(json["device_used"], 100);
+        assert_eq!(json["allocator_reserved"], 300);
+    }
+
+    #[test]
+    fn profiling_separates_weights_activations_and_non_allocator_growth() {
+        let allocator = allocator();
+        let baseline = MemorySnapshot::take(&allocator).unwrap();
+        assert_eq!(baseline.device_used, 0);
+        let weights = allocator.alloc(12 << 20).unwrap();
+        let weights_bytes = allocator.stats().allocated;
+        // Activations of an earlier run are still cached; the profiler must not count them.
+        drop(allocator.alloc(3 << 20).unwrap());
+        let profiler = MemoryProfiler::start(&allocator, baseline, weights_bytes).unwrap();
+        {
+            let _a = allocator.alloc(1 << 20).unwrap();
+            let _b = allocator.alloc(4 << 20).unwrap();
+        }
+        drop(allocator.alloc(2 << 20).unwrap());
+        let profile = profiler.finish().unwrap();
+        assert_eq!(profile.weights, 12 << 20);
+        assert_eq!(profile.before_profile.allocator_peak_allocated, 12 << 20);
+        assert_eq!(profile.peak_increase, 5 << 20);
+        assert_eq!(profile.non_allocator_increase, 0);
+        assert_eq!(profile.non_cache_memory, 17 << 20);
+        // The profiler emptied the cache after the run: only the weights stay reserved.
+        assert_eq!(profile.after_profile.allocator_reserved, 12 << 20);
+        assert_eq!(profile.after_profile.device_used, 12 << 20);
+
+        let requested = requested_memory(64 << 20, 0.5).unwrap();
+        assert_eq!(profile.available(requested).unwrap(), 15 << 20);
+        let err = profile.available(16 << 20).unwrap_err();
+        assert!(matches!(err, AllocError::BudgetExceeded { .. }), "{err}");
+        assert!(
+            err.to_string().contains(&(12u64 << 20).to_string()),
+            "{err}"
+        );
+        drop(weights);
+    }
+
+    #[test]
+    fn non_allocator_growth_is_measured_from_the_baseline() {
+        let snapshot = |free, reserved, peak| {
+            MemorySnapshot::from_parts(
+                &AllocatorStats {
+                    allocated: reserved,
+                    reserved,
+                    peak_allocated: peak,
+                    peak_reserved: peak,
+                    ..AllocatorStats::default()
+                },
+                MemInfo { free, total: 1000 },
+            )
+        };
+        // Baseline: 50 bytes used by the driver. Weights 200. The run peaks at 500 allocated
+        // and leaves the driver holding 80 bytes more (a library workspace).
+        let baseline = snapshot(950, 0, 0);
+        let before = snapshot(750, 200, 200);
+        let after = snapshot(670, 200, 500);
+        let profile = MemoryProfile::from_snapshots(baseline, 200, before, after);
+        assert_eq!(profile.peak_increase, 300);
+        assert_eq!(profile.non_allocator_increase, 80);
+        assert_eq!(profile.non_cache_memory, 580);
+        assert_eq!(profile.available(900).unwrap(), 320);
+        assert!(profile.available(580).is_err());
+    }
+
+    #[test]
+    fn requested_memory_is_the_ceiling_of_the_share() {
+        assert_eq!(requested_memory(1000, 1.0).unwrap(), 1000);
+        assert_eq!(requested_memory(3, 0.5).unwrap(), 2);
+        assert_eq!(requested_memory(80 << 30, 0.9).unwrap(), 77_309_411_328);
+        for bad in [0.0, -0.1, 1.000_001, f64::NAN, f64::INFINITY] {
+            let err = requested_memory(1000, bad).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    AllocError::InvalidArgument {
+                        argument: "utilization",
+                        ..
+                    }
+                ),
+                "{bad}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn start_needs_the_requested_memory_free() {
+        let allocator = allocator();
+        let snapshot = MemorySnapshot::take(&allocator).unwrap();
+        check_free_at_start(&snapshot, 64 << 20).unwrap();
+        let err = check_free_at_start(&snapshot, (64 << 20) + 1).unwrap_err();
+        assert!(
+            matches!(err, AllocError::InsufficientFreeMemory { free, requested, .. }
+                if free == 64 << 20 && requested == (64 << 20) + 1),
+            "{err}"
+        );
+    }
+}
