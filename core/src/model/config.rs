@@ -19,9 +19,11 @@ pub const LAYER_NORM_EPS: f64 = 1e-6;
 pub const ROPE_THETA: f64 = 10_000.0;
 
 /// OpenAI CLIP normalisation, the default of `Qwen2VLImageProcessor`.
-pub(crate) const CLIP_MEAN: [f64; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+#[allow(clippy::excessive_precision)] // the published digits; the compiler rounds to f32
+pub(crate) const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
 /// OpenAI CLIP normalisation, the default of `Qwen2VLImageProcessor`.
-pub(crate) const CLIP_STD: [f64; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
+#[allow(clippy::excessive_precision)] // the published digits; the compiler rounds to f32
+pub(crate) const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
 
 /// `Qwen2VLImageProcessor`'s default `size.shortest_edge` (56 * 56 pixels).
 const DEFAULT_MIN_PIXELS: u64 = 56 * 56;
@@ -515,10 +517,11 @@ pub struct ProcessorSettings {
     pub min_pixels: u64,
     /// Largest resized image area in pixels (`max_pixels` or `size.longest_edge`).
     pub max_pixels: u64,
-    /// Per-channel mean subtracted after rescaling to [0, 1] (`image_mean`).
-    pub image_mean: [f64; 3],
+    /// Per-channel mean subtracted after rescaling to [0, 1] (`image_mean`). f32, the precision
+    /// the image processor normalises in.
+    pub image_mean: [f32; 3],
     /// Per-channel std divided by after subtracting the mean (`image_std`).
-    pub image_std: [f64; 3],
+    pub image_std: [f32; 3],
 }
 
 impl ProcessorSettings {
@@ -926,7 +929,7 @@ impl Obj<'_> {
 
     /// A per-channel value: a list of three numbers, or one number for all channels (as
     /// transformers accepts).
-    fn channels_or(&self, key: &str, default: [f64; 3]) -> Result<[f64; 3], ModelError> {
+    fn channels_or(&self, key: &str, default: [f32; 3]) -> Result<[f32; 3], ModelError> {
         match self.get(key) {
             None => Ok(default),
             Some(Value::Array(items)) => {
@@ -943,13 +946,14 @@ impl Obj<'_> {
                 for (slot, item) in out.iter_mut().zip(items) {
                     *slot = item
                         .as_f64()
+                        .map(round_to_f32)
                         .ok_or_else(|| self.err(key, format!("expected numbers, found {item}")))?;
                 }
                 Ok(out)
             }
             Some(v) => v
                 .as_f64()
-                .map(|x| [x; 3])
+                .map(|x| [round_to_f32(x); 3])
                 .ok_or_else(|| self.err(key, format!("expected a list of numbers, found {v}"))),
         }
     }
@@ -1045,6 +1049,13 @@ fn usize_to_f64(n: usize) -> f64 {
 
 fn ratio_of(a: usize, b: usize) -> f64 {
     usize_to_f64(a) / usize_to_f64(b)
+}
+
+/// Rounds a JSON number to f32, the precision the image processor normalises in; values beyond
+/// f32's range become infinite, which validation then rejects.
+#[allow(clippy::cast_possible_truncation)] // narrowing is the point; see above
+fn round_to_f32(x: f64) -> f32 {
+    x as f32
 }
 
 /// Converts a whole, non-negative f64 below 2^53 (checked by every caller) to u64.
