@@ -784,7 +784,18 @@ fn validation_of_hand_built_configs() {
     assert!(v.validate().unwrap_err().to_string().contains("num_heads"));
     let mut v = tiny();
     v.patch_size = usize::MAX / 2;
-    assert!(v.validate().is_err());
+    assert!(v.validate().unwrap_err().to_string().contains("overflow"));
+    let mut v = tiny();
+    v.spatial_merge_size = 1 << 20;
+    assert!(
+        v.validate()
+            .unwrap_err()
+            .to_string()
+            .contains("spatial_merge_size")
+    );
+    let mut v = tiny();
+    v.depth = 1 << 40;
+    assert!(v.validate().unwrap_err().to_string().contains("depth"));
     let mut p = ProcessorSettings::qwen3_vl();
     p.min_pixels = 0;
     assert!(p.validate().unwrap_err().to_string().contains("min_pixels"));

@@ -18,6 +18,10 @@ pub const LAYER_NORM_EPS: f64 = 1e-6;
 /// Base of the vision rotary embedding's inverse frequencies (hard-coded in transformers).
 pub const ROPE_THETA: f64 = 10_000.0;
 
+/// Deepest tower accepted: published towers have 24 to 32 blocks; a far larger value is a typo
+/// that would otherwise make tensor lists of billions of entries.
+pub const MAX_DEPTH: usize = 1024;
+
 /// OpenAI CLIP normalisation, the default of `Qwen2VLImageProcessor`.
 #[allow(clippy::excessive_precision)] // the published digits; the compiler rounds to f32
 pub(crate) const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
@@ -209,6 +213,12 @@ impl VisionConfig {
     pub fn validate(&self) -> Result<(), ModelError> {
         let fam = self.family;
         positive("depth", self.depth)?;
+        if self.depth > MAX_DEPTH {
+            return Err(invalid(
+                "depth",
+                format!("{} exceeds the supported {MAX_DEPTH} blocks", self.depth),
+            ));
+        }
         positive(fam.hidden_key(), self.hidden)?;
         positive("num_heads", self.num_heads)?;
         positive(fam.intermediate_key(), self.intermediate)?;
@@ -253,32 +263,41 @@ impl VisionConfig {
                 format!("{} must be a positive number", self.rope_theta),
             ));
         }
-        // Every size below must be representable: tensor shapes multiply these.
-        for (key, parts) in [
+        // Every tensor's element count (and its bytes in f32) must be representable: the
+        // largest tensor of each kind, with the key that makes it large.
+        let product = |parts: &[usize]| parts.iter().try_fold(4usize, |acc, &d| acc.checked_mul(d));
+        let merged = product(&[
+            self.hidden,
+            self.spatial_merge_size,
+            self.spatial_merge_size,
+        ]);
+        for (key, elements) in [
             (
                 "patch_size",
-                [
+                product(&[
+                    self.hidden,
                     self.in_channels,
                     self.temporal_patch_size,
                     self.patch_size,
                     self.patch_size,
-                ],
+                ]),
+            ),
+            (fam.hidden_key(), product(&[3, self.hidden, self.hidden])),
+            (
+                fam.intermediate_key(),
+                product(&[self.intermediate, self.hidden]),
+            ),
+            ("spatial_merge_size", merged.and_then(|u| u.checked_mul(u))),
+            (
+                fam.out_hidden_key(),
+                merged.and_then(|u| u.checked_mul(self.out_hidden)),
             ),
             (
-                "spatial_merge_size",
-                [
-                    self.hidden,
-                    self.spatial_merge_size,
-                    self.spatial_merge_size,
-                    self.hidden.max(self.out_hidden),
-                ],
+                "num_position_embeddings",
+                product(&[self.num_position_embeddings.unwrap_or(1), self.hidden]),
             ),
         ] {
-            if parts
-                .iter()
-                .try_fold(1usize, |a, &b| a.checked_mul(b))
-                .is_none()
-            {
+            if elements.is_none() {
                 return Err(invalid(key, "the tensor sizes it implies overflow".into()));
             }
         }

@@ -3,7 +3,7 @@
 //!
 //! Loading reads each file's header (8-byte length, JSON) and then, with plain reads at the
 //! recorded offsets, only the bytes of the vision tensors: a full Qwen2.5-VL-72B checkpoint costs
-//! the ~1.3 GB of its tower, not 140 GB. With a `model.safetensors.index.json`, shards that
+//! the ~1.4 GB (bf16) of its tower, not 140 GB. With a `model.safetensors.index.json`, shards that
 //! hold no vision tensor are never opened. No memory map is used, so a file changed while
 //! loading gives an error or wrong values, never undefined behaviour.
 //!
