@@ -1,0 +1,3 @@
+//! Multimodal caches: the device cache of encoder outputs.
+
+pub mod device;
