@@ -4,5 +4,7 @@
 //! what a caller cannot foresee (out of memory, device lost).
 
 pub mod cache;
+pub mod config;
+pub mod devices;
 pub mod memory;
 pub mod model;
