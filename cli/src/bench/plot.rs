@@ -10,6 +10,7 @@ use std::path::Path;
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::report::TimedPoint;
 
@@ -140,7 +141,8 @@ fn draw<DB: DrawingBackend>(
         .max()
         .unwrap_or(0) as f64
         / MIB;
-    let y1 = (y_max * 1.1).max(1.0);
+    // Headroom above the highest line for the checkpoint labels and the legend.
+    let y1 = (y_max * 1.35).max(1.0);
 
     let mut builder = ChartBuilder::on(root);
     builder.margin(20);
@@ -166,7 +168,8 @@ fn draw<DB: DrawingBackend>(
             .draw_series(std::iter::once(frame))
             .map_err(|e| err(&e))?;
     }
-    for (name, t) in checkpoints {
+    let mid = (x0 + x1) / 2.0;
+    for (i, (name, t)) in checkpoints.iter().enumerate() {
         let line = PathElement::new(
             vec![(*t, 0.0), (*t, y1)],
             RGBColor(128, 128, 128).stroke_width(1),
@@ -175,11 +178,15 @@ fn draw<DB: DrawingBackend>(
             .draw_series(std::iter::once(line))
             .map_err(|e| err(&e))?;
         if with_text {
-            let label = Text::new(
-                (*name).to_owned(),
-                (*t, y1 * 0.97),
-                ("sans-serif", 13).into_font().color(&BLACK),
-            );
+            // Checkpoints often share a time (both start-up ones sit at 0): stagger the labels
+            // downwards, and anchor them inwards so that none runs off the plot.
+            let y = y1 * (0.98 - 0.05 * i as f64);
+            let hpos = if *t > mid { HPos::Right } else { HPos::Left };
+            let style = ("sans-serif", 13)
+                .into_font()
+                .color(&BLACK)
+                .pos(Pos::new(hpos, VPos::Top));
+            let label = Text::new(format!(" {name} "), (*t, y), style);
             chart
                 .draw_series(std::iter::once(label))
                 .map_err(|e| err(&e))?;
@@ -204,7 +211,7 @@ fn draw<DB: DrawingBackend>(
     if with_text {
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
+            .position(SeriesLabelPosition::UpperMiddle)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()
