@@ -35,6 +35,9 @@ use crate::http::MetricsSnapshot;
 /// Default interval between memory samples during the load.
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
 
+/// Default limit on one HTTP call of the bench client, response body included.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// What the bench needs from one encoded image.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EncodedItem {
@@ -327,6 +330,7 @@ pub struct HttpTarget {
     base: String,
     api_key: Option<String>,
     client: Client<HttpConnector, Full<Bytes>>,
+    timeout: Duration,
 }
 
 impl HttpTarget {
@@ -356,7 +360,15 @@ impl HttpTarget {
             base,
             api_key,
             client,
+            timeout: DEFAULT_REQUEST_TIMEOUT,
         })
+    }
+
+    /// Sets how long one call may take, response body included, before it counts as failed.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     async fn call(
@@ -381,18 +393,20 @@ impl HttpTarget {
         let req = req
             .body(Full::new(Bytes::from(body.unwrap_or_default())))
             .map_err(|e| transport(e.to_string()))?;
-        let resp = self
-            .client
-            .request(req)
+        let exchange = async {
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| transport(format!("{e} ({e:?})")))?;
+            let status = resp.status();
+            let body = resp.into_body().collect().await;
+            let bytes = body.map_err(|e| transport(e.to_string()))?.to_bytes();
+            Ok::<_, TargetError>((status, bytes))
+        };
+        let (status, bytes) = tokio::time::timeout(self.timeout, exchange)
             .await
-            .map_err(|e| transport(format!("{e} ({e:?})")))?;
-        let status = resp.status();
-        let bytes = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| transport(e.to_string()))?
-            .to_bytes();
+            .map_err(|_| transport(format!("no complete response within {:?}", self.timeout)))??;
         let value: Result<Value, _> = serde_json::from_slice(&bytes);
         if !status.is_success() {
             let message = value

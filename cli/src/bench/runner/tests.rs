@@ -317,3 +317,38 @@ async fn http_target_reports_a_leak() {
     shutdown.send(()).unwrap();
     server.await.unwrap().unwrap();
 }
+
+#[tokio::test]
+async fn a_silent_server_times_out() {
+    // Accepts connections and never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let hold = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            open.push(socket);
+        }
+    });
+    let target = HttpTarget::new(&url, None)
+        .unwrap()
+        .with_timeout(Duration::from_millis(50));
+    let err = target.memory().await.unwrap_err();
+    assert!(
+        err.to_string().contains("no complete response within"),
+        "{err}"
+    );
+    hold.abort();
+}
+
+#[tokio::test]
+async fn a_closed_port_is_a_transport_error() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    let err = HttpTarget::new(&url, None)
+        .unwrap()
+        .reset_all()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TargetError::Transport { .. }), "{err}");
+}
