@@ -31,6 +31,7 @@ use super::report::{
 use super::stats::{RequestOutcome, summarize};
 use super::workload::{EncodedImage, RequestRate, Workload, arrival_offsets};
 use crate::http::MetricsSnapshot;
+use crate::http::engine_api::{EncodeOptions, Engine, ImageInput};
 
 /// Default interval between memory samples during the load.
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
@@ -521,6 +522,70 @@ impl BenchTarget for HttpTarget {
         self.call(hyper::Method::POST, "/reset_all", None)
             .await
             .map(|_| ())
+    }
+}
+
+/// A bench target over an engine in this process (the default of `iris bench`).
+pub struct InProcessTarget<E> {
+    engine: Arc<E>,
+}
+
+impl<E: Engine> InProcessTarget<E> {
+    /// A target over `engine`.
+    pub fn new(engine: Arc<E>) -> Self {
+        Self { engine }
+    }
+}
+
+impl<E: Engine> BenchTarget for InProcessTarget<E> {
+    fn describe(&self) -> String {
+        "in-process".to_owned()
+    }
+
+    async fn encode(
+        &self,
+        images: Vec<Arc<EncodedImage>>,
+    ) -> Result<Vec<EncodedItem>, TargetError> {
+        let inputs = images
+            .iter()
+            .map(|img| ImageInput {
+                bytes: img.bytes.to_vec(),
+            })
+            .collect();
+        let results = self
+            .engine
+            .encode(inputs, EncodeOptions::default())
+            .await
+            .map_err(|e| TargetError::Engine(e.to_string()))?;
+        Ok(results
+            .into_iter()
+            .map(|r| EncodedItem {
+                mm_hash: r.mm_hash,
+                num_tokens: r.num_tokens,
+                cached: r.cached,
+            })
+            .collect())
+    }
+
+    async fn startup_memory(&self) -> Result<StartupMemory, TargetError> {
+        let m = self.engine.metrics_snapshot();
+        Ok(StartupMemory {
+            before_start: m.before_start.into(),
+            after_start: m.after_start.into(),
+        })
+    }
+
+    async fn memory(&self) -> Result<MemoryPoint, TargetError> {
+        Ok(self.engine.metrics_snapshot().memory.into())
+    }
+
+    async fn cache_counters(&self) -> Result<CacheCounters, TargetError> {
+        Ok(counters_of(&self.engine.metrics_snapshot()))
+    }
+
+    async fn reset_all(&self) -> Result<(), TargetError> {
+        self.engine.reset_all().await;
+        Ok(())
     }
 }
 

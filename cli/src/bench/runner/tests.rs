@@ -352,3 +352,25 @@ async fn a_closed_port_is_a_transport_error() {
         .unwrap_err();
     assert!(matches!(err, TargetError::Transport { .. }), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_process_target_over_an_engine() {
+    let target = Arc::new(InProcessTarget::new(Arc::new(FakeEngine::new(false))));
+    let report = run_bench(target, &workload(6, 2, 0.5), &opts(Some(2)))
+        .await
+        .unwrap();
+    assert_eq!((report.stats.completed, report.stats.failed), (6, 0));
+    assert_eq!(report.info.target, "in-process");
+    assert_eq!(report.stats.cached_images, 6);
+    assert_eq!(report.cache.encoder_hit_rate, 0.5);
+    assert!(
+        report.memory.after_load.device_used_bytes > report.memory.after_start.device_used_bytes
+    );
+    assert!(report.verdict.returned, "{}", report.render_text());
+
+    let leaky = Arc::new(InProcessTarget::new(Arc::new(FakeEngine::new(true))));
+    let report = run_bench(leaky, &workload(3, 1, 0.0), &opts(None))
+        .await
+        .unwrap();
+    assert_eq!(report.exit_code(), 1);
+}
