@@ -68,6 +68,59 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
 }
 
+/// Flags of `iris serve` that belong to the HTTP layer (the engine's own flags live elsewhere).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on; loopback by default, so nothing outside this machine can connect.
+    #[arg(long, default_value = DEFAULT_HOST)]
+    pub host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = DEFAULT_PORT)]
+    pub port: u16,
+    /// Require `Authorization: Bearer <key>` on every route but /health.
+    #[arg(long, env = API_KEY_ENV, hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Largest request body in bytes (larger ones get a 413).
+    #[arg(long, default_value_t = request::DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// Most images in one request.
+    #[arg(long, default_value_t = request::DEFAULT_MAX_IMAGES_PER_REQUEST)]
+    pub max_images_per_request: usize,
+    /// Most pixels (width x height, read from the image header) in one image.
+    #[arg(long, default_value_t = request::DEFAULT_MAX_IMAGE_PIXELS)]
+    pub max_image_pixels: u64,
+}
+
+impl ServeArgs {
+    /// The server settings these flags describe.
+    pub fn server_config(&self) -> ServerConfig {
+        ServerConfig {
+            limits: Limits {
+                max_body_bytes: self.max_body_bytes,
+                max_images_per_request: self.max_images_per_request,
+                max_image_pixels: self.max_image_pixels,
+            },
+            api_key: self.api_key.clone().filter(|k| !k.is_empty()),
+        }
+    }
+
+    /// Binds the listening socket.
+    ///
+    /// # Errors
+    /// The I/O error, e.g. the port is in use.
+    pub async fn bind(&self) -> std::io::Result<tokio::net::TcpListener> {
+        tokio::net::TcpListener::bind((self.host.as_str(), self.port)).await
+    }
+}
+
+/// Completes on Ctrl-C (SIGINT); pass it to [`serve`] to drain requests before exiting.
+pub async fn ctrl_c() {
+    // If the handler cannot be installed, the process still ends on the default SIGINT action.
+    if tokio::signal::ctrl_c().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Shared state of every handler.
 pub struct ServerState<E> {
     engine: Arc<E>,

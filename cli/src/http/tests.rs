@@ -336,3 +336,54 @@ async fn metrics_exposes_requests_latency_images_caches_and_memory() {
         Some(1.0)
     );
 }
+
+#[tokio::test]
+async fn serve_args_bind_and_serve() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let args = Cmd::try_parse_from([
+        "serve",
+        "--port",
+        "0",
+        "--max-images-per-request",
+        "3",
+        "--api-key",
+        "",
+    ])
+    .unwrap()
+    .serve;
+    assert_eq!(args.host, "127.0.0.1");
+    let config = args.server_config();
+    assert_eq!(config.limits.max_images_per_request, 3);
+    assert_eq!(
+        config.limits.max_body_bytes,
+        request::DEFAULT_MAX_BODY_BYTES
+    );
+    assert_eq!(config.api_key, None, "an empty key means no key");
+    let listener = args.bind().await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    assert!(addr.ip().is_loopback());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let app = router(Arc::new(FakeEngine::new(false)), config).unwrap();
+    let server = tokio::spawn(serve(listener, app, async move {
+        let _ = rx.await;
+    }));
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<axum::body::Bytes>>();
+    let resp = client
+        .get(format!("http://{addr}/health").parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(
+        serde_json::from_slice::<Value>(&body).unwrap(),
+        json!({"status": "ok"})
+    );
+    tx.send(()).unwrap();
+    server.await.unwrap().unwrap();
+}
