@@ -1,6 +1,6 @@
 //! The `iris` command.
 
-// Built and tested now; `iris serve` and `iris bench` call into them once the engine lands.
+// Not reached from `main` yet: the `serve` and `bench` subcommands call into them.
 #[allow(dead_code)]
 mod bench;
 #[allow(dead_code)]
