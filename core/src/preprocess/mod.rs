@@ -18,7 +18,8 @@
 //! hash: blake3 over the decoded RGB pixels, their dimensions and every [`ProcessorConfig`]
 //! option that changes the output.
 //!
-//! Nothing here touches a device, and no input bytes can make it panic.
+//! EXIF orientation is not applied: the processor does not apply it to the images it is given
+//! either. Nothing here touches a device, and no input bytes can make it panic.
 
 mod config;
 mod decode;
