@@ -66,8 +66,9 @@ pub fn probe(bytes: &[u8], limits: &DecodeLimits) -> Result<ImageInfo, Preproces
 
 /// Decodes an image to 8-bit RGB: [`probe`] first, then the body under `limits`.
 ///
-/// 16-bit images keep the high byte of each sample; grey images are replicated to three
-/// channels; alpha is dropped or composited onto white as `alpha` says.
+/// 16-bit samples become 8-bit as Pillow opens them (the high byte; plain 16-bit grey is
+/// clipped at 255); grey images are replicated to three channels; alpha is dropped or
+/// composited onto white as `alpha` says.
 ///
 /// # Errors
 /// Those of [`probe`], and [`PreprocessError::Decode`] for a corrupt or truncated body.
@@ -214,7 +215,8 @@ fn to_rgb(img: DynamicImage, alpha: AlphaMode) -> RgbImage {
         ]),
         _ => out.extend_from_slice(&[r, g, b]),
     };
-    // Pillow opens 16-bit PNGs by keeping the high byte of each sample.
+    // Pillow opens 16-bit colour and grey-alpha PNGs ("RGB;16B", "LA;16B" raw modes) by keeping
+    // the high byte of each sample.
     let hi = |v: u16| v.to_be_bytes()[0];
     match img {
         DynamicImage::ImageRgb8(b) => {
@@ -232,8 +234,9 @@ fn to_rgb(img: DynamicImage, alpha: AlphaMode) -> RgbImage {
         DynamicImage::ImageRgba16(b) => b
             .pixels()
             .for_each(|p| push(hi(p[0]), hi(p[1]), hi(p[2]), Some(hi(p[3])))),
+        // Pillow opens 16-bit grey as mode "I;16", whose conversion to RGB clips at 255.
         DynamicImage::ImageLuma16(b) => b.pixels().for_each(|p| {
-            let v = hi(p[0]);
+            let v = u8::try_from(p[0]).unwrap_or(u8::MAX);
             push(v, v, v, None);
         }),
         DynamicImage::ImageLumaA16(b) => b.pixels().for_each(|p| {
@@ -299,6 +302,18 @@ mod tests {
         let p = png(1, 1, image::ExtendedColorType::Rgb16, &px);
         let (_, rgb) = decode_rgb(&p, &DecodeLimits::default(), AlphaMode::Drop).unwrap();
         assert_eq!(rgb.pixels, vec![0x12, 0xAB, 0x00]);
+        // Plain 16-bit grey: Pillow's "I;16" -> RGB clips (checked with Pillow 13:
+        // 0x1234 -> 255, 0x00FF -> 255, 0x0080 -> 128).
+        let px: Vec<u8> = [0x12_34u16, 0x00_FF, 0x00_80]
+            .iter()
+            .flat_map(|v| v.to_ne_bytes())
+            .collect();
+        let p = png(3, 1, image::ExtendedColorType::L16, &px);
+        let (_, rgb) = decode_rgb(&p, &DecodeLimits::default(), AlphaMode::Drop).unwrap();
+        assert_eq!(
+            rgb.pixels,
+            vec![255, 255, 255, 255, 255, 255, 128, 128, 128]
+        );
     }
 
     #[test]
