@@ -8,3 +8,4 @@ pub mod config;
 pub mod devices;
 pub mod memory;
 pub mod model;
+pub mod preprocess;
