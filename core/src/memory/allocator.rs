@@ -1224,6 +1224,38 @@ mod tests {
     }
 
     #[test]
+    fn a_device_refusing_a_free_is_reported_and_the_rest_released() {
+        let dev = device("64MiB");
+        let allocator = CachingAllocator::new(Arc::clone(&dev));
+        let small = allocator.alloc(100).unwrap();
+        let large = allocator.alloc(3 << 20).unwrap();
+        // Free the small segment behind the allocator's back: its own free will be refused.
+        dev.free(small.handle()).unwrap();
+        drop(small);
+        drop(large);
+        let err = allocator.empty_cache().unwrap_err();
+        let AllocError::ReleaseFailed {
+            released,
+            failed,
+            source,
+        } = &err
+        else {
+            panic!("expected a release failure, got {err}");
+        };
+        assert_eq!((*released, *failed), (LARGE_SEGMENT, 1));
+        assert!(source.message.contains("unknown buffer handle"), "{err}");
+        assert!(
+            err.to_string().contains(&LARGE_SEGMENT.to_string()),
+            "{err}"
+        );
+        // The refused segment stays on the books; allocating still works.
+        let stats = allocator.stats();
+        assert_eq!((stats.reserved, stats.segments), (SMALL_SEGMENT, 1));
+        drop(allocator.alloc(10).unwrap());
+        allocator.check_invariants().unwrap();
+    }
+
+    #[test]
     fn dropping_the_allocator_returns_its_cache() {
         let dev = device("64MiB");
         let allocator = CachingAllocator::new(Arc::clone(&dev));
