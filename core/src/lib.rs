@@ -4,4 +4,5 @@
 //! what a caller cannot foresee (out of memory, device lost).
 
 pub mod cache;
+pub mod encoder;
 pub mod memory;
