@@ -23,11 +23,6 @@ use crate::encoder::layout::{
 };
 use crate::model::{Family, HostWeights, VisionConfig};
 
-/// Rotary base of every Qwen-VL vision tower.
-pub const ROPE_THETA: f32 = 10000.0;
-/// Norm epsilon of every Qwen-VL vision tower.
-pub const NORM_EPS: f32 = 1e-6;
-
 /// A vision tower with its weights resident on a device.
 pub struct VisionTower {
     config: VisionConfig,
@@ -63,17 +58,18 @@ impl VisionTower {
                 pos_table = Some(tensor.to_f32());
                 continue;
             }
-            let rows = tensor.shape.first().copied().unwrap_or(1);
-            let cols: u64 = tensor.shape.iter().skip(1).product();
-            // Vectors (norm weights, biases) become single rows so they broadcast.
+            let first = tensor.shape.first().copied().unwrap_or(1) as u64;
+            let rest: u64 = tensor.shape.iter().skip(1).map(|&d| d as u64).product();
+            // Vectors (norm weights, biases) become single rows so they broadcast; higher ranks
+            // (the Conv3d patch embedding) flatten to [out, in].
             let (rows, cols) = if tensor.shape.len() == 1 {
-                (1, rows)
+                (1, first)
             } else {
-                (rows, cols)
+                (first, rest)
             };
             let device_tensor = runner.upload_bytes(&tensor.bytes, tensor.dtype, rows, cols)?;
             weight_bytes += device_tensor.bytes();
-            uploaded.insert(name.clone(), device_tensor);
+            uploaded.insert(name.to_owned(), device_tensor);
         }
         Ok(VisionTower {
             config,
@@ -101,8 +97,7 @@ impl VisionTower {
 
     /// Embedding tokens an image of this grid produces.
     pub fn tokens(&self, grid: Grid) -> u64 {
-        let merge = u64::from(self.config.spatial_merge_size);
-        patches(grid) as u64 / (merge * merge)
+        patches(grid) as u64 / self.config.merge_unit() as u64
     }
 
     /// Runs the tower on `pixels` (`[patches, C*T*P*P]`, the images' rows concatenated in
@@ -114,15 +109,16 @@ impl VisionTower {
         grids: &[Grid],
     ) -> Result<Vec<ImageOutput>, EncoderError> {
         let cfg = &self.config;
-        let merge = cfg.spatial_merge_size;
-        let merge_unit = u64::from(merge * merge);
+        let merge = u32::try_from(cfg.spatial_merge_size).map_err(|_| shape("merge size"))?;
+        let merge_unit = merge * merge;
+        let hidden_size = cfg.hidden as u64;
         let total: u64 = grids.iter().map(|g| patches(*g) as u64).sum();
-        if pixels.rows() != total || pixels.cols() != cfg.patch_dim() {
+        let row_len = cfg.patch_row_len() as u64;
+        if pixels.rows() != total || pixels.cols() != row_len {
             return Err(EncoderError::Shape(format!(
-                "pixel values are {}x{}, grids need {total}x{}",
+                "pixel values are {}x{}, grids need {total}x{row_len}",
                 pixels.rows(),
                 pixels.cols(),
-                cfg.patch_dim()
             )));
         }
         for grid in grids {
@@ -141,10 +137,9 @@ impl VisionTower {
             Activation::NONE,
         )?;
         if let Some(table) = &self.pos_table {
-            let side = integer_sqrt(cfg.num_position_embeddings);
-            let dim = usize::try_from(cfg.hidden).map_err(|_| shape("hidden size"))?;
-            let pos = interpolated_pos_embed(table, side, dim, grids, merge);
-            let pos = runner.upload_f32(&pos, self.dtype, total, cfg.hidden)?;
+            let side = integer_sqrt(cfg.num_position_embeddings.unwrap_or(0));
+            let pos = interpolated_pos_embed(table, side, cfg.hidden, grids, merge);
+            let pos = runner.upload_f32(&pos, self.dtype, total, hidden_size)?;
             runner.binary_in_place(&hidden, &pos, BinaryOp::ADD)?;
         }
 
@@ -153,9 +148,11 @@ impl VisionTower {
         let mut window_cu = Vec::new();
         let mut restore: Option<Vec<u32>> = None;
         if cfg.family == Family::Qwen25Vl {
-            let units = cfg.window_size / cfg.spatial_merge_size / cfg.patch_size;
-            let (unit_index, cu) = window_layout(grids, merge, units.max(1));
-            let rows = expand_units(&unit_index, u32::try_from(merge_unit).map_err(|_| shape("merge"))?);
+            let window = cfg.window_size.unwrap_or(0);
+            let units = window / cfg.spatial_merge_size / cfg.patch_size;
+            let units = u32::try_from(units.max(1)).map_err(|_| shape("window size"))?;
+            let (unit_index, cu) = window_layout(grids, merge, units);
+            let rows = expand_units(&unit_index, merge_unit);
             hidden = runner.gather_rows(&hidden, &rows)?;
             positions = rows
                 .iter()
@@ -228,8 +225,11 @@ impl VisionTower {
     ) -> Result<(), EncoderError> {
         let cfg = &self.config;
         let p = format!("blocks.{layer}");
-        let heads = cfg.num_heads;
-        let head_dim = cfg.hidden / heads;
+        let heads = cfg.num_heads as u64;
+        let head_dim = cfg.head_dim() as u64;
+        // The rotary base (10000) is exact in f32, the precision the op computes angles in.
+        #[allow(clippy::cast_possible_truncation)]
+        let theta = cfg.rope_theta as f32;
 
         let normed = self.norm(runner, &format!("{p}.norm1"), hidden)?;
         let qkv = runner.linear(
@@ -239,9 +239,9 @@ impl VisionTower {
             Activation::NONE,
         )?;
         drop(normed);
-        let d = cfg.hidden;
+        let d = cfg.hidden as u64;
         // q and k are adjacent column blocks: one rotary call covers both as 2 * heads heads.
-        runner.rope_2d(&qkv.col_range(0, 2 * d)?, 2 * heads, head_dim, positions, ROPE_THETA)?;
+        runner.rope_2d(&qkv.col_range(0, 2 * d)?, 2 * heads, head_dim, positions, theta)?;
         let attended = runner.attention(
             &qkv.col_range(0, d)?,
             &qkv.col_range(d, d)?,
@@ -266,7 +266,7 @@ impl VisionTower {
                     &normed,
                     self.weight(&format!("{p}.mlp.fc1.weight"))?,
                     self.optional(&format!("{p}.mlp.fc1.bias")),
-                    cfg.activation(),
+                    cfg.hidden_act.activation(),
                 )?;
                 drop(normed);
                 runner.linear_accumulate(
@@ -281,7 +281,7 @@ impl VisionTower {
                     &normed,
                     self.weight(&format!("{p}.mlp.gate_proj.weight"))?,
                     self.optional(&format!("{p}.mlp.gate_proj.bias")),
-                    cfg.activation(),
+                    cfg.hidden_act.activation(),
                 )?;
                 let up = runner.linear(
                     &normed,
@@ -304,7 +304,7 @@ impl VisionTower {
                     &normed,
                     self.weight(&format!("{p}.mlp.linear_fc1.weight"))?,
                     self.optional(&format!("{p}.mlp.linear_fc1.bias")),
-                    cfg.activation(),
+                    cfg.hidden_act.activation(),
                 )?;
                 drop(normed);
                 runner.linear_accumulate(
@@ -328,7 +328,7 @@ impl VisionTower {
         postshuffle: bool,
     ) -> Result<Tensor, EncoderError> {
         let cfg = &self.config;
-        let merge_unit = u64::from(cfg.spatial_merge_size * cfg.spatial_merge_size);
+        let merge_unit = cfg.merge_unit() as u64;
         let rows = hidden.rows() / merge_unit;
         let wide = hidden.cols() * merge_unit;
         let (norm_name, fc1, fc2) = match cfg.family {
@@ -359,9 +359,12 @@ impl VisionTower {
 
     fn norm(&self, runner: &Runner, prefix: &str, x: &Tensor) -> Result<Tensor, EncoderError> {
         let weight = self.weight(&format!("{prefix}.weight"))?;
+        // Norm epsilons are 1e-6 in every Qwen-VL tower; f32 holds them exactly enough.
+        #[allow(clippy::cast_possible_truncation)]
+        let eps = self.config.layer_norm_eps as f32;
         match self.config.family {
-            Family::Qwen25Vl => runner.rms_norm(x, weight, NORM_EPS),
-            _ => runner.layer_norm(x, weight, self.optional(&format!("{prefix}.bias")), NORM_EPS),
+            Family::Qwen25Vl => runner.rms_norm(x, weight, eps),
+            _ => runner.layer_norm(x, weight, self.optional(&format!("{prefix}.bias")), eps),
         }
     }
 
@@ -376,9 +379,9 @@ impl VisionTower {
     }
 }
 
-fn integer_sqrt(value: u64) -> usize {
+fn integer_sqrt(value: usize) -> usize {
     let mut root = 0usize;
-    while ((root + 1) * (root + 1)) as u64 <= value {
+    while (root + 1) * (root + 1) <= value {
         root += 1;
     }
     root
