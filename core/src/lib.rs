@@ -6,3 +6,4 @@
 pub mod cache;
 pub mod encoder;
 pub mod memory;
+pub mod model;

@@ -3,7 +3,7 @@
 
 pub mod exec;
 pub mod layout;
-// pub mod tower;
+pub mod tower;
 
 use thiserror::Error;
 
