@@ -1,13 +1,63 @@
 //! The `iris` command.
+//!
+//! Configuration comes from a TOML file (`--config`, or `iris.toml` in the current folder),
+//! overridden by the global flags, overridden by environment variables (see
+//! [`iris_core::config`]). Subcommands live in their own modules: [`devices`] lists plugins and
+//! their devices, [`plugin_check`] runs the conformance suite against one plugin.
 
-use clap::Parser;
+// Not reached from `main` yet: the `serve` and `bench` subcommands call into them.
+#[allow(dead_code)]
+mod bench;
+mod devices;
+#[allow(dead_code)]
+mod http;
+mod plugin_check;
+mod settings;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
 
 /// iris: the multimodal front half of a vision-language serving engine.
 #[derive(Debug, Parser)]
 #[command(name = "iris", version, about)]
-struct Cli {}
+struct Cli {
+    #[command(flatten)]
+    global: settings::GlobalArgs,
+    #[command(subcommand)]
+    command: Command,
+}
 
-fn main() -> anyhow::Result<()> {
-    let _cli = Cli::parse();
-    Ok(())
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// List every device plugin (built in and found on the plugin path) and its devices.
+    Devices(devices::DevicesArgs),
+    /// Work with device plugins.
+    Plugin {
+        #[command(subcommand)]
+        command: PluginCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum PluginCommand {
+    /// Load a plugin, open its device 0 and run the conformance suite against it.
+    Check(plugin_check::CheckArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Devices(args) => devices::run(&cli.global, args),
+        Command::Plugin {
+            command: PluginCommand::Check(args),
+        } => plugin_check::run(&cli.global, args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

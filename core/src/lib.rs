@@ -4,6 +4,9 @@
 //! what a caller cannot foresee (out of memory, device lost).
 
 pub mod cache;
+pub mod config;
+pub mod devices;
 pub mod encoder;
 pub mod memory;
 pub mod model;
+pub mod preprocess;

@@ -244,7 +244,11 @@ fn shards_with_index_read_only_vision_shards() {
     for path in [dir.clone(), dir.join("model.safetensors.index.json")] {
         let got = load_safetensors(&[path], &config, DType::BF16).unwrap();
         assert_same_values(&got, &expected);
-        assert!(got.origin().contains("2 files read"), "{}", got.origin());
+        assert!(
+            got.origin().contains("tensors from 2 files"),
+            "{}",
+            got.origin()
+        );
     }
 }
 
@@ -780,8 +784,125 @@ fn validation_of_hand_built_configs() {
     assert!(v.validate().unwrap_err().to_string().contains("num_heads"));
     let mut v = tiny();
     v.patch_size = usize::MAX / 2;
-    assert!(v.validate().is_err());
+    assert!(v.validate().unwrap_err().to_string().contains("overflow"));
+    let mut v = tiny();
+    v.spatial_merge_size = 1 << 20;
+    assert!(
+        v.validate()
+            .unwrap_err()
+            .to_string()
+            .contains("spatial_merge_size")
+    );
+    let mut v = tiny();
+    v.depth = 1 << 40;
+    assert!(v.validate().unwrap_err().to_string().contains("depth"));
     let mut p = ProcessorSettings::qwen3_vl();
     p.min_pixels = 0;
     assert!(p.validate().unwrap_err().to_string().contains("min_pixels"));
+}
+
+/// The golden fixtures' model directories (made by `tools/golden/make_golden.py` with
+/// transformers) load as shipped: config style, prefix, shards and on-disk dtype as the
+/// manifest records them, and every tensor widened exactly from its stored value.
+#[test]
+fn golden_model_directories_load() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/golden");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(root.join("manifest.json")).unwrap()).unwrap();
+    let models = manifest["models"].as_object().unwrap();
+    assert_eq!(models.len(), 3, "one directory per family");
+    for (dir_name, entry) in models {
+        let dir = root.join(dir_name);
+        let spec = ModelSpec::from_hf_dir(&dir).unwrap_or_else(|e| panic!("{dir_name}: {e}"));
+        assert_eq!(
+            spec.vision.family.model_type(),
+            entry["family"].as_str().unwrap()
+        );
+        spec.validate().unwrap();
+
+        let weights = WeightSource::Safetensors(vec![dir.clone()])
+            .load(&spec.vision, DType::F32)
+            .unwrap_or_else(|e| panic!("{dir_name}: {e}"));
+        assert_eq!(
+            weights.len() as u64,
+            entry["vision_tensors"].as_u64().unwrap(),
+            "{dir_name}"
+        );
+        let prefix = entry["weight_prefix"].as_str().unwrap();
+        if !prefix.is_empty() {
+            assert!(
+                weights.origin().contains(prefix),
+                "{dir_name}: {}",
+                weights.origin()
+            );
+        }
+
+        // Every value equals the stored one, widened.
+        let files: Vec<String> = entry["weights"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f.as_str().unwrap().to_string())
+            .collect();
+        let mut seen = 0;
+        for file in &files {
+            let bytes = std::fs::read(dir.join(file)).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (name, view) in st.iter() {
+                let Some(short) = name.strip_prefix(prefix) else {
+                    continue;
+                };
+                let Ok(loaded) = weights.get(short) else {
+                    assert!(
+                        entry["skipped_tensors"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .any(|s| s == name),
+                        "{dir_name}: `{name}` neither loaded nor listed as skipped"
+                    );
+                    continue;
+                };
+                let want: Vec<f32> = match view.dtype() {
+                    StDtype::F32 => view
+                        .data()
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                    StDtype::F16 => view
+                        .data()
+                        .chunks_exact(2)
+                        .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                        .collect(),
+                    StDtype::BF16 => view
+                        .data()
+                        .chunks_exact(2)
+                        .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                        .collect(),
+                    other => panic!("{dir_name}: `{name}` stored as {other:?}"),
+                };
+                assert_eq!(loaded.shape, view.shape(), "{dir_name}: {name}");
+                assert_eq!(loaded.to_f32(), want, "{dir_name}: {name}");
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, weights.len(), "{dir_name}");
+
+        // The fixtures' tensors agree with the dimensions read from the config.
+        let golden = std::fs::read(dir.join("golden.safetensors")).unwrap();
+        let golden = safetensors::SafeTensors::deserialize(&golden).unwrap();
+        let pixels = golden.tensor("pixel_values").unwrap();
+        assert_eq!(pixels.shape()[1], spec.vision.patch_row_len(), "{dir_name}");
+        let embeddings = golden.tensor("embeddings").unwrap();
+        assert_eq!(embeddings.shape()[1], spec.vision.out_hidden, "{dir_name}");
+        assert_eq!(
+            embeddings.shape()[0] * spec.vision.merge_unit(),
+            pixels.shape()[0],
+            "{dir_name}"
+        );
+        for j in 0..spec.vision.deepstack_visual_indexes.len() {
+            let d = golden.tensor(&format!("deepstack.{j}")).unwrap();
+            assert_eq!(d.shape(), embeddings.shape(), "{dir_name}: deepstack.{j}");
+        }
+    }
 }

@@ -471,6 +471,8 @@ def write_model(out: Path, name: str, spec: dict) -> dict:
         golden[f"deepstack.{j}"] = t.float().contiguous()
     save_torch(golden, str(d / "golden.safetensors"), metadata={"generator": "tools/golden/make_golden.py"})
 
+    verify_checkpoint(d, name, spec, golden)
+
     merge = pp["merge_size"]
     tokens = [int(t * h * w) // merge**2 for t, h, w in grid_thw.tolist()]
     assert sum(tokens) == golden["embeddings"].shape[0]
@@ -499,6 +501,35 @@ def write_model(out: Path, name: str, spec: dict) -> dict:
         note="Weights were rounded to the on-disk dtype and the model then ran in float32 on "
         "exactly those values, so a loader that widens them to f32 sees the same model.",
     )
+
+
+def verify_checkpoint(d: Path, name: str, spec: dict, golden: dict) -> None:
+    """Reload the checkpoint as a reader would (config.json through transformers, weights
+    from the files just written, prefix stripped, LM tensors skipped), run it again and require
+    the same outputs."""
+    from safetensors.torch import load_file
+
+    config = json.loads((d / "config.json").read_text())
+    spec2 = dict(spec, config=config)
+    model, _ = build_model(name, spec2)
+    state = {}
+    for f in sorted(d.glob("model*.safetensors")):
+        state.update(load_file(str(f)))
+    prefix = spec["prefix"]
+    vision = {k[len(prefix) :]: v.float() for k, v in state.items() if k.startswith(prefix) and k not in spec["extra"]}
+    model.load_state_dict(vision, strict=True)
+    with torch.no_grad():
+        again = model(golden["pixel_values"], grid_thw=golden["grid_thw"])
+    assert torch.equal(again.pooler_output, golden["embeddings"]), f"{name}: reload differs"
+    for j, t in enumerate(getattr(again, "deepstack_features", None) or []):
+        assert torch.equal(t, golden[f"deepstack.{j}"]), f"{name}: reload deepstack {j} differs"
+    # Attention implementation does not matter in f32 beyond rounding.
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        sdpa = model(golden["pixel_values"], grid_thw=golden["grid_thw"]).pooler_output
+    rel = ((sdpa - golden["embeddings"]).abs().max() / golden["embeddings"].abs().max()).item()
+    assert rel < 1e-5, f"{name}: sdpa vs eager relative difference {rel}"
+    print(f"{name}: reload identical, sdpa vs eager max relative difference {rel:.2e}")
 
 
 def sha256(path: Path) -> str:

@@ -18,10 +18,16 @@ pub const LAYER_NORM_EPS: f64 = 1e-6;
 /// Base of the vision rotary embedding's inverse frequencies (hard-coded in transformers).
 pub const ROPE_THETA: f64 = 10_000.0;
 
+/// Deepest tower accepted: published towers have 24 to 32 blocks; a far larger value is a typo
+/// that would otherwise make tensor lists of billions of entries.
+pub const MAX_DEPTH: usize = 1024;
+
 /// OpenAI CLIP normalisation, the default of `Qwen2VLImageProcessor`.
-pub(crate) const CLIP_MEAN: [f64; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+#[allow(clippy::excessive_precision)] // the published digits; the compiler rounds to f32
+pub(crate) const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
 /// OpenAI CLIP normalisation, the default of `Qwen2VLImageProcessor`.
-pub(crate) const CLIP_STD: [f64; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
+#[allow(clippy::excessive_precision)] // the published digits; the compiler rounds to f32
+pub(crate) const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
 
 /// `Qwen2VLImageProcessor`'s default `size.shortest_edge` (56 * 56 pixels).
 const DEFAULT_MIN_PIXELS: u64 = 56 * 56;
@@ -207,6 +213,12 @@ impl VisionConfig {
     pub fn validate(&self) -> Result<(), ModelError> {
         let fam = self.family;
         positive("depth", self.depth)?;
+        if self.depth > MAX_DEPTH {
+            return Err(invalid(
+                "depth",
+                format!("{} exceeds the supported {MAX_DEPTH} blocks", self.depth),
+            ));
+        }
         positive(fam.hidden_key(), self.hidden)?;
         positive("num_heads", self.num_heads)?;
         positive(fam.intermediate_key(), self.intermediate)?;
@@ -251,32 +263,41 @@ impl VisionConfig {
                 format!("{} must be a positive number", self.rope_theta),
             ));
         }
-        // Every size below must be representable: tensor shapes multiply these.
-        for (key, parts) in [
+        // Every tensor's element count (and its bytes in f32) must be representable: the
+        // largest tensor of each kind, with the key that makes it large.
+        let product = |parts: &[usize]| parts.iter().try_fold(4usize, |acc, &d| acc.checked_mul(d));
+        let merged = product(&[
+            self.hidden,
+            self.spatial_merge_size,
+            self.spatial_merge_size,
+        ]);
+        for (key, elements) in [
             (
                 "patch_size",
-                [
+                product(&[
+                    self.hidden,
                     self.in_channels,
                     self.temporal_patch_size,
                     self.patch_size,
                     self.patch_size,
-                ],
+                ]),
+            ),
+            (fam.hidden_key(), product(&[3, self.hidden, self.hidden])),
+            (
+                fam.intermediate_key(),
+                product(&[self.intermediate, self.hidden]),
+            ),
+            ("spatial_merge_size", merged.and_then(|u| u.checked_mul(u))),
+            (
+                fam.out_hidden_key(),
+                merged.and_then(|u| u.checked_mul(self.out_hidden)),
             ),
             (
-                "spatial_merge_size",
-                [
-                    self.hidden,
-                    self.spatial_merge_size,
-                    self.spatial_merge_size,
-                    self.hidden.max(self.out_hidden),
-                ],
+                "num_position_embeddings",
+                product(&[self.num_position_embeddings.unwrap_or(1), self.hidden]),
             ),
         ] {
-            if parts
-                .iter()
-                .try_fold(1usize, |a, &b| a.checked_mul(b))
-                .is_none()
-            {
+            if elements.is_none() {
                 return Err(invalid(key, "the tensor sizes it implies overflow".into()));
             }
         }
@@ -515,10 +536,11 @@ pub struct ProcessorSettings {
     pub min_pixels: u64,
     /// Largest resized image area in pixels (`max_pixels` or `size.longest_edge`).
     pub max_pixels: u64,
-    /// Per-channel mean subtracted after rescaling to [0, 1] (`image_mean`).
-    pub image_mean: [f64; 3],
+    /// Per-channel mean subtracted after rescaling to [0, 1] (`image_mean`). f32, the precision
+    /// the image processor normalises in.
+    pub image_mean: [f32; 3],
     /// Per-channel std divided by after subtracting the mean (`image_std`).
-    pub image_std: [f64; 3],
+    pub image_std: [f32; 3],
 }
 
 impl ProcessorSettings {
@@ -926,7 +948,7 @@ impl Obj<'_> {
 
     /// A per-channel value: a list of three numbers, or one number for all channels (as
     /// transformers accepts).
-    fn channels_or(&self, key: &str, default: [f64; 3]) -> Result<[f64; 3], ModelError> {
+    fn channels_or(&self, key: &str, default: [f32; 3]) -> Result<[f32; 3], ModelError> {
         match self.get(key) {
             None => Ok(default),
             Some(Value::Array(items)) => {
@@ -943,13 +965,14 @@ impl Obj<'_> {
                 for (slot, item) in out.iter_mut().zip(items) {
                     *slot = item
                         .as_f64()
+                        .map(round_to_f32)
                         .ok_or_else(|| self.err(key, format!("expected numbers, found {item}")))?;
                 }
                 Ok(out)
             }
             Some(v) => v
                 .as_f64()
-                .map(|x| [x; 3])
+                .map(|x| [round_to_f32(x); 3])
                 .ok_or_else(|| self.err(key, format!("expected a list of numbers, found {v}"))),
         }
     }
@@ -1045,6 +1068,13 @@ fn usize_to_f64(n: usize) -> f64 {
 
 fn ratio_of(a: usize, b: usize) -> f64 {
     usize_to_f64(a) / usize_to_f64(b)
+}
+
+/// Rounds a JSON number to f32, the precision the image processor normalises in; values beyond
+/// f32's range become infinite, which validation then rejects.
+#[allow(clippy::cast_possible_truncation)] // narrowing is the point; see above
+fn round_to_f32(x: f64) -> f32 {
+    x as f32
 }
 
 /// Converts a whole, non-negative f64 below 2^53 (checked by every caller) to u64.

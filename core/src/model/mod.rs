@@ -40,7 +40,8 @@ use std::path::PathBuf;
 use iris_plugin::DType;
 
 pub use config::{
-    Family, HiddenAct, LAYER_NORM_EPS, ModelSpec, ProcessorSettings, ROPE_THETA, VisionConfig,
+    Family, HiddenAct, LAYER_NORM_EPS, MAX_DEPTH, ModelSpec, ProcessorSettings, ROPE_THETA,
+    VisionConfig,
 };
 pub use dummy::{DUMMY_DEFAULT_SEED, dummy_weights};
 pub use weights::{

@@ -3,7 +3,7 @@
 //!
 //! Loading reads each file's header (8-byte length, JSON) and then, with plain reads at the
 //! recorded offsets, only the bytes of the vision tensors: a full Qwen2.5-VL-72B checkpoint costs
-//! the ~1.3 GB of its tower, not 140 GB. With a `model.safetensors.index.json`, shards that
+//! the ~1.4 GB (bf16) of its tower, not 140 GB. With a `model.safetensors.index.json`, shards that
 //! hold no vision tensor are never opened. No memory map is used, so a file changed while
 //! loading gives an error or wrong values, never undefined behaviour.
 //!
@@ -14,6 +14,7 @@
 //! debug log rather than refused, because such buffers appear in real exports and never change
 //! a tower's output.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -411,8 +412,8 @@ pub fn load_safetensors(
         let data_start = header.data_start;
         let info = info.clone();
         let file = match files.entry(file_path.clone()) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(OpenFile {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(OpenFile {
                 file: File::open(&file_path).map_err(|source| ModelError::Io {
                     path: file_path.clone(),
                     source,
@@ -456,7 +457,10 @@ pub fn load_safetensors(
     Ok(HostWeights::new(
         dtype,
         tensors,
-        format!("safetensors ({prefix_note}, {} files read)", files.len()),
+        format!(
+            "safetensors ({prefix_note}, tensors from {} files)",
+            files.len()
+        ),
     ))
 }
 
@@ -482,9 +486,18 @@ struct Catalog {
 }
 
 impl Catalog {
-    /// The file holding `full`, its header read and checked to contain it.
+    /// The file holding `full`, its header read and checked to contain it. `full` must be a
+    /// catalogued name (the caller checks every needed name first).
     fn file_of(&mut self, full: &str) -> Result<PathBuf, ModelError> {
-        match &self.names[full] {
+        let origin = self
+            .names
+            .get(full)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: full.to_string(),
+                expected: Vec::new(),
+                more: 0,
+            })?;
+        match origin {
             Origin::File(path) => Ok(path.clone()),
             Origin::Shard { shard, index } => {
                 let (shard, index) = (shard.clone(), index.clone());
