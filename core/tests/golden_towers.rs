@@ -34,7 +34,9 @@ fn allocator() -> Arc<CachingAllocator> {
 }
 
 fn f32s(tensors: &SafeTensors<'_>, name: &str) -> Vec<f32> {
-    let view = tensors.tensor(name).unwrap_or_else(|_| panic!("golden has `{name}`"));
+    let view = tensors
+        .tensor(name)
+        .unwrap_or_else(|_| panic!("golden has `{name}`"));
     view.data()
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -91,7 +93,9 @@ fn check_model(model: &str) {
 
     // Peak activation memory predicted by planning equals the one the run reaches.
     let planner = Runner::planner(Arc::clone(&allocator));
-    let planned_input = planner.upload_f32(&pixels, DType::F32, rows, row_len).unwrap();
+    let planned_input = planner
+        .upload_f32(&pixels, DType::F32, rows, row_len)
+        .unwrap();
     let planned = tower.forward(&planner, &planned_input, &grids).unwrap();
     drop(planned);
     drop(planned_input);
@@ -99,10 +103,17 @@ fn check_model(model: &str) {
 
     let before = allocator.stats().allocated;
     allocator.reset_peaks();
-    let input = runner.upload_f32(&pixels, DType::F32, rows, row_len).unwrap();
-    let outputs = tower.forward(&runner, &input, &grids).expect("the tower runs");
+    let input = runner
+        .upload_f32(&pixels, DType::F32, rows, row_len)
+        .unwrap();
+    let outputs = tower
+        .forward(&runner, &input, &grids)
+        .expect("the tower runs");
     let measured_peak = allocator.stats().peak_allocated - before;
-    assert_eq!(planned_peak, measured_peak, "{model}: planned vs measured peak");
+    assert_eq!(
+        planned_peak, measured_peak,
+        "{model}: planned vs measured peak"
+    );
 
     let mut embeddings = Vec::new();
     let mut deepstack: Vec<Vec<f32>> = Vec::new();
@@ -121,19 +132,28 @@ fn check_model(model: &str) {
         "{model}: embeddings differ: max-relative {max_rel:e}, norm-relative {norm_rel:e}"
     );
     for (j, values) in deepstack.iter().enumerate() {
-        let (max_rel, norm_rel) = relative_errors(values, &f32s(&golden, &format!("deepstack.{j}")));
+        let (max_rel, norm_rel) =
+            relative_errors(values, &f32s(&golden, &format!("deepstack.{j}")));
         assert!(
             max_rel < TOLERANCE && norm_rel < TOLERANCE,
             "{model}: deepstack {j} differs: max-relative {max_rel:e}, norm-relative {norm_rel:e}"
         );
     }
     let expected_deepstack = spec.vision.deepstack_visual_indexes.len();
-    assert_eq!(deepstack.len(), expected_deepstack, "{model}: deepstack outputs");
+    assert_eq!(
+        deepstack.len(),
+        expected_deepstack,
+        "{model}: deepstack outputs"
+    );
 
     drop(outputs);
     drop(input);
     drop(tower);
-    assert_eq!(allocator.stats().allocated, 0, "{model}: every buffer returned");
+    assert_eq!(
+        allocator.stats().allocated,
+        0,
+        "{model}: every buffer returned"
+    );
 }
 
 #[test]

@@ -167,14 +167,24 @@ impl VisionTower {
 
         let mut deepstack = Vec::new();
         for layer in 0..cfg.depth {
-            let cu = if cfg.family == Family::Qwen25Vl && !cfg.fullatt_block_indexes.contains(&layer) {
-                &window_cu
-            } else {
-                &full_cu
-            };
+            let cu =
+                if cfg.family == Family::Qwen25Vl && !cfg.fullatt_block_indexes.contains(&layer) {
+                    &window_cu
+                } else {
+                    &full_cu
+                };
             self.block(runner, layer, &hidden, &positions, cu)?;
-            if let Some(j) = cfg.deepstack_visual_indexes.iter().position(|&i| i == layer) {
-                deepstack.push(self.merger(runner, &format!("deepstack_merger_list.{j}"), &hidden, true)?);
+            if let Some(j) = cfg
+                .deepstack_visual_indexes
+                .iter()
+                .position(|&i| i == layer)
+            {
+                deepstack.push(self.merger(
+                    runner,
+                    &format!("deepstack_merger_list.{j}"),
+                    &hidden,
+                    true,
+                )?);
             }
         }
         let merged = self.merger(runner, "merger", &hidden, false)?;
@@ -187,8 +197,10 @@ impl VisionTower {
         let split = |tensor: &Tensor, start: u64, tokens: u64| -> Result<Tensor, EncoderError> {
             match &restore {
                 Some(inverse) => {
-                    let rows: Vec<u32> =
-                        inverse[usize::try_from(start).map_err(|_| shape("rows"))?..][..usize::try_from(tokens).map_err(|_| shape("rows"))?].to_vec();
+                    let rows: Vec<u32> = inverse
+                        [usize::try_from(start).map_err(|_| shape("rows"))?..]
+                        [..usize::try_from(tokens).map_err(|_| shape("rows"))?]
+                        .to_vec();
                     runner.gather_rows(tensor, &rows)
                 }
                 None => {
@@ -241,7 +253,13 @@ impl VisionTower {
         drop(normed);
         let d = cfg.hidden as u64;
         // q and k are adjacent column blocks: one rotary call covers both as 2 * heads heads.
-        runner.rope_2d(&qkv.col_range(0, 2 * d)?, 2 * heads, head_dim, positions, theta)?;
+        runner.rope_2d(
+            &qkv.col_range(0, 2 * d)?,
+            2 * heads,
+            head_dim,
+            positions,
+            theta,
+        )?;
         let attended = runner.attention(
             &qkv.col_range(0, d)?,
             &qkv.col_range(d, d)?,
