@@ -6,6 +6,7 @@
 pub mod cache;
 pub mod config;
 pub mod devices;
+pub mod encoder;
 pub mod memory;
 pub mod model;
 pub mod preprocess;
