@@ -139,6 +139,8 @@ impl CpuDevice {
                 ),
             ));
         }
+        let tokens = fits("q.rows", q.rows)?;
+        segments(OP, args.cu_seqlens.as_slice(), tokens)?;
         Ok(self.workspace_for(q.rows, heads, head_dim, q.dtype))
     }
 
@@ -244,32 +246,7 @@ impl CpuDevice {
         for (name, view) in [("q", &q), ("k", &k), ("v", &v)] {
             disjoint(op, "out", &out, name, view)?;
         }
-        let cu = args.cu_seqlens.as_slice();
-        if cu.first() != Some(&0) {
-            return Err(invalid(op, "`cu_seqlens`: must start with 0"));
-        }
-        let mut segments = Vec::with_capacity(cu.len() - 1);
-        for (i, pair) in cu.windows(2).enumerate() {
-            if pair[1] < pair[0] {
-                return Err(invalid(
-                    op,
-                    format!(
-                        "`cu_seqlens`: decreases at index {}: {} after {}",
-                        i + 1,
-                        pair[1],
-                        pair[0]
-                    ),
-                ));
-            }
-            segments.push((pair[0] as usize, (pair[1] - pair[0]) as usize));
-        }
-        let last = cu[cu.len() - 1] as usize;
-        if last != tokens {
-            return Err(invalid(
-                op,
-                format!("`cu_seqlens`: ends at {last}, but `q` has {tokens} tokens"),
-            ));
-        }
+        let segments = segments(op, args.cu_seqlens.as_slice(), tokens)?;
         Ok(Plan {
             q,
             k,
@@ -447,4 +424,35 @@ fn attend<T: Elem>(plan: &Plan, scale: f32, item: Item, layout: SlotLayout, scra
             plan.out.segment_mut::<T>(item.start + item.q0 + i, c0, d)
         });
     }
+}
+
+/// The `(start, length)` of each segment of `cu_seqlens`, which must start at 0, never decrease
+/// and end at `tokens`.
+fn segments(op: &str, cu: &[u32], tokens: usize) -> Result<Vec<(usize, usize)>, PluginError> {
+    if cu.first() != Some(&0) {
+        return Err(invalid(op, "`cu_seqlens`: must start with 0"));
+    }
+    let mut segments = Vec::with_capacity(cu.len() - 1);
+    for (i, pair) in cu.windows(2).enumerate() {
+        if pair[1] < pair[0] {
+            return Err(invalid(
+                op,
+                format!(
+                    "`cu_seqlens`: decreases at index {}: {} after {}",
+                    i + 1,
+                    pair[1],
+                    pair[0]
+                ),
+            ));
+        }
+        segments.push((pair[0] as usize, (pair[1] - pair[0]) as usize));
+    }
+    let last = cu[cu.len() - 1] as usize;
+    if last != tokens {
+        return Err(invalid(
+            op,
+            format!("`cu_seqlens`: ends at {last}, but `q` has {tokens} tokens"),
+        ));
+    }
+    Ok(segments)
 }
