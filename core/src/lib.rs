@@ -2,3 +2,8 @@
 //!
 //! Dependencies point one way: `cli -> core -> plugins`. Core validates; devices only report
 //! what a caller cannot foresee (out of memory, device lost).
+
+pub mod budget;
+pub mod cache;
+pub mod scheduler;
+pub mod simulate;

@@ -1,0 +1,2 @@
+//! Scheduler benches (placeholder replaced below).
+fn main() {}

@@ -1,0 +1,3 @@
+//! Multimodal caches: the processor cache of preprocessed inputs and the encoder cache manager.
+pub mod encoder;
+pub mod processor;
