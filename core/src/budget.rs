@@ -16,7 +16,7 @@
 //! [`EncoderBudget`] is the default [`BudgetPolicy`].
 //!
 //! ```
-//! use iris_core::budget::{EncoderBudget, Modality, ModalityLimits, SchedulerConfig};
+//! use iris_core::budget::{BudgetPolicy, EncoderBudget, Modality, ModalityLimits, SchedulerConfig};
 //!
 //! let config = SchedulerConfig { max_num_batched_tokens: 8192, ..SchedulerConfig::default() };
 //! let budget = EncoderBudget::new(&config, &[(Modality::Image, ModalityLimits::new(16384))])

@@ -306,6 +306,12 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> Scheduler<M, B> {
         &self.manager
     }
 
+    /// Takes the scheduler apart: its budget and its cache manager (unfinished requests are
+    /// dropped without releasing their references).
+    pub fn into_parts(self) -> (B, M) {
+        (self.budget, self.manager)
+    }
+
     /// The budget.
     pub fn budget(&self) -> &B {
         &self.budget
