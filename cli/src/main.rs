@@ -1,6 +1,22 @@
 //! The `iris` command.
+//!
+//! Configuration comes from a TOML file (`--config`, or `iris.toml` in the current folder),
+//! overridden by the global flags, overridden by environment variables (see
+//! [`iris_core::config`]). Subcommands live in their own modules: [`devices`] lists plugins and
+//! their devices, [`plugin_check`] runs the conformance suite against one plugin, [`simulate`]
+//! runs a workload through the scheduler for capacity planning.
 
+// Not reached from `main` yet: the `serve` and `bench` subcommands call into them.
+#[allow(dead_code)]
+mod bench;
+mod devices;
+#[allow(dead_code)]
+mod http;
+mod plugin_check;
+mod settings;
 mod simulate;
+
+use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
@@ -8,21 +24,45 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "iris", version, about)]
 struct Cli {
+    #[command(flatten)]
+    global: settings::GlobalArgs,
     #[command(subcommand)]
-    command: Option<Command>,
+    command: Command,
 }
 
-/// The subcommands.
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// List every device plugin (built in and found on the plugin path) and its devices.
+    Devices(devices::DevicesArgs),
+    /// Work with device plugins.
+    Plugin {
+        #[command(subcommand)]
+        command: PluginCommand,
+    },
     /// Capacity planning: run a workload through the scheduler and encoder cache manager.
     Simulate(simulate::SimulateArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+#[derive(Debug, Subcommand)]
+enum PluginCommand {
+    /// Load a plugin, open its device 0 and run the conformance suite against it.
+    Check(plugin_check::CheckArgs),
+}
+
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {
-        Some(Command::Simulate(args)) => simulate::run(&args),
-        None => Ok(()),
+    let result = match &cli.command {
+        Command::Devices(args) => devices::run(&cli.global, args),
+        Command::Plugin {
+            command: PluginCommand::Check(args),
+        } => plugin_check::run(&cli.global, args),
+        Command::Simulate(args) => simulate::run(args).map(|()| ExitCode::SUCCESS),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -5,5 +5,10 @@
 
 pub mod budget;
 pub mod cache;
+pub mod config;
+pub mod devices;
+pub mod memory;
+pub mod model;
+pub mod preprocess;
 pub mod scheduler;
 pub mod simulate;

@@ -1,6 +1,9 @@
 //! The CPU device: options, description, memory and transfers. Ops live in [`crate::ops`].
 
-use iris_plugin::abi::{BufferHandle, CopyRegion, DType, DeviceDesc, MemInfo, PluginError};
+use iris_plugin::abi::{
+    ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, CastArgs, CopyRegion, DType,
+    DeviceDesc, GatherArgs, GemmArgs, MemInfo, NormArgs, PluginError, Rope2dArgs,
+};
 
 use crate::error::invalid;
 use crate::memory::{Memory, check_range};
@@ -246,6 +249,46 @@ impl iris_plugin::Backend for CpuDevice {
     fn synchronize(&self) -> Result<(), PluginError> {
         // Every op runs to completion before returning.
         Ok(())
+    }
+
+    fn gemm(&self, args: &GemmArgs) -> Result<(), PluginError> {
+        self.gemm_impl(args)
+    }
+
+    fn layer_norm(&self, args: &NormArgs) -> Result<(), PluginError> {
+        self.layer_norm_impl(args)
+    }
+
+    fn rms_norm(&self, args: &NormArgs) -> Result<(), PluginError> {
+        self.rms_norm_impl(args)
+    }
+
+    fn activation(&self, args: &ActivationArgs) -> Result<(), PluginError> {
+        self.activation_impl(args)
+    }
+
+    fn binary(&self, args: &BinaryArgs) -> Result<(), PluginError> {
+        self.binary_impl(args)
+    }
+
+    fn rope_2d(&self, args: &Rope2dArgs<'_>) -> Result<(), PluginError> {
+        self.rope_2d_impl(args)
+    }
+
+    fn attention_workspace(&self, args: &AttentionArgs<'_>) -> Result<u64, PluginError> {
+        self.attention_workspace_impl(args)
+    }
+
+    fn attention(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
+        self.attention_impl(args)
+    }
+
+    fn gather_rows(&self, args: &GatherArgs<'_>) -> Result<(), PluginError> {
+        self.gather_rows_impl(args)
+    }
+
+    fn cast(&self, args: &CastArgs) -> Result<(), PluginError> {
+        self.cast_impl(args)
     }
 }
 

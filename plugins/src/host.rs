@@ -2,7 +2,7 @@
 //! returning a Rust `Result`.
 //!
 //! Whether a plugin was linked in (the built-in CPU device) or loaded from a library, the host
-//! talks to it through the same [`IrisPluginRef`] root module and [`DeviceVTableRef`] table.
+//! talks to it through the same [`IrisPluginRef`] root module and [`DeviceVTableRef`](crate::abi::DeviceVTableRef) table.
 
 use std::fmt;
 use std::path::{Path, PathBuf};

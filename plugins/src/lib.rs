@@ -47,13 +47,68 @@ pub mod __private {
 ///
 /// The plugin crate must depend on `abi_stable` (the root-module attribute refers to it by name).
 ///
-/// ```ignore
+/// ```no_run
+/// use iris_plugin::Backend;
+/// use iris_plugin::abi::{BufferHandle, DType, DeviceDesc, MemInfo, PluginError, ProbeResult};
+///
+/// /// A device with no memory and no ops: just enough to show the shape of a plugin.
+/// struct MyDevice;
+///
+/// impl Backend for MyDevice {
+///     fn describe(&self) -> DeviceDesc {
+///         DeviceDesc {
+///             name: "my device".into(),
+///             vendor: "me".into(),
+///             total_memory: 0,
+///             dtypes: vec![DType::F32].into(),
+///             ops: Vec::new().into(),
+///         }
+///     }
+///     fn mem_info(&self) -> Result<MemInfo, PluginError> {
+///         Ok(MemInfo { free: 0, total: 0 })
+///     }
+///     fn alloc(&self, bytes: u64) -> Result<BufferHandle, PluginError> {
+///         Err(PluginError::out_of_memory(format!("alloc: {bytes} bytes, 0 free")))
+///     }
+///     fn free(&self, buf: BufferHandle) -> Result<(), PluginError> {
+///         Err(PluginError::invalid_argument(format!("free: unknown buffer {}", buf.0)))
+///     }
+///     fn write(&self, dst: BufferHandle, _: u64, _: &[u8]) -> Result<(), PluginError> {
+///         Err(PluginError::invalid_argument(format!("write: unknown buffer {}", dst.0)))
+///     }
+///     fn read(&self, src: BufferHandle, _: u64, _: &mut [u8]) -> Result<(), PluginError> {
+///         Err(PluginError::invalid_argument(format!("read: unknown buffer {}", src.0)))
+///     }
+///     fn copy(
+///         &self,
+///         dst: BufferHandle,
+///         _: u64,
+///         _: BufferHandle,
+///         _: u64,
+///         _: u64,
+///     ) -> Result<(), PluginError> {
+///         Err(PluginError::invalid_argument(format!("copy: unknown buffer {}", dst.0)))
+///     }
+///     fn synchronize(&self) -> Result<(), PluginError> {
+///         Ok(())
+///     }
+/// }
+///
+/// fn probe() -> ProbeResult {
+///     iris_plugin::backend::probe_result(1, "")
+/// }
+///
+/// fn open(_ordinal: u32, _options: &[(&str, &str)]) -> Result<MyDevice, PluginError> {
+///     Ok(MyDevice)
+/// }
+///
 /// iris_plugin::export_plugin! {
 ///     name: "mydev",
 ///     version: env!("CARGO_PKG_VERSION"),
 ///     probe: probe,
 ///     open: open,
 /// }
+/// # fn main() {}
 /// ```
 #[macro_export]
 macro_rules! export_plugin {

@@ -1,5 +1,6 @@
 //! Loading real plugin libraries, and each load failure on its own fixture library.
 
+use iris_plugin::abi::{ABI_MAJOR, ABI_MINOR};
 use iris_plugin::{LoadError, load_library};
 use iris_tests::plugin_library;
 
@@ -29,4 +30,74 @@ fn not_an_iris_plugin_is_reported_as_such() {
     let text = err.to_string();
     assert!(text.contains("libiris_device_not_a_plugin.so"), "{text}");
     assert!(text.contains("is not an iris plugin"), "{text}");
+}
+
+#[test]
+fn next_major_version_is_a_version_mismatch_naming_both_versions() {
+    let path = plugin_library("major_mismatch");
+    let err = load_library(&path).unwrap_err();
+    match &err {
+        LoadError::VersionMismatch {
+            plugin_major,
+            host_major,
+            ..
+        } => {
+            assert_eq!(*plugin_major, ABI_MAJOR + 1);
+            assert_eq!(*host_major, ABI_MAJOR);
+        }
+        other => panic!("expected VersionMismatch, got {other:?}"),
+    }
+    let text = err.to_string();
+    assert!(text.contains("libiris_device_major_mismatch.so"), "{text}");
+    let plugin_version = format!("ABI {}.{}", ABI_MAJOR + 1, ABI_MINOR);
+    let host_version = format!("needs {ABI_MAJOR}.x");
+    assert!(text.contains(&plugin_version), "{text}");
+    assert!(text.contains(&host_version), "{text}");
+}
+
+#[test]
+fn different_root_module_layout_is_incompatible() {
+    let path = plugin_library("bad_layout");
+    let err = load_library(&path).unwrap_err();
+    assert!(
+        matches!(err, LoadError::IncompatibleLayout { .. }),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(text.contains("libiris_device_bad_layout.so"), "{text}");
+    assert!(text.contains("incompatible ABI layout"), "{text}");
+}
+
+#[test]
+fn constructor_error_is_reported_with_its_message() {
+    let path = plugin_library("init_error");
+    let err = load_library(&path).unwrap_err();
+    assert!(matches!(err, LoadError::InitFailed { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.contains("libiris_device_init_error.so"), "{text}");
+    assert!(
+        text.contains("the device runtime refused to initialise"),
+        "{text}"
+    );
+}
+
+#[test]
+fn constructor_panic_is_reported_as_such() {
+    let path = plugin_library("init_panic");
+    let err = load_library(&path).unwrap_err();
+    assert!(matches!(err, LoadError::InitPanicked { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.contains("libiris_device_init_panic.so"), "{text}");
+    assert!(text.contains("panicked while initialising"), "{text}");
+}
+
+#[test]
+fn missing_file_lists_the_path() {
+    let path = iris_tests::artifact_dir().join("libiris_device_absent.so");
+    let err = load_library(&path).unwrap_err();
+    assert!(matches!(err, LoadError::NotFound { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("libiris_device_absent.so"),
+        "{err}"
+    );
 }

@@ -1,0 +1,250 @@
+//! `iris bench`: the user's manual experiment (memory before start, after start, after a load
+//! test, after reset) as one command with a verdict.
+//!
+//! - [`workload`]: synthetic images or a dataset directory, repeats, Poisson arrivals.
+//! - [`runner`]: the load generator over a [`runner::BenchTarget`] (HTTP for `--url`), with
+//!   memory sampling, the checkpoints and `reset_all`.
+//! - [`stats`]: latency percentiles and throughput.
+//! - [`report`]: memory table, verdict line, `--result-json`, exit status.
+//! - [`plot`]: `--plot FILE.svg|png`.
+//!
+//! [`BenchArgs`] holds the flags; [`BenchArgs::workload_spec`] and [`BenchArgs::run_options`]
+//! turn them into the runner's inputs, and [`finish`] prints and writes the results.
+
+pub mod plot;
+pub mod report;
+pub mod runner;
+pub mod stats;
+pub mod workload;
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+
+use report::BenchReport;
+use runner::RunOptions;
+use workload::{ImageFormat, ImageSize, ImageSource, RequestRate, WorkloadSpec};
+
+/// Flags of `iris bench` (names follow `vllm bench serve` where the meaning is the same).
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Bench a running `iris serve` at this URL (http://host:port) instead of an in-process engine.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// API key for `--url` (sent as `Authorization: Bearer <key>`).
+    #[arg(long, env = crate::http::API_KEY_ENV, hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Number of prompts (requests) to send.
+    #[arg(long, default_value_t = 64)]
+    pub num_prompts: usize,
+    /// Images in each prompt.
+    #[arg(long, default_value_t = 2)]
+    pub images_per_prompt: usize,
+    /// Sizes of synthetic images, WIDTHxHEIGHT; repeat the flag or separate with commas. Fresh
+    /// images use the sizes in turn.
+    #[arg(long, value_delimiter = ',', default_value = "448x448")]
+    pub image_size: Vec<ImageSize>,
+    /// File format of synthetic images: png, jpeg or webp.
+    #[arg(long, default_value = "png")]
+    pub image_format: ImageFormat,
+    /// Use the image files (.png, .jpg, .jpeg, .webp) of this directory instead of synthetic ones.
+    #[arg(long, conflicts_with = "image_size")]
+    pub dataset: Option<PathBuf>,
+    /// Share of image slots that reuse an image from an earlier prompt, from 0 to 1.
+    #[arg(long, default_value_t = 0.25)]
+    pub repeat_ratio: f64,
+    /// Requests per second (Poisson arrivals), or `inf` to send every prompt at once.
+    #[arg(long, default_value = "inf")]
+    pub request_rate: RequestRate,
+    /// Most requests in flight at once (no limit when absent).
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Seed of the images, the repeats and the arrival times.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Milliseconds between memory samples during the load (for the plot).
+    #[arg(long, default_value_t = 100)]
+    pub sample_interval_ms: u64,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    pub result_json: Option<PathBuf>,
+    /// Draw the memory timeline to this file (.svg, or .png without text).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Do not draw the progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+impl BenchArgs {
+    /// The workload the flags describe.
+    pub fn workload_spec(&self) -> WorkloadSpec {
+        let source = match &self.dataset {
+            Some(dir) => ImageSource::Dataset(dir.clone()),
+            None => ImageSource::Synthetic {
+                sizes: self.image_size.clone(),
+                format: self.image_format,
+            },
+        };
+        WorkloadSpec {
+            source,
+            num_prompts: self.num_prompts,
+            images_per_prompt: self.images_per_prompt,
+            repeat_ratio: self.repeat_ratio,
+            seed: self.seed,
+        }
+    }
+
+    /// The runner options the flags describe.
+    pub fn run_options(&self) -> RunOptions {
+        RunOptions {
+            request_rate: self.request_rate,
+            max_concurrency: self.max_concurrency,
+            seed: self.seed,
+            sample_interval: std::time::Duration::from_millis(self.sample_interval_ms),
+            show_progress: !self.no_progress,
+        }
+    }
+}
+
+/// The names and times of the four checkpoints, for the plot.
+pub fn checkpoint_marks(report: &BenchReport) -> [(&'static str, f64); 4] {
+    let t = report.checkpoint_times_s;
+    [
+        ("before start", t[0]),
+        ("after start", t[1]),
+        ("after load", t[2]),
+        ("after reset", t[3]),
+    ]
+}
+
+/// Prints the report, writes `--result-json` and `--plot`, and returns the exit status
+/// (1 when memory did not return to the post-start baseline).
+///
+/// # Errors
+/// When a result file cannot be written.
+pub fn finish(report: &BenchReport, args: &BenchArgs) -> anyhow::Result<u8> {
+    print!("{}", report.render_text());
+    if let Some(path) = &args.result_json {
+        report
+            .write_json(path)
+            .with_context(|| format!("writing --result-json {}", path.display()))?;
+    }
+    if let Some(path) = &args.plot {
+        plot::write_plot(path, &report.timeline, &checkpoint_marks(report))
+            .context("writing --plot")?;
+    }
+    Ok(report.exit_code())
+}
+
+/// Runs the bench against the server at `url` and finishes it (see [`finish`]).
+///
+/// # Errors
+/// A bad URL, workload or flag, a failed checkpoint or reset, or an unwritable result file.
+pub async fn run_against_url(url: &str, args: &BenchArgs) -> anyhow::Result<u8> {
+    let target = std::sync::Arc::new(runner::HttpTarget::new(url, args.api_key.clone())?);
+    let spec = args.workload_spec();
+    let workload = tokio::task::spawn_blocking(move || workload::build_workload(&spec))
+        .await
+        .context("building the workload")??;
+    let report = runner::run_bench(target, &workload, &args.run_options()).await?;
+    finish(&report, args)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<BenchArgs, clap::Error> {
+        Cmd::try_parse_from(std::iter::once("bench").chain(args.iter().copied())).map(|c| c.bench)
+    }
+
+    #[test]
+    fn flags_parse_into_spec_and_options() {
+        let a = parse(&[
+            "--image-size",
+            "64x32,16x16",
+            "--image-size",
+            "8x8",
+            "--request-rate",
+            "2.5",
+            "--max-concurrency",
+            "4",
+            "--repeat-ratio",
+            "0.5",
+            "--seed",
+            "9",
+            "--image-format",
+            "jpeg",
+        ])
+        .unwrap();
+        let spec = a.workload_spec();
+        let ImageSource::Synthetic { sizes, format } = &spec.source else {
+            panic!("synthetic expected")
+        };
+        assert_eq!(sizes.len(), 3);
+        assert_eq!(*format, ImageFormat::Jpeg);
+        assert_eq!((spec.repeat_ratio, spec.seed), (0.5, 9));
+        let o = a.run_options();
+        assert_eq!(o.request_rate, RequestRate::PerSecond(2.5));
+        assert_eq!(o.max_concurrency, Some(4));
+        let d = parse(&["--dataset", "/tmp/x"]).unwrap();
+        assert_eq!(
+            d.workload_spec().source,
+            ImageSource::Dataset("/tmp/x".into())
+        );
+        assert!(parse(&["--dataset", "/tmp/x", "--image-size", "8x8"]).is_err());
+        assert!(parse(&["--request-rate", "0"]).is_err());
+        assert!(parse(&["--image-size", "8"]).is_err());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn run_against_url_writes_the_result_files() {
+        let engine = std::sync::Arc::new(crate::http::test_engine::FakeEngine::new(false));
+        let app = crate::http::router(engine, crate::http::ServerConfig::default()).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(crate::http::serve(listener, app, async move {
+            let _ = rx.await;
+        }));
+        let dir = std::env::temp_dir().join(format!("iris-bench-finish-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (json_path, plot_path) = (dir.join("r.json"), dir.join("m.svg"));
+        let args = parse(&[
+            "--num-prompts",
+            "5",
+            "--images-per-prompt",
+            "1",
+            "--image-size",
+            "56x56",
+            "--no-progress",
+            "--result-json",
+            json_path.to_str().unwrap(),
+            "--plot",
+            plot_path.to_str().unwrap(),
+        ])
+        .unwrap();
+        assert_eq!(run_against_url(&url, &args).await.unwrap(), 0);
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+        assert_eq!(v["requests"]["completed"], 5);
+        assert_eq!(v["memory_returned_to_baseline"], true);
+        assert!(
+            std::fs::read_to_string(&plot_path)
+                .unwrap()
+                .contains("after reset")
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        tx.send(()).unwrap();
+        server.await.unwrap().unwrap();
+    }
+}

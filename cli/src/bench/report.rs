@@ -1,0 +1,562 @@
+//! The bench report: memory checkpoints and verdict, cache figures, the text printout and
+//! `--result-json`.
+//!
+//! The verdict compares the checkpoint after `reset_all` with the one after start-up:
+//! `leaked_bytes` is the largest growth of device used, allocator reserved and allocator
+//! allocated bytes (0 when none grew), and memory "returns to the baseline" exactly when it is 0.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use super::stats::RunStats;
+use crate::http::MemoryGauges;
+
+/// Device memory at one instant, as the bench records it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryPoint {
+    /// Device used (total - free).
+    pub device_used_bytes: u64,
+    /// Bytes the caching allocator holds from the device.
+    pub allocator_reserved_bytes: u64,
+    /// Bytes handed out to live tensors.
+    pub allocator_allocated_bytes: u64,
+    /// Device bytes held by the encoder cache.
+    pub encoder_cache_bytes: u64,
+}
+
+impl From<MemoryGauges> for MemoryPoint {
+    fn from(g: MemoryGauges) -> Self {
+        Self {
+            device_used_bytes: g.device_used_bytes,
+            allocator_reserved_bytes: g.allocator_reserved_bytes,
+            allocator_allocated_bytes: g.allocator_allocated_bytes,
+            encoder_cache_bytes: g.encoder_cache_bytes,
+        }
+    }
+}
+
+/// A memory point on the run's clock (seconds since the load started; negative before it).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct TimedPoint {
+    /// Seconds since the load phase started.
+    pub t_s: f64,
+    /// The figures.
+    pub point: MemoryPoint,
+}
+
+/// The four checkpoints of a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryCheckpoints {
+    /// Before the engine loaded anything.
+    pub before_start: MemoryPoint,
+    /// After start-up: the baseline.
+    pub after_start: MemoryPoint,
+    /// After the last request completed.
+    pub after_load: MemoryPoint,
+    /// After `reset_all`.
+    pub after_reset: MemoryPoint,
+}
+
+impl MemoryCheckpoints {
+    /// `(label, json key, point)` for each checkpoint, in order.
+    pub fn rows(&self) -> [(&'static str, &'static str, MemoryPoint); 4] {
+        [
+            ("before start", "before_start", self.before_start),
+            ("after start", "after_start", self.after_start),
+            ("after load", "after_load", self.after_load),
+            ("after reset", "after_reset", self.after_reset),
+        ]
+    }
+}
+
+/// Whether memory came back to the post-start baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Verdict {
+    /// True when nothing grew between after start and after reset.
+    pub returned: bool,
+    /// The largest growth among device used, allocator reserved and allocator allocated.
+    pub leaked_bytes: u64,
+}
+
+/// Computes the verdict from the checkpoints.
+pub fn verdict(c: &MemoryCheckpoints) -> Verdict {
+    let (base, end) = (c.after_start, c.after_reset);
+    let leaked_bytes = [
+        end.device_used_bytes.saturating_sub(base.device_used_bytes),
+        end.allocator_reserved_bytes
+            .saturating_sub(base.allocator_reserved_bytes),
+        end.allocator_allocated_bytes
+            .saturating_sub(base.allocator_allocated_bytes),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0);
+    Verdict {
+        returned: leaked_bytes == 0,
+        leaked_bytes,
+    }
+}
+
+/// The verdict line: `memory after reset returns to the post-start baseline: yes|no (+N bytes)`.
+pub fn verdict_line(v: &Verdict) -> String {
+    let answer = if v.returned {
+        "yes".to_owned()
+    } else {
+        format!("no (+{} bytes)", v.leaked_bytes)
+    };
+    format!("memory after reset returns to the post-start baseline: {answer}")
+}
+
+/// Cumulative cache counters as the engine reports them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheCounters {
+    /// Processor cache hits.
+    pub processor_hits: u64,
+    /// Processor cache misses.
+    pub processor_misses: u64,
+    /// Processor cache evictions.
+    pub processor_evictions: u64,
+    /// Encoder cache hits.
+    pub encoder_hits: u64,
+    /// Encoder cache misses.
+    pub encoder_misses: u64,
+    /// Encoder cache evictions.
+    pub encoder_evictions: u64,
+}
+
+/// Cache figures over the load phase.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct CacheStats {
+    /// Processor cache hits / lookups during the load (0 without lookups).
+    pub processor_hit_rate: f64,
+    /// Encoder cache hits / lookups during the load (0 without lookups).
+    pub encoder_hit_rate: f64,
+    /// Processor cache evictions during the load.
+    pub processor_evictions: u64,
+    /// Encoder cache evictions during the load.
+    pub encoder_evictions: u64,
+}
+
+impl CacheStats {
+    /// Figures for the load phase from counters read before and after it.
+    pub fn between(before: &CacheCounters, after: &CacheCounters) -> Self {
+        let rate = |hits: u64, misses: u64| {
+            let lookups = hits + misses;
+            if lookups == 0 {
+                0.0
+            } else {
+                hits as f64 / lookups as f64
+            }
+        };
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        Self {
+            processor_hit_rate: rate(
+                d(after.processor_hits, before.processor_hits),
+                d(after.processor_misses, before.processor_misses),
+            ),
+            encoder_hit_rate: rate(
+                d(after.encoder_hits, before.encoder_hits),
+                d(after.encoder_misses, before.encoder_misses),
+            ),
+            processor_evictions: d(after.processor_evictions, before.processor_evictions),
+            encoder_evictions: d(after.encoder_evictions, before.encoder_evictions),
+        }
+    }
+
+    /// Evictions of both caches.
+    pub fn evictions(&self) -> u64 {
+        self.processor_evictions + self.encoder_evictions
+    }
+}
+
+/// What was run, for the printout and the JSON.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct RunInfo {
+    /// `in-process` or the server URL.
+    pub target: String,
+    /// Prompts sent.
+    pub num_prompts: usize,
+    /// Images per prompt.
+    pub images_per_prompt: usize,
+    /// Distinct images in the workload.
+    pub distinct_images: usize,
+    /// Slots that reuse an earlier prompt's image.
+    pub repeated_slots: usize,
+    /// `--request-rate` as given (`inf` or requests per second).
+    pub request_rate: String,
+    /// `--max-concurrency`, if any.
+    pub max_concurrency: Option<usize>,
+    /// `--seed`.
+    pub seed: u64,
+}
+
+/// Everything a bench run produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchReport {
+    /// What was run.
+    pub info: RunInfo,
+    /// Requests, latency, throughput.
+    pub stats: RunStats,
+    /// Cache figures.
+    pub cache: CacheStats,
+    /// The four checkpoints.
+    pub memory: MemoryCheckpoints,
+    /// The verdict.
+    pub verdict: Verdict,
+    /// Memory samples over time, checkpoints included.
+    pub timeline: Vec<TimedPoint>,
+    /// Times of the four checkpoints on the run's clock, in checkpoint order.
+    pub checkpoint_times_s: [f64; 4],
+}
+
+impl BenchReport {
+    /// The process exit status: 1 when memory does not return to the baseline, else 0.
+    pub fn exit_code(&self) -> u8 {
+        u8::from(!self.verdict.returned)
+    }
+
+    /// The `--result-json` document.
+    pub fn to_json(&self) -> Value {
+        let mut memory = serde_json::Map::new();
+        for (_, key, p) in self.memory.rows() {
+            memory.insert(
+                key.into(),
+                json!({
+                    "device_used_bytes": p.device_used_bytes,
+                    "allocator_reserved_bytes": p.allocator_reserved_bytes,
+                    "allocator_allocated_bytes": p.allocator_allocated_bytes,
+                    "encoder_cache_bytes": p.encoder_cache_bytes,
+                }),
+            );
+        }
+        let s = &self.stats;
+        json!({
+            "config": self.info,
+            "requests": { "completed": s.completed, "failed": s.failed, "errors": s.errors },
+            "images": { "completed": s.images, "cached": s.cached_images },
+            "tokens": s.tokens,
+            "duration_s": s.duration.as_secs_f64(),
+            "throughput": s.throughput,
+            "latency_ms": s.latency_ms,
+            "cache": {
+                "processor_hit_rate": self.cache.processor_hit_rate,
+                "encoder_hit_rate": self.cache.encoder_hit_rate,
+                "evictions": self.cache.evictions(),
+                "processor_evictions": self.cache.processor_evictions,
+                "encoder_evictions": self.cache.encoder_evictions,
+            },
+            "memory": memory,
+            "memory_returned_to_baseline": self.verdict.returned,
+            "leaked_bytes": self.verdict.leaked_bytes,
+            "timeline": self.timeline,
+        })
+    }
+
+    /// Writes [`Self::to_json`] to `path`, pretty-printed.
+    ///
+    /// # Errors
+    /// The I/O error, naming nothing: the caller adds the path.
+    pub fn write_json(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_string_pretty(&self.to_json()).map_err(std::io::Error::other)?;
+        std::fs::write(path, text + "\n")
+    }
+
+    /// The human-readable report, ending with the verdict line.
+    pub fn render_text(&self) -> String {
+        let (i, s, c) = (&self.info, &self.stats, &self.cache);
+        let mut out = String::new();
+        let conc = i
+            .max_concurrency
+            .map_or_else(|| "unlimited".to_owned(), |n| n.to_string());
+        // Writing to a String cannot fail.
+        let _ = writeln!(
+            out,
+            "target {}: {} prompts x {} images ({} distinct, {} repeated slots), request rate {}, max concurrency {}, seed {}",
+            i.target,
+            i.num_prompts,
+            i.images_per_prompt,
+            i.distinct_images,
+            i.repeated_slots,
+            i.request_rate,
+            conc,
+            i.seed
+        );
+        let _ = writeln!(
+            out,
+            "requests:   {} completed, {} failed in {:.2} s",
+            s.completed,
+            s.failed,
+            s.duration.as_secs_f64()
+        );
+        for e in &s.errors {
+            let _ = writeln!(out, "  error: {e}");
+        }
+        let t = &s.throughput;
+        let _ = writeln!(
+            out,
+            "throughput: {:.2} requests/s, {:.2} images/s, {:.1} embedding tokens/s",
+            t.requests_per_s, t.images_per_s, t.tokens_per_s
+        );
+        let l = &s.latency_ms;
+        let _ = writeln!(
+            out,
+            "latency:    p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms (mean {:.1}, min {:.1}, max {:.1})",
+            l.p50, l.p90, l.p99, l.mean, l.min, l.max
+        );
+        let _ = writeln!(
+            out,
+            "caches:     processor hit rate {:.1}%, encoder hit rate {:.1}%, evictions {} (processor {}, encoder {})",
+            c.processor_hit_rate * 100.0,
+            c.encoder_hit_rate * 100.0,
+            c.evictions(),
+            c.processor_evictions,
+            c.encoder_evictions
+        );
+        out.push('\n');
+        out.push_str(&memory_table(&self.memory));
+        out.push('\n');
+        out.push_str(&verdict_line(&self.verdict));
+        out.push('\n');
+        out
+    }
+}
+
+/// The memory table: one row per checkpoint, bytes in binary units with exact bytes beside.
+pub fn memory_table(c: &MemoryCheckpoints) -> String {
+    let header = [
+        "checkpoint",
+        "device used",
+        "allocator reserved",
+        "allocator allocated",
+        "encoder cache",
+    ];
+    let mut rows = vec![header.map(str::to_owned).to_vec()];
+    for (label, _, p) in c.rows() {
+        rows.push(vec![
+            label.to_owned(),
+            human_bytes(p.device_used_bytes),
+            human_bytes(p.allocator_reserved_bytes),
+            human_bytes(p.allocator_allocated_bytes),
+            human_bytes(p.encoder_cache_bytes),
+        ]);
+    }
+    let widths: Vec<usize> = (0..header.len())
+        .map(|col| rows.iter().map(|r| r[col].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(col, cell)| {
+                if col == 0 {
+                    format!("{cell:<w$}", w = widths[col])
+                } else {
+                    format!("{cell:>w$}", w = widths[col])
+                }
+            })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// `1536` -> `1.50 KiB (1536)`; below 1 KiB just the bytes.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.2} {} ({bytes})", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::bench::stats::{RequestOutcome, summarize};
+
+    fn point(used: u64, reserved: u64, allocated: u64) -> MemoryPoint {
+        MemoryPoint {
+            device_used_bytes: used,
+            allocator_reserved_bytes: reserved,
+            allocator_allocated_bytes: allocated,
+            encoder_cache_bytes: 0,
+        }
+    }
+
+    fn checkpoints(after_reset: MemoryPoint) -> MemoryCheckpoints {
+        MemoryCheckpoints {
+            before_start: point(3_400, 0, 0),
+            after_start: point(57_766, 50_000, 40_000),
+            after_load: point(61_548, 54_000, 41_000),
+            after_reset,
+        }
+    }
+
+    #[test]
+    fn verdict_takes_the_largest_growth() {
+        let same = verdict(&checkpoints(point(57_766, 50_000, 40_000)));
+        assert_eq!(
+            same,
+            Verdict {
+                returned: true,
+                leaked_bytes: 0
+            }
+        );
+        assert_eq!(
+            verdict_line(&same),
+            "memory after reset returns to the post-start baseline: yes"
+        );
+        let lower = verdict(&checkpoints(point(57_000, 49_000, 40_000)));
+        assert!(lower.returned);
+        // The seed's numbers: reset_mm_cache gave nothing back; reserved grew the most.
+        let leak = verdict(&checkpoints(point(61_548, 54_000, 40_000)));
+        assert_eq!(
+            leak,
+            Verdict {
+                returned: false,
+                leaked_bytes: 4_000
+            }
+        );
+        assert_eq!(
+            verdict_line(&leak),
+            "memory after reset returns to the post-start baseline: no (+4000 bytes)"
+        );
+        let alloc_only = verdict(&checkpoints(point(57_766, 50_000, 40_512)));
+        assert_eq!(alloc_only.leaked_bytes, 512);
+    }
+
+    #[test]
+    fn cache_rates_are_over_the_load_only() {
+        let before = CacheCounters {
+            processor_hits: 5,
+            processor_misses: 5,
+            encoder_hits: 0,
+            encoder_misses: 3,
+            ..CacheCounters::default()
+        };
+        let after = CacheCounters {
+            processor_hits: 8,
+            processor_misses: 6,
+            processor_evictions: 2,
+            encoder_hits: 1,
+            encoder_misses: 6,
+            encoder_evictions: 1,
+        };
+        let c = CacheStats::between(&before, &after);
+        assert_eq!(c.processor_hit_rate, 0.75);
+        assert_eq!(c.encoder_hit_rate, 0.25);
+        assert_eq!(c.evictions(), 3);
+        assert_eq!(CacheStats::between(&after, &after).encoder_hit_rate, 0.0);
+    }
+
+    fn report(after_reset: MemoryPoint) -> BenchReport {
+        let outcomes = [RequestOutcome {
+            latency: Duration::from_millis(12),
+            images: 2,
+            tokens: 64,
+            cached_images: 1,
+            error: None,
+        }];
+        let memory = checkpoints(after_reset);
+        BenchReport {
+            info: RunInfo {
+                target: "in-process".into(),
+                num_prompts: 1,
+                images_per_prompt: 2,
+                distinct_images: 2,
+                repeated_slots: 0,
+                request_rate: "inf".into(),
+                max_concurrency: None,
+                seed: 0,
+            },
+            stats: summarize(&outcomes, Duration::from_secs(1)),
+            cache: CacheStats::default(),
+            verdict: verdict(&memory),
+            memory,
+            timeline: vec![TimedPoint {
+                t_s: 0.0,
+                point: memory.after_start,
+            }],
+            checkpoint_times_s: [0.0, 0.0, 1.0, 1.1],
+        }
+    }
+
+    #[test]
+    fn result_json_has_the_documented_keys() {
+        let r = report(point(57_766, 50_000, 40_000));
+        let v = r.to_json();
+        let number_paths = [
+            "/requests/completed",
+            "/requests/failed",
+            "/throughput/requests_per_s",
+            "/throughput/images_per_s",
+            "/throughput/tokens_per_s",
+            "/latency_ms/p50",
+            "/latency_ms/p90",
+            "/latency_ms/p99",
+            "/cache/processor_hit_rate",
+            "/cache/encoder_hit_rate",
+            "/cache/evictions",
+            "/leaked_bytes",
+        ];
+        for path in number_paths {
+            assert!(
+                v.pointer(path).is_some_and(Value::is_number),
+                "{path} in {v}"
+            );
+        }
+        for cp in ["before_start", "after_start", "after_load", "after_reset"] {
+            for field in [
+                "device_used_bytes",
+                "allocator_reserved_bytes",
+                "allocator_allocated_bytes",
+            ] {
+                let path = format!("/memory/{cp}/{field}");
+                assert!(v.pointer(&path).is_some_and(Value::is_u64), "{path}");
+            }
+        }
+        assert_eq!(v["memory"]["after_load"]["device_used_bytes"], 61_548);
+        assert_eq!(v["memory_returned_to_baseline"], true);
+        assert_eq!(v["throughput"]["tokens_per_s"], 64.0);
+        assert_eq!(r.exit_code(), 0);
+        assert_eq!(report(point(57_767, 50_000, 40_000)).exit_code(), 1);
+        let path =
+            std::env::temp_dir().join(format!("iris-bench-result-{}.json", std::process::id()));
+        r.write_json(&path).unwrap();
+        let back: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(back, v);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn text_has_the_table_and_ends_with_the_verdict() {
+        let text = report(point(57_766, 50_000, 40_000)).render_text();
+        assert!(
+            text.ends_with("memory after reset returns to the post-start baseline: yes\n"),
+            "{text}"
+        );
+        assert!(text.contains("p50 12.0 ms"), "{text}");
+        let table = memory_table(&checkpoints(point(1 << 30, 0, 0)));
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 5);
+        assert!(lines[0].starts_with("checkpoint"));
+        assert!(
+            lines[4].starts_with("after reset") && lines[4].contains("1.00 GiB (1073741824)"),
+            "{table}"
+        );
+        assert_eq!(human_bytes(1536), "1.50 KiB (1536)");
+        assert_eq!(human_bytes(12), "12 B");
+    }
+}

@@ -1,0 +1,828 @@
+//! The bench workload: which images each prompt sends, and when each prompt is sent.
+//!
+//! Images are synthetic (structured content: a two-colour gradient at a random angle, filled
+//! rectangles and discs, and per-pixel noise, so that encoders and compressors see realistic
+//! data) or read from a directory of PNG, JPEG and WebP files. Everything is deterministic given
+//! the seed: the same flags give the same bytes, the same repeats and the same arrival times.
+//!
+//! Repeats (`--repeat-ratio`): of all image slots, `round(ratio x slots)` reuse an image first
+//! sent by an earlier prompt (so the first prompt's slots never repeat, which caps the share at
+//! `(prompts - 1) / prompts`); the slots and the reused images are drawn uniformly with the seed.
+//! Every other slot gets a fresh image. With `--dataset`, fresh images cycle through the files in
+//! name order, so a run needing more fresh images than there are files repeats files too.
+//!
+//! Arrivals (`--request-rate`): a Poisson process, i.e. exponential gaps with mean `1 / rate`;
+//! the first prompt is sent at once. `inf` sends every prompt at once.
+
+use std::fmt;
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use image::{ExtendedColorType, ImageEncoder, RgbImage};
+
+/// Largest side accepted for a synthetic image.
+pub const MAX_SYNTHETIC_SIDE: u32 = 16384;
+/// JPEG quality of synthetic images.
+const JPEG_QUALITY: u8 = 90;
+/// File extensions read from `--dataset`.
+pub const DATASET_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "webp"];
+
+/// Why a workload could not be built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkloadError {
+    /// `--image-size` is not `WxH` with sides in range.
+    #[error("image size {given:?} is not WIDTHxHEIGHT with sides from 1 to {max}")]
+    BadImageSize {
+        /// The text given.
+        given: String,
+        /// Largest side accepted.
+        max: u32,
+    },
+    /// `--request-rate` is neither `inf` nor a positive number.
+    #[error("request rate {given:?} must be a positive number of requests per second, or `inf`")]
+    BadRequestRate {
+        /// The text given.
+        given: String,
+    },
+    /// `--image-format` is not one of png, jpeg, webp.
+    #[error("image format {given:?} must be one of png, jpeg, webp")]
+    BadImageFormat {
+        /// The text given.
+        given: String,
+    },
+    /// A count or ratio is out of range.
+    #[error("{flag} is {value}; {requirement}")]
+    OutOfRange {
+        /// The flag.
+        flag: &'static str,
+        /// Its value.
+        value: String,
+        /// What it must be.
+        requirement: &'static str,
+    },
+    /// No synthetic sizes were given.
+    #[error("no image sizes given for synthetic images")]
+    NoSizes,
+    /// The dataset directory cannot be read.
+    #[error("cannot read dataset directory {path}: {source}")]
+    DatasetUnreadable {
+        /// The directory.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The dataset directory holds no image files.
+    #[error("dataset directory {path} holds no .png, .jpg, .jpeg or .webp files")]
+    DatasetEmpty {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// A dataset file cannot be read.
+    #[error("cannot read dataset file {path}: {source}")]
+    FileUnreadable {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Encoding a synthetic image failed.
+    #[error("encoding a synthetic {width}x{height} image as {format}: {source}")]
+    Encode {
+        /// Width.
+        width: u32,
+        /// Height.
+        height: u32,
+        /// The format.
+        format: ImageFormat,
+        /// The encoder's error.
+        source: image::ImageError,
+    },
+}
+
+/// Width and height of a synthetic image, parsed from `WxH`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageSize {
+    /// Width in pixels.
+    pub width: u32,
+    /// Height in pixels.
+    pub height: u32,
+}
+
+impl FromStr for ImageSize {
+    type Err = WorkloadError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || WorkloadError::BadImageSize {
+            given: s.to_owned(),
+            max: MAX_SYNTHETIC_SIDE,
+        };
+        let (w, h) = s.trim().split_once(['x', 'X']).ok_or_else(bad)?;
+        let side = |t: &str| {
+            t.trim()
+                .parse::<u32>()
+                .ok()
+                .filter(|v| (1..=MAX_SYNTHETIC_SIDE).contains(v))
+                .ok_or_else(bad)
+        };
+        Ok(Self {
+            width: side(w)?,
+            height: side(h)?,
+        })
+    }
+}
+
+impl fmt::Display for ImageSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}x{}", self.width, self.height)
+    }
+}
+
+/// Parses a comma-separated list of sizes (`448x448,1024x768`).
+///
+/// # Errors
+/// [`WorkloadError::BadImageSize`] for the first bad entry, [`WorkloadError::NoSizes`] if empty.
+pub fn parse_image_sizes(list: &str) -> Result<Vec<ImageSize>, WorkloadError> {
+    let sizes = list
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(str::parse)
+        .collect::<Result<Vec<_>, _>>()?;
+    if sizes.is_empty() {
+        return Err(WorkloadError::NoSizes);
+    }
+    Ok(sizes)
+}
+
+/// File format of synthetic images.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ImageFormat {
+    /// PNG (lossless).
+    #[default]
+    Png,
+    /// JPEG at quality 90.
+    Jpeg,
+    /// WebP (lossless).
+    Webp,
+}
+
+impl ImageFormat {
+    /// The media type used in data URLs.
+    pub fn media_type(self) -> &'static str {
+        match self {
+            Self::Png => "image/png",
+            Self::Jpeg => "image/jpeg",
+            Self::Webp => "image/webp",
+        }
+    }
+}
+
+impl FromStr for ImageFormat {
+    type Err = WorkloadError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "png" => Ok(Self::Png),
+            "jpeg" | "jpg" => Ok(Self::Jpeg),
+            "webp" => Ok(Self::Webp),
+            _ => Err(WorkloadError::BadImageFormat {
+                given: s.to_owned(),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for ImageFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Png => "png",
+            Self::Jpeg => "jpeg",
+            Self::Webp => "webp",
+        })
+    }
+}
+
+/// Requests per second of the arrival process.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RequestRate {
+    /// Every prompt at once.
+    Infinite,
+    /// A Poisson process with this mean rate (requests per second, positive and finite).
+    PerSecond(f64),
+}
+
+impl FromStr for RequestRate {
+    type Err = WorkloadError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim().to_ascii_lowercase();
+        if t == "inf" || t == "infinity" {
+            return Ok(Self::Infinite);
+        }
+        match t.parse::<f64>() {
+            Ok(r) if r.is_finite() && r > 0.0 => Ok(Self::PerSecond(r)),
+            Ok(r) if r.is_infinite() && r > 0.0 => Ok(Self::Infinite),
+            _ => Err(WorkloadError::BadRequestRate {
+                given: s.to_owned(),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for RequestRate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Infinite => f.write_str("inf"),
+            Self::PerSecond(r) => write!(f, "{r}"),
+        }
+    }
+}
+
+/// Where images come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ImageSource {
+    /// Generated images, cycling through `sizes`.
+    Synthetic {
+        /// Sizes, used in turn by successive fresh images.
+        sizes: Vec<ImageSize>,
+        /// File format.
+        format: ImageFormat,
+    },
+    /// Files from a directory (`.png`, `.jpg`, `.jpeg`, `.webp`), in name order.
+    Dataset(PathBuf),
+}
+
+/// What to build.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkloadSpec {
+    /// Image source.
+    pub source: ImageSource,
+    /// Number of prompts (requests).
+    pub num_prompts: usize,
+    /// Images in each prompt.
+    pub images_per_prompt: usize,
+    /// Share of image slots reused from earlier prompts, in `[0, 1]`.
+    pub repeat_ratio: f64,
+    /// Seed of every random choice.
+    pub seed: u64,
+}
+
+/// One encoded image file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedImage {
+    /// The file bytes.
+    pub bytes: Arc<[u8]>,
+    /// Media type for data URLs.
+    pub media_type: &'static str,
+    /// Where it came from: a file name or `synthetic WxH #i`.
+    pub label: String,
+}
+
+/// The built workload.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// Distinct images, by id.
+    pub images: Vec<Arc<EncodedImage>>,
+    /// For each prompt, the ids of its images in order.
+    pub prompts: Vec<Vec<usize>>,
+    /// Slots that reuse an image from an earlier prompt.
+    pub repeated_slots: usize,
+}
+
+impl Workload {
+    /// Image slots over all prompts.
+    pub fn total_slots(&self) -> usize {
+        self.prompts.iter().map(Vec::len).sum()
+    }
+
+    /// The images of prompt `index`.
+    pub fn prompt_images(&self, index: usize) -> Vec<Arc<EncodedImage>> {
+        self.prompts
+            .get(index)
+            .map(|ids| ids.iter().map(|&i| Arc::clone(&self.images[i])).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// Builds the workload: generates or reads the images and assigns them to prompts.
+///
+/// # Errors
+/// [`WorkloadError`] for out-of-range counts, an unreadable or empty dataset, or an encoder error.
+pub fn build_workload(spec: &WorkloadSpec) -> Result<Workload, WorkloadError> {
+    if spec.num_prompts == 0 {
+        return Err(out_of_range(
+            "--num-prompts",
+            spec.num_prompts,
+            "it must be at least 1",
+        ));
+    }
+    if spec.images_per_prompt == 0 {
+        return Err(out_of_range(
+            "--images-per-prompt",
+            spec.images_per_prompt,
+            "it must be at least 1",
+        ));
+    }
+    if !(0.0..=1.0).contains(&spec.repeat_ratio) {
+        return Err(out_of_range(
+            "--repeat-ratio",
+            spec.repeat_ratio,
+            "it must be between 0 and 1",
+        ));
+    }
+    let (prompts, fresh, repeated_slots) = assign_slots(spec);
+    let images = match &spec.source {
+        ImageSource::Synthetic { sizes, format } => {
+            if sizes.is_empty() {
+                return Err(WorkloadError::NoSizes);
+            }
+            (0..fresh)
+                .map(|i| {
+                    let size = sizes[i % sizes.len()];
+                    let seed = spec.seed
+                        ^ (u64::try_from(i).unwrap_or(u64::MAX))
+                            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                    let bytes = encode_image(&synthetic_image(size, seed), *format)?;
+                    Ok(Arc::new(EncodedImage {
+                        bytes: bytes.into(),
+                        media_type: format.media_type(),
+                        label: format!("synthetic {size} #{i}"),
+                    }))
+                })
+                .collect::<Result<Vec<_>, WorkloadError>>()?
+        }
+        ImageSource::Dataset(dir) => {
+            let files = list_dataset(dir)?;
+            let used = fresh.min(files.len());
+            let loaded = files[..used]
+                .iter()
+                .map(|path| load_file(path).map(Arc::new))
+                .collect::<Result<Vec<_>, _>>()?;
+            (0..fresh).map(|i| Arc::clone(&loaded[i % used])).collect()
+        }
+    };
+    Ok(Workload {
+        images,
+        prompts,
+        repeated_slots,
+    })
+}
+
+/// Arrival offsets from the start of the run, one per prompt, non-decreasing.
+pub fn arrival_offsets(num_prompts: usize, rate: RequestRate, seed: u64) -> Vec<Duration> {
+    let mut rng = SplitMix64::new(seed ^ 0x6172_7269_7661_6c73);
+    let mut t = 0.0f64;
+    (0..num_prompts)
+        .map(|i| {
+            if let (RequestRate::PerSecond(r), true) = (rate, i > 0) {
+                // Inverse CDF of the exponential distribution; 1 - u is in (0, 1].
+                t += -(1.0 - rng.next_f64()).ln() / r;
+            }
+            Duration::from_secs_f64(t)
+        })
+        .collect()
+}
+
+/// Lists the image files of `dir` in name order.
+///
+/// # Errors
+/// [`WorkloadError::DatasetUnreadable`] or [`WorkloadError::DatasetEmpty`].
+pub fn list_dataset(dir: &Path) -> Result<Vec<PathBuf>, WorkloadError> {
+    let unreadable = |source| WorkloadError::DatasetUnreadable {
+        path: dir.to_owned(),
+        source,
+    };
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(unreadable)? {
+        let path = entry.map_err(unreadable)?.path();
+        let ext = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase);
+        if path.is_file() && ext.is_some_and(|e| DATASET_EXTENSIONS.contains(&e.as_str())) {
+            files.push(path);
+        }
+    }
+    if files.is_empty() {
+        return Err(WorkloadError::DatasetEmpty {
+            path: dir.to_owned(),
+        });
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// A synthetic image: gradient, shapes and noise, all drawn from `seed`.
+pub fn synthetic_image(size: ImageSize, seed: u64) -> RgbImage {
+    let mut rng = SplitMix64::new(seed);
+    let mut color = || {
+        [
+            rng.next_below(256),
+            rng.next_below(256),
+            rng.next_below(256),
+        ]
+        .map(|c| c as f64)
+    };
+    let (from, to) = (color(), color());
+    let angle = rng.next_f64() * std::f64::consts::TAU;
+    let (w, h) = (f64::from(size.width), f64::from(size.height));
+    let (dx, dy) = (angle.cos(), angle.sin());
+    let span = (w * dx.abs() + h * dy.abs()).max(1.0);
+    let shapes: Vec<Shape> = (0..3 + rng.next_below(6))
+        .map(|_| {
+            let cx = rng.next_f64() * w;
+            let cy = rng.next_f64() * h;
+            let r = (0.05 + rng.next_f64() * 0.25) * w.min(h);
+            let fill = [
+                rng.next_below(256),
+                rng.next_below(256),
+                rng.next_below(256),
+            ];
+            Shape {
+                disc: rng.next_below(2) == 0,
+                cx,
+                cy,
+                r,
+                fill: fill.map(|c| u8::try_from(c).unwrap_or(u8::MAX)),
+            }
+        })
+        .collect();
+    let noise_seed = rng.next_u64();
+    RgbImage::from_fn(size.width, size.height, |x, y| {
+        let (fx, fy) = (f64::from(x), f64::from(y));
+        if let Some(s) = shapes.iter().rev().find(|s| s.covers(fx, fy)) {
+            return image::Rgb(s.fill);
+        }
+        let pos = (fx * dx + fy * dy).rem_euclid(span) / span;
+        let noise =
+            SplitMix64::new(noise_seed ^ (u64::from(x) << 32 | u64::from(y))).next_below(33);
+        let mut px = [0u8; 3];
+        for c in 0..3 {
+            let v = from[c] + (to[c] - from[c]) * pos + noise as f64 - 16.0;
+            // Clamped to the u8 range first, so the cast cannot truncate.
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            {
+                px[c] = v.clamp(0.0, 255.0) as u8;
+            }
+        }
+        image::Rgb(px)
+    })
+}
+
+/// Encodes an RGB image in `format`.
+///
+/// # Errors
+/// [`WorkloadError::Encode`] if the encoder fails.
+pub fn encode_image(img: &RgbImage, format: ImageFormat) -> Result<Vec<u8>, WorkloadError> {
+    let (width, height) = img.dimensions();
+    let mut out = Cursor::new(Vec::new());
+    let result =
+        match format {
+            ImageFormat::Png => image::codecs::png::PngEncoder::new(&mut out).write_image(
+                img.as_raw(),
+                width,
+                height,
+                ExtendedColorType::Rgb8,
+            ),
+            ImageFormat::Jpeg => {
+                image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, JPEG_QUALITY)
+                    .write_image(img.as_raw(), width, height, ExtendedColorType::Rgb8)
+            }
+            ImageFormat::Webp => image::codecs::webp::WebPEncoder::new_lossless(&mut out)
+                .write_image(img.as_raw(), width, height, ExtendedColorType::Rgb8),
+        };
+    result.map_err(|source| WorkloadError::Encode {
+        width,
+        height,
+        format,
+        source,
+    })?;
+    Ok(out.into_inner())
+}
+
+/// SplitMix64 (Steele, Lea, Flood 2014): a small, fast, seedable generator; statistical quality
+/// is ample for choosing repeats, arrival gaps and pixels.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)` with 53 bits.
+    pub fn next_f64(&mut self) -> f64 {
+        // 2^-53: the top 53 bits as a fraction.
+        (self.next_u64() >> 11) as f64 * (1.0 / 9_007_199_254_740_992.0)
+    }
+
+    /// Uniform in `[0, n)` (`n > 0`; 0 gives 0), by multiply-shift.
+    pub fn next_below(&mut self, n: u64) -> u64 {
+        let wide = u128::from(self.next_u64()) * u128::from(n);
+        // The high half of a u64 x u64 product fits in u64.
+        u64::try_from(wide >> 64).unwrap_or(0)
+    }
+}
+
+struct Shape {
+    disc: bool,
+    cx: f64,
+    cy: f64,
+    r: f64,
+    fill: [u8; 3],
+}
+
+impl Shape {
+    fn covers(&self, x: f64, y: f64) -> bool {
+        let (ddx, ddy) = (x - self.cx, y - self.cy);
+        if self.disc {
+            ddx * ddx + ddy * ddy <= self.r * self.r
+        } else {
+            ddx.abs() <= self.r && ddy.abs() <= self.r * 0.6
+        }
+    }
+}
+
+/// Assigns image ids to slots: returns prompts, the number of fresh images, and repeated slots.
+fn assign_slots(spec: &WorkloadSpec) -> (Vec<Vec<usize>>, usize, usize) {
+    let (n, k) = (spec.num_prompts, spec.images_per_prompt);
+    let total = n * k;
+    let eligible = total - k;
+    let wanted = (spec.repeat_ratio * total as f64).round();
+    // `wanted` is in [0, total] since the ratio is in [0, 1].
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let repeats = (wanted as usize).min(eligible);
+    let mut rng = SplitMix64::new(spec.seed);
+    // Partial Fisher-Yates over the eligible slots (those after the first prompt).
+    let mut order: Vec<usize> = (k..total).collect();
+    for i in 0..repeats {
+        let j =
+            i + usize::try_from(rng.next_below(u64::try_from(eligible - i).unwrap_or(u64::MAX)))
+                .unwrap_or(0);
+        order.swap(i, j);
+    }
+    let mut is_repeat = vec![false; total];
+    for &slot in &order[..repeats] {
+        is_repeat[slot] = true;
+    }
+    let mut next_fresh = 0usize;
+    let prompts = (0..n)
+        .map(|p| {
+            let earlier = next_fresh;
+            (0..k)
+                .map(|s| {
+                    if is_repeat[p * k + s] {
+                        usize::try_from(rng.next_below(u64::try_from(earlier).unwrap_or(u64::MAX)))
+                            .unwrap_or(0)
+                    } else {
+                        next_fresh += 1;
+                        next_fresh - 1
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    (prompts, next_fresh, repeats)
+}
+
+fn load_file(path: &Path) -> Result<EncodedImage, WorkloadError> {
+    let bytes = std::fs::read(path).map_err(|source| WorkloadError::FileUnreadable {
+        path: path.to_owned(),
+        source,
+    })?;
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let media_type = match ext.as_str() {
+        "png" => "image/png",
+        "webp" => "image/webp",
+        _ => "image/jpeg",
+    };
+    let label = path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    Ok(EncodedImage {
+        bytes: bytes.into(),
+        media_type,
+        label,
+    })
+}
+
+fn out_of_range(
+    flag: &'static str,
+    value: impl fmt::Display,
+    requirement: &'static str,
+) -> WorkloadError {
+    WorkloadError::OutOfRange {
+        flag,
+        value: value.to_string(),
+        requirement,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(n: usize, k: usize, ratio: f64) -> WorkloadSpec {
+        WorkloadSpec {
+            source: ImageSource::Synthetic {
+                sizes: vec![
+                    ImageSize {
+                        width: 40,
+                        height: 30,
+                    },
+                    ImageSize {
+                        width: 16,
+                        height: 64,
+                    },
+                ],
+                format: ImageFormat::Png,
+            },
+            num_prompts: n,
+            images_per_prompt: k,
+            repeat_ratio: ratio,
+            seed: 7,
+        }
+    }
+
+    #[test]
+    fn parses_sizes_rates_and_formats() {
+        assert_eq!(
+            "448x336".parse::<ImageSize>().unwrap(),
+            ImageSize {
+                width: 448,
+                height: 336
+            }
+        );
+        assert_eq!(parse_image_sizes("8X8, 16x4").unwrap().len(), 2);
+        for bad in ["448", "0x4", "4x", "axb", "20000x1"] {
+            assert!(bad.parse::<ImageSize>().is_err(), "{bad}");
+        }
+        assert!(matches!(
+            parse_image_sizes(" , "),
+            Err(WorkloadError::NoSizes)
+        ));
+        assert_eq!("inf".parse::<RequestRate>().unwrap(), RequestRate::Infinite);
+        assert_eq!(
+            "2.5".parse::<RequestRate>().unwrap(),
+            RequestRate::PerSecond(2.5)
+        );
+        for bad in ["0", "-1", "nan", "fast"] {
+            assert!(bad.parse::<RequestRate>().is_err(), "{bad}");
+        }
+        assert_eq!("JPG".parse::<ImageFormat>().unwrap(), ImageFormat::Jpeg);
+        assert!("gif".parse::<ImageFormat>().is_err());
+    }
+
+    #[test]
+    fn repeats_are_exact_deterministic_and_from_earlier_prompts() {
+        let s = spec(10, 3, 0.4);
+        let w = build_workload(&s).unwrap();
+        assert_eq!(w.total_slots(), 30);
+        assert_eq!(w.repeated_slots, 12);
+        assert_eq!(w.images.len(), 18);
+        let mut first_seen = vec![usize::MAX; w.images.len()];
+        for (p, ids) in w.prompts.iter().enumerate() {
+            for &id in ids {
+                first_seen[id] = first_seen[id].min(p);
+            }
+        }
+        let mut reused = 0;
+        for (p, ids) in w.prompts.iter().enumerate() {
+            let fresh_here: Vec<usize> = ids
+                .iter()
+                .copied()
+                .filter(|&id| first_seen[id] == p)
+                .collect();
+            reused += ids.len() - fresh_here.len();
+        }
+        assert_eq!(reused, 12);
+        assert!(w.prompts[0].iter().all(|&id| first_seen[id] == 0));
+        let again = build_workload(&s).unwrap();
+        assert_eq!(again.prompts, w.prompts);
+        assert_eq!(again.images, w.images);
+        let other = build_workload(&WorkloadSpec { seed: 8, ..s }).unwrap();
+        assert_ne!(other.prompts, w.prompts);
+    }
+
+    #[test]
+    fn repeat_share_is_capped_by_the_first_prompt() {
+        let w = build_workload(&spec(4, 2, 1.0)).unwrap();
+        assert_eq!(w.repeated_slots, 6);
+        assert_eq!(w.images.len(), 2);
+        let none = build_workload(&spec(4, 2, 0.0)).unwrap();
+        assert_eq!(none.images.len(), 8);
+        assert!(build_workload(&spec(4, 2, 1.5)).is_err());
+        assert!(build_workload(&spec(0, 2, 0.0)).is_err());
+    }
+
+    #[test]
+    fn synthetic_images_decode_to_their_size_and_differ() {
+        let w = build_workload(&spec(2, 2, 0.0)).unwrap();
+        let dims: Vec<(u32, u32)> = w
+            .images
+            .iter()
+            .map(|img| {
+                image::load_from_memory(&img.bytes)
+                    .unwrap()
+                    .to_rgb8()
+                    .dimensions()
+            })
+            .collect();
+        assert_eq!(dims, vec![(40, 30), (16, 64), (40, 30), (16, 64)]);
+        assert_ne!(w.images[0].bytes, w.images[2].bytes);
+        let img = synthetic_image(
+            ImageSize {
+                width: 64,
+                height: 64,
+            },
+            1,
+        );
+        let distinct: std::collections::HashSet<_> = img.pixels().map(|p| p.0).collect();
+        assert!(
+            distinct.len() > 50,
+            "structured content expected, got {} colours",
+            distinct.len()
+        );
+        for format in [ImageFormat::Jpeg, ImageFormat::Webp] {
+            let bytes = encode_image(&img, format).unwrap();
+            assert_eq!(image::load_from_memory(&bytes).unwrap().width(), 64);
+        }
+    }
+
+    #[test]
+    fn dataset_is_listed_in_order_and_cycled() {
+        let dir = std::env::temp_dir().join(format!("iris-bench-dataset-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = synthetic_image(
+            ImageSize {
+                width: 8,
+                height: 8,
+            },
+            3,
+        );
+        std::fs::write(
+            dir.join("b.PNG"),
+            encode_image(&img, ImageFormat::Png).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("a.jpg"),
+            encode_image(&img, ImageFormat::Jpeg).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(dir.join("notes.txt"), b"not an image").unwrap();
+        let s = WorkloadSpec {
+            source: ImageSource::Dataset(dir.clone()),
+            ..spec(3, 1, 0.0)
+        };
+        let w = build_workload(&s).unwrap();
+        let labels: Vec<&str> = w.images.iter().map(|i| i.label.as_str()).collect();
+        assert_eq!(labels, ["a.jpg", "b.PNG", "a.jpg"]);
+        assert_eq!(w.images[1].media_type, "image/png");
+        let empty = dir.join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        let err = build_workload(&WorkloadSpec {
+            source: ImageSource::Dataset(empty),
+            ..s
+        })
+        .unwrap_err();
+        assert!(matches!(err, WorkloadError::DatasetEmpty { .. }), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn poisson_arrivals_have_the_requested_mean_rate() {
+        let offsets = arrival_offsets(4001, RequestRate::PerSecond(20.0), 1);
+        assert_eq!(offsets[0], Duration::ZERO);
+        assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+        let mean_gap = offsets[4000].as_secs_f64() / 4000.0;
+        assert!((mean_gap - 0.05).abs() < 0.005, "mean gap {mean_gap}");
+        assert!(
+            arrival_offsets(5, RequestRate::Infinite, 1)
+                .iter()
+                .all(|d| d.is_zero())
+        );
+        assert_eq!(
+            arrival_offsets(9, RequestRate::PerSecond(3.0), 5),
+            arrival_offsets(9, RequestRate::PerSecond(3.0), 5)
+        );
+    }
+}

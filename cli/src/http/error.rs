@@ -1,0 +1,106 @@
+//! The one error shape every route answers with: `{"error": {"message", "type", "code"}}`.
+//!
+//! Bad input is a 4xx, refusals while sleeping or overloaded are a 503, and only faults inside
+//! iris are a 500. axum's own rejections (body too large, unknown route, wrong method) are mapped
+//! to the same shape so a client never has to parse plain text.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+use super::engine_api::EngineError;
+
+/// An HTTP error response: status plus the JSON error object.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{status}: {message} ({code})")]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// What went wrong, naming the field and the numbers.
+    pub message: String,
+    /// The error class: `invalid_request_error`, `authentication_error`, `not_found_error`,
+    /// `service_unavailable_error` or `internal_error`.
+    pub kind: &'static str,
+    /// A stable machine-readable code, e.g. `invalid_base64`.
+    pub code: &'static str,
+}
+
+impl ApiError {
+    /// A 400 for unusable client input.
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            code,
+            message,
+        )
+    }
+
+    /// An error with an explicit status and class.
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            code,
+        }
+    }
+
+    /// A 401 for a missing or wrong API key.
+    pub fn unauthorized() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid_api_key",
+            "missing or invalid API key: send `Authorization: Bearer <key>`",
+        )
+    }
+
+    /// A 500 for a fault inside iris.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "internal_error",
+            message,
+        )
+    }
+
+    /// The JSON body of this error.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "error": { "message": self.message, "type": self.kind, "code": self.code }
+        })
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(err: EngineError) -> Self {
+        match err {
+            EngineError::BadInput { message, code } => Self::bad_request(code, message),
+            EngineError::Sleeping => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable_error",
+                "engine_sleeping",
+                err.to_string(),
+            ),
+            EngineError::Overloaded => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable_error",
+                "overloaded",
+                err.to_string(),
+            ),
+            EngineError::Internal(_) => Self::internal(err.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}

@@ -1,0 +1,381 @@
+//! The HTTP server of `iris serve`: an axum router over an [`Engine`].
+//!
+//! Routes (every one but `/health` behind the API key when one is set):
+//!
+//! | method | path                   | answer                                                   |
+//! |--------|------------------------|----------------------------------------------------------|
+//! | POST   | `/v1/encode`           | per image `mm_hash`, `grid_thw`, `num_tokens`, `cached` (+ embeddings) |
+//! | POST   | `/reset_mm_cache`      | processor cache cleared; what it released                |
+//! | POST   | `/reset_encoder_cache` | encoder cache (manager + device buffers) cleared         |
+//! | POST   | `/reset_allocator`     | allocator trimmed                                        |
+//! | POST   | `/reset_all`           | all three, in that order                                 |
+//! | POST   | `/sleep?level=1\|2`    | engine asleep (level 1 when absent); what it released    |
+//! | POST   | `/wake_up`             | engine awake                                             |
+//! | GET    | `/is_sleeping`         | `{"is_sleeping": bool}`                                  |
+//! | GET    | `/server_info`         | configuration and environment                            |
+//! | GET    | `/memory`              | the engine's memory JSON plus `metrics` (see below)      |
+//! | GET    | `/metrics`             | Prometheus text                                          |
+//! | GET    | `/health`              | `{"status": "ok"}`                                       |
+//!
+//! `GET /memory` is the engine's [`Engine::memory`] object with one key added, `metrics`: the
+//! [`MetricsSnapshot`] (cache counters, memory now, before start and after start). `iris bench
+//! --url` reads its checkpoints from there.
+//!
+//! Every error is `{"error": {"message", "type", "code"}}` ([`ApiError`]); axum's own rejections
+//! (413, 404, 405) are mapped to it. While the engine sleeps, `POST /v1/encode` answers 503 with
+//! code `engine_sleeping`.
+
+pub mod engine_api;
+pub mod error;
+pub mod metrics;
+pub mod request;
+#[cfg(test)]
+pub(crate) mod test_engine;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Json;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, RawQuery, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+
+pub use engine_api::{Engine, MemoryGauges, MetricsSnapshot, ResetReport};
+pub use error::ApiError;
+pub use metrics::{HttpMetrics, MetricsError};
+pub use request::Limits;
+
+/// Environment variable read for the API key when `--api-key` is not given.
+pub const API_KEY_ENV: &str = "IRIS_API_KEY";
+/// Default listen address: loopback only.
+pub const DEFAULT_HOST: &str = "127.0.0.1";
+/// Default listen port.
+pub const DEFAULT_PORT: u16 = 8000;
+
+/// Server settings that are not the engine's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// Input limits.
+    pub limits: Limits,
+    /// When set, every route but `/health` requires `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+}
+
+/// Flags of `iris serve` that belong to the HTTP layer (the engine's own flags live elsewhere).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on; loopback by default, so nothing outside this machine can connect.
+    #[arg(long, default_value = DEFAULT_HOST)]
+    pub host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = DEFAULT_PORT)]
+    pub port: u16,
+    /// Require `Authorization: Bearer <key>` on every route but /health.
+    #[arg(long, env = API_KEY_ENV, hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Largest request body in bytes (larger ones get a 413).
+    #[arg(long, default_value_t = request::DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// Most images in one request.
+    #[arg(long, default_value_t = request::DEFAULT_MAX_IMAGES_PER_REQUEST)]
+    pub max_images_per_request: usize,
+    /// Most pixels (width x height, read from the image header) in one image.
+    #[arg(long, default_value_t = request::DEFAULT_MAX_IMAGE_PIXELS)]
+    pub max_image_pixels: u64,
+}
+
+impl ServeArgs {
+    /// The server settings these flags describe.
+    pub fn server_config(&self) -> ServerConfig {
+        ServerConfig {
+            limits: Limits {
+                max_body_bytes: self.max_body_bytes,
+                max_images_per_request: self.max_images_per_request,
+                max_image_pixels: self.max_image_pixels,
+            },
+            api_key: self.api_key.clone().filter(|k| !k.is_empty()),
+        }
+    }
+
+    /// Binds the listening socket.
+    ///
+    /// # Errors
+    /// The I/O error, e.g. the port is in use.
+    pub async fn bind(&self) -> std::io::Result<tokio::net::TcpListener> {
+        tokio::net::TcpListener::bind((self.host.as_str(), self.port)).await
+    }
+}
+
+/// Completes on Ctrl-C (SIGINT); pass it to [`serve`] to drain requests before exiting.
+pub async fn ctrl_c() {
+    // If the handler cannot be installed, the process still ends on the default SIGINT action.
+    if tokio::signal::ctrl_c().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Shared state of every handler.
+pub struct ServerState<E> {
+    engine: Arc<E>,
+    limits: Limits,
+    /// The key's blake3 hash: comparing hashes (constant-time `PartialEq`) hides the key's length.
+    api_key_hash: Option<blake3::Hash>,
+    metrics: HttpMetrics,
+}
+
+/// Builds the router over `engine`.
+///
+/// # Errors
+/// [`MetricsError`] if the metrics registry cannot be built.
+pub fn router<E: Engine>(engine: Arc<E>, config: ServerConfig) -> Result<Router, MetricsError> {
+    let metrics = HttpMetrics::new(Arc::clone(&engine))?;
+    let state = Arc::new(ServerState {
+        engine,
+        limits: config.limits,
+        api_key_hash: config
+            .api_key
+            .as_deref()
+            .map(|k| blake3::hash(k.as_bytes())),
+        metrics,
+    });
+    let protected = Router::new()
+        .route("/v1/encode", post(encode::<E>))
+        .route("/reset_mm_cache", post(reset_mm_cache::<E>))
+        .route("/reset_encoder_cache", post(reset_encoder_cache::<E>))
+        .route("/reset_allocator", post(reset_allocator::<E>))
+        .route("/reset_all", post(reset_all::<E>))
+        .route("/sleep", post(sleep::<E>))
+        .route("/wake_up", post(wake_up::<E>))
+        .route("/is_sleeping", get(is_sleeping::<E>))
+        .route("/server_info", get(server_info::<E>))
+        .route("/memory", get(memory::<E>))
+        .route("/metrics", get(metrics_text::<E>))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            require_api_key::<E>,
+        ));
+    let app = Router::new()
+        .route("/health", get(health))
+        .merge(protected)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            track_request::<E>,
+        ))
+        .layer(DefaultBodyLimit::max(state.limits.max_body_bytes))
+        .with_state(state);
+    Ok(app)
+}
+
+/// Serves `app` on `listener` until `shutdown` completes, then drains in-flight requests.
+///
+/// # Errors
+/// The I/O error that stopped the server.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+type Shared<E> = State<Arc<ServerState<E>>>;
+
+async fn encode<E: Engine>(
+    State(state): Shared<E>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let body = body.map_err(|rejection| body_rejection(&rejection, state.limits.max_body_bytes))?;
+    let limits = state.limits;
+    // Base64 and header parsing of up to max_body_bytes is CPU work: keep it off the async threads.
+    let parsed = tokio::task::spawn_blocking(move || request::parse_encode_request(&body, &limits))
+        .await
+        .map_err(|err| ApiError::internal(format!("request parsing task failed: {err}")))??;
+    let results = state.engine.encode(parsed.images, parsed.options).await?;
+    let cached = results.iter().filter(|r| r.cached).count();
+    let cached = u64::try_from(cached).unwrap_or(u64::MAX);
+    let total = u64::try_from(results.len()).unwrap_or(u64::MAX);
+    state.metrics.observe_images(cached, total - cached);
+    Ok(Json(request::encode_response(&results)))
+}
+
+async fn reset_mm_cache<E: Engine>(State(state): Shared<E>) -> Json<Value> {
+    reset_json(state.engine.reset_mm_cache().await)
+}
+
+async fn reset_encoder_cache<E: Engine>(State(state): Shared<E>) -> Json<Value> {
+    reset_json(state.engine.reset_encoder_cache().await)
+}
+
+async fn reset_allocator<E: Engine>(State(state): Shared<E>) -> Json<Value> {
+    reset_json(state.engine.reset_allocator().await)
+}
+
+async fn reset_all<E: Engine>(State(state): Shared<E>) -> Json<Value> {
+    reset_json(state.engine.reset_all().await)
+}
+
+async fn sleep<E: Engine>(
+    State(state): Shared<E>,
+    RawQuery(query): RawQuery,
+) -> Result<Json<Value>, ApiError> {
+    let level = parse_sleep_level(query.as_deref())?;
+    let report = state.engine.sleep(level).await?;
+    let mut body = reset_json(report).0;
+    body["level"] = json!(level);
+    body["is_sleeping"] = json!(state.engine.is_sleeping());
+    Ok(Json(body))
+}
+
+async fn wake_up<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiError> {
+    state.engine.wake_up().await?;
+    Ok(Json(json!({ "is_sleeping": state.engine.is_sleeping() })))
+}
+
+async fn is_sleeping<E: Engine>(State(state): Shared<E>) -> Json<Value> {
+    Json(json!({ "is_sleeping": state.engine.is_sleeping() }))
+}
+
+async fn server_info<E: Engine>(State(state): Shared<E>) -> Json<Value> {
+    Json(state.engine.server_info())
+}
+
+async fn memory<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiError> {
+    let snapshot = serde_json::to_value(state.engine.metrics_snapshot())
+        .map_err(|err| ApiError::internal(format!("metrics snapshot to JSON: {err}")))?;
+    let body = match state.engine.memory() {
+        Value::Object(mut map) => {
+            map.insert("metrics".into(), snapshot);
+            Value::Object(map)
+        }
+        other => json!({ "engine": other, "metrics": snapshot }),
+    };
+    Ok(Json(body))
+}
+
+async fn metrics_text<E: Engine>(State(state): Shared<E>) -> Result<Response, ApiError> {
+    let text = state
+        .metrics
+        .render()
+        .map_err(|err| ApiError::internal(format!("rendering metrics: {err}")))?;
+    Ok(([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], text).into_response())
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({ "status": "ok" }))
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found_error",
+        "not_found",
+        "no such route",
+    )
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method_not_allowed",
+        "this route does not accept this HTTP method",
+    )
+}
+
+async fn require_api_key<E: Engine>(
+    State(state): Shared<E>,
+    headers: HeaderMap,
+    req: Request,
+    next: Next,
+) -> Response {
+    if let Some(expected) = &state.api_key_hash {
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(|k| blake3::hash(k.trim().as_bytes()));
+        if given.as_ref() != Some(expected) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn track_request<E: Engine>(State(state): Shared<E>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
+    let method = req.method().as_str().to_owned();
+    let start = Instant::now();
+    let response = next.run(req).await;
+    let seconds = start.elapsed().as_secs_f64();
+    state
+        .metrics
+        .observe_request(&route, &method, response.status().as_u16(), seconds);
+    response
+}
+
+fn reset_json(report: ResetReport) -> Json<Value> {
+    let released =
+        report.processor_cache_bytes + report.encoder_cache_bytes + report.allocator_bytes;
+    Json(json!({
+        "processor_cache_bytes": report.processor_cache_bytes,
+        "encoder_cache_bytes": report.encoder_cache_bytes,
+        "encoder_cache_entries": report.encoder_cache_entries,
+        "allocator_bytes": report.allocator_bytes,
+        "released_bytes": released,
+    }))
+}
+
+fn parse_sleep_level(query: Option<&str>) -> Result<u8, ApiError> {
+    let mut level = 1;
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if key == "level" {
+            level = match value {
+                "1" => 1,
+                "2" => 2,
+                other => {
+                    return Err(ApiError::bad_request(
+                        "invalid_sleep_level",
+                        format!("query parameter level must be 1 or 2, got {other:?}"),
+                    ));
+                }
+            };
+        }
+    }
+    Ok(level)
+}
+
+fn body_rejection(rejection: &BytesRejection, limit: usize) -> ApiError {
+    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "body_too_large",
+            format!("the request body is larger than the limit of {limit} bytes"),
+        )
+    } else {
+        ApiError::new(
+            rejection.status(),
+            "invalid_request_error",
+            "invalid_body",
+            format!("cannot read the request body: {}", rejection.body_text()),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,246 @@
+//! A small in-memory [`Engine`] for this crate's tests only.
+//!
+//! It hashes the image bytes, reads dimensions from the header, and keeps a byte-accurate model
+//! of a device: a caching allocator that rounds reservations up to 1 MiB blocks, an encoder cache
+//! holding `tokens x HIDDEN` f32 per entry, and a processor cache of the encoded file bytes.
+//! `leak_on_reset` makes `reset_allocator` keep its reserved blocks, the failure `iris bench`
+//! exists to catch.
+
+use std::collections::HashMap;
+use std::io::Cursor;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use serde_json::{Value, json};
+
+use super::engine_api::{
+    EncodeOptions, Engine, EngineError, ImageInput, ImageResult, MemoryGauges, MetricsSnapshot,
+    ResetReport,
+};
+
+/// Hidden size of the fake encoder outputs.
+pub(crate) const HIDDEN: u64 = 8;
+/// Device memory the fake runtime holds before anything is loaded.
+pub(crate) const BASE_BYTES: u64 = 3 << 20;
+/// Fake weights loaded at start.
+pub(crate) const WEIGHTS_BYTES: u64 = 5 << 20;
+const BLOCK: u64 = 1 << 20;
+const TOTAL: u64 = 1 << 30;
+
+#[derive(Default)]
+struct State {
+    processor: HashMap<String, u64>,
+    encoder: HashMap<String, u64>,
+    allocated: u64,
+    reserved: u64,
+    peak: u64,
+    counters: MetricsSnapshot,
+}
+
+pub(crate) struct FakeEngine {
+    state: Mutex<State>,
+    sleeping: AtomicBool,
+    leak_on_reset: bool,
+}
+
+impl FakeEngine {
+    pub(crate) fn new(leak_on_reset: bool) -> Self {
+        let engine = Self {
+            state: Mutex::new(State::default()),
+            sleeping: AtomicBool::new(false),
+            leak_on_reset,
+        };
+        {
+            let mut s = engine.state.lock().unwrap();
+            s.counters.before_start = gauges(&s);
+            s.allocated = WEIGHTS_BYTES;
+            s.reserved = WEIGHTS_BYTES;
+            s.peak = WEIGHTS_BYTES;
+            s.counters.after_start = gauges(&s);
+        }
+        engine
+    }
+
+    fn encode_one(
+        s: &mut State,
+        image: &ImageInput,
+        opts: EncodeOptions,
+    ) -> Result<ImageResult, EngineError> {
+        let (w, h) = image::ImageReader::new(Cursor::new(&image.bytes))
+            .with_guessed_format()
+            .map_err(|e| EngineError::Internal(e.to_string()))?
+            .into_dimensions()
+            .map_err(|e| EngineError::BadInput {
+                message: format!("corrupt image: {e}"),
+                code: "corrupt_image",
+            })?;
+        let mm_hash = blake3::hash(&image.bytes).to_hex()[..32].to_owned();
+        let grid_thw = [1, 2 * h.div_ceil(28), 2 * w.div_ceil(28)];
+        let num_tokens = u64::from(grid_thw[1]) * u64::from(grid_thw[2]) / 4;
+        let payload = u64::try_from(image.bytes.len()).unwrap();
+        if s.processor.insert(mm_hash.clone(), payload).is_some() {
+            s.counters.processor_cache_hits += 1;
+        } else {
+            s.counters.processor_cache_misses += 1;
+        }
+        let cached = s.encoder.contains_key(&mm_hash);
+        if cached {
+            s.counters.encoder_cache_hits += 1;
+        } else {
+            s.counters.encoder_cache_misses += 1;
+            let bytes = num_tokens * HIDDEN * 4;
+            s.encoder.insert(mm_hash.clone(), bytes);
+            s.allocated += bytes;
+            s.peak = s.peak.max(s.allocated);
+            s.reserved = s.reserved.max(s.allocated.div_ceil(BLOCK) * BLOCK);
+        }
+        let embeddings = opts.return_embeddings.then(|| {
+            let n = usize::try_from(num_tokens * HIDDEN).unwrap();
+            (
+                (0..n).map(|i| i as f32 * 0.5).collect(),
+                [num_tokens, HIDDEN],
+            )
+        });
+        Ok(ImageResult {
+            mm_hash,
+            grid_thw,
+            num_tokens,
+            cached,
+            embeddings,
+            deepstack: Vec::new(),
+        })
+    }
+
+    fn reset_encoder(s: &mut State) -> ResetReport {
+        let bytes: u64 = s.encoder.values().sum();
+        let entries = u64::try_from(s.encoder.len()).unwrap();
+        s.encoder.clear();
+        s.allocated -= bytes;
+        ResetReport {
+            encoder_cache_bytes: bytes,
+            encoder_cache_entries: entries,
+            ..ResetReport::default()
+        }
+    }
+
+    fn reset_processor(s: &mut State) -> ResetReport {
+        let bytes = s.processor.values().sum();
+        s.processor.clear();
+        ResetReport {
+            processor_cache_bytes: bytes,
+            ..ResetReport::default()
+        }
+    }
+
+    fn trim(&self, s: &mut State) -> ResetReport {
+        if self.leak_on_reset {
+            return ResetReport::default();
+        }
+        let keep = s.allocated.div_ceil(BLOCK) * BLOCK;
+        let released = s.reserved - keep;
+        s.reserved = keep;
+        ResetReport {
+            allocator_bytes: released,
+            ..ResetReport::default()
+        }
+    }
+}
+
+fn gauges(s: &State) -> MemoryGauges {
+    MemoryGauges {
+        device_used_bytes: BASE_BYTES + s.reserved,
+        device_total_bytes: TOTAL,
+        allocator_reserved_bytes: s.reserved,
+        allocator_allocated_bytes: s.allocated,
+        allocator_peak_bytes: s.peak,
+        encoder_cache_bytes: s.encoder.values().sum(),
+        encoder_cache_entries: u64::try_from(s.encoder.len()).unwrap(),
+        processor_cache_bytes: s.processor.values().sum(),
+        processor_cache_entries: u64::try_from(s.processor.len()).unwrap(),
+    }
+}
+
+fn merge(a: ResetReport, b: ResetReport) -> ResetReport {
+    ResetReport {
+        processor_cache_bytes: a.processor_cache_bytes + b.processor_cache_bytes,
+        encoder_cache_bytes: a.encoder_cache_bytes + b.encoder_cache_bytes,
+        encoder_cache_entries: a.encoder_cache_entries + b.encoder_cache_entries,
+        allocator_bytes: a.allocator_bytes + b.allocator_bytes,
+    }
+}
+
+impl Engine for FakeEngine {
+    async fn encode(
+        &self,
+        images: Vec<ImageInput>,
+        opts: EncodeOptions,
+    ) -> Result<Vec<ImageResult>, EngineError> {
+        if self.is_sleeping() {
+            return Err(EngineError::Sleeping);
+        }
+        tokio::task::yield_now().await;
+        let mut s = self.state.lock().unwrap();
+        images
+            .iter()
+            .map(|img| Self::encode_one(&mut s, img, opts))
+            .collect()
+    }
+
+    async fn reset_mm_cache(&self) -> ResetReport {
+        Self::reset_processor(&mut self.state.lock().unwrap())
+    }
+
+    async fn reset_encoder_cache(&self) -> ResetReport {
+        Self::reset_encoder(&mut self.state.lock().unwrap())
+    }
+
+    async fn reset_allocator(&self) -> ResetReport {
+        self.trim(&mut self.state.lock().unwrap())
+    }
+
+    async fn reset_all(&self) -> ResetReport {
+        let mut s = self.state.lock().unwrap();
+        let a = Self::reset_processor(&mut s);
+        let b = Self::reset_encoder(&mut s);
+        let c = self.trim(&mut s);
+        merge(merge(a, b), c)
+    }
+
+    async fn sleep(&self, level: u8) -> Result<ResetReport, EngineError> {
+        if !(1..=2).contains(&level) {
+            return Err(EngineError::BadInput {
+                message: format!("level {level}"),
+                code: "invalid_sleep_level",
+            });
+        }
+        let report = self.reset_all().await;
+        self.sleeping.store(true, Ordering::SeqCst);
+        Ok(report)
+    }
+
+    async fn wake_up(&self) -> Result<(), EngineError> {
+        self.sleeping.store(false, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn is_sleeping(&self) -> bool {
+        self.sleeping.load(Ordering::SeqCst)
+    }
+
+    fn memory(&self) -> Value {
+        let g = gauges(&self.state.lock().unwrap());
+        json!({ "device": { "used_bytes": g.device_used_bytes, "total_bytes": g.device_total_bytes } })
+    }
+
+    fn server_info(&self) -> Value {
+        json!({ "model": "fake", "hidden_size": HIDDEN })
+    }
+
+    fn metrics_snapshot(&self) -> MetricsSnapshot {
+        let s = self.state.lock().unwrap();
+        MetricsSnapshot {
+            memory: gauges(&s),
+            ..s.counters
+        }
+    }
+}

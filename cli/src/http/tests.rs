@@ -1,0 +1,389 @@
+//! Router tests against the in-memory test engine, through `tower::ServiceExt::oneshot`.
+
+use std::io::Cursor;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+use super::test_engine::{FakeEngine, HIDDEN, WEIGHTS_BYTES};
+use super::*;
+
+fn png(w: u32, h: u32, seed: u8) -> Vec<u8> {
+    let img = image::RgbImage::from_fn(w, h, |x, y| {
+        image::Rgb([x.to_le_bytes()[0], y.to_le_bytes()[0], seed])
+    });
+    let mut out = Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
+}
+
+fn url(bytes: &[u8]) -> String {
+    format!("data:image/png;base64,{}", STANDARD.encode(bytes))
+}
+
+fn app(config: ServerConfig) -> (Router, Arc<FakeEngine>) {
+    let engine = Arc::new(FakeEngine::new(false));
+    (router(Arc::clone(&engine), config).unwrap(), engine)
+}
+
+async fn call(
+    app: &Router,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+    key: Option<&str>,
+) -> (StatusCode, String) {
+    let mut req = Request::builder().method(method).uri(path);
+    if let Some(k) = key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let body = body.map_or_else(Body::empty, |v| Body::from(v.to_string()));
+    let resp = app.clone().oneshot(req.body(body).unwrap()).await.unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+async fn call_json(
+    app: &Router,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+) -> (StatusCode, Value) {
+    let (status, text) = call(app, method, path, body, None).await;
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")),
+    )
+}
+
+fn assert_error_shape(v: &Value, code: &str) {
+    let err = &v["error"];
+    assert!(
+        err["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    assert!(err["type"].as_str().is_some(), "{v}");
+    assert_eq!(err["code"], code, "{v}");
+}
+
+#[tokio::test]
+async fn encode_reports_each_image_and_the_repeat_is_cached() {
+    let (app, _) = app(ServerConfig::default());
+    let a = png(56, 28, 1);
+    let b = png(28, 28, 2);
+    let body = json!({"images": [url(&a), url(&b)]});
+    let (status, v) = call_json(&app, Method::POST, "/v1/encode", Some(body.clone())).await;
+    assert_eq!(status, 200, "{v}");
+    let images = v["images"].as_array().unwrap();
+    assert_eq!(images.len(), 2);
+    assert_eq!(images[0]["grid_thw"], json!([1, 2, 4]));
+    assert_eq!(images[0]["num_tokens"], 2);
+    assert_eq!(images[1]["num_tokens"], 1);
+    assert_eq!(images[0]["cached"], false);
+    assert_eq!(images[0]["mm_hash"].as_str().unwrap().len(), 32);
+    assert!(images[0].get("embeddings").is_none());
+    assert_eq!(v["usage"], json!({"num_images": 2, "num_tokens": 3}));
+    let (_, again) = call_json(&app, Method::POST, "/v1/encode", Some(body)).await;
+    assert_eq!(again["images"][0]["cached"], true);
+    assert_eq!(again["images"][0]["mm_hash"], images[0]["mm_hash"]);
+}
+
+#[tokio::test]
+async fn embeddings_come_back_as_base64_f32() {
+    let (app, _) = app(ServerConfig::default());
+    let body = json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "describe"},
+        {"type": "image_url", "image_url": {"url": url(&png(56, 56, 3))}}
+    ]}], "return_embeddings": "f32"});
+    let (status, v) = call_json(&app, Method::POST, "/v1/encode", Some(body)).await;
+    assert_eq!(status, 200, "{v}");
+    let emb = &v["images"][0]["embeddings"];
+    let (data, shape) = request::parse_tensor_json(emb).unwrap();
+    assert_eq!(shape, [4, HIDDEN]);
+    assert_eq!(data[3], 1.5);
+    assert_eq!(v["images"][0]["deepstack"], json!([]));
+}
+
+#[tokio::test]
+async fn bad_inputs_are_4xx_json() {
+    let limits = Limits {
+        max_body_bytes: 8192,
+        max_images_per_request: 2,
+        max_image_pixels: 64 * 64,
+    };
+    let (app, engine) = app(ServerConfig {
+        limits,
+        api_key: None,
+    });
+    let small = url(&png(8, 8, 0));
+    let cases = [
+        (
+            json!({"images": [small, small, small]}),
+            StatusCode::BAD_REQUEST,
+            "too_many_images",
+        ),
+        (
+            json!({"images": [url(&png(65, 64, 0))]}),
+            StatusCode::BAD_REQUEST,
+            "image_too_large",
+        ),
+        (
+            json!({"images": ["data:image/png;base64,!!"]}),
+            StatusCode::BAD_REQUEST,
+            "invalid_base64",
+        ),
+        (
+            json!({"images": [1]}),
+            StatusCode::BAD_REQUEST,
+            "invalid_type",
+        ),
+        (
+            json!({"images": ["data:image/bmp;base64,Qk0="]}),
+            StatusCode::BAD_REQUEST,
+            "unsupported_media_type",
+        ),
+        (
+            json!({"images": [format!("data:image/png;base64,{}", "A".repeat(9000))]}),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+        ),
+    ];
+    for (body, status, code) in cases {
+        let (got, v) = call_json(&app, Method::POST, "/v1/encode", Some(body)).await;
+        assert_eq!(got, status, "{v}");
+        assert_error_shape(&v, code);
+    }
+    let req = Request::post("/v1/encode")
+        .body(Body::from("{\"images\": ["))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), 400);
+    // Nothing reached the engine: no memory is left behind by refused requests.
+    assert_eq!(
+        engine.metrics_snapshot().memory.allocator_allocated_bytes,
+        WEIGHTS_BYTES
+    );
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods_are_json() {
+    let (app, _) = app(ServerConfig::default());
+    let (status, v) = call_json(&app, Method::GET, "/nope", None).await;
+    assert_eq!(status, 404);
+    assert_error_shape(&v, "not_found");
+    let (status, v) = call_json(&app, Method::GET, "/v1/encode", None).await;
+    assert_eq!(status, 405);
+    assert_error_shape(&v, "method_not_allowed");
+}
+
+#[tokio::test]
+async fn api_key_guards_everything_but_health() {
+    let (app, _) = app(ServerConfig {
+        api_key: Some("s3cret".into()),
+        ..ServerConfig::default()
+    });
+    let (status, _) = call(&app, Method::GET, "/health", None, None).await;
+    assert_eq!(status, 200);
+    for (method, path) in [
+        (Method::GET, "/is_sleeping"),
+        (Method::POST, "/reset_all"),
+        (Method::GET, "/metrics"),
+        (Method::POST, "/v1/encode"),
+    ] {
+        let (status, text) = call(&app, method.clone(), path, None, None).await;
+        assert_eq!(status, 401, "{path}");
+        assert_error_shape(&serde_json::from_str(&text).unwrap(), "invalid_api_key");
+        let (status, _) = call(&app, method.clone(), path, None, Some("s3cre")).await;
+        assert_eq!(status, 401, "{path} with a wrong key");
+    }
+    let (status, text) = call(&app, Method::GET, "/is_sleeping", None, Some("s3cret")).await;
+    assert_eq!(status, 200, "{text}");
+}
+
+#[tokio::test]
+async fn resets_report_what_they_released() {
+    let (app, engine) = app(ServerConfig::default());
+    let body = json!({"images": [url(&png(280, 280, 9))]});
+    assert_eq!(
+        call_json(&app, Method::POST, "/v1/encode", Some(body))
+            .await
+            .0,
+        200
+    );
+    let (_, v) = call_json(&app, Method::POST, "/reset_mm_cache", None).await;
+    assert!(v["processor_cache_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(v["encoder_cache_bytes"], 0);
+    let (_, v) = call_json(&app, Method::POST, "/reset_encoder_cache", None).await;
+    assert_eq!(v["encoder_cache_bytes"], 100 * HIDDEN * 4);
+    assert_eq!(v["encoder_cache_entries"], 1);
+    let (_, v) = call_json(&app, Method::POST, "/reset_allocator", None).await;
+    assert_eq!(v["allocator_bytes"], 1 << 20);
+    assert_eq!(v["released_bytes"], 1 << 20);
+    let (_, v) = call_json(&app, Method::POST, "/reset_all", None).await;
+    assert_eq!(v["released_bytes"], 0);
+    let m = engine.metrics_snapshot();
+    // Everything but the peak is back at the post-start figures.
+    assert_eq!(
+        MemoryGauges {
+            allocator_peak_bytes: 0,
+            ..m.memory
+        },
+        MemoryGauges {
+            allocator_peak_bytes: 0,
+            ..m.after_start
+        }
+    );
+}
+
+#[tokio::test]
+async fn sleep_and_wake_up() {
+    let (app, _) = app(ServerConfig::default());
+    for bad in ["/sleep?level=3", "/sleep?level=", "/sleep?level=one"] {
+        let (status, v) = call_json(&app, Method::POST, bad, None).await;
+        assert_eq!(status, 400, "{bad}");
+        assert_error_shape(&v, "invalid_sleep_level");
+    }
+    let (status, v) = call_json(&app, Method::POST, "/sleep?level=2", None).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["level"], 2);
+    assert_eq!(
+        call_json(&app, Method::GET, "/is_sleeping", None).await.1,
+        json!({"is_sleeping": true})
+    );
+    let body = json!({"images": [url(&png(8, 8, 1))]});
+    let (status, v) = call_json(&app, Method::POST, "/v1/encode", Some(body.clone())).await;
+    assert_eq!(status, 503);
+    assert_error_shape(&v, "engine_sleeping");
+    let (status, v) = call_json(&app, Method::POST, "/wake_up", None).await;
+    assert_eq!((status, v), (StatusCode::OK, json!({"is_sleeping": false})));
+    assert_eq!(
+        call_json(&app, Method::POST, "/v1/encode", Some(body))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        call_json(&app, Method::POST, "/sleep", None).await.1["level"],
+        1
+    );
+}
+
+#[tokio::test]
+async fn memory_and_server_info() {
+    let (app, _) = app(ServerConfig::default());
+    let (status, v) = call_json(&app, Method::GET, "/memory", None).await;
+    assert_eq!(status, 200);
+    assert!(v["device"]["used_bytes"].as_u64().is_some(), "{v}");
+    let snapshot: MetricsSnapshot = serde_json::from_value(v["metrics"].clone()).unwrap();
+    assert_eq!(snapshot.after_start.allocator_reserved_bytes, WEIGHTS_BYTES);
+    assert_eq!(
+        call_json(&app, Method::GET, "/server_info", None).await.1["model"],
+        "fake"
+    );
+}
+
+#[tokio::test]
+async fn metrics_exposes_requests_latency_images_caches_and_memory() {
+    let (app, _) = app(ServerConfig::default());
+    let body = json!({"images": [url(&png(28, 28, 4)), url(&png(28, 28, 4))]});
+    call_json(&app, Method::POST, "/v1/encode", Some(body)).await;
+    call_json(
+        &app,
+        Method::POST,
+        "/v1/encode",
+        Some(json!({"images": []})),
+    )
+    .await;
+    let (status, text) = call(&app, Method::GET, "/metrics", None, None).await;
+    assert_eq!(status, 200);
+    for line in [
+        "iris_http_requests_total{method=\"POST\",route=\"/v1/encode\",status=\"200\"} 1",
+        "iris_http_requests_total{method=\"POST\",route=\"/v1/encode\",status=\"400\"} 1",
+        "iris_images_total{cached=\"true\"} 1",
+        "iris_images_total{cached=\"false\"} 1",
+        "iris_http_request_duration_seconds_count{route=\"/v1/encode\"} 2",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+    assert_eq!(
+        metrics::sample_value(&text, "iris_encoder_cache_hits_total"),
+        Some(1.0)
+    );
+    assert_eq!(
+        metrics::sample_value(&text, "iris_encoder_cache_misses_total"),
+        Some(1.0)
+    );
+    assert_eq!(
+        metrics::sample_value(&text, "iris_processor_cache_hits_total"),
+        Some(1.0)
+    );
+    assert_eq!(
+        metrics::sample_value(&text, "iris_encoder_cache_entries"),
+        Some(1.0)
+    );
+    assert!(metrics::sample_value(&text, "iris_device_used_bytes").unwrap() > 0.0);
+    // Scraping twice must not double the engine's cumulative counters.
+    let (_, again) = call(&app, Method::GET, "/metrics", None, None).await;
+    assert_eq!(
+        metrics::sample_value(&again, "iris_encoder_cache_hits_total"),
+        Some(1.0)
+    );
+}
+
+#[tokio::test]
+async fn serve_args_bind_and_serve() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let args = Cmd::try_parse_from([
+        "serve",
+        "--port",
+        "0",
+        "--max-images-per-request",
+        "3",
+        "--api-key",
+        "",
+    ])
+    .unwrap()
+    .serve;
+    assert_eq!(args.host, "127.0.0.1");
+    let config = args.server_config();
+    assert_eq!(config.limits.max_images_per_request, 3);
+    assert_eq!(
+        config.limits.max_body_bytes,
+        request::DEFAULT_MAX_BODY_BYTES
+    );
+    assert_eq!(config.api_key, None, "an empty key means no key");
+    let listener = args.bind().await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    assert!(addr.ip().is_loopback());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let app = router(Arc::new(FakeEngine::new(false)), config).unwrap();
+    let server = tokio::spawn(serve(listener, app, async move {
+        let _ = rx.await;
+    }));
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<axum::body::Bytes>>();
+    let resp = client
+        .get(format!("http://{addr}/health").parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(
+        serde_json::from_slice::<Value>(&body).unwrap(),
+        json!({"status": "ok"})
+    );
+    tx.send(()).unwrap();
+    server.await.unwrap().unwrap();
+}

@@ -1,0 +1,401 @@
+//! The plugin registry and device selection.
+//!
+//! A [`Registry`] holds the built-in plugins the caller links in (the `iris` binary passes the
+//! CPU device; core itself depends on no device) and the libraries found on the
+//! [`SearchPath`]. A library that fails to load stays in the registry with its [`LoadError`],
+//! so `iris devices` can show why.
+//!
+//! [`Registry::select`] turns a device spec into a plugin:
+//!
+//! - a path (contains `/` or ends in `.so`): that library, loaded on its own;
+//! - `auto`: the first plugin that has devices, trying `cuda`, `ascend`, then `cpu`, then any
+//!   other plugin in registry order;
+//! - a name: the built-in plugin of that name if there is one, else the library of that name
+//!   found on the search path. To use a library instead of a built-in of the same name, give
+//!   its path.
+
+use std::path::{Path, PathBuf};
+
+use iris_plugin::loader::is_path_spec;
+use iris_plugin::{Device, DeviceError, LoadError, Plugin, SearchPath, load_library};
+use thiserror::Error;
+
+use crate::config::{AUTO_DEVICE, Config};
+
+/// The order in which `auto` tries plugins: accelerators first, the CPU last.
+pub const AUTO_ORDER: [&str; 3] = ["cuda", "ascend", "cpu"];
+
+/// Why no device could be selected or opened.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum DevicesError {
+    /// The plugin library could not be loaded.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// The plugin loaded but sees no device.
+    #[error("plugin `{plugin}` has no devices: {reason}")]
+    NoDevices {
+        /// The plugin.
+        plugin: String,
+        /// The plugin's reason.
+        reason: String,
+    },
+    /// `auto` found no plugin with a device.
+    #[error("no plugin has a device (device = \"auto\"): {}", tried.join("; "))]
+    NoneAvailable {
+        /// Each plugin tried, with why it was not used.
+        tried: Vec<String>,
+    },
+    /// The ordinal is not below the plugin's device count.
+    #[error("plugin `{plugin}` has {count} device(s); device_ordinal {ordinal} does not exist")]
+    NoSuchOrdinal {
+        /// The plugin.
+        plugin: String,
+        /// The ordinal asked for.
+        ordinal: u32,
+        /// Devices the plugin has.
+        count: u32,
+    },
+    /// The plugin refused to open the device (bad option, driver failure).
+    #[error("cannot open device {ordinal} of plugin `{plugin}`: {source}")]
+    Open {
+        /// The plugin.
+        plugin: String,
+        /// The ordinal.
+        ordinal: u32,
+        /// The plugin's error.
+        source: DeviceError,
+    },
+}
+
+/// One plugin the registry knows: loaded, or the error that kept it from loading.
+#[derive(Debug)]
+pub struct Entry {
+    /// The plugin's name (for a failed library, the name in its file name).
+    pub name: String,
+    /// The library file, `None` for a built-in plugin.
+    pub path: Option<PathBuf>,
+    /// The loaded plugin, or why it did not load.
+    pub plugin: Result<Plugin, LoadError>,
+}
+
+impl Entry {
+    /// Whether the plugin is linked into the binary.
+    pub fn is_builtin(&self) -> bool {
+        self.path.is_none()
+    }
+}
+
+/// Built-in plugins and the libraries found on a search path.
+#[derive(Debug)]
+pub struct Registry {
+    entries: Vec<Entry>,
+    search: SearchPath,
+}
+
+impl Registry {
+    /// A registry of the built-ins only; libraries are looked up on `search` when selected.
+    pub fn new(builtins: Vec<Plugin>, search: SearchPath) -> Registry {
+        let entries = builtins
+            .into_iter()
+            .map(|plugin| Entry {
+                name: plugin.name().to_owned(),
+                path: None,
+                plugin: Ok(plugin),
+            })
+            .collect();
+        Registry { entries, search }
+    }
+
+    /// The built-ins plus every library on `search`, each loaded (failures kept as entries).
+    pub fn discover(builtins: Vec<Plugin>, search: SearchPath) -> Registry {
+        let mut registry = Registry::new(builtins, search);
+        for path in registry.search.discover() {
+            let name = iris_plugin::loader::plugin_name_of(&path).unwrap_or_default();
+            let plugin = load_library(&path);
+            let name = plugin
+                .as_ref()
+                .map_or(name, |plugin| plugin.name().to_owned());
+            registry.entries.push(Entry {
+                name,
+                path: Some(path),
+                plugin,
+            });
+        }
+        registry
+    }
+
+    /// Every entry: built-ins first, then libraries in search order.
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// The search path libraries are looked up on.
+    pub fn search_path(&self) -> &SearchPath {
+        &self.search
+    }
+
+    /// The plugin for a device spec: `auto`, a name, or a library path (see the module docs).
+    pub fn select(&self, spec: &str) -> Result<Plugin, DevicesError> {
+        if spec == AUTO_DEVICE {
+            return self.select_auto();
+        }
+        if is_path_spec(spec) {
+            return self.by_path(Path::new(spec));
+        }
+        self.by_name(spec)
+    }
+
+    /// Selects `config.device`, checks `config.device_ordinal`, and opens it with the
+    /// `[plugins.<name>]` options.
+    pub fn open_selected(&self, config: &Config) -> Result<Device, DevicesError> {
+        let plugin = self.select(&config.device)?;
+        open_device(
+            &plugin,
+            config.device_ordinal,
+            &config.plugin_options(plugin.name()),
+        )
+    }
+
+    fn select_auto(&self) -> Result<Plugin, DevicesError> {
+        let mut names: Vec<String> = AUTO_ORDER.iter().map(|name| (*name).to_owned()).collect();
+        for entry in &self.entries {
+            if !names.contains(&entry.name) {
+                names.push(entry.name.clone());
+            }
+        }
+        let mut tried = Vec::new();
+        for name in names {
+            match self.loaded_by_name(&name) {
+                Some(plugin) => {
+                    let probe = plugin.probe();
+                    if probe.device_count > 0 {
+                        return Ok(plugin.clone());
+                    }
+                    tried.push(format!("{name}: {}", probe.reason));
+                }
+                None => {
+                    if let Some(err) = self.failed_by_name(&name) {
+                        tried.push(format!("{name}: {err}"));
+                    } else if AUTO_ORDER.contains(&name.as_str()) {
+                        tried.push(format!("{name}: not installed"));
+                    }
+                }
+            }
+        }
+        Err(DevicesError::NoneAvailable { tried })
+    }
+
+    fn by_name(&self, name: &str) -> Result<Plugin, DevicesError> {
+        if let Some(plugin) = self.loaded_by_name(name) {
+            return Ok(plugin.clone());
+        }
+        // A discovered library that failed: report its error rather than searching again.
+        if let Some(entry) = self
+            .entries
+            .iter()
+            .find(|entry| entry.name == name && entry.plugin.is_err())
+            && let Some(path) = &entry.path
+        {
+            return Ok(load_library(path)?);
+        }
+        let path = self.search.find(name)?;
+        Ok(load_library(&path)?)
+    }
+
+    fn by_path(&self, path: &Path) -> Result<Plugin, DevicesError> {
+        let loaded = self.entries.iter().find_map(|entry| match &entry.plugin {
+            Ok(plugin) if entry.path.as_deref() == Some(path) => Some(plugin.clone()),
+            _ => None,
+        });
+        match loaded {
+            Some(plugin) => Ok(plugin),
+            None => Ok(load_library(path)?),
+        }
+    }
+
+    /// The loaded plugin called `name`, built-ins first.
+    fn loaded_by_name(&self, name: &str) -> Option<&Plugin> {
+        let mut loaded = self
+            .entries
+            .iter()
+            .filter(|entry| entry.name == name)
+            .filter_map(|entry| entry.plugin.as_ref().ok());
+        loaded.next()
+    }
+
+    fn failed_by_name(&self, name: &str) -> Option<&LoadError> {
+        self.entries
+            .iter()
+            .filter(|entry| entry.name == name)
+            .find_map(|entry| entry.plugin.as_ref().err())
+    }
+}
+
+/// Opens device `ordinal` of `plugin` after checking the probe, so that "no devices" and "no
+/// such ordinal" are reported as such rather than as the plugin's open error.
+pub fn open_device(
+    plugin: &Plugin,
+    ordinal: u32,
+    options: &[(String, String)],
+) -> Result<Device, DevicesError> {
+    let probe = plugin.probe();
+    if probe.device_count == 0 {
+        return Err(DevicesError::NoDevices {
+            plugin: plugin.name().to_owned(),
+            reason: probe.reason,
+        });
+    }
+    if ordinal >= probe.device_count {
+        return Err(DevicesError::NoSuchOrdinal {
+            plugin: plugin.name().to_owned(),
+            ordinal,
+            count: probe.device_count,
+        });
+    }
+    plugin
+        .open(ordinal, options)
+        .map_err(|source| DevicesError::Open {
+            plugin: plugin.name().to_owned(),
+            ordinal,
+            source,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn builtin_cpu() -> Plugin {
+        Plugin::builtin(iris_device_cpu::plugin_root())
+    }
+
+    fn empty_search() -> SearchPath {
+        SearchPath {
+            env_dirs: vec![PathBuf::from("/nonexistent/iris-plugins")],
+            config_dirs: Vec::new(),
+            exe_dir: None,
+        }
+    }
+
+    #[test]
+    fn auto_falls_back_to_the_cpu() {
+        let registry = Registry::new(vec![builtin_cpu()], empty_search());
+        let plugin = registry.select("auto").unwrap();
+        assert_eq!(plugin.name(), "cpu");
+        assert!(plugin.path().is_none());
+    }
+
+    #[test]
+    fn auto_without_any_device_lists_what_was_tried() {
+        let registry = Registry::new(Vec::new(), empty_search());
+        let err = registry.select("auto").unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, DevicesError::NoneAvailable { .. }), "{err:?}");
+        for name in AUTO_ORDER {
+            assert!(text.contains(name), "{text}");
+        }
+    }
+
+    #[test]
+    fn by_name_prefers_the_builtin_and_reports_missing_libraries() {
+        let registry = Registry::new(vec![builtin_cpu()], empty_search());
+        assert!(registry.select("cpu").unwrap().path().is_none());
+        let err = registry.select("cuda").unwrap_err();
+        assert!(
+            matches!(err, DevicesError::Load(LoadError::NotFound { .. })),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains("/nonexistent/iris-plugins/libiris_device_cuda.so"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_missing_path_is_not_found() {
+        let registry = Registry::new(vec![builtin_cpu()], empty_search());
+        let err = registry
+            .select("/nonexistent/libiris_device_x.so")
+            .unwrap_err();
+        assert!(matches!(err, DevicesError::Load(_)), "{err:?}");
+    }
+
+    #[test]
+    fn open_selected_passes_plugin_options_and_checks_the_ordinal() {
+        let registry = Registry::new(vec![builtin_cpu()], empty_search());
+        let mut config = Config::from_toml_str(
+            "device = \"cpu\"\n[plugins.cpu]\ncapacity = \"1MiB\"\nthreads = 1",
+            "test",
+        )
+        .unwrap();
+        let device = registry.open_selected(&config).unwrap();
+        assert_eq!(device.mem_info().unwrap().total, 1 << 20);
+
+        config.device_ordinal = 3;
+        let err = registry.open_selected(&config).unwrap_err();
+        assert!(
+            matches!(err, DevicesError::NoSuchOrdinal { count: 1, .. }),
+            "{err:?}"
+        );
+
+        config.device_ordinal = 0;
+        config
+            .plugins
+            .get_mut("cpu")
+            .unwrap()
+            .insert("threds".into(), "2".into());
+        let err = registry.open_selected(&config).unwrap_err();
+        assert!(matches!(err, DevicesError::Open { .. }), "{err:?}");
+        assert!(err.to_string().contains("threds"), "{err}");
+    }
+
+    #[test]
+    fn discovery_keeps_failed_libraries_and_by_path_picks_the_library() {
+        let dir = std::env::temp_dir().join(format!("iris-devices-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("libiris_device_bogus.so"), "not an ELF file").unwrap();
+        // Cargo builds the CPU device's library (a dev-dependency) next to this test binary.
+        let deps = std::env::current_exe()
+            .unwrap()
+            .parent()
+            .unwrap()
+            .to_path_buf();
+        let cpu_library = deps.join("libiris_device_cpu.so");
+        let search = SearchPath {
+            env_dirs: vec![dir.clone(), deps],
+            config_dirs: Vec::new(),
+            exe_dir: None,
+        };
+        let registry = Registry::discover(vec![builtin_cpu()], search);
+
+        let bogus = registry
+            .entries()
+            .iter()
+            .find(|entry| entry.name == "bogus")
+            .expect("a library that fails to load stays listed");
+        let err = bogus.plugin.as_ref().unwrap_err();
+        assert!(matches!(err, LoadError::Open { .. }), "{err:?}");
+        assert!(err.to_string().contains("libiris_device_bogus.so"), "{err}");
+
+        let library = registry
+            .entries()
+            .iter()
+            .find(|entry| entry.name == "cpu" && !entry.is_builtin())
+            .expect("the CPU library is discovered");
+        assert_eq!(library.path.as_deref(), Some(cpu_library.as_path()));
+
+        assert!(
+            registry.select("cpu").unwrap().path().is_none(),
+            "by name the built-in wins"
+        );
+        let by_path = registry.select(cpu_library.to_str().unwrap()).unwrap();
+        assert_eq!(by_path.path(), Some(cpu_library.as_path()));
+        let err = registry.select("bogus").unwrap_err();
+        assert!(
+            matches!(err, DevicesError::Load(LoadError::Open { .. })),
+            "{err:?}"
+        );
+    }
+}

@@ -1,0 +1,1265 @@
+//! The caching allocator: every device byte core uses comes from here.
+//!
+//! Anchor: PyTorch's CUDA caching allocator (`c10/cuda/CUDACachingAllocator.cpp`). Raw device
+//! allocations ("segments") are carved into blocks; a freed block goes back to a free list of
+//! its pool instead of to the device, so the next request of a similar size costs no device
+//! call. The device's "used memory" therefore does not drop when a buffer is dropped; it drops
+//! when [`CachingAllocator::empty_cache`] returns every segment without a live block.
+//!
+//! Size classes (the same constants as PyTorch):
+//!
+//! - every request is rounded up to a multiple of [`MIN_BLOCK_SIZE`] (512 B);
+//! - requests of at most [`SMALL_SIZE`] (1 MiB) are served from the small pool, whose segments
+//!   are [`SMALL_SEGMENT`] (2 MiB) each;
+//! - larger requests are served from the large pool: below [`MIN_LARGE_ALLOC`] (10 MiB) from
+//!   [`LARGE_SEGMENT`] (20 MiB) segments, from [`MIN_LARGE_ALLOC`] up from a segment of the
+//!   request rounded up to [`ROUND_LARGE`] (2 MiB).
+//!
+//! Unlike PyTorch, a segment that would be larger than the request (a 20 MiB segment for a
+//! 3 MiB request) falls back to a segment of exactly the rounded request when the device cannot
+//! supply the larger one, so small devices (the CPU device with a few MiB of capacity) are not
+//! refused memory they have.
+//!
+//! Free blocks are kept in one ordered set per pool, keyed by `(size, segment, offset)`, so the
+//! first key at or above the rounded request is the best fit (smallest sufficient block, then
+//! the oldest segment, then the lowest offset). A block larger than the request is split when the
+//! remainder is worth keeping (small pool: at least [`MIN_BLOCK_SIZE`]; large pool: more than
+//! [`SMALL_SIZE`]); a freed block merges with free neighbours in its segment, so a segment whose
+//! blocks are all free is one free block, which `empty_cache` returns to the device.
+//!
+//! When the device reports out of memory, the allocator empties its cache and retries once
+//! (counted in [`AllocatorStats::oom_retries`]); if that fails too, it reports
+//! [`AllocError::OutOfMemory`] with the request, its own figures and the device's.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use iris_plugin::abi::BufferSlice;
+use iris_plugin::{BufferHandle, DType, Device, DeviceError, MatRef};
+use serde::Serialize;
+use thiserror::Error;
+
+/// Every block size is a multiple of this many bytes (PyTorch's `kMinBlockSize`).
+pub const MIN_BLOCK_SIZE: u64 = 512;
+/// Largest request served from the small pool (PyTorch's `kSmallSize`).
+pub const SMALL_SIZE: u64 = 1 << 20;
+/// Size of a small-pool segment (PyTorch's `kSmallBuffer`).
+pub const SMALL_SEGMENT: u64 = 2 << 20;
+/// Requests from this size up get a segment of their own size (PyTorch's `kMinLargeAlloc`).
+pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
+/// Size of a large-pool segment for requests below [`MIN_LARGE_ALLOC`] (PyTorch's
+/// `kLargeBuffer`).
+pub const LARGE_SEGMENT: u64 = 20 << 20;
+/// Segments for requests of at least [`MIN_LARGE_ALLOC`] are rounded up to a multiple of this
+/// (PyTorch's `kRoundLarge`).
+pub const ROUND_LARGE: u64 = 2 << 20;
+
+/// Errors of the memory layer: allocation, transfers into allocated buffers, snapshots and
+/// memory budgeting.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum AllocError {
+    /// An argument is out of range (a zero-byte allocation, a size that overflows, a
+    /// utilization outside `(0, 1]`).
+    #[error("invalid argument `{argument}`: {message}")]
+    InvalidArgument {
+        /// The argument at fault.
+        argument: &'static str,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The device could not supply memory even after the allocator returned its cache.
+    #[error(
+        "out of device memory: {requested} bytes requested ({rounded} after rounding); the allocator holds {allocated} bytes allocated of {reserved} reserved; {}: {message}",
+        device_memory(*device_free, *device_total)
+    )]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes after rounding to the size class.
+        rounded: u64,
+        /// Bytes in live blocks at the time of failure.
+        allocated: u64,
+        /// Bytes held from the device at the time of failure (after emptying the cache).
+        reserved: u64,
+        /// Free device bytes, if the device could report them.
+        device_free: Option<u64>,
+        /// Total device bytes, if the device could report them.
+        device_total: Option<u64>,
+        /// The device's own message.
+        message: String,
+    },
+    /// A read or write outside a buffer's requested length.
+    #[error("{op}: bytes [{offset}, {offset}+{bytes}) lie outside the buffer of {len} bytes")]
+    OutOfBounds {
+        /// `read` or `write`.
+        op: &'static str,
+        /// Byte offset inside the buffer.
+        offset: u64,
+        /// Number of bytes.
+        bytes: u64,
+        /// The buffer's length.
+        len: u64,
+    },
+    /// Returning cached segments to the device failed for some of them; the others were
+    /// released. The failed segments stay reserved (and are retried by the next
+    /// `empty_cache`).
+    #[error(
+        "returning cached memory to the device: {released} bytes released, {failed} segment(s) failed; first failure: {source}"
+    )]
+    ReleaseFailed {
+        /// Bytes that were returned.
+        released: u64,
+        /// Segments the device refused to free.
+        failed: u64,
+        /// The first device error.
+        source: DeviceError,
+    },
+    /// The device had less free memory at start than iris is configured to use.
+    #[error(
+        "the device has {free} of {total} bytes free at start, less than the {requested} bytes requested; lower the memory utilization or free the device"
+    )]
+    InsufficientFreeMemory {
+        /// Free device bytes.
+        free: u64,
+        /// Total device bytes.
+        total: u64,
+        /// Bytes iris was to use.
+        requested: u64,
+    },
+    /// Weights, peak activations and non-allocator memory leave nothing of the requested
+    /// budget.
+    #[error(
+        "no memory left of the {requested} bytes requested: weights take {weights}, the peak activation increase {peak_increase} and non-allocator growth {non_allocator_increase}"
+    )]
+    BudgetExceeded {
+        /// Bytes iris was to use.
+        requested: u64,
+        /// Bytes of weights.
+        weights: u64,
+        /// Peak activation bytes.
+        peak_increase: u64,
+        /// Non-allocator growth in bytes.
+        non_allocator_increase: u64,
+    },
+    /// Any other device error, with the device's message.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+}
+
+/// The allocator's counters. Byte figures count whole blocks (after rounding and unsplit
+/// remainders), except `requested`, which counts what callers asked for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct AllocatorStats {
+    /// Bytes in live blocks.
+    pub allocated: u64,
+    /// Bytes held from the device (sum of segment sizes).
+    pub reserved: u64,
+    /// Highest `allocated` since creation or [`CachingAllocator::reset_peaks`].
+    pub peak_allocated: u64,
+    /// Highest `reserved` since creation or [`CachingAllocator::reset_peaks`].
+    pub peak_reserved: u64,
+    /// Bytes requested by the live buffers (before rounding).
+    pub requested: u64,
+    /// Live buffers.
+    pub live_buffers: u64,
+    /// Raw device allocations made (segments created), ever.
+    pub raw_allocs: u64,
+    /// Raw device frees made (segments returned), ever.
+    pub raw_frees: u64,
+    /// Times an allocation emptied the cache and retried after a device out-of-memory.
+    pub oom_retries: u64,
+    /// Segments currently held.
+    pub segments: u64,
+}
+
+impl AllocatorStats {
+    /// Bytes reserved but not in a live block: what [`CachingAllocator::empty_cache`] could
+    /// give back at most.
+    pub fn cached(&self) -> u64 {
+        self.reserved.saturating_sub(self.allocated)
+    }
+}
+
+/// The pool a segment belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolKind {
+    /// Requests of at most [`SMALL_SIZE`] bytes.
+    Small,
+    /// Larger requests.
+    Large,
+}
+
+/// One segment and its blocks, as [`CachingAllocator::segments`] reports them (PyTorch's
+/// `memory_snapshot`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SegmentInfo {
+    /// The raw device buffer.
+    pub handle: u64,
+    /// Bytes of the segment.
+    pub size: u64,
+    /// The pool it serves.
+    pub pool: PoolKind,
+    /// Its blocks in offset order; together they cover the segment exactly.
+    pub blocks: Vec<BlockInfo>,
+}
+
+/// One block of a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BlockInfo {
+    /// Byte offset inside the segment.
+    pub offset: u64,
+    /// Bytes of the block.
+    pub size: u64,
+    /// Bytes the live buffer asked for, or `None` for a free block.
+    pub requested: Option<u64>,
+}
+
+/// A caching allocator over one device. Create it with [`CachingAllocator::new`] and share the
+/// `Arc`; buffers keep it alive.
+pub struct CachingAllocator {
+    device: Arc<Device>,
+    state: Mutex<State>,
+}
+
+impl fmt::Debug for CachingAllocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CachingAllocator")
+            .field("device", &self.device)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl CachingAllocator {
+    /// An allocator with an empty cache over `device`.
+    pub fn new(device: Arc<Device>) -> Arc<CachingAllocator> {
+        Arc::new(CachingAllocator {
+            device,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    /// The device the memory comes from.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// Allocates at least `bytes` bytes: rounds to the size class, reuses the best-fitting
+    /// cached block (splitting it), or else allocates a new segment from the device. On device
+    /// out-of-memory it empties the cache and retries once, then fails with
+    /// [`AllocError::OutOfMemory`].
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use iris_core::memory::CachingAllocator;
+    /// let plugin = iris_plugin::Plugin::builtin(iris_device_cpu::plugin_root());
+    /// let device = Arc::new(plugin.open(0, &[("capacity".into(), "64MiB".into())])?);
+    /// let allocator = CachingAllocator::new(device);
+    /// let buffer = allocator.alloc(1000)?;
+    /// assert_eq!((buffer.len(), buffer.capacity()), (1000, 1024));
+    /// drop(buffer);
+    /// // The block went back to the cache; the segment is still reserved until emptied.
+    /// assert_eq!(allocator.stats().allocated, 0);
+    /// assert_eq!(allocator.empty_cache()?, 2 << 20);
+    /// assert_eq!(allocator.stats().reserved, 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn alloc(self: &Arc<Self>, bytes: u64) -> Result<DeviceBuffer, AllocError> {
+        if bytes == 0 {
+            return Err(AllocError::InvalidArgument {
+                argument: "bytes",
+                message: "an allocation must be at least 1 byte".to_owned(),
+            });
+        }
+        let rounded = round_size(bytes).ok_or_else(|| too_large(bytes))?;
+        let pool = pool_for(rounded);
+        let mut state = self.lock();
+        let (segment, offset, block_size) = match state.take_free(pool, rounded) {
+            Some(found) => found,
+            None => {
+                let segment = self.grow(&mut state, pool, bytes, rounded)?;
+                let size = state.segments.get(&segment).map_or(0, |s| s.size);
+                state.free_set(pool).remove(&(size, segment, 0));
+                (segment, 0, size)
+            }
+        };
+        let (handle, capacity) = state.carve(segment, offset, block_size, rounded, bytes);
+        state.debug_check();
+        drop(state);
+        Ok(DeviceBuffer {
+            allocator: Arc::clone(self),
+            handle,
+            segment,
+            offset,
+            len: bytes,
+            capacity,
+        })
+    }
+
+    /// The current counters.
+    pub fn stats(&self) -> AllocatorStats {
+        self.lock().stats
+    }
+
+    /// Sets the peaks to the current figures (PyTorch's `reset_peak_memory_stats`).
+    pub fn reset_peaks(&self) {
+        let mut state = self.lock();
+        state.stats.peak_allocated = state.stats.allocated;
+        state.stats.peak_reserved = state.stats.reserved;
+    }
+
+    /// Returns every segment with no live block to the device; returns the bytes released.
+    ///
+    /// If the device refuses to free some segments, the others are still released and the
+    /// error ([`AllocError::ReleaseFailed`]) says how many bytes were.
+    pub fn empty_cache(&self) -> Result<u64, AllocError> {
+        let mut state = self.lock();
+        let result = state.release_cached(&self.device);
+        state.debug_check();
+        result
+    }
+
+    /// Every segment with its blocks, in creation order (PyTorch's `memory_snapshot`).
+    pub fn segments(&self) -> Vec<SegmentInfo> {
+        let state = self.lock();
+        state
+            .segments
+            .values()
+            .map(|segment| SegmentInfo {
+                handle: segment.handle.0,
+                size: segment.size,
+                pool: segment.pool,
+                blocks: segment
+                    .blocks
+                    .iter()
+                    .map(|(&offset, block)| BlockInfo {
+                        offset,
+                        size: block.size,
+                        requested: block.requested,
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// Recounts the books from the segments and compares them with the free lists and the
+    /// counters; the problem found, if any.
+    #[cfg(test)]
+    pub(crate) fn check_invariants(&self) -> Result<(), String> {
+        self.lock().check()
+    }
+
+    /// The counters and the device's `(free, total)`, read under one lock so that they agree.
+    pub(crate) fn stats_with_mem_info(
+        &self,
+    ) -> Result<(AllocatorStats, iris_plugin::MemInfo), AllocError> {
+        let state = self.lock();
+        let info = self.device.mem_info()?;
+        Ok((state.stats, info))
+    }
+
+    /// Allocates a new segment for a request that no cached block fits; on out-of-memory
+    /// empties the cache and tries once more. Returns the new segment's id; its single free
+    /// block is in the free set.
+    fn grow(
+        &self,
+        state: &mut State,
+        pool: PoolKind,
+        requested: u64,
+        rounded: u64,
+    ) -> Result<u64, AllocError> {
+        let size = segment_size(rounded).ok_or_else(|| too_large(requested))?;
+        match state.new_segment(&self.device, pool, size, rounded) {
+            Ok(segment) => return Ok(segment),
+            Err(err) if err.is_out_of_memory() => {}
+            Err(err) => return Err(err.into()),
+        }
+        state.stats.oom_retries += 1;
+        if let Err(err) = state.release_cached(&self.device) {
+            // The retry below may still succeed with what was released; the failure is
+            // reported if it does not.
+            tracing::warn!(error = %err, "emptying the cache after out-of-memory");
+        }
+        match state.new_segment(&self.device, pool, size, rounded) {
+            Ok(segment) => Ok(segment),
+            Err(err) if err.is_out_of_memory() => {
+                let info = self.device.mem_info().ok();
+                Err(AllocError::OutOfMemory {
+                    requested,
+                    rounded,
+                    allocated: state.stats.allocated,
+                    reserved: state.stats.reserved,
+                    device_free: info.map(|info| info.free),
+                    device_total: info.map(|info| info.total),
+                    message: err.message,
+                })
+            }
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// Returns a block to its pool; called by [`DeviceBuffer`]'s drop.
+    fn release(&self, segment: u64, offset: u64) {
+        let mut state = self.lock();
+        state.release(segment, offset);
+        if !std::thread::panicking() {
+            state.debug_check();
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Poisoning means a panic while the lock was held. Every mutation of `State` completes
+        // its bookkeeping before anything that can panic (only the debug invariant check), so
+        // the state is usable and dropping buffers must keep working.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Drop for CachingAllocator {
+    fn drop(&mut self) {
+        // No buffer is alive (each holds an `Arc` of the allocator), so every segment is free.
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Err(err) = state.release_cached(&self.device) {
+            tracing::warn!(error = %err, "returning memory to the device on allocator drop");
+        }
+    }
+}
+
+/// A block of device memory from a [`CachingAllocator`]. Dropping it returns the block to the
+/// allocator's cache (not to the device).
+pub struct DeviceBuffer {
+    allocator: Arc<CachingAllocator>,
+    handle: BufferHandle,
+    segment: u64,
+    offset: u64,
+    len: u64,
+    capacity: u64,
+}
+
+impl fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("handle", &self.handle.0)
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+impl DeviceBuffer {
+    /// The raw device buffer (the segment) this block lives in.
+    pub fn handle(&self) -> BufferHandle {
+        self.handle
+    }
+
+    /// Byte offset of the block inside the segment.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Bytes requested.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always `false`: allocations are at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of the block (the request after rounding, plus any unsplit remainder).
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// The allocator the block belongs to.
+    pub fn allocator(&self) -> &Arc<CachingAllocator> {
+        &self.allocator
+    }
+
+    /// The device the block lives on.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.allocator.device
+    }
+
+    /// A contiguous `rows x cols` view of `dtype` at the block's start.
+    ///
+    /// The device checks views against the whole segment only, so a view longer than this
+    /// buffer would reach a neighbouring block: use [`DeviceBuffer::try_mat`] for sizes that
+    /// are not known to fit (debug builds assert it here).
+    pub fn mat(&self, dtype: DType, rows: u64, cols: u64) -> MatRef {
+        debug_assert!(
+            self.view_fits(dtype, rows, cols),
+            "a {rows}x{cols} {dtype} view does not fit in a buffer of {} bytes",
+            self.len
+        );
+        MatRef::contiguous(self.handle, self.offset, dtype, rows, cols)
+    }
+
+    /// Like [`DeviceBuffer::mat`], but an error when the view does not fit in the buffer's
+    /// requested length or the dtype is unknown.
+    pub fn try_mat(&self, dtype: DType, rows: u64, cols: u64) -> Result<MatRef, AllocError> {
+        if self.view_fits(dtype, rows, cols) {
+            Ok(MatRef::contiguous(
+                self.handle,
+                self.offset,
+                dtype,
+                rows,
+                cols,
+            ))
+        } else {
+            Err(AllocError::InvalidArgument {
+                argument: "rows, cols",
+                message: format!(
+                    "a {rows}x{cols} {dtype} view does not fit in a buffer of {} bytes",
+                    self.len
+                ),
+            })
+        }
+    }
+
+    /// The buffer as a byte range (handle, offset, requested length), e.g. for a workspace.
+    pub fn slice(&self) -> BufferSlice {
+        BufferSlice {
+            buf: self.handle,
+            offset: self.offset,
+            bytes: self.len,
+        }
+    }
+
+    /// Copies `data` into the buffer at byte `offset`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), AllocError> {
+        let start = self.check_range("write", offset, data.len())?;
+        self.device().write(self.handle, start, data)?;
+        Ok(())
+    }
+
+    /// Fills `out` from the buffer at byte `offset`.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), AllocError> {
+        let start = self.check_range("read", offset, out.len())?;
+        self.device().read(self.handle, start, out)?;
+        Ok(())
+    }
+
+    /// Writes `data` as little-endian f32 at the start of the buffer.
+    pub fn write_f32(&self, data: &[f32]) -> Result<(), AllocError> {
+        let bytes: Vec<u8> = data.iter().flat_map(|value| value.to_le_bytes()).collect();
+        self.write(0, &bytes)
+    }
+
+    /// Reads the whole buffer as little-endian f32 (a trailing partial element is ignored).
+    pub fn read_f32(&self) -> Result<Vec<f32>, AllocError> {
+        let count = self.len / 4;
+        let mut bytes = vec![0u8; to_usize(count * 4, "len")?];
+        self.read(0, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]))
+            .collect())
+    }
+
+    fn view_fits(&self, dtype: DType, rows: u64, cols: u64) -> bool {
+        dtype
+            .size()
+            .and_then(|size| rows.checked_mul(cols)?.checked_mul(size))
+            .is_some_and(|bytes| bytes <= self.len)
+    }
+
+    /// The segment offset of `[offset, offset + bytes)` after checking it lies in the buffer.
+    fn check_range(&self, op: &'static str, offset: u64, bytes: usize) -> Result<u64, AllocError> {
+        let bytes = u64::try_from(bytes).unwrap_or(u64::MAX);
+        match offset.checked_add(bytes) {
+            Some(end) if end <= self.len => Ok(self.offset + offset),
+            _ => Err(AllocError::OutOfBounds {
+                op,
+                offset,
+                bytes,
+                len: self.len,
+            }),
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        self.allocator.release(self.segment, self.offset);
+    }
+}
+
+// -------------------------------------------------------------------------------------------
+// Internals
+// -------------------------------------------------------------------------------------------
+
+/// A free-list key: `(size, segment, offset)`, ordered so the first key at or above a size is
+/// the best fit.
+type FreeKey = (u64, u64, u64);
+
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    size: u64,
+    /// Bytes asked for by the live buffer; `None` when free.
+    requested: Option<u64>,
+}
+
+struct Segment {
+    handle: BufferHandle,
+    size: u64,
+    pool: PoolKind,
+    /// Blocks by offset; they tile `[0, size)` and no two free blocks are adjacent.
+    blocks: BTreeMap<u64, Block>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Segments by id, in creation order.
+    segments: BTreeMap<u64, Segment>,
+    small_free: BTreeSet<FreeKey>,
+    large_free: BTreeSet<FreeKey>,
+    next_segment: u64,
+    stats: AllocatorStats,
+}
+
+impl State {
+    fn free_set(&mut self, pool: PoolKind) -> &mut BTreeSet<FreeKey> {
+        match pool {
+            PoolKind::Small => &mut self.small_free,
+            PoolKind::Large => &mut self.large_free,
+        }
+    }
+
+    /// Removes and returns the best-fitting free block `(segment, offset, size)`.
+    fn take_free(&mut self, pool: PoolKind, rounded: u64) -> Option<(u64, u64, u64)> {
+        let set = self.free_set(pool);
+        let key = *set.range((rounded, 0, 0)..).next()?;
+        set.remove(&key);
+        let (size, segment, offset) = key;
+        Some((segment, offset, size))
+    }
+
+    /// Makes the free block at `(segment, offset)` of `block_size` bytes (already out of the
+    /// free set) a live block of `rounded` bytes, splitting off the remainder when worth it.
+    /// Returns the segment's handle and the block's capacity.
+    fn carve(
+        &mut self,
+        segment: u64,
+        offset: u64,
+        block_size: u64,
+        rounded: u64,
+        requested: u64,
+    ) -> (BufferHandle, u64) {
+        let Some(seg) = self.segments.get_mut(&segment) else {
+            // Invariant: free-list keys only name live segments.
+            unreachable!("free block in unknown segment {segment}");
+        };
+        let pool = seg.pool;
+        let handle = seg.handle;
+        let remainder = block_size - rounded;
+        let capacity = if should_split(pool, remainder) {
+            seg.blocks.insert(
+                offset + rounded,
+                Block {
+                    size: remainder,
+                    requested: None,
+                },
+            );
+            self.free_set(pool)
+                .insert((remainder, segment, offset + rounded));
+            rounded
+        } else {
+            block_size
+        };
+        if let Some(seg) = self.segments.get_mut(&segment) {
+            seg.blocks.insert(
+                offset,
+                Block {
+                    size: capacity,
+                    requested: Some(requested),
+                },
+            );
+        }
+        let stats = &mut self.stats;
+        stats.allocated += capacity;
+        stats.requested += requested;
+        stats.live_buffers += 1;
+        stats.peak_allocated = stats.peak_allocated.max(stats.allocated);
+        (handle, capacity)
+    }
+
+    /// Frees the live block at `(segment, offset)`, merging it with free neighbours.
+    fn release(&mut self, segment: u64, offset: u64) {
+        let Some(seg) = self.segments.get_mut(&segment) else {
+            // Invariant: a segment with a live block is never released, and every buffer
+            // names its own segment. Nothing to return if that were ever broken.
+            debug_assert!(false, "release in unknown segment {segment}");
+            return;
+        };
+        let pool = seg.pool;
+        let Some(block) = seg.blocks.get(&offset).copied() else {
+            debug_assert!(false, "release of unknown block {segment}:{offset}");
+            return;
+        };
+        let Some(requested) = block.requested else {
+            debug_assert!(false, "double release of block {segment}:{offset}");
+            return;
+        };
+        let mut start = offset;
+        let mut size = block.size;
+        let mut merged: Vec<FreeKey> = Vec::with_capacity(2);
+        if let Some((&prev_offset, prev)) = seg.blocks.range(..offset).next_back()
+            && prev.requested.is_none()
+        {
+            merged.push((prev.size, segment, prev_offset));
+            start = prev_offset;
+            size += prev.size;
+            seg.blocks.remove(&offset);
+        }
+        let next_offset = offset + block.size;
+        if let Some(next) = seg.blocks.get(&next_offset).copied()
+            && next.requested.is_none()
+        {
+            merged.push((next.size, segment, next_offset));
+            size += next.size;
+            seg.blocks.remove(&next_offset);
+        }
+        seg.blocks.insert(
+            start,
+            Block {
+                size,
+                requested: None,
+            },
+        );
+        let set = self.free_set(pool);
+        for key in &merged {
+            set.remove(key);
+        }
+        set.insert((size, segment, start));
+        let stats = &mut self.stats;
+        stats.allocated -= block.size;
+        stats.requested -= requested;
+        stats.live_buffers -= 1;
+    }
+
+    /// Allocates a segment of `size` bytes (or, if the device cannot, of `rounded` bytes) and
+    /// adds it as one free block.
+    fn new_segment(
+        &mut self,
+        device: &Device,
+        pool: PoolKind,
+        size: u64,
+        rounded: u64,
+    ) -> Result<u64, DeviceError> {
+        let (handle, size) = match device.alloc(size) {
+            Ok(handle) => (handle, size),
+            Err(err) if err.is_out_of_memory() && rounded < size => {
+                (device.alloc(rounded)?, rounded)
+            }
+            Err(err) => return Err(err),
+        };
+        let id = self.next_segment;
+        self.next_segment += 1;
+        let mut blocks = BTreeMap::new();
+        blocks.insert(
+            0,
+            Block {
+                size,
+                requested: None,
+            },
+        );
+        self.segments.insert(
+            id,
+            Segment {
+                handle,
+                size,
+                pool,
+                blocks,
+            },
+        );
+        self.free_set(pool).insert((size, id, 0));
+        let stats = &mut self.stats;
+        stats.reserved += size;
+        stats.raw_allocs += 1;
+        stats.segments += 1;
+        stats.peak_reserved = stats.peak_reserved.max(stats.reserved);
+        Ok(id)
+    }
+
+    /// Frees every segment that is one free block.
+    fn release_cached(&mut self, device: &Device) -> Result<u64, AllocError> {
+        let idle: Vec<u64> = self
+            .segments
+            .iter()
+            .filter(|(_, seg)| {
+                seg.blocks.len() == 1
+                    && seg
+                        .blocks
+                        .get(&0)
+                        .is_some_and(|block| block.requested.is_none())
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        let mut released = 0;
+        let mut failed = 0;
+        let mut first_error = None;
+        for id in idle {
+            let Some(seg) = self.segments.get(&id) else {
+                continue;
+            };
+            let (handle, size, pool) = (seg.handle, seg.size, seg.pool);
+            match device.free(handle) {
+                Ok(()) => {
+                    self.segments.remove(&id);
+                    self.free_set(pool).remove(&(size, id, 0));
+                    self.stats.reserved -= size;
+                    self.stats.raw_frees += 1;
+                    self.stats.segments -= 1;
+                    released += size;
+                }
+                Err(err) => {
+                    failed += 1;
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        match first_error {
+            None => Ok(released),
+            Some(source) => Err(AllocError::ReleaseFailed {
+                released,
+                failed,
+                source,
+            }),
+        }
+    }
+
+    fn debug_check(&self) {
+        if cfg!(debug_assertions)
+            && let Err(problem) = self.check()
+        {
+            panic!("caching allocator invariant broken: {problem}");
+        }
+    }
+
+    /// Recounts everything from the segments and compares with the free sets and counters.
+    fn check(&self) -> Result<(), String> {
+        let mut reserved = 0;
+        let mut allocated = 0;
+        let mut requested = 0;
+        let mut live = 0;
+        let mut free_blocks: BTreeSet<(PoolKind, FreeKey)> = BTreeSet::new();
+        for (&id, seg) in &self.segments {
+            reserved += seg.size;
+            let mut position = 0;
+            let mut previous_free = false;
+            for (&offset, block) in &seg.blocks {
+                if offset != position || block.size == 0 {
+                    return Err(format!(
+                        "segment {id}: block at {offset} of {} bytes, expected one at {position}",
+                        block.size
+                    ));
+                }
+                position += block.size;
+                match block.requested {
+                    Some(asked) => {
+                        if asked > block.size {
+                            return Err(format!("segment {id}: block at {offset} too small"));
+                        }
+                        allocated += block.size;
+                        requested += asked;
+                        live += 1;
+                        previous_free = false;
+                    }
+                    None => {
+                        if previous_free {
+                            return Err(format!("segment {id}: adjacent free blocks at {offset}"));
+                        }
+                        free_blocks.insert((seg.pool, (block.size, id, offset)));
+                        previous_free = true;
+                    }
+                }
+            }
+            if position != seg.size {
+                return Err(format!(
+                    "segment {id}: blocks cover {position} of {} bytes",
+                    seg.size
+                ));
+            }
+        }
+        let listed: BTreeSet<(PoolKind, FreeKey)> = self
+            .small_free
+            .iter()
+            .map(|key| (PoolKind::Small, *key))
+            .chain(self.large_free.iter().map(|key| (PoolKind::Large, *key)))
+            .collect();
+        if listed != free_blocks {
+            return Err(format!(
+                "free lists {listed:?} differ from free blocks {free_blocks:?}"
+            ));
+        }
+        let stats = &self.stats;
+        let segments = self.segments.len() as u64;
+        let expected = (allocated, reserved, requested, live, segments);
+        let counted = (
+            stats.allocated,
+            stats.reserved,
+            stats.requested,
+            stats.live_buffers,
+            stats.segments,
+        );
+        if expected != counted {
+            return Err(format!(
+                "counters (allocated, reserved, requested, live, segments) = {counted:?}, recount {expected:?}"
+            ));
+        }
+        if stats.peak_allocated < stats.allocated || stats.peak_reserved < stats.reserved {
+            return Err(format!("peaks below current figures: {stats:?}"));
+        }
+        if stats.raw_allocs - stats.raw_frees != segments {
+            return Err(format!("raw allocs - frees != segments: {stats:?}"));
+        }
+        Ok(())
+    }
+}
+
+/// `bytes` rounded up to a multiple of [`MIN_BLOCK_SIZE`], or `None` on overflow.
+pub fn round_size(bytes: u64) -> Option<u64> {
+    round_up(bytes.max(1), MIN_BLOCK_SIZE)
+}
+
+/// The pool serving a rounded request.
+pub fn pool_for(rounded: u64) -> PoolKind {
+    if rounded <= SMALL_SIZE {
+        PoolKind::Small
+    } else {
+        PoolKind::Large
+    }
+}
+
+/// Size of the segment allocated for a rounded request that no cached block fits (PyTorch's
+/// `get_allocation_size`), or `None` on overflow.
+pub fn segment_size(rounded: u64) -> Option<u64> {
+    if rounded <= SMALL_SIZE {
+        Some(SMALL_SEGMENT)
+    } else if rounded < MIN_LARGE_ALLOC {
+        Some(LARGE_SEGMENT)
+    } else {
+        round_up(rounded, ROUND_LARGE)
+    }
+}
+
+fn should_split(pool: PoolKind, remainder: u64) -> bool {
+    match pool {
+        PoolKind::Small => remainder >= MIN_BLOCK_SIZE,
+        PoolKind::Large => remainder > SMALL_SIZE,
+    }
+}
+
+fn round_up(value: u64, multiple: u64) -> Option<u64> {
+    value.div_ceil(multiple).checked_mul(multiple)
+}
+
+fn too_large(bytes: u64) -> AllocError {
+    AllocError::InvalidArgument {
+        argument: "bytes",
+        message: format!("{bytes} bytes cannot be rounded to a size class without overflow"),
+    }
+}
+
+fn to_usize(value: u64, argument: &'static str) -> Result<usize, AllocError> {
+    usize::try_from(value).map_err(|_| AllocError::InvalidArgument {
+        argument,
+        message: format!("{value} does not fit in this host's address space"),
+    })
+}
+
+fn device_memory(free: Option<u64>, total: Option<u64>) -> String {
+    match (free, total) {
+        (Some(free), Some(total)) => format!("the device has {free} of {total} bytes free"),
+        _ => "the device did not report its free memory".to_owned(),
+    }
+}
+
+// The allocator is shared across threads (engine, server handlers) and buffers travel with
+// requests; keep both thread-safe.
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<CachingAllocator>();
+    assert_send_sync::<DeviceBuffer>();
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device(capacity: &str) -> Arc<Device> {
+        let plugin = iris_plugin::Plugin::builtin(iris_device_cpu::plugin_root());
+        Arc::new(
+            plugin
+                .open(0, &[("capacity".into(), capacity.into())])
+                .unwrap(),
+        )
+    }
+
+    fn used(device: &Device) -> u64 {
+        let info = device.mem_info().unwrap();
+        info.total - info.free
+    }
+
+    #[test]
+    fn size_classes_follow_pytorch() {
+        assert_eq!(round_size(1), Some(512));
+        assert_eq!(round_size(512), Some(512));
+        assert_eq!(round_size(513), Some(1024));
+        assert_eq!(round_size(u64::MAX), None);
+        assert_eq!(pool_for(SMALL_SIZE), PoolKind::Small);
+        assert_eq!(pool_for(SMALL_SIZE + 512), PoolKind::Large);
+        assert_eq!(segment_size(512), Some(SMALL_SEGMENT));
+        assert_eq!(segment_size(SMALL_SIZE + 512), Some(LARGE_SEGMENT));
+        assert_eq!(segment_size(MIN_LARGE_ALLOC), Some(MIN_LARGE_ALLOC));
+        assert_eq!(
+            segment_size(MIN_LARGE_ALLOC + 1024),
+            Some(MIN_LARGE_ALLOC + ROUND_LARGE)
+        );
+    }
+
+    #[test]
+    fn zero_and_overflowing_sizes_are_invalid() {
+        let allocator = CachingAllocator::new(device("64MiB"));
+        let err = allocator.alloc(0).unwrap_err();
+        assert!(matches!(
+            err,
+            AllocError::InvalidArgument {
+                argument: "bytes",
+                ..
+            }
+        ));
+        let err = allocator.alloc(u64::MAX).unwrap_err();
+        assert!(matches!(err, AllocError::InvalidArgument { .. }), "{err}");
+        let err = allocator.alloc(u64::MAX - 4 * MIN_BLOCK_SIZE).unwrap_err();
+        assert!(matches!(err, AllocError::InvalidArgument { .. }), "{err}");
+        assert_eq!(allocator.stats(), AllocatorStats::default());
+    }
+
+    #[test]
+    fn freed_blocks_are_reused_without_device_calls() {
+        let dev = device("64MiB");
+        let allocator = CachingAllocator::new(Arc::clone(&dev));
+        let a = allocator.alloc(1000).unwrap();
+        let (handle, offset) = (a.handle(), a.offset());
+        drop(a);
+        let b = allocator.alloc(900).unwrap();
+        assert_eq!((b.handle(), b.offset()), (handle, offset));
+        let stats = allocator.stats();
+        assert_eq!((stats.raw_allocs, stats.segments), (1, 1));
+        assert_eq!(stats.reserved, SMALL_SEGMENT);
+        assert_eq!(used(&dev), SMALL_SEGMENT);
+        assert_eq!((stats.allocated, stats.requested), (1024, 900));
+    }
+
+    #[test]
+    fn blocks_split_and_merge_back_into_one() {
+        let allocator = CachingAllocator::new(device("64MiB"));
+        let a = allocator.alloc(512).unwrap();
+        let b = allocator.alloc(1024).unwrap();
+        let c = allocator.alloc(512).unwrap();
+        assert_eq!((a.offset(), b.offset(), c.offset()), (0, 512, 1536));
+        assert_eq!(allocator.segments()[0].blocks.len(), 4);
+        drop(b);
+        // A best fit: the 1 KiB hole, not the big tail.
+        let d = allocator.alloc(1000).unwrap();
+        assert_eq!(d.offset(), 512);
+        drop(d);
+        drop(a);
+        drop(c);
+        let segments = allocator.segments();
+        assert_eq!(
+            segments[0].blocks,
+            vec![BlockInfo {
+                offset: 0,
+                size: SMALL_SEGMENT,
+                requested: None
+            }]
+        );
+        assert_eq!(allocator.empty_cache().unwrap(), SMALL_SEGMENT);
+        let stats = allocator.stats();
+        assert_eq!(
+            (stats.raw_allocs, stats.raw_frees, stats.reserved),
+            (1, 1, 0)
+        );
+    }
+
+    #[test]
+    fn large_remainders_split_only_above_one_mib() {
+        let allocator = CachingAllocator::new(device("64MiB"));
+        // 19 MiB of a 20 MiB segment: the 1 MiB remainder is not worth keeping.
+        let a = allocator.alloc(19 << 20).unwrap();
+        assert_eq!(a.capacity(), LARGE_SEGMENT);
+        drop(a);
+        // 2 MiB: the 18 MiB remainder is split off and serves the next request.
+        let b = allocator.alloc(2 << 20).unwrap();
+        let c = allocator.alloc(3 << 20).unwrap();
+        assert_eq!((b.capacity(), c.capacity()), (2 << 20, 3 << 20));
+        assert_eq!((b.handle(), c.offset()), (c.handle(), 2 << 20));
+        assert_eq!(allocator.stats().segments, 1);
+    }
+
+    #[test]
+    fn empty_cache_keeps_segments_with_live_blocks() {
+        let dev = device("64MiB");
+        let allocator = CachingAllocator::new(Arc::clone(&dev));
+        let keep = allocator.alloc(100).unwrap();
+        let big = allocator.alloc(12 << 20).unwrap();
+        drop(big);
+        assert_eq!(allocator.empty_cache().unwrap(), 12 << 20);
+        assert_eq!(used(&dev), SMALL_SEGMENT);
+        assert_eq!(allocator.empty_cache().unwrap(), 0);
+        drop(keep);
+        assert_eq!(allocator.empty_cache().unwrap(), SMALL_SEGMENT);
+        assert_eq!(used(&dev), 0);
+    }
+
+    #[test]
+    fn peaks_are_maxima_until_reset() {
+        let allocator = CachingAllocator::new(device("64MiB"));
+        let a = allocator.alloc(4 << 20).unwrap();
+        drop(a);
+        let stats = allocator.stats();
+        assert_eq!((stats.allocated, stats.peak_allocated), (0, 4 << 20));
+        assert_eq!(stats.peak_reserved, LARGE_SEGMENT);
+        allocator.empty_cache().unwrap();
+        allocator.reset_peaks();
+        let stats = allocator.stats();
+        assert_eq!((stats.peak_allocated, stats.peak_reserved), (0, 0));
+    }
+
+    #[test]
+    fn buffer_io_is_bounds_checked_against_the_request() {
+        let allocator = CachingAllocator::new(device("64MiB"));
+        let neighbour = allocator.alloc(512).unwrap();
+        let buffer = allocator.alloc(10).unwrap();
+        buffer.write(2, &[1, 2, 3]).unwrap();
+        let mut back = [0u8; 5];
+        buffer.read(0, &mut back).unwrap();
+        assert_eq!(back, [0, 0, 1, 2, 3]);
+        let err = buffer.write(8, &[0; 3]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AllocError::OutOfBounds {
+                    op: "write",
+                    offset: 8,
+                    bytes: 3,
+                    len: 10
+                }
+            ),
+            "{err}"
+        );
+        assert!(buffer.read(u64::MAX, &mut back).is_err());
+        let floats = allocator.alloc(16).unwrap();
+        floats.write_f32(&[1.0, -2.5, 3.25, 0.0]).unwrap();
+        assert_eq!(floats.read_f32().unwrap(), vec![1.0, -2.5, 3.25, 0.0]);
+        assert!(floats.write_f32(&[0.0; 5]).is_err());
+        // The view and slice address the block, not the segment start.
+        let view = buffer.mat(DType::F16, 1, 5);
+        assert_eq!((view.buf, view.offset), (buffer.handle(), 512));
+        assert!(buffer.try_mat(DType::F32, 1, 3).is_err());
+        assert_eq!(buffer.slice().bytes, 10);
+        drop(neighbour);
+    }
+
+    #[test]
+    fn out_of_memory_empties_the_cache_and_retries() {
+        let dev = device("8MiB");
+        let allocator = CachingAllocator::new(Arc::clone(&dev));
+        // Fill the device with small segments, then free every block: all 8 MiB stay cached.
+        let small: Vec<_> = (0..8)
+            .map(|_| allocator.alloc(SMALL_SIZE).unwrap())
+            .collect();
+        assert_eq!(used(&dev), 8 << 20);
+        drop(small);
+        assert_eq!(allocator.stats().reserved, 8 << 20);
+        // 6 MiB fits only after the cache is returned (and only as an exact-size segment).
+        let big = allocator.alloc(6 << 20).unwrap();
+        let stats = allocator.stats();
+        assert_eq!(stats.oom_retries, 1);
+        assert_eq!((stats.reserved, stats.segments), (6 << 20, 1));
+        assert_eq!(used(&dev), 6 << 20);
+        // 4 MiB more never fits: a typed error with the numbers, and nothing leaked.
+        let err = allocator.alloc(4 << 20).unwrap_err();
+        let AllocError::OutOfMemory {
+            requested,
+            allocated,
+            reserved,
+            device_free,
+            device_total,
+            ..
+        } = &err
+        else {
+            panic!("expected out of memory, got {err}");
+        };
+        assert_eq!(*requested, 4 << 20);
+        assert_eq!((*allocated, *reserved), (6 << 20, 6 << 20));
+        assert_eq!(
+            (*device_free, *device_total),
+            (Some(2 << 20), Some(8 << 20))
+        );
+        let text = err.to_string();
+        for number in ["4194304", "6291456", "2097152", "8388608"] {
+            assert!(text.contains(number), "{text}");
+        }
+        assert_eq!(allocator.stats().oom_retries, 2);
+        assert_eq!(used(&dev), 6 << 20);
+        drop(big);
+        allocator.empty_cache().unwrap();
+        assert_eq!(used(&dev), 0);
+        let stats = allocator.stats();
+        assert_eq!(stats.raw_allocs, stats.raw_frees);
+    }
+
+    #[test]
+    fn dropping_the_allocator_returns_its_cache() {
+        let dev = device("64MiB");
+        let allocator = CachingAllocator::new(Arc::clone(&dev));
+        drop(allocator.alloc(5 << 20).unwrap());
+        drop(allocator.alloc(5).unwrap());
+        assert_eq!(used(&dev), LARGE_SEGMENT + SMALL_SEGMENT);
+        drop(allocator);
+        assert_eq!(used(&dev), 0);
+    }
+
+    #[test]
+    fn concurrent_alloc_and_free_keep_the_books() {
+        let dev = device("256MiB");
+        let allocator = CachingAllocator::new(Arc::clone(&dev));
+        std::thread::scope(|scope| {
+            for thread in 0..4u64 {
+                let allocator = Arc::clone(&allocator);
+                scope.spawn(move || {
+                    let mut held = Vec::new();
+                    for i in 0..200u64 {
+                        let size = 1 + (i * 7919 + thread * 104_729) % (3 << 20);
+                        held.push(allocator.alloc(size).unwrap());
+                        if i % 3 == 0 {
+                            held.swap_remove(usize::try_from(i % 7).unwrap() % held.len());
+                        }
+                        if held.len() > 6 {
+                            held.remove(0);
+                        }
+                    }
+                });
+            }
+        });
+        let stats = allocator.stats();
+        assert_eq!((stats.allocated, stats.live_buffers), (0, 0));
+        allocator.empty_cache().unwrap();
+        assert_eq!(used(&dev), 0);
+        allocator.lock().check().unwrap();
+    }
+}

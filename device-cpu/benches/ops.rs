@@ -1,0 +1,173 @@
+//! Throughput of the CPU device's heavy ops on 2 threads, through the public ABI: a square f32
+//! GEMM (GFLOP/s), the Qwen2-VL tower's GEMM shapes (f32 and bf16) and its attention.
+//!
+//! Throughput is reported in floating-point operations, so criterion's "elem/s" reads as
+//! FLOP/s.
+
+use std::hint::black_box;
+
+use abi_stable::std_types::RSlice;
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use iris_plugin::abi::{AttentionArgs, BufferSlice, GemmArgs};
+use iris_plugin::{Activation, DType, Device, MatRef, Plugin};
+
+const THREADS: usize = 2;
+
+fn device() -> Device {
+    let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
+    plugin
+        .open(
+            0,
+            &[
+                ("threads".to_owned(), THREADS.to_string()),
+                ("capacity".to_owned(), "8GiB".to_owned()),
+            ],
+        )
+        .expect("open the cpu device")
+}
+
+/// A `[rows, cols]` matrix of small deterministic values.
+fn matrix(dev: &Device, dtype: DType, rows: u64, cols: u64) -> MatRef {
+    let count = usize::try_from(rows * cols).expect("fits");
+    let values = (0..count).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 5000.0);
+    let bytes: Vec<u8> = match dtype {
+        DType::BF16 => values
+            .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::F16 => values
+            .flat_map(|v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => values.flat_map(f32::to_le_bytes).collect(),
+    };
+    let buf = dev.alloc(bytes.len() as u64).expect("alloc");
+    dev.write(buf, 0, &bytes).expect("write");
+    MatRef::contiguous(buf, 0, dtype, rows, cols)
+}
+
+fn gemm_case(
+    c: &mut Criterion,
+    dev: &Device,
+    name: &str,
+    (m, n, k): (u64, u64, u64),
+    dtype: DType,
+    bias: bool,
+) {
+    let a = matrix(dev, dtype, m, k);
+    let w = matrix(dev, dtype, n, k);
+    let bias = if bias {
+        matrix(dev, dtype, 1, n)
+    } else {
+        MatRef::NONE
+    };
+    let out = matrix(dev, dtype, m, n);
+    let args = GemmArgs {
+        a,
+        w,
+        bias,
+        out,
+        activation: Activation::NONE,
+        accumulate: false,
+        w_transposed: false,
+    };
+    let mut group = c.benchmark_group("gemm");
+    group.throughput(Throughput::Elements(2 * m * n * k));
+    group.sample_size(10);
+    group.bench_function(name, |b| {
+        b.iter(|| dev.gemm(black_box(&args)).expect("gemm"))
+    });
+    group.finish();
+    for view in [a, w, bias, out] {
+        if !view.is_none() {
+            dev.free(view.buf).expect("free");
+        }
+    }
+}
+
+fn gemm(c: &mut Criterion) {
+    let dev = device();
+    gemm_case(
+        c,
+        &dev,
+        "f32 2048x2048x2048",
+        (2048, 2048, 2048),
+        DType::F32,
+        false,
+    );
+    gemm_case(
+        c,
+        &dev,
+        "f32 qkv m1024 k1280 n3840 +bias",
+        (1024, 3840, 1280),
+        DType::F32,
+        true,
+    );
+    gemm_case(
+        c,
+        &dev,
+        "f32 fc1 m1024 k1280 n5120 +bias",
+        (1024, 5120, 1280),
+        DType::F32,
+        true,
+    );
+    gemm_case(
+        c,
+        &dev,
+        "bf16 fc1 m1024 k1280 n5120 +bias",
+        (1024, 5120, 1280),
+        DType::BF16,
+        true,
+    );
+}
+
+fn attention_case(c: &mut Criterion, dev: &Device, tokens: u64, dtype: DType) {
+    let (heads, head_dim) = (16u64, 80u64);
+    let cols = heads * head_dim;
+    let qkv = matrix(dev, dtype, tokens, 3 * cols);
+    let size = dtype.size().expect("known dtype");
+    let part = |i: u64| MatRef {
+        offset: i * cols * size,
+        cols,
+        ..qkv
+    };
+    let out = matrix(dev, dtype, tokens, cols);
+    let cu = [0u32, u32::try_from(tokens).expect("fits")];
+    let mut args = AttentionArgs {
+        q: part(0),
+        k: part(1),
+        v: part(2),
+        out,
+        heads,
+        head_dim,
+        // 1/sqrt(80)
+        scale: 0.111_803_4,
+        cu_seqlens: RSlice::from_slice(&cu),
+        workspace: BufferSlice::EMPTY,
+    };
+    let bytes = dev.attention_workspace(&args).expect("workspace size");
+    let ws = dev.alloc(bytes).expect("workspace");
+    args.workspace = BufferSlice {
+        buf: ws,
+        offset: 0,
+        bytes,
+    };
+    let mut group = c.benchmark_group("attention");
+    group.throughput(Throughput::Elements(4 * tokens * tokens * cols));
+    group.sample_size(10);
+    group.bench_function(format!("{dtype} {tokens} tokens 16x80"), |b| {
+        b.iter(|| dev.attention(black_box(&args)).expect("attention"))
+    });
+    group.finish();
+    for buf in [qkv.buf, out.buf, ws] {
+        dev.free(buf).expect("free");
+    }
+}
+
+fn attention(c: &mut Criterion) {
+    let dev = device();
+    attention_case(c, &dev, 1024, DType::F32);
+    attention_case(c, &dev, 4096, DType::F32);
+    attention_case(c, &dev, 1024, DType::BF16);
+}
+
+criterion_group!(benches, gemm, attention);
+criterion_main!(benches);

@@ -1,0 +1,424 @@
+//! Variable-length, non-causal multi-head attention, tiled with an online softmax.
+//!
+//! Work items are `(segment, head, block of Q_BLOCK queries)`; a fixed set of one task per
+//! thread pulls items from a shared counter, so every task owns one scratch slot of the caller's
+//! workspace for its whole life. Per item, keys and values are visited in blocks of
+//! [`K_BLOCK`]: scores `S = (scale·Q)·Kᵀ` and the update `acc += P·V` are matrix products on
+//! the `gemm` crate's single-threaded kernels, and the softmax is kept online (running max and
+//! sum per query, rescaling `acc` when the max grows), so no segment-wide score matrix exists.
+//! f32 keys and values are read in place through their row strides; f16/bf16 blocks are
+//! converted into the slot first.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use gemm::Parallelism;
+use iris_plugin::abi::{AttentionArgs, DType, PluginError};
+use rayon::prelude::*;
+
+use super::gemm::{Dst, Operand, matrix, run_gemm};
+use super::{Elem, View, disjoint, math, with_elem};
+use crate::device::CpuDevice;
+use crate::error::invalid;
+use crate::memory::{BUFFER_ALIGN, Region, check_range};
+
+/// Queries per work item.
+pub const Q_BLOCK: usize = 128;
+/// Keys per inner step.
+pub const K_BLOCK: usize = 256;
+/// f32 values per cache line: scratch parts start on cache lines.
+const LINE_FLOATS: usize = BUFFER_ALIGN / 4;
+
+/// Validated attention arguments.
+struct Plan {
+    q: View,
+    k: View,
+    v: View,
+    out: View,
+    heads: usize,
+    head_dim: usize,
+    tokens: usize,
+    segments: Vec<(usize, usize)>,
+}
+
+/// Offsets (in f32 elements) of the parts of one thread's scratch slot.
+#[derive(Clone, Copy)]
+struct SlotLayout {
+    q: usize,
+    acc: usize,
+    s: usize,
+    max: usize,
+    sum: usize,
+    k: usize,
+    v: usize,
+    len: usize,
+}
+
+impl SlotLayout {
+    fn new(head_dim: usize, convert: bool) -> SlotLayout {
+        let kv = if convert { K_BLOCK * head_dim } else { 0 };
+        let parts = [
+            Q_BLOCK * head_dim,
+            Q_BLOCK * head_dim,
+            Q_BLOCK * K_BLOCK,
+            Q_BLOCK,
+            Q_BLOCK,
+            kv,
+            kv,
+        ];
+        let mut offsets = [0usize; 8];
+        for (i, part) in parts.iter().enumerate() {
+            offsets[i + 1] = offsets[i] + part.div_ceil(LINE_FLOATS) * LINE_FLOATS;
+        }
+        SlotLayout {
+            q: offsets[0],
+            acc: offsets[1],
+            s: offsets[2],
+            max: offsets[3],
+            sum: offsets[4],
+            k: offsets[5],
+            v: offsets[6],
+            len: offsets[7],
+        }
+    }
+}
+
+/// The workspace, carved into one slot per thread.
+#[derive(Clone, Copy)]
+struct Slots {
+    base: *mut f32,
+    layout: SlotLayout,
+}
+
+// SAFETY: `base` points into the caller's workspace buffer, kept alive by the op for the
+// duration of the parallel section; each task uses only its own slot.
+unsafe impl Send for Slots {}
+// SAFETY: as above.
+unsafe impl Sync for Slots {}
+
+impl Slots {
+    /// Slot `index` as a slice.
+    ///
+    /// # Safety
+    /// `index` is below the number of slots the workspace was checked to hold, and only one
+    /// task uses a given slot at a time.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slot(&self, index: usize) -> &mut [f32] {
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.base.add(index * self.layout.len), self.layout.len)
+        }
+    }
+}
+
+impl CpuDevice {
+    /// Scratch bytes [`CpuDevice::attention_impl`] needs: one slot per thread plus alignment.
+    pub(crate) fn attention_workspace_impl(
+        &self,
+        args: &AttentionArgs<'_>,
+    ) -> Result<u64, PluginError> {
+        let plan = self.attention_plan("attention_workspace", args)?;
+        Ok(self.workspace_bytes(&plan))
+    }
+
+    /// [`AttentionArgs`].
+    pub(crate) fn attention_impl(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
+        const OP: &str = "attention";
+        let plan = self.attention_plan(OP, args)?;
+        let required = self.workspace_bytes(&plan);
+        let ws = args.workspace;
+        if ws.bytes < required {
+            return Err(invalid(
+                OP,
+                format!(
+                    "`workspace`: {} bytes given, {required} needed ({} threads, head_dim {})",
+                    ws.bytes, self.options.threads, plan.head_dim
+                ),
+            ));
+        }
+        if required == 0 {
+            return Ok(());
+        }
+        let region: Arc<Region> = self.memory.region(OP, ws.buf).map_err(|_| {
+            invalid(
+                OP,
+                format!("`workspace`: unknown buffer handle {}", ws.buf.0),
+            )
+        })?;
+        let start = check_range(OP, "`workspace`", &region, ws.offset, ws.bytes)?;
+        for (name, view) in [
+            ("q", &plan.q),
+            ("k", &plan.k),
+            ("v", &plan.v),
+            ("out", &plan.out),
+        ] {
+            let end = ws.offset + ws.bytes;
+            if view.buf == ws.buf
+                && view.offset < view.end
+                && ws.offset < view.end
+                && view.offset < end
+            {
+                return Err(invalid(OP, format!("`workspace` overlaps `{name}`")));
+            }
+        }
+        // SAFETY: `start` is inside the region; the first line boundary at or after it is
+        // at most BUFFER_ALIGN - 1 bytes further, which `workspace_bytes` reserves.
+        let base = unsafe { region.ptr().add(start) };
+        let base = base
+            .wrapping_add(base.align_offset(BUFFER_ALIGN))
+            .cast::<f32>();
+        let slots = Slots {
+            base,
+            layout: SlotLayout::new(plan.head_dim, plan.q.dtype != DType::F32),
+        };
+        with_elem!(OP, plan.q.dtype, T => {
+            self.run_attention::<T>(&plan, args.scale, slots);
+            Ok(())
+        })
+    }
+
+    fn workspace_bytes(&self, plan: &Plan) -> u64 {
+        if plan.tokens == 0 || plan.heads == 0 {
+            return 0;
+        }
+        let layout = SlotLayout::new(plan.head_dim, plan.q.dtype != DType::F32);
+        (self.options.threads * layout.len * 4 + BUFFER_ALIGN) as u64
+    }
+
+    fn attention_plan(&self, op: &str, args: &AttentionArgs<'_>) -> Result<Plan, PluginError> {
+        let q = View::new(self, op, "q", &args.q)?;
+        let k = View::new(self, op, "k", &args.k)?;
+        let v = View::new(self, op, "v", &args.v)?;
+        let out = View::new(self, op, "out", &args.out)?;
+        let (tokens, cols) = (q.rows, q.cols);
+        for (name, view) in [("k", &k), ("v", &v), ("out", &out)] {
+            view.expect_dtype(op, name, q.dtype, "q")?;
+            view.expect_shape(op, name, tokens, cols)?;
+        }
+        let too_big = |what: &str, value: u64| {
+            invalid(op, format!("`{what}`: {value} does not fit in memory"))
+        };
+        let heads = usize::try_from(args.heads).map_err(|_| too_big("heads", args.heads))?;
+        let head_dim =
+            usize::try_from(args.head_dim).map_err(|_| too_big("head_dim", args.head_dim))?;
+        if head_dim == 0 || heads == 0 || heads.checked_mul(head_dim) != Some(cols) {
+            return Err(invalid(
+                op,
+                format!(
+                    "`heads` {heads} x `head_dim` {head_dim} does not equal the {cols} columns of `q`"
+                ),
+            ));
+        }
+        if !args.scale.is_finite() {
+            return Err(invalid(
+                op,
+                format!("`scale`: expected a finite value, got {}", args.scale),
+            ));
+        }
+        for (name, view) in [("q", &q), ("k", &k), ("v", &v)] {
+            disjoint(op, "out", &out, name, view)?;
+        }
+        let cu = args.cu_seqlens.as_slice();
+        if cu.first() != Some(&0) {
+            return Err(invalid(op, "`cu_seqlens`: must start with 0"));
+        }
+        let mut segments = Vec::with_capacity(cu.len() - 1);
+        for (i, pair) in cu.windows(2).enumerate() {
+            if pair[1] < pair[0] {
+                return Err(invalid(
+                    op,
+                    format!(
+                        "`cu_seqlens`: decreases at index {}: {} after {}",
+                        i + 1,
+                        pair[1],
+                        pair[0]
+                    ),
+                ));
+            }
+            segments.push((pair[0] as usize, (pair[1] - pair[0]) as usize));
+        }
+        let last = cu[cu.len() - 1] as usize;
+        if last != tokens {
+            return Err(invalid(
+                op,
+                format!("`cu_seqlens`: ends at {last}, but `q` has {tokens} tokens"),
+            ));
+        }
+        Ok(Plan {
+            q,
+            k,
+            v,
+            out,
+            heads,
+            head_dim,
+            tokens,
+            segments,
+        })
+    }
+
+    fn run_attention<T: Elem>(&self, plan: &Plan, scale: f32, slots: Slots) {
+        // Longest segments first: their items are the most expensive (a greedy LPT order).
+        let mut segments: Vec<(usize, usize)> =
+            plan.segments.iter().copied().filter(|s| s.1 > 0).collect();
+        segments.sort_by_key(|s| std::cmp::Reverse(s.1));
+        let mut items = Vec::new();
+        for &(start, len) in &segments {
+            for q0 in (0..len).step_by(Q_BLOCK) {
+                for head in 0..plan.heads {
+                    items.push(Item {
+                        start,
+                        len,
+                        head,
+                        q0,
+                    });
+                }
+            }
+        }
+        let next = AtomicUsize::new(0);
+        let threads = self.options.threads;
+        self.pool.install(|| {
+            (0..threads).into_par_iter().for_each(|slot| {
+                // SAFETY: `slot < threads`, the number of slots `workspace_bytes` counted, and
+                // each index is handed to exactly one task.
+                let scratch = unsafe { slots.slot(slot) };
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(item) = items.get(i) else { break };
+                    attend::<T>(plan, scale, *item, slots.layout, scratch);
+                }
+            });
+        });
+    }
+}
+
+/// One unit of work: a block of queries of one head within one segment.
+#[derive(Clone, Copy)]
+struct Item {
+    start: usize,
+    len: usize,
+    head: usize,
+    q0: usize,
+}
+
+/// Computes the output rows of one item.
+fn attend<T: Elem>(plan: &Plan, scale: f32, item: Item, layout: SlotLayout, scratch: &mut [f32]) {
+    let d = plan.head_dim;
+    let c0 = item.head * d;
+    let qb = Q_BLOCK.min(item.len - item.q0);
+    let convert = plan.q.dtype != DType::F32;
+    let (head, rest) = scratch[layout.q..].split_at_mut(layout.acc - layout.q);
+    let q_tile = &mut head[..qb * d];
+    let (acc, rest) = rest.split_at_mut(layout.s - layout.acc);
+    let acc = &mut acc[..qb * d];
+    let (s_tile, rest) = rest.split_at_mut(layout.max - layout.s);
+    let (max, rest) = rest.split_at_mut(layout.sum - layout.max);
+    let (sum, rest) = rest.split_at_mut(layout.k - layout.sum);
+    let (k_tile, v_tile) = rest.split_at_mut(layout.v - layout.k);
+    let (max, sum) = (&mut max[..qb], &mut sum[..qb]);
+
+    for (i, row) in q_tile.chunks_exact_mut(d).enumerate() {
+        // SAFETY: `q` is an input, disjoint from `out` (checked), so no one writes it.
+        T::load(
+            unsafe { plan.q.segment::<T>(item.start + item.q0 + i, c0, d) },
+            row,
+        );
+    }
+    math::scale(q_tile, scale);
+    acc.fill(0.0);
+    max.fill(f32::NEG_INFINITY);
+    sum.fill(0.0);
+    let q_op = matrix(q_tile.as_ptr(), d);
+
+    for k0 in (0..item.len).step_by(K_BLOCK) {
+        let kb = K_BLOCK.min(item.len - k0);
+        let first = item.start + k0;
+        let (k_op, v_op) = if convert {
+            for (j, row) in k_tile[..kb * d].chunks_exact_mut(d).enumerate() {
+                // SAFETY: inputs are disjoint from `out` (checked), so no one writes them.
+                T::load(unsafe { plan.k.segment::<T>(first + j, c0, d) }, row);
+            }
+            for (j, row) in v_tile[..kb * d].chunks_exact_mut(d).enumerate() {
+                // SAFETY: as above.
+                T::load(unsafe { plan.v.segment::<T>(first + j, c0, d) }, row);
+            }
+            (matrix(k_tile.as_ptr(), d), matrix(v_tile.as_ptr(), d))
+        } else {
+            // SAFETY: rows `first..first + kb` and columns `c0..c0 + d` are inside the views.
+            let (k_ptr, v_ptr) = unsafe {
+                (
+                    plan.k.ptr::<f32>().add(first * plan.k.stride + c0),
+                    plan.v.ptr::<f32>().add(first * plan.v.stride + c0),
+                )
+            };
+            (matrix(k_ptr, plan.k.stride), matrix(v_ptr, plan.v.stride))
+        };
+        // Kᵀ as the right operand: element (c, j) is K[j, c].
+        let kt = Operand {
+            ptr: k_op.ptr,
+            col_stride: k_op.row_stride,
+            row_stride: 1,
+        };
+        let s = &mut s_tile[..qb * kb];
+        // Block sizes are small constants.
+        let kb_rs = kb as isize;
+        // SAFETY: `s` is `[qb, kb]` scratch; `q_tile` is `[qb, d]`; `kt` covers `d x kb`
+        // elements of live keys; nothing else touches `s` during the call.
+        unsafe {
+            run_gemm(
+                qb,
+                kb,
+                d,
+                Dst {
+                    ptr: s.as_mut_ptr(),
+                    row_stride: kb_rs,
+                },
+                false,
+                q_op,
+                kt,
+                Parallelism::None,
+            );
+        }
+        for (i, row) in s.chunks_exact_mut(kb).enumerate() {
+            let new_max = max[i].max(math::max(row));
+            let correction = if max[i] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                math::exp(max[i] - new_max)
+            };
+            let block_sum = math::exp_shifted_sum(row, new_max);
+            sum[i] = sum[i] * correction + block_sum;
+            if correction != 1.0 {
+                math::scale(&mut acc[i * d..(i + 1) * d], correction);
+            }
+            max[i] = new_max;
+        }
+        let p_op = matrix(s.as_ptr(), kb);
+        // `d` is a column count of a validated view.
+        let d_rs = d as isize;
+        // SAFETY: `acc` is `[qb, d]` scratch; `p_op` is `[qb, kb]`; `v_op` covers `kb x d`
+        // elements of live values.
+        unsafe {
+            run_gemm(
+                qb,
+                d,
+                kb,
+                Dst {
+                    ptr: acc.as_mut_ptr(),
+                    row_stride: d_rs,
+                },
+                true,
+                p_op,
+                v_op,
+                Parallelism::None,
+            );
+        }
+    }
+    for (i, row) in acc.chunks_exact_mut(d).enumerate() {
+        math::scale(row, 1.0 / sum[i]);
+        // SAFETY: this item is the only writer of these columns of this row of `out`, which
+        // is disjoint from every input.
+        T::store(row, unsafe {
+            plan.out.segment_mut::<T>(item.start + item.q0 + i, c0, d)
+        });
+    }
+}

@@ -1,0 +1,424 @@
+//! `out = act(a · Wᵀ + bias) (+ out)` through the `gemm` crate's AVX-512 kernels.
+//!
+//! f32 operands go to the kernel in place: a weight stored `[n, k]` is read as `Wᵀ` through its
+//! strides, never copied. Bias is written into `out` first and the kernel accumulates onto it
+//! (`read_dst`), so bias costs one pass over `out` and no extra memory; accumulation without an
+//! activation is `read_dst` as well. An activation runs as a parallel pass over `out` after the
+//! product; with both an activation and accumulation the product goes through a row-blocked f32
+//! temporary, since the activation must apply before the old contents are added.
+//!
+//! f16 and bf16 operands are converted to f32 first: `a` once, the weight in blocks of
+//! [`HALF_N_BLOCK`] output columns, each block's product landing in an f32 tile that the
+//! epilogue converts into `out`.
+
+use gemm::Parallelism;
+use iris_plugin::abi::{Activation, GemmArgs, PluginError};
+use rayon::prelude::*;
+
+use super::{Elem, View, disjoint, elementwise::check_activation, math, with_elem};
+use crate::device::CpuDevice;
+use crate::error::invalid;
+
+/// Output columns per weight block on the f16/bf16 path: a `[512, 1280]` f32 block is 2.5 MiB.
+pub const HALF_N_BLOCK: usize = 512;
+/// Rows per block when an activation and accumulation are combined on the f32 path.
+pub const ACCUMULATE_M_BLOCK: usize = 256;
+
+/// A matrix for the kernel: pointer and strides in elements.
+#[derive(Clone, Copy)]
+pub(crate) struct Operand {
+    pub(crate) ptr: *const f32,
+    pub(crate) col_stride: isize,
+    pub(crate) row_stride: isize,
+}
+
+/// The kernel's row-major output: pointer and row stride in elements.
+#[derive(Clone, Copy)]
+pub(crate) struct Dst {
+    pub(crate) ptr: *mut f32,
+    pub(crate) row_stride: isize,
+}
+
+// SAFETY: operands and outputs are addresses of validated views or owned scratch that outlive
+// the kernel call they are sent into; the kernel's threads write disjoint parts of `Dst`.
+unsafe impl Send for Operand {}
+// SAFETY: as above.
+unsafe impl Sync for Operand {}
+// SAFETY: as above.
+unsafe impl Send for Dst {}
+// SAFETY: as above.
+unsafe impl Sync for Dst {}
+
+impl CpuDevice {
+    /// [`GemmArgs`].
+    pub(crate) fn gemm_impl(&self, args: &GemmArgs) -> Result<(), PluginError> {
+        const OP: &str = "gemm";
+        let a = View::new(self, OP, "a", &args.a)?;
+        let w = View::new(self, OP, "w", &args.w)?;
+        let bias = if args.bias.is_none() {
+            None
+        } else {
+            Some(View::new(self, OP, "bias", &args.bias)?)
+        };
+        let out = View::new(self, OP, "out", &args.out)?;
+        check_activation(OP, "activation", args.activation)?;
+        let (m, k) = (a.rows, a.cols);
+        let (n, wk) = if args.w_transposed {
+            (w.cols, w.rows)
+        } else {
+            (w.rows, w.cols)
+        };
+        if wk != k {
+            let shape = if args.w_transposed {
+                "[k, n]"
+            } else {
+                "[n, k]"
+            };
+            return Err(invalid(
+                OP,
+                format!(
+                    "`w`: shape [{}, {}] read as {shape} has k = {wk}, but `a` has k = {k}",
+                    w.rows, w.cols
+                ),
+            ));
+        }
+        w.expect_dtype(OP, "w", a.dtype, "a")?;
+        if let Some(bias) = &bias {
+            bias.expect_dtype(OP, "bias", a.dtype, "a")?;
+            bias.expect_shape(OP, "bias", 1, n)?;
+        }
+        out.expect_dtype(OP, "out", a.dtype, "a")?;
+        out.expect_shape(OP, "out", m, n)?;
+        disjoint(OP, "out", &out, "a", &a)?;
+        disjoint(OP, "out", &out, "w", &w)?;
+        if let Some(bias) = &bias {
+            disjoint(OP, "out", &out, "bias", bias)?;
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let job = Job {
+            a,
+            w,
+            bias,
+            out,
+            m,
+            n,
+            k,
+            transposed: args.w_transposed,
+            act: args.activation,
+            accumulate: args.accumulate,
+        };
+        match job.a.dtype {
+            iris_plugin::abi::DType::F32 => self.gemm_f32(&job),
+            dtype => with_elem!(OP, dtype, T => self.gemm_half::<T>(&job)),
+        }
+    }
+
+    fn parallelism(&self) -> Parallelism {
+        if self.options.threads > 1 {
+            Parallelism::Rayon(self.options.threads)
+        } else {
+            Parallelism::None
+        }
+    }
+
+    fn gemm_f32(&self, job: &Job) -> Result<(), PluginError> {
+        let Job { m, n, k, .. } = *job;
+        let out = &job.out;
+        let mut bias = vec![0.0f32; if job.bias.is_some() { n } else { 0 }];
+        if let Some(view) = &job.bias {
+            // SAFETY: `bias` is disjoint from `out` (checked), so nothing writes it.
+            unsafe { view.load_row::<f32>(0, &mut bias) };
+        }
+        let bias = job.bias.as_ref().map(|_| bias.as_slice());
+        let lhs = matrix(job.a.ptr::<f32>(), job.a.stride);
+        let rhs = weight_operand(job.w.ptr::<f32>(), job.w.stride, job.transposed);
+        let dst = Dst {
+            ptr: out.ptr::<f32>(),
+            row_stride: to_isize(out.stride)?,
+        };
+        if job.act == Activation::NONE || !job.accumulate {
+            // Prefill: bias onto (accumulate) or into (overwrite) `out`.
+            if let Some(bias) = bias {
+                let accumulate = job.accumulate;
+                self.par_rows(m, n, 0, |rows, _| {
+                    for r in rows {
+                        // SAFETY: each task owns its rows of `out`.
+                        let row = unsafe { out.row_mut::<f32>(r) };
+                        if accumulate {
+                            math::add_assign(row, bias);
+                        } else {
+                            row.copy_from_slice(bias);
+                        }
+                    }
+                });
+            }
+            let read_dst = bias.is_some() || job.accumulate;
+            self.pool.install(|| {
+                // SAFETY: `out` is a validated `[m, n]` view disjoint from `a` and `w`, whose
+                // validated views cover `[m, k]` and the weight's `[n, k]` (or `[k, n]`) with
+                // the strides passed; nothing else touches them during the call.
+                unsafe { run_gemm(m, n, k, dst, read_dst, lhs, rhs, self.parallelism()) };
+            });
+            if job.act != Activation::NONE {
+                let act = job.act;
+                self.par_rows(m, n, 0, |rows, _| {
+                    for r in rows {
+                        // SAFETY: each task owns its rows of `out`.
+                        math::activate_slice(act, unsafe { out.row_mut::<f32>(r) });
+                    }
+                });
+            }
+            return Ok(());
+        }
+        // Activation and accumulation: act(a·Wᵀ + bias) into a temporary, then add to `out`.
+        let block = ACCUMULATE_M_BLOCK.min(m);
+        let mut tmp = vec![0.0f32; block * n];
+        for m0 in (0..m).step_by(block) {
+            let mb = block.min(m - m0);
+            let tile = &mut tmp[..mb * n];
+            if let Some(bias) = bias {
+                tile.chunks_exact_mut(n)
+                    .for_each(|row| row.copy_from_slice(bias));
+            }
+            let lhs_block = Operand {
+                // SAFETY: row `m0 < m` of the validated `a` view.
+                ptr: unsafe { lhs.ptr.offset(to_isize(m0)? * lhs.row_stride) },
+                ..lhs
+            };
+            let dst = Dst {
+                ptr: tile.as_mut_ptr(),
+                row_stride: to_isize(n)?,
+            };
+            self.pool.install(|| {
+                // SAFETY: `tile` is an owned `[mb, n]` buffer; the operands are as above.
+                unsafe {
+                    run_gemm(
+                        mb,
+                        n,
+                        k,
+                        dst,
+                        bias.is_some(),
+                        lhs_block,
+                        rhs,
+                        self.parallelism(),
+                    )
+                };
+            });
+            let act = job.act;
+            let tile = &tmp[..mb * n];
+            self.par_rows(mb, n, n, |rows, scratch| {
+                for r in rows {
+                    scratch.copy_from_slice(&tile[r * n..(r + 1) * n]);
+                    math::activate_slice(act, scratch);
+                    // SAFETY: each task owns its rows of `out`.
+                    math::add_assign(unsafe { out.row_mut::<f32>(m0 + r) }, scratch);
+                }
+            });
+        }
+        Ok(())
+    }
+
+    fn gemm_half<T: Elem>(&self, job: &Job) -> Result<(), PluginError> {
+        let Job { m, n, k, .. } = *job;
+        let out = &job.out;
+        // `a` in f32, contiguous.
+        let mut a32 = vec![0.0f32; m * k];
+        self.convert_rows::<T>(&job.a, 0, k, &mut a32);
+        let mut bias = vec![0.0f32; if job.bias.is_some() { n } else { 0 }];
+        if let Some(view) = &job.bias {
+            // SAFETY: `bias` is disjoint from `out` (checked), so nothing writes it.
+            unsafe { view.load_row::<T>(0, &mut bias) };
+        }
+        let nb_max = HALF_N_BLOCK.min(n);
+        let mut w32 = vec![0.0f32; nb_max * k];
+        let mut o32 = vec![0.0f32; m * nb_max];
+        let lhs = matrix(a32.as_ptr(), k);
+        for j0 in (0..n).step_by(nb_max) {
+            let nb = nb_max.min(n - j0);
+            // The weight block in f32: `[nb, k]` rows, or `[k, nb]` column slices.
+            let rhs = if job.transposed {
+                self.convert_rows::<T>(&job.w, j0, nb, &mut w32[..k * nb]);
+                weight_operand(w32.as_ptr(), nb, true)
+            } else {
+                let block = &mut w32[..nb * k];
+                self.convert_row_range::<T>(&job.w, j0..j0 + nb, block);
+                weight_operand(w32.as_ptr(), k, false)
+            };
+            let tile = &mut o32[..m * nb];
+            if job.bias.is_some() {
+                let bias = &bias[j0..j0 + nb];
+                tile.chunks_exact_mut(nb)
+                    .for_each(|row| row.copy_from_slice(bias));
+            }
+            let dst = Dst {
+                ptr: tile.as_mut_ptr(),
+                row_stride: to_isize(nb)?,
+            };
+            let read_dst = job.bias.is_some();
+            self.pool.install(|| {
+                // SAFETY: `tile` is an owned `[m, nb]` buffer; `a32` is `[m, k]` and the weight
+                // block `[nb, k]` (or `[k, nb]`) as described by the operands.
+                unsafe { run_gemm(m, nb, k, dst, read_dst, lhs, rhs, self.parallelism()) };
+            });
+            let tile = &o32[..m * nb];
+            let (act, accumulate) = (job.act, job.accumulate);
+            self.par_rows(m, nb, 2 * nb, |rows, scratch| {
+                let (row, old) = scratch.split_at_mut(nb);
+                for r in rows {
+                    row.copy_from_slice(&tile[r * nb..(r + 1) * nb]);
+                    math::activate_slice(act, row);
+                    // SAFETY: each task owns its rows of `out`.
+                    let dst = &mut unsafe { out.row_mut::<T>(r) }[j0..j0 + nb];
+                    if accumulate {
+                        T::load(dst, old);
+                        math::add_assign(row, old);
+                    }
+                    T::store(row, dst);
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Converts columns `c0..c0 + width` of every row of `view` into `dst` (`[rows, width]`).
+    fn convert_rows<T: Elem>(&self, view: &View, c0: usize, width: usize, dst: &mut [f32]) {
+        if width == 0 {
+            return;
+        }
+        self.pool.install(|| {
+            dst.par_chunks_mut(width)
+                .with_min_len(64)
+                .enumerate()
+                .for_each(|(r, d)| {
+                    // SAFETY: `view` is an operand disjoint from the op's output.
+                    T::load(&unsafe { view.row::<T>(r) }[c0..c0 + width], d);
+                });
+        });
+    }
+
+    /// Converts rows `rows` of `view` into `dst` (`[rows.len(), cols]`).
+    fn convert_row_range<T: Elem>(
+        &self,
+        view: &View,
+        rows: std::ops::Range<usize>,
+        dst: &mut [f32],
+    ) {
+        if view.cols == 0 {
+            return;
+        }
+        self.pool.install(|| {
+            dst.par_chunks_mut(view.cols)
+                .with_min_len(64)
+                .enumerate()
+                .for_each(|(i, d)| {
+                    // SAFETY: `view` is an operand disjoint from the op's output.
+                    T::load(unsafe { view.row::<T>(rows.start + i) }, d);
+                });
+        });
+    }
+}
+
+/// A validated gemm: operands, sizes and flags.
+struct Job {
+    a: View,
+    w: View,
+    bias: Option<View>,
+    out: View,
+    m: usize,
+    n: usize,
+    k: usize,
+    transposed: bool,
+    act: Activation,
+    accumulate: bool,
+}
+
+/// A row-major matrix operand with `row_stride` elements between rows. Strides come from
+/// validated views (at most `isize::MAX` bytes, see `View::new`) or from scratch sizes.
+pub(crate) fn matrix(ptr: *const f32, row_stride: usize) -> Operand {
+    Operand {
+        ptr,
+        col_stride: 1,
+        row_stride: row_stride as isize,
+    }
+}
+
+/// The kernel's right operand `[k, n]` for a weight stored `[n, k]` (read as its transpose
+/// through the strides) or, when `transposed`, stored `[k, n]`.
+fn weight_operand(ptr: *const f32, stride: usize, transposed: bool) -> Operand {
+    // See `matrix` for why the stride fits.
+    let stride = stride as isize;
+    if transposed {
+        Operand {
+            ptr,
+            col_stride: 1,
+            row_stride: stride,
+        }
+    } else {
+        Operand {
+            ptr,
+            col_stride: stride,
+            row_stride: 1,
+        }
+    }
+}
+
+fn to_isize(value: usize) -> Result<isize, PluginError> {
+    isize::try_from(value).map_err(|_| invalid("gemm", format!("stride {value} is too large")))
+}
+
+/// `dst[m, n] = lhs[m, k] · rhs[k, n] (+ dst when read_dst)`, with `dst` row-major.
+///
+/// # Safety
+/// The three matrices, with their strides and sizes, lie in live memory; `dst` is writable
+/// and overlaps neither operand; no other thread touches `dst` during the call.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn run_gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Dst,
+    read_dst: bool,
+    lhs: Operand,
+    rhs: Operand,
+    parallelism: Parallelism,
+) {
+    if k == 0 {
+        if !read_dst {
+            for r in 0..m {
+                // SAFETY: row `r < m` of `dst` holds `n` writable elements (caller's contract).
+                unsafe {
+                    std::slice::from_raw_parts_mut(dst.ptr.offset(r as isize * dst.row_stride), n)
+                }
+                .fill(0.0);
+            }
+        }
+        return;
+    }
+    // SAFETY: forwarded to the caller; alpha = 1 keeps `dst` when `read_dst`, beta = 1 adds
+    // the product unscaled.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.ptr,
+            1,
+            dst.row_stride,
+            read_dst,
+            lhs.ptr,
+            lhs.col_stride,
+            lhs.row_stride,
+            rhs.ptr,
+            rhs.col_stride,
+            rhs.row_stride,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}

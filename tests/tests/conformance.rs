@@ -1,0 +1,193 @@
+//! The conformance suite against every plugin this workspace builds: the CPU device linked in
+//! and loaded from its library, and the backend template.
+
+use iris_plugin::conformance::{self, Report, Status};
+use iris_plugin::{Device, Plugin, load_library};
+use iris_tests::plugin_library;
+
+/// Small enough that the out-of-memory check is quick, large enough for every op case.
+const CAPACITY_OPTION: &str = "67108864";
+
+fn open(plugin: &Plugin) -> Device {
+    plugin
+        .open(0, &[("capacity".into(), CAPACITY_OPTION.into())])
+        .unwrap_or_else(|err| panic!("{} device 0 opens: {err}", plugin.name()))
+}
+
+fn assert_no_failures(report: &Report) {
+    let failures: Vec<String> = report
+        .failures()
+        .map(|check| format!("{}: {}", check.name, check.status))
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "failed checks:\n{}",
+        failures.join("\n")
+    );
+    assert!(report.passed() > 0, "no check passed: {report:?}");
+}
+
+#[test]
+fn builtin_cpu_device_has_no_failures() {
+    let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
+    let device = open(&plugin);
+    let report = conformance::run(&plugin, &device);
+    assert_no_failures(&report);
+}
+
+#[test]
+fn cpu_library_has_no_failures() {
+    let plugin = load_library(&plugin_library("cpu")).expect("the CPU library loads");
+    let device = open(&plugin);
+    let report = conformance::run(&plugin, &device);
+    assert_no_failures(&report);
+}
+
+#[test]
+fn template_passes_and_reports_every_op_unsupported() {
+    let plugin = load_library(&plugin_library("template")).expect("the template loads");
+    assert_eq!(plugin.name(), "template");
+    let device = open(&plugin);
+    let report = conformance::run(&plugin, &device);
+    assert_no_failures(&report);
+    for check in &report.checks {
+        let is_op = check.name.starts_with("op.");
+        match (&check.status, is_op) {
+            (Status::Unsupported(_), true) | (Status::Pass, false) => {}
+            (status, _) => panic!("{}: unexpected {status}", check.name),
+        }
+    }
+    assert!(report.unsupported() > 0);
+    let names: Vec<&str> = report.checks.iter().map(|c| c.name.as_str()).collect();
+    for expected in [
+        "memory.accounting",
+        "memory.out_of_memory",
+        "transfer.copy_regions",
+        "op.gemm.plain.f32",
+        "op.attention.bf16",
+        "op.cast.f16_to_bf16",
+        "memory.all_freed",
+    ] {
+        assert!(
+            names.contains(&expected),
+            "{expected} missing from {names:?}"
+        );
+    }
+}
+
+/// A device that lies: it lists gemm and layer norm, but its gemm writes nothing and its layer
+/// norm answers "unsupported". The suite must fail both and call the unlisted ops unsupported.
+mod liar {
+    use abi_stable::prefix_type::{PrefixRef, WithMetadata};
+    use abi_stable::std_types::{RResult, RSlice, RStr};
+    use iris_device_cpu::{CpuDevice, CpuOptions};
+    use iris_plugin::abi::{
+        BufferHandle, CopyRegion, DeviceDesc, DeviceInstance, GemmArgs, IrisPlugin, IrisPluginRef,
+        MemInfo, NormArgs, OpKind, PluginError, PluginOption, ProbeResult,
+    };
+    use iris_plugin::backend::{device_instance, guard, probe_result};
+    use iris_plugin::{Backend, Plugin};
+
+    struct Liar(CpuDevice);
+
+    impl Backend for Liar {
+        fn describe(&self) -> DeviceDesc {
+            let mut desc = self.0.describe();
+            desc.ops = vec![OpKind::GEMM, OpKind::LAYER_NORM].into();
+            desc
+        }
+        fn mem_info(&self) -> Result<MemInfo, PluginError> {
+            self.0.mem_info()
+        }
+        fn alloc(&self, bytes: u64) -> Result<BufferHandle, PluginError> {
+            self.0.alloc(bytes)
+        }
+        fn free(&self, buf: BufferHandle) -> Result<(), PluginError> {
+            self.0.free(buf)
+        }
+        fn write(&self, dst: BufferHandle, offset: u64, src: &[u8]) -> Result<(), PluginError> {
+            self.0.write(dst, offset, src)
+        }
+        fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), PluginError> {
+            self.0.read(src, offset, dst)
+        }
+        fn copy(
+            &self,
+            dst: BufferHandle,
+            dst_offset: u64,
+            src: BufferHandle,
+            src_offset: u64,
+            bytes: u64,
+        ) -> Result<(), PluginError> {
+            self.0.copy(dst, dst_offset, src, src_offset, bytes)
+        }
+        fn copy_regions(
+            &self,
+            dst: BufferHandle,
+            src: BufferHandle,
+            regions: &[CopyRegion],
+        ) -> Result<(), PluginError> {
+            self.0.copy_regions(dst, src, regions)
+        }
+        fn synchronize(&self) -> Result<(), PluginError> {
+            self.0.synchronize()
+        }
+        fn gemm(&self, _args: &GemmArgs) -> Result<(), PluginError> {
+            Ok(())
+        }
+        fn layer_norm(&self, _args: &NormArgs) -> Result<(), PluginError> {
+            Err(PluginError::unsupported("layer_norm: not yet"))
+        }
+    }
+
+    extern "C" fn probe() -> ProbeResult {
+        probe_result(1, "")
+    }
+
+    extern "C" fn open(
+        _ordinal: u32,
+        _options: RSlice<'_, PluginOption<'_>>,
+    ) -> RResult<DeviceInstance, PluginError> {
+        guard("open", || {
+            let options = CpuOptions {
+                threads: 1,
+                capacity: 16 << 20,
+            };
+            Ok(device_instance(Liar(CpuDevice::open(options)?)))
+        })
+    }
+
+    const MODULE: &WithMetadata<IrisPlugin> = &WithMetadata::new(IrisPlugin {
+        name: RStr::from_str("liar"),
+        version: RStr::from_str("0.0.0"),
+        probe,
+        open,
+    });
+
+    pub fn plugin() -> Plugin {
+        Plugin::builtin(IrisPluginRef(PrefixRef::from_ref(MODULE)))
+    }
+}
+
+#[test]
+fn listed_ops_that_misbehave_fail_and_unlisted_ones_are_unsupported() {
+    let plugin = liar::plugin();
+    let device = plugin.open(0, &[]).expect("the liar opens");
+    let report = conformance::run(&plugin, &device);
+    let status = |name: &str| {
+        report
+            .checks
+            .iter()
+            .find(|check| check.name == name)
+            .map(|check| check.status.label())
+            .unwrap_or_else(|| panic!("{name} missing"))
+    };
+    assert_eq!(status("op.gemm.plain.f32"), "fail");
+    assert_eq!(status("op.gemm.bias_silu.bf16"), "fail");
+    assert_eq!(status("op.layer_norm.f32"), "fail");
+    assert_eq!(status("op.rms_norm.f32"), "unsupported");
+    assert_eq!(status("op.attention.f16"), "unsupported");
+    assert_eq!(status("memory.accounting"), "pass");
+    assert_eq!(status("memory.all_freed"), "pass");
+    assert!(!report.is_ok());
+}
