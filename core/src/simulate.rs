@@ -35,15 +35,21 @@
 //! ```
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+use iris_plugin::DType;
 
 use serde::Serialize;
 use serde_json::Value;
 use thiserror::Error;
 
+use crate::budget::tokens_to_bytes;
 use crate::budget::{
     BudgetError, BudgetPolicy, EncoderBudget, Modality, ModalityLimits, SchedulerConfig,
 };
+use crate::cache::device::{DeviceEncoderCache, Entry};
 use crate::cache::encoder::{EncoderCacheManagement, EncoderCacheManager, MmHash, RequestId};
+use crate::memory::CachingAllocator;
 use crate::scheduler::{
     EncoderInput, MmItem, NewRequest, Scheduler, SchedulerError, SchedulerPolicy, StepOutput,
 };
@@ -205,6 +211,82 @@ impl EncoderOutputStore for SizeOnlyOutputs {
 
     fn len(&self) -> usize {
         self.outputs.len()
+    }
+}
+
+/// An [`EncoderOutputStore`] backed by a device encoder cache: each encoder output is a buffer of
+/// `embeds x hidden x dtype` bytes from the caching allocator (left unwritten: a simulation runs
+/// no encoder), so a simulation exercises the device memory lifecycle the engine has.
+#[derive(Debug)]
+pub struct DeviceCacheOutputs {
+    cache: DeviceEncoderCache,
+    allocator: Arc<CachingAllocator>,
+    hidden: u64,
+    dtype: DType,
+}
+
+impl DeviceCacheOutputs {
+    /// An empty store allocating from `allocator`, with embeddings `hidden` wide of `dtype`.
+    pub fn new(allocator: Arc<CachingAllocator>, hidden: u64, dtype: DType) -> Self {
+        DeviceCacheOutputs {
+            cache: DeviceEncoderCache::new(),
+            allocator,
+            hidden,
+            dtype,
+        }
+    }
+
+    /// The device encoder cache.
+    pub fn cache(&self) -> &DeviceEncoderCache {
+        &self.cache
+    }
+
+    /// The allocator the buffers come from.
+    pub fn allocator(&self) -> &Arc<CachingAllocator> {
+        &self.allocator
+    }
+}
+
+impl EncoderOutputStore for DeviceCacheOutputs {
+    fn free_hashes(&mut self, hashes: &[MmHash]) -> Result<(), String> {
+        let unknown = self.cache.unknown_frees();
+        let hashes: Vec<&str> = hashes.iter().map(|h| &**h).collect();
+        self.cache.free_hashes(&hashes);
+        if self.cache.unknown_frees() != unknown {
+            return Err(format!(
+                "asked to free {} hashes it does not hold (of {hashes:?})",
+                self.cache.unknown_frees() - unknown
+            ));
+        }
+        Ok(())
+    }
+
+    fn store(&mut self, input: &EncoderInput) -> Result<(), String> {
+        let dtype_bytes = self
+            .dtype
+            .size()
+            .ok_or_else(|| format!("dtype {:?} has no element size", self.dtype))?;
+        let bytes =
+            tokens_to_bytes(input.embeds, self.hidden, dtype_bytes).map_err(|e| e.to_string())?;
+        let buffer = self.allocator.alloc(bytes).map_err(|e| e.to_string())?;
+        self.cache.insert(
+            input.hash.to_string(),
+            Entry::new(buffer, input.embeds, self.hidden, self.dtype),
+        );
+        Ok(())
+    }
+
+    fn reset(&mut self) -> Result<(), String> {
+        self.cache.reset();
+        Ok(())
+    }
+
+    fn contains(&self, hash: &str) -> bool {
+        self.cache.contains(hash)
+    }
+
+    fn len(&self) -> usize {
+        self.cache.len()
     }
 }
 

@@ -1,15 +1,45 @@
-//! Scheduler, encoder cache manager and encoder output store driven together: property tests on
-//! random sequences of arrivals, steps, aborts and resets, and a 10,000-request simulation with
-//! Zipf-distributed image popularity.
+//! Scheduler, encoder cache manager and device encoder cache driven together on the CPU device:
+//! property tests on random sequences of arrivals, steps, aborts and resets, and a
+//! 10,000-request simulation with Zipf-distributed image popularity.
+
+use std::sync::Arc;
 
 use iris_core::budget::SchedulerConfig;
 use iris_core::cache::encoder::{EncoderCacheManagement, EncoderCacheManager};
+use iris_core::memory::CachingAllocator;
 use iris_core::scheduler::{MmItem, NewRequest, RequestId, Scheduler, SchedulerPolicy};
 use iris_core::simulate::{
-    EncoderOutputStore, SizeOnlyOutputs, SyntheticWorkload, build_scheduler, check_outputs,
-    run_outputs, simulate_with,
+    DeviceCacheOutputs, EncoderOutputStore, SizeOnlyOutputs, SyntheticWorkload, build_scheduler,
+    check_outputs, run_outputs, simulate_with,
 };
+use iris_plugin::DType;
 use proptest::prelude::*;
+
+/// A caching allocator on the CPU device.
+fn cpu_allocator() -> Arc<CachingAllocator> {
+    let plugin = iris_plugin::Plugin::builtin(iris_device_cpu::plugin_root());
+    let device = plugin
+        .open(0, &[("capacity".into(), "256MiB".into())])
+        .unwrap();
+    CachingAllocator::new(Arc::new(device))
+}
+
+/// Device outputs `hidden` wide in f32 on a fresh CPU device.
+fn device_outputs(hidden: u64) -> DeviceCacheOutputs {
+    DeviceCacheOutputs::new(cpu_allocator(), hidden, DType::F32)
+}
+
+/// After every request ended and a reset: no cache entry, no device byte allocated, and after
+/// emptying the allocator's cache nothing reserved either.
+fn assert_device_empty(outputs: &DeviceCacheOutputs) {
+    assert!(outputs.is_empty());
+    assert_eq!(outputs.cache().bytes(), 0);
+    let allocator = outputs.allocator();
+    assert_eq!(allocator.stats().allocated, 0);
+    allocator.empty_cache().unwrap();
+    assert_eq!(allocator.stats().reserved, 0);
+    assert_eq!(outputs.cache().unknown_frees(), 0);
+}
 
 /// The size of image `k`: a function of the hash, as content determines size.
 fn image_len(k: u8) -> u64 {
@@ -49,7 +79,11 @@ fn request(gaps: &[(u64, u8)], tail: u64) -> NewRequest {
 }
 
 /// Checks the manager's invariants and that the store mirrors the manager exactly.
-fn check(s: &Scheduler, outputs: &SizeOnlyOutputs, step: u64) -> Result<(), TestCaseError> {
+fn check<O: EncoderOutputStore>(
+    s: &Scheduler,
+    outputs: &O,
+    step: u64,
+) -> Result<(), TestCaseError> {
     let m = s.manager();
     m.verify().map_err(TestCaseError::fail)?;
     let st = m.stats();
@@ -83,7 +117,7 @@ proptest! {
             ..SchedulerConfig::default()
         };
         let mut s = Scheduler::with_item_limit(config, image_len(5)).unwrap();
-        let mut outputs = SizeOnlyOutputs::default();
+        let mut outputs = device_outputs(8);
         let mut ids: Vec<RequestId> = Vec::new();
         let mut step = 0u64;
         for op in ops {
@@ -129,7 +163,7 @@ proptest! {
         outputs.reset().unwrap();
         check(&s, &outputs, step)?;
         prop_assert_eq!(s.manager().stats().entries, 0);
-        prop_assert!(outputs.is_empty());
+        assert_device_empty(&outputs);
     }
 }
 
@@ -151,7 +185,7 @@ fn ten_thousand_zipf_requests_all_complete_and_nothing_is_left() {
         ..SchedulerConfig::default()
     };
     let mut scheduler = build_scheduler(&workload, &config, None).unwrap();
-    let mut outputs = SizeOnlyOutputs::default();
+    let mut outputs = device_outputs(16);
     let summary = simulate_with(&mut scheduler, &workload, &mut outputs, |_| Ok(())).unwrap();
 
     assert_eq!(summary.requests.len(), 10_000);
@@ -176,5 +210,28 @@ fn ten_thousand_zipf_requests_all_complete_and_nothing_is_left() {
     outputs.reset().unwrap();
     assert_eq!(scheduler.manager().stats().entries, 0);
     assert_eq!(scheduler.manager().num_free_slots(), 16_384);
+    assert_device_empty(&outputs);
+}
+
+#[test]
+fn size_only_store_mirrors_the_manager_too() {
+    let workload = SyntheticWorkload {
+        requests: 500,
+        distinct_images: 100,
+        zipf_exponent: 1.0,
+        max_images_per_request: 4,
+        image_tokens: (64, 1024),
+        text_tokens: (16, 128),
+        requests_per_step: 4,
+        seed: 3,
+    }
+    .generate();
+    let config = SchedulerConfig::default();
+    let mut scheduler = build_scheduler(&workload, &config, None).unwrap();
+    let mut outputs = SizeOnlyOutputs::default();
+    simulate_with(&mut scheduler, &workload, &mut outputs, |_| Ok(())).unwrap();
+    assert_eq!(outputs.len(), scheduler.manager().stats().entries);
+    scheduler.reset_encoder_cache();
+    outputs.reset().unwrap();
     assert!(outputs.is_empty());
 }
