@@ -640,4 +640,31 @@ mod tests {
             Err(ProcessorCacheError::SizeMismatch { .. })
         ));
     }
+
+    proptest::proptest! {
+        /// Fed the same random sequence, sender and receiver hold the same keys, bytes and
+        /// counters after every item, and every payload comes back intact.
+        #[test]
+        fn mirrored_pair_stays_identical(
+            capacity in 0u64..300,
+            seq in proptest::collection::vec(0u8..12, 1..200),
+        ) {
+            let mut s = ProcessorCacheSender::new(capacity);
+            let mut r = ProcessorCacheReceiver::new(capacity);
+            for key in seq {
+                // Content determines size: a key always has the same payload.
+                let hash = format!("k{key}");
+                let size = 1 + (usize::from(key) * 37) % 120;
+                let pay = if s.is_cached(&hash) { None } else { Some(vec![key; size]) };
+                let item = s.prepare(&hash, pay).unwrap();
+                proptest::prop_assert_eq!(r.receive(item).unwrap(), vec![key; size]);
+                proptest::prop_assert_eq!(s.stats(), r.stats());
+                proptest::prop_assert!(s.stats().bytes <= capacity);
+                for k in 0..12u8 {
+                    let h = format!("k{k}");
+                    proptest::prop_assert_eq!(s.is_cached(&h), r.contains(&h));
+                }
+            }
+        }
+    }
 }
