@@ -217,7 +217,9 @@ pub trait SchedulerPolicy {
     /// Aborts a request, releasing everything it holds; false if unknown.
     fn abort(&mut self, request: RequestId) -> bool;
     /// Empties the encoder cache manager. In-flight requests keep going and re-encode what they
-    /// still need; the device cache must be reset with it.
+    /// still need; the device cache must be reset with it. Call it between steps (after
+    /// `update_from_output`), so that no encoder output of a planned step lands in the device
+    /// cache after the reset.
     fn reset_encoder_cache(&mut self) -> EncoderCacheReset;
     /// Requests waiting to be admitted.
     fn num_waiting(&self) -> usize;
