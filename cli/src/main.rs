@@ -10,6 +10,7 @@
 #[allow(dead_code)]
 mod bench;
 mod devices;
+mod encode;
 #[allow(dead_code)]
 mod http;
 mod plugin_check;
@@ -34,6 +35,8 @@ struct Cli {
 enum Command {
     /// List every device plugin (built in and found on the plugin path) and its devices.
     Devices(devices::DevicesArgs),
+    /// Encode images with a vision tower and write the embeddings to a safetensors file.
+    Encode(encode::EncodeArgs),
     /// Work with device plugins.
     Plugin {
         #[command(subcommand)]
@@ -53,6 +56,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Devices(args) => devices::run(&cli.global, args),
+        Command::Encode(args) => encode::run(&cli.global, args),
         Command::Plugin {
             command: PluginCommand::Check(args),
         } => plugin_check::run(&cli.global, args),

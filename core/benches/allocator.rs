@@ -45,9 +45,11 @@ fn alloc_free(c: &mut Criterion) {
     }
     group.finish();
     let stats = allocator.stats();
+    // One small segment (shared by 4 KiB and 1 MiB) and one 16 MiB segment: every measured
+    // cached pair reused a block.
     assert_eq!(
-        stats.raw_allocs, 3,
-        "every cached pair after the first reused a block"
+        stats.raw_allocs, 2,
+        "cached pairs made raw allocations: {stats:?}"
     );
 }
 

@@ -7,6 +7,7 @@ pub mod budget;
 pub mod cache;
 pub mod config;
 pub mod devices;
+pub mod encoder;
 pub mod memory;
 pub mod model;
 pub mod preprocess;

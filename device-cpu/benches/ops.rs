@@ -83,7 +83,57 @@ fn gemm_case(
     }
 }
 
+/// The `gemm` crate called directly on host vectors, on a pool of the same size: the ceiling
+/// the op's overhead is measured against.
+fn gemm_crate_baseline(c: &mut Criterion, size: usize) {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(THREADS)
+        .build()
+        .expect("pool");
+    let lhs: Vec<f32> = (0..size * size).map(|i| (i % 17) as f32 / 17.0).collect();
+    let rhs = lhs.clone();
+    let mut dst = vec![0.0f32; size * size];
+    let stride = isize::try_from(size).expect("fits");
+    let mut group = c.benchmark_group("gemm");
+    let flops = 2 * (size as u64).pow(3);
+    group.throughput(Throughput::Elements(flops));
+    group.sample_size(10);
+    group.bench_function(format!("gemm crate f32 {size}^3 (baseline)"), |b| {
+        b.iter(|| {
+            pool.install(|| {
+                // SAFETY: three owned `size x size` row-major matrices; dst is distinct.
+                unsafe {
+                    gemm::gemm(
+                        size,
+                        size,
+                        size,
+                        dst.as_mut_ptr(),
+                        1,
+                        stride,
+                        false,
+                        lhs.as_ptr(),
+                        1,
+                        stride,
+                        rhs.as_ptr(),
+                        1,
+                        stride,
+                        0.0f32,
+                        1.0f32,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::Rayon(THREADS),
+                    );
+                }
+            });
+            black_box(&dst);
+        })
+    });
+    group.finish();
+}
+
 fn gemm(c: &mut Criterion) {
+    gemm_crate_baseline(c, 2048);
     let dev = device();
     gemm_case(
         c,

@@ -210,7 +210,10 @@ pub struct DeviceVTable {
     pub binary: extern "C" fn(DeviceCtx, &BinaryArgs) -> RResult<(), PluginError>,
     /// 2-D rotary position embedding, in place; see [`Rope2dArgs`].
     pub rope_2d: extern "C" fn(DeviceCtx, &Rope2dArgs) -> RResult<(), PluginError>,
-    /// Scratch bytes `attention` needs for these arguments (the `workspace` field is ignored).
+    /// Scratch bytes `attention` needs for these arguments. The answer depends only on shapes,
+    /// dtypes, `heads`, `head_dim` and the device's own settings: buffer handles (and the
+    /// `workspace` field) are not read and may be null, so a caller can size the workspace
+    /// before any operand exists.
     pub attention_workspace: extern "C" fn(DeviceCtx, &AttentionArgs) -> RResult<u64, PluginError>,
     /// Variable-length, non-causal multi-head attention; see [`AttentionArgs`].
     pub attention: extern "C" fn(DeviceCtx, &AttentionArgs) -> RResult<(), PluginError>,

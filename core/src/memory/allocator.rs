@@ -280,8 +280,7 @@ impl CachingAllocator {
         let (segment, offset, block_size) = match state.take_free(pool, rounded) {
             Some(found) => found,
             None => {
-                let segment = self.grow(&mut state, pool, bytes, rounded)?;
-                let size = state.segments.get(&segment).map_or(0, |s| s.size);
+                let (segment, size) = self.grow(&mut state, pool, bytes, rounded)?;
                 state.free_set(pool).remove(&(size, segment, 0));
                 (segment, 0, size)
             }
@@ -362,15 +361,15 @@ impl CachingAllocator {
     }
 
     /// Allocates a new segment for a request that no cached block fits; on out-of-memory
-    /// empties the cache and tries once more. Returns the new segment's id; its single free
-    /// block is in the free set.
+    /// empties the cache and tries once more. Returns the new segment's id and size; its single
+    /// free block is in the free set.
     fn grow(
         &self,
         state: &mut State,
         pool: PoolKind,
         requested: u64,
         rounded: u64,
-    ) -> Result<u64, AllocError> {
+    ) -> Result<(u64, u64), AllocError> {
         let size = segment_size(rounded).ok_or_else(|| too_large(requested))?;
         match state.new_segment(&self.device, pool, size, rounded) {
             Ok(segment) => return Ok(segment),
@@ -749,14 +748,14 @@ impl State {
     }
 
     /// Allocates a segment of `size` bytes (or, if the device cannot, of `rounded` bytes) and
-    /// adds it as one free block.
+    /// adds it as one free block; returns its id and size.
     fn new_segment(
         &mut self,
         device: &Device,
         pool: PoolKind,
         size: u64,
         rounded: u64,
-    ) -> Result<u64, DeviceError> {
+    ) -> Result<(u64, u64), DeviceError> {
         let (handle, size) = match device.alloc(size) {
             Ok(handle) => (handle, size),
             Err(err) if err.is_out_of_memory() && rounded < size => {
@@ -789,7 +788,7 @@ impl State {
         stats.raw_allocs += 1;
         stats.segments += 1;
         stats.peak_reserved = stats.peak_reserved.max(stats.reserved);
-        Ok(id)
+        Ok((id, size))
     }
 
     /// Frees every segment that is one free block.
@@ -1221,6 +1220,38 @@ mod tests {
         assert_eq!(used(&dev), 0);
         let stats = allocator.stats();
         assert_eq!(stats.raw_allocs, stats.raw_frees);
+    }
+
+    #[test]
+    fn a_device_refusing_a_free_is_reported_and_the_rest_released() {
+        let dev = device("64MiB");
+        let allocator = CachingAllocator::new(Arc::clone(&dev));
+        let small = allocator.alloc(100).unwrap();
+        let large = allocator.alloc(3 << 20).unwrap();
+        // Free the small segment behind the allocator's back: its own free will be refused.
+        dev.free(small.handle()).unwrap();
+        drop(small);
+        drop(large);
+        let err = allocator.empty_cache().unwrap_err();
+        let AllocError::ReleaseFailed {
+            released,
+            failed,
+            source,
+        } = &err
+        else {
+            panic!("expected a release failure, got {err}");
+        };
+        assert_eq!((*released, *failed), (LARGE_SEGMENT, 1));
+        assert!(source.message.contains("unknown buffer handle"), "{err}");
+        assert!(
+            err.to_string().contains(&LARGE_SEGMENT.to_string()),
+            "{err}"
+        );
+        // The refused segment stays on the books; allocating still works.
+        let stats = allocator.stats();
+        assert_eq!((stats.reserved, stats.segments), (SMALL_SEGMENT, 1));
+        drop(allocator.alloc(10).unwrap());
+        allocator.check_invariants().unwrap();
     }
 
     #[test]

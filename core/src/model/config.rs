@@ -701,6 +701,25 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// The image processor options for this model (alpha dropped, as Pillow's
+    /// `convert("RGB")` does).
+    pub fn processor_config(&self) -> crate::preprocess::ProcessorConfig {
+        let p = &self.processor;
+        let mut config = crate::preprocess::ProcessorConfig::qwen2_vl();
+        // Patch, merge and temporal sizes were validated against the tower (small integers).
+        #[allow(clippy::cast_possible_truncation)]
+        {
+            config.patch_size = p.patch_size as u32;
+            config.merge_size = p.merge_size as u32;
+            config.temporal_patch_size = p.temporal_patch_size as u32;
+        }
+        config.min_pixels = p.min_pixels;
+        config.max_pixels = p.max_pixels;
+        config.image_mean = p.image_mean;
+        config.image_std = p.image_std;
+        config
+    }
+
     /// A built-in preset by name (case-insensitive); see [`super::presets::PRESET_NAMES`].
     pub fn preset(name: &str) -> Result<ModelSpec, ModelError> {
         super::presets::get(name).ok_or_else(|| ModelError::UnknownPreset {

@@ -25,13 +25,23 @@ pub const PRESET_NAMES: [&str; 11] = [
     "qwen3-vl-32b",
 ];
 
+/// `max_pixels` of the `tiny` preset: 896 x 896, 1024 embedding tokens at most.
+pub const TINY_MAX_PIXELS: u64 = 896 * 896;
+
 /// The preset of that name (case-insensitive), or `None`.
 pub fn get(name: &str) -> Option<ModelSpec> {
     let lower = name.to_ascii_lowercase();
     let (vision, processor) = match lower.as_str() {
         // Small enough to encode a 448x448 image (1024 patches) in a fraction of a second
-        // unoptimised; Qwen2-VL geometry so it shares that family's processor.
-        "tiny" => (qwen2_vl(2, 64, 4, 128, 64), ProcessorSettings::qwen2_vl()),
+        // unoptimised; Qwen2-VL geometry so it shares that family's processor, with the pixel
+        // limit lowered to 896x896 (1024 tokens) so that profiling its largest item stays cheap.
+        "tiny" => (
+            qwen2_vl(2, 64, 4, 128, 64),
+            ProcessorSettings {
+                max_pixels: TINY_MAX_PIXELS,
+                ..ProcessorSettings::qwen2_vl()
+            },
+        ),
         // Qwen2-VL-2B-Instruct config.json: vision_config {hidden_size: 1536, in_chans: 3,
         // spatial_patch_size: 14}; the rest are Qwen2VLVisionConfig defaults (depth 32,
         // embed_dim 1280, num_heads 16, mlp_ratio 4, quick_gelu).

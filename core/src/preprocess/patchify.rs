@@ -42,14 +42,17 @@ pub fn patchify(
                     let index = ((bh * windows_w + bw) * m + mh) * m + mw;
                     let row = &mut out[index * row_len..(index + 1) * row_len];
                     let (y0, x0) = ((bh * m + mh) * p, (bw * m + mw) * p);
-                    for c in 0..CHANNELS {
-                        let first = &mut row[c * t * plane..(c * t + 1) * plane];
-                        for py in 0..p {
-                            let src = &img.pixels[((y0 + py) * w + x0) * CHANNELS..];
-                            for px in 0..p {
-                                first[py * p + px] = lut[c][usize::from(src[px * CHANNELS + c])];
+                    // One pass over the source pixels fills the first frame of every channel.
+                    for py in 0..p {
+                        let start = ((y0 + py) * w + x0) * CHANNELS;
+                        let src = &img.pixels[start..start + p * CHANNELS];
+                        for (px, rgb) in src.chunks_exact(CHANNELS).enumerate() {
+                            for (c, &v) in rgb.iter().enumerate() {
+                                row[c * t * plane + py * p + px] = lut[c][usize::from(v)];
                             }
                         }
+                    }
+                    for c in 0..CHANNELS {
                         let (head, rest) =
                             row[c * t * plane..(c + 1) * t * plane].split_at_mut(plane);
                         for frame in rest.chunks_exact_mut(plane) {

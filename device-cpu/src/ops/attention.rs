@@ -117,8 +117,29 @@ impl CpuDevice {
         &self,
         args: &AttentionArgs<'_>,
     ) -> Result<u64, PluginError> {
-        let plan = self.attention_plan("attention_workspace", args)?;
-        Ok(self.workspace_bytes(&plan))
+        // Shapes and dtype only: the contract lets a caller size the workspace before any
+        // operand exists (a planning pass), so no buffer handle is looked up here.
+        const OP: &str = "attention_workspace";
+        let q = &args.q;
+        if q.dtype.size().is_none() {
+            return Err(invalid(OP, format!("`q`: unknown dtype {}", q.dtype)));
+        }
+        let fits = |what: &str, value: u64| {
+            usize::try_from(value)
+                .map_err(|_| invalid(OP, format!("`{what}`: {value} does not fit in memory")))
+        };
+        let heads = fits("heads", args.heads)?;
+        let head_dim = fits("head_dim", args.head_dim)?;
+        let cols = fits("q.cols", q.cols)?;
+        if head_dim == 0 || heads == 0 || heads.checked_mul(head_dim) != Some(cols) {
+            return Err(invalid(
+                OP,
+                format!(
+                    "`heads` {heads} x `head_dim` {head_dim} does not equal the {cols} columns of `q`"
+                ),
+            ));
+        }
+        Ok(self.workspace_for(q.rows, heads, head_dim, q.dtype))
     }
 
     /// [`AttentionArgs`].
@@ -178,10 +199,15 @@ impl CpuDevice {
     }
 
     fn workspace_bytes(&self, plan: &Plan) -> u64 {
-        if plan.tokens == 0 || plan.heads == 0 {
+        self.workspace_for(plan.tokens as u64, plan.heads, plan.head_dim, plan.q.dtype)
+    }
+
+    /// One scratch slot per worker thread, plus slack to align the first slot.
+    fn workspace_for(&self, tokens: u64, heads: usize, head_dim: usize, dtype: DType) -> u64 {
+        if tokens == 0 || heads == 0 {
             return 0;
         }
-        let layout = SlotLayout::new(plan.head_dim, plan.q.dtype != DType::F32);
+        let layout = SlotLayout::new(head_dim, dtype != DType::F32);
         (self.options.threads * layout.len * 4 + BUFFER_ALIGN) as u64
     }
 

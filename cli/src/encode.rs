@@ -1,0 +1,220 @@
+//! `iris encode`: preprocess images, run a vision tower on the selected device, and write the
+//! embeddings to a safetensors file.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use iris_core::encoder::exec::{Runner, Tensor};
+use iris_core::encoder::tower::VisionTower;
+use iris_core::memory::CachingAllocator;
+use iris_core::model::{DUMMY_DEFAULT_SEED, ModelSpec, WeightSource};
+use iris_core::preprocess::{DecodeLimits, preprocess};
+use iris_plugin::DType;
+use safetensors::tensor::{Dtype as StDtype, TensorView};
+
+use crate::settings::{GlobalArgs, discover, print_stdout};
+
+/// Arguments of `iris encode`.
+#[derive(Debug, Args)]
+pub struct EncodeArgs {
+    /// Built-in model preset (qwen2-vl-2b, qwen2.5-vl-7b, qwen3-vl-8b, tiny, ...).
+    #[arg(long, conflicts_with = "model_dir", default_value = "tiny")]
+    pub model: String,
+    /// A Hugging Face model directory (config.json, preprocessor_config.json, safetensors).
+    #[arg(long, value_name = "DIR")]
+    pub model_dir: Option<PathBuf>,
+    /// `dummy` (deterministic random) or safetensors files; with --model-dir, defaults to the
+    /// directory's safetensors files, otherwise to `dummy`.
+    #[arg(long, value_name = "dummy|FILE", num_args = 1..)]
+    pub weights: Vec<String>,
+    /// Run dtype: f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Output safetensors file.
+    #[arg(long, value_name = "OUT.safetensors")]
+    pub out: PathBuf,
+    /// Encode all images in one tower call (variable-length attention over the batch) and
+    /// report the batch's time, instead of one call and one time per image.
+    #[arg(long)]
+    pub batch: bool,
+    /// Images (PNG, JPEG or WebP).
+    #[arg(required = true, value_name = "IMAGE")]
+    pub images: Vec<PathBuf>,
+}
+
+/// Runs `iris encode`.
+pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
+    let dtype = DType::parse(&args.dtype)
+        .with_context(|| format!("--dtype: expected f32, f16 or bf16, got `{}`", args.dtype))?;
+    let spec = match &args.model_dir {
+        Some(dir) => ModelSpec::from_hf_dir(dir)?,
+        None => ModelSpec::preset(&args.model)?,
+    };
+    let source = weight_source(args)?;
+    let processor = spec.processor_config();
+    let limits = DecodeLimits::default();
+
+    // Preprocess everything first: a bad image fails before any device work.
+    let mut inputs = Vec::with_capacity(args.images.len());
+    for path in &args.images {
+        let bytes =
+            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let image = preprocess(&bytes, &processor, &limits)
+            .with_context(|| format!("{}: cannot preprocess", path.display()))?;
+        inputs.push((path, image));
+    }
+
+    let config = global.config()?;
+    let registry = discover(&config);
+    let device = registry.open_selected(&config)?;
+    let device_name = format!("{} ({})", device.description().name, device.plugin().name());
+    let allocator = CachingAllocator::new(Arc::new(device));
+    let runner = Runner::new(Arc::clone(&allocator));
+
+    let started = Instant::now();
+    let weights = source
+        .load(&spec.vision, dtype)
+        .context("cannot load weights")?;
+    let tower = VisionTower::new(&runner, spec.vision.clone(), &weights, dtype)?;
+    drop(weights);
+    print_stdout(&format!(
+        "model {} ({:?}), {} weights in {dtype} ({} bytes) on {device_name}, loaded in {:.2} s\n",
+        spec.name,
+        spec.vision.family,
+        source_name(&source),
+        tower.weight_bytes(),
+        started.elapsed().as_secs_f64()
+    ))?;
+
+    let mut tensors: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+    let row_len = spec.vision.patch_row_len() as u64;
+    // One group per tower call: every image alone, or all of them together.
+    let groups: Vec<Vec<usize>> = if args.batch {
+        vec![(0..inputs.len()).collect()]
+    } else {
+        (0..inputs.len()).map(|index| vec![index]).collect()
+    };
+    for group in groups {
+        let started = Instant::now();
+        let pixels: Vec<f32> = group
+            .iter()
+            .flat_map(|&index| inputs[index].1.pixel_values.iter().copied())
+            .collect();
+        let grids: Vec<[u32; 3]> = group
+            .iter()
+            .map(|&index| inputs[index].1.grid_thw)
+            .collect();
+        let rows = pixels.len() as u64 / row_len;
+        let input = runner.upload_f32(&pixels, dtype, rows, row_len)?;
+        let outputs = tower.forward(&runner, &input, &grids)?;
+        drop(input);
+        // Reading back waits for the device, so the time covers the whole encode.
+        let mut host = Vec::with_capacity(outputs.len());
+        for output in &outputs {
+            let mut parts = vec![download(&runner, &output.embeddings)?];
+            for extra in &output.deepstack {
+                parts.push(download(&runner, extra)?);
+            }
+            host.push(parts);
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        for (&index, parts) in group.iter().zip(host) {
+            for (j, (bytes, shape)) in parts.into_iter().enumerate() {
+                let name = match j {
+                    0 => format!("image.{index}"),
+                    _ => format!("image.{index}.deepstack.{}", j - 1),
+                };
+                tensors.push((name, bytes, shape));
+            }
+            let (path, image) = &inputs[index];
+            let timing = if group.len() == 1 {
+                format!("{elapsed:.3} s")
+            } else {
+                format!("batch of {} in {elapsed:.3} s", group.len())
+            };
+            print_stdout(&format!(
+                "{}: {}x{} -> {}x{}, grid {:?}, {} tokens, {timing}\n",
+                path.display(),
+                image.original_size.width,
+                image.original_size.height,
+                image.resized_size.width,
+                image.resized_size.height,
+                image.grid_thw,
+                image.tokens,
+            ))?;
+        }
+    }
+    drop(tower);
+    write_safetensors(&args.out, &tensors, &spec)?;
+    print_stdout(&format!(
+        "wrote {} tensors to {}\n",
+        tensors.len(),
+        args.out.display()
+    ))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A tensor's values as little-endian f32 bytes and its shape.
+fn download(runner: &Runner, tensor: &Tensor) -> anyhow::Result<(Vec<u8>, Vec<usize>)> {
+    let values = runner.download_f32(tensor)?;
+    let shape = vec![
+        usize::try_from(tensor.rows())?,
+        usize::try_from(tensor.cols())?,
+    ];
+    Ok((values.iter().flat_map(|v| v.to_le_bytes()).collect(), shape))
+}
+
+fn weight_source(args: &EncodeArgs) -> anyhow::Result<WeightSource> {
+    match args.weights.as_slice() {
+        [] => Ok(match &args.model_dir {
+            Some(dir) => WeightSource::Safetensors(vec![dir.clone()]),
+            None => WeightSource::Dummy {
+                seed: DUMMY_DEFAULT_SEED,
+            },
+        }),
+        [only] if only == "dummy" => Ok(WeightSource::Dummy {
+            seed: DUMMY_DEFAULT_SEED,
+        }),
+        files => {
+            if files.iter().any(|f| f == "dummy") {
+                bail!("--weights: `dummy` cannot be combined with files");
+            }
+            Ok(WeightSource::Safetensors(
+                files.iter().map(PathBuf::from).collect(),
+            ))
+        }
+    }
+}
+
+fn source_name(source: &WeightSource) -> String {
+    match source {
+        WeightSource::Dummy { .. } => "dummy".to_owned(),
+        WeightSource::Safetensors(paths) => format!("{} safetensors path(s)", paths.len()),
+    }
+}
+
+fn write_safetensors(
+    out: &Path,
+    tensors: &[(String, Vec<u8>, Vec<usize>)],
+    spec: &ModelSpec,
+) -> anyhow::Result<()> {
+    let views = tensors
+        .iter()
+        .map(|(name, bytes, shape)| {
+            TensorView::new(StDtype::F32, shape.clone(), bytes)
+                .map(|view| (name.clone(), view))
+                .with_context(|| format!("tensor {name}"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let metadata = HashMap::from([
+        ("model".to_owned(), spec.name.clone()),
+        ("producer".to_owned(), "iris encode".to_owned()),
+    ]);
+    safetensors::serialize_to_file(views, Some(metadata), out)
+        .with_context(|| format!("cannot write {}", out.display()))
+}

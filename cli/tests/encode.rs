@@ -1,0 +1,162 @@
+//! `iris encode` end to end on the built-in CPU device: images in, embeddings out.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use safetensors::SafeTensors;
+
+/// A fresh folder for one test's files.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("iris-encode-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp folder");
+    dir
+}
+
+fn write_image(path: &Path, width: u32, height: u32) {
+    let image = image::RgbImage::from_fn(width, height, |x, y| {
+        // Truncation keeps each channel in 0..=255 by construction.
+        #[allow(clippy::cast_possible_truncation)]
+        image::Rgb([
+            (x * 7 % 256) as u8,
+            (y * 5 % 256) as u8,
+            ((x + y) % 256) as u8,
+        ])
+    });
+    image.save(path).expect("test image written");
+}
+
+fn iris(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_iris"))
+        .args(args)
+        .env("IRIS_DEVICE", "cpu")
+        .env_remove("IRIS_PLUGIN_PATH")
+        .output()
+        .expect("iris runs")
+}
+
+fn tensor_shape(file: &Path, name: &str) -> Vec<usize> {
+    let bytes = std::fs::read(file).expect("output exists");
+    let tensors = SafeTensors::deserialize(&bytes).expect("output parses");
+    tensors
+        .tensor(name)
+        .unwrap_or_else(|_| panic!("output has `{name}`"))
+        .shape()
+        .to_vec()
+}
+
+fn f32_values(file: &Path, name: &str) -> Vec<f32> {
+    let bytes = std::fs::read(file).expect("output exists");
+    let tensors = SafeTensors::deserialize(&bytes).expect("output parses");
+    let view = tensors.tensor(name).expect("tensor present");
+    view.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+#[test]
+fn tiny_model_encodes_a_png_and_a_jpeg() {
+    let dir = scratch("tiny");
+    let (a, b) = (dir.join("a.png"), dir.join("b.jpg"));
+    write_image(&a, 64, 48);
+    write_image(&b, 100, 70);
+    let out = dir.join("x.safetensors");
+    let args = [
+        "encode",
+        "--model",
+        "tiny",
+        "--weights",
+        "dummy",
+        "--out",
+        out.to_str().unwrap(),
+        a.to_str().unwrap(),
+        b.to_str().unwrap(),
+    ];
+    let result = iris(&args);
+    let stdout = String::from_utf8_lossy(&result.stdout);
+    assert!(
+        result.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    // 64x48 -> 56x56 (multiples of 28, above min_pixels): a 4x4 grid, 4 tokens.
+    assert!(
+        stdout.contains("a.png: 64x48 -> 56x56, grid [1, 4, 4], 4 tokens"),
+        "{stdout}"
+    );
+    assert_eq!(tensor_shape(&out, "image.0"), vec![4, 64]);
+    let b_shape = tensor_shape(&out, "image.1");
+    assert_eq!(b_shape[1], 64);
+    assert!(stdout.contains("b.jpg: 100x70 ->"), "{stdout}");
+
+    // One batched call gives the same embeddings as one call per image.
+    let batched = dir.join("batched.safetensors");
+    let mut batch_args = args.to_vec();
+    batch_args[6] = batched.to_str().unwrap();
+    batch_args.insert(1, "--batch");
+    let result = iris(&batch_args);
+    assert!(
+        result.status.success(),
+        "{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    for name in ["image.0", "image.1"] {
+        let single = f32_values(&out, name);
+        let together = f32_values(&batched, name);
+        assert_eq!(single.len(), together.len());
+        let worst = single
+            .iter()
+            .zip(&together)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "{name}: batched differs by {worst}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn unsupported_and_missing_images_are_clear_errors() {
+    let dir = scratch("errors");
+    let gif = dir.join("x.gif");
+    // A minimal GIF header: recognised, and refused by name.
+    std::fs::write(&gif, b"GIF89a\x01\x00\x01\x00\x00\x00\x00;").unwrap();
+    let out = dir.join("x.safetensors");
+    let result = iris(&[
+        "encode",
+        "--out",
+        out.to_str().unwrap(),
+        gif.to_str().unwrap(),
+    ]);
+    assert!(!result.status.success());
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(stderr.contains("x.gif"), "{stderr}");
+    assert!(stderr.to_lowercase().contains("gif"), "{stderr}");
+    assert!(!out.exists(), "no output is written when an input is bad");
+
+    let missing = dir.join("missing.png");
+    let result = iris(&[
+        "encode",
+        "--out",
+        out.to_str().unwrap(),
+        missing.to_str().unwrap(),
+    ]);
+    assert!(!result.status.success());
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(stderr.contains("missing.png"), "{stderr}");
+
+    let result = iris(&[
+        "encode",
+        "--model",
+        "qwen9-vl",
+        "--out",
+        out.to_str().unwrap(),
+        gif.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(
+        stderr.contains("unknown model preset `qwen9-vl`"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,267 @@
+//! Host-side index arithmetic of the Qwen-VL towers: rotary positions, attention segments,
+//! Qwen2.5-VL's window reordering and Qwen3-VL's interpolated position embeddings.
+//!
+//! All of it depends only on the grids of a batch, so it is computed on the host once per call
+//! and handed to the ops as borrowed slices.
+
+/// A grid `(t, h, w)` in patches.
+pub type Grid = [u32; 3];
+
+/// `(row, col)` of every patch, in the processor's merge-window order, repeated per frame:
+/// for each `merge x merge` block (row-major over blocks), its patches row-major.
+/// Returned flat: `[row0, col0, row1, col1, ...]`.
+pub fn rotary_positions(grids: &[Grid], merge: u32) -> Vec<u32> {
+    let total: usize = grids.iter().map(|g| patches(*g)).sum();
+    let mut out = Vec::with_capacity(2 * total);
+    for &[t, h, w] in grids {
+        for _ in 0..t {
+            for block_row in 0..h / merge {
+                for block_col in 0..w / merge {
+                    for i in 0..merge {
+                        for j in 0..merge {
+                            out.push(block_row * merge + i);
+                            out.push(block_col * merge + j);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Full-attention segments: one per frame of each image (`h * w` patches each).
+pub fn frame_cu_seqlens(grids: &[Grid]) -> Vec<u32> {
+    let mut out = vec![0u32];
+    let mut total = 0u32;
+    for &[t, h, w] in grids {
+        for _ in 0..t {
+            total += h * w;
+            out.push(total);
+        }
+    }
+    out
+}
+
+/// Qwen2.5-VL window layout: the permutation of merge units that groups them into windows
+/// (`window_index[i]` = original merge unit placed at position `i`) and the attention segments
+/// of the windows in patch units. Windows are `units x units` merge units, with ragged windows
+/// at the right and bottom edges; empty windows produce no segment.
+pub fn window_layout(grids: &[Grid], merge: u32, units: u32) -> (Vec<u32>, Vec<u32>) {
+    let merge_unit = merge * merge;
+    let mut index = Vec::new();
+    let mut cu = vec![0u32];
+    let mut base = 0u32;
+    for &[t, h, w] in grids {
+        let (gh, gw) = (h / merge, w / merge);
+        let windows_h = gh.div_ceil(units);
+        let windows_w = gw.div_ceil(units);
+        for frame in 0..t {
+            for wy in 0..windows_h {
+                for wx in 0..windows_w {
+                    let mut count = 0;
+                    for y in wy * units..((wy + 1) * units).min(gh) {
+                        for x in wx * units..((wx + 1) * units).min(gw) {
+                            index.push(base + frame * gh * gw + y * gw + x);
+                            count += 1;
+                        }
+                    }
+                    if count > 0 {
+                        let last = *cu.last().unwrap_or(&0);
+                        cu.push(last + count * merge_unit);
+                    }
+                }
+            }
+        }
+        base += t * gh * gw;
+    }
+    (index, cu)
+}
+
+/// Expands a permutation of merge units to a permutation of patch rows.
+pub fn expand_units(unit_index: &[u32], merge_unit: u32) -> Vec<u32> {
+    unit_index
+        .iter()
+        .flat_map(|&unit| (0..merge_unit).map(move |k| unit * merge_unit + k))
+        .collect()
+}
+
+/// The inverse of a permutation.
+pub fn inverse_permutation(index: &[u32]) -> Vec<u32> {
+    let mut inverse = vec![0u32; index.len()];
+    for (position, &value) in index.iter().enumerate() {
+        // Indices of permutations built here are < len <= u32::MAX.
+        #[allow(clippy::cast_possible_truncation)]
+        let position = position as u32;
+        inverse[value as usize] = position;
+    }
+    inverse
+}
+
+/// Qwen3-VL's learned position embeddings, bilinearly interpolated from a `side x side` table
+/// (`table` is `side * side` rows of `dim` f32) to each grid, in merge-window order and repeated
+/// per frame: `[patches, dim]` flat. Follows transformers' `fast_pos_embed_interpolate`,
+/// including torch's `linspace` arithmetic in f32.
+pub fn interpolated_pos_embed(
+    table: &[f32],
+    side: usize,
+    dim: usize,
+    grids: &[Grid],
+    merge: u32,
+) -> Vec<f32> {
+    let total: usize = grids.iter().map(|g| patches(*g)).sum();
+    let mut out = Vec::with_capacity(total * dim);
+    for &[t, h, w] in grids {
+        let hs = linspace(side, h as usize);
+        let ws = linspace(side, w as usize);
+        // Row-major [h, w, dim] interpolation first, then reorder into merge windows.
+        let mut grid = vec![0f32; h as usize * w as usize * dim];
+        for (y, &hy) in hs.iter().enumerate() {
+            let (h0, h1, dh) = corners(hy, side);
+            for (x, &wx) in ws.iter().enumerate() {
+                let (w0, w1, dw) = corners(wx, side);
+                let weights = [
+                    (1.0 - dh) * (1.0 - dw),
+                    (1.0 - dh) * dw,
+                    dh * (1.0 - dw),
+                    dh * dw,
+                ];
+                let rows = [
+                    h0 * side + w0,
+                    h0 * side + w1,
+                    h1 * side + w0,
+                    h1 * side + w1,
+                ];
+                let cell = &mut grid[(y * w as usize + x) * dim..][..dim];
+                for (c, value) in cell.iter_mut().enumerate() {
+                    // Summation order of transformers: ((p0 + p1) + p2) + p3.
+                    let mut acc = table[rows[0] * dim + c] * weights[0];
+                    for k in 1..4 {
+                        acc += table[rows[k] * dim + c] * weights[k];
+                    }
+                    *value = acc;
+                }
+            }
+        }
+        for _ in 0..t {
+            for block_row in 0..h / merge {
+                for block_col in 0..w / merge {
+                    for i in 0..merge {
+                        for j in 0..merge {
+                            let y = (block_row * merge + i) as usize;
+                            let x = (block_col * merge + j) as usize;
+                            out.extend_from_slice(&grid[(y * w as usize + x) * dim..][..dim]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Patches in a grid.
+pub fn patches(grid: Grid) -> usize {
+    grid.iter().map(|&v| v as usize).product()
+}
+
+/// torch.linspace(0, side - 1, steps) in f32: the first half counts up from the start, the
+/// second half down from the end.
+fn linspace(side: usize, steps: usize) -> Vec<f32> {
+    // Grid sizes and table sides are far below 2^24, exact in f32.
+    #[allow(clippy::cast_precision_loss)]
+    let end = (side - 1) as f32;
+    if steps == 1 {
+        return vec![0.0];
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let step = end / (steps - 1) as f32;
+    let halfway = steps / 2;
+    (0..steps)
+        .map(|i| {
+            #[allow(clippy::cast_precision_loss)]
+            if i < halfway {
+                i as f32 * step
+            } else {
+                end - (steps - 1 - i) as f32 * step
+            }
+        })
+        .collect()
+}
+
+/// Floor and ceil indices (ceil clipped to the table) and the fractional part.
+fn corners(position: f32, side: usize) -> (usize, usize, f32) {
+    // Positions lie in [0, side - 1]: truncation is the floor, and fits usize.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let floor = position as usize;
+    #[allow(clippy::cast_precision_loss)]
+    let fraction = position - floor as f32;
+    (floor, (floor + 1).min(side - 1), fraction)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rotary_positions_follow_merge_windows() {
+        // A 1 x 2 x 4 grid with merge 2: two blocks, each 2x2, row-major inside.
+        let positions = rotary_positions(&[[1, 2, 4]], 2);
+        let pairs: Vec<(u32, u32)> = positions.chunks(2).map(|p| (p[0], p[1])).collect();
+        assert_eq!(
+            pairs,
+            vec![
+                (0, 0),
+                (0, 1),
+                (1, 0),
+                (1, 1),
+                (0, 2),
+                (0, 3),
+                (1, 2),
+                (1, 3)
+            ]
+        );
+    }
+
+    #[test]
+    fn frames_are_separate_segments() {
+        assert_eq!(
+            frame_cu_seqlens(&[[2, 4, 4], [1, 2, 6]]),
+            vec![0, 16, 32, 44]
+        );
+    }
+
+    #[test]
+    fn window_layout_groups_units_and_keeps_ragged_edges() {
+        // 6 x 10 patches with merge 2 -> 3 x 5 merge units; windows of 2 x 2 units.
+        let (index, cu) = window_layout(&[[1, 6, 10]], 2, 2);
+        assert_eq!(index.len(), 15);
+        assert_eq!(&index[..4], &[0, 1, 5, 6]);
+        // Windows: rows {0,1} x cols {0,1},{2,3},{4}; row {2} x same -> sizes 4,4,2,2,2,1.
+        assert_eq!(cu, vec![0, 16, 32, 40, 48, 56, 60]);
+        let mut sorted = index.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..15).collect::<Vec<_>>());
+        let inverse = inverse_permutation(&index);
+        for (position, &unit) in index.iter().enumerate() {
+            assert_eq!(inverse[unit as usize] as usize, position);
+        }
+    }
+
+    #[test]
+    fn linspace_matches_torch_endpoints() {
+        let values = linspace(48, 5);
+        assert_eq!(values[0], 0.0);
+        assert_eq!(values[4], 47.0);
+        assert!((values[2] - 23.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn interpolation_reproduces_the_table_at_its_own_size() {
+        let side = 4;
+        let dim = 2;
+        let table: Vec<f32> = (0..side * side * dim).map(|v| v as f32).collect();
+        let out = interpolated_pos_embed(&table, side, dim, &[[1, 4, 4]], 1);
+        assert_eq!(out, table);
+    }
+}

@@ -1,0 +1,410 @@
+//! The Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers, each a graph of ABI ops defined once and
+//! run on any device that implements them.
+//!
+//! Structure shared by the three (transformers' `modeling_qwen2_vl.py`, `modeling_qwen2_5_vl.py`,
+//! `modeling_qwen3_vl.py`): patch embedding as a matrix product of each patch row with the
+//! flattened Conv3d weight; blocks of `x += proj(attn(norm1(x)))`, `x += mlp(norm2(x))` with a
+//! fused qkv projection and 2-D rotary on q and k; a merger that normalises, groups each
+//! `merge x merge` window of patches into one row and projects it to the language model's width.
+//! Differences: Qwen2-VL uses LayerNorm and a quick-gelu MLP; Qwen2.5-VL RMSNorm, a SiLU-gated MLP
+//! and window attention except at its full-attention layers; Qwen3-VL patch 16 with a biased
+//! patch embedding, interpolated learned position embeddings, a gelu-tanh MLP and deepstack
+//! mergers that read hidden states at chosen layers.
+
+use std::collections::HashMap;
+
+use iris_plugin::{Activation, BinaryOp, DType};
+
+use crate::encoder::EncoderError;
+use crate::encoder::exec::{Runner, Tensor};
+use crate::encoder::layout::{
+    Grid, expand_units, frame_cu_seqlens, interpolated_pos_embed, inverse_permutation, patches,
+    rotary_positions, window_layout,
+};
+use crate::model::{Family, HostWeights, VisionConfig};
+
+/// A vision tower with its weights resident on a device.
+pub struct VisionTower {
+    config: VisionConfig,
+    dtype: DType,
+    weights: HashMap<String, Tensor>,
+    /// Qwen3-VL's position table stays on the host: interpolation to each grid is index
+    /// arithmetic, done there once per batch.
+    pos_table: Option<Vec<f32>>,
+    weight_bytes: u64,
+}
+
+/// Encoder outputs of one image.
+pub struct ImageOutput {
+    /// `[tokens, out_hidden]` embeddings.
+    pub embeddings: Tensor,
+    /// Qwen3-VL deepstack outputs, `[tokens, out_hidden]` each (empty for other families).
+    pub deepstack: Vec<Tensor>,
+}
+
+impl VisionTower {
+    /// Uploads host weights (already in the run dtype) through the runner's allocator.
+    pub fn new(
+        runner: &Runner,
+        config: VisionConfig,
+        weights: &HostWeights,
+        dtype: DType,
+    ) -> Result<VisionTower, EncoderError> {
+        let mut uploaded = HashMap::new();
+        let mut weight_bytes = 0;
+        let mut pos_table = None;
+        for (name, tensor) in weights.iter() {
+            if name == "pos_embed.weight" {
+                pos_table = Some(tensor.to_f32());
+                continue;
+            }
+            let first = tensor.shape.first().copied().unwrap_or(1) as u64;
+            let rest: u64 = tensor.shape.iter().skip(1).map(|&d| d as u64).product();
+            // Vectors (norm weights, biases) become single rows so they broadcast; higher ranks
+            // (the Conv3d patch embedding) flatten to [out, in].
+            let (rows, cols) = if tensor.shape.len() == 1 {
+                (1, first)
+            } else {
+                (first, rest)
+            };
+            let device_tensor = runner.upload_bytes(&tensor.bytes, tensor.dtype, rows, cols)?;
+            weight_bytes += device_tensor.bytes();
+            uploaded.insert(name.to_owned(), device_tensor);
+        }
+        Ok(VisionTower {
+            config,
+            dtype,
+            weights: uploaded,
+            pos_table,
+            weight_bytes,
+        })
+    }
+
+    /// The tower's configuration.
+    pub fn config(&self) -> &VisionConfig {
+        &self.config
+    }
+
+    /// The run dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes of weights resident on the device.
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    /// Embedding tokens an image of this grid produces.
+    pub fn tokens(&self, grid: Grid) -> u64 {
+        patches(grid) as u64 / self.config.merge_unit() as u64
+    }
+
+    /// Runs the tower on `pixels` (`[patches, C*T*P*P]`, the images' rows concatenated in
+    /// order) for images of the given grids; one output per image, each in its own buffers.
+    pub fn forward(
+        &self,
+        runner: &Runner,
+        pixels: &Tensor,
+        grids: &[Grid],
+    ) -> Result<Vec<ImageOutput>, EncoderError> {
+        let cfg = &self.config;
+        let merge = u32::try_from(cfg.spatial_merge_size).map_err(|_| shape("merge size"))?;
+        let merge_unit = merge * merge;
+        let hidden_size = cfg.hidden as u64;
+        let total: u64 = grids.iter().map(|g| patches(*g) as u64).sum();
+        let row_len = cfg.patch_row_len() as u64;
+        if pixels.rows() != total || pixels.cols() != row_len {
+            return Err(EncoderError::Shape(format!(
+                "pixel values are {}x{}, grids need {total}x{row_len}",
+                pixels.rows(),
+                pixels.cols(),
+            )));
+        }
+        for grid in grids {
+            if grid[1] % merge != 0 || grid[2] % merge != 0 || grid.contains(&0) {
+                return Err(EncoderError::Shape(format!(
+                    "grid {grid:?} is not a non-empty multiple of the merge size {merge}"
+                )));
+            }
+        }
+
+        // Patch embedding (and Qwen3's interpolated position embeddings).
+        let mut hidden = runner.linear(
+            pixels,
+            self.weight("patch_embed.proj.weight")?,
+            self.optional("patch_embed.proj.bias"),
+            Activation::NONE,
+        )?;
+        if let Some(table) = &self.pos_table {
+            let side = integer_sqrt(cfg.num_position_embeddings.unwrap_or(0));
+            let pos = interpolated_pos_embed(table, side, cfg.hidden, grids, merge);
+            let pos = runner.upload_f32(&pos, self.dtype, total, hidden_size)?;
+            runner.binary_in_place(&hidden, &pos, BinaryOp::ADD)?;
+        }
+
+        let mut positions = rotary_positions(grids, merge);
+        let full_cu = frame_cu_seqlens(grids);
+        let mut window_cu = Vec::new();
+        let mut restore: Option<Vec<u32>> = None;
+        if cfg.family == Family::Qwen25Vl {
+            let window = cfg.window_size.unwrap_or(0);
+            let units = window / cfg.spatial_merge_size / cfg.patch_size;
+            let units = u32::try_from(units.max(1)).map_err(|_| shape("window size"))?;
+            let (unit_index, cu) = window_layout(grids, merge, units);
+            let rows = expand_units(&unit_index, merge_unit);
+            hidden = runner.gather_rows(&hidden, &rows)?;
+            positions = rows
+                .iter()
+                .flat_map(|&row| {
+                    let at = row as usize * 2;
+                    [positions[at], positions[at + 1]]
+                })
+                .collect();
+            window_cu = cu;
+            restore = Some(inverse_permutation(&unit_index));
+        }
+
+        let mut deepstack = Vec::new();
+        for layer in 0..cfg.depth {
+            let cu =
+                if cfg.family == Family::Qwen25Vl && !cfg.fullatt_block_indexes.contains(&layer) {
+                    &window_cu
+                } else {
+                    &full_cu
+                };
+            self.block(runner, layer, &hidden, &positions, cu)?;
+            if let Some(j) = cfg
+                .deepstack_visual_indexes
+                .iter()
+                .position(|&i| i == layer)
+            {
+                deepstack.push(self.merger(
+                    runner,
+                    &format!("deepstack_merger_list.{j}"),
+                    &hidden,
+                    true,
+                )?);
+            }
+        }
+        let merged = self.merger(runner, "merger", &hidden, false)?;
+        drop(hidden);
+
+        // Split per image (restoring Qwen2.5's window order) into buffers of their own, so that
+        // each image's entry in the encoder cache owns exactly its bytes.
+        let mut outputs = Vec::with_capacity(grids.len());
+        let mut start = 0u64;
+        let split = |tensor: &Tensor, start: u64, tokens: u64| -> Result<Tensor, EncoderError> {
+            match &restore {
+                Some(inverse) => {
+                    let rows: Vec<u32> = inverse
+                        [usize::try_from(start).map_err(|_| shape("rows"))?..]
+                        [..usize::try_from(tokens).map_err(|_| shape("rows"))?]
+                        .to_vec();
+                    runner.gather_rows(tensor, &rows)
+                }
+                None => {
+                    let out = runner.tensor(tensor.dtype(), tokens, tensor.cols())?;
+                    runner.copy_rows(&tensor.row_range(start, tokens)?, &out)?;
+                    Ok(out)
+                }
+            }
+        };
+        for grid in grids {
+            let tokens = self.tokens(*grid);
+            let embeddings = split(&merged, start, tokens)?;
+            let mut extra = Vec::with_capacity(deepstack.len());
+            for output in &deepstack {
+                extra.push(split(output, start, tokens)?);
+            }
+            outputs.push(ImageOutput {
+                embeddings,
+                deepstack: extra,
+            });
+            start += tokens;
+        }
+        Ok(outputs)
+    }
+
+    /// One transformer block, updating `hidden` in place.
+    fn block(
+        &self,
+        runner: &Runner,
+        layer: usize,
+        hidden: &Tensor,
+        positions: &[u32],
+        cu_seqlens: &[u32],
+    ) -> Result<(), EncoderError> {
+        let cfg = &self.config;
+        let p = format!("blocks.{layer}");
+        let heads = cfg.num_heads as u64;
+        let head_dim = cfg.head_dim() as u64;
+        // The rotary base (10000) is exact in f32, the precision the op computes angles in.
+        #[allow(clippy::cast_possible_truncation)]
+        let theta = cfg.rope_theta as f32;
+
+        let normed = self.norm(runner, &format!("{p}.norm1"), hidden)?;
+        let qkv = runner.linear(
+            &normed,
+            self.weight(&format!("{p}.attn.qkv.weight"))?,
+            self.optional(&format!("{p}.attn.qkv.bias")),
+            Activation::NONE,
+        )?;
+        drop(normed);
+        let d = cfg.hidden as u64;
+        // q and k are adjacent column blocks: one rotary call covers both as 2 * heads heads.
+        runner.rope_2d(
+            &qkv.col_range(0, 2 * d)?,
+            2 * heads,
+            head_dim,
+            positions,
+            theta,
+        )?;
+        let attended = runner.attention(
+            &qkv.col_range(0, d)?,
+            &qkv.col_range(d, d)?,
+            &qkv.col_range(2 * d, d)?,
+            heads,
+            head_dim,
+            cu_seqlens,
+        )?;
+        drop(qkv);
+        runner.linear_accumulate(
+            &attended,
+            self.weight(&format!("{p}.attn.proj.weight"))?,
+            self.optional(&format!("{p}.attn.proj.bias")),
+            hidden,
+        )?;
+        drop(attended);
+
+        let normed = self.norm(runner, &format!("{p}.norm2"), hidden)?;
+        match cfg.family {
+            Family::Qwen2Vl => {
+                let inner = runner.linear(
+                    &normed,
+                    self.weight(&format!("{p}.mlp.fc1.weight"))?,
+                    self.optional(&format!("{p}.mlp.fc1.bias")),
+                    cfg.hidden_act.activation(),
+                )?;
+                drop(normed);
+                runner.linear_accumulate(
+                    &inner,
+                    self.weight(&format!("{p}.mlp.fc2.weight"))?,
+                    self.optional(&format!("{p}.mlp.fc2.bias")),
+                    hidden,
+                )?;
+            }
+            Family::Qwen25Vl => {
+                let gate = runner.linear(
+                    &normed,
+                    self.weight(&format!("{p}.mlp.gate_proj.weight"))?,
+                    self.optional(&format!("{p}.mlp.gate_proj.bias")),
+                    cfg.hidden_act.activation(),
+                )?;
+                let up = runner.linear(
+                    &normed,
+                    self.weight(&format!("{p}.mlp.up_proj.weight"))?,
+                    self.optional(&format!("{p}.mlp.up_proj.bias")),
+                    Activation::NONE,
+                )?;
+                drop(normed);
+                runner.binary_in_place(&gate, &up, BinaryOp::MUL)?;
+                drop(up);
+                runner.linear_accumulate(
+                    &gate,
+                    self.weight(&format!("{p}.mlp.down_proj.weight"))?,
+                    self.optional(&format!("{p}.mlp.down_proj.bias")),
+                    hidden,
+                )?;
+            }
+            Family::Qwen3Vl => {
+                let inner = runner.linear(
+                    &normed,
+                    self.weight(&format!("{p}.mlp.linear_fc1.weight"))?,
+                    self.optional(&format!("{p}.mlp.linear_fc1.bias")),
+                    cfg.hidden_act.activation(),
+                )?;
+                drop(normed);
+                runner.linear_accumulate(
+                    &inner,
+                    self.weight(&format!("{p}.mlp.linear_fc2.weight"))?,
+                    self.optional(&format!("{p}.mlp.linear_fc2.bias")),
+                    hidden,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A patch merger: norm, group `merge²` rows, two linears with GELU between. Qwen3's
+    /// deepstack mergers normalise after grouping (`postshuffle`).
+    fn merger(
+        &self,
+        runner: &Runner,
+        prefix: &str,
+        hidden: &Tensor,
+        postshuffle: bool,
+    ) -> Result<Tensor, EncoderError> {
+        let cfg = &self.config;
+        let merge_unit = cfg.merge_unit() as u64;
+        let rows = hidden.rows() / merge_unit;
+        let wide = hidden.cols() * merge_unit;
+        let (norm_name, fc1, fc2) = match cfg.family {
+            Family::Qwen3Vl => ("norm", "linear_fc1", "linear_fc2"),
+            _ => ("ln_q", "mlp.0", "mlp.2"),
+        };
+        let grouped = if postshuffle {
+            let grouped = hidden.reshape(rows, wide)?;
+            self.norm(runner, &format!("{prefix}.{norm_name}"), &grouped)?
+        } else {
+            self.norm(runner, &format!("{prefix}.{norm_name}"), hidden)?
+                .reshape(rows, wide)?
+        };
+        let inner = runner.linear(
+            &grouped,
+            self.weight(&format!("{prefix}.{fc1}.weight"))?,
+            self.optional(&format!("{prefix}.{fc1}.bias")),
+            Activation::GELU_ERF,
+        )?;
+        drop(grouped);
+        runner.linear(
+            &inner,
+            self.weight(&format!("{prefix}.{fc2}.weight"))?,
+            self.optional(&format!("{prefix}.{fc2}.bias")),
+            Activation::NONE,
+        )
+    }
+
+    fn norm(&self, runner: &Runner, prefix: &str, x: &Tensor) -> Result<Tensor, EncoderError> {
+        let weight = self.weight(&format!("{prefix}.weight"))?;
+        // Norm epsilons are 1e-6 in every Qwen-VL tower; f32 holds them exactly enough.
+        #[allow(clippy::cast_possible_truncation)]
+        let eps = self.config.layer_norm_eps as f32;
+        match self.config.family {
+            Family::Qwen25Vl => runner.rms_norm(x, weight, eps),
+            _ => runner.layer_norm(x, weight, self.optional(&format!("{prefix}.bias")), eps),
+        }
+    }
+
+    fn weight(&self, name: &str) -> Result<&Tensor, EncoderError> {
+        self.weights
+            .get(name)
+            .ok_or_else(|| EncoderError::MissingWeight(name.to_owned()))
+    }
+
+    fn optional(&self, name: &str) -> Option<&Tensor> {
+        self.weights.get(name)
+    }
+}
+
+fn integer_sqrt(value: usize) -> usize {
+    let mut root = 0usize;
+    while (root + 1) * (root + 1) <= value {
+        root += 1;
+    }
+    root
+}
+
+fn shape(what: &str) -> EncoderError {
+    EncoderError::Shape(format!("{what} does not fit in memory"))
+}

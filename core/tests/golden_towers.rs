@@ -1,0 +1,172 @@
+//! The three towers against transformers' outputs on the same weights and pixel values.
+//!
+//! `tests/data/golden/<model>/` holds a small random-weight checkpoint (config, preprocessor
+//! config, safetensors with Hugging Face names) and `golden.safetensors` with the pixel values
+//! and grids of two images and the tower's outputs, produced by `tools/golden/make_golden.py`.
+//! The tower must agree to a relative error of 1e-4 in f32.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use iris_core::encoder::exec::Runner;
+use iris_core::encoder::layout::Grid;
+use iris_core::encoder::tower::VisionTower;
+use iris_core::memory::CachingAllocator;
+use iris_core::model::{ModelSpec, WeightSource};
+use iris_plugin::{DType, Plugin};
+use safetensors::SafeTensors;
+
+/// Relative error bound the issue sets for f32.
+const TOLERANCE: f64 = 1e-4;
+
+fn golden_dir(model: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/data/golden")
+        .join(model)
+}
+
+fn allocator() -> Arc<CachingAllocator> {
+    let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
+    let device = plugin
+        .open(0, &[("capacity".into(), "1GiB".into())])
+        .expect("the CPU device opens");
+    CachingAllocator::new(Arc::new(device))
+}
+
+fn f32s(tensors: &SafeTensors<'_>, name: &str) -> Vec<f32> {
+    let view = tensors
+        .tensor(name)
+        .unwrap_or_else(|_| panic!("golden has `{name}`"));
+    view.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+fn grids(tensors: &SafeTensors<'_>) -> Vec<Grid> {
+    let view = tensors.tensor("grid_thw").expect("golden has grid_thw");
+    let values: Vec<u32> = view
+        .data()
+        .chunks_exact(8)
+        .map(|b| {
+            let v = i64::from_le_bytes(b.try_into().expect("8 bytes"));
+            u32::try_from(v).expect("small grid")
+        })
+        .collect();
+    values.chunks_exact(3).map(|g| [g[0], g[1], g[2]]).collect()
+}
+
+/// `max |a - b| / max |b|` and `||a - b|| / ||b||`.
+fn relative_errors(actual: &[f32], expected: &[f32]) -> (f64, f64) {
+    assert_eq!(actual.len(), expected.len(), "output sizes differ");
+    let mut max_diff = 0f64;
+    let mut max_ref = 0f64;
+    let mut diff_sq = 0f64;
+    let mut ref_sq = 0f64;
+    for (&a, &b) in actual.iter().zip(expected) {
+        let (a, b) = (f64::from(a), f64::from(b));
+        max_diff = max_diff.max((a - b).abs());
+        max_ref = max_ref.max(b.abs());
+        diff_sq += (a - b) * (a - b);
+        ref_sq += b * b;
+    }
+    (max_diff / max_ref, (diff_sq / ref_sq).sqrt())
+}
+
+fn check_model(model: &str) {
+    let dir = golden_dir(model);
+    let spec = ModelSpec::from_hf_dir(&dir).expect("golden config parses");
+    let weights = WeightSource::Safetensors(vec![dir.clone()])
+        .load(&spec.vision, DType::F32)
+        .expect("golden weights load");
+    let bytes = std::fs::read(dir.join("golden.safetensors")).expect("golden outputs exist");
+    let golden = SafeTensors::deserialize(&bytes).expect("golden outputs parse");
+    let grids = grids(&golden);
+    let pixels = f32s(&golden, "pixel_values");
+
+    let allocator = allocator();
+    let runner = Runner::new(Arc::clone(&allocator));
+    let tower = VisionTower::new(&runner, spec.vision.clone(), &weights, DType::F32)
+        .expect("weights upload");
+    let row_len = spec.vision.patch_row_len() as u64;
+    let rows = pixels.len() as u64 / row_len;
+
+    // Peak activation memory predicted by planning equals the one the run reaches.
+    let planner = Runner::planner(Arc::clone(&allocator));
+    let planned_input = planner
+        .upload_f32(&pixels, DType::F32, rows, row_len)
+        .unwrap();
+    let planned = tower.forward(&planner, &planned_input, &grids).unwrap();
+    drop(planned);
+    drop(planned_input);
+    let planned_peak = planner.planned_peak();
+
+    let before = allocator.stats().allocated;
+    allocator.reset_peaks();
+    let input = runner
+        .upload_f32(&pixels, DType::F32, rows, row_len)
+        .unwrap();
+    let outputs = tower
+        .forward(&runner, &input, &grids)
+        .expect("the tower runs");
+    let measured_peak = allocator.stats().peak_allocated - before;
+    assert_eq!(
+        planned_peak, measured_peak,
+        "{model}: planned vs measured peak"
+    );
+
+    let mut embeddings = Vec::new();
+    let mut deepstack: Vec<Vec<f32>> = Vec::new();
+    for output in &outputs {
+        embeddings.extend(runner.download_f32(&output.embeddings).unwrap());
+        for (j, extra) in output.deepstack.iter().enumerate() {
+            if deepstack.len() <= j {
+                deepstack.push(Vec::new());
+            }
+            deepstack[j].extend(runner.download_f32(extra).unwrap());
+        }
+    }
+    let (max_rel, norm_rel) = relative_errors(&embeddings, &f32s(&golden, "embeddings"));
+    assert!(
+        max_rel < TOLERANCE && norm_rel < TOLERANCE,
+        "{model}: embeddings differ: max-relative {max_rel:e}, norm-relative {norm_rel:e}"
+    );
+    for (j, values) in deepstack.iter().enumerate() {
+        let (max_rel, norm_rel) =
+            relative_errors(values, &f32s(&golden, &format!("deepstack.{j}")));
+        assert!(
+            max_rel < TOLERANCE && norm_rel < TOLERANCE,
+            "{model}: deepstack {j} differs: max-relative {max_rel:e}, norm-relative {norm_rel:e}"
+        );
+    }
+    let expected_deepstack = spec.vision.deepstack_visual_indexes.len();
+    assert_eq!(
+        deepstack.len(),
+        expected_deepstack,
+        "{model}: deepstack outputs"
+    );
+
+    drop(outputs);
+    drop(input);
+    drop(tower);
+    assert_eq!(
+        allocator.stats().allocated,
+        0,
+        "{model}: every buffer returned"
+    );
+}
+
+#[test]
+fn qwen2_vl_matches_transformers() {
+    check_model("qwen2_vl");
+}
+
+#[test]
+fn qwen2_5_vl_matches_transformers() {
+    check_model("qwen2_5_vl");
+}
+
+#[test]
+fn qwen3_vl_matches_transformers() {
+    check_model("qwen3_vl");
+}
