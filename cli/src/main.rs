@@ -3,7 +3,8 @@
 //! Configuration comes from a TOML file (`--config`, or `iris.toml` in the current folder),
 //! overridden by the global flags, overridden by environment variables (see
 //! [`iris_core::config`]). Subcommands live in their own modules: [`devices`] lists plugins and
-//! their devices, [`plugin_check`] runs the conformance suite against one plugin.
+//! their devices, [`plugin_check`] runs the conformance suite against one plugin, [`simulate`]
+//! runs a workload through the scheduler for capacity planning.
 
 // Not reached from `main` yet: the `serve` and `bench` subcommands call into them.
 #[allow(dead_code)]
@@ -14,6 +15,7 @@ mod encode;
 mod http;
 mod plugin_check;
 mod settings;
+mod simulate;
 
 use std::process::ExitCode;
 
@@ -40,6 +42,8 @@ enum Command {
         #[command(subcommand)]
         command: PluginCommand,
     },
+    /// Capacity planning: run a workload through the scheduler and encoder cache manager.
+    Simulate(simulate::SimulateArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -56,6 +60,7 @@ fn main() -> ExitCode {
         Command::Plugin {
             command: PluginCommand::Check(args),
         } => plugin_check::run(&cli.global, args),
+        Command::Simulate(args) => simulate::run(args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

@@ -3,6 +3,7 @@
 //! Dependencies point one way: `cli -> core -> plugins`. Core validates; devices only report
 //! what a caller cannot foresee (out of memory, device lost).
 
+pub mod budget;
 pub mod cache;
 pub mod config;
 pub mod devices;
@@ -10,3 +11,5 @@ pub mod encoder;
 pub mod memory;
 pub mod model;
 pub mod preprocess;
+pub mod scheduler;
+pub mod simulate;
