@@ -1,8 +1,8 @@
 //! `iris simulate`: capacity planning on recorded or synthetic traffic.
 //!
 //! The workload runs through the real scheduler, budget and encoder cache manager with sizes only
-//! (no encoder runs, no device). See `docs/SIMULATE.md` for the workload format and how to read
-//! the summary to size `--encoder-cache-size`.
+//! (no encoder runs, no device). The README's "Capacity planning with `iris simulate`" gives the
+//! workload format and how to read the summary to size `--encoder-cache-size`.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};

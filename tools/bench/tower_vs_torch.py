@@ -78,7 +78,7 @@ def torch_setup(threads):
         temporal_patch_size=2,
     )
     config._attn_implementation = "sdpa"
-    model = Qwen2VisionTransformerPretrainedModel._from_config(config, torch_dtype=torch.float32)
+    model = Qwen2VisionTransformerPretrainedModel._from_config(config, dtype=torch.float32)
     model.eval()
     return model
 
