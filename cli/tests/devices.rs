@@ -17,14 +17,39 @@ fn library(name: &str) -> PathBuf {
     deps_dir().join(iris_plugin::loader::library_file_name(name))
 }
 
+fn fixture(name: &str) -> PathBuf {
+    deps_dir().join(format!("libiris_fixture_{name}.so"))
+}
+
+/// A plugin folder holding the `init-error` fixture under a plugin's file name, so discovery
+/// meets a library that fails to load (fixtures are not named like plugins, so that discovery
+/// next to a development build never lists them).
+fn failing_plugin_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("iris-failing-plugins-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp folder");
+    let target = dir.join(iris_plugin::loader::library_file_name("init_error"));
+    if !target.exists() {
+        // Copy to a unique name, then rename: tests run in parallel.
+        let partial = dir.join(format!("partial-{:?}", std::thread::current().id()));
+        std::fs::copy(fixture("init_error"), &partial).expect("fixture copied");
+        std::fs::rename(&partial, &target).expect("fixture in place");
+    }
+    dir
+}
+
 /// `iris` with a clean environment: no config file in the current folder, plugins searched in
-/// the dependency folder.
+/// the dependency folder and the failing-plugin folder.
 fn iris(args: &[&str]) -> Output {
     let workdir = std::env::temp_dir();
+    let plugin_path = format!(
+        "{}:{}",
+        deps_dir().display(),
+        failing_plugin_dir().display()
+    );
     Command::new(env!("CARGO_BIN_EXE_iris"))
         .args(args)
         .current_dir(&workdir)
-        .env("IRIS_PLUGIN_PATH", deps_dir())
+        .env("IRIS_PLUGIN_PATH", plugin_path)
         .env_remove("IRIS_DEVICE")
         .output()
         .expect("the iris binary runs")
@@ -133,11 +158,11 @@ fn plugin_check_template_path_passes_with_ops_unsupported() {
 
 #[test]
 fn plugin_check_unloadable_fixture_exits_2() {
-    let path = library("init_error");
+    let path = fixture("init_error");
     let output = iris(&["plugin", "check", path.to_str().unwrap()]);
     assert_eq!(output.status.code(), Some(2), "{}", text(&output.stdout));
     let stderr = text(&output.stderr);
-    assert!(stderr.contains("libiris_device_init_error.so"), "{stderr}");
+    assert!(stderr.contains("libiris_fixture_init_error.so"), "{stderr}");
     assert!(stderr.contains("failed to initialise"), "{stderr}");
 }
 

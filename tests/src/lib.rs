@@ -16,3 +16,10 @@ pub fn artifact_dir() -> PathBuf {
 pub fn plugin_library(name: &str) -> PathBuf {
     artifact_dir().join(iris_plugin::loader::library_file_name(name))
 }
+
+/// Path of the load-failure fixture library `libiris_fixture_<name>.so` built next to the test
+/// binary. Fixtures are not named like plugins, so plugin discovery (which lists every
+/// `libiris_device_*.so` next to the `iris` binary) never picks them up.
+pub fn fixture_library(name: &str) -> PathBuf {
+    artifact_dir().join(format!("libiris_fixture_{name}.so"))
+}

@@ -2,7 +2,7 @@
 
 use iris_plugin::abi::{ABI_MAJOR, ABI_MINOR};
 use iris_plugin::{LoadError, load_library};
-use iris_tests::plugin_library;
+use iris_tests::{fixture_library, plugin_library};
 
 #[test]
 fn cpu_library_loads_and_opens() {
@@ -24,17 +24,17 @@ fn cpu_library_loads_and_opens() {
 
 #[test]
 fn not_an_iris_plugin_is_reported_as_such() {
-    let path = plugin_library("not_a_plugin");
+    let path = fixture_library("not_a_plugin");
     let err = load_library(&path).unwrap_err();
     assert!(matches!(err, LoadError::NotAnIrisPlugin { .. }), "{err:?}");
     let text = err.to_string();
-    assert!(text.contains("libiris_device_not_a_plugin.so"), "{text}");
+    assert!(text.contains("libiris_fixture_not_a_plugin.so"), "{text}");
     assert!(text.contains("is not an iris plugin"), "{text}");
 }
 
 #[test]
 fn next_major_version_is_a_version_mismatch_naming_both_versions() {
-    let path = plugin_library("major_mismatch");
+    let path = fixture_library("major_mismatch");
     let err = load_library(&path).unwrap_err();
     match &err {
         LoadError::VersionMismatch {
@@ -48,7 +48,7 @@ fn next_major_version_is_a_version_mismatch_naming_both_versions() {
         other => panic!("expected VersionMismatch, got {other:?}"),
     }
     let text = err.to_string();
-    assert!(text.contains("libiris_device_major_mismatch.so"), "{text}");
+    assert!(text.contains("libiris_fixture_major_mismatch.so"), "{text}");
     let plugin_version = format!("ABI {}.{}", ABI_MAJOR + 1, ABI_MINOR);
     let host_version = format!("needs {ABI_MAJOR}.x");
     assert!(text.contains(&plugin_version), "{text}");
@@ -57,24 +57,24 @@ fn next_major_version_is_a_version_mismatch_naming_both_versions() {
 
 #[test]
 fn different_root_module_layout_is_incompatible() {
-    let path = plugin_library("bad_layout");
+    let path = fixture_library("bad_layout");
     let err = load_library(&path).unwrap_err();
     assert!(
         matches!(err, LoadError::IncompatibleLayout { .. }),
         "{err:?}"
     );
     let text = err.to_string();
-    assert!(text.contains("libiris_device_bad_layout.so"), "{text}");
+    assert!(text.contains("libiris_fixture_bad_layout.so"), "{text}");
     assert!(text.contains("incompatible ABI layout"), "{text}");
 }
 
 #[test]
 fn constructor_error_is_reported_with_its_message() {
-    let path = plugin_library("init_error");
+    let path = fixture_library("init_error");
     let err = load_library(&path).unwrap_err();
     assert!(matches!(err, LoadError::InitFailed { .. }), "{err:?}");
     let text = err.to_string();
-    assert!(text.contains("libiris_device_init_error.so"), "{text}");
+    assert!(text.contains("libiris_fixture_init_error.so"), "{text}");
     assert!(
         text.contains("the device runtime refused to initialise"),
         "{text}"
@@ -83,11 +83,11 @@ fn constructor_error_is_reported_with_its_message() {
 
 #[test]
 fn constructor_panic_is_reported_as_such() {
-    let path = plugin_library("init_panic");
+    let path = fixture_library("init_panic");
     let err = load_library(&path).unwrap_err();
     assert!(matches!(err, LoadError::InitPanicked { .. }), "{err:?}");
     let text = err.to_string();
-    assert!(text.contains("libiris_device_init_panic.so"), "{text}");
+    assert!(text.contains("libiris_fixture_init_panic.so"), "{text}");
     assert!(text.contains("panicked while initialising"), "{text}");
 }
 
