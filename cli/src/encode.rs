@@ -56,7 +56,7 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
         None => ModelSpec::preset(&args.model)?,
     };
     let source = weight_source(args)?;
-    let processor = spec.processor_config();
+    let processor = spec.processor.clone();
     let limits = DecodeLimits::default();
 
     // Preprocess everything first: a bad image fails before any device work.

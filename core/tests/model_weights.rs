@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::{bf16, f16};
 use iris_core::model::{
-    Family, HostWeights, ModelError, ModelSpec, ProcessorSettings, VisionConfig, WeightSource,
-    dummy_weights, load_safetensors, presets,
+    Family, HostWeights, ModelError, ModelSpec, VisionConfig, WeightSource, dummy_weights,
+    load_safetensors, presets,
 };
+use iris_core::preprocess::ProcessorConfig;
 use iris_plugin::DType;
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use serde_json::json;
@@ -639,8 +640,8 @@ fn bare_vision_configs_round_trip_for_every_preset() {
         std::fs::remove_file(dir.join("preprocessor_config.json")).unwrap();
         let spec = ModelSpec::from_hf_dir(&dir).unwrap();
         let published = match want.vision.family {
-            Family::Qwen3Vl => ProcessorSettings::qwen3_vl(),
-            Family::Qwen2Vl | Family::Qwen25Vl => ProcessorSettings::qwen2_vl(),
+            Family::Qwen3Vl => ProcessorConfig::qwen3_vl(),
+            Family::Qwen2Vl | Family::Qwen25Vl => ProcessorConfig::qwen2_vl(),
         };
         assert_eq!(spec.processor, published, "{}", want.name);
     }
@@ -674,7 +675,7 @@ fn preprocessor_pixel_limit_styles() {
     let p = parse(json!({"image_mean": 0.5})).unwrap().processor;
     assert_eq!((p.min_pixels, p.max_pixels), (3136, 1_003_520));
     assert_eq!(p.image_mean, [0.5; 3]);
-    assert_eq!(p.image_std, ProcessorSettings::qwen2_vl().image_std);
+    assert_eq!(p.image_std, ProcessorConfig::qwen2_vl().image_std);
     assert_eq!(ModelSpec::preset("tiny").unwrap().vision, {
         let s = parse(json!({})).unwrap();
         s.vision
@@ -801,9 +802,14 @@ fn validation_of_hand_built_configs() {
     let mut v = tiny();
     v.depth = 1 << 40;
     assert!(v.validate().unwrap_err().to_string().contains("depth"));
-    let mut p = ProcessorSettings::qwen3_vl();
-    p.min_pixels = 0;
-    assert!(p.validate().unwrap_err().to_string().contains("min_pixels"));
+    let mut spec = ModelSpec::preset("qwen3-vl-2b").unwrap();
+    spec.processor.min_pixels = 0;
+    assert!(
+        spec.validate()
+            .unwrap_err()
+            .to_string()
+            .contains("min_pixels")
+    );
 }
 
 /// The golden fixtures' model directories (made by `tools/golden/make_golden.py` with

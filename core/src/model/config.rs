@@ -1,4 +1,4 @@
-//! Tower dimensions ([`VisionConfig`]), processor settings ([`ProcessorSettings`]) and their
+//! Tower dimensions ([`VisionConfig`]), processor options ([`ProcessorConfig`]) and their
 //! parsing from a Hugging Face model directory.
 //!
 //! Missing keys take the defaults of transformers' configuration classes
@@ -12,6 +12,7 @@ use iris_plugin::Activation;
 use serde_json::{Map, Value};
 
 use super::ModelError;
+use crate::preprocess::{CLIP_MEAN, CLIP_STD, ProcessorConfig};
 
 /// LayerNorm / RMSNorm epsilon of every Qwen-VL vision tower (hard-coded in transformers).
 pub const LAYER_NORM_EPS: f64 = 1e-6;
@@ -21,13 +22,6 @@ pub const ROPE_THETA: f64 = 10_000.0;
 /// Deepest tower accepted: published towers have 24 to 32 blocks; a far larger value is a typo
 /// that would otherwise make tensor lists of billions of entries.
 pub const MAX_DEPTH: usize = 1024;
-
-/// OpenAI CLIP normalisation, the default of `Qwen2VLImageProcessor`.
-#[allow(clippy::excessive_precision)] // the published digits; the compiler rounds to f32
-pub(crate) const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
-/// OpenAI CLIP normalisation, the default of `Qwen2VLImageProcessor`.
-#[allow(clippy::excessive_precision)] // the published digits; the compiler rounds to f32
-pub(crate) const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
 
 /// `Qwen2VLImageProcessor`'s default `size.shortest_edge` (56 * 56 pixels).
 const DEFAULT_MIN_PIXELS: u64 = 56 * 56;
@@ -522,107 +516,16 @@ impl VisionConfig {
     }
 }
 
-/// The image processor settings that belong to a model: what the preprocessing needs to turn an
-/// image into a tower's pixel rows. Names follow `preprocessor_config.json`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ProcessorSettings {
-    /// Spatial patch side in pixels (`patch_size`).
-    pub patch_size: usize,
-    /// Patches merged per side into one token (`merge_size`).
-    pub merge_size: usize,
-    /// Frames per temporal patch (`temporal_patch_size`).
-    pub temporal_patch_size: usize,
-    /// Smallest resized image area in pixels (`min_pixels` or `size.shortest_edge`).
-    pub min_pixels: u64,
-    /// Largest resized image area in pixels (`max_pixels` or `size.longest_edge`).
-    pub max_pixels: u64,
-    /// Per-channel mean subtracted after rescaling to [0, 1] (`image_mean`). f32, the precision
-    /// the image processor normalises in.
-    pub image_mean: [f32; 3],
-    /// Per-channel std divided by after subtracting the mean (`image_std`).
-    pub image_std: [f32; 3],
-}
-
-impl ProcessorSettings {
-    /// Qwen2-VL and Qwen2.5-VL's published `preprocessor_config.json`.
-    pub fn qwen2_vl() -> ProcessorSettings {
-        ProcessorSettings {
-            patch_size: 14,
-            merge_size: 2,
-            temporal_patch_size: 2,
-            min_pixels: 3136,
-            max_pixels: 12_845_056,
-            image_mean: CLIP_MEAN,
-            image_std: CLIP_STD,
-        }
-    }
-
-    /// Qwen3-VL's published `preprocessor_config.json` (`size` 65536 / 16777216, mean and std
-    /// 0.5).
-    pub fn qwen3_vl() -> ProcessorSettings {
-        ProcessorSettings {
-            patch_size: 16,
-            merge_size: 2,
-            temporal_patch_size: 2,
-            min_pixels: 65_536,
-            max_pixels: 16_777_216,
-            image_mean: [0.5; 3],
-            image_std: [0.5; 3],
-        }
-    }
-
-    /// Side of the square every resized image dimension is a multiple of
-    /// (`patch_size * merge_size`).
-    pub fn factor(&self) -> usize {
-        self.patch_size * self.merge_size
-    }
-
-    /// Checks the settings on their own; the error names the `preprocessor_config.json` key.
-    pub fn validate(&self) -> Result<(), ModelError> {
-        positive("patch_size", self.patch_size)?;
-        positive("merge_size", self.merge_size)?;
-        positive("temporal_patch_size", self.temporal_patch_size)?;
-        if self.patch_size.checked_mul(self.merge_size).is_none() {
-            return Err(invalid(
-                "merge_size",
-                "patch_size * merge_size overflows".into(),
-            ));
-        }
-        if self.min_pixels == 0 {
-            return Err(invalid("min_pixels", "must be at least 1".into()));
-        }
-        if self.min_pixels > self.max_pixels {
-            return Err(invalid(
-                "max_pixels",
-                format!(
-                    "{} is smaller than min_pixels = {}",
-                    self.max_pixels, self.min_pixels
-                ),
-            ));
-        }
-        if let Some(m) = self.image_mean.iter().find(|m| !m.is_finite()) {
-            return Err(invalid("image_mean", format!("{m} is not a finite number")));
-        }
-        if let Some(s) = self
-            .image_std
-            .iter()
-            .find(|s| !(s.is_finite() && **s > 0.0))
-        {
-            return Err(invalid(
-                "image_std",
-                format!("{s} must be a positive number"),
-            ));
-        }
-        Ok(())
-    }
-
+// The processor options of a model are the preprocessing's own `ProcessorConfig`; this module
+// adds how a checkpoint's `preprocessor_config.json` spells them.
+impl ProcessorConfig {
     /// Parses a `preprocessor_config.json` object with `Qwen2VLImageProcessor`'s rules:
     /// `min_pixels` / `max_pixels` override `size.shortest_edge` / `size.longest_edge`, and
-    /// missing keys take the processor's defaults.
+    /// missing keys take the processor's defaults. Errors name the file and the key.
     pub fn from_hf_json(
         obj: &Map<String, Value>,
         file: &str,
-    ) -> Result<ProcessorSettings, ModelError> {
+    ) -> Result<ProcessorConfig, ModelError> {
         let o = Obj {
             file,
             prefix: "",
@@ -661,20 +564,21 @@ impl ProcessorSettings {
         if let Some(v) = o.u64_opt("max_pixels")? {
             max_pixels = v;
         }
-        let settings = ProcessorSettings {
-            patch_size: o.usize_or("patch_size", 14)?,
-            merge_size: o.usize_or("merge_size", 2)?,
-            temporal_patch_size: o.usize_or("temporal_patch_size", 2)?,
+        let config = ProcessorConfig {
+            patch_size: o.u32_or("patch_size", 14)?,
+            merge_size: o.u32_or("merge_size", 2)?,
+            temporal_patch_size: o.u32_or("temporal_patch_size", 2)?,
             min_pixels,
             max_pixels,
             image_mean: o.channels_or("image_mean", CLIP_MEAN)?,
             image_std: o.channels_or("image_std", CLIP_STD)?,
+            ..ProcessorConfig::qwen2_vl()
         };
-        settings.validate().map_err(|e| o.located(e))?;
-        Ok(settings)
+        validate_processor(&config).map_err(|e| o.located(e))?;
+        Ok(config)
     }
 
-    /// These settings as a `preprocessor_config.json` object (with `min_pixels` / `max_pixels`).
+    /// These options as a `preprocessor_config.json` object (with `min_pixels` / `max_pixels`).
     pub fn to_hf_json(&self) -> Value {
         serde_json::json!({
             "image_processor_type": "Qwen2VLImageProcessor",
@@ -689,6 +593,41 @@ impl ProcessorSettings {
     }
 }
 
+/// Checks processor options on their own; the error names the `preprocessor_config.json` key.
+fn validate_processor(p: &ProcessorConfig) -> Result<(), ModelError> {
+    positive("patch_size", p.patch_size as usize)?;
+    positive("merge_size", p.merge_size as usize)?;
+    positive("temporal_patch_size", p.temporal_patch_size as usize)?;
+    if p.patch_size.checked_mul(p.merge_size).is_none() {
+        return Err(invalid(
+            "merge_size",
+            "patch_size * merge_size overflows".into(),
+        ));
+    }
+    if p.min_pixels == 0 {
+        return Err(invalid("min_pixels", "must be at least 1".into()));
+    }
+    if p.min_pixels > p.max_pixels {
+        return Err(invalid(
+            "max_pixels",
+            format!(
+                "{} is smaller than min_pixels = {}",
+                p.max_pixels, p.min_pixels
+            ),
+        ));
+    }
+    if let Some(m) = p.image_mean.iter().find(|m| !m.is_finite()) {
+        return Err(invalid("image_mean", format!("{m} is not a finite number")));
+    }
+    if let Some(s) = p.image_std.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+        return Err(invalid(
+            "image_std",
+            format!("{s} must be a positive number"),
+        ));
+    }
+    Ok(())
+}
+
 /// A model as iris runs it: a name, its tower and its processor settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelSpec {
@@ -696,30 +635,11 @@ pub struct ModelSpec {
     pub name: String,
     /// The vision tower.
     pub vision: VisionConfig,
-    /// The image processor settings.
-    pub processor: ProcessorSettings,
+    /// The image processor options.
+    pub processor: ProcessorConfig,
 }
 
 impl ModelSpec {
-    /// The image processor options for this model (alpha dropped, as Pillow's
-    /// `convert("RGB")` does).
-    pub fn processor_config(&self) -> crate::preprocess::ProcessorConfig {
-        let p = &self.processor;
-        let mut config = crate::preprocess::ProcessorConfig::qwen2_vl();
-        // Patch, merge and temporal sizes were validated against the tower (small integers).
-        #[allow(clippy::cast_possible_truncation)]
-        {
-            config.patch_size = p.patch_size as u32;
-            config.merge_size = p.merge_size as u32;
-            config.temporal_patch_size = p.temporal_patch_size as u32;
-        }
-        config.min_pixels = p.min_pixels;
-        config.max_pixels = p.max_pixels;
-        config.image_mean = p.image_mean;
-        config.image_std = p.image_std;
-        config
-    }
-
     /// A built-in preset by name (case-insensitive); see [`super::presets::PRESET_NAMES`].
     pub fn preset(name: &str) -> Result<ModelSpec, ModelError> {
         super::presets::get(name).ok_or_else(|| ModelError::UnknownPreset {
@@ -741,15 +661,22 @@ impl ModelSpec {
         let pre_file = pre_path.display().to_string();
         let processor = if pre_path.exists() {
             let pre = read_json_object(&pre_path)?;
-            ProcessorSettings::from_hf_json(&pre, &pre_file)?
+            ProcessorConfig::from_hf_json(&pre, &pre_file)?
         } else {
             let mut p = match vision.family {
-                Family::Qwen2Vl | Family::Qwen25Vl => ProcessorSettings::qwen2_vl(),
-                Family::Qwen3Vl => ProcessorSettings::qwen3_vl(),
+                Family::Qwen2Vl | Family::Qwen25Vl => ProcessorConfig::qwen2_vl(),
+                Family::Qwen3Vl => ProcessorConfig::qwen3_vl(),
             };
-            p.patch_size = vision.patch_size;
-            p.merge_size = vision.spatial_merge_size;
-            p.temporal_patch_size = vision.temporal_patch_size;
+            let size = |key: &str, value: usize| {
+                u32::try_from(value).map_err(|_| ModelError::ConfigKey {
+                    file: config_path.display().to_string(),
+                    key: key.to_owned(),
+                    reason: format!("{value} is too large"),
+                })
+            };
+            p.patch_size = size("patch_size", vision.patch_size)?;
+            p.merge_size = size("spatial_merge_size", vision.spatial_merge_size)?;
+            p.temporal_patch_size = size("temporal_patch_size", vision.temporal_patch_size)?;
             p
         };
         let spec = ModelSpec {
@@ -764,23 +691,28 @@ impl ModelSpec {
     /// Validates the tower, the processor settings and that they agree on the patch geometry.
     pub fn validate(&self) -> Result<(), ModelError> {
         self.vision.validate()?;
-        self.processor.validate()?;
+        validate_processor(&self.processor)?;
         self.check_agreement("processor settings")
     }
 
     fn check_agreement(&self, file: &str) -> Result<(), ModelError> {
         let (v, p) = (&self.vision, &self.processor);
         for (key, proc_value, vision_key, vision_value) in [
-            ("patch_size", p.patch_size, "patch_size", v.patch_size),
+            (
+                "patch_size",
+                p.patch_size as usize,
+                "patch_size",
+                v.patch_size,
+            ),
             (
                 "merge_size",
-                p.merge_size,
+                p.merge_size as usize,
                 "spatial_merge_size",
                 v.spatial_merge_size,
             ),
             (
                 "temporal_patch_size",
-                p.temporal_patch_size,
+                p.temporal_patch_size as usize,
                 "temporal_patch_size",
                 v.temporal_patch_size,
             ),
@@ -918,6 +850,11 @@ impl Obj<'_> {
                 .map(Some)
                 .map_err(|_| self.err(key, format!("{n} does not fit this machine's sizes"))),
         }
+    }
+
+    fn u32_or(&self, key: &str, default: u32) -> Result<u32, ModelError> {
+        let value = self.usize_or(key, default as usize)?;
+        u32::try_from(value).map_err(|_| self.err(key, format!("{value} is too large")))
     }
 
     fn usize_or(&self, key: &str, default: usize) -> Result<usize, ModelError> {

@@ -4,8 +4,9 @@
 //! - [`VisionConfig`] holds the dimensions of one Qwen2-VL, Qwen2.5-VL or Qwen3-VL tower
 //!   ([`Family`]); [`VisionConfig::validate`] rejects values a tower cannot run with, naming the
 //!   key as Hugging Face spells it.
-//! - [`ProcessorSettings`] holds the image processor's settings that belong to a model (patch,
-//!   merge and temporal sizes, pixel limits, mean and std).
+//! - [`ProcessorConfig`](crate::preprocess::ProcessorConfig), the preprocessing's own options,
+//!   holds the image processor settings that belong to a model (patch, merge and temporal sizes,
+//!   pixel limits, mean and std); this module reads and writes it as `preprocessor_config.json`.
 //! - [`ModelSpec`] pairs the two: [`ModelSpec::preset`] for the built-in presets
 //!   ([`presets::PRESET_NAMES`]), [`ModelSpec::from_hf_dir`] for a checkpoint directory's
 //!   `config.json` and `preprocessor_config.json`.
@@ -40,8 +41,7 @@ use std::path::PathBuf;
 use iris_plugin::DType;
 
 pub use config::{
-    Family, HiddenAct, LAYER_NORM_EPS, MAX_DEPTH, ModelSpec, ProcessorSettings, ROPE_THETA,
-    VisionConfig,
+    Family, HiddenAct, LAYER_NORM_EPS, MAX_DEPTH, ModelSpec, ROPE_THETA, VisionConfig,
 };
 pub use dummy::{DUMMY_DEFAULT_SEED, dummy_weights};
 pub use weights::{
@@ -91,7 +91,7 @@ pub enum ModelError {
         reason: String,
     },
     /// A configuration value that no tower can run with, found by [`VisionConfig::validate`] or
-    /// [`ProcessorSettings::validate`]. The key is spelled as in Hugging Face's files.
+    /// the processor options' validation. The key is spelled as in Hugging Face's files.
     #[error("invalid model configuration: `{key}`: {reason}")]
     InvalidConfig {
         /// The key.

@@ -6,9 +6,8 @@
 //! which is how transformers itself fills them. The processor settings are those of each
 //! family's `preprocessor_config.json`.
 
-use super::config::{
-    Family, HiddenAct, LAYER_NORM_EPS, ModelSpec, ProcessorSettings, ROPE_THETA, VisionConfig,
-};
+use super::config::{Family, HiddenAct, LAYER_NORM_EPS, ModelSpec, ROPE_THETA, VisionConfig};
+use crate::preprocess::ProcessorConfig;
 
 /// Every preset name, in the order `iris` lists them.
 pub const PRESET_NAMES: [&str; 11] = [
@@ -37,9 +36,9 @@ pub fn get(name: &str) -> Option<ModelSpec> {
         // limit lowered to 896x896 (1024 tokens) so that profiling its largest item stays cheap.
         "tiny" => (
             qwen2_vl(2, 64, 4, 128, 64),
-            ProcessorSettings {
+            ProcessorConfig {
                 max_pixels: TINY_MAX_PIXELS,
-                ..ProcessorSettings::qwen2_vl()
+                ..ProcessorConfig::qwen2_vl()
             },
         ),
         // Qwen2-VL-2B-Instruct config.json: vision_config {hidden_size: 1536, in_chans: 3,
@@ -47,52 +46,52 @@ pub fn get(name: &str) -> Option<ModelSpec> {
         // embed_dim 1280, num_heads 16, mlp_ratio 4, quick_gelu).
         "qwen2-vl-2b" => (
             qwen2_vl(32, 1280, 16, 5120, 1536),
-            ProcessorSettings::qwen2_vl(),
+            ProcessorConfig::qwen2_vl(),
         ),
         // Qwen2-VL-7B-Instruct config.json: vision_config {in_chans: 3, spatial_patch_size: 14};
         // hidden_size (output) is the Qwen2VLVisionConfig default 3584.
         "qwen2-vl-7b" => (
             qwen2_vl(32, 1280, 16, 5120, 3584),
-            ProcessorSettings::qwen2_vl(),
+            ProcessorConfig::qwen2_vl(),
         ),
         // Qwen2.5-VL-3B-Instruct config.json: vision_config {hidden_size: 1280,
         // out_hidden_size: 2048, ...}; intermediate_size 3420, depth 32, num_heads 16,
         // window_size 112, fullatt_block_indexes [7, 15, 23, 31] as in 7B's file and the
         // Qwen2_5_VLVisionConfig defaults.
-        "qwen2.5-vl-3b" => (qwen25_vl(3420, 2048), ProcessorSettings::qwen2_vl()),
+        "qwen2.5-vl-3b" => (qwen25_vl(3420, 2048), ProcessorConfig::qwen2_vl()),
         // Qwen2.5-VL-7B-Instruct config.json: vision_config {depth: 32, hidden_size: 1280,
         // intermediate_size: 3420, num_heads: 16, out_hidden_size: 3584, window_size: 112,
         // fullatt_block_indexes: [7, 15, 23, 31]}.
-        "qwen2.5-vl-7b" => (qwen25_vl(3420, 3584), ProcessorSettings::qwen2_vl()),
+        "qwen2.5-vl-7b" => (qwen25_vl(3420, 3584), ProcessorConfig::qwen2_vl()),
         // Qwen2.5-VL-32B-Instruct config.json: vision_config {intermediate_size: 3456,
         // out_hidden_size: 5120}, other keys as 7B.
-        "qwen2.5-vl-32b" => (qwen25_vl(3456, 5120), ProcessorSettings::qwen2_vl()),
+        "qwen2.5-vl-32b" => (qwen25_vl(3456, 5120), ProcessorConfig::qwen2_vl()),
         // Qwen2.5-VL-72B-Instruct config.json: vision_config {hidden_size: 1280,
         // intermediate_size: 3456, out_hidden_size: 8192}, other keys as 7B.
-        "qwen2.5-vl-72b" => (qwen25_vl(3456, 8192), ProcessorSettings::qwen2_vl()),
+        "qwen2.5-vl-72b" => (qwen25_vl(3456, 8192), ProcessorConfig::qwen2_vl()),
         // Qwen3-VL-2B-Instruct config.json: vision_config {depth: 24, hidden_size: 1024,
         // intermediate_size: 4096, num_heads: 16, out_hidden_size: 2048,
         // deepstack_visual_indexes: [5, 11, 17], num_position_embeddings: 2304}.
         "qwen3-vl-2b" => (
             qwen3_vl(24, 1024, 4096, 2048, [5, 11, 17]),
-            ProcessorSettings::qwen3_vl(),
+            ProcessorConfig::qwen3_vl(),
         ),
         // Qwen3-VL-4B-Instruct config.json: as 2B with out_hidden_size 2560.
         "qwen3-vl-4b" => (
             qwen3_vl(24, 1024, 4096, 2560, [5, 11, 17]),
-            ProcessorSettings::qwen3_vl(),
+            ProcessorConfig::qwen3_vl(),
         ),
         // Qwen3-VL-8B-Instruct config.json: vision_config {depth: 27, hidden_size: 1152,
         // intermediate_size: 4304, num_heads: 16, out_hidden_size: 4096,
         // deepstack_visual_indexes: [8, 16, 24], num_position_embeddings: 2304}.
         "qwen3-vl-8b" => (
             qwen3_vl(27, 1152, 4304, 4096, [8, 16, 24]),
-            ProcessorSettings::qwen3_vl(),
+            ProcessorConfig::qwen3_vl(),
         ),
         // Qwen3-VL-32B-Instruct config.json: as 8B with out_hidden_size 5120.
         "qwen3-vl-32b" => (
             qwen3_vl(27, 1152, 4304, 5120, [8, 16, 24]),
-            ProcessorSettings::qwen3_vl(),
+            ProcessorConfig::qwen3_vl(),
         ),
         _ => return None,
     };
