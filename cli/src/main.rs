@@ -3,8 +3,9 @@
 //! Configuration comes from a TOML file (`--config`, or `iris.toml` in the current folder),
 //! overridden by the global flags, overridden by environment variables (see
 //! [`iris_core::config`]). Subcommands live in their own modules: [`devices`] lists plugins and
-//! their devices, [`plugin_check`] runs the conformance suite against one plugin, [`simulate`]
-//! runs a workload through the scheduler for capacity planning.
+//! their devices, [`plugin_check`] runs the conformance suite against one plugin, [`encode`] runs
+//! a vision tower on images, [`simulate`] runs a workload through the scheduler for capacity
+//! planning.
 
 // Not reached from `main` yet: the `serve` and `bench` subcommands call into them.
 #[allow(dead_code)]
