@@ -19,9 +19,9 @@ use safetensors::tensor::{Dtype as StDtype, TensorView};
 
 use crate::settings::{GlobalArgs, discover, print_stdout};
 
-/// Arguments of `iris encode`.
+/// Which model to run, shared by the commands that load one.
 #[derive(Debug, Args)]
-pub struct EncodeArgs {
+pub struct ModelArgs {
     /// Built-in model preset (qwen2-vl-2b, qwen2.5-vl-7b, qwen3-vl-8b, tiny, ...).
     #[arg(long, conflicts_with = "model_dir", default_value = "tiny")]
     pub model: String,
@@ -35,6 +35,13 @@ pub struct EncodeArgs {
     /// Run dtype: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+}
+
+/// Arguments of `iris encode`.
+#[derive(Debug, Args)]
+pub struct EncodeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
     /// Output safetensors file.
     #[arg(long, value_name = "OUT.safetensors")]
     pub out: PathBuf,
@@ -49,13 +56,17 @@ pub struct EncodeArgs {
 
 /// Runs `iris encode`.
 pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
-    let dtype = DType::parse(&args.dtype)
-        .with_context(|| format!("--dtype: expected f32, f16 or bf16, got `{}`", args.dtype))?;
-    let spec = match &args.model_dir {
+    let dtype = DType::parse(&args.model.dtype).with_context(|| {
+        format!(
+            "--dtype: expected f32, f16 or bf16, got `{}`",
+            args.model.dtype
+        )
+    })?;
+    let spec = match &args.model.model_dir {
         Some(dir) => ModelSpec::from_hf_dir(dir)?,
-        None => ModelSpec::preset(&args.model)?,
+        None => ModelSpec::preset(&args.model.model)?,
     };
-    let source = weight_source(args)?;
+    let source = weight_source(&args.model)?;
     let processor = spec.processor.clone();
     let limits = DecodeLimits::default();
 
@@ -169,7 +180,8 @@ fn download(runner: &Runner, tensor: &Tensor) -> anyhow::Result<(Vec<u8>, Vec<us
     Ok((values.iter().flat_map(|v| v.to_le_bytes()).collect(), shape))
 }
 
-fn weight_source(args: &EncodeArgs) -> anyhow::Result<WeightSource> {
+/// The weights `args` ask for.
+pub fn weight_source(args: &ModelArgs) -> anyhow::Result<WeightSource> {
     match args.weights.as_slice() {
         [] => Ok(match &args.model_dir {
             Some(dir) => WeightSource::Safetensors(vec![dir.clone()]),

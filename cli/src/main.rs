@@ -4,7 +4,7 @@
 //! overridden by the global flags, overridden by environment variables (see
 //! [`iris_core::config`]). Subcommands live in their own modules: [`devices`] lists plugins and
 //! their devices, [`plugin_check`] runs the conformance suite against one plugin, [`encode`] runs
-//! a vision tower on images, [`simulate`] runs a workload through the scheduler for capacity
+//! a vision tower on images, [`profile`] reports start-up memory, [`simulate`] runs a workload through the scheduler for capacity
 //! planning.
 
 // Not reached from `main` yet: the `serve` and `bench` subcommands call into them.
@@ -15,6 +15,7 @@ mod encode;
 #[allow(dead_code)]
 mod http;
 mod plugin_check;
+mod profile;
 mod settings;
 mod simulate;
 
@@ -43,6 +44,8 @@ enum Command {
         #[command(subcommand)]
         command: PluginCommand,
     },
+    /// Start-up memory profile: weights, peak activation, encoder cache, available memory.
+    Profile(profile::ProfileArgs),
     /// Capacity planning: run a workload through the scheduler and encoder cache manager.
     Simulate(simulate::SimulateArgs),
 }
@@ -61,6 +64,7 @@ fn main() -> ExitCode {
         Command::Plugin {
             command: PluginCommand::Check(args),
         } => plugin_check::run(&cli.global, args),
+        Command::Profile(args) => profile::run(&cli.global, args),
         Command::Simulate(args) => simulate::run(args).map(|()| ExitCode::SUCCESS),
     };
     match result {

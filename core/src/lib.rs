@@ -11,5 +11,6 @@ pub mod encoder;
 pub mod memory;
 pub mod model;
 pub mod preprocess;
+pub mod profile;
 pub mod scheduler;
 pub mod simulate;

@@ -4,8 +4,9 @@
 //! allocator; dropping a [`Tensor`] returns its block to the pool, so a tower's live set, and
 //! with it the peak, follows the graph. The same tower code runs in *planning* mode
 //! ([`Runner::planner`]): no op executes and no device memory is touched, but every allocation is
-//! sized and rounded exactly as the allocator would, which yields the peak activation memory of a
-//! batch before running it.
+//! sized and rounded as the allocator rounds requests, which yields the peak activation memory of
+//! a batch before running it. The measured peak can exceed the plan only by the remainders the
+//! allocator leaves unsplit when it reuses a larger cached block (under 1 MiB per block).
 
 use std::sync::{Arc, Mutex, PoisonError};
 

@@ -1,0 +1,136 @@
+//! `iris profile`: the start-up memory report (weights, peak activation, non-allocator growth,
+//! encoder cache size, memory available under `--device-memory-utilization`).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Args;
+use iris_core::budget::SchedulerConfig;
+use iris_core::memory::CachingAllocator;
+use iris_core::model::ModelSpec;
+use iris_core::profile::{DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileRequest, profile_startup};
+use iris_plugin::DType;
+
+use crate::encode::{ModelArgs, weight_source};
+use crate::settings::{GlobalArgs, discover, print_stdout};
+
+/// Arguments of `iris profile`.
+#[derive(Debug, Args)]
+pub struct ProfileArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Tokens scheduled per step; the encoder budget derives from it.
+    #[arg(long, default_value_t = SchedulerConfig::default().max_num_batched_tokens)]
+    max_num_batched_tokens: u64,
+    /// Requests running at once.
+    #[arg(long, default_value_t = SchedulerConfig::default().max_num_seqs)]
+    max_num_seqs: u64,
+    /// Encoder cache size in embedding tokens (default: --max-num-batched-tokens, at least one
+    /// largest item).
+    #[arg(long)]
+    encoder_cache_size: Option<u64>,
+    /// Share of the device's total memory iris may use, in (0, 1].
+    #[arg(long, default_value_t = DEFAULT_DEVICE_MEMORY_UTILIZATION)]
+    device_memory_utilization: f64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `iris profile`.
+pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> {
+    let dtype = DType::parse(&args.model.dtype).with_context(|| {
+        format!(
+            "--dtype: expected f32, f16 or bf16, got `{}`",
+            args.model.dtype
+        )
+    })?;
+    let spec = match &args.model.model_dir {
+        Some(dir) => ModelSpec::from_hf_dir(dir)?,
+        None => ModelSpec::preset(&args.model.model)?,
+    };
+    let weights = weight_source(&args.model)?;
+    let scheduler = SchedulerConfig {
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        encoder_cache_size: args.encoder_cache_size,
+        ..SchedulerConfig::default()
+    };
+    let config = global.config()?;
+    let device = discover(&config).open_selected(&config)?;
+    let device_name = format!("{} ({})", device.description().name, device.plugin().name());
+    let allocator = CachingAllocator::new(Arc::new(device));
+    let request = ProfileRequest {
+        spec: spec.clone(),
+        weights,
+        dtype,
+        scheduler,
+        device_memory_utilization: args.device_memory_utilization,
+    };
+    let (tower, report) =
+        profile_startup(&allocator, &request).context("start-up profiling failed")?;
+    drop(tower);
+    if args.json {
+        let mut value = serde_json::to_value(&report)?;
+        value["model"] = serde_json::Value::from(spec.name.clone());
+        value["device"] = serde_json::Value::from(device_name);
+        value["dtype"] = serde_json::Value::from(dtype.to_string());
+        print_stdout(&format!("{}\n", serde_json::to_string_pretty(&value)?))?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mib = |bytes: u64| format!("{bytes} B ({:.1} MiB)", bytes as f64 / 1_048_576.0);
+    let grid = report.max_item_grid;
+    let lines = [
+        format!(
+            "model                      {} in {dtype} on {device_name}",
+            spec.name
+        ),
+        format!(
+            "device total               {}",
+            mib(report.before_start.device_total)
+        ),
+        format!(
+            "device used before start   {}",
+            mib(report.before_start.device_used)
+        ),
+        format!(
+            "device used after start    {}",
+            mib(report.after_start.device_used)
+        ),
+        format!("weights                    {}", mib(report.weights_bytes)),
+        format!(
+            "largest item               grid {grid:?}, {} tokens; {} per batch",
+            report.max_item_tokens, report.items_per_batch
+        ),
+        format!(
+            "peak activation            {}",
+            mib(report.peak_activation_bytes)
+        ),
+        format!(
+            "peak activation (planned)  {}",
+            mib(report.planned_peak_activation_bytes)
+        ),
+        format!(
+            "non-allocator growth       {}",
+            mib(report.non_allocator_growth_bytes)
+        ),
+        format!(
+            "encoder compute budget     {} tokens per step",
+            report.encoder_compute_budget
+        ),
+        format!(
+            "encoder cache              {} tokens, {}",
+            report.encoder_cache_tokens,
+            mib(report.encoder_cache_bytes)
+        ),
+        format!(
+            "requested memory           {} ({} of total)",
+            mib(report.requested_bytes),
+            args.device_memory_utilization
+        ),
+        format!("available                  {}", mib(report.available_bytes)),
+    ];
+    print_stdout(&(lines.join("\n") + "\n"))?;
+    Ok(ExitCode::SUCCESS)
+}
