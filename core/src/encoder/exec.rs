@@ -12,8 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use abi_stable::std_types::RSlice;
 use iris_plugin::abi::{
-    ActivationArgs, AttentionArgs, BinaryArgs, BufferSlice, CastArgs, GatherArgs, GemmArgs,
-    NormArgs, Rope2dArgs,
+    AttentionArgs, BinaryArgs, BufferSlice, CastArgs, GatherArgs, GemmArgs, NormArgs, Rope2dArgs,
 };
 use iris_plugin::{Activation, BinaryOp, DType, Device, MatRef};
 
@@ -103,14 +102,8 @@ impl Tensor {
                 self.cols
             )));
         }
-        Ok(Tensor {
-            storage: Arc::clone(&self.storage),
-            dtype: self.dtype,
-            rows: self.rows,
-            cols: len,
-            row_stride: self.row_stride,
-            offset: self.offset + start * dtype_size(self.dtype),
-        })
+        let offset = self.offset + start * dtype_size(self.dtype);
+        Ok(self.view(self.rows, len, self.row_stride, offset))
     }
 
     /// Rows `[start, start + len)`, sharing storage.
@@ -122,14 +115,8 @@ impl Tensor {
                 self.rows
             )));
         }
-        Ok(Tensor {
-            storage: Arc::clone(&self.storage),
-            dtype: self.dtype,
-            rows: len,
-            cols: self.cols,
-            row_stride: self.row_stride,
-            offset: self.offset + start * self.row_stride * dtype_size(self.dtype),
-        })
+        let offset = self.offset + start * self.row_stride * dtype_size(self.dtype);
+        Ok(self.view(len, self.cols, self.row_stride, offset))
     }
 
     /// The same contiguous elements viewed as `rows x cols` (e.g. merging groups of rows).
@@ -140,36 +127,18 @@ impl Tensor {
                 self.rows, self.cols, self.row_stride
             )));
         }
-        Ok(Tensor {
+        Ok(self.view(rows, cols, cols, self.offset))
+    }
+
+    /// A view of the same storage.
+    fn view(&self, rows: u64, cols: u64, row_stride: u64, offset: u64) -> Tensor {
+        Tensor {
             storage: Arc::clone(&self.storage),
             dtype: self.dtype,
             rows,
             cols,
-            row_stride: cols,
-            offset: self.offset,
-        })
-    }
-
-    /// The device buffer behind this tensor, when it owns one whole (not a view) and is real.
-    pub fn into_buffer(self) -> Option<DeviceBuffer> {
-        if self.offset != 0 || !self.is_contiguous() {
-            return None;
-        }
-        match Arc::try_unwrap(self.storage).ok()? {
-            Storage::Device(buffer) => Some(buffer),
-            Storage::Planned(_) => None,
-        }
-    }
-
-    /// Wraps a whole device buffer as a contiguous tensor.
-    pub fn from_buffer(buffer: DeviceBuffer, dtype: DType, rows: u64, cols: u64) -> Tensor {
-        Tensor {
-            storage: Arc::new(Storage::Device(buffer)),
-            dtype,
-            rows,
-            cols,
-            row_stride: cols,
-            offset: 0,
+            row_stride,
+            offset,
         }
     }
 }
@@ -352,18 +321,6 @@ impl Runner {
         self.gemm(x, weight, bias, Activation::NONE, out, true)
     }
 
-    /// `out = act(x · wᵀ + bias)` into an existing tensor.
-    pub fn linear_into(
-        &self,
-        x: &Tensor,
-        weight: &Tensor,
-        bias: Option<&Tensor>,
-        activation: Activation,
-        out: &Tensor,
-    ) -> Result<(), EncoderError> {
-        self.gemm(x, weight, bias, activation, out, false)
-    }
-
     fn gemm(
         &self,
         x: &Tensor,
@@ -439,23 +396,6 @@ impl Runner {
             b: b.mat(),
             out: a.mat(),
             op,
-        })?;
-        Ok(())
-    }
-
-    /// Activation in place.
-    pub fn activation_in_place(
-        &self,
-        x: &Tensor,
-        activation: Activation,
-    ) -> Result<(), EncoderError> {
-        if self.is_planning() {
-            return Ok(());
-        }
-        self.device.activation(&ActivationArgs {
-            x: x.mat(),
-            out: x.mat(),
-            activation,
         })?;
         Ok(())
     }
