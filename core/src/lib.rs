@@ -8,6 +8,7 @@ pub mod cache;
 pub mod config;
 pub mod devices;
 pub mod encoder;
+pub mod engine;
 pub mod memory;
 pub mod model;
 pub mod preprocess;

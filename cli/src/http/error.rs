@@ -94,7 +94,8 @@ impl From<EngineError> for ApiError {
                 "overloaded",
                 err.to_string(),
             ),
-            EngineError::Internal(_) => Self::internal(err.to_string()),
+            // Internal, and any kind a later engine adds: a fault, never the client's.
+            _ => Self::internal(err.to_string()),
         }
     }
 }

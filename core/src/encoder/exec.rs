@@ -130,6 +130,41 @@ impl Tensor {
         Ok(self.view(rows, cols, cols, self.offset))
     }
 
+    /// The whole device buffer behind this tensor, when the tensor is the only reference to it
+    /// and covers it from its start contiguously; otherwise the tensor back.
+    pub fn into_buffer(self) -> Result<DeviceBuffer, Tensor> {
+        if self.offset != 0 || !self.is_contiguous() {
+            return Err(self);
+        }
+        let Tensor {
+            storage,
+            dtype,
+            rows,
+            cols,
+            row_stride,
+            offset,
+        } = self;
+        match Arc::try_unwrap(storage) {
+            Ok(Storage::Device(buffer)) => Ok(buffer),
+            Ok(planned @ Storage::Planned(_)) => Err(Tensor {
+                storage: Arc::new(planned),
+                dtype,
+                rows,
+                cols,
+                row_stride,
+                offset,
+            }),
+            Err(storage) => Err(Tensor {
+                storage,
+                dtype,
+                rows,
+                cols,
+                row_stride,
+                offset,
+            }),
+        }
+    }
+
     /// A view of the same storage.
     fn view(&self, rows: u64, cols: u64, row_stride: u64, offset: u64) -> Tensor {
         Tensor {
@@ -267,6 +302,38 @@ impl Runner {
             buffer.write(0, bytes)?;
         }
         Ok(tensor)
+    }
+
+    /// A device buffer of its own holding `tensor`'s elements contiguously: the tensor's own
+    /// buffer when nothing else shares it, a copy otherwise. What a cache keeps beyond a run.
+    pub fn into_owned_buffer(&self, tensor: Tensor) -> Result<DeviceBuffer, EncoderError> {
+        match tensor.into_buffer() {
+            Ok(buffer) => Ok(buffer),
+            Err(view) => {
+                let out = self.tensor(view.dtype, view.rows, view.cols)?;
+                self.copy_rows(&view, &out)?;
+                drop(view);
+                out.into_buffer().map_err(|_| {
+                    EncoderError::Shape("a fresh tensor has no buffer of its own".to_owned())
+                })
+            }
+        }
+    }
+
+    /// Reads a contiguous tensor back as raw little-endian bytes of its dtype.
+    pub fn download_bytes(&self, tensor: &Tensor) -> Result<Vec<u8>, EncoderError> {
+        if !tensor.is_contiguous() {
+            return Err(EncoderError::Shape(format!(
+                "raw download of a strided {tensor:?}"
+            )));
+        }
+        if self.is_planning() {
+            return Ok(Vec::new());
+        }
+        let mut bytes = vec![0u8; usize::try_from(tensor.bytes()).map_err(|_| too_big())?];
+        let mat = tensor.mat();
+        self.device.read(mat.buf, mat.offset, &mut bytes)?;
+        Ok(bytes)
     }
 
     /// Reads a tensor back as f32 (casting on the device first when stored in another dtype).

@@ -11,23 +11,26 @@
 //! patch embedding, interpolated learned position embeddings, a gelu-tanh MLP and deepstack
 //! mergers that read hidden states at chosen layers.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use iris_plugin::{Activation, BinaryOp, DType};
 
 use crate::encoder::EncoderError;
-use crate::encoder::exec::{Runner, Tensor};
+use crate::encoder::exec::{Runner, Tensor, encode_f32};
 use crate::encoder::layout::{
     Grid, expand_units, frame_cu_seqlens, interpolated_pos_embed, inverse_permutation, patches,
     rotary_positions, window_layout,
 };
-use crate::model::{Family, HostWeights, VisionConfig};
+use crate::model::{Family, HostTensor, HostWeights, VisionConfig};
 
 /// A vision tower with its weights resident on a device.
 pub struct VisionTower {
     config: VisionConfig,
     dtype: DType,
     weights: HashMap<String, Tensor>,
+    /// Each weight's shape as loaded, so that [`VisionTower::to_host`] gives back the same
+    /// host tensors.
+    shapes: HashMap<String, Vec<usize>>,
     /// Qwen3-VL's position table stays on the host: interpolation to each grid is index
     /// arithmetic, done there once per batch.
     pos_table: Option<Vec<f32>>,
@@ -51,9 +54,11 @@ impl VisionTower {
         dtype: DType,
     ) -> Result<VisionTower, EncoderError> {
         let mut uploaded = HashMap::new();
+        let mut shapes = HashMap::new();
         let mut weight_bytes = 0;
         let mut pos_table = None;
         for (name, tensor) in weights.iter() {
+            shapes.insert(name.to_owned(), tensor.shape.clone());
             if name == "pos_embed.weight" {
                 pos_table = Some(tensor.to_f32());
                 continue;
@@ -75,9 +80,50 @@ impl VisionTower {
             config,
             dtype,
             weights: uploaded,
+            shapes,
             pos_table,
             weight_bytes,
         })
+    }
+
+    /// Copies the weights back to the host, as [`VisionTower::new`] received them: what a
+    /// level-1 sleep keeps so that waking up needs no reload from the weight source.
+    pub fn to_host(&self, runner: &Runner) -> Result<HostWeights, EncoderError> {
+        let mut tensors = BTreeMap::new();
+        for (name, tensor) in &self.weights {
+            let shape = self
+                .shapes
+                .get(name)
+                .cloned()
+                .ok_or_else(|| EncoderError::MissingWeight(name.clone()))?;
+            let bytes = runner.download_bytes(tensor)?;
+            tensors.insert(
+                name.clone(),
+                HostTensor {
+                    dtype: self.dtype,
+                    shape,
+                    bytes,
+                },
+            );
+        }
+        if let Some(table) = &self.pos_table {
+            let name = "pos_embed.weight";
+            let shape = self
+                .shapes
+                .get(name)
+                .cloned()
+                .unwrap_or_else(|| vec![table.len()]);
+            tensors.insert(
+                name.to_owned(),
+                HostTensor {
+                    dtype: self.dtype,
+                    shape,
+                    // Widening to f32 was exact, so narrowing back restores the loaded bytes.
+                    bytes: encode_f32(table, self.dtype),
+                },
+            );
+        }
+        Ok(HostWeights::new(self.dtype, tensors, "device copy"))
     }
 
     /// The tower's configuration.

@@ -1,0 +1,118 @@
+//! The engine's request and report types, shared by the in-process API and the HTTP server.
+
+/// One image of a request: the encoded file bytes (PNG, JPEG, WebP), not yet decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageInput {
+    /// Encoded image file bytes, as sent by the client after base64 decoding.
+    pub bytes: Vec<u8>,
+}
+
+/// Per-request options of an encode call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EncodeOptions {
+    /// Copy the encoder outputs back to the host and return them.
+    pub return_embeddings: bool,
+}
+
+/// A host copy of one tensor: row-major `f32` data and its `[rows, cols]` shape.
+pub type HostTensor = (Vec<f32>, [u64; 2]);
+
+/// The result for one image of an encode call, in request order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageResult {
+    /// The item's content hash.
+    pub mm_hash: String,
+    /// Grid `[t, h, w]` in patches, before spatial merge.
+    pub grid_thw: [u32; 3],
+    /// Embedding tokens the item produces (rows of encoder output after merge).
+    pub num_tokens: u64,
+    /// True when the encoder output came from the encoder cache.
+    pub cached: bool,
+    /// The encoder output `[tokens, hidden]`, when asked for.
+    pub embeddings: Option<HostTensor>,
+    /// Deepstack outputs (Qwen3-VL), one `[tokens, hidden]` tensor per level; empty otherwise
+    /// or when embeddings were not asked for.
+    pub deepstack: Vec<HostTensor>,
+}
+
+/// Why the engine refused or failed a call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// The client's input is unusable (corrupt image, dimensions over the limit, ...): a 4xx.
+    #[error("{message}")]
+    BadInput {
+        /// What is wrong, naming the item and the numbers.
+        message: String,
+        /// A stable machine-readable code, e.g. `image_too_large`.
+        code: &'static str,
+    },
+    /// The engine is asleep; the request was not run: a 503.
+    #[error("the engine is sleeping; call POST /wake_up first")]
+    Sleeping,
+    /// The engine cannot take more work now: a 503.
+    #[error("the engine is overloaded; retry later")]
+    Overloaded,
+    /// A fault inside iris or the device: a 500.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// What a reset or sleep released, in bytes and entries.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ResetReport {
+    /// Bytes of preprocessed payload dropped from the processor cache.
+    pub processor_cache_bytes: u64,
+    /// Device bytes of encoder outputs freed from the encoder cache.
+    pub encoder_cache_bytes: u64,
+    /// Encoder cache entries dropped.
+    pub encoder_cache_entries: u64,
+    /// Reserved bytes the caching allocator returned to the device.
+    pub allocator_bytes: u64,
+}
+
+/// Device memory figures at one instant, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryGauges {
+    /// Device used as the driver sees it: total - free.
+    pub device_used_bytes: u64,
+    /// Device total as the driver sees it.
+    pub device_total_bytes: u64,
+    /// Bytes the caching allocator holds from the device.
+    pub allocator_reserved_bytes: u64,
+    /// Bytes of the reserved memory handed out to live tensors.
+    pub allocator_allocated_bytes: u64,
+    /// Peak of allocated bytes since start (or the last peak reset).
+    pub allocator_peak_bytes: u64,
+    /// Device bytes held by the encoder cache's buffers.
+    pub encoder_cache_bytes: u64,
+    /// Entries resident in the encoder cache.
+    pub encoder_cache_entries: u64,
+    /// Host bytes of preprocessed payload in the processor cache.
+    pub processor_cache_bytes: u64,
+    /// Entries in the processor cache.
+    pub processor_cache_entries: u64,
+}
+
+/// Cumulative counters and current gauges, read by `GET /metrics` and `GET /memory`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MetricsSnapshot {
+    /// Processor cache lookups that found the item.
+    pub processor_cache_hits: u64,
+    /// Processor cache lookups that missed.
+    pub processor_cache_misses: u64,
+    /// Processor cache entries evicted for space.
+    pub processor_cache_evictions: u64,
+    /// Encoder cache lookups that found the item's output.
+    pub encoder_cache_hits: u64,
+    /// Encoder cache lookups that missed (the item was encoded).
+    pub encoder_cache_misses: u64,
+    /// Encoder cache entries evicted for space.
+    pub encoder_cache_evictions: u64,
+    /// Memory now.
+    pub memory: MemoryGauges,
+    /// Memory before the engine loaded anything (the pre-start baseline).
+    pub before_start: MemoryGauges,
+    /// Memory once start-up (weights, profiling, cache set-up) finished: the post-start baseline.
+    pub after_start: MemoryGauges,
+}

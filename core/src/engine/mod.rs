@@ -1,0 +1,633 @@
+//! The engine: requests in through an async handle, one engine-core thread running steps on
+//! the device, embeddings out to each request's consumer.
+//!
+//! ```text
+//!  Engine::encode (async, any tokio thread)
+//!    │ decode + item hash + processor cache + resize/normalise  (tokio blocking pool)
+//!    ▼
+//!  Command::Add ──► engine-core thread (owns device, tower, scheduler + encoder cache manager,
+//!                   device encoder cache)
+//!                     step: schedule → encode new items (one batched tower call) → store →
+//!                           gather positions into the step buffer + mask → deliver
+//!    ◄── Event::Chunk … Event::Finished (per request, unbounded channel)
+//! ```
+//!
+//! - **Start-up** ([`Engine::start`]) is [`profile_startup`]: snapshot, weights, a run of the
+//!   largest item times the most items per batch, and the refusal, with the numbers, when the
+//!   device has less free memory than `device_memory_utilization` asks for. Its before- and
+//!   after-start snapshots are the baselines the resets are measured against.
+//! - **Resets** each report what they released: [`Engine::reset_mm_cache`] (processor cache),
+//!   [`Engine::reset_encoder_cache`] (manager and device buffers together, between steps: an
+//!   in-flight request re-encodes what it still needs), [`Engine::reset_allocator`] (returns the
+//!   caching allocator's unused blocks), [`Engine::reset_all`] (the three in order).
+//! - **Sleep**: level 1 copies the weights to the host, level 2 discards them; both reset the
+//!   caches and empty the allocator, so device use falls to the pre-start figure.
+//!   [`Engine::wake_up`] uploads the host copy (level 1) or reloads from the weight source
+//!   (level 2). While asleep, new requests are refused with [`EngineError::Sleeping`] (HTTP
+//!   503); requests admitted before the sleep wait and finish after the wake-up.
+//! - **Abort**: dropping the future of [`Engine::encode`] (a client that hung up) aborts its
+//!   request, which releases its cache references.
+
+pub mod api;
+pub mod prompt;
+mod worker;
+
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use iris_plugin::{DType, Device};
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::budget::{EncoderBudget, Modality, ModalityLimits, SchedulerConfig};
+use crate::cache::encoder::EncoderCacheManager;
+use crate::cache::processor::ProcessorCache;
+use crate::encoder::exec::Runner;
+use crate::memory::{CachingAllocator, MemorySnapshot};
+use crate::model::{ModelSpec, WeightSource};
+use crate::preprocess::{
+    DecodeLimits, PreprocessError, PreprocessedImage, ProcessorConfig, decode_rgb, item_hash,
+    preprocess_rgb,
+};
+use crate::profile::{ProfileError, ProfileRequest, StartupProfile, profile_startup};
+use crate::scheduler::Scheduler;
+use api::{
+    EncodeOptions, EngineError, ImageInput, ImageResult, MemoryGauges, MetricsSnapshot, ResetReport,
+};
+use prompt::{Assembly, Event, PromptLayout};
+use worker::{AddRequest, Command, Worker};
+
+/// vLLM's default `mm_processor_cache_gb` (4 GiB), in bytes.
+pub const DEFAULT_PROCESSOR_CACHE_BYTES: u64 = 4 << 30;
+
+/// Everything the engine is started with.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The model (vision tower and processor settings).
+    pub spec: ModelSpec,
+    /// Where the weights come from (also what a level-2 wake-up reloads).
+    pub weights: WeightSource,
+    /// Run dtype.
+    pub dtype: DType,
+    /// Token budgets, running requests and encoder cache size.
+    pub scheduler: SchedulerConfig,
+    /// Share of the device's total memory iris may use, in `(0, 1]`.
+    pub device_memory_utilization: f64,
+    /// Bound of the processor cache in bytes of preprocessed payload (0 disables it).
+    pub processor_cache_bytes: u64,
+    /// Decoder limits (a second line of defence behind the server's header check).
+    pub decode_limits: DecodeLimits,
+}
+
+impl EngineConfig {
+    /// A configuration with the defaults for everything but the model and its weights.
+    pub fn new(spec: ModelSpec, weights: WeightSource) -> EngineConfig {
+        EngineConfig {
+            spec,
+            weights,
+            dtype: DType::F32,
+            scheduler: SchedulerConfig::default(),
+            device_memory_utilization: crate::profile::DEFAULT_DEVICE_MEMORY_UTILIZATION,
+            processor_cache_bytes: DEFAULT_PROCESSOR_CACHE_BYTES,
+            decode_limits: DecodeLimits::default(),
+        }
+    }
+}
+
+/// Why the engine did not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// Start-up profiling refused or failed (not enough free memory, bad weights, ...).
+    #[error("start-up profiling failed: {0}")]
+    Profile(#[from] ProfileError),
+    /// The encoder budget or scheduler could not be built from the configuration.
+    #[error("scheduler: {0}")]
+    Scheduler(String),
+    /// The engine-core thread could not be started or died during start-up.
+    #[error("engine-core thread: {0}")]
+    Thread(String),
+}
+
+/// State the handle and the engine-core thread share. The engine core is the only writer of
+/// the encoder figures; the handle reads them without a round trip.
+pub(crate) struct Shared {
+    allocator: Arc<CachingAllocator>,
+    processor: Mutex<ProcessorCache<Arc<PreprocessedImage>>>,
+    /// 0 awake, else the sleep level.
+    sleep_level: AtomicU8,
+    encoder_hits: AtomicU64,
+    encoder_misses: AtomicU64,
+    encoder_evictions: AtomicU64,
+    encoder_cache_bytes: AtomicU64,
+    encoder_cache_entries: AtomicU64,
+    encoder_cache_capacity_tokens: AtomicU64,
+    encoder_cache_free_tokens: AtomicU64,
+    in_flight: AtomicU64,
+}
+
+/// The engine handle. Cheap to share behind an `Arc`; dropping the last handle stops the
+/// engine-core thread, which releases every device buffer it holds.
+pub struct Engine {
+    shared: Arc<Shared>,
+    commands: Mutex<Option<std_mpsc::Sender<Command>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    next_key: AtomicU64,
+    config: EngineConfig,
+    processor: ProcessorConfig,
+    startup: StartupProfile,
+    device_name: String,
+    plugin_name: String,
+    out_hidden: usize,
+    deepstack_levels: usize,
+}
+
+/// Aborts a request when its consumer is dropped before the request finished.
+struct AbortOnDrop<'a> {
+    engine: &'a Engine,
+    key: u64,
+    armed: bool,
+}
+
+impl Drop for AbortOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.engine.send(Command::Abort(self.key));
+        }
+    }
+}
+
+impl Engine {
+    /// Starts the engine on `device`: profiles start-up (loading the weights), builds the
+    /// scheduler from the measured largest item, and starts the engine-core thread.
+    ///
+    /// # Errors
+    /// [`StartError`] with the numbers when memory is short, or what failed.
+    pub fn start(config: EngineConfig, device: Device) -> Result<Engine, StartError> {
+        let device_name = device.description().name.to_string();
+        let plugin_name = device.plugin().name().to_owned();
+        let allocator = CachingAllocator::new(Arc::new(device));
+        let shared = Arc::new(Shared {
+            allocator: Arc::clone(&allocator),
+            processor: Mutex::new(ProcessorCache::new(config.processor_cache_bytes)),
+            sleep_level: AtomicU8::new(0),
+            encoder_hits: AtomicU64::new(0),
+            encoder_misses: AtomicU64::new(0),
+            encoder_evictions: AtomicU64::new(0),
+            encoder_cache_bytes: AtomicU64::new(0),
+            encoder_cache_entries: AtomicU64::new(0),
+            encoder_cache_capacity_tokens: AtomicU64::new(0),
+            encoder_cache_free_tokens: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+        });
+        let (commands, receiver) = std_mpsc::channel::<Command>();
+        let (ready_tx, ready_rx) = std_mpsc::channel::<Result<StartupProfile, StartError>>();
+        let thread_shared = Arc::clone(&shared);
+        let thread_config = config.clone();
+        let thread = std::thread::Builder::new()
+            .name("iris-engine-core".to_owned())
+            .spawn(move || {
+                // The device, the tower and every cache live and die on this thread.
+                match start_worker(thread_shared, &thread_config) {
+                    Ok((worker, profile)) => {
+                        if ready_tx.send(Ok(profile)).is_ok() {
+                            worker.run(&receiver);
+                        }
+                    }
+                    Err(err) => {
+                        let _ = ready_tx.send(Err(err));
+                    }
+                }
+            })
+            .map_err(|e| StartError::Thread(e.to_string()))?;
+        let startup = match ready_rx.recv() {
+            Ok(Ok(profile)) => profile,
+            Ok(Err(err)) => {
+                let _ = thread.join();
+                return Err(err);
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(StartError::Thread("it stopped during start-up".to_owned()));
+            }
+        };
+        Ok(Engine {
+            shared,
+            commands: Mutex::new(Some(commands)),
+            thread: Mutex::new(Some(thread)),
+            next_key: AtomicU64::new(0),
+            processor: config.spec.processor.clone(),
+            out_hidden: config.spec.vision.out_hidden,
+            deepstack_levels: config.spec.vision.deepstack_visual_indexes.len(),
+            config,
+            startup,
+            device_name,
+            plugin_name,
+        })
+    }
+
+    /// The start-up report.
+    pub fn startup(&self) -> &StartupProfile {
+        &self.startup
+    }
+
+    /// The configuration the engine runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    fn send(&self, command: Command) -> bool {
+        let guard = self.commands.lock().unwrap_or_else(PoisonError::into_inner);
+        guard.as_ref().is_some_and(|tx| tx.send(command).is_ok())
+    }
+
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        if !self.send(make(tx)) {
+            return Err(stopped());
+        }
+        rx.await.map_err(|_| stopped())
+    }
+
+    /// Encodes one request's images; one result per image, in order.
+    ///
+    /// # Errors
+    /// [`EngineError::BadInput`] for an image that cannot be decoded or preprocessed (naming
+    /// it), [`EngineError::Sleeping`] while asleep, [`EngineError::Internal`] for a fault.
+    pub async fn encode(
+        &self,
+        images: Vec<ImageInput>,
+        options: EncodeOptions,
+    ) -> Result<Vec<ImageResult>, EngineError> {
+        if images.is_empty() {
+            return Err(EngineError::BadInput {
+                message: "the request has no images".to_owned(),
+                code: "no_images",
+            });
+        }
+        if self.is_sleeping() {
+            return Err(EngineError::Sleeping);
+        }
+        let shared = Arc::clone(&self.shared);
+        let processor = self.processor.clone();
+        let limits = self.config.decode_limits;
+        let prepared = tokio::task::spawn_blocking(move || {
+            images
+                .iter()
+                .enumerate()
+                .map(|(index, image)| prepare(&shared, &processor, &limits, index, &image.bytes))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await
+        .map_err(|e| EngineError::Internal(format!("preprocessing task failed: {e}")))??;
+
+        let layout = PromptLayout::new(prepared.iter().map(|p| u64::from(p.tokens)));
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let (events, mut receiver) = mpsc::unbounded_channel();
+        let mut assembly = Assembly::new(
+            layout.clone(),
+            prepared.clone(),
+            self.out_hidden,
+            self.deepstack_levels,
+            options.return_embeddings,
+        );
+        let request = AddRequest {
+            key,
+            images: prepared,
+            layout,
+            return_embeddings: options.return_embeddings,
+            events,
+        };
+        if !self.send(Command::Add(Box::new(request))) {
+            return Err(stopped());
+        }
+        let mut guard = AbortOnDrop {
+            engine: self,
+            key,
+            armed: true,
+        };
+        while let Some(event) = receiver.recv().await {
+            match event {
+                Event::Chunk(chunk) => {
+                    // On a bad chunk the guard aborts the request.
+                    assembly.push(chunk)?;
+                }
+                Event::Finished { encoded } => {
+                    guard.armed = false;
+                    return assembly.finish(&encoded);
+                }
+                Event::Failed(err) => {
+                    guard.armed = false;
+                    return Err(err);
+                }
+            }
+        }
+        guard.armed = false;
+        Err(stopped())
+    }
+
+    /// Clears the processor cache; reports the bytes released.
+    pub fn reset_mm_cache(&self) -> ResetReport {
+        let bytes = self
+            .shared
+            .processor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        ResetReport {
+            processor_cache_bytes: bytes,
+            ..ResetReport::default()
+        }
+    }
+
+    /// Clears the encoder cache manager and the device encoder cache, between steps.
+    pub async fn reset_encoder_cache(&self) -> ResetReport {
+        self.ask(Command::ResetEncoderCache)
+            .await
+            .unwrap_or_default()
+    }
+
+    /// Returns the caching allocator's unused blocks to the device.
+    pub async fn reset_allocator(&self) -> ResetReport {
+        self.ask(Command::TrimAllocator).await.unwrap_or_default()
+    }
+
+    /// Processor cache, encoder cache, allocator, in that order.
+    pub async fn reset_all(&self) -> ResetReport {
+        let processor = self.reset_mm_cache();
+        let encoder = self.reset_encoder_cache().await;
+        let allocator = self.reset_allocator().await;
+        ResetReport {
+            processor_cache_bytes: processor.processor_cache_bytes,
+            encoder_cache_bytes: encoder.encoder_cache_bytes,
+            encoder_cache_entries: encoder.encoder_cache_entries,
+            allocator_bytes: allocator.allocator_bytes,
+        }
+    }
+
+    /// Puts the engine to sleep: level 1 keeps a host copy of the weights, level 2 discards
+    /// them. New requests are refused from this call on.
+    ///
+    /// # Errors
+    /// [`EngineError::BadInput`] for another level; [`EngineError::Internal`] when the weights
+    /// could not be copied (the engine stays awake).
+    pub async fn sleep(&self, level: u8) -> Result<ResetReport, EngineError> {
+        if !(1..=2).contains(&level) {
+            return Err(EngineError::BadInput {
+                message: format!("sleep level must be 1 or 2, got {level}"),
+                code: "invalid_sleep_level",
+            });
+        }
+        let previous = self.shared.sleep_level.load(Ordering::SeqCst);
+        self.shared
+            .sleep_level
+            .store(previous.max(level), Ordering::SeqCst);
+        let result = self.ask(|tx| Command::Sleep(level, tx)).await?;
+        if result.is_err() {
+            self.shared.sleep_level.store(previous, Ordering::SeqCst);
+        }
+        result
+    }
+
+    /// Wakes the engine up, restoring the weights.
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] when the weights could not be restored (the engine stays
+    /// asleep).
+    pub async fn wake_up(&self) -> Result<(), EngineError> {
+        self.ask(Command::WakeUp).await?
+    }
+
+    /// Whether the engine is asleep (or going to sleep).
+    pub fn is_sleeping(&self) -> bool {
+        self.shared.sleep_level.load(Ordering::SeqCst) != 0
+    }
+
+    /// Device and allocator figures now, with both caches' sizes.
+    pub fn gauges(&self) -> MemoryGauges {
+        let snapshot = MemorySnapshot::take(&self.shared.allocator).ok();
+        self.gauges_of(snapshot.as_ref())
+    }
+
+    fn gauges_of(&self, snapshot: Option<&MemorySnapshot>) -> MemoryGauges {
+        let s = &self.shared;
+        let processor = s
+            .processor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .stats();
+        let mut gauges = MemoryGauges {
+            encoder_cache_bytes: s.encoder_cache_bytes.load(Ordering::Relaxed),
+            encoder_cache_entries: s.encoder_cache_entries.load(Ordering::Relaxed),
+            processor_cache_bytes: processor.bytes,
+            processor_cache_entries: processor.entries as u64,
+            ..gauges_of_snapshot(snapshot)
+        };
+        if snapshot.is_none() {
+            // The device could not be read; the allocator's own counters still can.
+            let stats = s.allocator.stats();
+            gauges.allocator_reserved_bytes = stats.reserved;
+            gauges.allocator_allocated_bytes = stats.allocated;
+            gauges.allocator_peak_bytes = stats.peak_allocated;
+        }
+        gauges
+    }
+
+    /// Cache counters and memory gauges.
+    pub fn metrics_snapshot(&self) -> MetricsSnapshot {
+        let s = &self.shared;
+        let processor = s
+            .processor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .stats();
+        MetricsSnapshot {
+            processor_cache_hits: processor.hits,
+            processor_cache_misses: processor.misses,
+            processor_cache_evictions: processor.evictions,
+            encoder_cache_hits: s.encoder_hits.load(Ordering::Relaxed),
+            encoder_cache_misses: s.encoder_misses.load(Ordering::Relaxed),
+            encoder_cache_evictions: s.encoder_evictions.load(Ordering::Relaxed),
+            memory: self.gauges(),
+            before_start: gauges_of_snapshot(Some(&self.startup.before_start)),
+            after_start: gauges_of_snapshot(Some(&self.startup.after_start)),
+        }
+    }
+
+    /// The memory snapshot plus both caches' entries and bytes, as JSON.
+    pub fn memory_json(&self) -> Value {
+        let snapshot = MemorySnapshot::take(&self.shared.allocator).ok();
+        let s = &self.shared;
+        let processor = s
+            .processor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .stats();
+        json!({
+            "snapshot": snapshot,
+            "processor_cache": {
+                "entries": processor.entries,
+                "bytes": processor.bytes,
+                "capacity_bytes": processor.capacity,
+            },
+            "encoder_cache": {
+                "entries": s.encoder_cache_entries.load(Ordering::Relaxed),
+                "bytes": s.encoder_cache_bytes.load(Ordering::Relaxed),
+                "capacity_tokens": s.encoder_cache_capacity_tokens.load(Ordering::Relaxed),
+                "free_tokens": s.encoder_cache_free_tokens.load(Ordering::Relaxed),
+            },
+            "in_flight_requests": s.in_flight.load(Ordering::Relaxed),
+            "is_sleeping": self.is_sleeping(),
+            "before_start": self.startup.before_start,
+            "after_start": self.startup.after_start,
+        })
+    }
+
+    /// Configuration, device and start-up report, as JSON.
+    pub fn info_json(&self) -> Value {
+        let c = &self.config;
+        let s = &c.scheduler;
+        json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "model": c.spec.name,
+            "family": format!("{:?}", c.spec.vision.family),
+            "dtype": c.dtype.to_string(),
+            "weights": match &c.weights {
+                WeightSource::Dummy { seed } => format!("dummy (seed {seed})"),
+                WeightSource::Safetensors(paths) => format!("{} safetensors path(s)", paths.len()),
+            },
+            "device": self.device_name,
+            "plugin": self.plugin_name,
+            "scheduler": {
+                "max_num_batched_tokens": s.max_num_batched_tokens,
+                "max_num_seqs": s.max_num_seqs,
+                "encoder_cache_size": s.encoder_cache_size,
+                "max_num_encoder_input_tokens": s.max_num_encoder_input_tokens,
+                "disable_chunked_mm_input": s.disable_chunked_mm_input,
+            },
+            "device_memory_utilization": c.device_memory_utilization,
+            "processor_cache_bytes": c.processor_cache_bytes,
+            "processor": {
+                "min_pixels": self.processor.min_pixels,
+                "max_pixels": self.processor.max_pixels,
+                "patch_size": self.processor.patch_size,
+                "merge_size": self.processor.merge_size,
+            },
+            "startup": self.startup,
+        })
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Closing the channel ends the engine-core loop; joining waits until it has dropped the
+        // tower, the caches and the allocator's blocks.
+        self.commands
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let thread = self
+            .thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(thread) = thread {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn stopped() -> EngineError {
+    EngineError::Internal("the engine core has stopped".to_owned())
+}
+
+fn gauges_of_snapshot(snapshot: Option<&MemorySnapshot>) -> MemoryGauges {
+    snapshot.map_or_else(MemoryGauges::default, |s| MemoryGauges {
+        device_used_bytes: s.device_used,
+        device_total_bytes: s.device_total,
+        allocator_reserved_bytes: s.allocator_reserved,
+        allocator_allocated_bytes: s.allocator_allocated,
+        allocator_peak_bytes: s.allocator_peak_allocated,
+        ..MemoryGauges::default()
+    })
+}
+
+/// Decodes, hashes and (on a processor-cache miss) preprocesses one image.
+fn prepare(
+    shared: &Shared,
+    processor: &ProcessorConfig,
+    limits: &DecodeLimits,
+    index: usize,
+    bytes: &[u8],
+) -> Result<Arc<PreprocessedImage>, EngineError> {
+    let bad = |err: PreprocessError| EngineError::BadInput {
+        code: preprocess_error_code(&err),
+        message: format!("image {index}: {err}"),
+    };
+    let (_, rgb) = decode_rgb(bytes, limits, processor.alpha).map_err(bad)?;
+    let hash = item_hash(&rgb, processor);
+    let cached = shared
+        .processor
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&hash)
+        .cloned();
+    if let Some(image) = cached {
+        return Ok(image);
+    }
+    let image = Arc::new(preprocess_rgb(&rgb, processor).map_err(bad)?);
+    let bytes = image.pixel_values.len() as u64 * 4;
+    shared
+        .processor
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert_sized(hash, Arc::clone(&image), bytes);
+    Ok(image)
+}
+
+/// The stable error code of a preprocessing failure.
+pub fn preprocess_error_code(err: &PreprocessError) -> &'static str {
+    match err {
+        PreprocessError::UnsupportedFormat { .. } => "unsupported_image_format",
+        PreprocessError::TooLarge { .. } => "image_too_large",
+        PreprocessError::AspectRatio { .. } => "image_aspect_ratio",
+        _ => "invalid_image",
+    }
+}
+
+/// Runs start-up on the engine-core thread.
+fn start_worker(
+    shared: Arc<Shared>,
+    config: &EngineConfig,
+) -> Result<(Worker, StartupProfile), StartError> {
+    let allocator = Arc::clone(&shared.allocator);
+    let request = ProfileRequest {
+        spec: config.spec.clone(),
+        weights: config.weights.clone(),
+        dtype: config.dtype,
+        scheduler: config.scheduler.clone(),
+        device_memory_utilization: config.device_memory_utilization,
+    };
+    let (tower, profile) = profile_startup(&allocator, &request)?;
+    let budget = EncoderBudget::new(
+        &config.scheduler,
+        &[(
+            Modality::Image,
+            ModalityLimits::new(profile.max_item_tokens),
+        )],
+    )
+    .map_err(|e| StartError::Scheduler(e.to_string()))?;
+    let manager = EncoderCacheManager::new(crate::budget::BudgetPolicy::cache_size(&budget));
+    let scheduler = Scheduler::new(config.scheduler.clone(), budget, manager);
+    let runner = Runner::new(allocator);
+    let worker = Worker::new(shared, runner, tower, config.weights.clone(), scheduler);
+    Ok((worker, profile))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,484 @@
+//! The engine-core thread: it alone owns the device, the vision tower, the scheduler with its
+//! encoder cache manager and the device encoder cache, and runs steps between commands.
+//!
+//! A step: schedule -> free what the manager evicted -> encode the newly scheduled items in one
+//! tower call -> store the outputs in the device cache -> gather every scheduled position into
+//! the step's input-embedding buffer (text positions zero, a mask marking image positions) ->
+//! deliver each request its rows -> mark the tokens consumed and finish requests. Commands
+//! (new requests, aborts, resets, sleep, wake-up) are taken between steps, which is where the
+//! scheduler's reset contract wants them.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::{Arc, PoisonError};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::budget::EncoderBudget;
+use crate::cache::device::{DeviceEncoderCache, Entry};
+use crate::cache::encoder::{EncoderCacheManagement, EncoderCacheManager};
+use crate::encoder::EncoderError;
+use crate::encoder::exec::{Runner, Tensor};
+use crate::encoder::tower::VisionTower;
+use crate::engine::Shared;
+use crate::engine::api::{EngineError, ResetReport};
+use crate::engine::prompt::{Chunk, Event, PromptLayout};
+use crate::model::{HostWeights, VisionConfig, WeightSource};
+use crate::preprocess::PreprocessedImage;
+use crate::scheduler::{RequestId, Scheduler, SchedulerError, SchedulerPolicy, StepOutput};
+use iris_plugin::DType;
+
+/// A request handed to the engine core.
+pub(crate) struct AddRequest {
+    /// The handle's key for it (aborts name it).
+    pub key: u64,
+    pub images: Vec<Arc<PreprocessedImage>>,
+    pub layout: PromptLayout,
+    pub return_embeddings: bool,
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+/// What the handle asks of the engine core.
+pub(crate) enum Command {
+    Add(Box<AddRequest>),
+    /// The consumer went away: release the request.
+    Abort(u64),
+    ResetEncoderCache(oneshot::Sender<ResetReport>),
+    TrimAllocator(oneshot::Sender<ResetReport>),
+    Sleep(u8, oneshot::Sender<Result<ResetReport, EngineError>>),
+    WakeUp(oneshot::Sender<Result<(), EngineError>>),
+}
+
+struct Active {
+    key: u64,
+    images: Vec<Arc<PreprocessedImage>>,
+    layout: PromptLayout,
+    return_embeddings: bool,
+    events: mpsc::UnboundedSender<Event>,
+    encoded: Vec<bool>,
+}
+
+/// Weights while asleep.
+enum Asleep {
+    /// Level 1: copied to the host.
+    OnHost(HostWeights),
+    /// Level 2: discarded; waking reloads them from the source.
+    Discarded,
+}
+
+pub(crate) struct Worker {
+    pub shared: Arc<Shared>,
+    pub runner: Runner,
+    pub tower: Option<VisionTower>,
+    pub vision: VisionConfig,
+    pub dtype: DType,
+    pub weights: WeightSource,
+    pub scheduler: Scheduler<EncoderCacheManager, EncoderBudget>,
+    pub cache: DeviceEncoderCache,
+    asleep: Option<Asleep>,
+    active: HashMap<RequestId, Active>,
+    by_key: HashMap<u64, RequestId>,
+}
+
+impl Worker {
+    pub fn new(
+        shared: Arc<Shared>,
+        runner: Runner,
+        tower: VisionTower,
+        weights: WeightSource,
+        scheduler: Scheduler<EncoderCacheManager, EncoderBudget>,
+    ) -> Worker {
+        Worker {
+            shared,
+            runner,
+            vision: tower.config().clone(),
+            dtype: tower.dtype(),
+            tower: Some(tower),
+            weights,
+            scheduler,
+            cache: DeviceEncoderCache::new(),
+            asleep: None,
+            active: HashMap::new(),
+            by_key: HashMap::new(),
+        }
+    }
+
+    /// Runs until every handle is gone, then releases everything it holds.
+    pub fn run(mut self, commands: &Receiver<Command>) {
+        self.publish();
+        loop {
+            // Block for work when idle; otherwise take what arrived and run a step.
+            let idle = self.asleep.is_some() || !self.scheduler.has_unfinished();
+            let next = if idle {
+                commands.recv().map_err(|_| TryRecvError::Disconnected)
+            } else {
+                commands.try_recv()
+            };
+            match next {
+                Ok(command) => {
+                    self.handle(command);
+                    continue;
+                }
+                Err(TryRecvError::Disconnected) => break,
+                Err(TryRecvError::Empty) => {}
+            }
+            self.step();
+        }
+        self.fail_all(&EngineError::Internal("the engine shut down".to_owned()));
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Add(request) => self.add(*request),
+            Command::Abort(key) => {
+                if let Some(id) = self.by_key.remove(&key) {
+                    self.scheduler.abort(id);
+                    self.active.remove(&id);
+                }
+            }
+            Command::ResetEncoderCache(reply) => {
+                let report = self.reset_encoder_cache();
+                let _ = reply.send(report);
+            }
+            Command::TrimAllocator(reply) => {
+                let _ = reply.send(self.trim());
+            }
+            Command::Sleep(level, reply) => {
+                let _ = reply.send(self.sleep(level));
+            }
+            Command::WakeUp(reply) => {
+                let _ = reply.send(self.wake_up());
+            }
+        }
+        self.publish();
+    }
+
+    fn add(&mut self, request: AddRequest) {
+        let new = request.layout.request(&request.images);
+        match self.scheduler.add_request(new) {
+            Ok(id) => {
+                self.by_key.insert(request.key, id);
+                self.active.insert(
+                    id,
+                    Active {
+                        key: request.key,
+                        encoded: vec![false; request.images.len()],
+                        images: request.images,
+                        layout: request.layout,
+                        return_embeddings: request.return_embeddings,
+                        events: request.events,
+                    },
+                );
+            }
+            Err(SchedulerError::Budget { index, source }) => {
+                let _ = request.events.send(Event::Failed(EngineError::BadInput {
+                    message: format!("image {index}: {source}"),
+                    code: "image_over_budget",
+                }));
+            }
+            Err(err) => {
+                let _ = request
+                    .events
+                    .send(Event::Failed(EngineError::Internal(err.to_string())));
+            }
+        }
+    }
+
+    /// One step. A fault fails the requests of the step (they are released) and the engine goes
+    /// on with the others.
+    fn step(&mut self) {
+        let output = match self.scheduler.schedule() {
+            Ok(output) => output,
+            Err(err) => {
+                // The scheduler's state is suspect: fail everything rather than loop on it.
+                self.fail_all(&EngineError::Internal(format!("scheduling failed: {err}")));
+                return;
+            }
+        };
+        self.cache.free_hashes(&output.freed);
+        if let Err(err) = self.run_step(&output) {
+            let err = EngineError::Internal(err.to_string());
+            for (id, _) in &output.scheduled {
+                self.fail(*id, &err);
+            }
+        }
+        let finished = self.scheduler.update_from_output(&output);
+        for id in finished {
+            if let Some(active) = self.active.remove(&id) {
+                self.by_key.remove(&active.key);
+                let hits = active.encoded.iter().filter(|e| !**e).count() as u64;
+                let misses = active.encoded.len() as u64 - hits;
+                self.shared.encoder_hits.fetch_add(hits, Ordering::Relaxed);
+                self.shared
+                    .encoder_misses
+                    .fetch_add(misses, Ordering::Relaxed);
+                let _ = active.events.send(Event::Finished {
+                    encoded: active.encoded,
+                });
+            }
+        }
+        self.publish();
+    }
+
+    fn run_step(&mut self, output: &StepOutput) -> Result<(), EncoderError> {
+        self.encode(output)?;
+        let hidden = self.vision.out_hidden as u64;
+        let total = output.total_tokens();
+        let levels = self.vision.deepstack_visual_indexes.len();
+        if total == 0 {
+            return Ok(());
+        }
+        // The step's input-embedding buffers: main, then one per deepstack level.
+        let buffers = (0..=levels)
+            .map(|_| self.runner.tensor(self.dtype, total, hidden))
+            .collect::<Result<Vec<Tensor>, _>>()?;
+        let row_bytes = hidden * self.dtype.size().unwrap_or(4);
+        let zeros = vec![0u8; usize::try_from(row_bytes).unwrap_or(0)];
+        let device = Arc::clone(self.runner.device());
+        let mut row = 0;
+        for &(id, tokens) in &output.scheduled {
+            let Some(active) = self.active.get(&id) else {
+                row += tokens;
+                continue;
+            };
+            let start = self
+                .scheduler
+                .num_computed_tokens(id)
+                .unwrap_or(active.layout.prompt_len);
+            let mut p = start;
+            while p < start + tokens {
+                let dst_row = row + (p - start);
+                match active.layout.item_at(p) {
+                    Some((index, item_row)) => {
+                        let (_, length) = active.layout.items[index];
+                        let run = (length - item_row).min(start + tokens - p);
+                        let entry = self
+                            .cache
+                            .get(&active.images[index].hash)
+                            .map_err(|miss| EncoderError::Shape(miss.to_string()))?;
+                        let sources = std::iter::once(entry.embeddings())
+                            .chain((0..levels).filter_map(|l| entry.deepstack_embeddings(l)));
+                        for (source, out) in sources.zip(&buffers) {
+                            let dst = out.mat();
+                            device.copy(
+                                dst.buf,
+                                dst.offset + dst_row * row_bytes,
+                                source.buf,
+                                source.offset + item_row * row_bytes,
+                                run * row_bytes,
+                            )?;
+                        }
+                        p += run;
+                    }
+                    None => {
+                        // A text position: the language model embeds it; iris leaves zeros.
+                        for out in &buffers {
+                            let dst = out.mat();
+                            device.write(dst.buf, dst.offset + dst_row * row_bytes, &zeros)?;
+                        }
+                        p += 1;
+                    }
+                }
+            }
+            let mask = active.layout.mask(start, tokens);
+            let (embeddings, deepstack) = if active.return_embeddings {
+                let mut parts = Vec::with_capacity(buffers.len());
+                for out in &buffers {
+                    parts.push(self.runner.download_f32(&out.row_range(row, tokens)?)?);
+                }
+                let mut parts = parts.into_iter();
+                (parts.next(), parts.collect())
+            } else {
+                (None, Vec::new())
+            };
+            let chunk = Chunk {
+                start,
+                mask,
+                embeddings,
+                deepstack,
+            };
+            if active.events.send(Event::Chunk(chunk)).is_err() {
+                // The consumer is gone; its abort command may still be queued.
+                let key = active.key;
+                self.by_key.remove(&key);
+                self.active.remove(&id);
+                self.scheduler.abort(id);
+            }
+            row += tokens;
+        }
+        Ok(())
+    }
+
+    /// Runs the tower once on every newly scheduled item of the step and stores the outputs.
+    fn encode(&mut self, output: &StepOutput) -> Result<(), EncoderError> {
+        let mut batch: Vec<Arc<PreprocessedImage>> = Vec::new();
+        for input in &output.encoder_inputs {
+            let Some(active) = self.active.get_mut(&input.request) else {
+                continue;
+            };
+            active.encoded[input.index] = true;
+            let image = &active.images[input.index];
+            if self.cache.contains(&image.hash) || batch.iter().any(|b| b.hash == image.hash) {
+                continue;
+            }
+            batch.push(Arc::clone(image));
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let tower = self
+            .tower
+            .as_ref()
+            .ok_or_else(|| EncoderError::Shape("the tower is asleep".to_owned()))?;
+        let row_len = self.vision.patch_row_len() as u64;
+        let pixels: Vec<f32> = batch
+            .iter()
+            .flat_map(|image| image.pixel_values.iter().copied())
+            .collect();
+        let grids: Vec<[u32; 3]> = batch.iter().map(|image| image.grid_thw).collect();
+        let rows = pixels.len() as u64 / row_len;
+        let input = self.runner.upload_f32(&pixels, self.dtype, rows, row_len)?;
+        drop(pixels);
+        let outputs = tower.forward(&self.runner, &input, &grids)?;
+        drop(input);
+        for (image, out) in batch.iter().zip(outputs) {
+            let tokens = out.embeddings.rows();
+            let hidden = out.embeddings.cols();
+            let buffer = self.runner.into_owned_buffer(out.embeddings)?;
+            let deepstack = out
+                .deepstack
+                .into_iter()
+                .map(|t| self.runner.into_owned_buffer(t))
+                .collect::<Result<Vec<_>, _>>()?;
+            let entry = Entry::new(buffer, tokens, hidden, self.dtype).with_deepstack(deepstack);
+            self.cache.insert(image.hash.clone(), entry);
+        }
+        Ok(())
+    }
+
+    fn fail(&mut self, id: RequestId, err: &EngineError) {
+        self.scheduler.abort(id);
+        if let Some(active) = self.active.remove(&id) {
+            self.by_key.remove(&active.key);
+            let _ = active.events.send(Event::Failed(err.clone()));
+        }
+    }
+
+    fn fail_all(&mut self, err: &EngineError) {
+        let ids: Vec<RequestId> = self.active.keys().copied().collect();
+        for id in ids {
+            self.fail(id, err);
+        }
+    }
+
+    /// Empties the manager and the device cache together; in-flight requests re-encode.
+    fn reset_encoder_cache(&mut self) -> ResetReport {
+        let entries = self.cache.len() as u64;
+        self.scheduler.reset_encoder_cache();
+        let bytes = self.cache.reset();
+        ResetReport {
+            encoder_cache_bytes: bytes,
+            encoder_cache_entries: entries,
+            ..ResetReport::default()
+        }
+    }
+
+    fn trim(&mut self) -> ResetReport {
+        // A failed release leaves the blocks cached; the next trim tries again.
+        let released = self.runner.allocator().empty_cache().unwrap_or(0);
+        ResetReport {
+            allocator_bytes: released,
+            ..ResetReport::default()
+        }
+    }
+
+    fn sleep(&mut self, level: u8) -> Result<ResetReport, EngineError> {
+        if self.asleep.is_some() {
+            if level == 2 {
+                self.asleep = Some(Asleep::Discarded);
+            }
+            return Ok(ResetReport::default());
+        }
+        let Some(tower) = self.tower.take() else {
+            return Err(EngineError::Internal("the tower is missing".to_owned()));
+        };
+        let asleep = if level == 1 {
+            match tower.to_host(&self.runner) {
+                Ok(host) => Asleep::OnHost(host),
+                Err(err) => {
+                    self.tower = Some(tower);
+                    return Err(EngineError::Internal(format!(
+                        "copying the weights to the host failed: {err}"
+                    )));
+                }
+            }
+        } else {
+            Asleep::Discarded
+        };
+        drop(tower);
+        self.asleep = Some(asleep);
+        let mut report = self.reset_encoder_cache();
+        report.processor_cache_bytes = self
+            .shared
+            .processor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        report.allocator_bytes = self.trim().allocator_bytes;
+        Ok(report)
+    }
+
+    fn wake_up(&mut self) -> Result<(), EngineError> {
+        let Some(asleep) = self.asleep.take() else {
+            return Ok(());
+        };
+        let loaded = match &asleep {
+            Asleep::OnHost(host) => {
+                VisionTower::new(&self.runner, self.vision.clone(), host, self.dtype)
+                    .map_err(|e| e.to_string())
+            }
+            Asleep::Discarded => self
+                .weights
+                .load(&self.vision, self.dtype)
+                .map_err(|e| e.to_string())
+                .and_then(|host| {
+                    VisionTower::new(&self.runner, self.vision.clone(), &host, self.dtype)
+                        .map_err(|e| e.to_string())
+                }),
+        };
+        match loaded {
+            Ok(tower) => {
+                self.tower = Some(tower);
+                self.shared.sleep_level.store(0, Ordering::SeqCst);
+                Ok(())
+            }
+            Err(err) => {
+                // Whatever was uploaded is dropped with the error; stay asleep.
+                self.asleep = Some(asleep);
+                self.trim();
+                Err(EngineError::Internal(format!(
+                    "restoring the weights failed: {err}"
+                )))
+            }
+        }
+    }
+
+    /// Publishes the figures the handle reads without asking this thread.
+    fn publish(&self) {
+        let stats = self.scheduler.manager().stats();
+        let s = &self.shared;
+        s.encoder_evictions
+            .store(stats.evictions, Ordering::Relaxed);
+        s.encoder_cache_bytes
+            .store(self.cache.bytes(), Ordering::Relaxed);
+        s.encoder_cache_entries
+            .store(self.cache.len() as u64, Ordering::Relaxed);
+        s.encoder_cache_capacity_tokens
+            .store(stats.capacity, Ordering::Relaxed);
+        s.encoder_cache_free_tokens
+            .store(stats.free, Ordering::Relaxed);
+        s.in_flight
+            .store(self.active.len() as u64, Ordering::Relaxed);
+    }
+}
