@@ -5,17 +5,17 @@
 //! [`iris_core::config`]). Subcommands live in their own modules: [`devices`] lists plugins and
 //! their devices, [`plugin_check`] runs the conformance suite against one plugin, [`encode`] runs
 //! a vision tower on images, [`profile`] reports start-up memory, [`simulate`] runs a workload through the scheduler for capacity
-//! planning.
+//! planning, [`serve`] puts the [`engine`] behind the [`http`] server, and [`bench`] is the main
+//! job: load, memory checkpoints and the verdict.
 
-// Not reached from `main` yet: the `serve` and `bench` subcommands call into them.
-#[allow(dead_code)]
 mod bench;
 mod devices;
 mod encode;
-#[allow(dead_code)]
+mod engine;
 mod http;
 mod plugin_check;
 mod profile;
+mod serve;
 mod settings;
 mod simulate;
 
@@ -48,6 +48,11 @@ enum Command {
     Profile(profile::ProfileArgs),
     /// Capacity planning: run a workload through the scheduler and encoder cache manager.
     Simulate(simulate::SimulateArgs),
+    /// Serve the engine over HTTP (loopback by default) until Ctrl-C.
+    Serve(serve::ServeCmd),
+    /// The main job: load an engine (or --url a server), measure throughput, latency and
+    /// memory before start, after start, after the load and after reset_all, with a verdict.
+    Bench(bench::BenchCmd),
 }
 
 #[derive(Debug, Subcommand)]
@@ -66,6 +71,8 @@ fn main() -> ExitCode {
         } => plugin_check::run(&cli.global, args),
         Command::Profile(args) => profile::run(&cli.global, args),
         Command::Simulate(args) => simulate::run(args).map(|()| ExitCode::SUCCESS),
+        Command::Serve(args) => serve::run(&cli.global, args),
+        Command::Bench(args) => bench::run(&cli.global, args),
     };
     match result {
         Ok(code) => code,

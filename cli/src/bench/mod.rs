@@ -137,18 +137,63 @@ pub fn finish(report: &BenchReport, args: &BenchArgs) -> anyhow::Result<u8> {
     Ok(report.exit_code())
 }
 
-/// Runs the bench against the server at `url` and finishes it (see [`finish`]).
+/// Arguments of `iris bench`: the engine's flags (for the in-process run) and the bench's.
+#[derive(Debug, clap::Args)]
+pub struct BenchCmd {
+    #[command(flatten)]
+    engine: crate::engine::EngineArgs,
+    #[command(flatten)]
+    bench: BenchArgs,
+}
+
+/// Runs `iris bench`: against `--url` when given, otherwise against an engine started in this
+/// process on the configured device (the built-in CPU device by default).
 ///
 /// # Errors
-/// A bad URL, workload or flag, a failed checkpoint or reset, or an unwritable result file.
-pub async fn run_against_url(url: &str, args: &BenchArgs) -> anyhow::Result<u8> {
-    let target = std::sync::Arc::new(runner::HttpTarget::new(url, args.api_key.clone())?);
+/// Start-up, workload, checkpoint or output failures.
+pub fn run(
+    global: &crate::settings::GlobalArgs,
+    args: &BenchCmd,
+) -> anyhow::Result<std::process::ExitCode> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let code = match &args.bench.url {
+        Some(url) => runtime.block_on(run_against_url(url, &args.bench))?,
+        None => {
+            let engine = std::sync::Arc::new(args.engine.start(global)?);
+            eprintln!("{}", crate::engine::startup_line(&engine));
+            let target = std::sync::Arc::new(runner::InProcessTarget::new(engine));
+            runtime.block_on(run_against(target, &args.bench))?
+        }
+    };
+    Ok(std::process::ExitCode::from(code))
+}
+
+/// Runs the bench against `target` and finishes it (see [`finish`]).
+///
+/// # Errors
+/// A bad workload or flag, a failed checkpoint or reset, or an unwritable result file.
+pub async fn run_against<T: runner::BenchTarget>(
+    target: std::sync::Arc<T>,
+    args: &BenchArgs,
+) -> anyhow::Result<u8> {
     let spec = args.workload_spec();
     let workload = tokio::task::spawn_blocking(move || workload::build_workload(&spec))
         .await
         .context("building the workload")??;
     let report = runner::run_bench(target, &workload, &args.run_options()).await?;
     finish(&report, args)
+}
+
+/// Runs the bench against the server at `url` and finishes it (see [`finish`]).
+///
+/// # Errors
+/// A bad URL, workload or flag, a failed checkpoint or reset, or an unwritable result file.
+pub async fn run_against_url(url: &str, args: &BenchArgs) -> anyhow::Result<u8> {
+    let target = std::sync::Arc::new(runner::HttpTarget::new(url, args.api_key.clone())?);
+    run_against(target, args).await
 }
 
 #[cfg(test)]

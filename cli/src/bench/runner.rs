@@ -367,6 +367,7 @@ impl HttpTarget {
 
     /// Sets how long one call may take, response body included, before it counts as failed.
     #[must_use]
+    #[cfg(test)]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self

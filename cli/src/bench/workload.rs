@@ -141,6 +141,7 @@ impl fmt::Display for ImageSize {
     }
 }
 
+#[cfg(test)]
 /// Parses a comma-separated list of sizes (`448x448,1024x768`).
 ///
 /// # Errors
@@ -293,6 +294,7 @@ pub struct Workload {
 }
 
 impl Workload {
+    #[cfg(test)]
     /// Image slots over all prompts.
     pub fn total_slots(&self) -> usize {
         self.prompts.iter().map(Vec::len).sum()

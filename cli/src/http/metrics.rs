@@ -251,6 +251,7 @@ impl<E: Engine> Collector for EngineCollector<E> {
     }
 }
 
+#[cfg(test)]
 /// Parses the value of an unlabelled sample `name` from Prometheus text (used by the bench client).
 pub fn sample_value(text: &str, name: &str) -> Option<f64> {
     text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {

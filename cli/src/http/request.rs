@@ -143,6 +143,7 @@ pub fn tensor_json((data, shape): &HostTensor) -> Value {
     json!({ "dtype": "f32", "shape": shape, "data": STANDARD.encode(bytes) })
 }
 
+#[cfg(test)]
 /// Decodes a `tensor_json` object back to values and shape (used by clients and tests).
 ///
 /// # Errors
