@@ -111,7 +111,7 @@ pub fn verdict_line(v: &Verdict) -> String {
 
 /// Cumulative cache counters as the engine reports them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CacheCounters {
+pub struct EngineCounters {
     /// Processor cache hits.
     pub processor_hits: u64,
     /// Processor cache misses.
@@ -124,6 +124,45 @@ pub struct CacheCounters {
     pub encoder_misses: u64,
     /// Encoder cache evictions.
     pub encoder_evictions: u64,
+    /// Engine steps run.
+    pub steps: u64,
+    /// Time in steps, ns.
+    pub step_time_ns: u64,
+    /// Time in the tower's forward passes, ns.
+    pub encoder_time_ns: u64,
+}
+
+/// Where the engine's step time went during the load.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct StepStats {
+    /// Steps run.
+    pub steps: u64,
+    /// Seconds in steps.
+    pub step_time_s: f64,
+    /// Seconds of that in the vision tower.
+    pub encoder_time_s: f64,
+    /// Share of step time outside the tower (scheduling, cache upkeep, gathering, delivery),
+    /// from 0 to 1; 0 without steps.
+    pub overhead_share: f64,
+}
+
+impl StepStats {
+    /// Figures for the load phase from counters read before and after it.
+    pub fn between(before: &EngineCounters, after: &EngineCounters) -> Self {
+        let step_ns = after.step_time_ns.saturating_sub(before.step_time_ns);
+        let encoder_ns = after.encoder_time_ns.saturating_sub(before.encoder_time_ns);
+        let overhead_share = if step_ns == 0 {
+            0.0
+        } else {
+            step_ns.saturating_sub(encoder_ns) as f64 / step_ns as f64
+        };
+        Self {
+            steps: after.steps.saturating_sub(before.steps),
+            step_time_s: step_ns as f64 / 1e9,
+            encoder_time_s: encoder_ns as f64 / 1e9,
+            overhead_share,
+        }
+    }
 }
 
 /// Cache figures over the load phase.
@@ -141,7 +180,7 @@ pub struct CacheStats {
 
 impl CacheStats {
     /// Figures for the load phase from counters read before and after it.
-    pub fn between(before: &CacheCounters, after: &CacheCounters) -> Self {
+    pub fn between(before: &EngineCounters, after: &EngineCounters) -> Self {
         let rate = |hits: u64, misses: u64| {
             let lookups = hits + misses;
             if lookups == 0 {
@@ -201,6 +240,8 @@ pub struct BenchReport {
     pub stats: RunStats,
     /// Cache figures.
     pub cache: CacheStats,
+    /// Step time and the engine's share of it.
+    pub steps: StepStats,
     /// The four checkpoints.
     pub memory: MemoryCheckpoints,
     /// The verdict.
@@ -247,6 +288,7 @@ impl BenchReport {
                 "processor_evictions": self.cache.processor_evictions,
                 "encoder_evictions": self.cache.encoder_evictions,
             },
+            "engine": self.steps,
             "memory": memory,
             "memory_returned_to_baseline": self.verdict.returned,
             "leaked_bytes": self.verdict.leaked_bytes,
@@ -313,6 +355,15 @@ impl BenchReport {
             c.evictions(),
             c.processor_evictions,
             c.encoder_evictions
+        );
+        let st = &self.steps;
+        let _ = writeln!(
+            out,
+            "engine:     {} steps, {:.2} s in steps, {:.2} s of it in the encoder; engine overhead {:.1}% of step time",
+            st.steps,
+            st.step_time_s,
+            st.encoder_time_s,
+            st.overhead_share * 100.0
         );
         out.push('\n');
         out.push_str(&memory_table(&self.memory));
@@ -439,26 +490,32 @@ mod tests {
 
     #[test]
     fn cache_rates_are_over_the_load_only() {
-        let before = CacheCounters {
+        let before = EngineCounters {
             processor_hits: 5,
             processor_misses: 5,
             encoder_hits: 0,
             encoder_misses: 3,
-            ..CacheCounters::default()
+            ..EngineCounters::default()
         };
-        let after = CacheCounters {
+        let after = EngineCounters {
             processor_hits: 8,
             processor_misses: 6,
             processor_evictions: 2,
             encoder_hits: 1,
             encoder_misses: 6,
             encoder_evictions: 1,
+            steps: 4,
+            step_time_ns: 2_000,
+            encoder_time_ns: 1_500,
         };
         let c = CacheStats::between(&before, &after);
         assert_eq!(c.processor_hit_rate, 0.75);
         assert_eq!(c.encoder_hit_rate, 0.25);
         assert_eq!(c.evictions(), 3);
         assert_eq!(CacheStats::between(&after, &after).encoder_hit_rate, 0.0);
+        let st = StepStats::between(&before, &after);
+        assert_eq!((st.steps, st.overhead_share), (4, 0.25));
+        assert_eq!(StepStats::between(&after, &after).overhead_share, 0.0);
     }
 
     fn report(after_reset: MemoryPoint) -> BenchReport {
@@ -483,6 +540,7 @@ mod tests {
             },
             stats: summarize(&outcomes, Duration::from_secs(1)),
             cache: CacheStats::default(),
+            steps: StepStats::default(),
             verdict: verdict(&memory),
             memory,
             timeline: vec![TimedPoint {
@@ -507,6 +565,7 @@ mod tests {
             "/latency_ms/p90",
             "/latency_ms/p99",
             "/cache/processor_hit_rate",
+            "/engine/overhead_share",
             "/cache/encoder_hit_rate",
             "/cache/evictions",
             "/leaked_bytes",

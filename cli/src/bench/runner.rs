@@ -25,8 +25,8 @@ use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
 use super::report::{
-    BenchReport, CacheCounters, CacheStats, MemoryCheckpoints, MemoryPoint, RunInfo, TimedPoint,
-    verdict,
+    BenchReport, CacheStats, EngineCounters, MemoryCheckpoints, MemoryPoint, RunInfo, StepStats,
+    TimedPoint, verdict,
 };
 use super::stats::{RequestOutcome, summarize};
 use super::workload::{EncodedImage, RequestRate, Workload, arrival_offsets};
@@ -133,20 +133,23 @@ pub trait BenchTarget: Send + Sync + 'static {
     /// Memory now.
     fn memory(&self) -> impl Future<Output = Result<MemoryPoint, TargetError>> + Send;
     /// The engine's cumulative cache counters.
-    fn cache_counters(&self) -> impl Future<Output = Result<CacheCounters, TargetError>> + Send;
+    fn cache_counters(&self) -> impl Future<Output = Result<EngineCounters, TargetError>> + Send;
     /// Resets the processor cache, the encoder cache and the allocator.
     fn reset_all(&self) -> impl Future<Output = Result<(), TargetError>> + Send;
 }
 
 /// Counters of an engine's [`MetricsSnapshot`].
-pub fn counters_of(m: &MetricsSnapshot) -> CacheCounters {
-    CacheCounters {
+pub fn counters_of(m: &MetricsSnapshot) -> EngineCounters {
+    EngineCounters {
         processor_hits: m.processor_cache_hits,
         processor_misses: m.processor_cache_misses,
         processor_evictions: m.processor_cache_evictions,
         encoder_hits: m.encoder_cache_hits,
         encoder_misses: m.encoder_cache_misses,
         encoder_evictions: m.encoder_cache_evictions,
+        steps: m.steps,
+        step_time_ns: m.step_time_ns,
+        encoder_time_ns: m.encoder_time_ns,
     }
 }
 
@@ -319,6 +322,7 @@ pub async fn run_bench<T: BenchTarget>(
         },
         stats: summarize(&outcomes, load_duration),
         cache: CacheStats::between(&counters_before, &counters_after),
+        steps: StepStats::between(&counters_before, &counters_after),
         verdict: verdict(&memory),
         memory,
         timeline,
@@ -515,7 +519,7 @@ impl BenchTarget for HttpTarget {
         Ok(self.metrics_snapshot().await?.memory.into())
     }
 
-    async fn cache_counters(&self) -> Result<CacheCounters, TargetError> {
+    async fn cache_counters(&self) -> Result<EngineCounters, TargetError> {
         Ok(counters_of(&self.metrics_snapshot().await?))
     }
 
@@ -580,7 +584,7 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
         Ok(self.engine.metrics_snapshot().memory.into())
     }
 
-    async fn cache_counters(&self) -> Result<CacheCounters, TargetError> {
+    async fn cache_counters(&self) -> Result<EngineCounters, TargetError> {
         Ok(counters_of(&self.engine.metrics_snapshot()))
     }
 

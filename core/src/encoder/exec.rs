@@ -285,8 +285,38 @@ impl Runner {
                 data.len()
             )));
         }
-        let bytes = encode_f32(data, dtype);
-        self.upload_bytes(&bytes, dtype, rows, cols)
+        self.upload_f32_parts(&[data], dtype, rows, cols)
+    }
+
+    /// Uploads host f32 slices, concatenated in order, as one `rows x cols` tensor of `dtype`.
+    /// Conversion goes through a staging buffer of bounded size, so a batch of images is never
+    /// copied whole on the host.
+    pub fn upload_f32_parts(
+        &self,
+        parts: &[&[f32]],
+        dtype: DType,
+        rows: u64,
+        cols: u64,
+    ) -> Result<Tensor, EncoderError> {
+        let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        if total != rows * cols {
+            return Err(EncoderError::Shape(format!(
+                "upload of {total} values into a {rows}x{cols} tensor"
+            )));
+        }
+        /// Elements converted per device write: 1 MiB of f32.
+        const STAGING_ELEMENTS: usize = 1 << 18;
+        let tensor = self.tensor(dtype, rows, cols)?;
+        if let Storage::Device(buffer) = tensor.storage.as_ref() {
+            let mut staging = Vec::new();
+            let mut offset = 0;
+            for chunk in parts.iter().flat_map(|p| p.chunks(STAGING_ELEMENTS)) {
+                encode_f32_into(chunk, dtype, &mut staging);
+                buffer.write(offset, &staging)?;
+                offset += staging.len() as u64;
+            }
+        }
+        Ok(tensor)
     }
 
     /// Uploads raw little-endian bytes of `dtype`.
@@ -590,16 +620,33 @@ pub fn dtype_size(dtype: DType) -> u64 {
 
 /// Host f32 values as little-endian bytes of `dtype` (round to nearest even).
 pub fn encode_f32(data: &[f32], dtype: DType) -> Vec<u8> {
+    let mut out = Vec::new();
+    encode_f32_into(data, dtype, &mut out);
+    out
+}
+
+/// [`encode_f32`] into a reused buffer (cleared first). Writing fixed-size chunks of a sized
+/// buffer, rather than collecting a byte iterator, lets the compiler vectorise the loop.
+pub fn encode_f32_into(data: &[f32], dtype: DType, out: &mut Vec<u8>) {
+    let size = usize::try_from(dtype_size(dtype)).unwrap_or(4);
+    out.clear();
+    out.resize(data.len() * size, 0);
     match dtype {
-        DType::F16 => data
-            .iter()
-            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-            .collect(),
-        DType::BF16 => data
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect(),
-        _ => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::F16 => {
+            for (dst, v) in out.chunks_exact_mut(2).zip(data) {
+                dst.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes());
+            }
+        }
+        DType::BF16 => {
+            for (dst, v) in out.chunks_exact_mut(2).zip(data) {
+                dst.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
+            }
+        }
+        _ => {
+            for (dst, v) in out.chunks_exact_mut(4).zip(data) {
+                dst.copy_from_slice(&v.to_le_bytes());
+            }
+        }
     }
 }
 

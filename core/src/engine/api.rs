@@ -109,6 +109,15 @@ pub struct MetricsSnapshot {
     pub encoder_cache_misses: u64,
     /// Encoder cache entries evicted for space.
     pub encoder_cache_evictions: u64,
+    /// Engine steps run.
+    #[serde(default)]
+    pub steps: u64,
+    /// Time spent in steps (scheduling, encoding, cache upkeep, gathering, delivery), in ns.
+    #[serde(default)]
+    pub step_time_ns: u64,
+    /// Of that, time in the vision tower's forward passes, in ns.
+    #[serde(default)]
+    pub encoder_time_ns: u64,
     /// Memory now.
     pub memory: MemoryGauges,
     /// Memory before the engine loaded anything (the pre-start baseline).

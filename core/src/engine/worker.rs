@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, PoisonError};
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -188,6 +189,16 @@ impl Worker {
     /// One step. A fault fails the requests of the step (they are released) and the engine goes
     /// on with the others.
     fn step(&mut self) {
+        let started = Instant::now();
+        self.run_scheduled_step();
+        let s = &self.shared;
+        s.steps.fetch_add(1, Ordering::Relaxed);
+        s.step_time_ns
+            .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
+        self.publish();
+    }
+
+    fn run_scheduled_step(&mut self) {
         let output = match self.scheduler.schedule() {
             Ok(output) => output,
             Err(err) => {
@@ -218,7 +229,6 @@ impl Worker {
                 });
             }
         }
-        self.publish();
     }
 
     fn run_step(&mut self, output: &StepOutput) -> Result<(), EncoderError> {
@@ -332,15 +342,20 @@ impl Worker {
             .as_ref()
             .ok_or_else(|| EncoderError::Shape("the tower is asleep".to_owned()))?;
         let row_len = self.vision.patch_row_len() as u64;
-        let pixels: Vec<f32> = batch
-            .iter()
-            .flat_map(|image| image.pixel_values.iter().copied())
-            .collect();
+        let parts: Vec<&[f32]> = batch.iter().map(|i| i.pixel_values.as_slice()).collect();
         let grids: Vec<[u32; 3]> = batch.iter().map(|image| image.grid_thw).collect();
-        let rows = pixels.len() as u64 / row_len;
-        let input = self.runner.upload_f32(&pixels, self.dtype, rows, row_len)?;
-        drop(pixels);
-        let outputs = tower.forward(&self.runner, &input, &grids)?;
+        let rows = parts.iter().map(|p| p.len() as u64).sum::<u64>() / row_len;
+        let input = self
+            .runner
+            .upload_f32_parts(&parts, self.dtype, rows, row_len)?;
+        let started = Instant::now();
+        let outputs = tower.forward(&self.runner, &input, &grids);
+        // Forward returns once the device has run the graph (ops are synchronous on the
+        // reference device; others synchronise when the outputs are read or reused).
+        self.shared
+            .encoder_time_ns
+            .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
+        let outputs = outputs?;
         drop(input);
         for (image, out) in batch.iter().zip(outputs) {
             let tokens = out.embeddings.rows();
@@ -481,4 +496,8 @@ impl Worker {
         s.in_flight
             .store(self.active.len() as u64, Ordering::Relaxed);
     }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }

@@ -76,10 +76,10 @@ impl BenchTarget for MemTarget {
         Ok(self.point())
     }
 
-    async fn cache_counters(&self) -> Result<CacheCounters, TargetError> {
-        Ok(CacheCounters {
+    async fn cache_counters(&self) -> Result<EngineCounters, TargetError> {
+        Ok(EngineCounters {
             encoder_misses: u64::try_from(self.seen.lock().unwrap().len()).unwrap(),
-            ..CacheCounters::default()
+            ..EngineCounters::default()
         })
     }
 
