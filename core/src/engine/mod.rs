@@ -292,6 +292,10 @@ impl Engine {
         .await
         .map_err(|e| EngineError::Internal(format!("preprocessing task failed: {e}")))??;
 
+        // Sleep may have been asked while the images were being preprocessed.
+        if self.is_sleeping() {
+            return Err(EngineError::Sleeping);
+        }
         let layout = PromptLayout::new(prepared.iter().map(|p| u64::from(p.tokens)));
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         let (events, mut receiver) = mpsc::unbounded_channel();
@@ -602,10 +606,10 @@ fn prepare(
 /// The stable error code of a preprocessing failure.
 pub fn preprocess_error_code(err: &PreprocessError) -> &'static str {
     match err {
-        PreprocessError::UnsupportedFormat { .. } => "unsupported_image_format",
+        PreprocessError::UnsupportedFormat { .. } => "unknown_image_format",
         PreprocessError::TooLarge { .. } => "image_too_large",
         PreprocessError::AspectRatio { .. } => "image_aspect_ratio",
-        _ => "invalid_image",
+        _ => "corrupt_image",
     }
 }
 

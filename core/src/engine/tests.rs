@@ -246,7 +246,7 @@ async fn bad_input_is_refused_by_name_and_leaves_nothing_behind() {
     let mut corrupt = good.clone();
     corrupt.truncate(good.len() / 2);
     let cases: Vec<(Vec<ImageInput>, &str)> = vec![
-        (vec![input(good.clone()), input(corrupt)], "invalid_image"),
+        (vec![input(good.clone()), input(corrupt)], "corrupt_image"),
         (
             vec![input(b"GIF89a not an image".to_vec())],
             "unsupported_image_format",

@@ -213,6 +213,9 @@ impl Worker {
             for (id, _) in &output.scheduled {
                 self.fail(*id, &err);
             }
+            // The manager may now count items whose outputs never reached the device cache;
+            // emptying both keeps them in agreement (other requests re-encode what they need).
+            self.reset_encoder_cache();
         }
         let finished = self.scheduler.update_from_output(&output);
         for id in finished {
