@@ -1,0 +1,179 @@
+//! `iris bench` end to end with the real binary: in process, and with `--url` against a real
+//! `iris serve`, on the same small workload. Both must print the verdict `yes`, write
+//! `leaked_bytes` 0, and agree on everything the workload fixes (requests, images, tokens,
+//! cache hit rates, the post-start baseline).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Engine flags both runs share: small steps keep start-up profiling short in a debug build.
+const ENGINE: [&str; 8] = [
+    "--device",
+    "cpu",
+    "--model",
+    "tiny",
+    "--weights",
+    "dummy",
+    "--max-num-batched-tokens",
+    "2048",
+];
+
+/// The workload; `--request-rate inf` with one request in flight makes the order of requests,
+/// and so every cache hit, the same in both runs.
+const WORKLOAD: [&str; 13] = [
+    "--num-prompts",
+    "24",
+    "--images-per-prompt",
+    "2",
+    "--image-size",
+    "112x112,224x168",
+    "--repeat-ratio",
+    "0.5",
+    "--request-rate",
+    "inf",
+    "--max-concurrency",
+    "1",
+    "--no-progress",
+];
+
+fn folder(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("iris-bench-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp folder");
+    dir
+}
+
+fn iris(dir: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_iris"));
+    cmd.current_dir(dir)
+        .env_remove("IRIS_DEVICE")
+        .env_remove("IRIS_PLUGIN_PATH")
+        .env_remove("IRIS_API_KEY");
+    cmd
+}
+
+fn bench(dir: &Path, extra: &[&str]) -> (Output, Value) {
+    let json = dir.join("result.json");
+    let output = iris(dir)
+        .arg("bench")
+        .args(extra)
+        .args(WORKLOAD)
+        .arg("--result-json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(dir.join("memory.svg"))
+        .output()
+        .expect("iris bench runs");
+    let text = std::fs::read_to_string(&json).unwrap_or_else(|err| {
+        panic!(
+            "no result JSON ({err}); stdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    (
+        output,
+        serde_json::from_str(&text).expect("result JSON parses"),
+    )
+}
+
+/// A running `iris serve`, killed when dropped.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve(dir: &Path) -> (Server, String) {
+    let mut child = iris(dir)
+        .arg("serve")
+        .args(ENGINE)
+        .args(["--port", "0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("iris serve starts");
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let server = Server(child);
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line: String = rx
+            .recv_timeout(left)
+            .expect("iris serve prints its address");
+        if let Some(url) = line.strip_prefix("iris serve: listening on ") {
+            return (server, url.trim().to_owned());
+        }
+    }
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[test]
+fn in_process_and_url_runs_agree_and_return_memory_to_the_baseline() {
+    let local_dir = folder("local");
+    let (local_out, local) = bench(&local_dir, &ENGINE);
+    let text = stdout(&local_out);
+    assert!(local_out.status.success(), "{text}");
+    assert!(
+        text.trim_end()
+            .ends_with("memory after reset returns to the post-start baseline: yes"),
+        "{text}"
+    );
+    assert!(text.contains("target in-process"), "{text}");
+
+    let remote_dir = folder("remote");
+    let (_server, url) = serve(&remote_dir);
+    let (remote_out, remote) = bench(&remote_dir, &["--url", &url]);
+    let remote_text = stdout(&remote_out);
+    assert!(remote_out.status.success(), "{remote_text}");
+    assert!(
+        remote_text.contains(&format!("target {url}")),
+        "{remote_text}"
+    );
+
+    for v in [&local, &remote] {
+        assert_eq!(v["requests"]["completed"], 24, "{v}");
+        assert_eq!(v["requests"]["failed"], 0, "{v}");
+        assert_eq!(v["memory_returned_to_baseline"], true, "{v}");
+        assert_eq!(v["leaked_bytes"], 0, "{v}");
+    }
+    for key in [
+        "/images/completed",
+        "/images/cached",
+        "/tokens",
+        "/cache/processor_hit_rate",
+        "/cache/encoder_hit_rate",
+        "/memory/after_start/device_used_bytes",
+        "/memory/after_start/allocator_reserved_bytes",
+        "/memory/after_reset/allocator_allocated_bytes",
+    ] {
+        assert_eq!(local.pointer(key), remote.pointer(key), "{key}");
+    }
+    // The workload repeats half its slots one request at a time: the caches must have hit.
+    assert!(local["cache"]["processor_hit_rate"].as_f64().unwrap() > 0.2);
+    assert!(local["images"]["cached"].as_u64().unwrap() > 0);
+    for dir in [&local_dir, &remote_dir] {
+        let svg = std::fs::read_to_string(dir.join("memory.svg")).expect("plot written");
+        assert!(svg.contains("after reset"));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
