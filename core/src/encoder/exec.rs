@@ -144,24 +144,18 @@ impl Tensor {
             row_stride,
             offset,
         } = self;
+        let back = |storage| Tensor {
+            storage,
+            dtype,
+            rows,
+            cols,
+            row_stride,
+            offset,
+        };
         match Arc::try_unwrap(storage) {
             Ok(Storage::Device(buffer)) => Ok(buffer),
-            Ok(planned @ Storage::Planned(_)) => Err(Tensor {
-                storage: Arc::new(planned),
-                dtype,
-                rows,
-                cols,
-                row_stride,
-                offset,
-            }),
-            Err(storage) => Err(Tensor {
-                storage,
-                dtype,
-                rows,
-                cols,
-                row_stride,
-                offset,
-            }),
+            Ok(planned) => Err(back(Arc::new(planned))),
+            Err(shared) => Err(back(shared)),
         }
     }
 

@@ -131,6 +131,15 @@ pub(crate) struct Shared {
     in_flight: AtomicU64,
 }
 
+impl Shared {
+    fn processor_stats(&self) -> crate::cache::processor::ProcessorCacheStats {
+        self.processor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .stats()
+    }
+}
+
 /// The engine handle. Cheap to share behind an `Arc`; dropping the last handle stops the
 /// engine-core thread, which releases every device buffer it holds.
 pub struct Engine {
@@ -426,11 +435,7 @@ impl Engine {
 
     fn gauges_of(&self, snapshot: Option<&MemorySnapshot>) -> MemoryGauges {
         let s = &self.shared;
-        let processor = s
-            .processor
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .stats();
+        let processor = s.processor_stats();
         let mut gauges = MemoryGauges {
             encoder_cache_bytes: s.encoder_cache_bytes.load(Ordering::Relaxed),
             encoder_cache_entries: s.encoder_cache_entries.load(Ordering::Relaxed),
@@ -451,11 +456,7 @@ impl Engine {
     /// Cache counters and memory gauges.
     pub fn metrics_snapshot(&self) -> MetricsSnapshot {
         let s = &self.shared;
-        let processor = s
-            .processor
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .stats();
+        let processor = s.processor_stats();
         MetricsSnapshot {
             processor_cache_hits: processor.hits,
             processor_cache_misses: processor.misses,
@@ -476,11 +477,7 @@ impl Engine {
     pub fn memory_json(&self) -> Value {
         let snapshot = MemorySnapshot::take(&self.shared.allocator).ok();
         let s = &self.shared;
-        let processor = s
-            .processor
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .stats();
+        let processor = s.processor_stats();
         json!({
             "snapshot": snapshot,
             "processor_cache": {
