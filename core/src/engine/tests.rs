@@ -249,7 +249,7 @@ async fn bad_input_is_refused_by_name_and_leaves_nothing_behind() {
         (vec![input(good.clone()), input(corrupt)], "corrupt_image"),
         (
             vec![input(b"GIF89a not an image".to_vec())],
-            "unsupported_image_format",
+            "unknown_image_format",
         ),
         (vec![], "no_images"),
     ];

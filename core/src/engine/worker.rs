@@ -131,28 +131,40 @@ impl Worker {
 
     fn handle(&mut self, command: Command) {
         match command {
-            Command::Add(request) => self.add(*request),
+            Command::Add(request) => {
+                self.add(*request);
+                self.publish();
+            }
             Command::Abort(key) => {
                 if let Some(id) = self.by_key.remove(&key) {
                     self.scheduler.abort(id);
                     self.active.remove(&id);
                 }
+                self.publish();
             }
+            // Each reply goes out after the figures are published, so that a caller reading
+            // them once the call returned sees its effect.
             Command::ResetEncoderCache(reply) => {
                 let report = self.reset_encoder_cache();
+                self.publish();
                 let _ = reply.send(report);
             }
             Command::TrimAllocator(reply) => {
-                let _ = reply.send(self.trim());
+                let report = self.trim();
+                self.publish();
+                let _ = reply.send(report);
             }
             Command::Sleep(level, reply) => {
-                let _ = reply.send(self.sleep(level));
+                let result = self.sleep(level);
+                self.publish();
+                let _ = reply.send(result);
             }
             Command::WakeUp(reply) => {
-                let _ = reply.send(self.wake_up());
+                let result = self.wake_up();
+                self.publish();
+                let _ = reply.send(result);
             }
         }
-        self.publish();
     }
 
     fn add(&mut self, request: AddRequest) {
@@ -190,21 +202,28 @@ impl Worker {
     /// on with the others.
     fn step(&mut self) {
         let started = Instant::now();
-        self.run_scheduled_step();
+        let finished = self.run_scheduled_step();
         let s = &self.shared;
         s.steps.fetch_add(1, Ordering::Relaxed);
         s.step_time_ns
             .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
+        // Published before the requests hear they finished, so that a caller reading the
+        // figures after its request returned sees the step that served it.
         self.publish();
+        for (events, event) in finished {
+            let _ = events.send(event);
+        }
     }
 
-    fn run_scheduled_step(&mut self) {
+    /// Runs one step; returns the finished requests' final events, to send once the step's
+    /// figures are published.
+    fn run_scheduled_step(&mut self) -> Vec<(mpsc::UnboundedSender<Event>, Event)> {
         let output = match self.scheduler.schedule() {
             Ok(output) => output,
             Err(err) => {
                 // The scheduler's state is suspect: fail everything rather than loop on it.
                 self.fail_all(&EngineError::Internal(format!("scheduling failed: {err}")));
-                return;
+                return Vec::new();
             }
         };
         self.cache.free_hashes(&output.freed);
@@ -217,8 +236,8 @@ impl Worker {
             // emptying both keeps them in agreement (other requests re-encode what they need).
             self.reset_encoder_cache();
         }
-        let finished = self.scheduler.update_from_output(&output);
-        for id in finished {
+        let mut events = Vec::new();
+        for id in self.scheduler.update_from_output(&output) {
             if let Some(active) = self.active.remove(&id) {
                 self.by_key.remove(&active.key);
                 let hits = active.encoded.iter().filter(|e| !**e).count() as u64;
@@ -227,11 +246,15 @@ impl Worker {
                 self.shared
                     .encoder_misses
                     .fetch_add(misses, Ordering::Relaxed);
-                let _ = active.events.send(Event::Finished {
-                    encoded: active.encoded,
-                });
+                events.push((
+                    active.events,
+                    Event::Finished {
+                        encoded: active.encoded,
+                    },
+                ));
             }
         }
+        events
     }
 
     fn run_step(&mut self, output: &StepOutput) -> Result<(), EncoderError> {
