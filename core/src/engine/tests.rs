@@ -327,3 +327,49 @@ fn start_is_refused_with_the_numbers_when_memory_is_short() {
         .unwrap();
     assert!(Engine::start(config(), small).is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_admitted_before_sleep_waits_and_finishes_after_wake_up() {
+    let mut cfg = config();
+    // A small step budget spreads the request over dozens of steps.
+    cfg.scheduler.max_num_batched_tokens = 128;
+    let engine = Arc::new(Engine::start(cfg, device()).unwrap());
+    let m = engine.metrics_snapshot();
+    let in_flight = |e: &Engine| e.memory_json()["in_flight_requests"].as_u64().unwrap();
+    let images: Vec<Vec<u8>> = (0..12).map(|i| png(448, 448, 90 + i)).collect();
+    let task = {
+        let engine = Arc::clone(&engine);
+        let inputs = images.iter().cloned().map(input).collect();
+        tokio::spawn(async move { engine.encode(inputs, WITH_EMBEDDINGS).await })
+    };
+    for _ in 0..1000 {
+        if in_flight(&engine) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(in_flight(&engine), 1, "the request reached the engine core");
+    engine.sleep(1).await.unwrap();
+    assert!(
+        !task.is_finished(),
+        "the request waits while the engine sleeps"
+    );
+    assert_eq!(in_flight(&engine), 1);
+    assert_eq!(
+        engine.gauges().device_used_bytes,
+        m.before_start.device_used_bytes
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!task.is_finished(), "nothing runs while asleep");
+    engine.wake_up().await.unwrap();
+    let results = task.await.unwrap().expect("finishes after the wake-up");
+    assert_eq!(results.len(), images.len());
+    for (result, bytes) in results.iter().zip(&images) {
+        assert_close(&result.embeddings.clone().unwrap().0, &reference(bytes));
+    }
+    engine.reset_all().await;
+    assert_eq!(
+        baseline_figures(&engine.gauges()),
+        baseline_figures(&m.after_start)
+    );
+}
