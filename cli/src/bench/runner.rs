@@ -107,12 +107,12 @@ pub enum TargetError {
 #[non_exhaustive]
 pub enum RunError {
     /// A checkpoint, counter read or reset failed (request failures are counted, not fatal).
-    #[error("{stage}: {source}")]
+    #[error("{stage}: {error}")]
     Target {
         /// What the run was doing.
         stage: &'static str,
-        /// The target's error.
-        source: TargetError,
+        /// The target's error (a field, not a `source`: the message already carries it).
+        error: TargetError,
     },
     /// The progress bar template is invalid.
     #[error("progress bar template: {0}")]
@@ -190,7 +190,7 @@ pub async fn run_bench<T: BenchTarget>(
     workload: &Workload,
     opts: &RunOptions,
 ) -> Result<BenchReport, RunError> {
-    let stage = |stage: &'static str| move |source| RunError::Target { stage, source };
+    let stage = |stage: &'static str| move |error| RunError::Target { stage, error };
     let startup = target
         .startup_memory()
         .await
@@ -404,7 +404,7 @@ impl HttpTarget {
                 .client
                 .request(req)
                 .await
-                .map_err(|e| transport(format!("{e} ({e:?})")))?;
+                .map_err(|e| transport(error_chain(&e)))?;
             let status = resp.status();
             let body = resp.into_body().collect().await;
             let bytes = body.map_err(|e| transport(e.to_string()))?.to_bytes();
@@ -592,6 +592,22 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
         self.engine.reset_all().await;
         Ok(())
     }
+}
+
+/// An error and its causes on one line: hyper's own message ("client error (Connect)") leaves
+/// the cause (connection refused, DNS failure) to its source chain.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(c) = cause {
+        let part = c.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        cause = c.source();
+    }
+    text
 }
 
 async fn sample_memory<T: BenchTarget>(

@@ -101,7 +101,7 @@ impl EngineConfig {
 #[non_exhaustive]
 pub enum StartError {
     /// Start-up profiling refused or failed (not enough free memory, bad weights, ...).
-    #[error("start-up profiling failed: {0}")]
+    #[error(transparent)]
     Profile(#[from] ProfileError),
     /// The encoder budget or scheduler could not be built from the configuration.
     #[error("scheduler: {0}")]
