@@ -56,17 +56,9 @@ pub struct EncodeArgs {
 
 /// Runs `iris encode`.
 pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
-    let dtype = DType::parse(&args.model.dtype).with_context(|| {
-        format!(
-            "--dtype: expected f32, f16 or bf16, got `{}`",
-            args.model.dtype
-        )
-    })?;
-    let spec = match &args.model.model_dir {
-        Some(dir) => ModelSpec::from_hf_dir(dir)?,
-        None => ModelSpec::preset(&args.model.model)?,
-    };
-    let source = weight_source(&args.model)?;
+    let dtype = args.model.dtype()?;
+    let spec = args.model.spec()?;
+    let source = args.model.weight_source()?;
     let processor = spec.processor.clone();
     let limits = DecodeLimits::default();
 
@@ -180,25 +172,50 @@ fn download(runner: &Runner, tensor: &Tensor) -> anyhow::Result<(Vec<u8>, Vec<us
     Ok((values.iter().flat_map(|v| v.to_le_bytes()).collect(), shape))
 }
 
-/// The weights `args` ask for.
-pub fn weight_source(args: &ModelArgs) -> anyhow::Result<WeightSource> {
-    match args.weights.as_slice() {
-        [] => Ok(match &args.model_dir {
-            Some(dir) => WeightSource::Safetensors(vec![dir.clone()]),
-            None => WeightSource::Dummy {
+impl ModelArgs {
+    /// The run dtype `--dtype` names.
+    ///
+    /// # Errors
+    /// A dtype other than f32, f16 or bf16.
+    pub fn dtype(&self) -> anyhow::Result<DType> {
+        DType::parse(&self.dtype)
+            .with_context(|| format!("--dtype: expected f32, f16 or bf16, got `{}`", self.dtype))
+    }
+
+    /// The model `--model` or `--model-dir` names.
+    ///
+    /// # Errors
+    /// An unknown preset or an unreadable model directory.
+    pub fn spec(&self) -> anyhow::Result<ModelSpec> {
+        Ok(match &self.model_dir {
+            Some(dir) => ModelSpec::from_hf_dir(dir)?,
+            None => ModelSpec::preset(&self.model)?,
+        })
+    }
+
+    /// The weights `--weights` asks for.
+    ///
+    /// # Errors
+    /// `dummy` combined with files.
+    pub fn weight_source(&self) -> anyhow::Result<WeightSource> {
+        match self.weights.as_slice() {
+            [] => Ok(match &self.model_dir {
+                Some(dir) => WeightSource::Safetensors(vec![dir.clone()]),
+                None => WeightSource::Dummy {
+                    seed: DUMMY_DEFAULT_SEED,
+                },
+            }),
+            [only] if only == "dummy" => Ok(WeightSource::Dummy {
                 seed: DUMMY_DEFAULT_SEED,
-            },
-        }),
-        [only] if only == "dummy" => Ok(WeightSource::Dummy {
-            seed: DUMMY_DEFAULT_SEED,
-        }),
-        files => {
-            if files.iter().any(|f| f == "dummy") {
-                bail!("--weights: `dummy` cannot be combined with files");
+            }),
+            files => {
+                if files.iter().any(|f| f == "dummy") {
+                    bail!("--weights: `dummy` cannot be combined with files");
+                }
+                Ok(WeightSource::Safetensors(
+                    files.iter().map(PathBuf::from).collect(),
+                ))
             }
-            Ok(WeightSource::Safetensors(
-                files.iter().map(PathBuf::from).collect(),
-            ))
         }
     }
 }

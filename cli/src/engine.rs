@@ -7,11 +7,9 @@ use anyhow::Context;
 use clap::Args;
 use iris_core::budget::SchedulerConfig;
 use iris_core::engine::{DEFAULT_PROCESSOR_CACHE_BYTES, Engine, EngineConfig};
-use iris_core::model::ModelSpec;
 use iris_core::profile::DEFAULT_DEVICE_MEMORY_UTILIZATION;
-use iris_plugin::DType;
 
-use crate::encode::{ModelArgs, weight_source};
+use crate::encode::ModelArgs;
 use crate::http::engine_api::{EncodeOptions, EngineError, ImageInput, ImageResult};
 use crate::http::{self, MetricsSnapshot, ResetReport};
 use crate::settings::{GlobalArgs, discover};
@@ -44,30 +42,6 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
-    /// The run dtype the flags name.
-    ///
-    /// # Errors
-    /// A dtype other than f32, f16 or bf16.
-    pub fn dtype(&self) -> anyhow::Result<DType> {
-        DType::parse(&self.model.dtype).with_context(|| {
-            format!(
-                "--dtype: expected f32, f16 or bf16, got `{}`",
-                self.model.dtype
-            )
-        })
-    }
-
-    /// The model the flags name.
-    ///
-    /// # Errors
-    /// An unknown preset or an unreadable model directory.
-    pub fn spec(&self) -> anyhow::Result<ModelSpec> {
-        Ok(match &self.model.model_dir {
-            Some(dir) => ModelSpec::from_hf_dir(dir)?,
-            None => ModelSpec::preset(&self.model.model)?,
-        })
-    }
-
     /// The scheduler settings the flags describe.
     pub fn scheduler(&self) -> SchedulerConfig {
         SchedulerConfig {
@@ -88,8 +62,8 @@ impl EngineArgs {
         if !gib.is_finite() || gib < 0.0 {
             anyhow::bail!("--mm-processor-cache-gb must be 0 or more, got {gib}");
         }
-        let mut config = EngineConfig::new(self.spec()?, weight_source(&self.model)?);
-        config.dtype = self.dtype()?;
+        let mut config = EngineConfig::new(self.model.spec()?, self.model.weight_source()?);
+        config.dtype = self.model.dtype()?;
         config.scheduler = self.scheduler();
         config.device_memory_utilization = self.device_memory_utilization;
         // Rounded down to whole bytes; the bound is a budget, not an exact figure.

@@ -8,11 +8,9 @@ use anyhow::Context;
 use clap::Args;
 use iris_core::budget::SchedulerConfig;
 use iris_core::memory::CachingAllocator;
-use iris_core::model::ModelSpec;
 use iris_core::profile::{DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileRequest, profile_startup};
-use iris_plugin::DType;
 
-use crate::encode::{ModelArgs, weight_source};
+use crate::encode::ModelArgs;
 use crate::settings::{GlobalArgs, discover, print_stdout};
 
 /// Arguments of `iris profile`.
@@ -40,17 +38,9 @@ pub struct ProfileArgs {
 
 /// Runs `iris profile`.
 pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> {
-    let dtype = DType::parse(&args.model.dtype).with_context(|| {
-        format!(
-            "--dtype: expected f32, f16 or bf16, got `{}`",
-            args.model.dtype
-        )
-    })?;
-    let spec = match &args.model.model_dir {
-        Some(dir) => ModelSpec::from_hf_dir(dir)?,
-        None => ModelSpec::preset(&args.model.model)?,
-    };
-    let weights = weight_source(&args.model)?;
+    let dtype = args.model.dtype()?;
+    let spec = args.model.spec()?;
+    let weights = args.model.weight_source()?;
     let scheduler = SchedulerConfig {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
