@@ -15,3 +15,5 @@ pub mod preprocess;
 pub mod profile;
 pub mod scheduler;
 pub mod simulate;
+#[cfg(test)]
+mod test_support;

@@ -189,11 +189,7 @@ mod tests {
     use crate::memory::CachingAllocator;
 
     fn allocator() -> Arc<CachingAllocator> {
-        let plugin = iris_plugin::Plugin::builtin(iris_device_cpu::plugin_root());
-        let device = plugin
-            .open(0, &[("capacity".into(), "64MiB".into())])
-            .unwrap();
-        CachingAllocator::new(Arc::new(device))
+        crate::test_support::cpu_allocator("64MiB")
     }
 
     fn entry(allocator: &Arc<CachingAllocator>, tokens: u64, hidden: u64) -> Entry {

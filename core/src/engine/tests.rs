@@ -3,17 +3,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use iris_plugin::Plugin;
-
 use super::*;
 use crate::encoder::tower::VisionTower;
 use crate::model::DUMMY_DEFAULT_SEED;
 use crate::preprocess::preprocess;
+use crate::test_support::{cpu_allocator, cpu_device};
 
 fn device() -> Device {
-    Plugin::builtin(iris_device_cpu::plugin_root())
-        .open(0, &[("capacity".into(), "1GiB".into())])
-        .expect("the CPU device opens")
+    cpu_device("1GiB")
 }
 
 fn config() -> EngineConfig {
@@ -60,7 +57,7 @@ const WITH_EMBEDDINGS: EncodeOptions = EncodeOptions {
 /// The tower run directly on one image: what the engine's gathered rows must equal.
 fn reference(bytes: &[u8]) -> Vec<f32> {
     let spec = ModelSpec::preset("tiny").unwrap();
-    let allocator = CachingAllocator::new(Arc::new(device()));
+    let allocator = cpu_allocator("1GiB");
     let runner = Runner::new(allocator);
     let host = config().weights.load(&spec.vision, DType::F32).unwrap();
     let tower = VisionTower::new(&runner, spec.vision.clone(), &host, DType::F32).unwrap();
@@ -312,19 +309,14 @@ async fn a_dropped_consumer_aborts_its_request() {
 fn start_is_refused_with_the_numbers_when_memory_is_short() {
     let mut cfg = config();
     cfg.device_memory_utilization = 1.0;
-    let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
-    let device = plugin
-        .open(0, &[("capacity".into(), "1GiB".into())])
-        .unwrap();
+    let device = cpu_device("1GiB");
     // Hold a block so that free < total: a utilization of 1.0 can no longer be met.
     let held = device.alloc(1 << 20).unwrap();
     let err = Engine::start(cfg.clone(), device).err().expect("refused");
     assert!(err.to_string().contains("free"), "{err}");
     let _ = held;
     // Too small a device for the weights and the profiling run fails cleanly too.
-    let small = plugin
-        .open(0, &[("capacity".into(), "64KiB".into())])
-        .unwrap();
+    let small = cpu_device("64KiB");
     assert!(Engine::start(config(), small).is_err());
 }
 

@@ -998,12 +998,7 @@ mod tests {
     use super::*;
 
     fn device(capacity: &str) -> Arc<Device> {
-        let plugin = iris_plugin::Plugin::builtin(iris_device_cpu::plugin_root());
-        Arc::new(
-            plugin
-                .open(0, &[("capacity".into(), capacity.into())])
-                .unwrap(),
-        )
+        Arc::new(crate::test_support::cpu_device(capacity))
     }
 
     fn used(device: &Device) -> u64 {

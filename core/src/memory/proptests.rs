@@ -2,8 +2,6 @@
 //! (small and large classes), frees of random live buffers and cache empties, with the books
 //! recounted after every step.
 
-use std::sync::Arc;
-
 use proptest::prelude::*;
 
 use super::allocator::{AllocError, CachingAllocator, DeviceBuffer, MIN_LARGE_ALLOC, SMALL_SIZE};
@@ -112,9 +110,7 @@ proptest! {
 
     #[test]
     fn books_balance_after_every_step(ops in ops()) {
-        let plugin = iris_plugin::Plugin::builtin(iris_device_cpu::plugin_root());
-        let device = plugin.open(0, &[("capacity".into(), CAPACITY.into())]).unwrap();
-        let allocator = CachingAllocator::new(Arc::new(device));
+        let allocator = crate::test_support::cpu_allocator(CAPACITY);
         let start = used(&allocator);
         prop_assert_eq!(start, 0);
         let mut live: Vec<DeviceBuffer> = Vec::new();

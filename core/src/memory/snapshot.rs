@@ -226,11 +226,7 @@ mod tests {
     use super::*;
 
     fn allocator() -> Arc<CachingAllocator> {
-        let plugin = iris_plugin::Plugin::builtin(iris_device_cpu::plugin_root());
-        let device = plugin
-            .open(0, &[("capacity".into(), "64MiB".into())])
-            .unwrap();
-        CachingAllocator::new(Arc::new(device))
+        crate::test_support::cpu_allocator("64MiB")
     }
 
     #[test]
