@@ -429,12 +429,9 @@ impl Engine {
 
     /// Device and allocator figures now, with both caches' sizes.
     pub fn gauges(&self) -> MemoryGauges {
-        let snapshot = MemorySnapshot::take(&self.shared.allocator).ok();
-        self.gauges_of(snapshot.as_ref())
-    }
-
-    fn gauges_of(&self, snapshot: Option<&MemorySnapshot>) -> MemoryGauges {
         let s = &self.shared;
+        let snapshot = MemorySnapshot::take(&s.allocator).ok();
+        let snapshot = snapshot.as_ref();
         let processor = s.processor_stats();
         let mut gauges = MemoryGauges {
             encoder_cache_bytes: s.encoder_cache_bytes.load(Ordering::Relaxed),

@@ -69,14 +69,14 @@ enum Asleep {
 }
 
 pub(crate) struct Worker {
-    pub shared: Arc<Shared>,
-    pub runner: Runner,
-    pub tower: Option<VisionTower>,
-    pub vision: VisionConfig,
-    pub dtype: DType,
-    pub weights: WeightSource,
-    pub scheduler: Scheduler<EncoderCacheManager, EncoderBudget>,
-    pub cache: DeviceEncoderCache,
+    shared: Arc<Shared>,
+    runner: Runner,
+    tower: Option<VisionTower>,
+    vision: VisionConfig,
+    dtype: DType,
+    weights: WeightSource,
+    scheduler: Scheduler<EncoderCacheManager, EncoderBudget>,
+    cache: DeviceEncoderCache,
     asleep: Option<Asleep>,
     active: HashMap<RequestId, Active>,
     by_key: HashMap<u64, RequestId>,
