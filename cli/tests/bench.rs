@@ -3,26 +3,14 @@
 //! `leaked_bytes` 0, and agree on everything the workload fixes (requests, images, tokens,
 //! cache hit rates, the post-start baseline).
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Output, Stdio};
 
 use serde_json::Value;
 
-const START_TIMEOUT: Duration = Duration::from_secs(120);
+mod common;
 
-/// Engine flags both runs share: small steps keep start-up profiling short in a debug build.
-const ENGINE: [&str; 8] = [
-    "--device",
-    "cpu",
-    "--model",
-    "tiny",
-    "--weights",
-    "dummy",
-    "--max-num-batched-tokens",
-    "2048",
-];
+use common::{ENGINE, iris};
 
 /// The workload; `--request-rate inf` with one request in flight makes the order of requests,
 /// and so every cache hit, the same in both runs.
@@ -47,15 +35,6 @@ fn folder(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp folder");
     dir
-}
-
-fn iris(dir: &Path) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_iris"));
-    cmd.current_dir(dir)
-        .env_remove("IRIS_DEVICE")
-        .env_remove("IRIS_PLUGIN_PATH")
-        .env_remove("IRIS_API_KEY");
-    cmd
 }
 
 fn bench(dir: &Path, extra: &[&str]) -> (Output, Value) {
@@ -94,33 +73,9 @@ impl Drop for Server {
 }
 
 fn serve(dir: &Path) -> (Server, String) {
-    let mut child = iris(dir)
-        .arg("serve")
-        .args(ENGINE)
-        .args(["--port", "0"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("iris serve starts");
-    let stdout = child.stdout.take().expect("stdout is piped");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let server = Server(child);
-    let deadline = Instant::now() + START_TIMEOUT;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line: String = rx
-            .recv_timeout(left)
-            .expect("iris serve prints its address");
-        if let Some(url) = line.strip_prefix("iris serve: listening on ") {
-            return (server, url.trim().to_owned());
-        }
-    }
+    let (child, url) =
+        common::spawn_serve(dir, &[], Stdio::null()).unwrap_or_else(|err| panic!("{err}"));
+    (Server(child), url)
 }
 
 fn stdout(output: &Output) -> String {

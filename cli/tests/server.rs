@@ -4,9 +4,9 @@
 //! start-up baselines, sleep and wake-up, the API key, bad inputs answered with 4xx JSON errors
 //! and nothing left behind, and concurrent clients with a reset in the middle.
 
-use std::io::{BufRead, BufReader, Cursor};
+use std::io::Cursor;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -21,8 +21,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 
-/// Start-up (profiling the tiny model in a debug build) is well under this.
-const START_TIMEOUT: Duration = Duration::from_secs(120);
+mod common;
+
 /// No single request of these tests comes near this; a hung server fails the test instead.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// The tiny model's encoder output width.
@@ -63,62 +63,12 @@ impl Server {
         std::fs::create_dir_all(&dir).expect("temp folder");
         let stderr_path = dir.join("stderr.txt");
         let stderr = std::fs::File::create(&stderr_path).expect("stderr file");
-        let mut args = vec![
-            "serve",
-            "--device",
-            "cpu",
-            "--model",
-            "tiny",
-            "--weights",
-            "dummy",
-            "--port",
-            "0",
-            "--max-num-batched-tokens",
-            "2048",
-        ];
-        args.extend_from_slice(extra);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_iris"))
-            .args(&args)
-            .current_dir(&dir)
-            .env_remove("IRIS_DEVICE")
-            .env_remove("IRIS_PLUGIN_PATH")
-            .env_remove("IRIS_API_KEY")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .expect("iris serve starts");
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
-        // Reads every line until the process ends, so the pipe never fills.
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                // After the address line nobody listens; keep draining.
-                let _ = tx.send(line);
-            }
+        let (child, base) = common::spawn_serve(&dir, extra, stderr.into()).unwrap_or_else(|err| {
+            panic!(
+                "{err}; stderr:\n{}",
+                std::fs::read_to_string(&stderr_path).unwrap_or_default()
+            )
         });
-        let stderr_text = || std::fs::read_to_string(&stderr_path).unwrap_or_default();
-        let deadline = std::time::Instant::now() + START_TIMEOUT;
-        let base = loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(line) => {
-                    if let Some(url) = line.strip_prefix("iris serve: listening on ") {
-                        break url.trim().to_owned();
-                    }
-                }
-                Err(err) => {
-                    let status = child.try_wait().ok().flatten();
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    panic!(
-                        "iris serve did not print its address ({err}; exit {status:?}); stderr:\n{}",
-                        stderr_text()
-                    );
-                }
-            }
-        };
         assert!(
             base.starts_with("http://127.0.0.1:"),
             "listens on loopback: {base}"
