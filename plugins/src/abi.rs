@@ -1,18 +1,31 @@
-//! The FFI-safe types that cross the plugin boundary.
+//! The FFI-safe types that cross the plugin boundary: ABI 2.
 //!
 //! Everything here is `#[repr(C)]` and derives [`StableAbi`], so abi_stable can compare the
 //! host's and the plugin's layouts when a library is loaded. Rules that keep the ABI stable:
 //!
 //! - Tables that will grow ([`IrisPlugin`], [`DeviceVTable`]) are prefix types: new fields are
-//!   appended after the last one, never inserted, and the host reads them through the `Option`
-//!   accessors abi_stable generates, so an older plugin still loads.
-//! - Closed sets that may gain members (dtypes, op kinds, error codes, activations) are newtypes
-//!   over integers with associated constants, not Rust enums: an unknown value is an error a
-//!   plugin can report, not a layout change.
+//!   appended after the last one, never inserted, and the host reads every field appended after
+//!   a table's first release through the `Option` accessors abi_stable generates, so a plugin
+//!   built for an older minor still loads and the host falls back where a field is missing.
+//! - Closed sets that may gain members (dtypes, op kinds, error codes, activations, log levels)
+//!   are newtypes over integers with associated constants, not Rust enums: an unknown value is
+//!   an error a plugin can report, not a layout change.
 //! - Argument structs of ops never change once released; an op that needs new parameters gets a
-//!   new function appended to the vtable.
-//! - Host data crosses only as borrowed slices ([`RSlice`], [`RSliceMut`]) valid for one call.
-//!   Device memory is opaque: a [`BufferHandle`] is an integer the plugin gave out.
+//!   new function appended to the vtable. The device description grows through
+//!   [`DeviceDesc::properties`], typed by key.
+//! - Host data crosses only as borrowed slices ([`RSlice`], [`RSliceMut`]) valid for one call,
+//!   or through host staging buffers the plugin allocated. Device memory is opaque: a
+//!   [`BufferHandle`] is an integer the plugin gave out.
+//!
+//! # Execution model
+//!
+//! Each opened device has one in-order queue. Ops, copies, fills, writes and uploads are
+//! *enqueued*: they may return before the work is done, and they run in the order they were
+//! called. `read` and `synchronize` wait. A `write` returns once its host slice may be reused.
+//! `free` is queue-ordered: freeing a buffer right after enqueueing work that uses it is safe,
+//! and the plugin releases the memory once that work is done. A failure of enqueued work is
+//! reported by a later call on the device (at the latest by `synchronize`), naming the failed
+//! call as well as the device can. docs/WRITING_A_BACKEND.md has the contract op by op.
 
 use std::ffi::c_void;
 use std::fmt;
@@ -23,8 +36,17 @@ use abi_stable::sabi_types::VersionStrings;
 use abi_stable::std_types::{RResult, RSlice, RSliceMut, RStr, RString, RVec};
 
 /// iris's own ABI major version. A plugin loads only if its major equals the host's.
-pub const ABI_MAJOR: u32 = 1;
+pub const ABI_MAJOR: u32 = 2;
 /// iris's own ABI minor version, bumped whenever a field or function is appended.
+///
+/// - 2.0: queue-ordered execution, memory report, batched copies, fill, integer dtypes,
+///   workspaces for every op, rotary from tables, device-resident indices, log sink.
+/// - 2.1: host staging (pinned host buffers, asynchronous upload and download, fences).
+#[cfg(not(feature = "abi-2-0"))]
+pub const ABI_MINOR: u32 = 1;
+/// iris's own ABI minor version (this build reproduces minor 0's tables for compatibility
+/// tests; see the `abi-2-0` feature).
+#[cfg(feature = "abi-2-0")]
 pub const ABI_MINOR: u32 = 0;
 /// The oldest plugin minor version this host accepts (the compatibility window).
 pub const ABI_MIN_MINOR: u32 = 0;
@@ -66,7 +88,6 @@ impl AbiVersion {
 #[repr(C)]
 #[derive(StableAbi)]
 #[sabi(kind(Prefix(prefix_ref = IrisPluginRef)))]
-#[sabi(missing_field(panic))]
 pub struct IrisPlugin {
     /// Short name, as used in config (`cpu`, `cuda`, `ascend`, or a vendor's own).
     pub name: RStr<'static>,
@@ -77,10 +98,13 @@ pub struct IrisPlugin {
     pub probe: extern "C" fn() -> ProbeResult,
     /// Opens device `ordinal` with plugin-specific options (`key = value` pairs from the
     /// `[plugins.<name>]` table of the config). Unknown keys are an invalid-argument error.
+    /// `log` carries the plugin's messages into the host's log; it stays valid until the
+    /// device's `close` returns.
     #[sabi(last_prefix_field)]
     pub open: extern "C" fn(
         ordinal: u32,
         options: RSlice<'_, PluginOption<'_>>,
+        log: LogSink,
     ) -> RResult<DeviceInstance, PluginError>,
 }
 
@@ -90,7 +114,7 @@ impl RootModule for IrisPluginRef {
     const NAME: &'static str = "iris device plugin";
     // iris's own major/minor check runs before this one; abi_stable's version gate is pinned to
     // the ABI major so it never disagrees with ours.
-    const VERSION_STRINGS: VersionStrings = VersionStrings::new("1.0.0");
+    const VERSION_STRINGS: VersionStrings = VersionStrings::new("2.0.0");
 }
 
 /// The answer of [`IrisPlugin::probe`].
@@ -111,6 +135,46 @@ pub struct PluginOption<'a> {
     pub key: RStr<'a>,
     /// Option value as text, e.g. `2`.
     pub value: RStr<'a>,
+}
+
+/// Where a plugin's log messages go: the host's log, tagged with the plugin's name and the
+/// device ordinal. `log` may be called from any thread until the device is closed.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy)]
+pub struct LogSink {
+    /// The host's opaque state, passed back to `log`.
+    pub ctx: HostCtx,
+    /// Records one message.
+    pub log: extern "C" fn(HostCtx, LogLevel, RStr<'_>),
+}
+
+/// The host's opaque state behind a [`LogSink`]. The plugin never dereferences it.
+#[repr(transparent)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostCtx(pub *const c_void);
+
+// SAFETY: the pointer is only handed back to the host, whose log target is immutable and
+// shareable across threads.
+unsafe impl Send for HostCtx {}
+// SAFETY: as above.
+unsafe impl Sync for HostCtx {}
+
+/// Severity of a plugin log message.
+#[repr(transparent)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LogLevel(pub u32);
+
+impl LogLevel {
+    /// Something failed.
+    pub const ERROR: LogLevel = LogLevel(1);
+    /// Something is wrong but work goes on.
+    pub const WARN: LogLevel = LogLevel(2);
+    /// A fact worth knowing (a kernel compiled, a library loaded).
+    pub const INFO: LogLevel = LogLevel(3);
+    /// Detail for diagnosing problems.
+    pub const DEBUG: LogLevel = LogLevel(4);
+    /// Very detailed traces.
+    pub const TRACE: LogLevel = LogLevel(5);
 }
 
 /// An opened device: the plugin's opaque state and the table of functions that act on it.
@@ -141,91 +205,133 @@ unsafe impl Sync for DeviceCtx {}
 /// The functions of an opened device.
 ///
 /// Threading: every function may be called from any thread, concurrently; the plugin
-/// synchronises its own state. The host never frees a buffer while an op that uses it is
-/// running, and orders calls that touch the same buffer.
+/// synchronises its own state. Calls from one thread enter the device's queue in call order.
 ///
 /// Errors: every function returns a [`PluginError`]; no function panics across the boundary
-/// (plugins catch unwinding and report [`ErrorCode::INTERNAL`]).
-///
-/// Ops validate their arguments (known buffers, byte ranges inside them, shapes that agree,
-/// supported dtypes) and report [`ErrorCode::INVALID_ARGUMENT`] naming the argument; an op the
-/// device does not implement reports [`ErrorCode::UNSUPPORTED`], and must not be listed in
+/// (plugins catch unwinding and report [`ErrorCode::INTERNAL`]). Arguments are checked when a
+/// call is made, with [`crate::validate`], and a bad one is reported by that call as
+/// [`ErrorCode::INVALID_ARGUMENT`] naming the argument; nothing is enqueued then. An op the
+/// device does not implement reports [`ErrorCode::UNSUPPORTED`] and must not be listed in
 /// [`DeviceDesc::ops`].
+///
+/// Workspaces: every op has a `*_workspace` query that returns the scratch bytes the op needs
+/// for given arguments. The answer depends only on shapes, dtypes, scalar arguments and host
+/// slices, never on buffer contents; buffer handles (and the `workspace` field) are not read
+/// and may be null, so a caller can size the workspace before any operand exists. The caller
+/// allocates the workspace (so that it is accounted) and passes it in the op's arguments; it
+/// may reuse it for later work as soon as the op is enqueued (the queue orders the uses).
 #[repr(C)]
 #[derive(StableAbi)]
 #[sabi(kind(Prefix(prefix_ref = DeviceVTableRef)))]
-#[sabi(missing_field(panic))]
 pub struct DeviceVTable {
-    /// Name, vendor, memory, dtypes and ops of the device.
+    /// Name, vendor, memory, dtypes, ops and properties of the device.
     pub describe: extern "C" fn(DeviceCtx) -> DeviceDesc,
-    /// `(free, total)` bytes as the driver sees them.
+    /// `(free, total)` bytes of the whole device as the driver sees them. Memory released by
+    /// queue-ordered frees may show only after `synchronize`.
     pub mem_info: extern "C" fn(DeviceCtx) -> RResult<MemInfo, PluginError>,
-    /// Allocates `bytes` (> 0) of device memory; [`ErrorCode::OUT_OF_MEMORY`] when it cannot.
+    /// The plugin's own accounting: bytes live through `alloc`, and memory it holds outside
+    /// `alloc` (context, library handles, compiled kernels, caches).
+    pub memory_report: extern "C" fn(DeviceCtx) -> RResult<MemoryReport, PluginError>,
+    /// Allocates `bytes` (> 0) of device memory, usable by work enqueued after the call; its
+    /// contents are undefined. [`ErrorCode::OUT_OF_MEMORY`] when it cannot.
     pub alloc: extern "C" fn(DeviceCtx, bytes: u64) -> RResult<BufferHandle, PluginError>,
-    /// Frees a buffer returned by `alloc`. Freeing an unknown handle is an invalid argument.
+    /// Frees a buffer returned by `alloc`, queue-ordered: the handle is invalid at once, the
+    /// memory is released once work enqueued before the call is done. Freeing an unknown
+    /// handle is an invalid argument.
     pub free: extern "C" fn(DeviceCtx, BufferHandle) -> RResult<(), PluginError>,
-    /// Host -> device: copies `src` into `dst` at byte `offset`.
+    /// Host -> device: enqueues a copy of `src` into `dst` at byte `offset`; returns once
+    /// `src` may be reused.
     pub write: extern "C" fn(
         DeviceCtx,
         dst: BufferHandle,
         offset: u64,
         src: RSlice<'_, u8>,
     ) -> RResult<(), PluginError>,
-    /// Device -> host: fills `dst` from `src` at byte `offset`. Completes before returning.
+    /// Device -> host: waits for the work enqueued before it, then fills `dst` from `src` at
+    /// byte `offset`.
     pub read: extern "C" fn(
         DeviceCtx,
         src: BufferHandle,
         offset: u64,
         dst: RSliceMut<'_, u8>,
     ) -> RResult<(), PluginError>,
-    /// Device -> device: copies `bytes` from `src` at `src_offset` to `dst` at `dst_offset`.
-    /// Overlapping ranges within one buffer are an invalid argument.
-    pub copy: extern "C" fn(
-        DeviceCtx,
-        dst: BufferHandle,
-        dst_offset: u64,
-        src: BufferHandle,
-        src_offset: u64,
-        bytes: u64,
-    ) -> RResult<(), PluginError>,
-    /// Batched device -> device copy of many regions from `src` to `dst` (may be the same
-    /// buffer if no destination region overlaps any source region).
-    pub copy_regions: extern "C" fn(
-        DeviceCtx,
-        dst: BufferHandle,
-        src: BufferHandle,
-        regions: RSlice<'_, CopyRegion>,
-    ) -> RResult<(), PluginError>,
-    /// Waits until all work submitted to the device has finished.
+    /// Device -> device: enqueues a copy of every region (see [`CopyRegion`]). No destination
+    /// range may overlap another region's destination or any region's source.
+    pub copy_batch: extern "C" fn(DeviceCtx, RSlice<'_, CopyRegion>) -> RResult<(), PluginError>,
+    /// Enqueues a fill of a byte range with a repeated value; see [`FillArgs`].
+    pub fill: extern "C" fn(DeviceCtx, &FillArgs) -> RResult<(), PluginError>,
+    /// Waits until all enqueued work has finished; reports a failure of that work.
     pub synchronize: extern "C" fn(DeviceCtx) -> RResult<(), PluginError>,
+    /// Scratch bytes `gemm` needs for these arguments.
+    pub gemm_workspace: extern "C" fn(DeviceCtx, &GemmArgs) -> RResult<u64, PluginError>,
     /// `out = act(a · Wᵀ + bias) (+ out if accumulate)`; see [`GemmArgs`].
     pub gemm: extern "C" fn(DeviceCtx, &GemmArgs) -> RResult<(), PluginError>,
+    /// Scratch bytes `layer_norm` needs.
+    pub layer_norm_workspace: extern "C" fn(DeviceCtx, &NormArgs) -> RResult<u64, PluginError>,
     /// Layer normalisation over each row; see [`NormArgs`].
     pub layer_norm: extern "C" fn(DeviceCtx, &NormArgs) -> RResult<(), PluginError>,
+    /// Scratch bytes `rms_norm` needs.
+    pub rms_norm_workspace: extern "C" fn(DeviceCtx, &NormArgs) -> RResult<u64, PluginError>,
     /// RMS normalisation over each row; see [`NormArgs`].
     pub rms_norm: extern "C" fn(DeviceCtx, &NormArgs) -> RResult<(), PluginError>,
+    /// Scratch bytes `activation` needs.
+    pub activation_workspace:
+        extern "C" fn(DeviceCtx, &ActivationArgs) -> RResult<u64, PluginError>,
     /// Elementwise activation; see [`ActivationArgs`].
     pub activation: extern "C" fn(DeviceCtx, &ActivationArgs) -> RResult<(), PluginError>,
+    /// Scratch bytes `binary` needs.
+    pub binary_workspace: extern "C" fn(DeviceCtx, &BinaryArgs) -> RResult<u64, PluginError>,
     /// Elementwise add or multiply; see [`BinaryArgs`].
     pub binary: extern "C" fn(DeviceCtx, &BinaryArgs) -> RResult<(), PluginError>,
-    /// 2-D rotary position embedding, in place; see [`Rope2dArgs`].
-    pub rope_2d: extern "C" fn(DeviceCtx, &Rope2dArgs) -> RResult<(), PluginError>,
-    /// Scratch bytes `attention` needs for these arguments. The answer depends only on shapes,
-    /// dtypes, `heads`, `head_dim`, `cu_seqlens` (which it validates) and the device's own
-    /// settings: buffer handles (and the
-    /// `workspace` field) are not read and may be null, so a caller can size the workspace
-    /// before any operand exists.
-    pub attention_workspace: extern "C" fn(DeviceCtx, &AttentionArgs) -> RResult<u64, PluginError>,
+    /// Scratch bytes `rotary` needs.
+    pub rotary_workspace: extern "C" fn(DeviceCtx, &RotaryArgs) -> RResult<u64, PluginError>,
+    /// Rotary position embedding from cos/sin tables, in place; see [`RotaryArgs`].
+    pub rotary: extern "C" fn(DeviceCtx, &RotaryArgs) -> RResult<(), PluginError>,
+    /// Scratch bytes `attention` needs (it also validates `cu_seqlens`).
+    pub attention_workspace:
+        extern "C" fn(DeviceCtx, &AttentionArgs<'_>) -> RResult<u64, PluginError>,
     /// Variable-length, non-causal multi-head attention; see [`AttentionArgs`].
-    pub attention: extern "C" fn(DeviceCtx, &AttentionArgs) -> RResult<(), PluginError>,
-    /// Row gather; see [`GatherArgs`].
+    pub attention: extern "C" fn(DeviceCtx, &AttentionArgs<'_>) -> RResult<(), PluginError>,
+    /// Scratch bytes `gather_rows` needs.
+    pub gather_rows_workspace:
+        extern "C" fn(DeviceCtx, &GatherArgs) -> RResult<u64, PluginError>,
+    /// Row gather by device-resident indices; see [`GatherArgs`].
     pub gather_rows: extern "C" fn(DeviceCtx, &GatherArgs) -> RResult<(), PluginError>,
+    /// Scratch bytes `cast` needs.
+    pub cast_workspace: extern "C" fn(DeviceCtx, &CastArgs) -> RResult<u64, PluginError>,
     /// Dtype conversion; see [`CastArgs`].
     pub cast: extern "C" fn(DeviceCtx, &CastArgs) -> RResult<(), PluginError>,
-    /// Releases the device. Buffers still allocated are freed by the plugin; the host frees
-    /// everything it allocated before closing, so this is a safety net, not a contract.
+    /// Waits for enqueued work and releases the device. Buffers still allocated are freed by
+    /// the plugin; the host frees everything it allocated before closing, so this is a safety
+    /// net, not a contract. The log sink may not be used after `close` returns.
     #[sabi(last_prefix_field)]
     pub close: extern "C" fn(DeviceCtx),
+
+    // --- 2.1: host staging. A 2.0 plugin lacks these; the host then stages through ordinary
+    // memory with `write` and `read`. ---
+    /// Allocates `bytes` (> 0) of host memory the device transfers from and to efficiently
+    /// (page-locked on accelerators; ordinary memory on the CPU device). Not device memory:
+    /// it does not count in `mem_info` or in the memory report's `allocated`.
+    #[cfg(not(feature = "abi-2-0"))]
+    pub alloc_host: extern "C" fn(DeviceCtx, bytes: u64) -> RResult<HostAlloc, PluginError>,
+    /// Frees a host staging buffer, queue-ordered like `free`.
+    #[cfg(not(feature = "abi-2-0"))]
+    pub free_host: extern "C" fn(DeviceCtx, HostBufferId) -> RResult<(), PluginError>,
+    /// Enqueues a copy of `bytes` from a host staging buffer into device memory. The host must
+    /// not modify the source range until a fence recorded after this call has completed.
+    #[cfg(not(feature = "abi-2-0"))]
+    pub upload: extern "C" fn(DeviceCtx, &StagedCopy) -> RResult<(), PluginError>,
+    /// Enqueues a copy of `bytes` from device memory into a host staging buffer. The host may
+    /// read the destination range once a fence recorded after this call has completed.
+    #[cfg(not(feature = "abi-2-0"))]
+    pub download: extern "C" fn(DeviceCtx, &StagedCopy) -> RResult<(), PluginError>,
+    /// Records a fence after all work enqueued so far and returns its value. Values increase
+    /// with every call; a fence is complete when all work before it is done.
+    #[cfg(not(feature = "abi-2-0"))]
+    pub fence: extern "C" fn(DeviceCtx) -> RResult<u64, PluginError>,
+    /// Waits until fence `value` is complete; reports a failure of the work before it.
+    #[cfg(not(feature = "abi-2-0"))]
+    pub wait_fence: extern "C" fn(DeviceCtx, value: u64) -> RResult<(), PluginError>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -247,6 +353,45 @@ impl BufferHandle {
     }
 }
 
+/// An opaque handle to a host staging buffer; `0` is never valid.
+#[repr(transparent)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostBufferId(pub u64);
+
+/// A host staging buffer: its handle and where it lies in the host's address space.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostAlloc {
+    /// The handle for `upload`, `download` and `free_host`.
+    pub id: HostBufferId,
+    /// First byte, aligned to at least 64 bytes; valid until `free_host` takes effect.
+    pub ptr: *mut u8,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+// SAFETY: the address names plain host memory the host may use from any thread; the ordering
+// of its uses against the device is the host's obligation (fences).
+unsafe impl Send for HostAlloc {}
+// SAFETY: as above.
+unsafe impl Sync for HostAlloc {}
+
+/// A copy between a host staging buffer and device memory (see `upload` and `download`).
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagedCopy {
+    /// The device buffer.
+    pub device: BufferHandle,
+    /// Byte offset in the device buffer.
+    pub device_offset: u64,
+    /// The host staging buffer.
+    pub host: HostBufferId,
+    /// Byte offset in the host staging buffer.
+    pub host_offset: u64,
+    /// Length in bytes.
+    pub bytes: u64,
+}
+
 /// Device memory as the driver reports it.
 #[repr(C)]
 #[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
@@ -255,6 +400,38 @@ pub struct MemInfo {
     pub free: u64,
     /// Total bytes.
     pub total: u64,
+}
+
+/// The plugin's own accounting of the device memory it holds.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Eq, Default)]
+pub struct MemoryReport {
+    /// Bytes of the buffers live through `alloc`, as requested (not rounded), counting a
+    /// freed buffer until its release has taken effect.
+    pub allocated: u64,
+    /// Number of live buffers.
+    pub buffers: u64,
+    /// Device memory the plugin holds outside `alloc`, by what it is for.
+    pub held: RVec<HeldMemory>,
+}
+
+impl MemoryReport {
+    /// Total bytes held outside `alloc`.
+    pub fn held_bytes(&self) -> u64 {
+        self.held
+            .iter()
+            .fold(0u64, |sum, item| sum.saturating_add(item.bytes))
+    }
+}
+
+/// One item of memory a plugin holds outside `alloc`.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Eq)]
+pub struct HeldMemory {
+    /// What it is, e.g. `context`, `cublas workspace`, `kernels`, `packed weights`.
+    pub what: RString,
+    /// Bytes.
+    pub bytes: u64,
 }
 
 /// What a device is and what it can do.
@@ -267,25 +444,91 @@ pub struct DeviceDesc {
     pub vendor: RString,
     /// Total device memory in bytes.
     pub total_memory: u64,
-    /// Storage dtypes the ops accept.
+    /// Storage dtypes the device accepts. Must include `f32` and `i32`.
     pub dtypes: RVec<DType>,
     /// Ops implemented; the others return [`ErrorCode::UNSUPPORTED`].
     pub ops: RVec<OpKind>,
+    /// Further facts, typed by key (see [`property`] for the keys iris knows).
+    pub properties: RVec<Property>,
 }
 
-/// One region of a batched copy, in bytes.
+/// One key/value fact of a [`DeviceDesc`]. The value is text; each key documented in
+/// [`property`] says how its value reads.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Eq)]
+pub struct Property {
+    /// Snake-case key.
+    pub key: RString,
+    /// The value as text.
+    pub value: RString,
+}
+
+impl Property {
+    /// A property from a key and a displayable value.
+    pub fn new(key: &str, value: impl fmt::Display) -> Property {
+        Property {
+            key: key.into(),
+            value: value.to_string().into(),
+        }
+    }
+}
+
+/// Keys of [`DeviceDesc::properties`] that iris knows, with the form of their values. A plugin
+/// may add keys of its own.
+pub mod property {
+    /// `major.minor`, e.g. `9.0` (CUDA compute capability).
+    pub const COMPUTE_CAPABILITY: &str = "compute_capability";
+    /// Peak memory bandwidth in bytes per second, a decimal integer.
+    pub const MEMORY_BANDWIDTH: &str = "memory_bandwidth";
+    /// The vendor driver's version, as the driver writes it.
+    pub const DRIVER_VERSION: &str = "driver_version";
+    /// The vendor runtime's version, as the runtime writes it.
+    pub const RUNTIME_VERSION: &str = "runtime_version";
+    /// The kernel tier in use, e.g. `avx512bf16` on the CPU device.
+    pub const KERNEL_TIER: &str = "kernel_tier";
+    /// How calls complete: `async` (an in-order queue) or `sync` (every call completes before
+    /// it returns).
+    pub const QUEUE: &str = "queue";
+    /// Number of compute units (streaming multiprocessors, AI cores, CPU threads).
+    pub const COMPUTE_UNITS: &str = "compute_units";
+    /// The chip or part, e.g. `Ascend910B3`.
+    pub const SOC: &str = "soc";
+}
+
+/// One region of a batched device-to-device copy, in bytes; each region names its own source
+/// and destination buffers.
 #[repr(C)]
 #[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CopyRegion {
+    /// Source buffer.
+    pub src: BufferHandle,
     /// Byte offset in the source buffer.
     pub src_offset: u64,
+    /// Destination buffer.
+    pub dst: BufferHandle,
     /// Byte offset in the destination buffer.
     pub dst_offset: u64,
     /// Length in bytes.
     pub bytes: u64,
 }
 
-/// Element type of device data. Compute happens in f32 whatever the storage type.
+/// Arguments of [`DeviceVTable::fill`]: every `width`-byte element of `dst` becomes the low
+/// `width` bytes of `value`, little-endian. `width` is 1, 2 or 4; `dst.offset` and
+/// `dst.bytes` are multiples of it. Zero, `f32` 1.0 (`0x3f80_0000`, width 4) or a bf16 NaN
+/// (`0x7fc0`, width 2) are all fills.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FillArgs {
+    /// The range to fill.
+    pub dst: BufferSlice,
+    /// The value, in its low `width` bytes.
+    pub value: u32,
+    /// Bytes per element: 1, 2 or 4.
+    pub width: u32,
+}
+
+/// Element type of device data. Float compute happens in f32 whatever the storage type;
+/// integer types carry indices and segment boundaries.
 #[repr(transparent)]
 #[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DType(pub u32);
@@ -297,34 +540,51 @@ impl DType {
     pub const F16: DType = DType(1);
     /// bfloat16.
     pub const BF16: DType = DType(2);
+    /// 32-bit signed integer (indices, positions, segment boundaries).
+    pub const I32: DType = DType(3);
+    /// 8-bit unsigned integer (masks, raw bytes).
+    pub const U8: DType = DType(4);
     /// Every dtype this ABI version defines.
-    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+    pub const ALL: [DType; 5] = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::U8];
+    /// The floating-point dtypes, which the compute ops take.
+    pub const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
     /// Bytes per element, or `None` for a value this ABI version does not define.
     pub fn size(self) -> Option<u64> {
         match self {
-            DType::F32 => Some(4),
+            DType::F32 | DType::I32 => Some(4),
             DType::F16 | DType::BF16 => Some(2),
+            DType::U8 => Some(1),
             _ => None,
         }
     }
 
-    /// Lower-case name (`f32`, `f16`, `bf16`), or `None` for an unknown value.
+    /// Whether this is one of [`DType::FLOATS`].
+    pub fn is_float(self) -> bool {
+        DType::FLOATS.contains(&self)
+    }
+
+    /// Lower-case name (`f32`, `f16`, `bf16`, `i32`, `u8`), or `None` for an unknown value.
     pub fn name(self) -> Option<&'static str> {
         match self {
             DType::F32 => Some("f32"),
             DType::F16 => Some("f16"),
             DType::BF16 => Some("bf16"),
+            DType::I32 => Some("i32"),
+            DType::U8 => Some("u8"),
             _ => None,
         }
     }
 
-    /// Parses a name as written by [`DType::name`] (also `float32`, `float16`, `bfloat16`).
+    /// Parses a name as written by [`DType::name`] (also `float32`, `float16`, `bfloat16`,
+    /// `int32`, `uint8`).
     pub fn parse(name: &str) -> Option<DType> {
         match name {
             "f32" | "float32" => Some(DType::F32),
             "f16" | "float16" => Some(DType::F16),
             "bf16" | "bfloat16" => Some(DType::BF16),
+            "i32" | "int32" => Some(DType::I32),
+            "u8" | "uint8" => Some(DType::U8),
             _ => None,
         }
     }
@@ -355,8 +615,8 @@ impl OpKind {
     pub const ACTIVATION: OpKind = OpKind(3);
     /// [`DeviceVTable::binary`].
     pub const BINARY: OpKind = OpKind(4);
-    /// [`DeviceVTable::rope_2d`].
-    pub const ROPE_2D: OpKind = OpKind(5);
+    /// [`DeviceVTable::rotary`].
+    pub const ROTARY: OpKind = OpKind(5);
     /// [`DeviceVTable::attention`] (and its workspace query).
     pub const ATTENTION: OpKind = OpKind(6);
     /// [`DeviceVTable::gather_rows`].
@@ -370,7 +630,7 @@ impl OpKind {
         OpKind::RMS_NORM,
         OpKind::ACTIVATION,
         OpKind::BINARY,
-        OpKind::ROPE_2D,
+        OpKind::ROTARY,
         OpKind::ATTENTION,
         OpKind::GATHER_ROWS,
         OpKind::CAST,
@@ -384,12 +644,17 @@ impl OpKind {
             OpKind::RMS_NORM => "rms_norm",
             OpKind::ACTIVATION => "activation",
             OpKind::BINARY => "binary",
-            OpKind::ROPE_2D => "rope_2d",
+            OpKind::ROTARY => "rotary",
             OpKind::ATTENTION => "attention",
             OpKind::GATHER_ROWS => "gather_rows",
             OpKind::CAST => "cast",
             _ => return None,
         })
+    }
+
+    /// Parses a name as written by [`OpKind::name`].
+    pub fn parse(name: &str) -> Option<OpKind> {
+        OpKind::ALL.into_iter().find(|op| op.name() == Some(name))
     }
 }
 
@@ -450,6 +715,15 @@ impl BinaryOp {
     pub const ADD: BinaryOp = BinaryOp(0);
     /// `a · b`.
     pub const MUL: BinaryOp = BinaryOp(1);
+
+    /// `add` or `mul`, or `None` for an unknown value.
+    pub fn name(self) -> Option<&'static str> {
+        match self {
+            BinaryOp::ADD => Some("add"),
+            BinaryOp::MUL => Some("mul"),
+            _ => None,
+        }
+    }
 }
 
 /// Error categories. Out of memory is separate so the host can evict and retry.
@@ -542,7 +816,8 @@ impl std::error::Error for PluginError {}
 ///
 /// Element `(r, c)` lives at byte `offset + (r * row_stride + c) * dtype.size()`. Columns are
 /// contiguous; `row_stride >= cols` lets a view select columns of a wider matrix (the q, k and
-/// v parts of a fused qkv projection, say) without copying.
+/// v parts of a fused qkv projection, say) without copying. A vector (indices, segment
+/// boundaries) is a `[1, len]` view.
 #[repr(C)]
 #[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatRef {
@@ -573,6 +848,11 @@ impl MatRef {
         }
     }
 
+    /// A `[1, len]` vector at `offset` in `buf`.
+    pub fn vector(buf: BufferHandle, offset: u64, dtype: DType, len: u64) -> Self {
+        Self::contiguous(buf, offset, dtype, 1, len)
+    }
+
     /// An absent operand (a null buffer).
     pub const NONE: MatRef = MatRef {
         buf: BufferHandle::NULL,
@@ -588,6 +868,16 @@ impl MatRef {
         self.buf.is_null()
     }
 
+    /// Number of elements (`rows · cols`), or `None` on overflow.
+    pub fn len(&self) -> Option<u64> {
+        self.rows.checked_mul(self.cols)
+    }
+
+    /// Whether the view has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.rows == 0 || self.cols == 0
+    }
+
     /// The half-open byte range `[start, end)` the view touches, or `None` on overflow or an
     /// unknown dtype. An empty view touches `[offset, offset)`.
     pub fn byte_range(&self) -> Option<(u64, u64)> {
@@ -601,139 +891,6 @@ impl MatRef {
         let end = self.offset.checked_add(last.checked_mul(size)?)?;
         Some((self.offset, end))
     }
-}
-
-/// Arguments of [`DeviceVTable::gemm`].
-///
-/// Computes `out[m, n] = act(Σ_k a[m, k] · w[n, k] + bias[n])`, then, when `accumulate` is set,
-/// adds the previous contents of `out` (a residual connection). With `w_transposed` set, `w` is
-/// stored as `[k, n]` instead of `[n, k]` (PyTorch's `Linear.weight` is `[n, k]`).
-///
-/// Shapes: `a` is `[m, k]`; `w` is `[n, k]` (or `[k, n]`); `bias` is [`MatRef::NONE`] or
-/// `[1, n]`; `out` is `[m, n]`. All operands share one dtype. `out` must not overlap `a`, `w`
-/// or `bias`.
-#[repr(C)]
-#[derive(StableAbi, Clone, Copy, Debug)]
-pub struct GemmArgs {
-    /// Left operand `[m, k]`.
-    pub a: MatRef,
-    /// Weight `[n, k]`, or `[k, n]` when `w_transposed`.
-    pub w: MatRef,
-    /// Optional bias `[1, n]`.
-    pub bias: MatRef,
-    /// Output `[m, n]`.
-    pub out: MatRef,
-    /// Activation applied after the bias.
-    pub activation: Activation,
-    /// Add the result to `out` instead of overwriting it.
-    pub accumulate: bool,
-    /// `w` is stored `[k, n]`.
-    pub w_transposed: bool,
-}
-
-/// Arguments of [`DeviceVTable::layer_norm`] and [`DeviceVTable::rms_norm`].
-///
-/// Per row of `x` (`[rows, cols]`):
-/// layer norm: `out = (x - mean) / sqrt(var + eps) · weight + bias` (biased variance);
-/// RMS norm: `out = x / sqrt(mean(x²) + eps) · weight` (`bias` must be [`MatRef::NONE`]).
-/// `weight` and `bias` are `[1, cols]`. `out` has `x`'s shape and dtype and may be exactly `x`
-/// (in place) but must not otherwise overlap it.
-#[repr(C)]
-#[derive(StableAbi, Clone, Copy, Debug)]
-pub struct NormArgs {
-    /// Input `[rows, cols]`.
-    pub x: MatRef,
-    /// Scale `[1, cols]`.
-    pub weight: MatRef,
-    /// Shift `[1, cols]` (layer norm only; may be absent).
-    pub bias: MatRef,
-    /// Output `[rows, cols]`.
-    pub out: MatRef,
-    /// Added to the variance before the square root.
-    pub eps: f32,
-}
-
-/// Arguments of [`DeviceVTable::activation`]: `out = act(x)`, same shape and dtype; `out` may
-/// be exactly `x`.
-#[repr(C)]
-#[derive(StableAbi, Clone, Copy, Debug)]
-pub struct ActivationArgs {
-    /// Input.
-    pub x: MatRef,
-    /// Output.
-    pub out: MatRef,
-    /// The function.
-    pub activation: Activation,
-}
-
-/// Arguments of [`DeviceVTable::binary`]: `out = a ∘ b` elementwise, where `b` either has
-/// `a`'s shape or is a single row broadcast over every row of `a`. One dtype for all three;
-/// `out` may be exactly `a` or exactly `b`.
-#[repr(C)]
-#[derive(StableAbi, Clone, Copy, Debug)]
-pub struct BinaryArgs {
-    /// Left operand `[rows, cols]`.
-    pub a: MatRef,
-    /// Right operand `[rows, cols]` or `[1, cols]`.
-    pub b: MatRef,
-    /// Output `[rows, cols]`.
-    pub out: MatRef,
-    /// Add or multiply.
-    pub op: BinaryOp,
-}
-
-/// Arguments of [`DeviceVTable::rope_2d`], applied in place to `x`.
-///
-/// `x` is `[tokens, heads · head_dim]`; `positions` holds `(row, col)` for each token, so its
-/// length is `2 · tokens`. `head_dim` is a multiple of 4. With `q = head_dim / 4` frequencies
-/// `f_i = theta^(-i/q)`, channel `c < head_dim/2` of each head gets angle
-/// `row · f_c` for `c < q` and `col · f_{c-q}` for `q <= c < 2q`; channels `c` and
-/// `c + head_dim/2` rotate together: `x' = x · cos + rotate_half(x) · sin` with
-/// `rotate_half([x1, x2]) = [-x2, x1]` (Qwen-VL's vision rotary). Angles are computed in f32.
-#[repr(C)]
-#[derive(StableAbi, Clone, Copy, Debug)]
-pub struct Rope2dArgs<'a> {
-    /// Data, rotated in place.
-    pub x: MatRef,
-    /// Number of heads in a row of `x`.
-    pub heads: u64,
-    /// Channels per head.
-    pub head_dim: u64,
-    /// `(row, col)` per token.
-    pub positions: RSlice<'a, u32>,
-    /// Rotary base, 10000 for Qwen-VL.
-    pub theta: f32,
-}
-
-/// Arguments of [`DeviceVTable::attention`].
-///
-/// `q`, `k`, `v` and `out` are `[tokens, heads · head_dim]` (views may have row strides, e.g.
-/// into a fused qkv buffer). Tokens are split into independent segments by `cu_seqlens`
-/// (`[0, s1, s1 + s2, ..., tokens]`, non-decreasing); within each segment every query attends to
-/// every key of the segment (no mask), with `softmax(q·kᵀ · scale) · v` per head. `out` must not
-/// overlap `q`, `k` or `v`. Scratch: [`DeviceVTable::attention_workspace`] bytes at
-/// `workspace`, which the caller owns.
-#[repr(C)]
-#[derive(StableAbi, Clone, Copy, Debug)]
-pub struct AttentionArgs<'a> {
-    /// Queries.
-    pub q: MatRef,
-    /// Keys.
-    pub k: MatRef,
-    /// Values.
-    pub v: MatRef,
-    /// Output.
-    pub out: MatRef,
-    /// Number of heads.
-    pub heads: u64,
-    /// Channels per head.
-    pub head_dim: u64,
-    /// Score scale, usually `head_dim^-0.5`.
-    pub scale: f32,
-    /// Segment boundaries.
-    pub cu_seqlens: RSlice<'a, u32>,
-    /// Caller-owned scratch (`bytes` may be 0 when the query returned 0).
-    pub workspace: BufferSlice,
 }
 
 /// A byte range of a buffer.
@@ -757,23 +914,191 @@ impl BufferSlice {
     };
 }
 
-/// Arguments of [`DeviceVTable::gather_rows`]: `out[i] = src[indices[i]]` for every `i`.
-/// `out` is `[indices.len(), cols]`, `src` is `[rows, cols]`, one dtype; every index is below
-/// `src.rows`; `out` must not overlap `src`.
+/// Arguments of [`DeviceVTable::gemm`].
+///
+/// Computes `out[m, n] = act(Σ_k a[m, k] · w[n, k] + bias[n])`, then, when `accumulate` is set,
+/// adds the previous contents of `out` (a residual connection). With `w_transposed` set, `w` is
+/// stored as `[k, n]` instead of `[n, k]` (PyTorch's `Linear.weight` is `[n, k]`).
+///
+/// Shapes: `a` is `[m, k]`; `w` is `[n, k]` (or `[k, n]`); `bias` is [`MatRef::NONE`] or
+/// `[1, n]`; `out` is `[m, n]`. All operands share one float dtype. `out` must not overlap
+/// `a`, `w` or `bias`.
+///
+/// `w_constant` promises that the bytes of `w` will not change until its buffer is freed
+/// (model weights): the device may then keep a copy of `w` transformed into the layout its
+/// kernels prefer, keyed by buffer, offset and shape, and must count that copy in its memory
+/// report and drop it when the buffer is freed.
 #[repr(C)]
 #[derive(StableAbi, Clone, Copy, Debug)]
-pub struct GatherArgs<'a> {
+pub struct GemmArgs {
+    /// Left operand `[m, k]`.
+    pub a: MatRef,
+    /// Weight `[n, k]`, or `[k, n]` when `w_transposed`.
+    pub w: MatRef,
+    /// Optional bias `[1, n]`.
+    pub bias: MatRef,
+    /// Output `[m, n]`.
+    pub out: MatRef,
+    /// Activation applied after the bias.
+    pub activation: Activation,
+    /// Add the result to `out` instead of overwriting it.
+    pub accumulate: bool,
+    /// `w` is stored `[k, n]`.
+    pub w_transposed: bool,
+    /// `w` does not change until its buffer is freed.
+    pub w_constant: bool,
+    /// Caller-owned scratch of at least `gemm_workspace` bytes.
+    pub workspace: BufferSlice,
+}
+
+/// Arguments of [`DeviceVTable::layer_norm`] and [`DeviceVTable::rms_norm`].
+///
+/// Per row of `x` (`[rows, cols]`):
+/// layer norm: `out = (x - mean) / sqrt(var + eps) · weight + bias` (biased variance);
+/// RMS norm: `out = x / sqrt(mean(x²) + eps) · weight` (`bias` must be [`MatRef::NONE`]).
+/// `weight` and `bias` are `[1, cols]`. `out` has `x`'s shape and dtype and may be exactly `x`
+/// (in place) but must not otherwise overlap it.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug)]
+pub struct NormArgs {
+    /// Input `[rows, cols]`.
+    pub x: MatRef,
+    /// Scale `[1, cols]`.
+    pub weight: MatRef,
+    /// Shift `[1, cols]` (layer norm only; may be absent).
+    pub bias: MatRef,
+    /// Output `[rows, cols]`.
+    pub out: MatRef,
+    /// Added to the variance before the square root.
+    pub eps: f32,
+    /// Caller-owned scratch.
+    pub workspace: BufferSlice,
+}
+
+/// Arguments of [`DeviceVTable::activation`]: `out = act(x)`, same shape and dtype; `out` may
+/// be exactly `x`.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug)]
+pub struct ActivationArgs {
+    /// Input.
+    pub x: MatRef,
+    /// Output.
+    pub out: MatRef,
+    /// The function (not [`Activation::NONE`]).
+    pub activation: Activation,
+    /// Caller-owned scratch.
+    pub workspace: BufferSlice,
+}
+
+/// Arguments of [`DeviceVTable::binary`]: `out = a ∘ b` elementwise, where `b` either has
+/// `a`'s shape or is a single row broadcast over every row of `a`. One dtype for all three;
+/// `out` may be exactly `a` or exactly `b`.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug)]
+pub struct BinaryArgs {
+    /// Left operand `[rows, cols]`.
+    pub a: MatRef,
+    /// Right operand `[rows, cols]` or `[1, cols]`.
+    pub b: MatRef,
+    /// Output `[rows, cols]`.
+    pub out: MatRef,
+    /// Add or multiply.
+    pub op: BinaryOp,
+    /// Caller-owned scratch.
+    pub workspace: BufferSlice,
+}
+
+/// Arguments of [`DeviceVTable::rotary`], applied in place to `x`.
+///
+/// `x` is `[tokens, heads · head_dim]`; `cos` and `sin` are f32 `[tokens, head_dim]` tables
+/// (the same for every head). Each head `h` of token `t` becomes
+/// `h · cos[t] + rotate_half(h) · sin[t]` with `rotate_half([h1, h2]) = [-h2, h1]` (halves of
+/// `head_dim / 2`), computed in f32 and stored in `x`'s dtype. This is the rotary of
+/// transformers' `apply_rotary_pos_emb_vision`; the caller computes the tables once per step
+/// (Qwen-VL's 2-D positions give `cos = cos(cat(θ, θ))` with `θ` from the row and column
+/// frequencies) and reuses them in every layer. `head_dim` is even; the tables must not
+/// overlap `x`.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug)]
+pub struct RotaryArgs {
+    /// Data, rotated in place.
+    pub x: MatRef,
+    /// Number of heads in a row of `x`.
+    pub heads: u64,
+    /// Channels per head.
+    pub head_dim: u64,
+    /// f32 cosines `[tokens, head_dim]`.
+    pub cos: MatRef,
+    /// f32 sines `[tokens, head_dim]`.
+    pub sin: MatRef,
+    /// Caller-owned scratch.
+    pub workspace: BufferSlice,
+}
+
+/// Arguments of [`DeviceVTable::attention`].
+///
+/// `q`, `k`, `v` and `out` are `[tokens, heads · head_dim]` (views may have row strides, e.g.
+/// into a fused qkv buffer). Tokens are split into independent segments by the segment
+/// boundaries `[0, s1, s1 + s2, ..., tokens]` (non-decreasing); within each segment every query
+/// attends to every key of the segment (no mask), with `softmax(q·kᵀ · scale) · v` per head.
+/// `out` must not overlap `q`, `k` or `v`.
+///
+/// The boundaries come twice, with the same values: `cu_seqlens` on the host (what aclnn's
+/// attention takes, and what the workspace query and the checks read) and
+/// `cu_seqlens_device`, an i32 `[1, segments + 1]` vector on the device (what CUDA varlen
+/// kernels take), uploaded once per step and reused by every layer. `max_seqlen` is the
+/// longest segment.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug)]
+pub struct AttentionArgs<'a> {
+    /// Queries.
+    pub q: MatRef,
+    /// Keys.
+    pub k: MatRef,
+    /// Values.
+    pub v: MatRef,
+    /// Output.
+    pub out: MatRef,
+    /// Number of heads.
+    pub heads: u64,
+    /// Channels per head.
+    pub head_dim: u64,
+    /// Score scale, usually `head_dim^-0.5`.
+    pub scale: f32,
+    /// Segment boundaries on the host.
+    pub cu_seqlens: RSlice<'a, u32>,
+    /// The same boundaries on the device, i32.
+    pub cu_seqlens_device: MatRef,
+    /// Length of the longest segment.
+    pub max_seqlen: u64,
+    /// Caller-owned scratch of at least `attention_workspace` bytes.
+    pub workspace: BufferSlice,
+}
+
+/// Arguments of [`DeviceVTable::gather_rows`]: `out[i] = src[indices[i]]` for every `i`.
+/// `out` is `[len, cols]`, `src` is `[rows, cols]`, one dtype; `indices` is an i32 `[1, len]`
+/// vector on the device; `out` must not overlap `src` or `indices`.
+///
+/// Indices are device data, so they are not checked when the call is made: the caller
+/// guarantees `0 <= indices[i] < src.rows`. A device must never read outside `src` for a bad
+/// index; it writes zeros for that row and reports an invalid-argument error where it can
+/// detect one.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug)]
+pub struct GatherArgs {
     /// Source rows.
     pub src: MatRef,
     /// Destination.
     pub out: MatRef,
-    /// Row index into `src` for each output row.
-    pub indices: RSlice<'a, u32>,
+    /// Row index into `src` for each output row, i32 `[1, len]`.
+    pub indices: MatRef,
+    /// Caller-owned scratch.
+    pub workspace: BufferSlice,
 }
 
 /// Arguments of [`DeviceVTable::cast`]: `out = src` converted to `out.dtype` (round to
-/// nearest even), same shape; `out` must not overlap `src` unless both are the same view of the
-/// same dtype.
+/// nearest even), same shape; both float dtypes; `out` must not overlap `src` unless both are
+/// the same view of the same dtype.
 #[repr(C)]
 #[derive(StableAbi, Clone, Copy, Debug)]
 pub struct CastArgs {
@@ -781,4 +1106,6 @@ pub struct CastArgs {
     pub src: MatRef,
     /// Destination.
     pub out: MatRef,
+    /// Caller-owned scratch.
+    pub workspace: BufferSlice,
 }

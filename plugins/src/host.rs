@@ -2,18 +2,32 @@
 //! returning a Rust `Result`.
 //!
 //! Whether a plugin was linked in (the built-in CPU device) or loaded from a library, the host
-//! talks to it through the same [`IrisPluginRef`] root module and [`DeviceVTableRef`](crate::abi::DeviceVTableRef) table.
+//! talks to it through the same [`IrisPluginRef`] root module and
+//! [`DeviceVTableRef`](crate::abi::DeviceVTableRef) table. [`Device`] also:
+//!
+//! - counts what crosses the boundary ([`Device::counters`]): bytes host -> device and back,
+//!   batched copies, fills, ops, synchronisations; tests use the counts to prove that per-step
+//!   traffic does not grow with a model's depth;
+//! - offers host staging buffers ([`Device::host_buffer`]) whose transfers are asynchronous on
+//!   a plugin with ABI 2.1's staging functions, and plain memory with `write`/`read` on a
+//!   plugin built for 2.0 or one that does not offer them;
+//! - routes the plugin's log messages into `tracing` under the target `iris::plugin`, with the
+//!   plugin's name and the device ordinal as fields.
 
+use std::ffi::c_void;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use abi_stable::std_types::{RResult, RSlice, RSliceMut, RStr};
 use thiserror::Error;
 
 use crate::abi::{
-    ABI_MAJOR, ABI_MINOR, ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, CastArgs,
-    CopyRegion, DType, DeviceInstance, ErrorCode, GatherArgs, GemmArgs, IrisPluginRef, MemInfo,
-    NormArgs, OpKind, PluginError, PluginOption, Rope2dArgs,
+    ABI_MAJOR, ABI_MINOR, ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, BufferSlice,
+    CastArgs, CopyRegion, DType, DeviceCtx, DeviceInstance, ErrorCode, FillArgs, GatherArgs, GemmArgs,
+    HostAlloc, HostBufferId, HostCtx, IrisPluginRef, LogLevel, LogSink, MemInfo, MemoryReport, NormArgs,
+    OpKind, PluginError, PluginOption, RotaryArgs, StagedCopy,
 };
 
 /// An error returned by a device call, with the call that failed.
@@ -135,8 +149,16 @@ impl Plugin {
                 value: RStr::from_str(value),
             })
             .collect();
-        match (self.module.open())(ordinal, RSlice::from_slice(&raw)) {
-            RResult::ROk(instance) => Ok(Device::new(self.clone(), ordinal, instance)),
+        let target = Box::new(LogTarget {
+            plugin: self.name.clone(),
+            ordinal,
+        });
+        let sink = LogSink {
+            ctx: HostCtx(std::ptr::from_ref::<LogTarget>(&target).cast::<c_void>()),
+            log: host_log,
+        };
+        match (self.module.open())(ordinal, RSlice::from_slice(&raw), sink) {
+            RResult::ROk(instance) => Ok(Device::new(self.clone(), ordinal, instance, target)),
             RResult::RErr(err) => Err(self.error("open", err)),
         }
     }
@@ -164,6 +186,114 @@ pub struct Description {
     pub dtypes: Vec<DType>,
     /// Implemented ops.
     pub ops: Vec<OpKind>,
+    /// Further facts by key (see [`crate::abi::property`]).
+    pub properties: Vec<(String, String)>,
+}
+
+impl Description {
+    /// The value of property `key`, if the device gave one.
+    pub fn property(&self, key: &str) -> Option<&str> {
+        self.properties
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Property `key` read as an integer.
+    pub fn property_u64(&self, key: &str) -> Option<u64> {
+        self.property(key)?.trim().parse().ok()
+    }
+}
+
+/// The plugin's own accounting of a device's memory (see [`MemoryReport`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PluginMemory {
+    /// Bytes live through `alloc`.
+    pub allocated: u64,
+    /// Number of live buffers.
+    pub buffers: u64,
+    /// Memory held outside `alloc`, by what it is for.
+    pub held: Vec<(String, u64)>,
+}
+
+impl PluginMemory {
+    /// Total bytes held outside `alloc`.
+    pub fn held_bytes(&self) -> u64 {
+        self.held
+            .iter()
+            .fold(0u64, |sum, (_, bytes)| sum.saturating_add(*bytes))
+    }
+}
+
+impl From<MemoryReport> for PluginMemory {
+    fn from(report: MemoryReport) -> Self {
+        PluginMemory {
+            allocated: report.allocated,
+            buffers: report.buffers,
+            held: report
+                .held
+                .into_iter()
+                .map(|item| (item.what.into_string(), item.bytes))
+                .collect(),
+        }
+    }
+}
+
+/// What has crossed the boundary of one device since it was opened (see [`Device::counters`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Bytes moved host -> device (`write` and `upload`).
+    pub host_to_device_bytes: u64,
+    /// Host -> device calls.
+    pub host_to_device_calls: u64,
+    /// Bytes moved device -> host (`read` and `download`).
+    pub device_to_host_bytes: u64,
+    /// Device -> host calls.
+    pub device_to_host_calls: u64,
+    /// `copy_batch` calls.
+    pub copy_batches: u64,
+    /// Regions copied by them.
+    pub copy_regions: u64,
+    /// `fill` calls.
+    pub fills: u64,
+    /// Op calls (not counting workspace queries).
+    pub ops: u64,
+    /// `synchronize` calls.
+    pub synchronizes: u64,
+}
+
+impl Counters {
+    /// The counts since `earlier`.
+    pub fn since(&self, earlier: &Counters) -> Counters {
+        Counters {
+            host_to_device_bytes: self.host_to_device_bytes - earlier.host_to_device_bytes,
+            host_to_device_calls: self.host_to_device_calls - earlier.host_to_device_calls,
+            device_to_host_bytes: self.device_to_host_bytes - earlier.device_to_host_bytes,
+            device_to_host_calls: self.device_to_host_calls - earlier.device_to_host_calls,
+            copy_batches: self.copy_batches - earlier.copy_batches,
+            copy_regions: self.copy_regions - earlier.copy_regions,
+            fills: self.fills - earlier.fills,
+            ops: self.ops - earlier.ops,
+            synchronizes: self.synchronizes - earlier.synchronizes,
+        }
+    }
+}
+
+#[derive(Default)]
+struct AtomicCounters {
+    h2d_bytes: AtomicU64,
+    h2d_calls: AtomicU64,
+    d2h_bytes: AtomicU64,
+    d2h_calls: AtomicU64,
+    copy_batches: AtomicU64,
+    copy_regions: AtomicU64,
+    fills: AtomicU64,
+    ops: AtomicU64,
+    synchronizes: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64, by: u64) {
+    counter.fetch_add(by, Ordering::Relaxed);
 }
 
 /// An opened device. Closing happens on drop.
@@ -172,6 +302,9 @@ pub struct Device {
     ordinal: u32,
     instance: DeviceInstance,
     description: Description,
+    counters: AtomicCounters,
+    /// Where the plugin's log messages are attributed; the sink points at it until `close`.
+    _log_target: Box<LogTarget>,
 }
 
 impl fmt::Debug for Device {
@@ -185,17 +318,29 @@ impl fmt::Debug for Device {
 }
 
 macro_rules! forward_op {
-    ($(#[$doc:meta])* $method:ident, $args:ty) => {
+    ($(#[$doc:meta])* $method:ident, $query:ident, $args:ty) => {
         $(#[$doc])*
         pub fn $method(&self, args: &$args) -> Result<(), DeviceError> {
+            bump(&self.counters.ops, 1);
             let result = (self.instance.vtable.$method())(self.instance.ctx, args);
             self.check(stringify!($method), result)
+        }
+
+        #[doc = concat!("Scratch bytes [`Device::", stringify!($method), "`] needs for `args`.")]
+        pub fn $query(&self, args: &$args) -> Result<u64, DeviceError> {
+            let result = (self.instance.vtable.$query())(self.instance.ctx, args);
+            self.check(stringify!($query), result)
         }
     };
 }
 
 impl Device {
-    fn new(plugin: Plugin, ordinal: u32, instance: DeviceInstance) -> Device {
+    fn new(
+        plugin: Plugin,
+        ordinal: u32,
+        instance: DeviceInstance,
+        log_target: Box<LogTarget>,
+    ) -> Device {
         let desc = (instance.vtable.describe())(instance.ctx);
         let description = Description {
             name: desc.name.into_string(),
@@ -203,12 +348,19 @@ impl Device {
             total_memory: desc.total_memory,
             dtypes: desc.dtypes.into_iter().collect(),
             ops: desc.ops.into_iter().collect(),
+            properties: desc
+                .properties
+                .into_iter()
+                .map(|p| (p.key.into_string(), p.value.into_string()))
+                .collect(),
         };
         Device {
             plugin,
             ordinal,
             instance,
             description,
+            counters: AtomicCounters::default(),
+            _log_target: log_target,
         }
     }
 
@@ -232,10 +384,34 @@ impl Device {
         self.description.ops.contains(&op)
     }
 
-    /// `(free, total)` device memory.
+    /// What has crossed the boundary since the device was opened.
+    pub fn counters(&self) -> Counters {
+        let c = &self.counters;
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        Counters {
+            host_to_device_bytes: load(&c.h2d_bytes),
+            host_to_device_calls: load(&c.h2d_calls),
+            device_to_host_bytes: load(&c.d2h_bytes),
+            device_to_host_calls: load(&c.d2h_calls),
+            copy_batches: load(&c.copy_batches),
+            copy_regions: load(&c.copy_regions),
+            fills: load(&c.fills),
+            ops: load(&c.ops),
+            synchronizes: load(&c.synchronizes),
+        }
+    }
+
+    /// `(free, total)` device memory. Queue-ordered frees may show only after
+    /// [`Device::synchronize`].
     pub fn mem_info(&self) -> Result<MemInfo, DeviceError> {
         let result = (self.instance.vtable.mem_info())(self.instance.ctx);
         self.check("mem_info", result)
+    }
+
+    /// The plugin's own accounting: bytes live through `alloc`, and what it holds outside it.
+    pub fn memory_report(&self) -> Result<PluginMemory, DeviceError> {
+        let result = (self.instance.vtable.memory_report())(self.instance.ctx);
+        self.check("memory_report", result).map(PluginMemory::from)
     }
 
     /// Raw device allocation. Core code allocates through its caching allocator instead.
@@ -244,21 +420,26 @@ impl Device {
         self.check("alloc", result)
     }
 
-    /// Raw device free.
+    /// Raw device free, queue-ordered.
     pub fn free(&self, buf: BufferHandle) -> Result<(), DeviceError> {
         let result = (self.instance.vtable.free())(self.instance.ctx, buf);
         self.check("free", result)
     }
 
-    /// Host -> device copy of `src` to `dst` at byte `offset`.
+    /// Host -> device copy of `src` to `dst` at byte `offset`; `src` may be reused on return.
     pub fn write(&self, dst: BufferHandle, offset: u64, src: &[u8]) -> Result<(), DeviceError> {
+        bump(&self.counters.h2d_calls, 1);
+        bump(&self.counters.h2d_bytes, src.len() as u64);
         let result =
             (self.instance.vtable.write())(self.instance.ctx, dst, offset, RSlice::from_slice(src));
         self.check("write", result)
     }
 
-    /// Device -> host copy into `dst` from `src` at byte `offset`.
+    /// Device -> host copy into `dst` from `src` at byte `offset`, after the work enqueued
+    /// before it.
     pub fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), DeviceError> {
+        bump(&self.counters.d2h_calls, 1);
+        bump(&self.counters.d2h_bytes, dst.len() as u64);
         let result = (self.instance.vtable.read())(
             self.instance.ctx,
             src,
@@ -268,7 +449,7 @@ impl Device {
         self.check("read", result)
     }
 
-    /// Device -> device copy.
+    /// Device -> device copy of one range.
     pub fn copy(
         &self,
         dst: BufferHandle,
@@ -277,80 +458,237 @@ impl Device {
         src_offset: u64,
         bytes: u64,
     ) -> Result<(), DeviceError> {
-        let result = (self.instance.vtable.copy())(
-            self.instance.ctx,
-            dst,
-            dst_offset,
+        self.copy_batch(&[CopyRegion {
             src,
             src_offset,
-            bytes,
-        );
-        self.check("copy", result)
-    }
-
-    /// Batched device -> device copy.
-    pub fn copy_regions(
-        &self,
-        dst: BufferHandle,
-        src: BufferHandle,
-        regions: &[CopyRegion],
-    ) -> Result<(), DeviceError> {
-        let result = (self.instance.vtable.copy_regions())(
-            self.instance.ctx,
             dst,
-            src,
-            RSlice::from_slice(regions),
-        );
-        self.check("copy_regions", result)
+            dst_offset,
+            bytes,
+        }])
     }
 
-    /// Waits for all submitted work.
+    /// Batched device -> device copy; each region names its own buffers.
+    pub fn copy_batch(&self, regions: &[CopyRegion]) -> Result<(), DeviceError> {
+        bump(&self.counters.copy_batches, 1);
+        bump(&self.counters.copy_regions, regions.len() as u64);
+        let result =
+            (self.instance.vtable.copy_batch())(self.instance.ctx, RSlice::from_slice(regions));
+        self.check("copy_batch", result)
+    }
+
+    /// Fills a byte range with a repeated value (see [`FillArgs`]).
+    pub fn fill(&self, args: &FillArgs) -> Result<(), DeviceError> {
+        bump(&self.counters.fills, 1);
+        let result = (self.instance.vtable.fill())(self.instance.ctx, args);
+        self.check("fill", result)
+    }
+
+    /// Zeroes `bytes` bytes of `buf` at `offset`.
+    pub fn zero(&self, buf: BufferHandle, offset: u64, bytes: u64) -> Result<(), DeviceError> {
+        self.fill(&FillArgs {
+            dst: BufferSlice { buf, offset, bytes },
+            value: 0,
+            width: 1,
+        })
+    }
+
+    /// Waits for all enqueued work and reports its failure, if any.
     pub fn synchronize(&self) -> Result<(), DeviceError> {
+        bump(&self.counters.synchronizes, 1);
         let result = (self.instance.vtable.synchronize())(self.instance.ctx);
         self.check("synchronize", result)
     }
 
     forward_op!(
         /// See [`GemmArgs`].
-        gemm, GemmArgs
+        gemm, gemm_workspace, GemmArgs
     );
     forward_op!(
         /// See [`NormArgs`].
-        layer_norm, NormArgs
+        layer_norm, layer_norm_workspace, NormArgs
     );
     forward_op!(
         /// See [`NormArgs`].
-        rms_norm, NormArgs
+        rms_norm, rms_norm_workspace, NormArgs
     );
     forward_op!(
         /// See [`ActivationArgs`].
-        activation, ActivationArgs
+        activation, activation_workspace, ActivationArgs
     );
     forward_op!(
         /// See [`BinaryArgs`].
-        binary, BinaryArgs
+        binary, binary_workspace, BinaryArgs
     );
     forward_op!(
-        /// See [`Rope2dArgs`].
-        rope_2d, Rope2dArgs<'_>
+        /// See [`RotaryArgs`].
+        rotary, rotary_workspace, RotaryArgs
     );
     forward_op!(
-        /// See [`AttentionArgs`]; pass a workspace of [`Device::attention_workspace`] bytes.
-        attention, AttentionArgs<'_>
+        /// See [`AttentionArgs`].
+        attention, attention_workspace, AttentionArgs<'_>
     );
     forward_op!(
         /// See [`GatherArgs`].
-        gather_rows, GatherArgs<'_>
+        gather_rows, gather_rows_workspace, GatherArgs
     );
     forward_op!(
         /// See [`CastArgs`].
-        cast, CastArgs
+        cast, cast_workspace, CastArgs
     );
 
-    /// Scratch bytes [`Device::attention`] needs for `args`.
-    pub fn attention_workspace(&self, args: &AttentionArgs<'_>) -> Result<u64, DeviceError> {
-        let result = (self.instance.vtable.attention_workspace())(self.instance.ctx, args);
-        self.check("attention_workspace", result)
+    /// Whether the plugin offers host staging buffers (ABI 2.1's `alloc_host` is present).
+    /// Without them, [`Device::host_buffer`] hands out ordinary memory and transfers complete
+    /// before they return.
+    pub fn has_staging(&self) -> bool {
+        self.vtable_alloc_host().is_some()
+    }
+
+    /// A host staging buffer of `bytes` (> 0): page-locked memory from the plugin when it
+    /// offers it, ordinary memory otherwise.
+    pub fn host_buffer(self: &Arc<Self>, bytes: u64) -> Result<HostBuffer, DeviceError> {
+        let len = usize::try_from(bytes).map_err(|_| DeviceError {
+            plugin: self.plugin.name.clone(),
+            op: "alloc_host",
+            code: ErrorCode::OUT_OF_MEMORY,
+            message: format!("{bytes} bytes do not fit in this host's address space"),
+        })?;
+        if let Some(alloc_host) = self.vtable_alloc_host() {
+            match alloc_host(self.instance.ctx, bytes).into_result() {
+                Ok(alloc) => {
+                    return Ok(HostBuffer {
+                        device: Arc::clone(self),
+                        memory: Staging::Pinned(alloc),
+                        pending: None,
+                    });
+                }
+                // A plugin may list the function and still not offer the memory.
+                Err(err) if err.code == ErrorCode::UNSUPPORTED => {}
+                Err(err) => return Err(self.plugin.error("alloc_host", err)),
+            }
+        }
+        Ok(HostBuffer {
+            device: Arc::clone(self),
+            memory: Staging::Plain(vec![0; len]),
+            pending: None,
+        })
+    }
+
+    /// Copies `bytes` from `src` at `src_offset` into `dst` at `dst_offset`: enqueued from
+    /// page-locked memory, or a `write` from ordinary memory. `src` cannot be touched again
+    /// until the copy has been consumed ([`HostBuffer::as_mut_slice`] waits for it).
+    pub fn upload(
+        &self,
+        dst: BufferHandle,
+        dst_offset: u64,
+        src: &mut HostBuffer,
+        src_offset: u64,
+        bytes: u64,
+    ) -> Result<(), DeviceError> {
+        self.staged("upload", src, src_offset, bytes)?;
+        match &src.memory {
+            Staging::Plain(data) => {
+                let range = host_range(src_offset, bytes);
+                self.write(dst, dst_offset, &data[range])
+            }
+            Staging::Pinned(alloc) => {
+                bump(&self.counters.h2d_calls, 1);
+                bump(&self.counters.h2d_bytes, bytes);
+                let copy = StagedCopy {
+                    device: dst,
+                    device_offset: dst_offset,
+                    host: alloc.id,
+                    host_offset: src_offset,
+                    bytes,
+                };
+                let upload = self.staging_fn("upload", self.vtable_upload())?;
+                self.check("upload", upload(self.instance.ctx, &copy))?;
+                src.pending = Some(self.fence()?);
+                Ok(())
+            }
+        }
+    }
+
+    /// Copies `bytes` from `src` at `src_offset` into `dst` at `dst_offset`: enqueued into
+    /// page-locked memory (the data is there once [`HostBuffer::as_slice`] returns), or a
+    /// `read` into ordinary memory.
+    pub fn download(
+        &self,
+        src: BufferHandle,
+        src_offset: u64,
+        dst: &mut HostBuffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<(), DeviceError> {
+        self.staged("download", dst, dst_offset, bytes)?;
+        match &mut dst.memory {
+            Staging::Plain(data) => {
+                let range = host_range(dst_offset, bytes);
+                self.read(src, src_offset, &mut data[range])
+            }
+            Staging::Pinned(alloc) => {
+                bump(&self.counters.d2h_calls, 1);
+                bump(&self.counters.d2h_bytes, bytes);
+                let copy = StagedCopy {
+                    device: src,
+                    device_offset: src_offset,
+                    host: alloc.id,
+                    host_offset: dst_offset,
+                    bytes,
+                };
+                let download = self.staging_fn("download", self.vtable_download())?;
+                self.check("download", download(self.instance.ctx, &copy))?;
+                dst.pending = Some(self.fence()?);
+                Ok(())
+            }
+        }
+    }
+
+    fn fence(&self) -> Result<u64, DeviceError> {
+        let fence = self.staging_fn("fence", self.vtable_fence())?;
+        self.check("fence", fence(self.instance.ctx))
+    }
+
+    fn wait_fence(&self, value: u64) -> Result<(), DeviceError> {
+        let wait = self.staging_fn("wait_fence", self.vtable_wait_fence())?;
+        self.check("wait_fence", wait(self.instance.ctx, value))
+    }
+
+    /// Checks a staged transfer's host range and that the buffer belongs to this device.
+    fn staged(
+        &self,
+        op: &'static str,
+        buffer: &HostBuffer,
+        offset: u64,
+        bytes: u64,
+    ) -> Result<(), DeviceError> {
+        let invalid = |message: String| DeviceError {
+            plugin: self.plugin.name.clone(),
+            op,
+            code: ErrorCode::INVALID_ARGUMENT,
+            message,
+        };
+        if !std::ptr::eq(Arc::as_ptr(&buffer.device), self) {
+            return Err(invalid("the host buffer belongs to another device".to_owned()));
+        }
+        match offset.checked_add(bytes) {
+            Some(end) if end <= buffer.len() as u64 => Ok(()),
+            _ => Err(invalid(format!(
+                "host bytes [{offset}, {offset}+{bytes}) lie outside the host buffer of {} bytes",
+                buffer.len()
+            ))),
+        }
+    }
+
+    fn staging_fn<F>(&self, op: &'static str, f: Option<F>) -> Result<F, DeviceError> {
+        f.ok_or_else(|| DeviceError {
+            plugin: self.plugin.name.clone(),
+            op,
+            code: ErrorCode::UNSUPPORTED,
+            message: format!(
+                "the plugin was built for ABI {}.{}, which has no host staging",
+                self.plugin.abi_major, self.plugin.abi_minor
+            ),
+        })
     }
 
     fn check<T>(
@@ -364,8 +702,170 @@ impl Device {
     }
 }
 
+/// The staging functions of ABI 2.1, read through the accessors that return `None` for a
+/// plugin built for 2.0 (and always `None` when this crate is built with minor 0's tables).
+macro_rules! staging_accessors {
+    ($($name:ident: $field:ident($($arg:ty),*) -> $ret:ty;)*) => {
+        impl Device {
+            $(
+                fn $name(&self) -> Option<extern "C" fn(DeviceCtx, $($arg),*) -> RResult<$ret, PluginError>> {
+                    #[cfg(not(feature = "abi-2-0"))]
+                    {
+                        self.instance.vtable.$field()
+                    }
+                    #[cfg(feature = "abi-2-0")]
+                    {
+                        None
+                    }
+                }
+            )*
+        }
+    };
+}
+
+staging_accessors! {
+    vtable_alloc_host: alloc_host(u64) -> HostAlloc;
+    vtable_free_host: free_host(HostBufferId) -> ();
+    vtable_upload: upload(&StagedCopy) -> ();
+    vtable_download: download(&StagedCopy) -> ();
+    vtable_fence: fence() -> u64;
+    vtable_wait_fence: wait_fence(u64) -> ();
+}
+
 impl Drop for Device {
     fn drop(&mut self) {
         (self.instance.vtable.close())(self.instance.ctx);
     }
+}
+
+/// A host staging buffer of one device (see [`Device::host_buffer`]).
+///
+/// Transfers through it are ordered by the buffer itself: after an asynchronous upload or
+/// download, [`HostBuffer::as_slice`] and [`HostBuffer::as_mut_slice`] first wait until the
+/// device has finished with it, so the host never reads data that has not arrived or
+/// overwrites data not yet sent.
+pub struct HostBuffer {
+    device: Arc<Device>,
+    memory: Staging,
+    /// Fence after the last asynchronous transfer through this buffer.
+    pending: Option<u64>,
+}
+
+enum Staging {
+    Plain(Vec<u8>),
+    Pinned(HostAlloc),
+}
+
+impl fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostBuffer")
+            .field("len", &self.len())
+            .field("pinned", &self.is_pinned())
+            .field("pending", &self.pending)
+            .finish()
+    }
+}
+
+impl HostBuffer {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match &self.memory {
+            Staging::Plain(data) => data.len(),
+            // The plugin allocated `len` bytes in this address space, so it fits in usize.
+            Staging::Pinned(alloc) => usize::try_from(alloc.len).unwrap_or(0),
+        }
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the memory came from the plugin (page-locked) rather than the host's heap.
+    pub fn is_pinned(&self) -> bool {
+        matches!(self.memory, Staging::Pinned(_))
+    }
+
+    /// The contents, once every transfer through the buffer has completed.
+    pub fn as_slice(&mut self) -> Result<&[u8], DeviceError> {
+        self.settle()?;
+        Ok(match &self.memory {
+            Staging::Plain(data) => data,
+            // SAFETY: the plugin gave out `len` bytes at `ptr` that stay valid until
+            // `free_host`, which only `drop` calls; no transfer is in flight (settled above)
+            // and `&mut self` rules out other references.
+            Staging::Pinned(alloc) => unsafe { std::slice::from_raw_parts(alloc.ptr, self.len()) },
+        })
+    }
+
+    /// The contents for writing, once every transfer through the buffer has completed.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8], DeviceError> {
+        self.settle()?;
+        let len = self.len();
+        Ok(match &mut self.memory {
+            Staging::Plain(data) => data,
+            // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
+            Staging::Pinned(alloc) => unsafe { std::slice::from_raw_parts_mut(alloc.ptr, len) },
+        })
+    }
+
+    fn settle(&mut self) -> Result<(), DeviceError> {
+        if let Some(fence) = self.pending {
+            self.device.wait_fence(fence)?;
+            self.pending = None;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        if let Staging::Pinned(alloc) = &self.memory
+            && let Some(free_host) = self.device.vtable_free_host()
+        {
+            // Queue-ordered: safe with transfers still in flight. A refusal leaves the memory
+            // to the plugin, which releases it when the device closes.
+            let _ = free_host(self.device.instance.ctx, alloc.id);
+        }
+    }
+}
+
+fn host_range(offset: u64, bytes: u64) -> std::ops::Range<usize> {
+    // Checked against the buffer's length (a usize) in `Device::staged`.
+    let start = usize::try_from(offset).unwrap_or(usize::MAX);
+    let len = usize::try_from(bytes).unwrap_or(0);
+    start..start + len
+}
+
+/// Whom a plugin's log messages are attributed to.
+struct LogTarget {
+    plugin: String,
+    ordinal: u32,
+}
+
+extern "C" fn host_log(ctx: HostCtx, level: LogLevel, message: RStr<'_>) {
+    // A tracing subscriber that panics must not unwind into the plugin.
+    let _ = std::panic::catch_unwind(|| {
+        // SAFETY: `ctx` is the `LogTarget` boxed in `Plugin::open`, which the `Device` keeps
+        // until after `close`; the ABI forbids logging after that.
+        let Some(target) = (unsafe { ctx.0.cast::<LogTarget>().as_ref() }) else {
+            return;
+        };
+        let (plugin, device, message) = (&target.plugin, target.ordinal, message.as_str());
+        match level {
+            LogLevel::ERROR => {
+                tracing::error!(target: "iris::plugin", plugin = %plugin, device, "{message}");
+            }
+            LogLevel::WARN => {
+                tracing::warn!(target: "iris::plugin", plugin = %plugin, device, "{message}");
+            }
+            LogLevel::INFO => {
+                tracing::info!(target: "iris::plugin", plugin = %plugin, device, "{message}");
+            }
+            LogLevel::DEBUG => {
+                tracing::debug!(target: "iris::plugin", plugin = %plugin, device, "{message}");
+            }
+            _ => tracing::trace!(target: "iris::plugin", plugin = %plugin, device, "{message}"),
+        }
+    });
 }
