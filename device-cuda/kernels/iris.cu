@@ -1,0 +1,522 @@
+// iris's CUDA kernels, compiled at run time by NVRTC without any header.
+//
+// Storage types are f32, f16 and bf16 (the latter two as raw 16-bit patterns); every kernel
+// loads into f32, computes in f32 and rounds to nearest even when it stores. Kernels take base
+// pointers already advanced to the view's first element and row strides in elements, so any
+// row-strided view (the q, k and v columns of a fused qkv buffer) is read in place.
+//
+// Every entry point is `extern "C"` with the storage type in its name (`norm_bf16`,
+// `attention_f16_80`): the plugin looks each one up by that name when it loads the module.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define IRIS_INF __int_as_float(0x7f800000)
+#define LOG2E 1.4426950408889634f
+
+// ---------------------------------------------------------------------------------------------
+// Conversions
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (u16)((u >> 16) | 0x40u);  // NaN stays NaN (quiet), sign kept
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+#ifdef __CUDA_ARCH__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    u32 sign = ((u32)h & 0x8000u) << 16;
+    u32 e = ((u32)h >> 10) & 0x1fu;
+    u32 m = (u32)h & 0x3ffu;
+    if (e == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+    if (e == 0u) {
+        float v = (float)m * 5.9604644775390625e-8f;  // m * 2^-24
+        return sign ? -v : v;
+    }
+    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+#endif
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+#ifdef __CUDA_ARCH__
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
+    u32 x = __float_as_uint(f);
+    u32 sign = (x >> 16) & 0x8000u;
+    x &= 0x7fffffffu;
+    if (x >= 0x7f800000u) return (u16)(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u));
+    if (x >= 0x477ff000u) return (u16)(sign | 0x7c00u);  // rounds to infinity
+    if (x < 0x38800000u) {                                // half subnormal or zero
+        if (x < 0x33000000u) return (u16)sign;
+        u32 e = x >> 23;
+        u32 m = (x & 0x7fffffu) | 0x800000u;
+        u32 shift = 126u - e;
+        u32 rem = m & ((1u << shift) - 1u);
+        u32 half = 1u << (shift - 1u);
+        u32 bits = m >> shift;
+        if (rem > half || (rem == half && (bits & 1u))) bits += 1u;
+        return (u16)(sign | bits);
+    }
+    u32 bits = (x - 0x38000000u) >> 13;
+    u32 rem = x & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (bits & 1u))) bits += 1u;
+    return (u16)(sign | bits);
+#endif
+}
+
+struct F32 {
+    static __device__ __forceinline__ float load(const void* p, i64 i) {
+        return ((const float*)p)[i];
+    }
+    static __device__ __forceinline__ void store(void* p, i64 i, float v) { ((float*)p)[i] = v; }
+};
+
+struct F16 {
+    static __device__ __forceinline__ float load(const void* p, i64 i) {
+        return f16_to_f32(((const u16*)p)[i]);
+    }
+    static __device__ __forceinline__ void store(void* p, i64 i, float v) {
+        ((u16*)p)[i] = f32_to_f16(v);
+    }
+};
+
+struct BF16 {
+    static __device__ __forceinline__ float load(const void* p, i64 i) {
+        return bf16_to_f32(((const u16*)p)[i]);
+    }
+    static __device__ __forceinline__ void store(void* p, i64 i, float v) {
+        ((u16*)p)[i] = f32_to_bf16(v);
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Reductions and activations
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds one float per warp.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    v = warp_sum(v);
+    int lane = threadIdx.x & 31;
+    int warp = threadIdx.x >> 5;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.0f;
+    int warps = (blockDim.x + 31) >> 5;
+    for (int w = 0; w < warps; ++w) total += scratch[w];
+    __syncthreads();  // scratch may be reused at once
+    return total;
+}
+
+// Activation codes are iris_plugin::abi::Activation's values.
+__device__ __forceinline__ float activate(float x, int kind) {
+    switch (kind) {
+        case 1:  // gelu (erf)
+            return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+        case 2: {  // gelu (tanh)
+            float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+            return 0.5f * x * (1.0f + tanhf(u));
+        }
+        case 3:  // quick gelu
+            return x / (1.0f + expf(-1.702f * x));
+        case 4:  // silu
+            return x / (1.0f + expf(-x));
+        default:
+            return x;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Norms: one block per row (grid-stride over rows), two passes over the row for the statistics.
+// ---------------------------------------------------------------------------------------------
+
+template <class S>
+__device__ __forceinline__ void norm_impl(const void* x, i64 xs, void* out, i64 os, const void* w,
+                                          const void* b, i64 rows, i64 cols, float eps, int rms) {
+    __shared__ float scratch[32];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const i64 xo = r * xs;
+        float mean = 0.0f;
+        if (!rms) {
+            float s = 0.0f;
+            for (i64 c = threadIdx.x; c < cols; c += blockDim.x) s += S::load(x, xo + c);
+            mean = block_sum(s, scratch) / (float)cols;
+        }
+        float q = 0.0f;
+        for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
+            float d = S::load(x, xo + c) - mean;
+            q += d * d;
+        }
+        float inv = 1.0f / sqrtf(block_sum(q, scratch) / (float)cols + eps);
+        for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
+            float v = (S::load(x, xo + c) - mean) * inv * S::load(w, c);
+            if (b) v += S::load(b, c);
+            S::store(out, r * os + c, v);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise kernels over [rows, cols] views: blockIdx.y strides rows, x strides columns.
+// ---------------------------------------------------------------------------------------------
+
+#define ROWS_LOOP for (i64 r = blockIdx.y; r < rows; r += gridDim.y)
+#define COLS_LOOP                                                           \
+    for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < cols; \
+         c += (i64)gridDim.x * blockDim.x)
+
+template <class S>
+__device__ __forceinline__ void activation_impl(const void* x, i64 xs, void* out, i64 os,
+                                                i64 rows, i64 cols, int kind) {
+    ROWS_LOOP {
+        COLS_LOOP { S::store(out, r * os + c, activate(S::load(x, r * xs + c), kind)); }
+    }
+}
+
+// `bs` is 0 when `b` is one row broadcast over every row of `a`. `op`: 0 add, 1 multiply.
+template <class S>
+__device__ __forceinline__ void binary_impl(const void* a, i64 as, const void* b, i64 bs,
+                                            void* out, i64 os, i64 rows, i64 cols, int op) {
+    ROWS_LOOP {
+        COLS_LOOP {
+            float x = S::load(a, r * as + c);
+            float y = S::load(b, r * bs + c);
+            S::store(out, r * os + c, op == 0 ? x + y : x * y);
+        }
+    }
+}
+
+template <class S, class D>
+__device__ __forceinline__ void cast_impl(const void* src, i64 ss, void* out, i64 os, i64 rows,
+                                          i64 cols) {
+    ROWS_LOOP {
+        COLS_LOOP { D::store(out, r * os + c, S::load(src, r * ss + c)); }
+    }
+}
+
+// The part of a gemm cuBLAS(Lt) cannot fuse: out = act(src + bias) (+ out when accumulating).
+// `src` is the product: an f32 [rows, cols] scratch (`src_f32`), or `out` itself, or null for
+// an empty product (k = 0).
+template <class S>
+__device__ __forceinline__ void gemm_epilogue_impl(const void* src, int src_f32, i64 ss,
+                                                   void* out, i64 os, const void* bias, i64 rows,
+                                                   i64 cols, int kind, int accumulate) {
+    ROWS_LOOP {
+        COLS_LOOP {
+            float v = 0.0f;
+            if (src) v = src_f32 ? ((const float*)src)[r * ss + c] : S::load(src, r * ss + c);
+            if (bias) v += S::load(bias, c);
+            v = activate(v, kind);
+            if (accumulate) v += S::load(out, r * os + c);
+            S::store(out, r * os + c, v);
+        }
+    }
+}
+
+// Rotary embedding from f32 cos/sin tables [tokens, head_dim], in place on x
+// [tokens, heads * head_dim]: each thread rotates one pair (j, j + head_dim / 2) of one head.
+template <class S>
+__device__ __forceinline__ void rotary_impl(void* x, i64 xs, const float* cs, i64 css,
+                                            const float* sn, i64 sns, i64 rows, i64 heads,
+                                            i64 head_dim) {
+    const i64 half = head_dim / 2;
+    const i64 cols = heads * half;
+    ROWS_LOOP {
+        COLS_LOOP {
+            const i64 h = c / half;
+            const i64 j = c - h * half;
+            const i64 base = r * xs + h * head_dim;
+            float x1 = S::load(x, base + j);
+            float x2 = S::load(x, base + j + half);
+            float c1 = cs[r * css + j], c2 = cs[r * css + j + half];
+            float s1 = sn[r * sns + j], s2 = sn[r * sns + j + half];
+            S::store(x, base + j, x1 * c1 - x2 * s1);
+            S::store(x, base + j + half, x2 * c2 + x1 * s2);
+        }
+    }
+}
+
+// out[i] = src[idx[i]] by element type T of the dtype's size. A bad index writes zeros and
+// sets bit 0 of the device status word, which `synchronize` reports.
+template <class T>
+__device__ __forceinline__ void gather_impl(const T* src, i64 ss, i64 src_rows, T* out, i64 os,
+                                            const int* idx, i64 rows, i64 cols, u32* status) {
+    ROWS_LOOP {
+        const int from = idx[r];
+        const bool ok = from >= 0 && (i64)from < src_rows;
+        if (!ok && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, 1u);
+        COLS_LOOP { out[r * os + c] = ok ? src[(i64)from * ss + c] : (T)0; }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Variable-length attention, flash-attention style (no tensor cores).
+//
+// A block of 4 warps takes 32 queries of one head of one segment (grid: query tiles x heads x
+// segments; segment bounds come from the device cu_seqlens). Queries, pre-scaled by
+// scale * log2(e), stay in shared memory; keys and values stream through shared memory in
+// tiles of 16. Each warp owns 8 queries. Scores: lane (h, j) = (lane / 16, lane % 16) computes
+// the dot products of key j with the warp's queries 4h .. 4h + 3. Softmax is online (running
+// maximum and sum per query, in f32, exp2). Output: each lane owns the head-dim columns
+// lane + 32 t of its warp's 8 queries and accumulates p · v in f32, receiving p by shuffle.
+// DP is the head dim padded to the kernel's size; columns from head_dim to DP are zeros.
+// ---------------------------------------------------------------------------------------------
+
+#define ATT_WARPS 4
+#define ATT_QW 8
+#define ATT_BQ (ATT_WARPS * ATT_QW)
+#define ATT_BK 16
+#define ATT_THREADS (ATT_WARPS * 32)
+
+template <class S, int DP>
+__device__ __forceinline__ void attention_impl(const void* q, i64 qs, const void* k, i64 ks_,
+                                               const void* v, i64 vs_, void* out, i64 os,
+                                               const int* cu_seqlens, int head_dim, float scale) {
+    constexpr int NS = (DP + 31) / 32;  // output column slots per lane
+    constexpr int VP = NS * 32;         // padded value row
+    constexpr int KP = DP + 4;          // padded key row: conflict-free float4 reads by row
+    __shared__ __align__(16) float qsm[ATT_BQ * DP];
+    __shared__ __align__(16) float ksm[ATT_BK * KP];
+    __shared__ __align__(16) float vsm[ATT_BK * VP];
+
+    const int seg = blockIdx.z;
+    const int head = blockIdx.y;
+    const i64 start = cu_seqlens[seg];
+    const int len = cu_seqlens[seg + 1] - cu_seqlens[seg];
+    const int q0 = blockIdx.x * ATT_BQ;
+    if (q0 >= len) return;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const i64 col0 = (i64)head * head_dim;
+    const float qscale = scale * LOG2E;
+
+    for (int e = tid; e < ATT_BQ * DP; e += ATT_THREADS) {
+        const int r = e / DP, c = e - (e / DP) * DP;
+        float val = 0.0f;
+        if (q0 + r < len && c < head_dim) val = S::load(q, (start + q0 + r) * qs + col0 + c) * qscale;
+        qsm[e] = val;
+    }
+
+    const int j = lane & 15;  // key of this lane in the score phase
+    const int h = lane >> 4;  // which 4 of the warp's 8 queries
+    const float* qrow = qsm + (warp * ATT_QW + h * 4) * DP;
+
+    float m_run[4], l_run[4];
+    float o[ATT_QW][NS];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        m_run[u] = -IRIS_INF;
+        l_run[u] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < ATT_QW; ++i)
+#pragma unroll
+        for (int t = 0; t < NS; ++t) o[i][t] = 0.0f;
+
+    for (int k0 = 0; k0 < len; k0 += ATT_BK) {
+        __syncthreads();  // previous tile fully consumed (and the query tile written)
+        for (int e = tid; e < ATT_BK * DP; e += ATT_THREADS) {
+            const int r = e / DP, c = e - (e / DP) * DP;
+            float val = 0.0f;
+            if (k0 + r < len && c < head_dim) val = S::load(k, (start + k0 + r) * ks_ + col0 + c);
+            ksm[r * KP + c] = val;
+        }
+        for (int e = tid; e < ATT_BK * VP; e += ATT_THREADS) {
+            const int r = e / VP, c = e - (e / VP) * VP;
+            float val = 0.0f;
+            if (k0 + r < len && c < head_dim) val = S::load(v, (start + k0 + r) * vs_ + col0 + c);
+            vsm[e] = val;
+        }
+        __syncthreads();
+
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const float* krow = ksm + j * KP;
+#pragma unroll 4
+        for (int c = 0; c < DP; c += 4) {
+            const float4 kv = *(const float4*)(krow + c);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const float4 qv = *(const float4*)(qrow + u * DP + c);
+                s[u] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+            }
+        }
+        const bool valid = k0 + j < len;
+        float p[4], alpha[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            float sv = valid ? s[u] : -IRIS_INF;
+            float mt = sv;
+#pragma unroll
+            for (int off = 8; off > 0; off >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
+            const float m_new = fmaxf(m_run[u], mt);
+            alpha[u] = exp2f(m_run[u] - m_new);
+            p[u] = exp2f(sv - m_new);
+            l_run[u] = l_run[u] * alpha[u] + p[u];
+            m_run[u] = m_new;
+        }
+#pragma unroll
+        for (int i = 0; i < ATT_QW; ++i) {
+            const float a = __shfl_sync(0xffffffffu, alpha[i & 3], (i >> 2) * 16);
+#pragma unroll
+            for (int t = 0; t < NS; ++t) o[i][t] *= a;
+        }
+#pragma unroll 4
+        for (int jj = 0; jj < ATT_BK; ++jj) {
+            float vv[NS];
+#pragma unroll
+            for (int t = 0; t < NS; ++t) vv[t] = vsm[jj * VP + lane + 32 * t];
+#pragma unroll
+            for (int i = 0; i < ATT_QW; ++i) {
+                const float pj = __shfl_sync(0xffffffffu, p[i & 3], (i >> 2) * 16 + jj);
+#pragma unroll
+                for (int t = 0; t < NS; ++t) o[i][t] += pj * vv[t];
+            }
+        }
+    }
+
+    float l_sum[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        float l = l_run[u];
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+        l_sum[u] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < ATT_QW; ++i) {
+        const float l = __shfl_sync(0xffffffffu, l_sum[i & 3], (i >> 2) * 16);
+        const int qi = q0 + warp * ATT_QW + i;
+        if (qi < len) {
+            const float inv = 1.0f / l;
+#pragma unroll
+            for (int t = 0; t < NS; ++t) {
+                const int c = lane + 32 * t;
+                if (c < head_dim) S::store(out, (start + qi) * os + col0 + c, o[i][t] * inv);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batched copy: one block per region (grid-stride), 16-, 4- or 1-byte moves as alignment allows.
+// `regions` holds (src, dst, bytes) triples of device addresses.
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(256) copy_regions(const u64* regions, i64 count) {
+    for (i64 r = blockIdx.x; r < count; r += gridDim.x) {
+        const u64 src = regions[3 * r], dst = regions[3 * r + 1], bytes = regions[3 * r + 2];
+        if (((src | dst | bytes) & 15u) == 0u) {
+            const uint4* s = (const uint4*)src;
+            uint4* d = (uint4*)dst;
+            for (u64 i = threadIdx.x; i < bytes / 16u; i += blockDim.x) d[i] = s[i];
+        } else if (((src | dst | bytes) & 3u) == 0u) {
+            const u32* s = (const u32*)src;
+            u32* d = (u32*)dst;
+            for (u64 i = threadIdx.x; i < bytes / 4u; i += blockDim.x) d[i] = s[i];
+        } else {
+            const u8* s = (const u8*)src;
+            u8* d = (u8*)dst;
+            for (u64 i = threadIdx.x; i < bytes; i += blockDim.x) d[i] = s[i];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points, one per storage type (and head-dim size for attention).
+// ---------------------------------------------------------------------------------------------
+
+#define FLOAT_KERNELS(NAME, S)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        norm_##NAME(const void* x, i64 xs, void* out, i64 os, const void* w, const void* b,      \
+                    i64 rows, i64 cols, float eps, int rms) {                                    \
+        norm_impl<S>(x, xs, out, os, w, b, rows, cols, eps, rms);                                \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        activation_##NAME(const void* x, i64 xs, void* out, i64 os, i64 rows, i64 cols,         \
+                          int kind) {                                                            \
+        activation_impl<S>(x, xs, out, os, rows, cols, kind);                                    \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        binary_##NAME(const void* a, i64 as, const void* b, i64 bs, void* out, i64 os, i64 rows, \
+                      i64 cols, int op) {                                                        \
+        binary_impl<S>(a, as, b, bs, out, os, rows, cols, op);                                   \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        gemm_epilogue_##NAME(const void* src, int src_f32, i64 ss, void* out, i64 os,            \
+                             const void* bias, i64 rows, i64 cols, int kind, int accumulate) {   \
+        gemm_epilogue_impl<S>(src, src_f32, ss, out, os, bias, rows, cols, kind, accumulate);   \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        rotary_##NAME(void* x, i64 xs, const float* cs, i64 css, const float* sn, i64 sns,       \
+                      i64 rows, i64 heads, i64 head_dim) {                                       \
+        rotary_impl<S>(x, xs, cs, css, sn, sns, rows, heads, head_dim);                          \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        cast_f32_##NAME(const void* src, i64 ss, void* out, i64 os, i64 rows, i64 cols) {        \
+        cast_impl<F32, S>(src, ss, out, os, rows, cols);                                         \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        cast_f16_##NAME(const void* src, i64 ss, void* out, i64 os, i64 rows, i64 cols) {        \
+        cast_impl<F16, S>(src, ss, out, os, rows, cols);                                         \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        cast_bf16_##NAME(const void* src, i64 ss, void* out, i64 os, i64 rows, i64 cols) {       \
+        cast_impl<BF16, S>(src, ss, out, os, rows, cols);                                        \
+    }
+
+FLOAT_KERNELS(f32, F32)
+FLOAT_KERNELS(f16, F16)
+FLOAT_KERNELS(bf16, BF16)
+
+#define ATTENTION_KERNEL(NAME, S, DP)                                                           \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                  \
+        attention_##NAME##_##DP(const void* q, i64 qs, const void* k, i64 ks, const void* v,  \
+                                i64 vs, void* out, i64 os, const int* cu_seqlens,             \
+                                int head_dim, float scale) {                                  \
+        attention_impl<S, DP>(q, qs, k, ks, v, vs, out, os, cu_seqlens, head_dim, scale);     \
+    }
+
+#define ATTENTION_SIZES(NAME, S)  \
+    ATTENTION_KERNEL(NAME, S, 32) \
+    ATTENTION_KERNEL(NAME, S, 64) \
+    ATTENTION_KERNEL(NAME, S, 72) \
+    ATTENTION_KERNEL(NAME, S, 80) \
+    ATTENTION_KERNEL(NAME, S, 96) \
+    ATTENTION_KERNEL(NAME, S, 128)
+
+ATTENTION_SIZES(f32, F32)
+ATTENTION_SIZES(f16, F16)
+ATTENTION_SIZES(bf16, BF16)
+
+#define GATHER_KERNEL(NAME, T)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256)                                         \
+        gather_##NAME(const T* src, i64 ss, i64 src_rows, T* out, i64 os, const int* idx,     \
+                      i64 rows, i64 cols, u32* status) {                                      \
+        gather_impl<T>(src, ss, src_rows, out, os, idx, rows, cols, status);                  \
+    }
+
+GATHER_KERNEL(b1, u8)
+GATHER_KERNEL(b2, u16)
+GATHER_KERNEL(b4, u32)

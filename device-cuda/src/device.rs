@@ -1,0 +1,863 @@
+//! The CUDA device: options, opening, description, memory, transfers, fills, staging and
+//! fences. Ops live in [`crate::ops`].
+//!
+//! One opened device is the primary context of its ordinal and one non-blocking stream, the
+//! ABI's in-order queue. The context is bound to the calling thread at the top of every entry
+//! point (cuBLAS and cuBLASLt do not bind it themselves, and the host calls from any thread).
+//! Errors of enqueued work are sticky in CUDA: they surface at the next driver call, at the
+//! latest at `synchronize`.
+
+use std::sync::Arc;
+
+use cudarc::driver::result;
+use cudarc::driver::sys::{self, CUresult, CUstream};
+use cudarc::driver::{CudaContext, CudaStream};
+use iris_plugin::abi::{
+    ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, CastArgs, CopyRegion, DType,
+    DeviceDesc, FillArgs, GatherArgs, GemmArgs, HeldMemory, HostAlloc, HostBufferId, MemInfo,
+    MemoryReport, NormArgs, PluginError, Property, RotaryArgs, StagedCopy, property,
+};
+use iris_plugin::validate::{self, Checker};
+use iris_plugin::{Backend, Logger};
+
+use crate::error::{CudaError, DriverResultExt};
+use crate::loader::{self, Library};
+use crate::memory::{DeviceView, Fences, HostBuffers, Memory};
+use crate::ops::Compute;
+
+/// The oldest driver API version the plugin runs on (CUDA 12.0, as `cuDriverGetVersion` writes
+/// it): the entry points it calls are those of CUDA 12.x.
+pub const MIN_DRIVER_VERSION: i32 = 12000;
+/// The oldest compute capability the kernels and cuBLASLt paths are written for (Volta).
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (7, 0);
+/// The compute capability from which bf16 is offered (cuBLASLt has no bf16 GEMM before Ampere).
+pub const BF16_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
+/// Options of [`CudaDevice::open`], from the `[plugins.cuda]` table of the config.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Let f32 GEMMs use TF32 tensor cores (faster, about 10 bits of mantissa). Default: off,
+    /// f32 GEMMs compute in full f32.
+    pub tf32: bool,
+    /// The kernel cache folder, or `off`; `None`: [`crate::kernels::CACHE_ENV`] or the default.
+    pub kernel_cache: Option<String>,
+    /// Open with the driver only: memory, transfers, fills, staging and fences, and no ops
+    /// (neither cuBLAS nor NVRTC is loaded).
+    pub memory_only: bool,
+}
+
+impl CudaOptions {
+    /// Parses `key = value` options: `tf32` and `memory_only` (`true`/`false`) and
+    /// `kernel_cache` (a folder or `off`). Unknown keys are errors naming the key.
+    pub fn parse(pairs: &[(&str, &str)]) -> Result<CudaOptions, PluginError> {
+        let mut options = CudaOptions::default();
+        for (key, value) in pairs {
+            match *key {
+                "tf32" => options.tf32 = parse_bool(key, value)?,
+                "memory_only" => options.memory_only = parse_bool(key, value)?,
+                "kernel_cache" => {
+                    if value.trim().is_empty() {
+                        return Err(invalid_option("kernel_cache", value, "a folder or `off`"));
+                    }
+                    options.kernel_cache = Some(value.trim().to_owned());
+                }
+                other => {
+                    return Err(PluginError::invalid_argument(format!(
+                        "open: unknown option `{other}` (known: tf32, kernel_cache, memory_only)"
+                    )));
+                }
+            }
+        }
+        Ok(options)
+    }
+}
+
+/// Facts about the device read once at open.
+#[derive(Debug, Clone)]
+pub struct Info {
+    /// Device name.
+    pub name: String,
+    /// Total memory in bytes.
+    pub total_memory: u64,
+    /// Compute capability.
+    pub cc: (i32, i32),
+    /// Streaming multiprocessors.
+    pub sms: i32,
+    /// Peak memory bandwidth in bytes per second (0 when the driver does not say).
+    pub bandwidth: u64,
+    /// `cuDriverGetVersion`, e.g. 12040.
+    pub driver_version: i32,
+}
+
+/// An opened CUDA device.
+pub struct CudaDevice {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) memory: Memory,
+    host: HostBuffers,
+    fences: Fences,
+    pub(crate) compute: Option<Compute>,
+    pub(crate) info: Info,
+    held: Vec<HeldMemory>,
+    options: CudaOptions,
+    pub(crate) log: Logger,
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal` (as the driver numbers it, after `CUDA_VISIBLE_DEVICES`).
+    pub fn open(
+        ordinal: u32,
+        options: CudaOptions,
+        log: Logger,
+    ) -> Result<CudaDevice, PluginError> {
+        Self::open_inner(ordinal, options, log).map_err(|err| err.into_plugin("open"))
+    }
+
+    fn open_inner(
+        ordinal: u32,
+        options: CudaOptions,
+        log: Logger,
+    ) -> Result<CudaDevice, CudaError> {
+        loader::require(Library::Driver)?;
+        result::init().call("cuInit")?;
+        let driver_version = driver_version()?;
+        if driver_version < MIN_DRIVER_VERSION {
+            return Err(CudaError::Unsupported(format!(
+                "the driver supports CUDA {}, this plugin needs {} or newer",
+                version_text(driver_version),
+                version_text(MIN_DRIVER_VERSION)
+            )));
+        }
+        let count = result::device::get_count().call("cuDeviceGetCount")?;
+        let index = i32::try_from(ordinal)
+            .ok()
+            .filter(|index| *index < count)
+            .ok_or_else(|| {
+                CudaError::Invalid(format!(
+                    "device {ordinal} does not exist ({count} CUDA devices)"
+                ))
+            })?;
+        let cu_device = result::device::get(index).call("cuDeviceGet")?;
+        let was_active = primary_context_active(cu_device)?;
+        let ctx = CudaContext::new(ordinal as usize).call("cuDevicePrimaryCtxRetain")?;
+        let mut held = Vec::new();
+        let (free, total) = result::mem_get_info().call("cuMemGetInfo")?;
+        if !was_active {
+            // Approximate: what the device uses right after this process created the context;
+            // on a device shared with other processes their memory is counted too.
+            push_held(&mut held, "context", (total - free) as u64);
+        }
+        let cc = ctx.compute_capability().call("cuDeviceGetAttribute")?;
+        if cc < MIN_COMPUTE_CAPABILITY {
+            return Err(CudaError::Unsupported(format!(
+                "compute capability {}.{} is below the {}.{} this plugin needs",
+                cc.0, cc.1, MIN_COMPUTE_CAPABILITY.0, MIN_COMPUTE_CAPABILITY.1
+            )));
+        }
+        let info = Info {
+            name: ctx.name().call("cuDeviceGetName")?,
+            total_memory: total as u64,
+            cc,
+            sms: attribute(
+                &ctx,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )?,
+            bandwidth: bandwidth(&ctx)?,
+            driver_version,
+        };
+        let before = used()?;
+        let stream = ctx.new_stream().call("cuStreamCreate")?;
+        // SAFETY: the plugin never uses cudarc's owning slices, whose cross-stream tracking this
+        // turns off; it orders all its work on its one stream itself.
+        unsafe { ctx.disable_event_tracking() };
+        let pools = attribute(
+            &ctx,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED,
+        )? > 0;
+        let memory = Memory::new(index, pools)?;
+        push_held(
+            &mut held,
+            "stream and memory pool",
+            used()?.saturating_sub(before),
+        );
+        let compute = if options.memory_only {
+            None
+        } else {
+            Some(Compute::open(&stream, &info, &options, &log, &mut held)?)
+        };
+        log.info(format!(
+            "opened CUDA device {ordinal}: {} (compute capability {}.{}, {} SMs, {} MiB, driver {}){}",
+            info.name,
+            cc.0,
+            cc.1,
+            info.sms,
+            info.total_memory >> 20,
+            version_text(driver_version),
+            if compute.is_none() { ", memory only" } else { "" }
+        ));
+        Ok(CudaDevice {
+            ctx,
+            stream,
+            memory,
+            host: HostBuffers::default(),
+            fences: Fences::default(),
+            compute,
+            info,
+            held,
+            options,
+            log,
+        })
+    }
+
+    /// The options the device was opened with.
+    pub fn options(&self) -> &CudaOptions {
+        &self.options
+    }
+
+    /// The queue.
+    pub(crate) fn cu_stream(&self) -> CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// Binds the context to the calling thread; every entry point starts here.
+    pub(crate) fn enter(&self, op: &str) -> Result<(), PluginError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|err| CudaError::driver("cuCtxSetCurrent", err).into_plugin(op))
+    }
+
+    /// The bytes of a live buffer, or an invalid-argument error naming `op`.
+    pub(crate) fn view(&self, op: &str, buf: BufferHandle) -> Result<DeviceView, PluginError> {
+        self.memory.get(buf).ok_or_else(|| {
+            PluginError::invalid_argument(format!("{op}: unknown buffer handle {}", buf.0))
+        })
+    }
+
+    /// The compute state, or "unsupported" when the device was opened memory-only.
+    pub(crate) fn compute(&self, op: &str) -> Result<&Compute, PluginError> {
+        self.compute.as_ref().ok_or_else(|| {
+            PluginError::unsupported(format!(
+                "op `{op}` is not available: the device was opened with memory_only = true"
+            ))
+        })
+    }
+
+    /// A checker for `op` that looks buffers up in this device's table.
+    pub(crate) fn with_checker<T>(
+        &self,
+        op: &str,
+        f: impl FnOnce(&Checker<'_>) -> Result<T, PluginError>,
+    ) -> Result<T, PluginError> {
+        let lens = |buf: BufferHandle| self.memory.len(buf);
+        let check = Checker::new(op, &lens);
+        f(&check)
+    }
+
+    fn describe_impl(&self) -> DeviceDesc {
+        let dtypes: Vec<DType> = DType::ALL
+            .into_iter()
+            .filter(|dtype| *dtype != DType::BF16 || self.info.cc >= BF16_COMPUTE_CAPABILITY)
+            .collect();
+        let ops = if self.compute.is_some() {
+            crate::ops::SUPPORTED.to_vec()
+        } else {
+            Vec::new()
+        };
+        let mut properties = vec![
+            Property::new(
+                property::COMPUTE_CAPABILITY,
+                format!("{}.{}", self.info.cc.0, self.info.cc.1),
+            ),
+            Property::new(
+                property::DRIVER_VERSION,
+                version_text(self.info.driver_version),
+            ),
+            Property::new(property::COMPUTE_UNITS, self.info.sms),
+            Property::new(property::QUEUE, "async"),
+            Property::new("cuda_api_version", "12.4"),
+        ];
+        if self.info.bandwidth > 0 {
+            properties.push(Property::new(
+                property::MEMORY_BANDWIDTH,
+                self.info.bandwidth,
+            ));
+        }
+        if let Some(compute) = &self.compute {
+            properties.extend(compute.properties());
+        }
+        DeviceDesc {
+            name: self.info.name.clone().into(),
+            vendor: "NVIDIA".into(),
+            total_memory: self.info.total_memory,
+            dtypes: dtypes.into(),
+            ops: ops.into(),
+            properties: properties.into(),
+        }
+    }
+
+    fn memory_report_impl(&self) -> Result<MemoryReport, CudaError> {
+        self.memory.refresh(self.cu_stream())?;
+        let (allocated, buffers) = self.memory.accounting();
+        let mut held = self.held.clone();
+        push_held(
+            &mut held,
+            "memory pool (freed, not yet released)",
+            self.memory.pool_cached()?,
+        );
+        if let Some(compute) = &self.compute {
+            push_held(&mut held, "copy descriptors", compute.descriptor_bytes());
+        }
+        Ok(MemoryReport {
+            allocated,
+            buffers,
+            held: held.into(),
+        })
+    }
+
+    fn synchronize_impl(&self) -> Result<(), PluginError> {
+        // SAFETY: the stream belongs to the bound context.
+        unsafe { result::stream::synchronize(self.cu_stream()) }
+            .call("cuStreamSynchronize")
+            .map_err(|err| err.into_plugin("synchronize"))?;
+        self.memory.released();
+        if let Some(compute) = &self.compute {
+            compute.check_status(self.cu_stream())?;
+        }
+        Ok(())
+    }
+
+    fn copy_batch_impl(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
+        self.with_checker("copy_batch", |check| validate::copy_batch(check, regions))?;
+        let mut moves = Vec::with_capacity(regions.len());
+        for region in regions.iter().filter(|region| region.bytes > 0) {
+            let src = self.view("copy_batch", region.src)?;
+            let dst = self.view("copy_batch", region.dst)?;
+            moves.push((
+                src.at(region.src_offset),
+                dst.at(region.dst_offset),
+                region.bytes,
+            ));
+        }
+        if let Some(compute) = &self.compute
+            && moves.len() > crate::ops::COPY_KERNEL_MIN_REGIONS
+        {
+            return compute
+                .copy_regions(self.cu_stream(), &moves)
+                .map_err(|err| err.into_plugin("copy_batch"));
+        }
+        for (src, dst, bytes) in moves {
+            // SAFETY: both ranges were checked against live buffers and do not overlap.
+            unsafe {
+                result::memcpy_dtod_async(dst, src, crate::usize_of(bytes), self.cu_stream())
+            }
+            .call("cuMemcpyDtoDAsync")
+            .map_err(|err| err.into_plugin("copy_batch"))?;
+        }
+        Ok(())
+    }
+
+    fn fill_impl(&self, args: &FillArgs) -> Result<(), PluginError> {
+        self.with_checker("fill", |check| validate::fill(check, args))?;
+        if args.dst.bytes == 0 {
+            return Ok(());
+        }
+        let ptr = self.view("fill", args.dst.buf)?.at(args.dst.offset);
+        let stream = self.cu_stream();
+        let bytes = crate::usize_of(args.dst.bytes);
+        let [b0, b1, _, _] = args.value.to_le_bytes();
+        // SAFETY: the range was checked against a live buffer; offset and length are multiples
+        // of the width, so the element-wide memsets are aligned.
+        let (call, code) = unsafe {
+            match args.width {
+                1 => (
+                    "cuMemsetD8Async",
+                    sys::cuMemsetD8Async(ptr, b0, bytes, stream),
+                ),
+                2 => (
+                    "cuMemsetD16Async",
+                    sys::cuMemsetD16Async(ptr, u16::from_le_bytes([b0, b1]), bytes / 2, stream),
+                ),
+                _ => (
+                    "cuMemsetD32Async",
+                    sys::cuMemsetD32Async(ptr, args.value, bytes / 4, stream),
+                ),
+            }
+        };
+        code.result()
+            .call(call)
+            .map_err(|err| err.into_plugin("fill"))
+    }
+
+    fn staged(&self, op: &str, copy: &StagedCopy) -> Result<(u64, *mut u8), PluginError> {
+        self.with_checker(op, |check| {
+            validate::range(check, "device", copy.device, copy.device_offset, copy.bytes)
+        })?;
+        let device = self.view(op, copy.device)?.at(copy.device_offset);
+        let Some((ptr, len)) = self.host.get(copy.host) else {
+            return Err(PluginError::invalid_argument(format!(
+                "{op}: unknown host buffer {}",
+                copy.host.0
+            )));
+        };
+        let fits = copy
+            .host_offset
+            .checked_add(copy.bytes)
+            .is_some_and(|end| end <= len as u64);
+        if !fits {
+            return Err(PluginError::invalid_argument(format!(
+                "{op}: `host`: bytes [{}, {}+{}) lie outside the host buffer of {len} bytes",
+                copy.host_offset, copy.host_offset, copy.bytes
+            )));
+        }
+        Ok((device, (ptr + crate::usize_of(copy.host_offset)) as *mut u8))
+    }
+}
+
+impl Backend for CudaDevice {
+    fn describe(&self) -> DeviceDesc {
+        self.describe_impl()
+    }
+
+    fn mem_info(&self) -> Result<MemInfo, PluginError> {
+        self.enter("mem_info")?;
+        let (free, total) = result::mem_get_info()
+            .call("cuMemGetInfo")
+            .map_err(|err| err.into_plugin("mem_info"))?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn memory_report(&self) -> Result<MemoryReport, PluginError> {
+        self.enter("memory_report")?;
+        self.memory_report_impl()
+            .map_err(|err| err.into_plugin("memory_report"))
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<BufferHandle, PluginError> {
+        self.enter("alloc")?;
+        if bytes == 0 {
+            return Err(PluginError::invalid_argument(
+                "alloc: size must be greater than 0",
+            ));
+        }
+        self.memory
+            .alloc(self.cu_stream(), bytes)
+            .map_err(|err| err.into_plugin("alloc"))
+    }
+
+    fn free(&self, buf: BufferHandle) -> Result<(), PluginError> {
+        self.enter("free")?;
+        self.memory
+            .free(self.cu_stream(), buf)
+            .map_err(|err| err.into_plugin("free"))
+    }
+
+    fn write(&self, dst: BufferHandle, offset: u64, src: &[u8]) -> Result<(), PluginError> {
+        self.enter("write")?;
+        self.with_checker("write", |check| {
+            validate::range(check, "dst", dst, offset, src.len() as u64)
+        })?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let ptr = self.view("write", dst)?.at(offset);
+        // SAFETY: the range was checked. From pageable memory the driver copies `src` into its
+        // staging memory before returning, so the slice may be reused at once (the ABI's rule).
+        unsafe { result::memcpy_htod_async(ptr, src, self.cu_stream()) }
+            .call("cuMemcpyHtoDAsync")
+            .map_err(|err| err.into_plugin("write"))
+    }
+
+    fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), PluginError> {
+        self.enter("read")?;
+        self.with_checker("read", |check| {
+            validate::range(check, "src", src, offset, dst.len() as u64)
+        })?;
+        if !dst.is_empty() {
+            let ptr = self.view("read", src)?.at(offset);
+            // SAFETY: the range was checked; `dst` stays borrowed until the stream has been
+            // synchronised below.
+            unsafe { result::memcpy_dtoh_async(dst, ptr, self.cu_stream()) }
+                .call("cuMemcpyDtoHAsync")
+                .map_err(|err| err.into_plugin("read"))?;
+        }
+        self.synchronize_impl()
+            .map_err(|err| PluginError::new(err.code, format!("read: {}", err.message)))
+    }
+
+    fn copy_batch(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
+        self.enter("copy_batch")?;
+        self.copy_batch_impl(regions)
+    }
+
+    fn fill(&self, args: &FillArgs) -> Result<(), PluginError> {
+        self.enter("fill")?;
+        self.fill_impl(args)
+    }
+
+    fn synchronize(&self) -> Result<(), PluginError> {
+        self.enter("synchronize")?;
+        self.synchronize_impl()
+    }
+
+    fn gemm_workspace(&self, args: &GemmArgs) -> Result<u64, PluginError> {
+        self.enter("gemm_workspace")?;
+        self.gemm_workspace_impl(args)
+    }
+
+    fn gemm(&self, args: &GemmArgs) -> Result<(), PluginError> {
+        self.enter("gemm")?;
+        self.gemm_impl(args)
+    }
+
+    fn layer_norm(&self, args: &NormArgs) -> Result<(), PluginError> {
+        self.enter("layer_norm")?;
+        self.norm_impl("layer_norm", args, false)
+    }
+
+    fn layer_norm_workspace(&self, args: &NormArgs) -> Result<u64, PluginError> {
+        validate::norm(&Checker::shapes_only("layer_norm_workspace"), args, false).map(|_| 0)
+    }
+
+    fn rms_norm(&self, args: &NormArgs) -> Result<(), PluginError> {
+        self.enter("rms_norm")?;
+        self.norm_impl("rms_norm", args, true)
+    }
+
+    fn rms_norm_workspace(&self, args: &NormArgs) -> Result<u64, PluginError> {
+        validate::norm(&Checker::shapes_only("rms_norm_workspace"), args, true).map(|_| 0)
+    }
+
+    fn activation(&self, args: &ActivationArgs) -> Result<(), PluginError> {
+        self.enter("activation")?;
+        self.activation_impl(args)
+    }
+
+    fn activation_workspace(&self, args: &ActivationArgs) -> Result<u64, PluginError> {
+        validate::activation(&Checker::shapes_only("activation_workspace"), args).map(|_| 0)
+    }
+
+    fn binary(&self, args: &BinaryArgs) -> Result<(), PluginError> {
+        self.enter("binary")?;
+        self.binary_impl(args)
+    }
+
+    fn binary_workspace(&self, args: &BinaryArgs) -> Result<u64, PluginError> {
+        validate::binary(&Checker::shapes_only("binary_workspace"), args).map(|_| 0)
+    }
+
+    fn rotary(&self, args: &RotaryArgs) -> Result<(), PluginError> {
+        self.enter("rotary")?;
+        self.rotary_impl(args)
+    }
+
+    fn rotary_workspace(&self, args: &RotaryArgs) -> Result<u64, PluginError> {
+        validate::rotary(&Checker::shapes_only("rotary_workspace"), args).map(|_| 0)
+    }
+
+    fn attention(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
+        self.enter("attention")?;
+        self.attention_impl(args)
+    }
+
+    fn attention_workspace(&self, args: &AttentionArgs<'_>) -> Result<u64, PluginError> {
+        validate::attention(&Checker::shapes_only("attention_workspace"), args).map(|_| 0)
+    }
+
+    fn gather_rows(&self, args: &GatherArgs) -> Result<(), PluginError> {
+        self.enter("gather_rows")?;
+        self.gather_impl(args)
+    }
+
+    fn gather_rows_workspace(&self, args: &GatherArgs) -> Result<u64, PluginError> {
+        validate::gather_rows(&Checker::shapes_only("gather_rows_workspace"), args).map(|_| 0)
+    }
+
+    fn cast(&self, args: &CastArgs) -> Result<(), PluginError> {
+        self.enter("cast")?;
+        self.cast_impl(args)
+    }
+
+    fn cast_workspace(&self, args: &CastArgs) -> Result<u64, PluginError> {
+        validate::cast(&Checker::shapes_only("cast_workspace"), args).map(|_| 0)
+    }
+
+    fn alloc_host(&self, bytes: u64) -> Result<HostAlloc, PluginError> {
+        self.enter("alloc_host")?;
+        if bytes == 0 {
+            return Err(PluginError::invalid_argument(
+                "alloc_host: size must be greater than 0",
+            ));
+        }
+        self.host
+            .alloc(bytes)
+            .map_err(|err| err.into_plugin("alloc_host"))
+    }
+
+    fn free_host(&self, id: HostBufferId) -> Result<(), PluginError> {
+        self.enter("free_host")?;
+        let Some(ptr) = self.host.take(id) else {
+            return Err(PluginError::invalid_argument(format!(
+                "free_host: unknown host buffer {}",
+                id.0
+            )));
+        };
+        // Queue-ordered: uploads and downloads already enqueued may still use the buffer.
+        // SAFETY: the stream belongs to the bound context.
+        let drained =
+            unsafe { result::stream::synchronize(self.cu_stream()) }.call("cuStreamSynchronize");
+        // SAFETY: the buffer was taken from the table (freed once) and the queue has drained.
+        let freed = unsafe { HostBuffers::free(ptr) };
+        drained
+            .and(freed)
+            .map_err(|err| err.into_plugin("free_host"))
+    }
+
+    fn upload(&self, copy: &StagedCopy) -> Result<(), PluginError> {
+        self.enter("upload")?;
+        let (device, host) = self.staged("upload", copy)?;
+        if copy.bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges were checked; the host keeps the pinned range unchanged until a
+        // later fence completes (the ABI's rule for `upload`).
+        let code = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                device,
+                host.cast(),
+                crate::usize_of(copy.bytes),
+                self.cu_stream(),
+            )
+        };
+        code.result()
+            .call("cuMemcpyHtoDAsync")
+            .map_err(|err| err.into_plugin("upload"))
+    }
+
+    fn download(&self, copy: &StagedCopy) -> Result<(), PluginError> {
+        self.enter("download")?;
+        let (device, host) = self.staged("download", copy)?;
+        if copy.bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges were checked; the host reads the pinned range only after a later
+        // fence completes.
+        let code = unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                host.cast(),
+                device,
+                crate::usize_of(copy.bytes),
+                self.cu_stream(),
+            )
+        };
+        code.result()
+            .call("cuMemcpyDtoHAsync")
+            .map_err(|err| err.into_plugin("download"))
+    }
+
+    fn fence(&self) -> Result<u64, PluginError> {
+        self.enter("fence")?;
+        self.fences
+            .record(self.cu_stream())
+            .map_err(|err| err.into_plugin("fence"))
+    }
+
+    fn wait_fence(&self, value: u64) -> Result<(), PluginError> {
+        self.enter("wait_fence")?;
+        self.fences
+            .wait(value)
+            .map_err(|err| err.into_plugin("wait_fence"))
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if let Err(err) = self.ctx.bind_to_thread() {
+            self.log
+                .warn(format!("close: cannot bind the context: {err:?}"));
+        }
+        let stream = self.cu_stream();
+        // SAFETY: the stream belongs to the bound context.
+        if let Err(err) = unsafe { result::stream::synchronize(stream) } {
+            self.log
+                .warn(format!("close: queued work failed: {:?}", err.0));
+        }
+        if let Some(compute) = self.compute.take() {
+            compute.close(stream, &self.log);
+        }
+        for ptr in self.host.drain() {
+            // SAFETY: the queue has drained and each buffer is freed once.
+            if let Err(err) = unsafe { HostBuffers::free(ptr) } {
+                self.log.warn(format!("close: {err}"));
+            }
+        }
+        if let Err(err) = self.memory.release_all(stream) {
+            self.log.warn(format!("close: {err}"));
+        }
+        self.fences.clear();
+    }
+}
+
+fn parse_bool(key: &str, value: &str) -> Result<bool, PluginError> {
+    match value.trim() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(invalid_option(key, value, "true or false")),
+    }
+}
+
+fn invalid_option(key: &str, value: &str, expected: &str) -> PluginError {
+    PluginError::invalid_argument(format!(
+        "open: option `{key}`: expected {expected}, got `{value}`"
+    ))
+}
+
+fn push_held(held: &mut Vec<HeldMemory>, what: &str, bytes: u64) {
+    if bytes > 0 {
+        held.push(HeldMemory {
+            what: what.into(),
+            bytes,
+        });
+    }
+}
+
+/// Device memory in use, `total - free`, as the driver reports it.
+pub(crate) fn used() -> Result<u64, CudaError> {
+    let (free, total) = result::mem_get_info().call("cuMemGetInfo")?;
+    Ok(total.saturating_sub(free) as u64)
+}
+
+/// Adds a held item measured as growth of device memory in use since `before`.
+pub(crate) fn push_growth(
+    held: &mut Vec<HeldMemory>,
+    what: &str,
+    before: u64,
+) -> Result<(), CudaError> {
+    push_held(held, what, used()?.saturating_sub(before));
+    Ok(())
+}
+
+/// `cuDriverGetVersion`, e.g. 12040 for CUDA 12.4.
+pub fn driver_version() -> Result<i32, CudaError> {
+    let mut version = 0;
+    // SAFETY: the pointer is valid for writes.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .call("cuDriverGetVersion")?;
+    Ok(version)
+}
+
+/// `12040` as `12.4`.
+pub fn version_text(version: i32) -> String {
+    format!("{}.{}", version / 1000, (version % 1000) / 10)
+}
+
+fn primary_context_active(device: sys::CUdevice) -> Result<bool, CudaError> {
+    let (mut flags, mut active) = (0u32, 0i32);
+    // SAFETY: both pointers are valid for writes; the device handle came from cuDeviceGet.
+    unsafe { sys::cuDevicePrimaryCtxGetState(device, &mut flags, &mut active) }
+        .result()
+        .call("cuDevicePrimaryCtxGetState")?;
+    Ok(active != 0)
+}
+
+fn attribute(ctx: &CudaContext, attr: sys::CUdevice_attribute) -> Result<i32, CudaError> {
+    ctx.attribute(attr).call("cuDeviceGetAttribute")
+}
+
+/// Peak memory bandwidth: two transfers per memory clock (DDR) across the bus width.
+fn bandwidth(ctx: &CudaContext) -> Result<u64, CudaError> {
+    let clock_khz = attribute(
+        ctx,
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
+    )?;
+    let bus_bits = attribute(
+        ctx,
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
+    )?;
+    let (Ok(clock_khz), Ok(bus_bits)) = (u64::try_from(clock_khz), u64::try_from(bus_bits)) else {
+        return Ok(0);
+    };
+    Ok(clock_khz * 1000 * 2 * (bus_bits / 8))
+}
+
+/// Why `CUDA_VISIBLE_DEVICES` may explain seeing no device, for probe messages.
+pub fn visible_devices_note() -> String {
+    match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(value) if value.trim().is_empty() => {
+            " (CUDA_VISIBLE_DEVICES is set and empty, which hides every device)".to_owned()
+        }
+        Ok(value) => format!(" (CUDA_VISIBLE_DEVICES={value})"),
+        Err(_) => String::new(),
+    }
+}
+
+/// What [`crate::probe`] answers: the device count, or why there is none.
+pub fn probe_devices() -> Result<u32, String> {
+    if std::env::var("CUDA_VISIBLE_DEVICES").is_ok_and(|value| value.trim().is_empty()) {
+        return Err("CUDA_VISIBLE_DEVICES is set and empty, which hides every device".to_owned());
+    }
+    if !loader::present(Library::Driver) {
+        return Err(format!(
+            "{} (is the NVIDIA driver installed?)",
+            loader::missing(Library::Driver)
+        ));
+    }
+    if let Err(err) = result::init() {
+        let hint = match err.0 {
+            CUresult::CUDA_ERROR_STUB_LIBRARY => {
+                " (the libcuda found is the toolkit's link stub, not the driver)"
+            }
+            CUresult::CUDA_ERROR_NO_DEVICE => " (no CUDA device)",
+            _ => "",
+        };
+        return Err(format!(
+            "cuInit failed: {}{hint}{}",
+            crate::error::driver_name(err.0),
+            visible_devices_note()
+        ));
+    }
+    let version = driver_version().map_err(|err| err.to_string())?;
+    if version < MIN_DRIVER_VERSION {
+        return Err(format!(
+            "the driver supports CUDA {}, this plugin needs {} or newer",
+            version_text(version),
+            version_text(MIN_DRIVER_VERSION)
+        ));
+    }
+    let count = result::device::get_count().map_err(|err| {
+        format!(
+            "cuDeviceGetCount failed: {}",
+            crate::error::driver_name(err.0)
+        )
+    })?;
+    match u32::try_from(count) {
+        Ok(0) | Err(_) => Err(format!("no CUDA device found{}", visible_devices_note())),
+        Ok(count) => Ok(count),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_parse_and_unknown_keys_are_named() {
+        let options = CudaOptions::parse(&[("tf32", "true"), ("kernel_cache", "off")]).unwrap();
+        assert!(options.tf32 && !options.memory_only);
+        assert_eq!(options.kernel_cache.as_deref(), Some("off"));
+        let err = CudaOptions::parse(&[("tf23", "true")]).unwrap_err();
+        assert!(err.message.contains("`tf23`"), "{}", err.message);
+        let err = CudaOptions::parse(&[("memory_only", "maybe")]).unwrap_err();
+        assert!(err.message.contains("memory_only"), "{}", err.message);
+    }
+
+    #[test]
+    fn driver_versions_read_as_cuda_releases() {
+        assert_eq!(version_text(12040), "12.4");
+        assert_eq!(version_text(12000), "12.0");
+        assert_eq!(version_text(13010), "13.1");
+    }
+}

@@ -1,0 +1,254 @@
+//! Errors of the CUDA device: one enum for every vendor failure, mapped onto the ABI's codes.
+//!
+//! Vendor status codes keep their names (`CUDA_ERROR_OUT_OF_MEMORY`,
+//! `CUBLAS_STATUS_NOT_SUPPORTED`, `NVRTC_ERROR_COMPILATION`) and the call that returned them, so
+//! a message read in a log says what failed without a lookup. The names come from the enums'
+//! `Debug` form, not from `cuGetErrorName`, so mapping an error never calls into the driver.
+
+use cudarc::cublas::result::CublasError;
+use cudarc::cublaslt::result::CublasError as CublasLtError;
+use cudarc::driver::result::DriverError;
+use cudarc::driver::sys::CUresult;
+use cudarc::nvrtc::result::NvrtcError;
+use iris_plugin::abi::PluginError;
+use thiserror::Error;
+
+/// A failure of the CUDA device, before it becomes a [`PluginError`].
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum CudaError {
+    /// A driver call returned an error code.
+    #[error("{call} failed: {}", driver_name(*code))]
+    Driver {
+        /// The driver function.
+        call: &'static str,
+        /// Its status.
+        code: CUresult,
+    },
+    /// A device allocation could not be satisfied.
+    #[error("{what}: {requested} bytes requested, {free} of {total} bytes free ({})", driver_name(*code))]
+    OutOfMemory {
+        /// What was being allocated.
+        what: String,
+        /// Bytes asked for.
+        requested: u64,
+        /// Free device memory as the driver reported it after the failure.
+        free: u64,
+        /// Total device memory.
+        total: u64,
+        /// The driver's status.
+        code: CUresult,
+    },
+    /// A cuBLAS or cuBLASLt call returned an error status.
+    #[error("{call} failed: {status}")]
+    Blas {
+        /// The library function.
+        call: &'static str,
+        /// Its status name.
+        status: String,
+        /// Whether the status is an allocation failure.
+        alloc_failed: bool,
+    },
+    /// NVRTC failed to compile the kernels.
+    #[error("NVRTC: {call} failed: {status}{}", log_suffix(log))]
+    Nvrtc {
+        /// The NVRTC function.
+        call: &'static str,
+        /// Its status name.
+        status: String,
+        /// The compiler log, if any.
+        log: String,
+    },
+    /// A vendor library could not be found or loaded.
+    #[error("{library} not found (tried {tried})")]
+    LibraryMissing {
+        /// The library, by its file name (`libcublasLt.so.12`).
+        library: String,
+        /// The names and paths tried, for the message.
+        tried: String,
+    },
+    /// The device or driver cannot run this plugin (compute capability, driver version).
+    #[error("{0}")]
+    Unsupported(String),
+    /// An option or argument is wrong.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl CudaError {
+    /// A driver error for `call`.
+    pub fn driver(call: &'static str, err: DriverError) -> CudaError {
+        CudaError::Driver { call, code: err.0 }
+    }
+
+    /// A cuBLAS error for `call`.
+    pub fn blas(call: &'static str, err: CublasError) -> CudaError {
+        let status = format!("{:?}", err.0);
+        CudaError::Blas {
+            call,
+            alloc_failed: status == "CUBLAS_STATUS_ALLOC_FAILED",
+            status,
+        }
+    }
+
+    /// A cuBLASLt error for `call`.
+    pub fn blas_lt(call: &'static str, err: CublasLtError) -> CudaError {
+        let status = format!("{:?}", err.0);
+        CudaError::Blas {
+            call,
+            alloc_failed: status == "CUBLAS_STATUS_ALLOC_FAILED",
+            status,
+        }
+    }
+
+    /// An NVRTC error for `call`, with the compiler's log.
+    pub fn nvrtc(call: &'static str, err: NvrtcError, log: String) -> CudaError {
+        CudaError::Nvrtc {
+            call,
+            status: format!("{:?}", err.0),
+            log,
+        }
+    }
+
+    /// Whether this is an allocation failure.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            CudaError::OutOfMemory { .. } => true,
+            CudaError::Driver { code, .. } => *code == CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+            CudaError::Blas { alloc_failed, .. } => *alloc_failed,
+            _ => false,
+        }
+    }
+
+    /// The error as the ABI reports it, its message prefixed with the ABI call `op`.
+    pub fn into_plugin(self, op: &str) -> PluginError {
+        let message = format!("{op}: {self}");
+        if self.is_out_of_memory() {
+            return PluginError::out_of_memory(message);
+        }
+        match &self {
+            CudaError::Driver { code, .. } if unavailable(*code) => {
+                PluginError::unavailable(message)
+            }
+            CudaError::Driver {
+                code: CUresult::CUDA_ERROR_NOT_SUPPORTED,
+                ..
+            }
+            | CudaError::Unsupported(_) => PluginError::unsupported(message),
+            CudaError::LibraryMissing { .. } => PluginError::unavailable(message),
+            CudaError::Invalid(_) => PluginError::invalid_argument(message),
+            _ => PluginError::internal(message),
+        }
+    }
+}
+
+/// Shorthand: `result.map_err(|e| CudaError::driver(call, e))`.
+pub trait DriverResultExt<T> {
+    /// Names the driver call of an error.
+    fn call(self, call: &'static str) -> Result<T, CudaError>;
+}
+
+impl<T> DriverResultExt<T> for Result<T, DriverError> {
+    fn call(self, call: &'static str) -> Result<T, CudaError> {
+        self.map_err(|err| CudaError::driver(call, err))
+    }
+}
+
+/// The name of a driver status, e.g. `CUDA_ERROR_OUT_OF_MEMORY`.
+pub fn driver_name(code: CUresult) -> String {
+    format!("{code:?}")
+}
+
+/// Driver codes that mean the driver or device cannot be used (as opposed to a fault of this
+/// plugin): no device, no driver, a stub library, a driver too old, a lost device.
+fn unavailable(code: CUresult) -> bool {
+    matches!(
+        code,
+        CUresult::CUDA_ERROR_NO_DEVICE
+            | CUresult::CUDA_ERROR_NOT_INITIALIZED
+            | CUresult::CUDA_ERROR_DEINITIALIZED
+            | CUresult::CUDA_ERROR_STUB_LIBRARY
+            | CUresult::CUDA_ERROR_INVALID_DEVICE
+            | CUresult::CUDA_ERROR_DEVICE_UNAVAILABLE
+            | CUresult::CUDA_ERROR_DEVICE_NOT_LICENSED
+            | CUresult::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH
+            | CUresult::CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE
+            | CUresult::CUDA_ERROR_ECC_UNCORRECTABLE
+            | CUresult::CUDA_ERROR_HARDWARE_STACK_ERROR
+            | CUresult::CUDA_ERROR_LAUNCH_FAILED
+            | CUresult::CUDA_ERROR_ILLEGAL_ADDRESS
+    )
+}
+
+fn log_suffix(log: &str) -> String {
+    let log = log.trim();
+    if log.is_empty() {
+        String::new()
+    } else {
+        format!("\n{log}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iris_plugin::ErrorCode;
+
+    #[test]
+    fn driver_errors_carry_the_call_and_the_cuda_name() {
+        let err = CudaError::driver(
+            "cuMemcpyHtoDAsync",
+            DriverError(CUresult::CUDA_ERROR_INVALID_VALUE),
+        );
+        let plugin = err.into_plugin("write");
+        assert_eq!(plugin.code, ErrorCode::INTERNAL);
+        assert_eq!(
+            plugin.message.as_str(),
+            "write: cuMemcpyHtoDAsync failed: CUDA_ERROR_INVALID_VALUE"
+        );
+    }
+
+    #[test]
+    fn out_of_memory_is_its_own_code_with_sizes() {
+        let err = CudaError::OutOfMemory {
+            what: "cuMemAllocFromPoolAsync".into(),
+            requested: 4096,
+            free: 1024,
+            total: 8192,
+            code: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        };
+        let plugin = err.into_plugin("alloc");
+        assert_eq!(plugin.code, ErrorCode::OUT_OF_MEMORY);
+        assert!(
+            plugin
+                .message
+                .contains("4096 bytes requested, 1024 of 8192 bytes free")
+        );
+        let bare = CudaError::driver(
+            "cuMemHostAlloc",
+            DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+        );
+        assert_eq!(
+            bare.into_plugin("alloc_host").code,
+            ErrorCode::OUT_OF_MEMORY
+        );
+    }
+
+    #[test]
+    fn a_missing_driver_or_device_is_unavailable() {
+        for code in [
+            CUresult::CUDA_ERROR_NO_DEVICE,
+            CUresult::CUDA_ERROR_STUB_LIBRARY,
+        ] {
+            let err = CudaError::driver("cuInit", DriverError(code));
+            assert_eq!(err.into_plugin("open").code, ErrorCode::UNAVAILABLE);
+        }
+        let missing = CudaError::LibraryMissing {
+            library: "libnvrtc.so.12".into(),
+            tried: "the loader path".into(),
+        };
+        let plugin = missing.into_plugin("open");
+        assert_eq!(plugin.code, ErrorCode::UNAVAILABLE);
+        assert!(plugin.message.contains("libnvrtc.so.12 not found"));
+    }
+}

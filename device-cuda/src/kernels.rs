@@ -1,0 +1,468 @@
+//! The NVRTC kernels: their source, compilation, the on-disk cache and the loaded module.
+//!
+//! All kernels live in one CUDA C source, `kernels/iris.cu`, written without headers (NVRTC from
+//! pip ships none). A device compiles it once at `open` for its own architecture (`sm_XY`: the
+//! assembler runs and the result is a cubin, which any 12.x driver loads, unlike PTX from a newer
+//! NVRTC), measures the time and logs it. The cubin is cached on disk, keyed by the source and
+//! options (a blake3 hash), the architecture and the driver version, so a restart loads it
+//! without NVRTC. When NVRTC does not know the device's architecture, the source is compiled to
+//! PTX for the newest architecture it knows and the driver finishes it.
+//!
+//! The cache folder is, in order: the `kernel_cache` option of `[plugins.cuda]`,
+//! [`CACHE_ENV`], `$XDG_CACHE_HOME/iris/cuda-kernels`, `~/.cache/iris/cuda-kernels`. The value
+//! `off` disables the cache. A cache that cannot be written is logged and skipped.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_char, c_int};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use cudarc::driver::result;
+use cudarc::driver::sys::{CUfunction, CUmodule};
+use cudarc::nvrtc::result as nvrtc;
+use cudarc::nvrtc::sys as nvrtc_sys;
+
+use crate::error::{CudaError, DriverResultExt};
+
+/// The CUDA C source of every kernel.
+pub const SOURCE: &str = include_str!("../kernels/iris.cu");
+
+/// Environment variable naming the kernel cache folder (`off` disables the cache).
+pub const CACHE_ENV: &str = "IRIS_CUDA_KERNEL_CACHE";
+
+/// NVRTC options used for every compilation (the architecture is added per device).
+pub const OPTIONS: &[&str] = &["--std=c++17"];
+
+/// Float storage types, as they appear in kernel names.
+pub const FLOAT_NAMES: [&str; 3] = ["f32", "f16", "bf16"];
+
+/// Padded head dims of the attention kernels; a head dim runs on the smallest one that holds it.
+pub const ATTENTION_SIZES: [u64; 6] = [32, 64, 72, 80, 96, 128];
+
+/// Every entry point of the module, by name.
+pub fn kernel_names() -> Vec<String> {
+    let mut names = vec!["copy_regions".to_owned()];
+    for dtype in FLOAT_NAMES {
+        for op in ["norm", "activation", "binary", "gemm_epilogue", "rotary"] {
+            names.push(format!("{op}_{dtype}"));
+        }
+        for src in FLOAT_NAMES {
+            names.push(format!("cast_{src}_{dtype}"));
+        }
+        for size in ATTENTION_SIZES {
+            names.push(format!("attention_{dtype}_{size}"));
+        }
+    }
+    for width in ["b1", "b2", "b4"] {
+        names.push(format!("gather_{width}"));
+    }
+    names
+}
+
+/// What to compile for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// Machine code for `sm_<cc>` (a cubin).
+    Cubin(u32),
+    /// PTX for `compute_<cc>`, finished by the driver at load.
+    Ptx(u32),
+}
+
+impl Target {
+    /// The `--gpu-architecture` value.
+    pub fn arch(self) -> String {
+        match self {
+            Target::Cubin(cc) => format!("sm_{cc}"),
+            Target::Ptx(cc) => format!("compute_{cc}"),
+        }
+    }
+}
+
+/// A compiled module image.
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    /// The cubin, or the PTX text with a trailing NUL.
+    pub image: Vec<u8>,
+    /// What it was compiled for.
+    pub target: Target,
+    /// NVRTC's log (with `--ptxas-options=--verbose`, the assembler's resource report).
+    pub log: String,
+    /// Wall time of the compilation in milliseconds.
+    pub millis: u128,
+}
+
+/// NVRTC's version, `(major, minor)`. NVRTC must be present ([`crate::loader::require`]).
+pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
+    let (mut major, mut minor): (c_int, c_int) = (0, 0);
+    // SAFETY: both pointers are valid for writes.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|err| CudaError::nvrtc("nvrtcVersion", err, String::new()))?;
+    Ok((major, minor))
+}
+
+/// The `sm_XY` architectures NVRTC can compile for, as `XY` numbers.
+pub fn supported_archs() -> Result<Vec<u32>, CudaError> {
+    let mut count: c_int = 0;
+    // SAFETY: the pointer is valid for writes.
+    unsafe { nvrtc_sys::nvrtcGetNumSupportedArchs(&mut count) }
+        .result()
+        .map_err(|err| CudaError::nvrtc("nvrtcGetNumSupportedArchs", err, String::new()))?;
+    let mut archs = vec![0 as c_int; usize::try_from(count).unwrap_or(0)];
+    // SAFETY: `archs` has room for the `count` values NVRTC writes.
+    unsafe { nvrtc_sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }
+        .result()
+        .map_err(|err| CudaError::nvrtc("nvrtcGetSupportedArchs", err, String::new()))?;
+    Ok(archs
+        .into_iter()
+        .filter_map(|arch| u32::try_from(arch).ok())
+        .collect())
+}
+
+/// The target for a device of compute capability `cc` (e.g. 89) given NVRTC's architectures.
+pub fn target_for(cc: u32, supported: &[u32]) -> Target {
+    if supported.contains(&cc) {
+        return Target::Cubin(cc);
+    }
+    let newest = supported.iter().copied().filter(|arch| *arch <= cc).max();
+    Target::Ptx(newest.unwrap_or(cc))
+}
+
+/// Compiles [`SOURCE`] for `target`, with `extra` options after [`OPTIONS`]. NVRTC must be
+/// present ([`crate::loader::require`]).
+pub fn compile(target: Target, extra: &[&str]) -> Result<Compiled, CudaError> {
+    let started = Instant::now();
+    let source =
+        CString::new(SOURCE).map_err(|_| CudaError::Invalid("NUL in kernel source".into()))?;
+    let program = nvrtc::create_program(&source, Some(c"iris.cu"))
+        .map_err(|err| CudaError::nvrtc("nvrtcCreateProgram", err, String::new()))?;
+    let program = Program(program);
+    let mut options: Vec<String> = OPTIONS.iter().map(|o| (*o).to_owned()).collect();
+    options.push(format!("--gpu-architecture={}", target.arch()));
+    options.extend(extra.iter().map(|o| (*o).to_owned()));
+    // SAFETY: the program is alive; the options are NUL-free strings.
+    let compiled = unsafe { nvrtc::compile_program(program.0, &options) };
+    let log = program.log();
+    compiled.map_err(|err| CudaError::nvrtc("nvrtcCompileProgram", err, log.clone()))?;
+    let image = match target {
+        Target::Cubin(_) => program.cubin()?,
+        Target::Ptx(_) => {
+            // SAFETY: the program compiled.
+            let ptx = unsafe { nvrtc::get_ptx(program.0) }
+                .map_err(|err| CudaError::nvrtc("nvrtcGetPTX", err, String::new()))?;
+            ptx.into_iter().map(c_char::cast_unsigned).collect()
+        }
+    };
+    Ok(Compiled {
+        image,
+        target,
+        log,
+        millis: started.elapsed().as_millis(),
+    })
+}
+
+/// Register use and spills of one kernel, from the assembler's verbose report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resources {
+    /// Kernel name.
+    pub name: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Bytes of spill stores.
+    pub spill_stores: u32,
+    /// Bytes of spill loads.
+    pub spill_loads: u32,
+}
+
+/// Parses `ptxas info` lines of an NVRTC log compiled with `--ptxas-options=--verbose`.
+pub fn resources(log: &str) -> Vec<Resources> {
+    let mut found: Vec<Resources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or_default().to_owned();
+            found.push(Resources {
+                name,
+                registers: 0,
+                spill_stores: 0,
+                spill_loads: 0,
+            });
+        } else if let Some(current) = found.last_mut() {
+            if line.contains("bytes spill stores") {
+                current.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
+                current.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
+            } else if line.contains("registers") {
+                current.registers = number_after(line, "Used ").unwrap_or(0);
+            }
+        }
+    }
+    found
+}
+
+fn number_before(line: &str, marker: &str) -> Option<u32> {
+    let head = line.split(marker).next()?;
+    head.split(|c: char| !c.is_ascii_digit())
+        .rfind(|part| !part.is_empty())?
+        .parse()
+        .ok()
+}
+
+fn number_after(line: &str, marker: &str) -> Option<u32> {
+    let tail = line.split(marker).nth(1)?;
+    tail.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The on-disk cache of compiled modules.
+#[derive(Debug, Clone)]
+pub struct Cache {
+    dir: Option<PathBuf>,
+}
+
+impl Cache {
+    /// The cache in `dir`, or no cache.
+    pub fn new(dir: Option<PathBuf>) -> Cache {
+        Cache { dir }
+    }
+
+    /// The cache folder from an option value (`None`: not given), the environment and the
+    /// defaults; `off` disables it.
+    pub fn locate(option: Option<&str>) -> Cache {
+        let chosen = option.map(str::to_owned).or_else(|| {
+            std::env::var(CACHE_ENV)
+                .ok()
+                .filter(|value| !value.is_empty())
+        });
+        let dir = match chosen.as_deref() {
+            Some("off") => None,
+            Some(dir) => Some(PathBuf::from(dir)),
+            None => std::env::var_os("XDG_CACHE_HOME")
+                .filter(|value| !value.is_empty())
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))
+                .map(|base| base.join("iris/cuda-kernels")),
+        };
+        Cache { dir }
+    }
+
+    /// The folder, if caching.
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    /// The file a module for `target` on a driver of version `driver` is cached in.
+    pub fn path(&self, target: Target, driver: i32) -> Option<PathBuf> {
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(SOURCE.as_bytes());
+        for option in OPTIONS {
+            hasher.update(b"\0");
+            hasher.update(option.as_bytes());
+        }
+        let hash = hasher.finalize().to_hex();
+        let (arch, ext) = match target {
+            Target::Cubin(cc) => (format!("sm{cc}"), "cubin"),
+            Target::Ptx(cc) => (format!("compute{cc}"), "ptx"),
+        };
+        let name = format!("iris-{}-{arch}-driver{driver}.{ext}", &hash.as_str()[..32]);
+        self.dir.as_ref().map(|dir| dir.join(name))
+    }
+
+    /// The cached image, if present.
+    pub fn load(&self, target: Target, driver: i32) -> Option<Vec<u8>> {
+        let path = self.path(target, driver)?;
+        std::fs::read(path).ok().filter(|image| !image.is_empty())
+    }
+
+    /// Stores an image (written to a temporary file, then renamed, so readers never see half
+    /// a file).
+    pub fn store(&self, target: Target, driver: i32, image: &[u8]) -> std::io::Result<PathBuf> {
+        let Some(path) = self.path(target, driver) else {
+            return Err(std::io::Error::other("the kernel cache is off"));
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let temp = path.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::write(&temp, image)?;
+        std::fs::rename(&temp, &path)?;
+        Ok(path)
+    }
+}
+
+/// A loaded module and its entry points. Unloaded on drop (the context must be current).
+pub struct Module {
+    module: CUmodule,
+    functions: HashMap<String, CUfunction>,
+    /// Bytes of the image loaded (a lower bound of the device memory the module holds).
+    pub image_bytes: u64,
+}
+
+// SAFETY: module and function handles are driver objects usable from any thread while the
+// context lives; the map is read-only after `load`.
+unsafe impl Send for Module {}
+// SAFETY: as above.
+unsafe impl Sync for Module {}
+
+impl Module {
+    /// Loads an image (cubin, or NUL-terminated PTX) into the current context and looks up
+    /// every entry point of [`kernel_names`].
+    pub fn load(image: &[u8]) -> Result<Module, CudaError> {
+        let mut owned = image.to_vec();
+        if owned.last() != Some(&0) {
+            // PTX must end with NUL; a cubin ignores trailing bytes.
+            owned.push(0);
+        }
+        // SAFETY: `owned` is a complete module image that outlives the call.
+        let module =
+            unsafe { result::module::load_data(owned.as_ptr().cast()) }.call("cuModuleLoadData")?;
+        let mut loaded = Module {
+            module,
+            functions: HashMap::new(),
+            image_bytes: image.len() as u64,
+        };
+        for name in kernel_names() {
+            // SAFETY: the module is loaded; the name is NUL-free.
+            let function = unsafe {
+                result::module::get_function(
+                    module,
+                    CString::new(name.clone()).map_err(|_| CudaError::Invalid(name.clone()))?,
+                )
+            }
+            .call("cuModuleGetFunction")?;
+            loaded.functions.insert(name, function);
+        }
+        Ok(loaded)
+    }
+
+    /// The entry point `name`.
+    pub fn function(&self, name: &str) -> Result<CUfunction, CudaError> {
+        self.functions
+            .get(name)
+            .copied()
+            .ok_or_else(|| CudaError::Invalid(format!("no kernel named `{name}`")))
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        // SAFETY: the module was loaded by `load` and is unloaded once.
+        let _ = unsafe { result::module::unload(self.module) };
+    }
+}
+
+/// An NVRTC program, destroyed on drop.
+struct Program(nvrtc_sys::nvrtcProgram);
+
+impl Program {
+    fn log(&self) -> String {
+        // SAFETY: the program is alive.
+        match unsafe { nvrtc::get_program_log(self.0) } {
+            Ok(chars) => {
+                let bytes: Vec<u8> = chars
+                    .into_iter()
+                    .map(c_char::cast_unsigned)
+                    .take_while(|b| *b != 0)
+                    .collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            }
+            Err(_) => String::new(),
+        }
+    }
+
+    fn cubin(&self) -> Result<Vec<u8>, CudaError> {
+        let mut size = 0usize;
+        // SAFETY: the program compiled; the pointer is valid for writes.
+        unsafe { nvrtc_sys::nvrtcGetCUBINSize(self.0, &mut size) }
+            .result()
+            .map_err(|err| CudaError::nvrtc("nvrtcGetCUBINSize", err, String::new()))?;
+        let mut image = vec![0u8; size];
+        // SAFETY: `image` has the size NVRTC reported.
+        unsafe { nvrtc_sys::nvrtcGetCUBIN(self.0, image.as_mut_ptr().cast()) }
+            .result()
+            .map_err(|err| CudaError::nvrtc("nvrtcGetCUBIN", err, String::new()))?;
+        Ok(image)
+    }
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: the program was created by `create_program` and is destroyed once.
+        let _ = unsafe { nvrtc::destroy_program(self.0) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_prefer_machine_code_and_fall_back_to_ptx() {
+        let supported = [75, 80, 86, 89, 90];
+        assert_eq!(target_for(86, &supported), Target::Cubin(86));
+        assert_eq!(target_for(120, &supported), Target::Ptx(90));
+        assert_eq!(target_for(87, &supported), Target::Ptx(86));
+    }
+
+    #[test]
+    fn the_assembler_report_is_parsed_per_kernel() {
+        let log = "ptxas info    : Compiling entry function 'norm_f32' for 'sm_80'\n\
+                   ptxas info    : Function properties for norm_f32\n\
+                   ptxas         .     0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n\
+                   ptxas info    : Used 28 registers, 416 bytes cmem[0]\n";
+        assert_eq!(
+            resources(log),
+            vec![Resources {
+                name: "norm_f32".into(),
+                registers: 28,
+                spill_stores: 8,
+                spill_loads: 4,
+            }]
+        );
+    }
+
+    #[test]
+    fn cache_keys_name_the_architecture_and_driver() {
+        let cache = Cache::new(Some(PathBuf::from("/cache")));
+        let path = cache.path(Target::Cubin(90), 12040).unwrap();
+        let name = path.file_name().unwrap().to_str().unwrap();
+        assert!(
+            name.starts_with("iris-") && name.ends_with("-sm90-driver12040.cubin"),
+            "{name}"
+        );
+        assert_ne!(cache.path(Target::Cubin(90), 12050), Some(path));
+        assert_eq!(Cache::new(None).path(Target::Cubin(90), 12040), None);
+    }
+
+    #[test]
+    fn cache_round_trips_an_image() {
+        let dir = std::env::temp_dir().join(format!("iris-kernel-cache-{}", std::process::id()));
+        let cache = Cache::new(Some(dir.clone()));
+        assert_eq!(cache.load(Target::Cubin(80), 1), None);
+        cache.store(Target::Cubin(80), 1, b"image").unwrap();
+        assert_eq!(
+            cache.load(Target::Cubin(80), 1).as_deref(),
+            Some(&b"image"[..])
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn every_kernel_in_the_source_is_listed() {
+        let names = kernel_names();
+        assert_eq!(names.len(), 1 + 3 * (5 + 3 + ATTENTION_SIZES.len()) + 3);
+        for name in [
+            "norm",
+            "activation",
+            "binary",
+            "gemm_epilogue",
+            "rotary",
+            "cast",
+            "attention",
+            "gather",
+            "copy_regions",
+        ] {
+            assert!(SOURCE.contains(name), "{name}");
+        }
+    }
+}

@@ -1,0 +1,483 @@
+//! Device memory, pinned host staging buffers and fences: the safe layer over the driver's
+//! memory calls.
+//!
+//! Buffers come from a memory pool of this device's own (`cuMemPoolCreate`) and are allocated
+//! and freed in stream order (`cuMemAllocFromPoolAsync`, `cuMemFreeAsync`) on the device's one
+//! queue, so `free` right after enqueueing work that reads the buffer is safe: the driver
+//! releases the memory when the queue reaches the free. The pool's release threshold is 0, so
+//! freed memory goes back to the driver at the next synchronisation and `mem_info` sees it.
+//! A device without memory pools falls back to `cuMemAlloc` and a `free` that waits for the
+//! queue before `cuMemFree`.
+//!
+//! A [`DeviceView`] is a non-owning view of a buffer's bytes: a raw device address and a length,
+//! what ops hand to kernels and cuBLAS. Handles are never device addresses, so a stale handle
+//! is an invalid-argument error, never a wild pointer.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::result;
+use cudarc::driver::sys::{self, CUdeviceptr, CUevent, CUmemoryPool, CUresult, CUstream};
+use iris_plugin::abi::{BufferHandle, HostAlloc, HostBufferId};
+
+use crate::error::{CudaError, DriverResultExt};
+
+/// A non-owning view of device bytes: where they start and how many there are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceView {
+    /// Device address of the first byte.
+    pub ptr: CUdeviceptr,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl DeviceView {
+    /// The address `offset` bytes in (the caller has checked the range).
+    pub(crate) fn at(&self, offset: u64) -> CUdeviceptr {
+        self.ptr + offset
+    }
+}
+
+/// How buffers are obtained from the driver.
+enum Allocator {
+    /// A stream-ordered pool of this device.
+    Pool(CUmemoryPool),
+    /// Plain `cuMemAlloc`/`cuMemFree` (devices without memory pools).
+    Plain,
+}
+
+#[derive(Default)]
+struct Table {
+    live: HashMap<u64, DeviceView>,
+    live_bytes: u64,
+    /// Bytes and count of buffers freed in stream order whose release may not have happened.
+    pending_bytes: u64,
+    pending_buffers: u64,
+}
+
+/// The buffer table of one device and the pool behind it.
+pub struct Memory {
+    allocator: Allocator,
+    table: Mutex<Table>,
+    next_handle: AtomicU64,
+}
+
+// SAFETY: the pool handle is a driver object usable from any thread while its context lives;
+// the table is behind a mutex.
+unsafe impl Send for Memory {}
+// SAFETY: as above.
+unsafe impl Sync for Memory {}
+
+impl Memory {
+    /// A buffer table for `device` (a `CUdevice` ordinal), with a pool of its own where the
+    /// device supports memory pools. The context must be current.
+    pub(crate) fn new(device: i32, pools: bool) -> Result<Memory, CudaError> {
+        let allocator = if pools {
+            Allocator::Pool(create_pool(device)?)
+        } else {
+            Allocator::Plain
+        };
+        Ok(Memory {
+            allocator,
+            table: Mutex::new(Table::default()),
+            next_handle: AtomicU64::new(1),
+        })
+    }
+
+    /// Allocates `bytes` (> 0) usable by work enqueued on `stream` after the call.
+    pub(crate) fn alloc(&self, stream: CUstream, bytes: u64) -> Result<BufferHandle, CudaError> {
+        let len = usize::try_from(bytes)
+            .map_err(|_| CudaError::Invalid(format!("{bytes} bytes do not fit in memory")))?;
+        let ptr = match self.raw_alloc(stream, len) {
+            Ok(ptr) => ptr,
+            Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY) if self.pending_frees() => {
+                // Frees still queued hold memory the pool cannot hand out yet: let them run.
+                // SAFETY: the stream belongs to the current context.
+                unsafe { result::stream::synchronize(stream) }.call("cuStreamSynchronize")?;
+                self.released();
+                self.raw_alloc(stream, len)
+                    .map_err(|code| out_of_memory(bytes, code))?
+            }
+            Err(code) => return Err(out_of_memory(bytes, code)),
+        };
+        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        let mut table = self.lock();
+        table.live.insert(handle, DeviceView { ptr, len: bytes });
+        table.live_bytes += bytes;
+        Ok(BufferHandle(handle))
+    }
+
+    /// Frees a buffer in stream order: the handle is invalid at once, the memory is released
+    /// when `stream` reaches the free.
+    pub(crate) fn free(&self, stream: CUstream, buf: BufferHandle) -> Result<(), CudaError> {
+        let mut table = self.lock();
+        let Some(view) = table.live.remove(&buf.0) else {
+            return Err(CudaError::Invalid(format!(
+                "unknown buffer handle {}",
+                buf.0
+            )));
+        };
+        table.live_bytes -= view.len;
+        match self.allocator {
+            Allocator::Pool(_) => {
+                // Enqueued under the table lock, so `released` never clears a free it has not
+                // waited for.
+                // SAFETY: `view.ptr` came from this pool and is freed once (removed above).
+                unsafe { result::free_async(view.ptr, stream) }.call("cuMemFreeAsync")?;
+                table.pending_bytes += view.len;
+                table.pending_buffers += 1;
+            }
+            Allocator::Plain => {
+                drop(table);
+                // SAFETY: as above; waiting for the stream first makes the free queue-ordered.
+                unsafe {
+                    result::stream::synchronize(stream).call("cuStreamSynchronize")?;
+                    result::free_sync(view.ptr).call("cuMemFree")?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The bytes behind a live handle.
+    pub(crate) fn get(&self, buf: BufferHandle) -> Option<DeviceView> {
+        self.lock().live.get(&buf.0).copied()
+    }
+
+    /// The length of a live buffer, for argument checks.
+    pub(crate) fn len(&self, buf: BufferHandle) -> Option<u64> {
+        self.get(buf).map(|view| view.len)
+    }
+
+    /// `(allocated bytes, buffers)`, counting freed buffers whose release may be pending.
+    pub(crate) fn accounting(&self) -> (u64, u64) {
+        let table = self.lock();
+        (
+            table.live_bytes + table.pending_bytes,
+            table.live.len() as u64 + table.pending_buffers,
+        )
+    }
+
+    /// Whether stream-ordered frees may still be pending.
+    pub(crate) fn pending_frees(&self) -> bool {
+        self.lock().pending_buffers > 0
+    }
+
+    /// Records that every free enqueued so far has taken effect (the stream was synchronised
+    /// after them).
+    pub(crate) fn released(&self) {
+        let mut table = self.lock();
+        table.pending_bytes = 0;
+        table.pending_buffers = 0;
+    }
+
+    /// Clears pending frees if `stream` has no work left (`cuStreamQuery`).
+    pub(crate) fn refresh(&self, stream: CUstream) -> Result<(), CudaError> {
+        let mut table = self.lock();
+        if table.pending_buffers == 0 {
+            return Ok(());
+        }
+        // SAFETY: the stream belongs to the current context.
+        match unsafe { sys::cuStreamQuery(stream) } {
+            CUresult::CUDA_SUCCESS => {
+                table.pending_bytes = 0;
+                table.pending_buffers = 0;
+                Ok(())
+            }
+            CUresult::CUDA_ERROR_NOT_READY => Ok(()),
+            code => Err(CudaError::Driver {
+                call: "cuStreamQuery",
+                code,
+            }),
+        }
+    }
+
+    /// Bytes the pool holds beyond the buffers in use (freed, not yet released to the driver).
+    pub(crate) fn pool_cached(&self) -> Result<u64, CudaError> {
+        let Allocator::Pool(pool) = self.allocator else {
+            return Ok(0);
+        };
+        let reserved = pool_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+        )?;
+        let used = pool_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+        )?;
+        Ok(reserved.saturating_sub(used))
+    }
+
+    /// Frees every live buffer (closing the device), waits for the stream and destroys the pool.
+    /// Returns the first error; keeps going after one.
+    pub(crate) fn release_all(&self, stream: CUstream) -> Result<(), CudaError> {
+        let views: Vec<DeviceView> = {
+            let mut table = self.lock();
+            table.live_bytes = 0;
+            table.live.drain().map(|(_, view)| view).collect()
+        };
+        let mut first = None;
+        let mut note = |outcome: Result<(), CudaError>| {
+            if let Err(err) = outcome {
+                first.get_or_insert(err);
+            }
+        };
+        for view in views {
+            // SAFETY: each address came from this allocator and was removed from the table, so
+            // it is freed once.
+            note(match self.allocator {
+                Allocator::Pool(_) => {
+                    unsafe { result::free_async(view.ptr, stream) }.call("cuMemFreeAsync")
+                }
+                Allocator::Plain => unsafe { result::free_sync(view.ptr) }.call("cuMemFree"),
+            });
+        }
+        // SAFETY: the stream belongs to the current context.
+        note(unsafe { result::stream::synchronize(stream) }.call("cuStreamSynchronize"));
+        self.released();
+        if let Allocator::Pool(pool) = self.allocator {
+            // SAFETY: every allocation of the pool was freed and the stream has drained.
+            note(unsafe { result::mem_pool::destroy(pool) }.call("cuMemPoolDestroy"));
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    fn raw_alloc(&self, stream: CUstream, len: usize) -> Result<CUdeviceptr, CUresult> {
+        // SAFETY: the pool and stream belong to the current context; the memory is returned
+        // uninitialised, which the ABI allows.
+        unsafe {
+            match self.allocator {
+                Allocator::Pool(pool) => result::mem_pool::alloc_async(pool, len, stream),
+                Allocator::Plain => result::malloc_sync(len),
+            }
+        }
+        .map_err(|err| err.0)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        // The table's updates cannot be left half done by a panic; keep serving.
+        self.table
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Pinned (page-locked) host buffers for `alloc_host`.
+pub struct HostBuffers {
+    table: Mutex<HashMap<u64, (usize, usize)>>,
+    next: AtomicU64,
+}
+
+impl Default for HostBuffers {
+    fn default() -> Self {
+        HostBuffers {
+            table: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(1),
+        }
+    }
+}
+
+impl HostBuffers {
+    /// Allocates `bytes` of page-locked host memory. Flags 0: cached, not write-combined, so
+    /// the host reads downloads at full speed.
+    pub(crate) fn alloc(&self, bytes: u64) -> Result<HostAlloc, CudaError> {
+        let len = usize::try_from(bytes)
+            .map_err(|_| CudaError::Invalid(format!("{bytes} bytes do not fit in memory")))?;
+        // SAFETY: a plain host allocation with no flags; the context is current.
+        let ptr = unsafe { result::malloc_host(len, 0) }.map_err(|err| {
+            if err.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                CudaError::OutOfMemory {
+                    what: "cuMemHostAlloc (pinned host memory)".into(),
+                    requested: bytes,
+                    free: 0,
+                    total: 0,
+                    code: err.0,
+                }
+            } else {
+                CudaError::driver("cuMemHostAlloc", err)
+            }
+        })?;
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.lock().insert(id, (ptr as usize, len));
+        Ok(HostAlloc {
+            id: HostBufferId(id),
+            ptr: ptr.cast::<u8>(),
+            len: bytes,
+        })
+    }
+
+    /// The address and length of a live host buffer.
+    pub(crate) fn get(&self, id: HostBufferId) -> Option<(usize, usize)> {
+        self.lock().get(&id.0).copied()
+    }
+
+    /// Forgets a host buffer and returns its address; the caller frees it once the queue no
+    /// longer uses it.
+    pub(crate) fn take(&self, id: HostBufferId) -> Option<usize> {
+        self.lock().remove(&id.0).map(|(ptr, _)| ptr)
+    }
+
+    /// Frees one buffer's memory.
+    ///
+    /// # Safety
+    /// `ptr` must come from [`HostBuffers::take`] and no queued work may still use it.
+    pub(crate) unsafe fn free(ptr: usize) -> Result<(), CudaError> {
+        // SAFETY: by the caller's contract.
+        unsafe { result::free_host(ptr as *mut c_void) }.call("cuMemFreeHost")
+    }
+
+    /// Takes every live buffer (closing the device).
+    pub(crate) fn drain(&self) -> Vec<usize> {
+        self.lock().drain().map(|(_, (ptr, _))| ptr).collect()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, (usize, usize)>> {
+        self.table
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Fences: CUDA events recorded on the queue, numbered in the order they were recorded.
+#[derive(Default)]
+pub struct Fences {
+    state: Mutex<FenceState>,
+}
+
+#[derive(Default)]
+struct FenceState {
+    next: u64,
+    /// Events not yet known complete, oldest first.
+    open: VecDeque<(u64, Arc<Event>)>,
+}
+
+/// One recorded event; destroyed when the last reference goes (a waiter may hold one while
+/// another thread retires it from the list).
+struct Event(CUevent);
+
+// SAFETY: an event handle is a driver object usable from any thread while its context lives.
+unsafe impl Send for Event {}
+// SAFETY: as above; the driver synchronises its use.
+unsafe impl Sync for Event {}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: the event was created by `Fences::record` and this is its only destruction.
+        let _ = unsafe { result::event::destroy(self.0) };
+    }
+}
+
+impl Fences {
+    /// Records a fence after the work enqueued on `stream` so far.
+    pub(crate) fn record(&self, stream: CUstream) -> Result<u64, CudaError> {
+        let mut state = self.lock();
+        // Retire events already complete, so the list stays short without a waiter.
+        while let Some((_, event)) = state.open.front() {
+            // SAFETY: the event is alive (referenced by the list).
+            if unsafe { sys::cuEventQuery(event.0) } != CUresult::CUDA_SUCCESS {
+                break;
+            }
+            state.open.pop_front();
+        }
+        let event = Event(
+            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .call("cuEventCreate")?,
+        );
+        // SAFETY: event and stream belong to the current context.
+        unsafe { result::event::record(event.0, stream) }.call("cuEventRecord")?;
+        state.next += 1;
+        let value = state.next;
+        state.open.push_back((value, Arc::new(event)));
+        Ok(value)
+    }
+
+    /// Waits until fence `value` has completed.
+    pub(crate) fn wait(&self, value: u64) -> Result<(), CudaError> {
+        let event = {
+            let state = self.lock();
+            if value == 0 || value > state.next {
+                return Err(CudaError::Invalid(format!(
+                    "fence {value} was never recorded (the last one is {})",
+                    state.next
+                )));
+            }
+            match state.open.iter().find(|(v, _)| *v == value) {
+                Some((_, event)) => Arc::clone(event),
+                // Found complete earlier and retired.
+                None => return Ok(()),
+            }
+        };
+        // SAFETY: the event is alive while `event` holds a reference.
+        unsafe { result::event::synchronize(event.0) }.call("cuEventSynchronize")?;
+        let mut state = self.lock();
+        // Events up to `value` are complete: the queue runs in order.
+        while state.open.front().is_some_and(|(v, _)| *v <= value) {
+            state.open.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Destroys every event (closing the device, after the queue drained).
+    pub(crate) fn clear(&self) {
+        self.lock().open.clear();
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FenceState> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+fn create_pool(device: i32) -> Result<CUmemoryPool, CudaError> {
+    // SAFETY: the properties struct is plain data; zero is valid for every field not set.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+    props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = device;
+    // SAFETY: `props` is a valid, fully initialised struct.
+    let pool = unsafe { result::mem_pool::create(&props) }.call("cuMemPoolCreate")?;
+    let mut threshold: u64 = 0;
+    // SAFETY: the release threshold is a u64 attribute of a live pool.
+    let set = unsafe {
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    };
+    if let Err(err) = set {
+        // SAFETY: the pool was just created and holds nothing.
+        let _ = unsafe { result::mem_pool::destroy(pool) };
+        return Err(CudaError::driver("cuMemPoolSetAttribute", err));
+    }
+    Ok(pool)
+}
+
+fn pool_attribute(pool: CUmemoryPool, attr: sys::CUmemPool_attribute) -> Result<u64, CudaError> {
+    let mut value: u64 = 0;
+    // SAFETY: both attributes read are u64 values of a live pool.
+    unsafe { result::mem_pool::get_attribute(pool, attr, (&mut value as *mut u64).cast()) }
+        .call("cuMemPoolGetAttribute")?;
+    Ok(value)
+}
+
+fn out_of_memory(requested: u64, code: CUresult) -> CudaError {
+    if code != CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        return CudaError::Driver {
+            call: "cuMemAllocFromPoolAsync",
+            code,
+        };
+    }
+    let (free, total) = result::mem_get_info().unwrap_or((0, 0));
+    CudaError::OutOfMemory {
+        what: "device memory".into(),
+        requested,
+        free: free as u64,
+        total: total as u64,
+        code,
+    }
+}

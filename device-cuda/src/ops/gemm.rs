@@ -1,0 +1,592 @@
+//! GEMM: `out = act(a · Wᵀ + bias) (+ out)` through cuBLASLt (f16, bf16, and f32 with the
+//! `tf32` option) or cuBLAS (f32 in full f32), with f32 accumulation in every case.
+//!
+//! Row-major views are read as column-major matrices without copies: `out[m, n]` row-major is
+//! `outᵀ` column-major (`n x m`, leading dimension = the row stride), so the library computes
+//! `outᵀ = W · aᵀ` with `W` transposed unless `w` is stored `[k, n]`.
+//!
+//! What the library cannot fuse runs in one small kernel after it (`gemm_epilogue_*`):
+//! cuBLASLt applies the bias and, for `gelu_tanh` (its GELU epilogue is the tanh form), the
+//! activation; cuBLAS applies neither. An accumulating GEMM with an activation computes the
+//! product into an f32 scratch in the workspace, then `out = act(t + bias) + out` in f32.
+//! Scratch for the libraries (and that f32 product) comes from the host's workspace, sized by
+//! `gemm_workspace`, so the host accounts every byte.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+use cudarc::cublas::result as cublas;
+use cudarc::cublas::sys as cublas_sys;
+use cudarc::cublaslt::result as cublaslt;
+use cudarc::cublaslt::sys as lt_sys;
+use cudarc::driver::sys::CUstream;
+use iris_plugin::abi::{Activation, DType, GemmArgs, PluginError};
+use iris_plugin::validate::{self, Checker, Gemm};
+
+use super::{Args, Compute, THREADS, addr, dtype_name, grid_2d, lock, optional_addr};
+use crate::device::CudaDevice;
+use crate::error::CudaError;
+
+/// Library scratch on Hopper (what NVIDIA recommends for cuBLAS there).
+const WORKSPACE_HOPPER: u64 = 32 << 20;
+/// Library scratch on earlier architectures.
+const WORKSPACE_DEFAULT: u64 = 4 << 20;
+/// Alignment cuBLASLt is told at most, as a power of two (its default assumption, 256 bytes).
+const MAX_ALIGNMENT_LOG2: u32 = 8;
+/// Bias addresses cuBLASLt's bias epilogue is given only when aligned this much; others get
+/// the bias from the epilogue kernel.
+const BIAS_ALIGNMENT: u64 = 16;
+
+/// cuBLASLt heuristics already asked, by problem.
+#[derive(Default)]
+pub struct GemmState {
+    algos: HashMap<AlgoKey, lt_sys::cublasLtMatmulAlgo_t>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct AlgoKey {
+    dtype: u32,
+    f32_out: bool,
+    transa: bool,
+    dims: [u64; 6],
+    epilogue: u32,
+    alignments: [u32; 4],
+    workspace: u64,
+    tf32: bool,
+}
+
+/// What one GEMM call does, decided from shapes and dtypes only (the workspace query must not
+/// depend on buffers).
+struct Plan {
+    /// Through cuBLASLt (else cuBLAS).
+    lt: bool,
+    /// The product goes into an f32 scratch first (accumulating with an activation).
+    via_scratch: bool,
+    /// Library scratch bytes.
+    library_workspace: u64,
+    /// Bytes of the f32 product scratch.
+    scratch_bytes: u64,
+}
+
+impl CudaDevice {
+    pub(crate) fn gemm_workspace_impl(&self, args: &GemmArgs) -> Result<u64, PluginError> {
+        let gemm = validate::gemm(&Checker::shapes_only("gemm_workspace"), args)?;
+        let compute = self.compute("gemm_workspace")?;
+        let plan = compute.plan(&gemm, args)?;
+        Ok(plan.library_workspace + plan.scratch_bytes)
+    }
+
+    pub(crate) fn gemm_impl(&self, args: &GemmArgs) -> Result<(), PluginError> {
+        let op = "gemm";
+        let gemm = self.with_checker(op, |check| validate::gemm(check, args))?;
+        let compute = self.compute(op)?;
+        let plan = compute.plan(&gemm, args)?;
+        let needed = plan.library_workspace + plan.scratch_bytes;
+        let mut operands = vec![("a", &gemm.a), ("w", &gemm.w), ("out", &gemm.out)];
+        if let Some(bias) = &gemm.bias {
+            operands.push(("bias", bias));
+        }
+        self.with_checker(op, |check| {
+            check.workspace(&args.workspace, needed, &operands)
+        })?;
+        if gemm.m == 0 || gemm.n == 0 {
+            return Ok(());
+        }
+        let out = addr(self, op, &gemm.out)?;
+        let bias = optional_addr(self, op, &gemm.bias)?;
+        let stream = self.cu_stream();
+        let epilogue = |src: u64,
+                        src_f32: bool,
+                        src_stride: u64,
+                        bias: u64,
+                        kind: Activation,
+                        accumulate: bool| {
+            compute.epilogue(
+                stream, &gemm, out, src, src_f32, src_stride, bias, kind, accumulate,
+            )
+        };
+        if gemm.k == 0 {
+            // The product is zero: only the bias, the activation and the accumulation remain.
+            return epilogue(0, false, 0, bias, args.activation, args.accumulate)
+                .map_err(|err| err.into_plugin(op));
+        }
+        let workspace = if needed == 0 {
+            0
+        } else {
+            self.view(op, args.workspace.buf)?.at(args.workspace.offset)
+        };
+        let operands = Operands {
+            a: addr(self, op, &gemm.a)?,
+            w: addr(self, op, &gemm.w)?,
+            library_workspace: (workspace, plan.library_workspace),
+        };
+        let outcome = if plan.via_scratch {
+            let scratch = workspace + plan.library_workspace;
+            compute
+                .product(
+                    stream,
+                    &gemm,
+                    args,
+                    &plan,
+                    &operands,
+                    Product::scratch(scratch, gemm.n as u64),
+                )
+                .and_then(|()| epilogue(scratch, true, gemm.n as u64, bias, args.activation, true))
+        } else {
+            let bias_fused = plan.lt && bias != 0 && bias % BIAS_ALIGNMENT == 0;
+            let act_fused = plan.lt && args.activation == Activation::GELU_TANH && !args.accumulate;
+            let product = Product {
+                ptr: out,
+                ld: gemm.out.stride as u64,
+                f32: false,
+                beta: if args.accumulate { 1.0 } else { 0.0 },
+                bias: if bias_fused { bias } else { 0 },
+                gelu: act_fused,
+            };
+            let rest_bias = if bias_fused { 0 } else { bias };
+            let rest_act = if act_fused {
+                Activation::NONE
+            } else {
+                args.activation
+            };
+            compute
+                .product(stream, &gemm, args, &plan, &operands, product)
+                .and_then(|()| {
+                    if rest_bias == 0 && rest_act == Activation::NONE {
+                        Ok(())
+                    } else {
+                        epilogue(
+                            out,
+                            false,
+                            gemm.out.stride as u64,
+                            rest_bias,
+                            rest_act,
+                            false,
+                        )
+                    }
+                })
+        };
+        outcome.map_err(|err| err.into_plugin(op))
+    }
+}
+
+/// Device addresses of the inputs and the library's share of the workspace.
+struct Operands {
+    a: u64,
+    w: u64,
+    library_workspace: (u64, u64),
+}
+
+/// Where the product goes and what the library fuses into it.
+struct Product {
+    ptr: u64,
+    ld: u64,
+    f32: bool,
+    beta: f32,
+    bias: u64,
+    gelu: bool,
+}
+
+impl Product {
+    fn scratch(ptr: u64, ld: u64) -> Product {
+        Product {
+            ptr,
+            ld,
+            f32: true,
+            beta: 0.0,
+            bias: 0,
+            gelu: false,
+        }
+    }
+}
+
+impl Compute {
+    fn plan(&self, gemm: &Gemm, args: &GemmArgs) -> Result<Plan, PluginError> {
+        let dtype = gemm.a.dtype;
+        if dtype == DType::BF16 && self.cc < crate::device::BF16_COMPUTE_CAPABILITY {
+            return Err(PluginError::unsupported(format!(
+                "gemm: bf16 needs compute capability 8.0, this device has {}.{}",
+                self.cc.0, self.cc.1
+            )));
+        }
+        let limit = i32::MAX as usize;
+        let too_big = [
+            gemm.m,
+            gemm.n,
+            gemm.k,
+            gemm.a.stride,
+            gemm.w.stride,
+            gemm.out.stride,
+        ]
+        .into_iter()
+        .any(|value| value > limit);
+        if too_big {
+            return Err(PluginError::unsupported(format!(
+                "gemm: dimensions and row strides must be below 2^31 (m {}, n {}, k {})",
+                gemm.m, gemm.n, gemm.k
+            )));
+        }
+        let lt = dtype != DType::F32 || self.tf32;
+        let via_scratch = args.accumulate && args.activation != Activation::NONE;
+        let library_workspace = if gemm.k == 0 || gemm.m == 0 || gemm.n == 0 {
+            0
+        } else if self.cc.0 >= 9 {
+            WORKSPACE_HOPPER
+        } else {
+            WORKSPACE_DEFAULT
+        };
+        let scratch_bytes = if via_scratch && gemm.k > 0 {
+            (gemm.m as u64) * (gemm.n as u64) * 4
+        } else {
+            0
+        };
+        Ok(Plan {
+            lt,
+            via_scratch,
+            library_workspace,
+            scratch_bytes,
+        })
+    }
+
+    /// Enqueues the product into `product` through cuBLASLt or cuBLAS.
+    fn product(
+        &self,
+        stream: CUstream,
+        gemm: &Gemm,
+        args: &GemmArgs,
+        plan: &Plan,
+        operands: &Operands,
+        product: Product,
+    ) -> Result<(), CudaError> {
+        if plan.lt {
+            self.product_lt(stream, gemm, args, operands, &product)
+        } else {
+            self.product_blas(gemm, args, operands, &product)
+        }
+    }
+
+    fn product_blas(
+        &self,
+        gemm: &Gemm,
+        args: &GemmArgs,
+        operands: &Operands,
+        product: &Product,
+    ) -> Result<(), CudaError> {
+        let (ws, ws_bytes) = operands.library_workspace;
+        let transa = if args.w_transposed {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N
+        } else {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_T
+        };
+        let compute_type = if self.tf32 {
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let f32_type = cublas_sys::cudaDataType::CUDA_R_32F;
+        let int = |value: u64| {
+            i32::try_from(value)
+                .map_err(|_| CudaError::Unsupported(format!("gemm: {value} is 2^31 or more")))
+        };
+        let (n, m, k) = (
+            int(gemm.n as u64)?,
+            int(gemm.m as u64)?,
+            int(gemm.k as u64)?,
+        );
+        let (lda, ldb, ldc) = (
+            int(gemm.w.stride as u64)?,
+            int(gemm.a.stride as u64)?,
+            int(product.ld)?,
+        );
+        let (alpha, beta) = (1.0f32, product.beta);
+        // The handle keeps the workspace pointer between calls: set and use it under one lock.
+        let _guard = lock(&self.gemm);
+        // SAFETY: the handle is alive; the workspace is `ws_bytes` of live device memory the
+        // host lent for this call (queue-ordered, so reusing it later is safe); all operand
+        // addresses and leading dimensions describe checked views (dimensions below 2^31).
+        unsafe {
+            cublas_sys::cublasSetWorkspace_v2(
+                self.blas.0,
+                ws as *mut c_void,
+                crate::usize_of(ws_bytes),
+            )
+            .result()
+            .map_err(|e| CudaError::blas("cublasSetWorkspace", e))?;
+            cublas::gemm_ex(
+                self.blas.0,
+                transa,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n,
+                m,
+                k,
+                (&alpha as *const f32).cast(),
+                operands.w as *const c_void,
+                f32_type,
+                lda,
+                operands.a as *const c_void,
+                f32_type,
+                ldb,
+                (&beta as *const f32).cast(),
+                product.ptr as *mut c_void,
+                f32_type,
+                ldc,
+                compute_type,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+            .map_err(|e| CudaError::blas("cublasGemmEx", e))
+        }
+    }
+
+    fn product_lt(
+        &self,
+        stream: CUstream,
+        gemm: &Gemm,
+        args: &GemmArgs,
+        operands: &Operands,
+        product: &Product,
+    ) -> Result<(), CudaError> {
+        let lt_err = |call: &'static str| move |e| CudaError::blas_lt(call, e);
+        let data_type = match gemm.a.dtype {
+            DType::F16 => lt_sys::cudaDataType::CUDA_R_16F,
+            DType::BF16 => lt_sys::cudaDataType::CUDA_R_16BF,
+            _ => lt_sys::cudaDataType::CUDA_R_32F,
+        };
+        let out_type = if product.f32 {
+            lt_sys::cudaDataType::CUDA_R_32F
+        } else {
+            data_type
+        };
+        let compute_type = if gemm.a.dtype == DType::F32 && self.tf32 {
+            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let (m, n, k) = (gemm.m as u64, gemm.n as u64, gemm.k as u64);
+        let desc = MatmulDesc(
+            cublaslt::create_matmul_desc(compute_type, lt_sys::cudaDataType::CUDA_R_32F)
+                .map_err(lt_err("cublasLtMatmulDescCreate"))?,
+        );
+        let transa: i32 = if args.w_transposed {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N as i32
+        } else {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_T as i32
+        };
+        let epilogue = match (product.bias != 0, product.gelu) {
+            (false, false) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+            (true, false) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+            (false, true) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU,
+            (true, true) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
+        };
+        let epilogue_value = epilogue as u32;
+        let bias_ptr = product.bias as *const c_void;
+        // A stored [k, n] when not transposed (read transposed), [n, k] when it is.
+        let (a_rows, a_cols) = if args.w_transposed { (n, k) } else { (k, n) };
+        let a_layout = Layout::new(data_type, a_rows, a_cols, gemm.w.stride as u64)?;
+        let b_layout = Layout::new(data_type, k, m, gemm.a.stride as u64)?;
+        let d_layout = Layout::new(out_type, n, m, product.ld)?;
+        let pref = Preference(
+            cublaslt::create_matmul_pref().map_err(lt_err("cublasLtMatmulPreferenceCreate"))?,
+        );
+        let (ws, ws_bytes) = operands.library_workspace;
+        let alignments = [
+            alignment(operands.w),
+            alignment(operands.a),
+            alignment(product.ptr),
+            alignment(product.ptr),
+        ];
+        // SAFETY: each attribute value is the type the attribute takes (i32 operation, u32
+        // epilogue, a device pointer, u64 and u32 preferences) and outlives the call.
+        unsafe {
+            let set_desc = |attr, value: *const c_void, size| {
+                cublaslt::set_matmul_desc_attribute(desc.0, attr, value, size)
+                    .map_err(lt_err("cublasLtMatmulDescSetAttribute"))
+            };
+            set_desc(
+                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                (&transa as *const i32).cast(),
+                4,
+            )?;
+            set_desc(
+                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                (&epilogue_value as *const u32).cast(),
+                4,
+            )?;
+            if product.bias != 0 {
+                set_desc(
+                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    (&bias_ptr as *const *const c_void).cast(),
+                    std::mem::size_of::<*const c_void>(),
+                )?;
+            }
+            let set_pref = |attr, value: *const c_void, size| {
+                cublaslt::set_matmul_pref_attribute(pref.0, attr, value, size)
+                    .map_err(lt_err("cublasLtMatmulPreferenceSetAttribute"))
+            };
+            set_pref(
+                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws_bytes as *const u64).cast(),
+                8,
+            )?;
+            let prefs = [
+                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ];
+            for (attr, value) in prefs.into_iter().zip(alignments.iter()) {
+                set_pref(attr, (value as *const u32).cast(), 4)?;
+            }
+        }
+        let key = AlgoKey {
+            dtype: gemm.a.dtype.0,
+            f32_out: product.f32,
+            transa: args.w_transposed,
+            dims: [
+                m,
+                n,
+                k,
+                gemm.w.stride as u64,
+                gemm.a.stride as u64,
+                product.ld,
+            ],
+            epilogue: epilogue_value,
+            alignments,
+            workspace: ws_bytes,
+            tf32: self.tf32,
+        };
+        let cached = lock(&self.gemm).algos.get(&key).copied();
+        let algo = match cached {
+            Some(algo) => algo,
+            None => {
+                // SAFETY: every descriptor is alive and describes the operands.
+                let heuristic = unsafe {
+                    cublaslt::get_matmul_algo_heuristic(
+                        self.lt.0, desc.0, a_layout.0, b_layout.0, d_layout.0, d_layout.0, pref.0,
+                    )
+                }
+                .map_err(lt_err("cublasLtMatmulAlgoGetHeuristic"))?;
+                lock(&self.gemm).algos.insert(key, heuristic.algo);
+                heuristic.algo
+            }
+        };
+        let (alpha, beta) = (1.0f32, product.beta);
+        // SAFETY: descriptors are alive; A, B, C = D and the bias are checked views of live
+        // buffers (C is D, read when beta is 1); the workspace is the host's, `ws_bytes` long;
+        // the algorithm was chosen for exactly these descriptors.
+        unsafe {
+            cublaslt::matmul(
+                self.lt.0,
+                desc.0,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                operands.w as *const c_void,
+                a_layout.0,
+                operands.a as *const c_void,
+                b_layout.0,
+                product.ptr as *const c_void,
+                d_layout.0,
+                product.ptr as *mut c_void,
+                d_layout.0,
+                &algo,
+                ws as *mut c_void,
+                crate::usize_of(ws_bytes),
+                stream as _,
+            )
+        }
+        .map_err(lt_err("cublasLtMatmul"))
+    }
+
+    /// `out = act(src + bias) (+ out)` over the gemm's output.
+    #[allow(clippy::too_many_arguments)]
+    fn epilogue(
+        &self,
+        stream: CUstream,
+        gemm: &Gemm,
+        out: u64,
+        src: u64,
+        src_f32: bool,
+        src_stride: u64,
+        bias: u64,
+        kind: Activation,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        let launch = Args::new()
+            .ptr(src)
+            .i32(i32::from(src_f32))
+            .i64(src_stride)
+            .ptr(out)
+            .i64(gemm.out.stride as u64)
+            .ptr(bias)
+            .i64(gemm.m as u64)
+            .i64(gemm.n as u64)
+            .i32(i32::try_from(kind.0).unwrap_or(0))
+            .i32(i32::from(accumulate));
+        let name = format!("gemm_epilogue_{}", dtype_name(gemm.out.dtype));
+        self.launch(
+            stream,
+            &name,
+            grid_2d(gemm.m as u64, gemm.n as u64),
+            THREADS,
+            launch,
+        )
+    }
+}
+
+/// The largest power of two dividing `ptr`, capped at 2^[`MAX_ALIGNMENT_LOG2`].
+fn alignment(ptr: u64) -> u32 {
+    1u32 << ptr.trailing_zeros().min(MAX_ALIGNMENT_LOG2)
+}
+
+struct MatmulDesc(lt_sys::cublasLtMatmulDesc_t);
+
+impl Drop for MatmulDesc {
+    fn drop(&mut self) {
+        // SAFETY: created once, destroyed once.
+        let _ = unsafe { cublaslt::destroy_matmul_desc(self.0) };
+    }
+}
+
+struct Preference(lt_sys::cublasLtMatmulPreference_t);
+
+impl Drop for Preference {
+    fn drop(&mut self) {
+        // SAFETY: created once, destroyed once.
+        let _ = unsafe { cublaslt::destroy_matmul_pref(self.0) };
+    }
+}
+
+struct Layout(lt_sys::cublasLtMatrixLayout_t);
+
+impl Layout {
+    fn new(
+        dtype: lt_sys::cudaDataType,
+        rows: u64,
+        cols: u64,
+        ld: u64,
+    ) -> Result<Layout, CudaError> {
+        let ld = i64::try_from(ld)
+            .map_err(|_| CudaError::Unsupported(format!("leading dimension {ld}")))?;
+        cublaslt::create_matrix_layout(dtype, rows, cols, ld)
+            .map(Layout)
+            .map_err(|e| CudaError::blas_lt("cublasLtMatrixLayoutCreate", e))
+    }
+}
+
+impl Drop for Layout {
+    fn drop(&mut self) {
+        // SAFETY: created once, destroyed once.
+        let _ = unsafe { cublaslt::destroy_matrix_layout(self.0) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alignment_is_the_largest_power_of_two_up_to_256() {
+        assert_eq!(alignment(0x1000), 256);
+        assert_eq!(alignment(0x1002), 2);
+        assert_eq!(alignment(0x1010), 16);
+    }
+}

@@ -1,0 +1,706 @@
+//! The ops: GEMM through cuBLASLt and cuBLAS ([`gemm`]), everything else through the NVRTC
+//! kernels of [`crate::kernels`].
+//!
+//! [`Compute`] is what a device needs to run ops, created at `open` unless the device is opened
+//! memory-only: the cuBLAS and cuBLASLt handles (bound to the device's stream), the loaded
+//! kernel module, a device status word through which kernels report bad gather indices, and a
+//! growable buffer of copy descriptors for batched copies. Every op validates its arguments
+//! with [`iris_plugin::validate`] before it enqueues anything.
+
+mod gemm;
+
+use std::ffi::c_void;
+use std::sync::{Mutex, MutexGuard};
+
+use cudarc::cublas::result as cublas;
+use cudarc::cublas::sys as cublas_sys;
+use cudarc::cublaslt::result as cublaslt;
+use cudarc::cublaslt::sys as cublaslt_sys;
+use cudarc::driver::result;
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use iris_plugin::Logger;
+use iris_plugin::abi::{
+    ActivationArgs, AttentionArgs, BinaryArgs, CastArgs, DType, GatherArgs, HeldMemory, NormArgs,
+    OpKind, PluginError, Property, RotaryArgs,
+};
+use iris_plugin::validate::{self, Mat};
+
+use crate::device::{CudaDevice, CudaOptions, Info, push_growth, used};
+use crate::error::{CudaError, DriverResultExt};
+use crate::kernels::{self, ATTENTION_SIZES, Cache, Module, Target};
+use crate::loader::{self, Library};
+
+pub use gemm::GemmState;
+
+/// The ops this device implements.
+pub const SUPPORTED: [OpKind; 9] = OpKind::ALL;
+
+/// A batched copy of more regions than this runs as one kernel; fewer run as driver copies.
+pub const COPY_KERNEL_MIN_REGIONS: usize = 8;
+
+/// Threads per block of the elementwise, norm and gather kernels.
+const THREADS: u32 = 256;
+/// Threads per block of the attention kernel (4 warps).
+const ATTENTION_THREADS: u32 = 128;
+/// Queries per attention block.
+const ATTENTION_QUERIES: u64 = 32;
+/// Largest grid y and z dimension.
+const GRID_YZ: u64 = 65_535;
+/// Column blocks of an elementwise grid at most (the kernels stride over the rest).
+const GRID_X_ELEMENTWISE: u64 = 1024;
+/// Row blocks of a norm grid at most (the kernel strides over the rest).
+const GRID_X_NORM: u64 = 1 << 20;
+
+/// Library handles, kernels and scratch of one device.
+pub struct Compute {
+    lt: LtHandle,
+    blas: BlasHandle,
+    module: Module,
+    status: DeviceWord,
+    descriptors: Mutex<Descriptors>,
+    gemm: Mutex<GemmState>,
+    tf32: bool,
+    cc: (i32, i32),
+    kernel_origin: String,
+    cublas_version: i32,
+    cublaslt_version: usize,
+}
+
+// SAFETY: the library handles, module and device addresses are driver objects usable from any
+// thread while the context lives; the cuBLAS handle and the descriptor buffer are used under
+// their mutexes (cuBLASLt's handle is thread-safe).
+unsafe impl Send for Compute {}
+// SAFETY: as above.
+unsafe impl Sync for Compute {}
+
+impl Compute {
+    /// Loads cuBLASLt, cuBLAS and the kernels for the device whose context is current.
+    pub(crate) fn open(
+        stream: &cudarc::driver::CudaStream,
+        info: &Info,
+        options: &CudaOptions,
+        log: &Logger,
+        held: &mut Vec<HeldMemory>,
+    ) -> Result<Compute, CudaError> {
+        loader::require(Library::CublasLt)?;
+        loader::require(Library::Cublas)?;
+        let before = used()?;
+        let lt = LtHandle(
+            cublaslt::create_handle().map_err(|e| CudaError::blas_lt("cublasLtCreate", e))?,
+        );
+        push_growth(held, "cuBLASLt handle", before)?;
+        let before = used()?;
+        let blas =
+            BlasHandle(cublas::create_handle().map_err(|e| CudaError::blas("cublasCreate", e))?);
+        // SAFETY: the handle is alive and the stream belongs to the current context.
+        unsafe { cublas::set_stream(blas.0, stream.cu_stream() as _) }
+            .map_err(|e| CudaError::blas("cublasSetStream", e))?;
+        push_growth(held, "cuBLAS handle", before)?;
+        let mut cublas_version = 0;
+        // SAFETY: the handle is alive; the pointer is valid for writes.
+        unsafe { cublas_sys::cublasGetVersion_v2(blas.0, &mut cublas_version) }
+            .result()
+            .map_err(|e| CudaError::blas("cublasGetVersion", e))?;
+        // SAFETY: a plain query without arguments.
+        let cublaslt_version = unsafe { cublaslt_sys::cublasLtGetVersion() };
+
+        let before = used()?;
+        let (module, kernel_origin) = load_kernels(info, options, log)?;
+        let growth = used()?.saturating_sub(before);
+        held.push(HeldMemory {
+            what: "kernels".into(),
+            bytes: growth.max(module.image_bytes),
+        });
+        let status = DeviceWord::new()?;
+        held.push(HeldMemory {
+            what: "kernel status word".into(),
+            bytes: DeviceWord::BYTES as u64,
+        });
+        Ok(Compute {
+            lt,
+            blas,
+            module,
+            status,
+            descriptors: Mutex::new(Descriptors::default()),
+            gemm: Mutex::new(GemmState::default()),
+            tf32: options.tf32,
+            cc: info.cc,
+            kernel_origin,
+            cublas_version,
+            cublaslt_version,
+        })
+    }
+
+    /// Plugin-specific description properties.
+    pub(crate) fn properties(&self) -> Vec<Property> {
+        vec![
+            Property::new("cublas_version", self.cublas_version),
+            Property::new("cublaslt_version", self.cublaslt_version),
+            Property::new("kernels", &self.kernel_origin),
+            Property::new("f32_gemm", if self.tf32 { "tf32" } else { "f32" }),
+        ]
+    }
+
+    /// Device bytes of the copy descriptor buffer.
+    pub(crate) fn descriptor_bytes(&self) -> u64 {
+        lock(&self.descriptors).bytes
+    }
+
+    /// Reports (and clears) a bad gather index recorded by kernels enqueued before the last
+    /// synchronisation.
+    pub(crate) fn check_status(&self, stream: CUstream) -> Result<(), PluginError> {
+        let flags = self
+            .status
+            .read()
+            .map_err(|err| err.into_plugin("synchronize"))?;
+        if flags == 0 {
+            return Ok(());
+        }
+        self.status
+            .clear(stream)
+            .map_err(|err| err.into_plugin("synchronize"))?;
+        Err(PluginError::invalid_argument(
+            "synchronize: a gather_rows enqueued earlier had an index outside its source rows; \
+             those rows were written as zeros",
+        ))
+    }
+
+    /// Enqueues one kernel copying every `(src, dst, bytes)` region.
+    pub(crate) fn copy_regions(
+        &self,
+        stream: CUstream,
+        moves: &[(u64, u64, u64)],
+    ) -> Result<(), CudaError> {
+        let words: Vec<u64> = moves.iter().flat_map(|&(s, d, n)| [s, d, n]).collect();
+        let bytes = (words.len() * 8) as u64;
+        let mut descriptors = lock(&self.descriptors);
+        descriptors.reserve(stream, bytes)?;
+        // SAFETY: the descriptor buffer holds `bytes`; the pageable source is staged before the
+        // call returns. The previous batch's kernel read the buffer earlier on the same stream.
+        unsafe { result::memcpy_htod_async(descriptors.ptr, &words, stream) }
+            .call("cuMemcpyHtoDAsync")?;
+        let count = moves.len() as u64;
+        let args = Args::new().ptr(descriptors.ptr).i64(count);
+        self.launch(
+            stream,
+            "copy_regions",
+            (grid(count, i32::MAX as u64), 1, 1),
+            THREADS,
+            args,
+        )
+    }
+
+    /// Releases everything (closing the device, after the queue drained).
+    pub(crate) fn close(self, stream: CUstream, log: &Logger) {
+        let descriptors = std::mem::take(&mut *lock(&self.descriptors));
+        if let Err(err) = descriptors.release(stream) {
+            log.warn(format!("close: {err}"));
+        }
+        // Handles, module and status word go with `self` (their drops ignore errors: the
+        // device is closing either way).
+    }
+
+    fn launch(
+        &self,
+        stream: CUstream,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        mut args: Args,
+    ) -> Result<(), CudaError> {
+        let function = self.module.function(name)?;
+        let mut params: Vec<*mut c_void> = args
+            .slots
+            .iter_mut()
+            .map(|slot| (slot as *mut u64).cast::<c_void>())
+            .collect();
+        // SAFETY: the function comes from the loaded module; `params` points at one 8-byte slot
+        // per kernel parameter, in order, holding each value in its low bytes (little-endian),
+        // which is what the kernel's signature reads; every address was checked against a live
+        // buffer by the caller.
+        unsafe { result::launch_kernel(function, grid, (block, 1, 1), 0, stream, &mut params) }
+            .call("cuLaunchKernel")
+    }
+}
+
+/// Kernel arguments, one 8-byte slot each.
+#[derive(Default)]
+struct Args {
+    slots: Vec<u64>,
+}
+
+impl Args {
+    fn new() -> Args {
+        Args::default()
+    }
+
+    fn ptr(mut self, value: u64) -> Args {
+        self.slots.push(value);
+        self
+    }
+
+    fn i64(mut self, value: u64) -> Args {
+        // Sizes and strides were checked to fit in memory, far below i64::MAX.
+        self.slots.push(value);
+        self
+    }
+
+    fn i32(mut self, value: i32) -> Args {
+        self.slots.push(u64::from(value.cast_unsigned()));
+        self
+    }
+
+    fn f32(mut self, value: f32) -> Args {
+        self.slots.push(u64::from(value.to_bits()));
+        self
+    }
+}
+
+/// A grid dimension of `n` blocks, clamped to `[1, cap]`.
+fn grid(n: u64, cap: u64) -> u32 {
+    u32::try_from(n.clamp(1, cap)).unwrap_or(u32::MAX)
+}
+
+/// A grid for a `[rows, cols]` elementwise kernel: column blocks in x, rows in y.
+fn grid_2d(rows: u64, cols: u64) -> (u32, u32, u32) {
+    (
+        grid(cols.div_ceil(u64::from(THREADS)), GRID_X_ELEMENTWISE),
+        grid(rows, GRID_YZ),
+        1,
+    )
+}
+
+fn dtype_name(dtype: DType) -> &'static str {
+    dtype.name().unwrap_or("f32")
+}
+
+/// Device address of a checked view's first element.
+fn addr(device: &CudaDevice, op: &str, mat: &Mat) -> Result<u64, PluginError> {
+    Ok(device.view(op, mat.buf)?.at(mat.offset))
+}
+
+fn optional_addr(device: &CudaDevice, op: &str, mat: &Option<Mat>) -> Result<u64, PluginError> {
+    match mat {
+        Some(mat) => addr(device, op, mat),
+        None => Ok(0),
+    }
+}
+
+impl CudaDevice {
+    pub(crate) fn norm_impl(
+        &self,
+        op: &str,
+        args: &NormArgs,
+        rms: bool,
+    ) -> Result<(), PluginError> {
+        let norm = self.with_checker(op, |check| validate::norm(check, args, rms))?;
+        let compute = self.compute(op)?;
+        if norm.x.is_empty() {
+            return Ok(());
+        }
+        let launch = Args::new()
+            .ptr(addr(self, op, &norm.x)?)
+            .i64(norm.x.stride as u64)
+            .ptr(addr(self, op, &norm.out)?)
+            .i64(norm.out.stride as u64)
+            .ptr(addr(self, op, &norm.weight)?)
+            .ptr(optional_addr(self, op, &norm.bias)?)
+            .i64(norm.x.rows as u64)
+            .i64(norm.x.cols as u64)
+            .f32(args.eps)
+            .i32(i32::from(rms));
+        let name = format!("norm_{}", dtype_name(norm.x.dtype));
+        compute
+            .launch(
+                self.cu_stream(),
+                &name,
+                (grid(norm.x.rows as u64, GRID_X_NORM), 1, 1),
+                THREADS,
+                launch,
+            )
+            .map_err(|err| err.into_plugin(op))
+    }
+
+    pub(crate) fn activation_impl(&self, args: &ActivationArgs) -> Result<(), PluginError> {
+        let op = "activation";
+        let (x, out) = self.with_checker(op, |check| validate::activation(check, args))?;
+        let compute = self.compute(op)?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let kind = i32::try_from(args.activation.0).unwrap_or(0);
+        let launch = Args::new()
+            .ptr(addr(self, op, &x)?)
+            .i64(x.stride as u64)
+            .ptr(addr(self, op, &out)?)
+            .i64(out.stride as u64)
+            .i64(x.rows as u64)
+            .i64(x.cols as u64)
+            .i32(kind);
+        let name = format!("activation_{}", dtype_name(x.dtype));
+        compute
+            .launch(
+                self.cu_stream(),
+                &name,
+                grid_2d(x.rows as u64, x.cols as u64),
+                THREADS,
+                launch,
+            )
+            .map_err(|err| err.into_plugin(op))
+    }
+
+    pub(crate) fn binary_impl(&self, args: &BinaryArgs) -> Result<(), PluginError> {
+        let op = "binary";
+        let checked = self.with_checker(op, |check| validate::binary(check, args))?;
+        let compute = self.compute(op)?;
+        let (a, b, out) = (checked.a, checked.b, checked.out);
+        if a.is_empty() {
+            return Ok(());
+        }
+        let b_stride = if checked.broadcast {
+            0
+        } else {
+            b.stride as u64
+        };
+        let kind = i32::try_from(args.op.0).unwrap_or(0);
+        let launch = Args::new()
+            .ptr(addr(self, op, &a)?)
+            .i64(a.stride as u64)
+            .ptr(addr(self, op, &b)?)
+            .i64(b_stride)
+            .ptr(addr(self, op, &out)?)
+            .i64(out.stride as u64)
+            .i64(a.rows as u64)
+            .i64(a.cols as u64)
+            .i32(kind);
+        let name = format!("binary_{}", dtype_name(a.dtype));
+        compute
+            .launch(
+                self.cu_stream(),
+                &name,
+                grid_2d(a.rows as u64, a.cols as u64),
+                THREADS,
+                launch,
+            )
+            .map_err(|err| err.into_plugin(op))
+    }
+
+    pub(crate) fn rotary_impl(&self, args: &RotaryArgs) -> Result<(), PluginError> {
+        let op = "rotary";
+        let rotary = self.with_checker(op, |check| validate::rotary(check, args))?;
+        let compute = self.compute(op)?;
+        if rotary.x.is_empty() {
+            return Ok(());
+        }
+        let pairs = (rotary.heads * rotary.head_dim / 2) as u64;
+        let launch = Args::new()
+            .ptr(addr(self, op, &rotary.x)?)
+            .i64(rotary.x.stride as u64)
+            .ptr(addr(self, op, &rotary.cos)?)
+            .i64(rotary.cos.stride as u64)
+            .ptr(addr(self, op, &rotary.sin)?)
+            .i64(rotary.sin.stride as u64)
+            .i64(rotary.x.rows as u64)
+            .i64(rotary.heads as u64)
+            .i64(rotary.head_dim as u64);
+        let name = format!("rotary_{}", dtype_name(rotary.x.dtype));
+        compute
+            .launch(
+                self.cu_stream(),
+                &name,
+                grid_2d(rotary.x.rows as u64, pairs),
+                THREADS,
+                launch,
+            )
+            .map_err(|err| err.into_plugin(op))
+    }
+
+    pub(crate) fn attention_impl(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
+        let op = "attention";
+        let att = self.with_checker(op, |check| validate::attention(check, args))?;
+        let compute = self.compute(op)?;
+        let head_dim = att.head_dim as u64;
+        let Some(size) = ATTENTION_SIZES
+            .iter()
+            .copied()
+            .find(|size| *size >= head_dim)
+        else {
+            return Err(PluginError::unsupported(format!(
+                "attention: head_dim {head_dim} is larger than the largest kernel ({})",
+                ATTENTION_SIZES[ATTENTION_SIZES.len() - 1]
+            )));
+        };
+        let segments = att.segments.len() as u64;
+        let heads = att.heads as u64;
+        if heads > GRID_YZ || segments > GRID_YZ {
+            return Err(PluginError::unsupported(format!(
+                "attention: {heads} heads and {segments} segments; at most {GRID_YZ} of each"
+            )));
+        }
+        if att.tokens == 0 || segments == 0 || args.max_seqlen == 0 {
+            return Ok(());
+        }
+        let launch = Args::new()
+            .ptr(addr(self, op, &att.q)?)
+            .i64(att.q.stride as u64)
+            .ptr(addr(self, op, &att.k)?)
+            .i64(att.k.stride as u64)
+            .ptr(addr(self, op, &att.v)?)
+            .i64(att.v.stride as u64)
+            .ptr(addr(self, op, &att.out)?)
+            .i64(att.out.stride as u64)
+            .ptr(addr(self, op, &att.cu_seqlens_device)?)
+            .i32(i32::try_from(head_dim).unwrap_or(0))
+            .f32(args.scale);
+        let name = format!("attention_{}_{size}", dtype_name(att.q.dtype));
+        let tiles = args.max_seqlen.div_ceil(ATTENTION_QUERIES);
+        let grid_dims = (
+            grid(tiles, i32::MAX as u64),
+            grid(heads, GRID_YZ),
+            grid(segments, GRID_YZ),
+        );
+        compute
+            .launch(
+                self.cu_stream(),
+                &name,
+                grid_dims,
+                ATTENTION_THREADS,
+                launch,
+            )
+            .map_err(|err| err.into_plugin(op))
+    }
+
+    pub(crate) fn gather_impl(&self, args: &GatherArgs) -> Result<(), PluginError> {
+        let op = "gather_rows";
+        let (src, out, indices) =
+            self.with_checker(op, |check| validate::gather_rows(check, args))?;
+        let compute = self.compute(op)?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let width = match src.dtype.size() {
+            Some(1) => "b1",
+            Some(2) => "b2",
+            _ => "b4",
+        };
+        let launch = Args::new()
+            .ptr(addr(self, op, &src)?)
+            .i64(src.stride as u64)
+            .i64(src.rows as u64)
+            .ptr(addr(self, op, &out)?)
+            .i64(out.stride as u64)
+            .ptr(addr(self, op, &indices)?)
+            .i64(out.rows as u64)
+            .i64(out.cols as u64)
+            .ptr(compute.status.ptr);
+        compute
+            .launch(
+                self.cu_stream(),
+                &format!("gather_{width}"),
+                grid_2d(out.rows as u64, out.cols as u64),
+                THREADS,
+                launch,
+            )
+            .map_err(|err| err.into_plugin(op))
+    }
+
+    pub(crate) fn cast_impl(&self, args: &CastArgs) -> Result<(), PluginError> {
+        let op = "cast";
+        let (src, out) = self.with_checker(op, |check| validate::cast(check, args))?;
+        let compute = self.compute(op)?;
+        if src.is_empty() || out.same_as(&src) {
+            return Ok(());
+        }
+        let launch = Args::new()
+            .ptr(addr(self, op, &src)?)
+            .i64(src.stride as u64)
+            .ptr(addr(self, op, &out)?)
+            .i64(out.stride as u64)
+            .i64(src.rows as u64)
+            .i64(src.cols as u64);
+        let name = format!("cast_{}_{}", dtype_name(src.dtype), dtype_name(out.dtype));
+        compute
+            .launch(
+                self.cu_stream(),
+                &name,
+                grid_2d(src.rows as u64, src.cols as u64),
+                THREADS,
+                launch,
+            )
+            .map_err(|err| err.into_plugin(op))
+    }
+}
+
+/// Compiles or loads from the cache the kernel module for the device; returns it and where it
+/// came from, for the description.
+fn load_kernels(
+    info: &Info,
+    options: &CudaOptions,
+    log: &Logger,
+) -> Result<(Module, String), CudaError> {
+    let cache = Cache::locate(options.kernel_cache.as_deref());
+    let cc = u32::try_from(info.cc.0 * 10 + info.cc.1)
+        .map_err(|_| CudaError::Unsupported(format!("compute capability {:?}", info.cc)))?;
+    let nvrtc = loader::present(Library::Nvrtc);
+    let target = if nvrtc {
+        kernels::target_for(cc, &kernels::supported_archs()?)
+    } else {
+        Target::Cubin(cc)
+    };
+    if let Some(image) = cache.load(target, info.driver_version) {
+        let path = cache.path(target, info.driver_version).unwrap_or_default();
+        match Module::load(&image) {
+            Ok(module) => {
+                log.info(format!(
+                    "kernels for {} loaded from {}",
+                    target.arch(),
+                    path.display()
+                ));
+                return Ok((module, format!("cached {}", target.arch())));
+            }
+            Err(err) => log.warn(format!(
+                "cached kernels {} do not load ({err}); compiling again",
+                path.display()
+            )),
+        }
+    }
+    if !nvrtc {
+        let mut missing = loader::missing(Library::Nvrtc);
+        if let CudaError::LibraryMissing { tried, .. } = &mut missing {
+            match cache.path(target, info.driver_version) {
+                Some(path) => {
+                    tried.push_str(&format!("; and no cached kernels at {}", path.display()))
+                }
+                None => tried.push_str("; and the kernel cache is off"),
+            }
+        }
+        return Err(missing);
+    }
+    let (major, minor) = kernels::nvrtc_version()?;
+    let compiled = kernels::compile(target, &[])?;
+    log.info(format!(
+        "compiled {} kernels for {} with NVRTC {major}.{minor} in {} ms ({} KiB)",
+        kernels::kernel_names().len(),
+        target.arch(),
+        compiled.millis,
+        compiled.image.len() >> 10
+    ));
+    if cache.dir().is_some() {
+        match cache.store(target, info.driver_version, &compiled.image) {
+            Ok(path) => log.debug(format!("kernels cached at {}", path.display())),
+            Err(err) => log.warn(format!("kernel cache not written: {err}")),
+        }
+    }
+    let module = Module::load(&compiled.image)?;
+    Ok((
+        module,
+        format!("compiled {} in {} ms", target.arch(), compiled.millis),
+    ))
+}
+
+/// A cuBLASLt handle, destroyed on drop.
+struct LtHandle(cublaslt_sys::cublasLtHandle_t);
+
+impl Drop for LtHandle {
+    fn drop(&mut self) {
+        // SAFETY: created by `create_handle`, destroyed once.
+        let _ = unsafe { cublaslt::destroy_handle(self.0) };
+    }
+}
+
+/// A cuBLAS handle, destroyed on drop.
+struct BlasHandle(cublas_sys::cublasHandle_t);
+
+impl Drop for BlasHandle {
+    fn drop(&mut self) {
+        // SAFETY: created by `create_handle`, destroyed once.
+        let _ = unsafe { cublas::destroy_handle(self.0) };
+    }
+}
+
+/// A 4-byte device word kernels set flags in.
+struct DeviceWord {
+    ptr: CUdeviceptr,
+}
+
+impl DeviceWord {
+    const BYTES: usize = 4;
+
+    fn new() -> Result<DeviceWord, CudaError> {
+        // SAFETY: a plain allocation in the current context, zeroed synchronously below.
+        let ptr = unsafe { result::malloc_sync(Self::BYTES) }.call("cuMemAlloc")?;
+        let word = DeviceWord { ptr };
+        // SAFETY: the word is 4 bytes of live device memory.
+        unsafe { result::memset_d8_sync(word.ptr, 0, Self::BYTES) }.call("cuMemsetD8")?;
+        Ok(word)
+    }
+
+    fn read(&self) -> Result<u32, CudaError> {
+        let mut value = [0u32; 1];
+        // SAFETY: the word is 4 live bytes; the queue was synchronised by the caller.
+        unsafe { result::memcpy_dtoh_sync(&mut value, self.ptr) }.call("cuMemcpyDtoH")?;
+        Ok(value[0])
+    }
+
+    fn clear(&self, stream: CUstream) -> Result<(), CudaError> {
+        // SAFETY: the word is 4 live bytes.
+        unsafe { result::memset_d8_async(self.ptr, 0, Self::BYTES, stream) }.call("cuMemsetD8Async")
+    }
+}
+
+impl Drop for DeviceWord {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `new`, freed once, after the queue drained (device close).
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// The device buffer batched copies read their regions from.
+#[derive(Default)]
+struct Descriptors {
+    ptr: CUdeviceptr,
+    bytes: u64,
+}
+
+impl Descriptors {
+    /// Grows the buffer to at least `bytes` (to the next power of two).
+    fn reserve(&mut self, stream: CUstream, bytes: u64) -> Result<(), CudaError> {
+        if bytes <= self.bytes {
+            return Ok(());
+        }
+        let grown = bytes.next_power_of_two().max(4096);
+        std::mem::take(self).release(stream)?;
+        let len =
+            usize::try_from(grown).map_err(|_| CudaError::Invalid(format!("{grown} bytes")))?;
+        // SAFETY: a plain allocation in the current context.
+        let ptr = unsafe { result::malloc_sync(len) }.map_err(|err| CudaError::OutOfMemory {
+            what: "copy descriptors".into(),
+            requested: grown,
+            free: 0,
+            total: 0,
+            code: err.0,
+        })?;
+        *self = Descriptors { ptr, bytes: grown };
+        Ok(())
+    }
+
+    /// Frees the buffer once the queue no longer reads it.
+    fn release(self, stream: CUstream) -> Result<(), CudaError> {
+        if self.bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the stream belongs to the current context; after it drains no kernel reads
+        // the buffer, which is freed once.
+        unsafe {
+            result::stream::synchronize(stream).call("cuStreamSynchronize")?;
+            result::free_sync(self.ptr).call("cuMemFree")
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The guarded values stay consistent across a panic (plain fields written at once).
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
