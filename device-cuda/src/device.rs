@@ -118,6 +118,9 @@ impl CudaDevice {
         options: CudaOptions,
         log: Logger,
     ) -> Result<CudaDevice, CudaError> {
+        if let Some(hidden) = hidden_by_visible_devices() {
+            return Err(CudaError::Unavailable(hidden));
+        }
         loader::require(Library::Driver)?;
         result::init().call("cuInit")?;
         let driver_version = driver_version()?;
@@ -794,10 +797,17 @@ pub fn visible_devices_note() -> String {
     }
 }
 
-/// What [`crate::probe`] answers: the device count, or why there is none.
+/// Why no device is visible when `CUDA_VISIBLE_DEVICES` is set and empty.
+fn hidden_by_visible_devices() -> Option<String> {
+    std::env::var("CUDA_VISIBLE_DEVICES")
+        .is_ok_and(|value| value.trim().is_empty())
+        .then(|| "CUDA_VISIBLE_DEVICES is set and empty, which hides every device".to_owned())
+}
+
+/// What the plugin's probe answers: the device count, or why there is none.
 pub fn probe_devices() -> Result<u32, String> {
-    if std::env::var("CUDA_VISIBLE_DEVICES").is_ok_and(|value| value.trim().is_empty()) {
-        return Err("CUDA_VISIBLE_DEVICES is set and empty, which hides every device".to_owned());
+    if let Some(hidden) = hidden_by_visible_devices() {
+        return Err(hidden);
     }
     if !loader::present(Library::Driver) {
         return Err(format!(

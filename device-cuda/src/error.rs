@@ -67,6 +67,9 @@ pub enum CudaError {
         /// The names and paths tried, for the message.
         tried: String,
     },
+    /// No device can be used (hidden by `CUDA_VISIBLE_DEVICES`, say).
+    #[error("{0}")]
+    Unavailable(String),
     /// The device or driver cannot run this plugin (compute capability, driver version).
     #[error("{0}")]
     Unsupported(String),
@@ -135,7 +138,9 @@ impl CudaError {
                 ..
             }
             | CudaError::Unsupported(_) => PluginError::unsupported(message),
-            CudaError::LibraryMissing { .. } => PluginError::unavailable(message),
+            CudaError::LibraryMissing { .. } | CudaError::Unavailable(_) => {
+                PluginError::unavailable(message)
+            }
             CudaError::Invalid(_) => PluginError::invalid_argument(message),
             _ => PluginError::internal(message),
         }

@@ -134,6 +134,18 @@ pub fn preload() -> &'static [PathBuf] {
     })
 }
 
+/// Opens the CUDA libraries (cuBLAS, cuBLASLt, NVRTC) found in `dir` by absolute path and keeps
+/// them open, as [`preload`] does for the install roots. Returns the files opened. Tests use it
+/// to point the plugin at a pip-installed NVRTC.
+pub fn preload_from(dir: &Path) -> Vec<PathBuf> {
+    let roots = [dir.to_path_buf()];
+    [Library::CublasLt, Library::Cublas, Library::Nvrtc]
+        .into_iter()
+        .filter_map(|library| find_in_roots(library, &roots))
+        .filter(|path| open_forever(path))
+        .collect()
+}
+
 /// The folders searched for cuBLAS, cuBLASLt and NVRTC beside the loader path, in order.
 pub fn search_roots() -> Vec<PathBuf> {
     let env = |name: &str| std::env::var_os(name).filter(|value| !value.is_empty());

@@ -1,0 +1,505 @@
+//! The plugin over a stand-in driver: probe, open, memory, transfers, fills, staging, error
+//! mapping and the memory report, through the real ABI, on machines without a GPU.
+//!
+//! The stand-in (`tests/standin/libcuda.c`) is built here with the C compiler and put first on
+//! `LD_LIBRARY_PATH` of a child process, since the loader reads that variable only at process
+//! start and cudarc keeps the first driver it opened. Each parent test below runs one scenario
+//! in a child (this test binary again, running [`scenario`] with `IRIS_STANDIN_SCENARIO`) and
+//! fails when the child fails or dies.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+use iris_plugin::abi::{
+    Activation, ActivationArgs, BufferSlice, CopyRegion, DType, FillArgs, MatRef, property,
+};
+use iris_plugin::{Device, ErrorCode, Plugin, load_library};
+
+/// Environment variable naming the scenario a child runs.
+const SCENARIO_ENV: &str = "IRIS_STANDIN_SCENARIO";
+
+// ---------------------------------------------------------------------------------------------
+// Parent tests
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn without_a_driver_probe_names_the_library_and_open_is_unavailable() {
+    if let Some(why) = system_driver() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    run("no_driver", &[], false);
+}
+
+#[test]
+fn the_toolkit_stub_is_reported_as_such() {
+    run("stub", &[("IRIS_STANDIN_MODE", "stub")], true);
+}
+
+#[test]
+fn no_device_and_hidden_devices_give_reasons() {
+    run("no_device", &[("IRIS_STANDIN_MODE", "no_device")], true);
+    run("hidden", &[("CUDA_VISIBLE_DEVICES", "")], true);
+}
+
+#[test]
+fn a_driver_older_than_cuda_12_is_refused() {
+    run("old_driver", &[("IRIS_STANDIN_DRIVER", "11080")], true);
+}
+
+#[test]
+fn memory_transfers_fills_and_the_report_work() {
+    run(
+        "memory",
+        &[("IRIS_STANDIN_MEMORY", &(64u64 << 20).to_string())],
+        true,
+    );
+}
+
+#[test]
+fn devices_without_memory_pools_free_after_the_queue() {
+    run(
+        "memory",
+        &[
+            ("IRIS_STANDIN_POOLS", "0"),
+            ("IRIS_STANDIN_MEMORY", &(64u64 << 20).to_string()),
+        ],
+        true,
+    );
+}
+
+#[test]
+fn out_of_memory_is_reported_with_sizes_and_the_device_goes_on() {
+    run(
+        "oom",
+        &[
+            ("IRIS_STANDIN_OOM_AT", "2"),
+            ("IRIS_STANDIN_MEMORY", &(64u64 << 20).to_string()),
+        ],
+        true,
+    );
+}
+
+#[test]
+fn driver_failures_carry_the_call_and_the_cuda_name() {
+    run("copy_failure", &[("IRIS_STANDIN_FAIL_COPY", "719")], true);
+}
+
+#[test]
+fn opening_for_ops_without_cublas_is_a_clear_error() {
+    run("no_blas", &[], true);
+}
+
+#[test]
+fn staging_buffers_are_pinned_and_round_trip() {
+    run("staging", &[], true);
+}
+
+#[test]
+fn no_configuration_makes_the_host_abort() {
+    let configurations: &[(&str, &[(&str, &str)], bool)] = &[
+        ("no driver", &[], false),
+        ("stub", &[("IRIS_STANDIN_MODE", "stub")], true),
+        ("no device", &[("IRIS_STANDIN_MODE", "no_device")], true),
+        ("hidden", &[("CUDA_VISIBLE_DEVICES", "")], true),
+        ("old driver", &[("IRIS_STANDIN_DRIVER", "9020")], true),
+        ("healthy", &[], true),
+        (
+            "first allocation fails",
+            &[("IRIS_STANDIN_OOM_AT", "1")],
+            true,
+        ),
+        ("no pools", &[("IRIS_STANDIN_POOLS", "0")], true),
+        ("copies fail", &[("IRIS_STANDIN_FAIL_COPY", "700")], true),
+        ("two devices", &[("IRIS_STANDIN_DEVICES", "2")], true),
+    ];
+    for (name, env, standin) in configurations {
+        if !standin && system_driver().is_some() {
+            continue;
+        }
+        let output = child("survive", env, *standin);
+        assert!(
+            output.status.code() == Some(0),
+            "configuration `{name}` ended with {:?}\n{}",
+            output.status,
+            text(&output)
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The child side
+// ---------------------------------------------------------------------------------------------
+
+/// One scenario, run in a child process by the tests above (never on its own).
+#[test]
+#[ignore = "a child-process scenario, run by the other tests of this file"]
+fn scenario() {
+    let name = std::env::var(SCENARIO_ENV)
+        .expect("run by the parent tests of tests/standin.rs, which set IRIS_STANDIN_SCENARIO");
+    let plugin = load_library(&plugin_library()).expect("the cuda plugin loads");
+    assert_eq!(plugin.name(), "cuda");
+    match name.as_str() {
+        "no_driver" => no_driver(&plugin),
+        "stub" => refused(&plugin, "CUDA_ERROR_STUB_LIBRARY"),
+        "no_device" => refused(&plugin, "CUDA_ERROR_NO_DEVICE"),
+        "hidden" => refused(&plugin, "CUDA_VISIBLE_DEVICES is set and empty"),
+        "old_driver" => refused(
+            &plugin,
+            "the driver supports CUDA 11.8, this plugin needs 12.0",
+        ),
+        "memory" => memory(&plugin),
+        "oom" => oom(&plugin),
+        "copy_failure" => copy_failure(&plugin),
+        "no_blas" => no_blas(&plugin),
+        "staging" => staging(&plugin),
+        "survive" => survive(&plugin),
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+fn no_driver(plugin: &Plugin) {
+    let probe = plugin.probe();
+    assert_eq!(probe.device_count, 0);
+    assert!(
+        probe.reason.contains("libcuda.so.1 not found"),
+        "{}",
+        probe.reason
+    );
+    assert!(probe.reason.contains("libcuda.so.1"), "{}", probe.reason);
+    let err = plugin.open(0, &[]).unwrap_err();
+    assert_eq!(err.code, ErrorCode::UNAVAILABLE, "{err}");
+    assert!(err.message.contains("libcuda.so.1 not found"), "{err}");
+}
+
+fn refused(plugin: &Plugin, reason: &str) {
+    let probe = plugin.probe();
+    assert_eq!(probe.device_count, 0);
+    assert!(probe.reason.contains(reason), "{}", probe.reason);
+    let err = plugin.open(0, &memory_only()).unwrap_err();
+    assert!(
+        err.code == ErrorCode::UNAVAILABLE || err.code == ErrorCode::UNSUPPORTED,
+        "{err}"
+    );
+}
+
+fn memory(plugin: &Plugin) {
+    let probe = plugin.probe();
+    assert_eq!((probe.device_count, probe.reason.as_str()), (1, ""));
+    let device = plugin.open(0, &memory_only()).expect("opens memory-only");
+    let desc = device.description();
+    assert_eq!(desc.name, "iris stand-in device");
+    assert_eq!(desc.vendor, "NVIDIA");
+    assert_eq!(desc.total_memory, 64 << 20);
+    assert!(
+        desc.ops.is_empty(),
+        "memory-only lists no ops: {:?}",
+        desc.ops
+    );
+    assert!(desc.dtypes.contains(&DType::BF16) && desc.dtypes.contains(&DType::I32));
+    assert_eq!(desc.property(property::COMPUTE_CAPABILITY), Some("8.0"));
+    assert_eq!(desc.property(property::DRIVER_VERSION), Some("12.4"));
+    assert_eq!(desc.property(property::COMPUTE_UNITS), Some("4"));
+    assert_eq!(desc.property(property::QUEUE), Some("async"));
+    // 1 GHz memory clock, DDR, 256-bit bus.
+    assert_eq!(
+        desc.property_u64(property::MEMORY_BANDWIDTH),
+        Some(64_000_000_000)
+    );
+
+    let start = device.mem_info().unwrap();
+    assert_eq!(start.total, 64 << 20);
+    let a = device.alloc(1 << 20).unwrap();
+    let b = device.alloc(4096).unwrap();
+    assert_eq!(
+        device.mem_info().unwrap().free,
+        start.free - (1 << 20) - 4096
+    );
+    let report = device.memory_report().unwrap();
+    assert_eq!((report.allocated, report.buffers), ((1 << 20) + 4096, 2));
+
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+    device.write(a, 100, &data).unwrap();
+    let mut back = vec![0u8; 4096];
+    device.read(a, 100, &mut back).unwrap();
+    assert_eq!(back, data);
+
+    // Fills of every width, and a batched copy across buffers.
+    let fill = |offset, bytes, value, width| FillArgs {
+        dst: BufferSlice {
+            buf: b,
+            offset,
+            bytes,
+        },
+        value,
+        width,
+    };
+    device.fill(&fill(0, 16, 0xab, 1)).unwrap();
+    device.fill(&fill(16, 16, 0x3f80, 2)).unwrap();
+    device.fill(&fill(32, 16, 0x3f80_0000, 4)).unwrap();
+    let regions = [
+        CopyRegion {
+            src: a,
+            src_offset: 100,
+            dst: b,
+            dst_offset: 64,
+            bytes: 8,
+        },
+        CopyRegion {
+            src: b,
+            src_offset: 0,
+            dst: a,
+            dst_offset: 0,
+            bytes: 4,
+        },
+    ];
+    device.copy_batch(&regions).unwrap();
+    let mut head = [0u8; 72];
+    device.read(b, 0, &mut head).unwrap();
+    assert_eq!(&head[..16], &[0xab; 16]);
+    assert_eq!(&head[16..18], &[0x80, 0x3f]);
+    assert_eq!(&head[32..36], &1.0f32.to_le_bytes());
+    assert_eq!(&head[64..72], &data[..8]);
+    let mut first = [0u8; 4];
+    device.read(a, 0, &mut first).unwrap();
+    assert_eq!(first, [0xab; 4]);
+
+    // Bad arguments are invalid, named, and enqueue nothing.
+    let err = device.read(a, (1 << 20) - 2, &mut [0u8; 4]).unwrap_err();
+    assert_eq!(err.code, ErrorCode::INVALID_ARGUMENT);
+    assert!(err.message.contains("outside the buffer"), "{err}");
+    let err = device.fill(&fill(1, 4, 0, 2)).unwrap_err();
+    assert_eq!(err.code, ErrorCode::INVALID_ARGUMENT);
+    assert_eq!(
+        device.alloc(0).unwrap_err().code,
+        ErrorCode::INVALID_ARGUMENT
+    );
+
+    // Ops need cuBLAS and the kernels: unsupported, with the reason.
+    let x = MatRef::contiguous(a, 0, DType::F32, 4, 4);
+    let err = device
+        .activation(&ActivationArgs {
+            x,
+            out: x,
+            activation: Activation::SILU,
+            workspace: BufferSlice::EMPTY,
+        })
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::UNSUPPORTED);
+    assert!(err.message.contains("memory_only"), "{err}");
+
+    // Free is queue-ordered: the buffers count until the queue has run the frees.
+    device.free(a).unwrap();
+    device.free(b).unwrap();
+    assert_eq!(
+        device.free(b).unwrap_err().code,
+        ErrorCode::INVALID_ARGUMENT
+    );
+    device.synchronize().unwrap();
+    let report = device.memory_report().unwrap();
+    assert_eq!((report.allocated, report.buffers), (0, 0));
+    assert_eq!(device.mem_info().unwrap().free, start.free);
+}
+
+fn oom(plugin: &Plugin) {
+    let device = plugin.open(0, &memory_only()).unwrap();
+    let first = device.alloc(1024).unwrap();
+    let err = device.alloc(2048).unwrap_err();
+    assert_eq!(err.code, ErrorCode::OUT_OF_MEMORY, "{err}");
+    assert!(err.message.contains("2048 bytes requested"), "{err}");
+    assert!(err.message.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{err}");
+    // Larger than the device: out of memory too, and the device goes on.
+    let err = device.alloc(1 << 30).unwrap_err();
+    assert_eq!(err.code, ErrorCode::OUT_OF_MEMORY, "{err}");
+    let second = device.alloc(2048).unwrap();
+    device.free(first).unwrap();
+    device.free(second).unwrap();
+    device.synchronize().unwrap();
+    assert_eq!(device.memory_report().unwrap().allocated, 0);
+}
+
+fn copy_failure(plugin: &Plugin) {
+    let device = plugin.open(0, &memory_only()).unwrap();
+    let buf = device.alloc(64).unwrap();
+    let err = device.write(buf, 0, &[1, 2, 3, 4]).unwrap_err();
+    assert_eq!(err.code, ErrorCode::UNAVAILABLE, "{err}");
+    assert!(
+        err.message
+            .contains("cuMemcpyHtoDAsync failed: CUDA_ERROR_LAUNCH_FAILED"),
+        "{err}"
+    );
+    let err = device.read(buf, 0, &mut [0u8; 4]).unwrap_err();
+    assert!(err.message.contains("CUDA_ERROR_LAUNCH_FAILED"), "{err}");
+    device.free(buf).unwrap();
+}
+
+fn no_blas(plugin: &Plugin) {
+    // cuBLAS cannot run on any stand-in: either it is not installed (CI) or it fails to start.
+    let err = plugin.open(0, &[]).unwrap_err();
+    assert!(
+        err.message.contains("cublasLt") || err.message.contains("cublas"),
+        "the error names the library: {err}"
+    );
+    assert!(
+        err.code == ErrorCode::UNAVAILABLE || err.code == ErrorCode::INTERNAL,
+        "{err}"
+    );
+}
+
+fn staging(plugin: &Plugin) {
+    let device = std::sync::Arc::new(plugin.open(0, &memory_only()).unwrap());
+    assert!(device.has_staging());
+    let mut host = device.host_buffer(256).unwrap();
+    assert!(host.is_pinned());
+    for (i, byte) in host.as_mut_slice().unwrap().iter_mut().enumerate() {
+        *byte = i as u8;
+    }
+    let buf = device.alloc(256).unwrap();
+    device.upload(buf, 0, &mut host, 0, 256).unwrap();
+    let mut back = device.host_buffer(128).unwrap();
+    device.download(buf, 64, &mut back, 0, 128).unwrap();
+    let expected: Vec<u8> = (64..192).map(|i| i as u8).collect();
+    assert_eq!(back.as_slice().unwrap(), expected.as_slice());
+    device.free(buf).unwrap();
+    drop(host);
+    drop(back);
+    device.synchronize().unwrap();
+}
+
+fn survive(plugin: &Plugin) {
+    let probe = plugin.probe();
+    if probe.device_count == 0 {
+        assert!(!probe.reason.is_empty());
+    }
+    for options in [memory_only(), Vec::new()] {
+        let Ok(device) = plugin.open(0, &options) else {
+            continue;
+        };
+        let _ = device.description();
+        let _ = device.mem_info();
+        if let Ok(buf) = device.alloc(4096) {
+            let _ = device.write(buf, 0, &[0u8; 64]);
+            let _ = device.read(buf, 0, &mut [0u8; 64]);
+            let _ = device.free(buf);
+        }
+        let _ = device.synchronize();
+        let _ = device.memory_report();
+    }
+    let _ = plugin.open(1, &memory_only());
+    let _ = plugin.open(7, &[]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+fn memory_only() -> Vec<(String, String)> {
+    vec![("memory_only".to_owned(), "true".to_owned())]
+}
+
+/// Runs `scenario` in a child and fails with its output unless it passed.
+fn run(scenario: &str, env: &[(&str, &str)], standin: bool) {
+    let output = child(scenario, env, standin);
+    assert!(
+        output.status.success(),
+        "scenario `{scenario}` failed:\n{}",
+        text(&output)
+    );
+}
+
+fn child(scenario: &str, env: &[(&str, &str)], standin: bool) -> Output {
+    let lib_dir = if standin {
+        standin_dir().to_path_buf()
+    } else {
+        empty_dir()
+    };
+    let mut command = Command::new(std::env::current_exe().expect("test binary path"));
+    command
+        .args([
+            "scenario",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(SCENARIO_ENV, scenario)
+        .env("LD_LIBRARY_PATH", &lib_dir)
+        // Keep the child away from this machine's CUDA installs: the scenarios describe a
+        // driver and no libraries beside it.
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env_remove("CUDA_HOME")
+        .env_remove("CUDA_PATH")
+        .env_remove("IRIS_CUDA_LIB_PATH")
+        .env_remove("VIRTUAL_ENV")
+        .env_remove("CONDA_PREFIX")
+        .env("IRIS_CUDA_KERNEL_CACHE", "off");
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    command.output().expect("the child runs")
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "--- stdout\n{}\n--- stderr\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// The folder holding the stand-in as `libcuda.so.1` (and `libcuda.so`, which cudarc tries
+/// first), built once per test run.
+fn standin_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("standin-libcuda");
+        std::fs::create_dir_all(&dir).unwrap();
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/standin/libcuda.c");
+        let library = dir.join("libcuda.so.1");
+        let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".to_owned()))
+            .args([
+                "-shared",
+                "-fPIC",
+                "-O1",
+                "-Wall",
+                "-Werror",
+                "-Wl,-soname,libcuda.so.1",
+                "-o",
+            ])
+            .arg(&library)
+            .arg(&source)
+            .status()
+            .expect("a C compiler (cc, or $CC) builds the stand-in driver");
+        assert!(status.success(), "the stand-in driver does not compile");
+        std::fs::copy(&library, dir.join("libcuda.so")).unwrap();
+        dir
+    })
+}
+
+fn empty_dir() -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("standin-empty");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Why the no-driver scenario cannot run here: a real driver on the loader path.
+fn system_driver() -> Option<String> {
+    ["libcuda.so.1", "libcuda.so"].into_iter().find_map(|name| {
+        // SAFETY: opening the system's CUDA driver runs only its initialisers.
+        unsafe { libloading::Library::new(name) }.ok().map(|_| {
+            format!("this machine has a CUDA driver ({name}); the no-driver case needs one without")
+        })
+    })
+}
+
+/// The plugin library cargo built beside this test binary.
+fn plugin_library() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap();
+    let name = "libiris_device_cuda.so";
+    [deps.join(name), deps.parent().unwrap().join(name)]
+        .into_iter()
+        .find(|path| path.is_file())
+        .unwrap_or_else(|| panic!("{name} is built next to {}", deps.display()))
+}
