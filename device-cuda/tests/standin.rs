@@ -1,23 +1,28 @@
 //! The plugin over a stand-in driver: probe, open, memory, transfers, fills, staging, error
 //! mapping and the memory report, through the real ABI, on machines without a GPU.
 //!
-//! The stand-in (`tests/standin/libcuda.c`) is built here with the C compiler and put first on
-//! `LD_LIBRARY_PATH` of a child process, since the loader reads that variable only at process
-//! start and cudarc keeps the first driver it opened. Each parent test below runs one scenario
+//! The stand-in (`tests/standin/libcuda.c`) is built with the C compiler and put first on
+//! `LD_LIBRARY_PATH` of a child process (see `common`). Each parent test below runs one scenario
 //! in a child (this test binary again, running [`scenario`] with `IRIS_STANDIN_SCENARIO`) and
 //! fails when the child fails or dies.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::OnceLock;
+// Test data: small indices and byte patterns whose casts are exact, and reference loops that
+// read clearer with indices.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_precision_loss,
+    clippy::needless_range_loop,
+    clippy::type_complexity
+)]
 
+mod common;
+
+use common::{Libraries, child, plugin_library, run, system_driver, text};
 use iris_plugin::abi::{
     Activation, ActivationArgs, BufferSlice, CopyRegion, DType, FillArgs, MatRef, property,
 };
-use iris_plugin::{Device, ErrorCode, Plugin, load_library};
-
-/// Environment variable naming the scenario a child runs.
-const SCENARIO_ENV: &str = "IRIS_STANDIN_SCENARIO";
+use iris_plugin::{ErrorCode, Plugin, load_library};
 
 // ---------------------------------------------------------------------------------------------
 // Parent tests
@@ -29,23 +34,31 @@ fn without_a_driver_probe_names_the_library_and_open_is_unavailable() {
         eprintln!("skipped: {why}");
         return;
     }
-    run("no_driver", &[], false);
+    run("no_driver", &[], Libraries::None);
 }
 
 #[test]
 fn the_toolkit_stub_is_reported_as_such() {
-    run("stub", &[("IRIS_STANDIN_MODE", "stub")], true);
+    run("stub", &[("IRIS_STANDIN_MODE", "stub")], Libraries::Driver);
 }
 
 #[test]
 fn no_device_and_hidden_devices_give_reasons() {
-    run("no_device", &[("IRIS_STANDIN_MODE", "no_device")], true);
-    run("hidden", &[("CUDA_VISIBLE_DEVICES", "")], true);
+    run(
+        "no_device",
+        &[("IRIS_STANDIN_MODE", "no_device")],
+        Libraries::Driver,
+    );
+    run("hidden", &[("CUDA_VISIBLE_DEVICES", "")], Libraries::Driver);
 }
 
 #[test]
 fn a_driver_older_than_cuda_12_is_refused() {
-    run("old_driver", &[("IRIS_STANDIN_DRIVER", "11080")], true);
+    run(
+        "old_driver",
+        &[("IRIS_STANDIN_DRIVER", "11080")],
+        Libraries::Driver,
+    );
 }
 
 #[test]
@@ -53,7 +66,7 @@ fn memory_transfers_fills_and_the_report_work() {
     run(
         "memory",
         &[("IRIS_STANDIN_MEMORY", &(64u64 << 20).to_string())],
-        true,
+        Libraries::Driver,
     );
 }
 
@@ -65,7 +78,7 @@ fn devices_without_memory_pools_free_after_the_queue() {
             ("IRIS_STANDIN_POOLS", "0"),
             ("IRIS_STANDIN_MEMORY", &(64u64 << 20).to_string()),
         ],
-        true,
+        Libraries::Driver,
     );
 }
 
@@ -77,48 +90,72 @@ fn out_of_memory_is_reported_with_sizes_and_the_device_goes_on() {
             ("IRIS_STANDIN_OOM_AT", "2"),
             ("IRIS_STANDIN_MEMORY", &(64u64 << 20).to_string()),
         ],
-        true,
+        Libraries::Driver,
     );
 }
 
 #[test]
 fn driver_failures_carry_the_call_and_the_cuda_name() {
-    run("copy_failure", &[("IRIS_STANDIN_FAIL_COPY", "719")], true);
+    run(
+        "copy_failure",
+        &[("IRIS_STANDIN_FAIL_COPY", "719")],
+        Libraries::Driver,
+    );
 }
 
 #[test]
 fn opening_for_ops_without_cublas_is_a_clear_error() {
-    run("no_blas", &[], true);
+    run("no_blas", &[], Libraries::Driver);
 }
 
 #[test]
 fn staging_buffers_are_pinned_and_round_trip() {
-    run("staging", &[], true);
+    run("staging", &[], Libraries::Driver);
 }
 
 #[test]
 fn no_configuration_makes_the_host_abort() {
-    let configurations: &[(&str, &[(&str, &str)], bool)] = &[
-        ("no driver", &[], false),
-        ("stub", &[("IRIS_STANDIN_MODE", "stub")], true),
-        ("no device", &[("IRIS_STANDIN_MODE", "no_device")], true),
-        ("hidden", &[("CUDA_VISIBLE_DEVICES", "")], true),
-        ("old driver", &[("IRIS_STANDIN_DRIVER", "9020")], true),
-        ("healthy", &[], true),
+    let configurations: &[(&str, &[(&str, &str)], Libraries)] = &[
+        ("no driver", &[], Libraries::None),
+        ("stub", &[("IRIS_STANDIN_MODE", "stub")], Libraries::Driver),
+        (
+            "no device",
+            &[("IRIS_STANDIN_MODE", "no_device")],
+            Libraries::Driver,
+        ),
+        ("hidden", &[("CUDA_VISIBLE_DEVICES", "")], Libraries::Driver),
+        (
+            "old driver",
+            &[("IRIS_STANDIN_DRIVER", "9020")],
+            Libraries::Driver,
+        ),
+        ("healthy", &[], Libraries::Driver),
         (
             "first allocation fails",
             &[("IRIS_STANDIN_OOM_AT", "1")],
-            true,
+            Libraries::Driver,
         ),
-        ("no pools", &[("IRIS_STANDIN_POOLS", "0")], true),
-        ("copies fail", &[("IRIS_STANDIN_FAIL_COPY", "700")], true),
-        ("two devices", &[("IRIS_STANDIN_DEVICES", "2")], true),
+        (
+            "no pools",
+            &[("IRIS_STANDIN_POOLS", "0")],
+            Libraries::Driver,
+        ),
+        (
+            "copies fail",
+            &[("IRIS_STANDIN_FAIL_COPY", "700")],
+            Libraries::Driver,
+        ),
+        (
+            "two devices",
+            &[("IRIS_STANDIN_DEVICES", "2")],
+            Libraries::Driver,
+        ),
     ];
-    for (name, env, standin) in configurations {
-        if !standin && system_driver().is_some() {
+    for (name, env, libraries) in configurations {
+        if *libraries == Libraries::None && system_driver().is_some() {
             continue;
         }
-        let output = child("survive", env, *standin);
+        let output = child("survive", env, *libraries);
         assert!(
             output.status.code() == Some(0),
             "configuration `{name}` ended with {:?}\n{}",
@@ -136,7 +173,7 @@ fn no_configuration_makes_the_host_abort() {
 #[test]
 #[ignore = "a child-process scenario, run by the other tests of this file"]
 fn scenario() {
-    let name = std::env::var(SCENARIO_ENV)
+    let name = std::env::var(common::SCENARIO_ENV)
         .expect("run by the parent tests of tests/standin.rs, which set IRIS_STANDIN_SCENARIO");
     let plugin = load_library(&plugin_library()).expect("the cuda plugin loads");
     assert_eq!(plugin.name(), "cuda");
@@ -396,110 +433,4 @@ fn survive(plugin: &Plugin) {
 
 fn memory_only() -> Vec<(String, String)> {
     vec![("memory_only".to_owned(), "true".to_owned())]
-}
-
-/// Runs `scenario` in a child and fails with its output unless it passed.
-fn run(scenario: &str, env: &[(&str, &str)], standin: bool) {
-    let output = child(scenario, env, standin);
-    assert!(
-        output.status.success(),
-        "scenario `{scenario}` failed:\n{}",
-        text(&output)
-    );
-}
-
-fn child(scenario: &str, env: &[(&str, &str)], standin: bool) -> Output {
-    let lib_dir = if standin {
-        standin_dir().to_path_buf()
-    } else {
-        empty_dir()
-    };
-    let mut command = Command::new(std::env::current_exe().expect("test binary path"));
-    command
-        .args([
-            "scenario",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(SCENARIO_ENV, scenario)
-        .env("LD_LIBRARY_PATH", &lib_dir)
-        // Keep the child away from this machine's CUDA installs: the scenarios describe a
-        // driver and no libraries beside it.
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env_remove("CUDA_HOME")
-        .env_remove("CUDA_PATH")
-        .env_remove("IRIS_CUDA_LIB_PATH")
-        .env_remove("VIRTUAL_ENV")
-        .env_remove("CONDA_PREFIX")
-        .env("IRIS_CUDA_KERNEL_CACHE", "off");
-    for (key, value) in env {
-        command.env(key, value);
-    }
-    command.output().expect("the child runs")
-}
-
-fn text(output: &Output) -> String {
-    format!(
-        "--- stdout\n{}\n--- stderr\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
-/// The folder holding the stand-in as `libcuda.so.1` (and `libcuda.so`, which cudarc tries
-/// first), built once per test run.
-fn standin_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("standin-libcuda");
-        std::fs::create_dir_all(&dir).unwrap();
-        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/standin/libcuda.c");
-        let library = dir.join("libcuda.so.1");
-        let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".to_owned()))
-            .args([
-                "-shared",
-                "-fPIC",
-                "-O1",
-                "-Wall",
-                "-Werror",
-                "-Wl,-soname,libcuda.so.1",
-                "-o",
-            ])
-            .arg(&library)
-            .arg(&source)
-            .status()
-            .expect("a C compiler (cc, or $CC) builds the stand-in driver");
-        assert!(status.success(), "the stand-in driver does not compile");
-        std::fs::copy(&library, dir.join("libcuda.so")).unwrap();
-        dir
-    })
-}
-
-fn empty_dir() -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("standin-empty");
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// Why the no-driver scenario cannot run here: a real driver on the loader path.
-fn system_driver() -> Option<String> {
-    ["libcuda.so.1", "libcuda.so"].into_iter().find_map(|name| {
-        // SAFETY: opening the system's CUDA driver runs only its initialisers.
-        unsafe { libloading::Library::new(name) }.ok().map(|_| {
-            format!("this machine has a CUDA driver ({name}); the no-driver case needs one without")
-        })
-    })
-}
-
-/// The plugin library cargo built beside this test binary.
-fn plugin_library() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    let name = "libiris_device_cuda.so";
-    [deps.join(name), deps.parent().unwrap().join(name)]
-        .into_iter()
-        .find(|path| path.is_file())
-        .unwrap_or_else(|| panic!("{name} is built next to {}", deps.display()))
 }

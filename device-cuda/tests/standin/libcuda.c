@@ -2,8 +2,10 @@
  * A stand-in for the CUDA driver (libcuda.so.1) for tests on machines without a GPU.
  *
  * It exports the driver entry points the plugin calls, with host memory as device memory and
- * every asynchronous operation done at once. Kernels cannot run: module loads and launches
- * return CUDA_ERROR_NOT_SUPPORTED. It returns only codes that exist in cudarc's CUresult enum.
+ * every asynchronous operation done at once. Built alone, it cannot run kernels: module loads and
+ * launches return CUDA_ERROR_NOT_SUPPORTED. Built with -DIRIS_STANDIN_KERNELS and linked with
+ * emu.cpp, it runs the plugin's own kernels (kernels/iris.cu) on the CPU, one thread per CUDA
+ * thread. It returns only codes that exist in cudarc's CUresult enum.
  *
  * Switches, read at cuInit:
  *   IRIS_STANDIN_MODE      ok (default) | no_device (cuInit: CUDA_ERROR_NO_DEVICE)
@@ -423,6 +425,8 @@ CUresult cuEventDestroy_v2(CUevent event) {
     return SUCCESS;
 }
 
+#ifndef IRIS_STANDIN_KERNELS
+/* Without the kernel emulator (emu.cpp), kernels cannot run. */
 CUresult cuModuleLoadData(CUmodule *module, const void *image) {
     GUARD();
     (void)module;
@@ -452,6 +456,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned
     (void)shared; (void)stream; (void)params; (void)extra;
     return NOT_SUPPORTED;
 }
+#endif
 
 CUresult cuGetErrorString(CUresult error, const char **text) {
     (void)error;

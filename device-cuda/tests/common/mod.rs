@@ -1,0 +1,224 @@
+//! Helpers shared by the stand-in tests: building the stand-in libraries and running a scenario
+//! in a child process with them first on `LD_LIBRARY_PATH` (the dynamic loader reads that
+//! variable only at process start, and cudarc keeps the first driver it opened).
+
+#![allow(dead_code)] // each test file uses a part
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// Environment variable naming the scenario a child runs.
+pub const SCENARIO_ENV: &str = "IRIS_STANDIN_SCENARIO";
+
+/// Which libraries a child finds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Libraries {
+    /// No CUDA library at all.
+    None,
+    /// The stand-in driver alone: no kernels, no cuBLAS.
+    Driver,
+    /// The stand-in driver running the kernels on the CPU, and stand-in cuBLAS and cuBLASLt.
+    Full,
+}
+
+/// Runs `scenario` of the current test binary in a child and fails with its output unless it
+/// passed.
+pub fn run(scenario: &str, env: &[(&str, &str)], libraries: Libraries) {
+    let output = child(scenario, env, libraries);
+    assert!(
+        output.status.success(),
+        "scenario `{scenario}` failed:\n{}",
+        text(&output)
+    );
+}
+
+/// Runs `scenario` in a child and returns how it ended.
+pub fn child(scenario: &str, env: &[(&str, &str)], libraries: Libraries) -> Output {
+    let lib_dir = match libraries {
+        Libraries::None => empty_dir(),
+        Libraries::Driver => driver_dir().to_path_buf(),
+        Libraries::Full => full_dir().to_path_buf(),
+    };
+    let mut command = Command::new(std::env::current_exe().expect("test binary path"));
+    command
+        .args([
+            "scenario",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(SCENARIO_ENV, scenario)
+        .env("LD_LIBRARY_PATH", &lib_dir)
+        // Keep the child away from this machine's CUDA installs: the scenarios describe a
+        // driver and the libraries beside it, nothing else.
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env_remove("CUDA_HOME")
+        .env_remove("CUDA_PATH")
+        .env_remove("IRIS_CUDA_LIB_PATH")
+        .env_remove("VIRTUAL_ENV")
+        .env_remove("CONDA_PREFIX")
+        .env("IRIS_CUDA_KERNEL_CACHE", "off");
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    command.output().expect("the child runs")
+}
+
+/// A child's output for a failure message.
+pub fn text(output: &Output) -> String {
+    format!(
+        "--- stdout\n{}\n--- stderr\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// Why the no-driver scenarios cannot run here: a real driver on the loader path.
+pub fn system_driver() -> Option<String> {
+    ["libcuda.so.1", "libcuda.so"].into_iter().find_map(|name| {
+        // SAFETY: opening the system's CUDA driver runs only its initialisers.
+        unsafe { libloading::Library::new(name) }.ok().map(|_| {
+            format!("this machine has a CUDA driver ({name}); the no-driver case needs one without")
+        })
+    })
+}
+
+/// The plugin library cargo built beside the test binary.
+pub fn plugin_library() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap();
+    let name = "libiris_device_cuda.so";
+    [deps.join(name), deps.parent().unwrap().join(name)]
+        .into_iter()
+        .find(|path| path.is_file())
+        .unwrap_or_else(|| panic!("{name} is built next to {}", deps.display()))
+}
+
+fn standin(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/standin")
+        .join(name)
+}
+
+fn compile(compiler: &str, args: &[&str], inputs: &[PathBuf], output: &Path) {
+    let status = Command::new(compiler)
+        .args(args)
+        .arg("-o")
+        .arg(output)
+        .args(inputs)
+        .status()
+        .unwrap_or_else(|err| panic!("{compiler} builds the stand-in libraries: {err}"));
+    assert!(
+        status.success(),
+        "{compiler} failed to build {}",
+        output.display()
+    );
+}
+
+fn cc() -> String {
+    std::env::var("CC").unwrap_or_else(|_| "cc".to_owned())
+}
+
+fn cxx() -> String {
+    std::env::var("CXX").unwrap_or_else(|_| "c++".to_owned())
+}
+
+/// The stand-in driver as `libcuda.so.1` and `libcuda.so` (which cudarc tries first), built
+/// once per process. Each test binary builds its own copy in its own folder.
+fn driver_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = target_dir("driver");
+        let library = dir.join("libcuda.so.1");
+        compile(
+            &cc(),
+            &[
+                "-shared",
+                "-fPIC",
+                "-O1",
+                "-Wall",
+                "-Werror",
+                "-Wl,-soname,libcuda.so.1",
+            ],
+            &[standin("libcuda.c")],
+            &library,
+        );
+        std::fs::copy(&library, dir.join("libcuda.so")).unwrap();
+        dir
+    })
+}
+
+/// The stand-in driver with the kernel emulator, and stand-in cuBLAS and cuBLASLt.
+fn full_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = target_dir("full");
+        let driver_object = dir.join("libcuda.o");
+        compile(
+            &cc(),
+            &[
+                "-c",
+                "-fPIC",
+                "-O1",
+                "-Wall",
+                "-Werror",
+                "-DIRIS_STANDIN_KERNELS",
+            ],
+            &[standin("libcuda.c")],
+            &driver_object,
+        );
+        let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+        let include = format!("-I{}", kernels.display());
+        let emulator_object = dir.join("emu.o");
+        compile(
+            &cxx(),
+            &[
+                "-c",
+                "-fPIC",
+                "-O2",
+                "-std=c++20",
+                "-Wall",
+                "-Werror",
+                "-Wno-unknown-pragmas",
+                &include,
+            ],
+            &[standin("emu.cpp")],
+            &emulator_object,
+        );
+        let library = dir.join("libcuda.so.1");
+        compile(
+            &cxx(),
+            &["-shared", "-pthread", "-Wl,-soname,libcuda.so.1"],
+            &[driver_object, emulator_object],
+            &library,
+        );
+        std::fs::copy(&library, dir.join("libcuda.so")).unwrap();
+        for (name, soname) in [
+            ("libcublas.so.12", "libcublas.so.12"),
+            ("libcublasLt.so.12", "libcublasLt.so.12"),
+        ] {
+            let soname = format!("-Wl,-soname,{soname}");
+            compile(
+                &cc(),
+                &["-shared", "-fPIC", "-O2", "-Wall", "-Werror", &soname],
+                &[standin("cublas.c"), PathBuf::from("-lm")],
+                &dir.join(name),
+            );
+        }
+        dir
+    })
+}
+
+fn empty_dir() -> PathBuf {
+    target_dir("empty")
+}
+
+fn target_dir(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let binary = exe.file_stem().unwrap().to_string_lossy().into_owned();
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("standin-{binary}-{name}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

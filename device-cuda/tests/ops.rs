@@ -1,0 +1,856 @@
+//! Every op of the plugin, through the real ABI, against an f64 host reference, on a stand-in
+//! device: the stand-in driver runs the plugin's own kernels on the CPU (one host thread per
+//! CUDA thread, `tests/standin/emu.cpp`) and stand-in cuBLAS and cuBLASLt compute GEMMs on the
+//! host with the libraries' column-major conventions (`tests/standin/cublas.c`).
+//!
+//! This checks what can go wrong without a GPU: argument validation, launch arguments and
+//! grids, row-major to column-major mapping, the choice of fused and unfused GEMM epilogues,
+//! and the kernels' indexing, tiling, synchronisation and numerics. It cannot check speed, or
+//! that cuBLAS(Lt) itself behaves as its stand-in does; `tools/gpu-check.sh` covers those.
+
+// Test data: small indices and byte patterns whose casts are exact, and reference loops that
+// read clearer with indices.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_precision_loss,
+    clippy::needless_range_loop,
+    clippy::type_complexity
+)]
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{Libraries, plugin_library, run};
+use half::{bf16, f16};
+use iris_device_cuda::kernels::{Cache, Target};
+use iris_plugin::abi::{
+    Activation, ActivationArgs, AttentionArgs, BinaryArgs, BinaryOp, BufferHandle, BufferSlice,
+    CastArgs, CopyRegion, DType, GatherArgs, GemmArgs, MatRef, NormArgs, RotaryArgs,
+};
+use iris_plugin::{Device, ErrorCode, load_library};
+
+#[test]
+fn gemm_matches_the_reference_on_every_path() {
+    run("gemm", &[], Libraries::Full);
+}
+
+#[test]
+fn norms_activations_and_binary_ops_match_the_reference() {
+    run("elementwise", &[], Libraries::Full);
+}
+
+#[test]
+fn rotary_gather_cast_and_batched_copies_match_the_reference() {
+    run("movement", &[], Libraries::Full);
+}
+
+#[test]
+fn attention_matches_the_reference_for_every_head_dim() {
+    run("attention", &[], Libraries::Full);
+}
+
+/// One scenario, run in a child process by the tests above (never on its own).
+#[test]
+#[ignore = "a child-process scenario, run by the other tests of this file"]
+fn scenario() {
+    let name = std::env::var(common::SCENARIO_ENV)
+        .expect("run by the parent tests of tests/ops.rs, which set IRIS_STANDIN_SCENARIO");
+    let device = open();
+    match name.as_str() {
+        "gemm" => gemm(&device),
+        "elementwise" => elementwise(&device),
+        "movement" => movement(&device),
+        "attention" => attention(&device),
+        other => panic!("unknown scenario {other}"),
+    }
+    device.synchronize().unwrap();
+}
+
+/// Opens the stand-in device with all ops. The kernels come from a cache entry (the stand-in
+/// driver accepts any image and finds kernels by name), so no NVRTC is needed.
+fn open() -> Device {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ops-kernel-cache-{}", std::process::id()));
+    let cache = Cache::new(Some(dir.clone()));
+    // The stand-in is compute capability 8.0 with driver 12.4.
+    cache.store(Target::Cubin(80), 12040, b"emulated").unwrap();
+    let plugin = load_library(&plugin_library()).unwrap();
+    let options = vec![("kernel_cache".to_owned(), dir.display().to_string())];
+    let device = plugin.open(0, &options).expect("opens with ops");
+    assert_eq!(device.description().ops.len(), 9, "every op is listed");
+    let report = device.memory_report().unwrap();
+    let held: Vec<&str> = report.held.iter().map(|(what, _)| what.as_str()).collect();
+    assert!(
+        held.contains(&"kernels") && held.contains(&"kernel status word"),
+        "{held:?}"
+    );
+    device
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios
+// ---------------------------------------------------------------------------------------------
+
+fn gemm(device: &Device) {
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        // (m, k, n, activation, bias, accumulate, w_transposed, strided)
+        let cases = [
+            (33, 70, 47, Activation::NONE, false, false, false, false),
+            (33, 70, 47, Activation::GELU_TANH, true, false, false, false),
+            (17, 24, 40, Activation::GELU_ERF, true, false, true, true),
+            (9, 31, 12, Activation::SILU, true, true, false, true),
+            (9, 31, 12, Activation::NONE, true, true, true, false),
+            (5, 16, 8, Activation::QUICK_GELU, false, true, false, false),
+            (6, 0, 10, Activation::SILU, true, true, false, false),
+        ];
+        for (i, &(m, k, n, activation, with_bias, accumulate, w_transposed, strided)) in
+            cases.iter().enumerate()
+        {
+            let mut rng = Rng(i as u64 + 1);
+            let pad = if strided { 5 } else { 0 };
+            let a = Tensor::upload(
+                device,
+                dtype,
+                m,
+                k,
+                k + pad,
+                16,
+                &rng.values(m * (k + pad), 1.0),
+            );
+            let (w_rows, w_cols) = if w_transposed { (k, n) } else { (n, k) };
+            let w = Tensor::upload(
+                device,
+                dtype,
+                w_rows,
+                w_cols,
+                w_cols,
+                0,
+                &rng.values(w_rows * w_cols, 1.0),
+            );
+            // An odd element offset leaves the bias unaligned for cuBLASLt's epilogue: the
+            // plugin then adds it in its own kernel.
+            let bias_offset = if strided { 1 } else { 0 };
+            let bias = with_bias.then(|| {
+                Tensor::upload(
+                    device,
+                    dtype,
+                    1,
+                    n,
+                    n,
+                    bias_offset,
+                    &rng.values(n + bias_offset, 1.0),
+                )
+            });
+            let out = Tensor::upload(
+                device,
+                dtype,
+                m,
+                n,
+                n + pad,
+                0,
+                &rng.values(m * (n + pad), 1.0),
+            );
+            let mut args = GemmArgs {
+                a: a.view,
+                w: w.view,
+                bias: bias.as_ref().map_or(MatRef::NONE, |b| b.view),
+                out: out.view,
+                activation,
+                accumulate,
+                w_transposed,
+                w_constant: true,
+                workspace: BufferSlice::EMPTY,
+            };
+            let bytes = device.gemm_workspace(&args).unwrap();
+            let workspace = (bytes > 0).then(|| device.alloc(bytes).unwrap());
+            if let Some(buf) = workspace {
+                args.workspace = BufferSlice {
+                    buf,
+                    offset: 0,
+                    bytes,
+                };
+            }
+            device.gemm(&args).unwrap();
+            let got = out.download(device);
+            let mut expected = vec![0.0; m * n];
+            for r in 0..m {
+                for c in 0..n {
+                    let mut sum = 0.0;
+                    for l in 0..k {
+                        let wv = if w_transposed { w.at(l, c) } else { w.at(c, l) };
+                        sum += a.at(r, l) * wv;
+                    }
+                    if let Some(b) = &bias {
+                        sum += b.at(0, c);
+                    }
+                    let mut v = act(activation, sum);
+                    if accumulate {
+                        v += out.at(r, c);
+                    }
+                    expected[r * n + c] = v;
+                }
+            }
+            close(
+                &format!("gemm {dtype} case {i}"),
+                dtype,
+                &got,
+                &expected,
+                k as f64,
+            );
+            if let Some(buf) = workspace {
+                device.free(buf).unwrap();
+            }
+            for t in [Some(a), Some(w), bias, Some(out)].into_iter().flatten() {
+                t.free(device);
+            }
+        }
+    }
+    // A workspace smaller than the query's answer is refused before anything runs.
+    let a = Tensor::upload(device, DType::BF16, 4, 8, 8, 0, &Rng(9).values(32, 1.0));
+    let w = Tensor::upload(device, DType::BF16, 4, 8, 8, 0, &Rng(10).values(32, 1.0));
+    let out = Tensor::upload(device, DType::BF16, 4, 4, 4, 0, &[0.0; 16]);
+    let args = GemmArgs {
+        a: a.view,
+        w: w.view,
+        bias: MatRef::NONE,
+        out: out.view,
+        activation: Activation::NONE,
+        accumulate: false,
+        w_transposed: false,
+        w_constant: false,
+        workspace: BufferSlice::EMPTY,
+    };
+    assert!(device.gemm_workspace(&args).unwrap() > 0);
+    let err = device.gemm(&args).unwrap_err();
+    assert_eq!(err.code, ErrorCode::INVALID_ARGUMENT, "{err}");
+    assert!(err.message.contains("workspace"), "{err}");
+}
+
+fn elementwise(device: &Device) {
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let mut rng = Rng(3);
+        // Norms at a tower width and an odd one, one in place.
+        for (rows, cols, in_place) in [(5, 1280, false), (3, 37, true)] {
+            for rms in [false, true] {
+                let x = Tensor::upload(
+                    device,
+                    dtype,
+                    rows,
+                    cols,
+                    cols + 3,
+                    0,
+                    &rng.values(rows * (cols + 3), 2.0),
+                );
+                let weight =
+                    Tensor::upload(device, dtype, 1, cols, cols, 0, &rng.values(cols, 1.0));
+                let bias = (!rms).then(|| {
+                    Tensor::upload(device, dtype, 1, cols, cols, 0, &rng.values(cols, 1.0))
+                });
+                let out = if in_place {
+                    None
+                } else {
+                    Some(Tensor::upload(
+                        device,
+                        dtype,
+                        rows,
+                        cols,
+                        cols,
+                        0,
+                        &vec![0.0; rows * cols],
+                    ))
+                };
+                let out_view = out.as_ref().map_or(x.view, |o| o.view);
+                let args = NormArgs {
+                    x: x.view,
+                    weight: weight.view,
+                    bias: bias.as_ref().map_or(MatRef::NONE, |b| b.view),
+                    out: out_view,
+                    eps: 1e-6,
+                    workspace: BufferSlice::EMPTY,
+                };
+                if rms {
+                    assert_eq!(device.rms_norm_workspace(&args).unwrap(), 0);
+                    device.rms_norm(&args).unwrap();
+                } else {
+                    device.layer_norm(&args).unwrap();
+                }
+                let got = out.as_ref().unwrap_or(&x).download(device);
+                let mut expected = Vec::new();
+                for r in 0..rows {
+                    let row: Vec<f64> = (0..cols).map(|c| x.at(r, c)).collect();
+                    let mean = if rms {
+                        0.0
+                    } else {
+                        row.iter().sum::<f64>() / cols as f64
+                    };
+                    let var =
+                        row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / cols as f64;
+                    let inv = 1.0 / (var + 1e-6).sqrt();
+                    for c in 0..cols {
+                        let shift = bias.as_ref().map_or(0.0, |b| b.at(0, c));
+                        expected.push((row[c] - mean) * inv * weight.at(0, c) + shift);
+                    }
+                }
+                close(
+                    &format!(
+                        "{} {dtype} [{rows}, {cols}]",
+                        if rms { "rms_norm" } else { "layer_norm" }
+                    ),
+                    dtype,
+                    &got,
+                    &expected,
+                    4.0,
+                );
+                for t in [Some(x), Some(weight), bias, out].into_iter().flatten() {
+                    t.free(device);
+                }
+            }
+        }
+        // Every activation, from a strided view into a contiguous one.
+        for activation in [
+            Activation::GELU_ERF,
+            Activation::GELU_TANH,
+            Activation::QUICK_GELU,
+            Activation::SILU,
+        ] {
+            let x = Tensor::upload(device, dtype, 7, 300, 310, 8, &rng.values(7 * 310 + 8, 4.0));
+            let out = Tensor::upload(device, dtype, 7, 300, 300, 0, &vec![0.0; 2100]);
+            device
+                .activation(&ActivationArgs {
+                    x: x.view,
+                    out: out.view,
+                    activation,
+                    workspace: BufferSlice::EMPTY,
+                })
+                .unwrap();
+            let expected: Vec<f64> = (0..7)
+                .flat_map(|r| (0..300).map(move |c| (r, c)))
+                .map(|(r, c)| act(activation, x.at(r, c)))
+                .collect();
+            close(
+                &format!("activation {activation:?} {dtype}"),
+                dtype,
+                &out.download(device),
+                &expected,
+                1.0,
+            );
+            x.free(device);
+            out.free(device);
+        }
+        // Add with a broadcast row; multiply in place.
+        let a = Tensor::upload(device, dtype, 6, 50, 50, 0, &rng.values(300, 1.0));
+        let row = Tensor::upload(device, dtype, 1, 50, 50, 0, &rng.values(50, 1.0));
+        let b = Tensor::upload(device, dtype, 6, 50, 50, 0, &rng.values(300, 1.0));
+        let out = Tensor::upload(device, dtype, 6, 50, 50, 0, &vec![0.0; 300]);
+        device
+            .binary(&BinaryArgs {
+                a: a.view,
+                b: row.view,
+                out: out.view,
+                op: BinaryOp::ADD,
+                workspace: BufferSlice::EMPTY,
+            })
+            .unwrap();
+        let expected: Vec<f64> = (0..300)
+            .map(|i| a.at(i / 50, i % 50) + row.at(0, i % 50))
+            .collect();
+        close(
+            &format!("add broadcast {dtype}"),
+            dtype,
+            &out.download(device),
+            &expected,
+            1.0,
+        );
+        device
+            .binary(&BinaryArgs {
+                a: a.view,
+                b: b.view,
+                out: a.view,
+                op: BinaryOp::MUL,
+                workspace: BufferSlice::EMPTY,
+            })
+            .unwrap();
+        let expected: Vec<f64> = (0..300)
+            .map(|i| a.at(i / 50, i % 50) * b.at(i / 50, i % 50))
+            .collect();
+        close(
+            &format!("mul in place {dtype}"),
+            dtype,
+            &a.download(device),
+            &expected,
+            1.0,
+        );
+        for t in [a, row, b, out] {
+            t.free(device);
+        }
+    }
+}
+
+fn movement(device: &Device) {
+    let mut rng = Rng(5);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        // Rotary from tables: 7 tokens, 3 heads of 16.
+        let (tokens, heads, hd) = (7, 3, 16);
+        let x = Tensor::upload(
+            device,
+            dtype,
+            tokens,
+            heads * hd,
+            heads * hd + 4,
+            0,
+            &rng.values(tokens * (heads * hd + 4), 1.0),
+        );
+        let cos = Tensor::upload(
+            device,
+            DType::F32,
+            tokens,
+            hd,
+            hd,
+            0,
+            &rng.values(tokens * hd, 1.0),
+        );
+        let sin = Tensor::upload(
+            device,
+            DType::F32,
+            tokens,
+            hd,
+            hd,
+            0,
+            &rng.values(tokens * hd, 1.0),
+        );
+        device
+            .rotary(&RotaryArgs {
+                x: x.view,
+                heads: heads as u64,
+                head_dim: hd as u64,
+                cos: cos.view,
+                sin: sin.view,
+                workspace: BufferSlice::EMPTY,
+            })
+            .unwrap();
+        let mut expected = Vec::new();
+        for t in 0..tokens {
+            for h in 0..heads {
+                for j in 0..hd {
+                    let half = hd / 2;
+                    let v = x.at(t, h * hd + j);
+                    let rotated = if j < half {
+                        -x.at(t, h * hd + j + half)
+                    } else {
+                        x.at(t, h * hd + j - half)
+                    };
+                    expected.push(v * cos.at(t, j) + rotated * sin.at(t, j));
+                }
+            }
+        }
+        close(
+            &format!("rotary {dtype}"),
+            dtype,
+            &x.download(device),
+            &expected,
+            2.0,
+        );
+        for t in [x, cos, sin] {
+            t.free(device);
+        }
+
+        // Gather with repeated and out-of-order indices.
+        let src = Tensor::upload(device, dtype, 6, 20, 24, 0, &rng.values(6 * 24, 1.0));
+        let indices = [5i32, 0, 5, 2, 1, 1, 4];
+        let idx = upload_i32(device, &indices);
+        let out = Tensor::upload(
+            device,
+            dtype,
+            indices.len(),
+            20,
+            20,
+            0,
+            &vec![0.0; indices.len() * 20],
+        );
+        let args = GatherArgs {
+            src: src.view,
+            out: out.view,
+            indices: MatRef::vector(idx, 0, DType::I32, indices.len() as u64),
+            workspace: BufferSlice::EMPTY,
+        };
+        device.gather_rows(&args).unwrap();
+        let expected: Vec<f64> = indices
+            .iter()
+            .flat_map(|&r| (0..20).map(move |c| (r as usize, c)))
+            .map(|(r, c)| src.at(r, c))
+            .collect();
+        assert_eq!(out.download(device), expected, "gather {dtype}");
+        device.free(idx).unwrap();
+        // A bad index writes zeros and is reported at the next synchronisation.
+        let bad = upload_i32(device, &[1, 99, 0, -1, 2, 3, 4]);
+        device
+            .gather_rows(&GatherArgs {
+                indices: MatRef::vector(bad, 0, DType::I32, 7),
+                ..args
+            })
+            .unwrap();
+        let err = device.synchronize().unwrap_err();
+        assert_eq!(err.code, ErrorCode::INVALID_ARGUMENT, "{err}");
+        assert!(err.message.contains("gather_rows"), "{err}");
+        let got = out.download(device);
+        assert!(got[20..40].iter().all(|v| *v == 0.0) && got[60..80].iter().all(|v| *v == 0.0));
+        assert_eq!(
+            &got[..20],
+            &expected[80..100],
+            "good rows are still gathered"
+        );
+        device.synchronize().expect("the report is given once");
+        device.free(bad).unwrap();
+        src.free(device);
+        out.free(device);
+
+        // Casts to every float dtype.
+        for to in [DType::F32, DType::F16, DType::BF16] {
+            let src = Tensor::upload(device, dtype, 4, 33, 40, 0, &rng.values(160, 3.0));
+            let out = Tensor::upload(device, to, 4, 33, 33, 0, &vec![0.0; 132]);
+            device
+                .cast(&CastArgs {
+                    src: src.view,
+                    out: out.view,
+                    workspace: BufferSlice::EMPTY,
+                })
+                .unwrap();
+            let expected: Vec<f64> = (0..132)
+                .map(|i| round(to, src.at(i / 33, i % 33)))
+                .collect();
+            assert_eq!(out.download(device), expected, "cast {dtype} -> {to}");
+            src.free(device);
+            out.free(device);
+        }
+    }
+
+    // A batched copy of more regions than the driver path takes, across three buffers, with
+    // sizes and offsets of every alignment.
+    let buffers: Vec<BufferHandle> = (0..3).map(|_| device.alloc(4096).unwrap()).collect();
+    let mut images: Vec<Vec<u8>> = Vec::new();
+    for (i, buf) in buffers.iter().enumerate() {
+        let bytes: Vec<u8> = (0..4096).map(|j| ((j * 31 + i * 7) % 256) as u8).collect();
+        device.write(*buf, 0, &bytes).unwrap();
+        images.push(bytes);
+    }
+    let mut regions = Vec::new();
+    let mut expected = images.clone();
+    for r in 0..12u64 {
+        let (src, dst) = ((r % 3) as usize, ((r + 1) % 3) as usize);
+        let src_offset = r * 40 + (r % 4);
+        let dst_offset = 2048 + r * 150 + (r % 4) * 4;
+        let bytes = 16 * (r % 5) + (r % 3) + 1;
+        regions.push(CopyRegion {
+            src: buffers[src],
+            src_offset,
+            dst: buffers[dst],
+            dst_offset,
+            bytes,
+        });
+        let (s, d, n) = (src_offset as usize, dst_offset as usize, bytes as usize);
+        let chunk = images[src][s..s + n].to_vec();
+        expected[dst][d..d + n].copy_from_slice(&chunk);
+    }
+    device.copy_batch(&regions).unwrap();
+    for (buf, want) in buffers.iter().zip(&expected) {
+        let mut got = vec![0u8; 4096];
+        device.read(*buf, 0, &mut got).unwrap();
+        assert!(got == *want, "batched copy");
+    }
+    let report = device.memory_report().unwrap();
+    assert!(
+        report
+            .held
+            .iter()
+            .any(|(what, bytes)| what == "copy descriptors" && *bytes > 0),
+        "{report:?}"
+    );
+    for buf in buffers {
+        device.free(buf).unwrap();
+    }
+}
+
+fn attention(device: &Device) {
+    let cu: [u32; 4] = [0, 1, 34, 104];
+    let tokens = 104;
+    let heads = 2;
+    for (dtype, head_dims) in [
+        (DType::F32, &[8usize, 64, 72, 80, 128][..]),
+        (DType::BF16, &[72, 80][..]),
+        (DType::F16, &[64][..]),
+    ] {
+        for &hd in head_dims {
+            let mut rng = Rng(hd as u64);
+            let width = heads * hd;
+            // q, k and v are column blocks of one fused [tokens, 3 * width] buffer.
+            let qkv = Tensor::upload(
+                device,
+                dtype,
+                tokens,
+                3 * width,
+                3 * width,
+                0,
+                &rng.values(tokens * 3 * width, 1.0),
+            );
+            let view = |part: usize| MatRef {
+                offset: qkv.view.offset + (part * width) as u64 * dtype.size().unwrap(),
+                cols: width as u64,
+                ..qkv.view
+            };
+            let out = Tensor::upload(
+                device,
+                dtype,
+                tokens,
+                width,
+                width,
+                0,
+                &vec![0.0; tokens * width],
+            );
+            let cu_device = upload_i32(device, &cu.map(|v| v as i32));
+            let scale = 1.0 / (hd as f32).sqrt();
+            let args = AttentionArgs {
+                q: view(0),
+                k: view(1),
+                v: view(2),
+                out: out.view,
+                heads: heads as u64,
+                head_dim: hd as u64,
+                scale,
+                cu_seqlens: cu.as_slice().into(),
+                cu_seqlens_device: MatRef::vector(cu_device, 0, DType::I32, cu.len() as u64),
+                max_seqlen: 70,
+                workspace: BufferSlice::EMPTY,
+            };
+            assert_eq!(device.attention_workspace(&args).unwrap(), 0);
+            device.attention(&args).unwrap();
+            let mut expected = vec![0.0; tokens * width];
+            for seg in cu.windows(2) {
+                let (start, end) = (seg[0] as usize, seg[1] as usize);
+                for h in 0..heads {
+                    for i in start..end {
+                        let scores: Vec<f64> = (start..end)
+                            .map(|j| {
+                                (0..hd)
+                                    .map(|c| qkv.at(i, h * hd + c) * qkv.at(j, width + h * hd + c))
+                                    .sum::<f64>()
+                                    * f64::from(scale)
+                            })
+                            .collect();
+                        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                        let total: f64 = weights.iter().sum();
+                        for c in 0..hd {
+                            let v: f64 = (start..end)
+                                .zip(&weights)
+                                .map(|(j, w)| w * qkv.at(j, 2 * width + h * hd + c))
+                                .sum();
+                            expected[i * width + h * hd + c] = v / total;
+                        }
+                    }
+                }
+            }
+            close(
+                &format!("attention {dtype} head_dim {hd}"),
+                dtype,
+                &out.download(device),
+                &expected,
+                1.0,
+            );
+            device.free(cu_device).unwrap();
+            qkv.free(device);
+            out.free(device);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+/// A matrix on the device and the values it holds (rounded to its dtype), row-major with a
+/// stride, `offset` elements into its buffer.
+struct Tensor {
+    view: MatRef,
+    host: Vec<f64>,
+    stride: usize,
+    offset: usize,
+}
+
+impl Tensor {
+    fn upload(
+        device: &Device,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        stride: usize,
+        offset: usize,
+        values: &[f64],
+    ) -> Tensor {
+        let len = offset
+            + if rows == 0 {
+                0
+            } else {
+                (rows - 1) * stride + cols
+            };
+        let host: Vec<f64> = (0..len)
+            .map(|i| round(dtype, values.get(i).copied().unwrap_or(0.0)))
+            .collect();
+        let size = dtype.size().unwrap() as usize;
+        let buf = device.alloc((len.max(1) * size) as u64).unwrap();
+        device.write(buf, 0, &encode(dtype, &host)).unwrap();
+        Tensor {
+            view: MatRef {
+                buf,
+                offset: (offset * size) as u64,
+                dtype,
+                rows: rows as u64,
+                cols: cols as u64,
+                row_stride: stride as u64,
+            },
+            host,
+            stride,
+            offset,
+        }
+    }
+
+    fn at(&self, r: usize, c: usize) -> f64 {
+        self.host[self.offset + r * self.stride + c]
+    }
+
+    /// The view's elements, row by row.
+    fn download(&self, device: &Device) -> Vec<f64> {
+        let size = self.view.dtype.size().unwrap() as usize;
+        let mut bytes = vec![0u8; self.host.len() * size];
+        device.read(self.view.buf, 0, &mut bytes).unwrap();
+        let all = decode(self.view.dtype, &bytes);
+        let (rows, cols) = (self.view.rows as usize, self.view.cols as usize);
+        (0..rows)
+            .flat_map(|r| (0..cols).map(move |c| (r, c)))
+            .map(|(r, c)| all[self.offset + r * self.stride + c])
+            .collect()
+    }
+
+    fn free(self, device: &Device) {
+        device.free(self.view.buf).unwrap();
+    }
+}
+
+fn upload_i32(device: &Device, values: &[i32]) -> BufferHandle {
+    let buf = device.alloc((values.len() * 4) as u64).unwrap();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    device.write(buf, 0, &bytes).unwrap();
+    buf
+}
+
+fn round(dtype: DType, v: f64) -> f64 {
+    match dtype {
+        DType::F16 => f16::from_f64(v).to_f64(),
+        DType::BF16 => bf16::from_f64(v).to_f64(),
+        _ => f64::from(v as f32),
+    }
+}
+
+fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
+    match dtype {
+        DType::F16 => values
+            .iter()
+            .flat_map(|v| f16::from_f64(*v).to_le_bytes())
+            .collect(),
+        DType::BF16 => values
+            .iter()
+            .flat_map(|v| bf16::from_f64(*v).to_le_bytes())
+            .collect(),
+        _ => values
+            .iter()
+            .flat_map(|v| (*v as f32).to_le_bytes())
+            .collect(),
+    }
+}
+
+fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    match dtype {
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f64())
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f64())
+            .collect(),
+        _ => bytes
+            .chunks_exact(4)
+            .map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+            .collect(),
+    }
+}
+
+fn act(activation: Activation, x: f64) -> f64 {
+    match activation {
+        Activation::GELU_ERF => 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2)),
+        Activation::GELU_TANH => {
+            0.5 * x * (1.0 + (0.7978845608028654 * (x + 0.044715 * x * x * x)).tanh())
+        }
+        Activation::QUICK_GELU => x / (1.0 + (-1.702 * x).exp()),
+        Activation::SILU => x / (1.0 + (-x).exp()),
+        _ => x,
+    }
+}
+
+/// The error function in double precision: its Maclaurin series near 0, its continued fraction
+/// beyond.
+fn erf(x: f64) -> f64 {
+    if x.abs() < 2.5 {
+        // Maclaurin series.
+        let (mut term, mut sum, x2) = (x, x, x * x);
+        for n in 1..60 {
+            term *= -x2 / n as f64;
+            sum += term / (2 * n + 1) as f64;
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    } else {
+        // erfc by its continued fraction (Lentz), for |x| >= 2.5.
+        let z = x.abs();
+        let mut f = z;
+        for n in (1..80).rev() {
+            f = z + (n as f64 / 2.0) / f;
+        }
+        let erfc = (-z * z).exp() / (f * std::f64::consts::PI.sqrt());
+        (1.0 - erfc).copysign(x)
+    }
+}
+
+/// Fails unless every value is within the dtype's tolerance of the reference (`scale` grows
+/// the tolerance with the length of a sum).
+fn close(what: &str, dtype: DType, got: &[f64], expected: &[f64], scale: f64) {
+    assert_eq!(got.len(), expected.len(), "{what}: length");
+    let tol = match dtype {
+        DType::F32 => 2e-5,
+        DType::F16 => 2e-3,
+        _ => 1.6e-2,
+    } * scale.max(1.0).sqrt();
+    for (i, (g, e)) in got.iter().zip(expected).enumerate() {
+        assert!(
+            (g - e).abs() <= tol * (1.0 + e.abs()),
+            "{what}: element {i}: got {g}, expected {e} (tolerance {tol})"
+        );
+    }
+}
+
+/// A small deterministic generator of values in `[-scale, scale)`.
+struct Rng(u64);
+
+impl Rng {
+    fn values(&mut self, n: usize, scale: f64) -> Vec<f64> {
+        (0..n)
+            .map(|_| {
+                self.0 = self
+                    .0
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((self.0 >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,260 @@
+/*
+ * A stand-in for cuBLAS and cuBLASLt (libcublas.so.12, libcublasLt.so.12) beside the stand-in
+ * driver: the entry points the plugin calls, computing on the host (device memory is host
+ * memory there) with the libraries' column-major conventions, in double precision.
+ *
+ * cublasGemmEx takes f32 only; cublasLtMatmul takes f32, f16 and bf16 inputs with an f32 or
+ * same-type output, alpha and beta, and the DEFAULT, BIAS, GELU and GELU_BIAS epilogues (GELU
+ * is the tanh form). Anything else is CUBLAS_STATUS_NOT_SUPPORTED.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int cublasStatus_t;
+enum { OK = 0, NOT_INITIALIZED = 1, INVALID_VALUE = 7, NOT_SUPPORTED = 15 };
+enum { R_32F = 0, R_16F = 2, R_16BF = 14 };
+enum { OP_N = 0, OP_T = 1 };
+enum { EPI_DEFAULT = 1, EPI_BIAS = 4, EPI_GELU = 32, EPI_GELU_BIAS = 36 };
+
+static float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float f16_to_f32(uint16_t h) {
+    uint32_t sign = ((uint32_t)h & 0x8000u) << 16, e = ((uint32_t)h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t u;
+    if (e == 0x1f) {
+        u = sign | 0x7f800000u | (m << 13);
+    } else if (e == 0) {
+        float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    } else {
+        u = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    x &= 0x7fffffffu;
+    if (x >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u));
+    if (x >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+    if (x < 0x38800000u) {
+        if (x < 0x33000000u) return (uint16_t)sign;
+        uint32_t e = x >> 23, m = (x & 0x7fffffu) | 0x800000u, shift = 126u - e;
+        uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u), bits = m >> shift;
+        if (rem > half || (rem == half && (bits & 1u))) bits++;
+        return (uint16_t)(sign | bits);
+    }
+    uint32_t bits = (x - 0x38000000u) >> 13, rem = x & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (bits & 1u))) bits++;
+    return (uint16_t)(sign | bits);
+}
+
+static double load(const void *p, int type, size_t i) {
+    switch (type) {
+        case R_32F: return ((const float *)p)[i];
+        case R_16F: return f16_to_f32(((const uint16_t *)p)[i]);
+        default: return bf16_to_f32(((const uint16_t *)p)[i]);
+    }
+}
+
+static void store(void *p, int type, size_t i, double v) {
+    switch (type) {
+        case R_32F: ((float *)p)[i] = (float)v; break;
+        case R_16F: ((uint16_t *)p)[i] = f32_to_f16((float)v); break;
+        default: ((uint16_t *)p)[i] = f32_to_bf16((float)v); break;
+    }
+}
+
+static int known_type(int type) { return type == R_32F || type == R_16F || type == R_16BF; }
+
+/* C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C (+ bias[i]), column-major. */
+static void gemm(int ta, int tb, long m, long n, long k, double alpha, const void *a, int at,
+                 long lda, const void *b, int bt, long ldb, double beta, const void *c, int ct,
+                 long ldc, void *d, int dt, long ldd, const void *bias, int gelu) {
+    for (long j = 0; j < n; j++) {
+        for (long i = 0; i < m; i++) {
+            double sum = 0.0;
+            for (long l = 0; l < k; l++) {
+                double x = load(a, at, ta == OP_N ? (size_t)(i + l * lda) : (size_t)(l + i * lda));
+                double y = load(b, bt, tb == OP_N ? (size_t)(l + j * ldb) : (size_t)(j + l * ldb));
+                sum += x * y;
+            }
+            double v = alpha * sum;
+            if (beta != 0.0) v += beta * load(c, ct, (size_t)(i + j * ldc));
+            if (bias) v += load(bias, dt, (size_t)i);
+            if (gelu) v = 0.5 * v * (1.0 + tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+            store(d, dt, (size_t)(i + j * ldd), v);
+        }
+    }
+}
+
+/* ---- cuBLAS ---- */
+
+struct handle { int magic; };
+
+cublasStatus_t cublasCreate_v2(void **handle) {
+    *handle = calloc(1, sizeof(struct handle));
+    return OK;
+}
+
+cublasStatus_t cublasDestroy_v2(void *handle) {
+    free(handle);
+    return OK;
+}
+
+cublasStatus_t cublasSetStream_v2(void *handle, void *stream) {
+    (void)handle;
+    (void)stream;
+    return OK;
+}
+
+cublasStatus_t cublasGetVersion_v2(void *handle, int *version) {
+    (void)handle;
+    *version = 120400;
+    return OK;
+}
+
+cublasStatus_t cublasSetWorkspace_v2(void *handle, void *workspace, size_t bytes) {
+    (void)handle;
+    (void)workspace;
+    (void)bytes;
+    return OK;
+}
+
+cublasStatus_t cublasGemmEx(void *handle, int ta, int tb, int m, int n, int k, const void *alpha,
+                            const void *a, int at, int lda, const void *b, int bt, int ldb,
+                            const void *beta, void *c, int ct, int ldc, int compute, int algo) {
+    (void)handle;
+    (void)compute;
+    (void)algo;
+    if (at != R_32F || bt != R_32F || ct != R_32F) return NOT_SUPPORTED;
+    if (m < 0 || n < 0 || k < 0 || lda < 1 || ldb < 1 || ldc < (m > 1 ? m : 1)) return INVALID_VALUE;
+    gemm(ta, tb, m, n, k, *(const float *)alpha, a, at, lda, b, bt, ldb, *(const float *)beta, c, ct,
+         ldc, c, ct, ldc, NULL, 0);
+    return OK;
+}
+
+/* ---- cuBLASLt ---- */
+
+struct desc { int ta, tb; unsigned epilogue; const void *bias; };
+struct layout { int type; uint64_t rows, cols; int64_t ld; };
+
+cublasStatus_t cublasLtCreate(void **handle) { return cublasCreate_v2(handle); }
+cublasStatus_t cublasLtDestroy(void *handle) { return cublasDestroy_v2(handle); }
+size_t cublasLtGetVersion(void) { return 120400; }
+
+cublasStatus_t cublasLtMatmulDescCreate(void **out, int compute, int scale) {
+    (void)compute;
+    if (scale != R_32F) return NOT_SUPPORTED;
+    struct desc *d = calloc(1, sizeof *d);
+    d->epilogue = EPI_DEFAULT;
+    *out = d;
+    return OK;
+}
+
+cublasStatus_t cublasLtMatmulDescSetAttribute(void *desc, int attr, const void *buf, size_t size) {
+    struct desc *d = desc;
+    switch (attr) {
+        case 3: if (size != 4) return INVALID_VALUE; d->ta = *(const int *)buf; return OK;
+        case 4: if (size != 4) return INVALID_VALUE; d->tb = *(const int *)buf; return OK;
+        case 7: if (size != 4) return INVALID_VALUE; d->epilogue = *(const unsigned *)buf; return OK;
+        case 8: if (size != sizeof(void *)) return INVALID_VALUE; d->bias = *(const void *const *)buf; return OK;
+        default: return NOT_SUPPORTED;
+    }
+}
+
+cublasStatus_t cublasLtMatmulDescDestroy(void *desc) {
+    free(desc);
+    return OK;
+}
+
+cublasStatus_t cublasLtMatrixLayoutCreate(void **out, int type, uint64_t rows, uint64_t cols, int64_t ld) {
+    if (!known_type(type)) return NOT_SUPPORTED;
+    if (ld < (int64_t)(rows > 1 ? rows : 1)) return INVALID_VALUE;
+    struct layout *l = calloc(1, sizeof *l);
+    *l = (struct layout){type, rows, cols, ld};
+    *out = l;
+    return OK;
+}
+
+cublasStatus_t cublasLtMatrixLayoutDestroy(void *layout) {
+    free(layout);
+    return OK;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceCreate(void **out) {
+    *out = calloc(1, 8);
+    return OK;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(void *pref, int attr, const void *buf, size_t size) {
+    (void)pref;
+    (void)attr;
+    (void)buf;
+    (void)size;
+    return OK;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceDestroy(void *pref) {
+    free(pref);
+    return OK;
+}
+
+/* The heuristic result: a 64-byte algorithm, workspace size, state, waves, 4 reserved ints. */
+struct heuristic { uint64_t algo[8]; size_t workspace; int state; float waves; int reserved[4]; };
+
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(void *handle, void *desc, void *a, void *b, void *c,
+                                              void *d, void *pref, int requested,
+                                              struct heuristic *results, int *count) {
+    (void)handle; (void)desc; (void)a; (void)b; (void)c; (void)d; (void)pref;
+    if (requested < 1) return INVALID_VALUE;
+    memset(results, 0, sizeof *results);
+    results->algo[0] = 42;
+    results->waves = 1.0f;
+    *count = 1;
+    return OK;
+}
+
+cublasStatus_t cublasLtMatmul(void *handle, void *desc, const void *alpha, const void *a, void *ad,
+                              const void *b, void *bd, const void *beta, const void *c, void *cd,
+                              void *d, void *dd, const struct heuristic *algo, void *workspace,
+                              size_t workspace_bytes, void *stream) {
+    (void)handle; (void)workspace; (void)workspace_bytes; (void)stream;
+    const struct desc *op = desc;
+    const struct layout *la = ad, *lb = bd, *lc = cd, *ld = dd;
+    if (!algo || algo->algo[0] != 42) return INVALID_VALUE;
+    long m = (long)ld->rows, n = (long)ld->cols;
+    long k = op->ta == OP_N ? (long)la->cols : (long)la->rows;
+    long am = op->ta == OP_N ? (long)la->rows : (long)la->cols;
+    long bk = op->tb == OP_N ? (long)lb->rows : (long)lb->cols;
+    long bn = op->tb == OP_N ? (long)lb->cols : (long)lb->rows;
+    if (am != m || bk != k || bn != n || lc->rows != ld->rows || lc->cols != ld->cols) return INVALID_VALUE;
+    if (la->type != lb->type || lc->type != ld->type) return NOT_SUPPORTED;
+    int with_bias = op->epilogue == EPI_BIAS || op->epilogue == EPI_GELU_BIAS;
+    int gelu = op->epilogue == EPI_GELU || op->epilogue == EPI_GELU_BIAS;
+    if (!with_bias && !gelu && op->epilogue != EPI_DEFAULT) return NOT_SUPPORTED;
+    if (with_bias && !op->bias) return INVALID_VALUE;
+    gemm(op->ta, op->tb, m, n, k, *(const float *)alpha, a, la->type, la->ld, b, lb->type, lb->ld,
+         *(const float *)beta, c, lc->type, lc->ld, d, ld->type, ld->ld, with_bias ? op->bias : NULL,
+         gelu);
+    return OK;
+}
