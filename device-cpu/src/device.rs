@@ -276,7 +276,11 @@ impl iris_plugin::Backend for CpuDevice {
             Box::new(move |_| {
                 // SAFETY: as above; the region lives in this closure.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(data.as_ptr(), region.ptr().add(start), data.len());
+                    std::ptr::copy_nonoverlapping(
+                        data.as_ptr(),
+                        region.ptr().add(start),
+                        data.len(),
+                    );
                 }
                 Ok(())
             }),
@@ -328,7 +332,8 @@ impl iris_plugin::Backend for CpuDevice {
         if args.dst.bytes == 0 {
             return Ok(());
         }
-        let (region, start) = self.device_range(OP, "dst", args.dst.buf, args.dst.offset, args.dst.bytes)?;
+        let (region, start) =
+            self.device_range(OP, "dst", args.dst.buf, args.dst.offset, args.dst.bytes)?;
         let len = usize::try_from(args.dst.bytes).unwrap_or(0);
         let (value, width) = (args.value, args.width);
         self.queue.submit(
@@ -395,7 +400,9 @@ impl iris_plugin::Backend for CpuDevice {
 
     fn gather_rows(&self, args: &GatherArgs) -> Result<(), PluginError> {
         let job = self.prepare_gather(args)?;
-        self.submit_op(OpKind::GATHER_ROWS, "gather_rows", move |exec| job.run(exec))
+        self.submit_op(OpKind::GATHER_ROWS, "gather_rows", move |exec| {
+            job.run(exec)
+        })
     }
 
     fn cast(&self, args: &CastArgs) -> Result<(), PluginError> {

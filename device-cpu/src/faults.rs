@@ -79,9 +79,8 @@ impl Faults {
             return None;
         }
         let count = self.ops.fetch_add(1, Ordering::Relaxed) + 1;
-        when.hits(count).then(|| {
-            PluginError::internal(format!("{op}: injected fault (call #{count} of {op})"))
-        })
+        when.hits(count)
+            .then(|| PluginError::internal(format!("{op}: injected fault (call #{count} of {op})")))
     }
 }
 

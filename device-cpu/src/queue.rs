@@ -277,7 +277,10 @@ impl Shared {
             {
                 state.failure = Some(PluginError::new(
                     err.code,
-                    format!("asynchronous failure of {name} (call #{seq}): {}", err.message),
+                    format!(
+                        "asynchronous failure of {name} (call #{seq}): {}",
+                        err.message
+                    ),
                 ));
             }
             state.done = seq;

@@ -180,7 +180,12 @@ impl CpuDevice {
                 segments: checked.segments,
             },
             cu_seqlens: args.cu_seqlens.to_vec(),
-            cu_seqlens_device: View::new(self, OP, "cu_seqlens_device", &checked.cu_seqlens_device)?,
+            cu_seqlens_device: View::new(
+                self,
+                OP,
+                "cu_seqlens_device",
+                &checked.cu_seqlens_device,
+            )?,
             scale: args.scale,
             workspace,
         })

@@ -128,12 +128,7 @@ impl View {
     /// The view of a checked operand `m` (argument `name` of `op`): looks its buffer up and
     /// keeps it alive. [`iris_plugin::validate`] has checked the range and alignment against
     /// the buffer's length, which cannot change while the handle is known.
-    pub(crate) fn new(
-        dev: &CpuDevice,
-        op: &str,
-        name: &str,
-        m: &Mat,
-    ) -> Result<View, PluginError> {
+    pub(crate) fn new(dev: &CpuDevice, op: &str, name: &str, m: &Mat) -> Result<View, PluginError> {
         let region = dev
             .memory
             .region(op, m.buf)
@@ -141,11 +136,19 @@ impl View {
         if m.end > region.len() as u64 {
             return Err(invalid(
                 op,
-                format!("`{name}`: bytes up to {} lie outside the buffer of {} bytes", m.end, region.len()),
+                format!(
+                    "`{name}`: bytes up to {} lie outside the buffer of {} bytes",
+                    m.end,
+                    region.len()
+                ),
             ));
         }
-        let start = usize::try_from(m.offset)
-            .map_err(|_| invalid(op, format!("`{name}`: offset {} does not fit in memory", m.offset)))?;
+        let start = usize::try_from(m.offset).map_err(|_| {
+            invalid(
+                op,
+                format!("`{name}`: offset {} does not fit in memory", m.offset),
+            )
+        })?;
         // SAFETY: `start <= end <= len` (checked above), so the address is inside the region.
         let base = unsafe { region.ptr().add(start) };
         Ok(View {
