@@ -710,7 +710,9 @@ impl Runner {
         let mut guard = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
         if guard.slots.is_empty() {
             for _ in 0..STAGING_SLOTS {
-                guard.slots.push(self.device.host_buffer(STAGING_BYTES as u64)?);
+                guard
+                    .slots
+                    .push(self.device.host_buffer(STAGING_BYTES as u64)?);
             }
         }
         Ok(guard)

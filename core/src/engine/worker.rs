@@ -372,7 +372,10 @@ impl Worker {
             let (embeddings, deepstack) = if active.return_embeddings {
                 let mut parts = Vec::with_capacity(levels + 1);
                 for l in 0..=levels as u64 {
-                    parts.push(self.runner.download_f32(&level(l)?.row_range(row, tokens)?)?);
+                    parts.push(
+                        self.runner
+                            .download_f32(&level(l)?.row_range(row, tokens)?)?,
+                    );
                 }
                 let mut parts = parts.into_iter();
                 (parts.next(), parts.collect())
