@@ -57,7 +57,7 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum PluginCommand {
-    /// Load a plugin, open its device 0 and run the conformance suite against it.
+    /// Load a plugin, open each of its devices and run the conformance suite against them.
     Check(plugin_check::CheckArgs),
 }
 

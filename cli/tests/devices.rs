@@ -139,11 +139,38 @@ fn plugin_check_builtin_cpu_passes() {
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("valid JSON");
     assert_eq!(json["plugin"], "cpu");
     assert!(json["path"].is_null());
+    assert_eq!(
+        json["abi"],
+        format!(
+            "{}.{}",
+            iris_plugin::abi::ABI_MAJOR,
+            iris_plugin::abi::ABI_MINOR
+        )
+    );
     assert_eq!(json["failed"], 0);
-    let checks = json["checks"].as_array().unwrap();
+    // Every device of the plugin is checked: the CPU plugin has one.
+    let devices = json["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 1);
+    assert_eq!(devices[0]["ordinal"], 0);
+    let checks = devices[0]["checks"].as_array().unwrap();
     assert!(!checks.is_empty());
     let passed = checks.iter().filter(|c| c["status"] == "pass").count();
     assert_eq!(json["passed"], passed);
+    // Op checks carry their time and throughput.
+    let gemm = checks
+        .iter()
+        .find(|c| c["name"] == "op.gemm.tower_qkv_1024x1280x3840.f32")
+        .expect("the tower-sized gemm is checked");
+    assert_eq!(gemm["timing"]["unit"], "GFLOP/s");
+    assert!(gemm["timing"]["throughput"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn plugin_check_an_ordinal_the_plugin_lacks_exits_2() {
+    let output = iris(&["plugin", "check", "cpu", "--ordinal", "3"]);
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output.stdout));
+    let stderr = text(&output.stderr);
+    assert!(stderr.contains("3"), "{stderr}");
 }
 
 #[test]

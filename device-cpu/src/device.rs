@@ -1,26 +1,46 @@
-//! The CPU device: options, description, memory and transfers. Ops live in [`crate::ops`].
+//! The CPU device: options, description, memory, transfers and the queue. Ops live in
+//! [`crate::ops`], the queue in [`crate::queue`], fault injection in [`crate::faults`].
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use iris_plugin::Logger;
 use iris_plugin::abi::{
     ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, CastArgs, CopyRegion, DType,
-    DeviceDesc, GatherArgs, GemmArgs, MemInfo, NormArgs, PluginError, Rope2dArgs,
+    DeviceDesc, FillArgs, GatherArgs, GemmArgs, HostAlloc, HostBufferId, MemInfo, MemoryReport,
+    NormArgs, OpKind, PluginError, Property, RotaryArgs, StagedCopy, property,
 };
+use iris_plugin::validate::{self, Checker};
 
 use crate::error::invalid;
-use crate::memory::{Memory, check_range};
+use crate::faults::{self, Faults};
+use crate::memory::{Memory, Region, check_range};
+use crate::queue::{Exec, Queue, QueueMode};
 
 /// Share of physical memory the device offers when no `capacity` option is given: leaves room
 /// for the host process, the page cache and the preprocessing that runs beside the device.
 pub const DEFAULT_CAPACITY_FRACTION: f64 = 0.5;
 /// Capacity used when physical memory cannot be read (not Linux, or no /proc).
 pub const FALLBACK_CAPACITY: u64 = 4 << 30;
+/// Environment variable that sets the default of the `queue` option (`sync` or `async`).
+pub const QUEUE_ENV: &str = "IRIS_CPU_QUEUE";
 
 /// Options of [`CpuDevice::open`], from the `[plugins.cpu]` table of the config.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub struct CpuOptions {
     /// Worker threads for ops (default: the available parallelism).
     pub threads: usize,
     /// Bytes of "device memory" the device offers (default: half of physical memory).
     pub capacity: u64,
+    /// How calls complete (default: `async`, or [`QUEUE_ENV`]).
+    pub queue: QueueMode,
+    /// Delay before each queued item in async mode, to make missing synchronisation show
+    /// deterministically in tests (default: none).
+    pub queue_delay: Duration,
+    /// Fill new buffers with 0xFF (a NaN in every float dtype) instead of zeros.
+    pub poison: bool,
+    /// Injected faults (default: none).
+    pub faults: Faults,
 }
 
 impl CpuOptions {
@@ -29,15 +49,27 @@ impl CpuOptions {
         CpuOptions {
             threads: std::thread::available_parallelism().map_or(1, usize::from),
             capacity: default_capacity(),
+            queue: default_queue(),
+            queue_delay: Duration::ZERO,
+            poison: false,
+            faults: Faults::default(),
         }
     }
 
-    /// Parses `key = value` options: `threads` (a positive integer) and `capacity` (bytes,
-    /// with an optional `KiB`/`MiB`/`GiB`/`TiB` or `KB`/`MB`/`GB`/`TB` suffix, or a fraction
-    /// of physical memory such as `0.25`). Unknown keys are errors naming the key.
+    /// Parses `key = value` options: `threads` (a positive integer), `capacity` (bytes, with
+    /// an optional `KiB`/`MiB`/`GiB`/`TiB` or `KB`/`MB`/`GB`/`TB` suffix, or a fraction of
+    /// physical memory such as `0.25`), `queue` (`sync` or `async`), `queue_delay_us`,
+    /// `poison` (`true`/`false`) and the fault options of [`crate::faults`]. Unknown keys are
+    /// errors naming the key.
     pub fn parse(pairs: &[(&str, &str)]) -> Result<CpuOptions, PluginError> {
         let mut options = CpuOptions::defaults();
         for (key, value) in pairs {
+            let bad = |expected: &str| {
+                invalid(
+                    "open",
+                    format!("option `{key}`: expected {expected}, got `{value}`"),
+                )
+            };
             match *key {
                 "threads" => {
                     options.threads = value
@@ -45,30 +77,41 @@ impl CpuOptions {
                         .parse::<usize>()
                         .ok()
                         .filter(|threads| *threads > 0)
-                        .ok_or_else(|| {
-                            invalid(
-                                "open",
-                                format!(
-                                    "option `threads`: expected a positive integer, got `{value}`"
-                                ),
-                            )
-                        })?;
+                        .ok_or_else(|| bad("a positive integer"))?;
                 }
                 "capacity" => {
                     options.capacity = parse_capacity(value).ok_or_else(|| {
-                        invalid(
-                            "open",
-                            format!(
-                                "option `capacity`: expected bytes (e.g. `8GiB`) or a fraction of memory in (0, 1], got `{value}`"
-                            ),
-                        )
+                        bad("bytes (e.g. `8GiB`) or a fraction of memory in (0, 1]")
                     })?;
                 }
+                "queue" => {
+                    options.queue = parse_queue(value).ok_or_else(|| bad("`sync` or `async`"))?;
+                }
+                "queue_delay_us" => {
+                    let micros: u64 = value
+                        .trim()
+                        .parse()
+                        .map_err(|_| bad("microseconds (an integer)"))?;
+                    options.queue_delay = Duration::from_micros(micros);
+                }
+                "poison" => {
+                    options.poison = value
+                        .trim()
+                        .parse::<bool>()
+                        .map_err(|_| bad("`true` or `false`"))?;
+                }
                 other => {
-                    return Err(invalid(
-                        "open",
-                        format!("unknown option `{other}` (known: threads, capacity)"),
-                    ));
+                    let known = faults::parse_option(&mut options.faults, other, value)
+                        .map_err(|message| invalid("open", message))?;
+                    if !known {
+                        return Err(invalid(
+                            "open",
+                            format!(
+                                "unknown option `{other}` (known: threads, capacity, queue, queue_delay_us, poison, {})",
+                                faults::KEYS.join(", ")
+                            ),
+                        ));
+                    }
                 }
             }
         }
@@ -76,25 +119,35 @@ impl CpuOptions {
     }
 }
 
-/// The reference device: host memory behind opaque handles, ops on a rayon pool.
+/// The reference device: host memory behind opaque handles, ops on a rayon pool behind an
+/// in-order queue.
 pub struct CpuDevice {
-    pub(crate) memory: Memory,
-    pub(crate) pool: rayon::ThreadPool,
+    /// First, so that dropping the device finishes queued work before anything else goes.
+    queue: Queue,
+    pub(crate) memory: Arc<Memory>,
     pub(crate) options: CpuOptions,
+    log: Logger,
 }
 
 impl CpuDevice {
-    /// Opens the device with parsed options.
-    pub fn open(options: CpuOptions) -> Result<CpuDevice, PluginError> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(options.threads)
-            .thread_name(|index| format!("iris-cpu-{index}"))
-            .build()
-            .map_err(|err| PluginError::internal(format!("open: cannot start threads: {err}")))?;
+    /// Opens the device with parsed options; `log` carries messages to the host.
+    pub fn open(options: CpuOptions, log: Logger) -> Result<CpuDevice, PluginError> {
+        let exec = Exec::new(options.threads)?;
+        let queue = Queue::new(options.queue, exec, options.queue_delay)?;
+        if options.faults.any() {
+            log.warn(format!("fault injection is on: {:?}", options.faults));
+        }
+        log.debug(format!(
+            "opened: {} threads, {} bytes, {} queue",
+            options.threads,
+            options.capacity,
+            options.queue.name()
+        ));
         Ok(CpuDevice {
-            memory: Memory::new(options.capacity),
-            pool,
+            memory: Arc::new(Memory::new(options.capacity, options.poison)),
             options,
+            queue,
+            log,
         })
     }
 
@@ -103,176 +156,237 @@ impl CpuDevice {
         &self.options
     }
 
-    pub(crate) fn describe_impl(&self) -> DeviceDesc {
+    /// Buffer lengths for [`iris_plugin::validate`].
+    pub(crate) fn lens(&self) -> impl Fn(BufferHandle) -> Option<u64> + '_ {
+        |buf| self.memory.len_of(buf)
+    }
+
+    /// Queues an op's work, failing it when it runs if a fault is injected for this call.
+    fn submit_op(
+        &self,
+        op: OpKind,
+        name: &'static str,
+        work: impl FnOnce(&Exec) -> Result<(), PluginError> + Send + 'static,
+    ) -> Result<(), PluginError> {
+        let fault = self.options.faults.on_op(op);
+        self.queue.submit(
+            name,
+            Box::new(move |exec| match fault {
+                Some(err) => Err(err),
+                None => work(exec),
+            }),
+        )
+    }
+
+    /// Checks a host staging range.
+    fn host_range(
+        &self,
+        op: &'static str,
+        id: HostBufferId,
+        offset: u64,
+        bytes: u64,
+    ) -> Result<(Arc<Region>, usize), PluginError> {
+        let region = self.memory.host_region(op, id.0)?;
+        let start = check_range(op, "host range", &region, offset, bytes)?;
+        Ok((region, start))
+    }
+
+    /// Checks a device range and resolves its region and start.
+    fn device_range(
+        &self,
+        op: &'static str,
+        name: &str,
+        buf: BufferHandle,
+        offset: u64,
+        bytes: u64,
+    ) -> Result<(Arc<Region>, usize), PluginError> {
+        let lens = self.lens();
+        validate::range(&Checker::new(op, &lens), name, buf, offset, bytes)?;
+        let region = self.memory.region(op, buf)?;
+        let start = check_range(op, name, &region, offset, bytes)?;
+        Ok((region, start))
+    }
+}
+
+/// Copies `len` bytes between two regions.
+///
+/// # Safety
+/// Both ranges lie inside their regions and do not overlap; no other thread writes them during
+/// the copy (the queue orders work).
+unsafe fn copy_between(src: &Region, src_start: usize, dst: &Region, dst_start: usize, len: usize) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.ptr().add(src_start), dst.ptr().add(dst_start), len);
+    }
+}
+
+impl iris_plugin::Backend for CpuDevice {
+    fn describe(&self) -> DeviceDesc {
         DeviceDesc {
             name: format!("CPU ({} threads)", self.options.threads).into(),
             vendor: cpu_vendor().into(),
             total_memory: self.options.capacity,
             dtypes: DType::ALL.to_vec().into(),
             ops: crate::ops::SUPPORTED.to_vec().into(),
+            properties: vec![
+                Property::new(property::QUEUE, self.queue.mode().name()),
+                Property::new(property::COMPUTE_UNITS, self.options.threads),
+            ]
+            .into(),
         }
     }
 
-    pub(crate) fn mem_info_impl(&self) -> MemInfo {
-        self.memory.mem_info()
+    fn mem_info(&self) -> Result<MemInfo, PluginError> {
+        Ok(self.memory.mem_info())
     }
 
-    pub(crate) fn write_impl(
-        &self,
-        dst: BufferHandle,
-        offset: u64,
-        src: &[u8],
-    ) -> Result<(), PluginError> {
-        let region = self.memory.region("write", dst)?;
-        let start = check_range("write", "dst", &region, offset, src.len() as u64)?;
-        // SAFETY: the range is inside the region (checked); `src` is host memory the caller
-        // lent us, which cannot overlap a device region.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), region.ptr().add(start), src.len());
+    fn memory_report(&self) -> Result<MemoryReport, PluginError> {
+        let (allocated, buffers) = self.memory.usage();
+        Ok(MemoryReport {
+            allocated,
+            buffers,
+            held: Vec::new().into(),
+        })
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<BufferHandle, PluginError> {
+        self.options.faults.on_alloc(bytes)?;
+        self.memory.alloc(bytes)
+    }
+
+    fn free(&self, buf: BufferHandle) -> Result<(), PluginError> {
+        // Queued work holds the region: the memory goes when that work is done.
+        self.memory.free(buf)
+    }
+
+    fn write(&self, dst: BufferHandle, offset: u64, src: &[u8]) -> Result<(), PluginError> {
+        let (region, start) = self.device_range("write", "dst", dst, offset, src.len() as u64)?;
+        if self.queue.mode() == QueueMode::Sync {
+            // SAFETY: the range is inside the region (checked); `src` is host memory the
+            // caller lent us, which cannot overlap a device region.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.as_ptr(), region.ptr().add(start), src.len());
+            }
+            return Ok(());
         }
-        Ok(())
+        // Asynchronous: the bytes travel with the work, so `src` is free on return.
+        let data = src.to_vec();
+        self.queue.submit(
+            "write",
+            Box::new(move |_| {
+                // SAFETY: as above; the region lives in this closure.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        data.as_ptr(),
+                        region.ptr().add(start),
+                        data.len(),
+                    );
+                }
+                Ok(())
+            }),
+        )
     }
 
-    pub(crate) fn read_impl(
-        &self,
-        src: BufferHandle,
-        offset: u64,
-        dst: &mut [u8],
-    ) -> Result<(), PluginError> {
-        let region = self.memory.region("read", src)?;
-        let start = check_range("read", "src", &region, offset, dst.len() as u64)?;
-        // SAFETY: the range is inside the region (checked); `dst` is host memory.
+    fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), PluginError> {
+        let (region, start) = self.device_range("read", "src", src, offset, dst.len() as u64)?;
+        self.queue.synchronize()?;
+        // SAFETY: the range is inside the region (checked) and the work before this call is
+        // done; `dst` is host memory.
         unsafe {
             std::ptr::copy_nonoverlapping(region.ptr().add(start), dst.as_mut_ptr(), dst.len());
         }
         Ok(())
     }
 
-    pub(crate) fn copy_regions_impl(
-        &self,
-        op: &str,
-        dst: BufferHandle,
-        src: BufferHandle,
-        regions: &[CopyRegion],
-    ) -> Result<(), PluginError> {
-        let dst_region = self.memory.region(op, dst)?;
-        let src_region = self.memory.region(op, src)?;
-        // Validate everything before copying anything, so a bad region leaves dst untouched.
-        let mut checked = Vec::with_capacity(regions.len());
-        for (index, region) in regions.iter().enumerate() {
-            let what_src = format!("region {index} source");
-            let what_dst = format!("region {index} destination");
-            let s = check_range(op, &what_src, &src_region, region.src_offset, region.bytes)?;
-            let d = check_range(op, &what_dst, &dst_region, region.dst_offset, region.bytes)?;
-            let len = usize::try_from(region.bytes)
-                .map_err(|_| invalid(op, format!("region {index}: length too large")))?;
-            checked.push((s, d, len));
+    fn copy_batch(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
+        const OP: &str = "copy_batch";
+        let lens = self.lens();
+        validate::copy_batch(&Checker::new(OP, &lens), regions)?;
+        let mut copies = Vec::with_capacity(regions.len());
+        for region in regions.iter().filter(|r| r.bytes > 0) {
+            let src = self.memory.region(OP, region.src)?;
+            let dst = self.memory.region(OP, region.dst)?;
+            let src_start = check_range(OP, "src", &src, region.src_offset, region.bytes)?;
+            let dst_start = check_range(OP, "dst", &dst, region.dst_offset, region.bytes)?;
+            // The length is inside a region, so it fits in usize.
+            let len = usize::try_from(region.bytes).unwrap_or(0);
+            copies.push((src, src_start, dst, dst_start, len));
         }
-        if dst == src {
-            for (index, &(s, d, len)) in checked.iter().enumerate() {
-                for &(s2, _, len2) in &checked {
-                    if d < s2 + len2 && s2 < d + len {
-                        return Err(invalid(
-                            op,
-                            format!("region {index} destination overlaps a source region"),
-                        ));
+        self.queue.submit(
+            OP,
+            Box::new(move |_| {
+                for (src, src_start, dst, dst_start, len) in &copies {
+                    // SAFETY: ranges inside their regions (checked); no destination overlaps
+                    // another region's destination or any source (validated).
+                    unsafe { copy_between(src, *src_start, dst, *dst_start, *len) };
+                }
+                Ok(())
+            }),
+        )
+    }
+
+    fn fill(&self, args: &FillArgs) -> Result<(), PluginError> {
+        const OP: &str = "fill";
+        let lens = self.lens();
+        validate::fill(&Checker::new(OP, &lens), args)?;
+        if args.dst.bytes == 0 {
+            return Ok(());
+        }
+        let (region, start) =
+            self.device_range(OP, "dst", args.dst.buf, args.dst.offset, args.dst.bytes)?;
+        let len = usize::try_from(args.dst.bytes).unwrap_or(0);
+        let (value, width) = (args.value, args.width);
+        self.queue.submit(
+            OP,
+            Box::new(move |_| {
+                // SAFETY: the range is inside the region (checked), which this work holds.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(region.ptr().add(start), len) };
+                let pattern = value.to_le_bytes();
+                let width = width as usize;
+                if width == 1 || pattern[..width].iter().all(|b| *b == pattern[0]) {
+                    bytes.fill(pattern[0]);
+                } else {
+                    for chunk in bytes.chunks_exact_mut(width) {
+                        chunk.copy_from_slice(&pattern[..width]);
                     }
                 }
-                let _ = s;
-            }
-        }
-        for (s, d, len) in checked {
-            // SAFETY: both ranges are inside their regions (checked) and, within one buffer,
-            // do not overlap (checked above).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    src_region.ptr().add(s),
-                    dst_region.ptr().add(d),
-                    len,
-                );
-            }
-        }
-        Ok(())
-    }
-}
-
-impl iris_plugin::Backend for CpuDevice {
-    fn describe(&self) -> DeviceDesc {
-        self.describe_impl()
-    }
-
-    fn mem_info(&self) -> Result<MemInfo, PluginError> {
-        Ok(self.mem_info_impl())
-    }
-
-    fn alloc(&self, bytes: u64) -> Result<BufferHandle, PluginError> {
-        self.memory.alloc(bytes)
-    }
-
-    fn free(&self, buf: BufferHandle) -> Result<(), PluginError> {
-        self.memory.free(buf)
-    }
-
-    fn write(&self, dst: BufferHandle, offset: u64, src: &[u8]) -> Result<(), PluginError> {
-        self.write_impl(dst, offset, src)
-    }
-
-    fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), PluginError> {
-        self.read_impl(src, offset, dst)
-    }
-
-    fn copy(
-        &self,
-        dst: BufferHandle,
-        dst_offset: u64,
-        src: BufferHandle,
-        src_offset: u64,
-        bytes: u64,
-    ) -> Result<(), PluginError> {
-        let region = CopyRegion {
-            src_offset,
-            dst_offset,
-            bytes,
-        };
-        self.copy_regions_impl("copy", dst, src, &[region])
-    }
-
-    fn copy_regions(
-        &self,
-        dst: BufferHandle,
-        src: BufferHandle,
-        regions: &[CopyRegion],
-    ) -> Result<(), PluginError> {
-        self.copy_regions_impl("copy_regions", dst, src, regions)
+                Ok(())
+            }),
+        )
     }
 
     fn synchronize(&self) -> Result<(), PluginError> {
-        // Every op runs to completion before returning.
-        Ok(())
+        self.queue.synchronize()
     }
 
     fn gemm(&self, args: &GemmArgs) -> Result<(), PluginError> {
-        self.gemm_impl(args)
+        let job = self.prepare_gemm(args)?;
+        self.submit_op(OpKind::GEMM, "gemm", move |exec| job.run(exec))
     }
 
     fn layer_norm(&self, args: &NormArgs) -> Result<(), PluginError> {
-        self.layer_norm_impl(args)
+        let job = self.prepare_norm(args, false)?;
+        self.submit_op(OpKind::LAYER_NORM, "layer_norm", move |exec| job.run(exec))
     }
 
     fn rms_norm(&self, args: &NormArgs) -> Result<(), PluginError> {
-        self.rms_norm_impl(args)
+        let job = self.prepare_norm(args, true)?;
+        self.submit_op(OpKind::RMS_NORM, "rms_norm", move |exec| job.run(exec))
     }
 
     fn activation(&self, args: &ActivationArgs) -> Result<(), PluginError> {
-        self.activation_impl(args)
+        let job = self.prepare_activation(args)?;
+        self.submit_op(OpKind::ACTIVATION, "activation", move |exec| job.run(exec))
     }
 
     fn binary(&self, args: &BinaryArgs) -> Result<(), PluginError> {
-        self.binary_impl(args)
+        let job = self.prepare_binary(args)?;
+        self.submit_op(OpKind::BINARY, "binary", move |exec| job.run(exec))
     }
 
-    fn rope_2d(&self, args: &Rope2dArgs<'_>) -> Result<(), PluginError> {
-        self.rope_2d_impl(args)
+    fn rotary(&self, args: &RotaryArgs) -> Result<(), PluginError> {
+        let job = self.prepare_rotary(args)?;
+        self.submit_op(OpKind::ROTARY, "rotary", move |exec| job.run(exec))
     }
 
     fn attention_workspace(&self, args: &AttentionArgs<'_>) -> Result<u64, PluginError> {
@@ -280,15 +394,82 @@ impl iris_plugin::Backend for CpuDevice {
     }
 
     fn attention(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
-        self.attention_impl(args)
+        let job = self.prepare_attention(args)?;
+        self.submit_op(OpKind::ATTENTION, "attention", move |exec| job.run(exec))
     }
 
-    fn gather_rows(&self, args: &GatherArgs<'_>) -> Result<(), PluginError> {
-        self.gather_rows_impl(args)
+    fn gather_rows(&self, args: &GatherArgs) -> Result<(), PluginError> {
+        let job = self.prepare_gather(args)?;
+        self.submit_op(OpKind::GATHER_ROWS, "gather_rows", move |exec| {
+            job.run(exec)
+        })
     }
 
     fn cast(&self, args: &CastArgs) -> Result<(), PluginError> {
-        self.cast_impl(args)
+        let job = self.prepare_cast(args)?;
+        self.submit_op(OpKind::CAST, "cast", move |exec| job.run(exec))
+    }
+
+    fn alloc_host(&self, bytes: u64) -> Result<HostAlloc, PluginError> {
+        let (id, region) = self.memory.alloc_host(bytes)?;
+        Ok(HostAlloc {
+            id: HostBufferId(id),
+            ptr: region.ptr(),
+            len: region.len() as u64,
+        })
+    }
+
+    fn free_host(&self, id: HostBufferId) -> Result<(), PluginError> {
+        self.memory.free_host(id.0)
+    }
+
+    fn upload(&self, copy: &StagedCopy) -> Result<(), PluginError> {
+        const OP: &str = "upload";
+        let (host, host_start) = self.host_range(OP, copy.host, copy.host_offset, copy.bytes)?;
+        let (device, device_start) =
+            self.device_range(OP, "device", copy.device, copy.device_offset, copy.bytes)?;
+        let len = usize::try_from(copy.bytes).unwrap_or(0);
+        self.queue.submit(
+            OP,
+            Box::new(move |_| {
+                // SAFETY: ranges inside their regions (checked); host and device regions are
+                // distinct allocations; the host leaves the range alone until the fence after
+                // this work (ABI contract).
+                unsafe { copy_between(&host, host_start, &device, device_start, len) };
+                Ok(())
+            }),
+        )
+    }
+
+    fn download(&self, copy: &StagedCopy) -> Result<(), PluginError> {
+        const OP: &str = "download";
+        let (host, host_start) = self.host_range(OP, copy.host, copy.host_offset, copy.bytes)?;
+        let (device, device_start) =
+            self.device_range(OP, "device", copy.device, copy.device_offset, copy.bytes)?;
+        let len = usize::try_from(copy.bytes).unwrap_or(0);
+        self.queue.submit(
+            OP,
+            Box::new(move |_| {
+                // SAFETY: as in `upload`, in the other direction.
+                unsafe { copy_between(&device, device_start, &host, host_start, len) };
+                Ok(())
+            }),
+        )
+    }
+
+    fn fence(&self) -> Result<u64, PluginError> {
+        Ok(self.queue.fence())
+    }
+
+    fn wait_fence(&self, value: u64) -> Result<(), PluginError> {
+        self.queue.wait(value)
+    }
+}
+
+impl Drop for CpuDevice {
+    fn drop(&mut self) {
+        // The queue, dropped first (field order), finishes the work already queued.
+        self.log.debug("closing");
     }
 }
 
@@ -349,6 +530,22 @@ fn parse_capacity(value: &str) -> Option<u64> {
     number.checked_mul(multiplier).filter(|bytes| *bytes > 0)
 }
 
+/// [`QUEUE_ENV`] when set to a valid mode, else async.
+fn default_queue() -> QueueMode {
+    std::env::var(QUEUE_ENV)
+        .ok()
+        .and_then(|value| parse_queue(&value))
+        .unwrap_or(QueueMode::Async)
+}
+
+fn parse_queue(value: &str) -> Option<QueueMode> {
+    match value.trim() {
+        "sync" => Some(QueueMode::Sync),
+        "async" => Some(QueueMode::Async),
+        _ => None,
+    }
+}
+
 fn cpu_vendor() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -382,37 +579,19 @@ mod tests {
         assert!(err.message.contains("`thread`"), "{}", err.message);
         let err = CpuOptions::parse(&[("threads", "zero")]).unwrap_err();
         assert!(err.message.contains("threads"), "{}", err.message);
-        let options = CpuOptions::parse(&[("threads", "3"), ("capacity", "1MiB")]).unwrap();
-        assert_eq!((options.threads, options.capacity), (3, 1 << 20));
-    }
-
-    #[test]
-    fn overlapping_copies_within_a_buffer_are_rejected() {
-        let device = CpuDevice::open(CpuOptions {
-            threads: 1,
-            capacity: 1 << 20,
-        })
+        let err = CpuOptions::parse(&[("queue", "eventually")]).unwrap_err();
+        assert!(err.message.contains("`queue`"), "{}", err.message);
+        let options = CpuOptions::parse(&[
+            ("threads", "3"),
+            ("capacity", "1MiB"),
+            ("queue", "sync"),
+            ("queue_delay_us", "250"),
+            ("fail_alloc_at", "4"),
+        ])
         .unwrap();
-        let buf = device.memory.alloc(64).unwrap();
-        let overlapping = CopyRegion {
-            src_offset: 0,
-            dst_offset: 8,
-            bytes: 16,
-        };
-        assert!(
-            device
-                .copy_regions_impl("copy", buf, buf, &[overlapping])
-                .is_err()
-        );
-        let disjoint = CopyRegion {
-            src_offset: 0,
-            dst_offset: 32,
-            bytes: 16,
-        };
-        assert!(
-            device
-                .copy_regions_impl("copy", buf, buf, &[disjoint])
-                .is_ok()
-        );
+        assert_eq!((options.threads, options.capacity), (3, 1 << 20));
+        assert_eq!(options.queue, QueueMode::Sync);
+        assert_eq!(options.queue_delay, Duration::from_micros(250));
+        assert!(options.faults.any());
     }
 }

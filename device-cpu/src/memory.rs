@@ -1,12 +1,14 @@
 //! The CPU device's memory: buffers are 64-byte-aligned host allocations behind opaque handles,
-//! bounded by a capacity that `mem_info` and `alloc` honour.
+//! bounded by a capacity that `mem_info` and `alloc` honour; host staging buffers are the same
+//! kind of allocation in a table of their own, outside the capacity.
 //!
 //! A buffer table maps handles to reference-counted regions. Ops clone the regions they use
-//! under the table lock and work on them after releasing it, so a concurrent `free` of an
-//! unrelated buffer never waits for an op. `used` counts bytes until a region is actually
-//! dropped, so the figure never under-reports what the process holds.
+//! under the table lock and keep them in the work they enqueue, so `free` removes the handle at
+//! once while the memory lives until the queued work that uses it has run: that is the ABI's
+//! queue-ordered free. `used` counts bytes until a region is actually dropped, so the figure
+//! never under-reports what the process holds.
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::alloc::{Layout, alloc, alloc_zeroed, dealloc};
 use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,7 +25,15 @@ pub const BUFFER_ALIGN: usize = 64;
 pub(crate) struct Region {
     ptr: NonNull<u8>,
     len: usize,
-    used: Arc<AtomicU64>,
+    /// The device's accounting (`None` for host staging buffers).
+    used: Option<Arc<Usage>>,
+}
+
+/// Bytes and buffers alive, decremented when a region is dropped.
+#[derive(Default)]
+pub(crate) struct Usage {
+    bytes: AtomicU64,
+    buffers: AtomicU64,
 }
 
 // SAFETY: the region is plain memory; concurrent access is governed by the ABI contract (the
@@ -49,36 +59,53 @@ impl Drop for Region {
         // SAFETY: `ptr` was returned by `alloc_zeroed` with this exact layout, which
         // `Memory::alloc` built and validated.
         unsafe { dealloc(self.ptr.as_ptr(), layout(self.len)) };
-        self.used.fetch_sub(self.len as u64, Ordering::AcqRel);
+        if let Some(used) = &self.used {
+            used.bytes.fetch_sub(self.len as u64, Ordering::AcqRel);
+            used.buffers.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
 /// The buffer table and its accounting.
 pub(crate) struct Memory {
     capacity: u64,
-    used: Arc<AtomicU64>,
+    used: Arc<Usage>,
+    /// Fill new buffers with 0xFF bytes (a NaN in every float dtype) instead of zeros, so that
+    /// reading memory nothing wrote shows in results.
+    poison: bool,
     next_handle: AtomicU64,
     table: Mutex<HashMap<u64, Arc<Region>>>,
+    host: Mutex<HashMap<u64, Arc<Region>>>,
 }
 
 impl Memory {
     /// An empty table that admits at most `capacity` bytes.
-    pub(crate) fn new(capacity: u64) -> Memory {
+    pub(crate) fn new(capacity: u64, poison: bool) -> Memory {
         Memory {
             capacity,
-            used: Arc::new(AtomicU64::new(0)),
+            used: Arc::new(Usage::default()),
+            poison,
             next_handle: AtomicU64::new(1),
             table: Mutex::new(HashMap::new()),
+            host: Mutex::new(HashMap::new()),
         }
     }
 
     /// `(free, total)`.
     pub(crate) fn mem_info(&self) -> MemInfo {
-        let used = self.used.load(Ordering::Acquire);
+        let used = self.used.bytes.load(Ordering::Acquire);
         MemInfo {
             free: self.capacity.saturating_sub(used),
             total: self.capacity,
         }
+    }
+
+    /// `(bytes, buffers)` alive, freed ones counted until their memory is released.
+    pub(crate) fn usage(&self) -> (u64, u64) {
+        (
+            self.used.bytes.load(Ordering::Acquire),
+            self.used.buffers.load(Ordering::Acquire),
+        )
     }
 
     /// Allocates `bytes` zeroed bytes.
@@ -95,6 +122,7 @@ impl Memory {
         // Reserve the bytes first so that concurrent allocations cannot overshoot capacity.
         let reserved = self
             .used
+            .bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
                 used.checked_add(bytes)
                     .filter(|total| *total <= self.capacity)
@@ -106,22 +134,63 @@ impl Memory {
                 self.capacity
             )));
         }
-        // SAFETY: the layout has a non-zero size (checked above).
-        let raw = unsafe { alloc_zeroed(layout(len)) };
-        let Some(ptr) = NonNull::new(raw) else {
-            self.used.fetch_sub(bytes, Ordering::AcqRel);
+        let Some(ptr) = allocate(len, self.poison) else {
+            self.used.bytes.fetch_sub(bytes, Ordering::AcqRel);
             return Err(PluginError::out_of_memory(format!(
                 "alloc: the host allocator refused {bytes} bytes"
             )));
         };
+        self.used.buffers.fetch_add(1, Ordering::AcqRel);
         let region = Arc::new(Region {
             ptr,
             len,
-            used: Arc::clone(&self.used),
+            used: Some(Arc::clone(&self.used)),
         });
         let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         self.lock().insert(handle, region);
         Ok(BufferHandle(handle))
+    }
+
+    /// Allocates a host staging buffer of `bytes` (outside the capacity).
+    pub(crate) fn alloc_host(&self, bytes: u64) -> Result<(u64, Arc<Region>), PluginError> {
+        let len = usize::try_from(bytes)
+            .ok()
+            .filter(|len| *len > 0 && Layout::from_size_align(*len, BUFFER_ALIGN).is_ok())
+            .ok_or_else(|| invalid("alloc_host", format!("cannot allocate {bytes} bytes")))?;
+        let ptr = allocate(len, false).ok_or_else(|| {
+            PluginError::out_of_memory(format!(
+                "alloc_host: the host allocator refused {bytes} bytes"
+            ))
+        })?;
+        let region = Arc::new(Region {
+            ptr,
+            len,
+            used: None,
+        });
+        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        lock(&self.host).insert(handle, Arc::clone(&region));
+        Ok((handle, region))
+    }
+
+    /// Frees a host staging buffer; its memory goes once no queued work holds it.
+    pub(crate) fn free_host(&self, id: u64) -> Result<(), PluginError> {
+        match lock(&self.host).remove(&id) {
+            Some(_) => Ok(()),
+            None => Err(invalid("free_host", format!("unknown host buffer {id}"))),
+        }
+    }
+
+    /// The host staging buffer `id`.
+    pub(crate) fn host_region(&self, op: &str, id: u64) -> Result<Arc<Region>, PluginError> {
+        lock(&self.host)
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| invalid(op, format!("unknown host buffer {id}")))
+    }
+
+    /// The length of buffer `buf`, for [`iris_plugin::validate`].
+    pub(crate) fn len_of(&self, buf: BufferHandle) -> Option<u64> {
+        self.lock().get(&buf.0).map(|region| region.len() as u64)
     }
 
     /// Frees a buffer; its bytes return to the pool once no op holds it.
@@ -148,12 +217,33 @@ impl Memory {
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<u64, Arc<Region>>> {
-        // A poisoned lock only means another call panicked mid-update of a HashMap whose
-        // operations cannot leave it inconsistent; keep serving.
-        self.table
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.table)
     }
+}
+
+fn lock(table: &Mutex<HashMap<u64, Arc<Region>>>) -> MutexGuard<'_, HashMap<u64, Arc<Region>>> {
+    // A poisoned lock only means another call panicked mid-update of a HashMap whose
+    // operations cannot leave it inconsistent; keep serving.
+    table
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// `len` bytes (> 0, a valid layout) filled with zeros, or with 0xFF when poisoning.
+fn allocate(len: usize, poison: bool) -> Option<NonNull<u8>> {
+    // SAFETY: the layout has a non-zero size (callers check it).
+    let raw = unsafe {
+        if poison {
+            let raw = alloc(layout(len));
+            if !raw.is_null() {
+                raw.write_bytes(0xFF, len);
+            }
+            raw
+        } else {
+            alloc_zeroed(layout(len))
+        }
+    };
+    NonNull::new(raw)
 }
 
 /// Checks that `[offset, offset + len)` lies inside `region`; returns the start as `usize`.
@@ -193,7 +283,7 @@ mod tests {
 
     #[test]
     fn capacity_is_honoured_and_freed_bytes_return() {
-        let memory = Memory::new(1000);
+        let memory = Memory::new(1000, false);
         let a = memory.alloc(600).unwrap();
         assert_eq!(memory.mem_info().free, 400);
         let err = memory.alloc(500).unwrap_err();
@@ -205,7 +295,7 @@ mod tests {
 
     #[test]
     fn unknown_handles_and_zero_sizes_are_invalid() {
-        let memory = Memory::new(1000);
+        let memory = Memory::new(1000, false);
         assert_eq!(
             memory.free(BufferHandle(77)).unwrap_err().code,
             iris_plugin::ErrorCode::INVALID_ARGUMENT
@@ -218,7 +308,7 @@ mod tests {
 
     #[test]
     fn ranges_outside_a_buffer_are_rejected() {
-        let memory = Memory::new(1000);
+        let memory = Memory::new(1000, false);
         let a = memory.alloc(100).unwrap();
         let region = memory.region("t", a).unwrap();
         assert!(check_range("t", "x", &region, 90, 10).is_ok());

@@ -10,7 +10,7 @@
 use half::{bf16, f16};
 use iris_plugin::abi::{
     ActivationArgs, AttentionArgs, BinaryArgs, BufferSlice, CastArgs, GatherArgs, GemmArgs,
-    NormArgs, Rope2dArgs,
+    NormArgs, RotaryArgs,
 };
 use iris_plugin::{
     Activation, BinaryOp, BufferHandle, DType, Device, DeviceError, ErrorCode, MatRef, OpKind,
@@ -128,6 +128,14 @@ fn upload_strided(
 
 fn upload(dev: &Device, dtype: DType, rows: usize, cols: usize, data: &[f32]) -> MatRef {
     upload_strided(dev, dtype, rows, cols, 0, 0, data)
+}
+
+/// An i32 `[1, len]` vector on the device.
+fn upload_i32(dev: &Device, values: &[i32]) -> MatRef {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let buf = dev.alloc(bytes.len().max(4) as u64).unwrap();
+    dev.write(buf, 0, &bytes).unwrap();
+    MatRef::vector(buf, 0, DType::I32, values.len() as u64)
 }
 
 /// The view's elements, after checking that nothing outside them changed from [`SENTINEL`].
@@ -281,6 +289,8 @@ fn run_gemm_case(dev: &Device, dtype: DType, case: &GemmCase, seed: u64) {
         activation: case.act,
         accumulate: case.accumulate,
         w_transposed: case.transposed,
+        w_constant: false,
+        workspace: BufferSlice::EMPTY,
     })
     .unwrap();
     let mut want = vec![0.0f64; m * n];
@@ -319,7 +329,7 @@ fn gemm_matches_reference_for_every_flag_combination() {
         Activation::GELU_ERF,
     ];
     let mut seed = 1;
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         for transposed in [false, true] {
             for bias in [false, true] {
                 for act in acts {
@@ -357,7 +367,7 @@ fn gemm_handles_blocks_and_degenerate_sizes() {
         (0, 7, 3, Activation::NONE, false),
     ];
     for (i, (m, n, k, act, accumulate)) in cases.into_iter().enumerate() {
-        for dtype in DType::ALL {
+        for dtype in DType::FLOATS {
             for transposed in [false, true] {
                 let case = GemmCase {
                     m,
@@ -390,6 +400,8 @@ fn gemm_rejects_bad_arguments() {
         activation: Activation::NONE,
         accumulate: false,
         w_transposed: false,
+        w_constant: false,
+        workspace: BufferSlice::EMPTY,
     };
     dev.gemm(&base).unwrap();
     let unknown = MatRef {
@@ -515,7 +527,7 @@ fn norm_ref(x: &[f32], cols: usize, w: &[f32], b: Option<&[f32]>, eps: f32, rms:
 fn norms_match_reference_in_and_out_of_place() {
     let dev = device(2);
     let mut rng = Rng::new(7);
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         for (rows, cols) in [(1, 1), (33, 77), (130, 300)] {
             for rms in [false, true] {
                 for with_bias in [false, true] {
@@ -549,6 +561,7 @@ fn norms_match_reference_in_and_out_of_place() {
                             bias: bv,
                             out,
                             eps: 1e-6,
+                            workspace: BufferSlice::EMPTY,
                         };
                         if rms {
                             dev.rms_norm(&args).unwrap();
@@ -582,6 +595,7 @@ fn norms_reject_bad_arguments() {
         bias: MatRef::NONE,
         out,
         eps: 1e-5,
+        workspace: BufferSlice::EMPTY,
     };
     dev.layer_norm(&args).unwrap();
     assert_invalid(dev.layer_norm(&NormArgs { weight: w5, ..args }), "`weight`");
@@ -618,8 +632,12 @@ fn norms_reject_bad_arguments() {
 fn activations_match_reference() {
     let dev = device(2);
     let mut rng = Rng::new(11);
-    for dtype in DType::ALL {
-        for act in Activation::ALL {
+    for dtype in DType::FLOATS {
+        // `NONE` is gemm's "no activation", not a function the activation op applies.
+        for act in Activation::ALL
+            .into_iter()
+            .filter(|a| *a != Activation::NONE)
+        {
             for in_place in [false, true] {
                 let (rows, cols) = (67, 45);
                 let x = rng.vec(rows * cols, dtype, 6.0);
@@ -633,6 +651,7 @@ fn activations_match_reference() {
                     x: xv,
                     out,
                     activation: act,
+                    workspace: BufferSlice::EMPTY,
                 })
                 .unwrap();
                 let want: Vec<f64> = x.iter().map(|v| act_ref(act, f64::from(*v))).collect();
@@ -651,8 +670,18 @@ fn activations_match_reference() {
     assert_invalid(
         dev.activation(&ActivationArgs {
             x,
+            out: x,
+            activation: Activation::NONE,
+            workspace: BufferSlice::EMPTY,
+        }),
+        "`none` is not an activation function",
+    );
+    assert_invalid(
+        dev.activation(&ActivationArgs {
+            x,
             out: y,
             activation: Activation::SILU,
+            workspace: BufferSlice::EMPTY,
         }),
         "`out`",
     );
@@ -667,6 +696,7 @@ fn activations_match_reference() {
             x: x1,
             out: half_overlap,
             activation: Activation::SILU,
+            workspace: BufferSlice::EMPTY,
         }),
         "`out`",
     );
@@ -675,6 +705,7 @@ fn activations_match_reference() {
             x,
             out: x,
             activation: Activation(99),
+            workspace: BufferSlice::EMPTY,
         }),
         "activation",
     );
@@ -684,7 +715,7 @@ fn activations_match_reference() {
 fn binary_ops_broadcast_and_alias() {
     let dev = device(2);
     let mut rng = Rng::new(13);
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         for op in [BinaryOp::ADD, BinaryOp::MUL] {
             for broadcast in [false, true] {
                 for alias in 0..3 {
@@ -704,6 +735,7 @@ fn binary_ops_broadcast_and_alias() {
                         b: bv,
                         out,
                         op,
+                        workspace: BufferSlice::EMPTY,
                     })
                     .unwrap();
                     let want: Vec<f64> = (0..rows * cols)
@@ -733,6 +765,7 @@ fn binary_ops_broadcast_and_alias() {
             b,
             out: a,
             op: BinaryOp::ADD,
+            workspace: BufferSlice::EMPTY,
         }),
         "`b`",
     );
@@ -742,6 +775,7 @@ fn binary_ops_broadcast_and_alias() {
             b: b16,
             out: a,
             op: BinaryOp::ADD,
+            workspace: BufferSlice::EMPTY,
         }),
         "`b`",
     );
@@ -751,6 +785,7 @@ fn binary_ops_broadcast_and_alias() {
             b: a,
             out: a,
             op: BinaryOp(5),
+            workspace: BufferSlice::EMPTY,
         }),
         "`op`",
     );
@@ -760,11 +795,11 @@ fn binary_ops_broadcast_and_alias() {
 fn gather_rows_copies_indexed_rows() {
     let dev = device(2);
     let mut rng = Rng::new(17);
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         let (rows, cols) = (40, 21);
         let src = rng.vec(rows * cols, dtype, 1.0);
         let sv = upload_strided(&dev, dtype, rows, cols, 3, 2, &src);
-        let indices: Vec<u32> = vec![5, 0, 39, 5, 17, 17, 2];
+        let indices: Vec<i32> = vec![5, 0, 39, 5, 17, 17, 2];
         let out = upload_strided(
             &dev,
             dtype,
@@ -774,10 +809,12 @@ fn gather_rows_copies_indexed_rows() {
             3,
             &vec![0.0; indices.len() * cols],
         );
+        let iv = upload_i32(&dev, &indices);
         dev.gather_rows(&GatherArgs {
             src: sv,
             out,
-            indices: RSlice::from_slice(&indices),
+            indices: iv,
+            workspace: BufferSlice::EMPTY,
         })
         .unwrap();
         let want: Vec<f64> = indices
@@ -789,31 +826,52 @@ fn gather_rows_copies_indexed_rows() {
             })
             .collect();
         assert_close("gather", dtype, &download(&dev, &out), &want);
-        let bad = [1u32, 40];
-        let out2 = MatRef { rows: 2, ..out };
-        assert_invalid(
-            dev.gather_rows(&GatherArgs {
+        // A bad index is device data: it is reported when the op runs (at once on a
+        // synchronous queue, by the next call on an asynchronous one), and its row is zeros.
+        let bad = upload_i32(&dev, &[1, 40]);
+        let out2 = upload(&dev, dtype, 2, cols, &vec![1.0; 2 * cols]);
+        let result = dev
+            .gather_rows(&GatherArgs {
                 src: sv,
                 out: out2,
-                indices: RSlice::from_slice(&bad),
-            }),
-            "`indices`",
-        );
+                indices: bad,
+                workspace: BufferSlice::EMPTY,
+            })
+            .and_then(|()| dev.synchronize());
+        assert_invalid(result, "`indices`[1] = 40");
+        let got = download(&dev, &out2);
+        assert!(got[cols..].iter().all(|v| *v == 0.0), "{got:?}");
         assert_invalid(
             dev.gather_rows(&GatherArgs {
                 src: sv,
                 out,
-                indices: RSlice::from_slice(&bad),
+                indices: bad,
+                workspace: BufferSlice::EMPTY,
             }),
             "`out`",
         );
+        let two = upload_i32(&dev, &[0, 1]);
         assert_invalid(
             dev.gather_rows(&GatherArgs {
                 src: sv,
                 out: MatRef { rows: 2, ..sv },
-                indices: RSlice::from_slice(&[0, 1]),
+                indices: two,
+                workspace: BufferSlice::EMPTY,
             }),
             "`out`",
+        );
+        let as_f32 = MatRef {
+            dtype: DType::F32,
+            ..two
+        };
+        assert_invalid(
+            dev.gather_rows(&GatherArgs {
+                src: sv,
+                out: out2,
+                indices: as_f32,
+                workspace: BufferSlice::EMPTY,
+            }),
+            "`indices`",
         );
     }
 }
@@ -823,12 +881,17 @@ fn cast_converts_every_pair_with_round_to_nearest_even() {
     let dev = device(2);
     let mut rng = Rng::new(19);
     let (rows, cols) = (31, 57);
-    for from in DType::ALL {
-        for to in DType::ALL {
+    for from in DType::FLOATS {
+        for to in DType::FLOATS {
             let src = rng.vec(rows * cols, from, 100.0);
             let sv = upload_strided(&dev, from, rows, cols, 1, 2, &src);
             let out = upload_strided(&dev, to, rows, cols, 2, 1, &vec![0.0; rows * cols]);
-            dev.cast(&CastArgs { src: sv, out }).unwrap();
+            dev.cast(&CastArgs {
+                src: sv,
+                out,
+                workspace: BufferSlice::EMPTY,
+            })
+            .unwrap();
             let got = download(&dev, &out);
             let want: Vec<f32> = src.iter().map(|v| round(to, *v)).collect();
             assert_eq!(got, want, "cast {from} -> {to}");
@@ -836,7 +899,12 @@ fn cast_converts_every_pair_with_round_to_nearest_even() {
     }
     // Same view, same dtype: a no-op; same view, other dtype: an overlap.
     let x = upload(&dev, DType::F16, 2, 2, &[1.5, 2.5, 3.5, 4.5]);
-    dev.cast(&CastArgs { src: x, out: x }).unwrap();
+    dev.cast(&CastArgs {
+        src: x,
+        out: x,
+        workspace: BufferSlice::EMPTY,
+    })
+    .unwrap();
     assert_eq!(download(&dev, &x), vec![1.5, 2.5, 3.5, 4.5]);
     let as_bf16 = MatRef {
         dtype: DType::BF16,
@@ -846,6 +914,7 @@ fn cast_converts_every_pair_with_round_to_nearest_even() {
         dev.cast(&CastArgs {
             src: x,
             out: as_bf16,
+            workspace: BufferSlice::EMPTY,
         }),
         "`out`",
     );
@@ -855,33 +924,48 @@ fn cast_converts_every_pair_with_round_to_nearest_even() {
         dev.cast(&CastArgs {
             src: wrong,
             out: other,
+            workspace: BufferSlice::EMPTY,
         }),
         "`out`",
     );
 }
 
 // ------------------------------------------------------------------------------------------
-// Rope
+// Rotary
 // ------------------------------------------------------------------------------------------
 
-fn rope_ref(x: &[f32], heads: usize, d: usize, positions: &[u32], theta: f32) -> Vec<f64> {
-    let cols = heads * d;
+/// Qwen-VL tables for `(row, col)` positions: `cos`/`sin` of `cat(θ, θ)`, `[tokens, d]`.
+fn rotary_tables(positions: &[u32], d: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
     let (q, half) = (d / 4, d / 2);
     let freq = |i: usize| 1.0f32 / theta.powf((2 * i) as f32 / half as f32);
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for pair in positions.chunks(2) {
+        let angles: Vec<f32> = (0..half)
+            .map(|c| {
+                let p = if c < q { pair[0] } else { pair[1] };
+                p as f32 * freq(c % q)
+            })
+            .collect();
+        for _ in 0..2 {
+            cos.extend(angles.iter().map(|a| a.cos()));
+            sin.extend(angles.iter().map(|a| a.sin()));
+        }
+    }
+    (cos, sin)
+}
+
+fn rotary_ref(x: &[f32], heads: usize, d: usize, cos: &[f32], sin: &[f32]) -> Vec<f64> {
+    let cols = heads * d;
+    let half = d / 2;
     let mut out = vec![0.0; x.len()];
     for t in 0..x.len() / cols {
+        let table = |tab: &[f32], c: usize| f64::from(tab[t * d + c]);
         for h in 0..heads {
             let base = t * cols + h * d;
             for c in 0..half {
-                let p = if c < q {
-                    positions[2 * t]
-                } else {
-                    positions[2 * t + 1]
-                };
-                let angle = f64::from(p as f32 * freq(c % q));
                 let (x1, x2) = (f64::from(x[base + c]), f64::from(x[base + c + half]));
-                out[base + c] = x1 * angle.cos() - x2 * angle.sin();
-                out[base + c + half] = x2 * angle.cos() + x1 * angle.sin();
+                out[base + c] = x1 * table(cos, c) - x2 * table(sin, c);
+                out[base + c + half] = x2 * table(cos, c + half) + x1 * table(sin, c + half);
             }
         }
     }
@@ -889,30 +973,34 @@ fn rope_ref(x: &[f32], heads: usize, d: usize, positions: &[u32], theta: f32) ->
 }
 
 #[test]
-fn rope_2d_rotates_like_qwen_vl() {
+fn rotary_rotates_like_qwen_vl() {
     let dev = device(2);
     let mut rng = Rng::new(23);
-    for dtype in DType::ALL {
-        // Small positions (tabulated) and large ones (computed per token).
+    for dtype in DType::FLOATS {
+        // Small and large positions.
         for (tokens, max_pos) in [(64usize, 9u32), (5, 40_000)] {
             let (heads, d) = (3, 16);
             let x = rng.vec(tokens * heads * d, dtype, 2.0);
             let positions: Vec<u32> = (0..2 * tokens)
                 .map(|i| ((rng.next().abs() * max_pos as f32) as u32 + i as u32 % 3).min(max_pos))
                 .collect();
+            let (cos, sin) = rotary_tables(&positions, d, 10000.0);
             // A view into the middle of a wider qkv-like row.
             let xv = upload_strided(&dev, dtype, tokens, heads * d, 4, 2 * heads * d, &x);
-            dev.rope_2d(&Rope2dArgs {
+            let cv = upload(&dev, DType::F32, tokens, d, &cos);
+            let sv = upload(&dev, DType::F32, tokens, d, &sin);
+            dev.rotary(&RotaryArgs {
                 x: xv,
                 heads: heads as u64,
                 head_dim: d as u64,
-                positions: RSlice::from_slice(&positions),
-                theta: 10000.0,
+                cos: cv,
+                sin: sv,
+                workspace: BufferSlice::EMPTY,
             })
             .unwrap();
-            let want = rope_ref(&x, heads, d, &positions, 10000.0);
+            let want = rotary_ref(&x, heads, d, &cos, &sin);
             assert_close(
-                &format!("rope tokens={tokens}"),
+                &format!("rotary tokens={tokens}"),
                 dtype,
                 &download(&dev, &xv),
                 &want,
@@ -920,17 +1008,18 @@ fn rope_2d_rotates_like_qwen_vl() {
         }
     }
     let x = upload(&dev, DType::F32, 2, 12, &[0.0; 24]);
-    let pos = [0u32; 4];
-    let args = Rope2dArgs {
+    let table = upload(&dev, DType::F32, 2, 5, &[0.0; 10]);
+    let args = RotaryArgs {
         x,
         heads: 2,
-        head_dim: 6,
-        positions: RSlice::from_slice(&pos),
-        theta: 10000.0,
+        head_dim: 5,
+        cos: table,
+        sin: table,
+        workspace: BufferSlice::EMPTY,
     };
-    assert_invalid(dev.rope_2d(&args), "`head_dim`");
+    assert_invalid(dev.rotary(&args), "`head_dim`");
     assert_invalid(
-        dev.rope_2d(&Rope2dArgs {
+        dev.rotary(&RotaryArgs {
             heads: 2,
             head_dim: 8,
             ..args
@@ -938,17 +1027,26 @@ fn rope_2d_rotates_like_qwen_vl() {
         "`heads`",
     );
     let x8 = upload(&dev, DType::F32, 2, 8, &[0.0; 16]);
-    let short = [0u32; 3];
+    let wide = upload(&dev, DType::F32, 2, 8, &[0.0; 16]);
+    let short = upload(&dev, DType::F32, 1, 8, &[0.0; 8]);
+    let rotary = RotaryArgs {
+        x: x8,
+        heads: 1,
+        head_dim: 8,
+        cos: wide,
+        sin: short,
+        workspace: BufferSlice::EMPTY,
+    };
+    assert_invalid(dev.rotary(&rotary), "`sin`");
+    let half = upload(&dev, DType::F16, 2, 8, &[0.0; 16]);
     assert_invalid(
-        dev.rope_2d(&Rope2dArgs {
-            x: x8,
-            heads: 1,
-            head_dim: 8,
-            positions: RSlice::from_slice(&short),
-            theta: 10000.0,
+        dev.rotary(&RotaryArgs {
+            sin: half,
+            ..rotary
         }),
-        "`positions`",
+        "`sin`: expected dtype f32",
     );
+    assert_invalid(dev.rotary(&RotaryArgs { cos: x8, ..rotary }), "`cos`");
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1005,7 +1103,7 @@ fn attention_matches_reference_over_segments() {
     // Empty segments, a segment longer than one key block and one query block, odd lengths.
     let cu: Vec<u32> = vec![0, 0, 7, 7, 300, 301, 338];
     let tokens = 338;
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         let (heads, d) = (2, 12);
         let cols = heads * d;
         // q, k, v as column slices of one fused [tokens, 3 * cols] matrix.
@@ -1024,6 +1122,7 @@ fn attention_matches_reference_over_segments() {
         let (q, k, v) = (pick(0), pick(1), pick(2));
         let out = upload_strided(&dev, dtype, tokens, cols, 1, 3, &vec![0.0; tokens * cols]);
         let scale = 1.0 / (d as f32).sqrt();
+        let cu_i32: Vec<i32> = cu.iter().map(|&c| c as i32).collect();
         let mut args = AttentionArgs {
             q: part(0),
             k: part(1),
@@ -1033,6 +1132,8 @@ fn attention_matches_reference_over_segments() {
             head_dim: d as u64,
             scale,
             cu_seqlens: RSlice::from_slice(&cu),
+            cu_seqlens_device: upload_i32(&dev, &cu_i32),
+            max_seqlen: 293,
             workspace: BufferSlice::EMPTY,
         };
         let bytes = dev.attention_workspace(&args).unwrap();
@@ -1083,6 +1184,7 @@ fn attention_rejects_bad_arguments() {
     let k16 = upload(&dev, DType::F16, 6, 8, &[0.1; 48]);
     let out = upload(&dev, DType::F32, 6, 8, &[0.0; 48]);
     let cu = [0u32, 2, 6];
+    let cu_device = upload_i32(&dev, &[0, 2, 6]);
     let args = AttentionArgs {
         q,
         k,
@@ -1092,6 +1194,8 @@ fn attention_rejects_bad_arguments() {
         head_dim: 4,
         scale: 0.5,
         cu_seqlens: RSlice::from_slice(&cu),
+        cu_seqlens_device: cu_device,
+        max_seqlen: 4,
         workspace: BufferSlice::EMPTY,
     };
     let bytes = dev.attention_workspace(&args).unwrap();
@@ -1123,6 +1227,23 @@ fn attention_rejects_bad_arguments() {
         );
     }
     assert_invalid(dev.attention(&AttentionArgs { heads: 3, ..ok }), "`heads`");
+    assert_invalid(
+        dev.attention(&AttentionArgs {
+            max_seqlen: 6,
+            ..ok
+        }),
+        "`max_seqlen`",
+    );
+    // The device copy of the boundaries must say what the host copy says; the op finds out
+    // when it runs.
+    let disagreeing = upload_i32(&dev, &[0, 3, 6]);
+    let result = dev
+        .attention(&AttentionArgs {
+            cu_seqlens_device: disagreeing,
+            ..ok
+        })
+        .and_then(|()| dev.synchronize());
+    assert_invalid(result, "`cu_seqlens_device`[1] = 3");
     assert_invalid(dev.attention(&AttentionArgs { k: k16, ..ok }), "`k`");
     assert_invalid(dev.attention(&AttentionArgs { out: q, ..ok }), "`out`");
     let short_v = MatRef { rows: 5, ..k };

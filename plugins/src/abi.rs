@@ -293,8 +293,7 @@ pub struct DeviceVTable {
     /// Variable-length, non-causal multi-head attention; see [`AttentionArgs`].
     pub attention: extern "C" fn(DeviceCtx, &AttentionArgs<'_>) -> RResult<(), PluginError>,
     /// Scratch bytes `gather_rows` needs.
-    pub gather_rows_workspace:
-        extern "C" fn(DeviceCtx, &GatherArgs) -> RResult<u64, PluginError>,
+    pub gather_rows_workspace: extern "C" fn(DeviceCtx, &GatherArgs) -> RResult<u64, PluginError>,
     /// Row gather by device-resident indices; see [`GatherArgs`].
     pub gather_rows: extern "C" fn(DeviceCtx, &GatherArgs) -> RResult<(), PluginError>,
     /// Scratch bytes `cast` needs.

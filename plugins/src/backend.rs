@@ -15,14 +15,14 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use abi_stable::prefix_type::{PrefixRef, WithMetadata};
 use abi_stable::std_types::{RResult, RSlice, RSliceMut, RStr, RString};
 
-#[cfg(not(feature = "abi-2-0"))]
-use crate::abi::{HostAlloc, HostBufferId, StagedCopy};
 use crate::abi::{
     ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, CastArgs, CopyRegion, DeviceCtx,
     DeviceDesc, DeviceInstance, DeviceVTable, DeviceVTableRef, FillArgs, GatherArgs, GemmArgs,
     HostCtx, LogLevel, LogSink, MemInfo, MemoryReport, NormArgs, PluginError, PluginOption,
     ProbeResult, RotaryArgs,
 };
+#[cfg(not(feature = "abi-2-0"))]
+use crate::abi::{HostAlloc, HostBufferId, StagedCopy};
 
 /// A device implementation. One value per opened device; it must be usable from any thread.
 ///
@@ -471,7 +471,9 @@ impl<B: Backend> VTableFor<B> {
     #[cfg(not(feature = "abi-2-0"))]
     extern "C" fn alloc_host(ctx: DeviceCtx, bytes: u64) -> RResult<HostAlloc, PluginError> {
         // SAFETY: see the impl comment.
-        guard("alloc_host", || unsafe { backend::<B>(ctx) }.alloc_host(bytes))
+        guard("alloc_host", || {
+            unsafe { backend::<B>(ctx) }.alloc_host(bytes)
+        })
     }
 
     #[cfg(not(feature = "abi-2-0"))]
@@ -489,7 +491,9 @@ impl<B: Backend> VTableFor<B> {
     #[cfg(not(feature = "abi-2-0"))]
     extern "C" fn wait_fence(ctx: DeviceCtx, value: u64) -> RResult<(), PluginError> {
         // SAFETY: see the impl comment.
-        guard("wait_fence", || unsafe { backend::<B>(ctx) }.wait_fence(value))
+        guard("wait_fence", || {
+            unsafe { backend::<B>(ctx) }.wait_fence(value)
+        })
     }
 
     extern "C" fn close(ctx: DeviceCtx) {

@@ -25,9 +25,9 @@ use thiserror::Error;
 
 use crate::abi::{
     ABI_MAJOR, ABI_MINOR, ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, BufferSlice,
-    CastArgs, CopyRegion, DType, DeviceCtx, DeviceInstance, ErrorCode, FillArgs, GatherArgs, GemmArgs,
-    HostAlloc, HostBufferId, HostCtx, IrisPluginRef, LogLevel, LogSink, MemInfo, MemoryReport, NormArgs,
-    OpKind, PluginError, PluginOption, RotaryArgs, StagedCopy,
+    CastArgs, CopyRegion, DType, DeviceCtx, DeviceInstance, ErrorCode, FillArgs, GatherArgs,
+    GemmArgs, HostAlloc, HostBufferId, HostCtx, IrisPluginRef, LogLevel, LogSink, MemInfo,
+    MemoryReport, NormArgs, OpKind, PluginError, PluginOption, RotaryArgs, StagedCopy,
 };
 
 /// An error returned by a device call, with the call that failed.
@@ -668,7 +668,9 @@ impl Device {
             message,
         };
         if !std::ptr::eq(Arc::as_ptr(&buffer.device), self) {
-            return Err(invalid("the host buffer belongs to another device".to_owned()));
+            return Err(invalid(
+                "the host buffer belongs to another device".to_owned(),
+            ));
         }
         match offset.checked_add(bytes) {
             Some(end) if end <= buffer.len() as u64 => Ok(()),

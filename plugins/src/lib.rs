@@ -27,7 +27,7 @@
 
 pub mod abi;
 pub mod backend;
-// pub mod conformance;
+pub mod conformance;
 pub mod host;
 pub mod loader;
 pub mod validate;

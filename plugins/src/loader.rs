@@ -8,16 +8,20 @@
 //! unloaded, because unloading Rust code with thread-local destructors crashes.
 //!
 //! Load sequence: open the file; read the [`AbiVersion`] static (missing: not an iris plugin);
-//! compare majors and the minor window; let abi_stable check the root module's layout; run the
-//! root module's constructor. Each step has its own [`LoadError`] naming the file.
+//! compare majors and the minor window; compare the root module's layout recursively with
+//! abi_stable's checker, with the older side's tables as the prefix the newer side's must
+//! match; run the root module's constructor. Each step has its own [`LoadError`] naming the
+//! file.
 
 use std::path::{Path, PathBuf};
 
-use abi_stable::library::{LibraryError, RootModuleError, lib_header_from_path};
+use abi_stable::StableAbi;
+use abi_stable::abi_stability::abi_checking::check_layout_compatibility;
+use abi_stable::library::{LibHeader, LibraryError, RootModuleError, lib_header_from_path};
 use thiserror::Error;
 
 use crate::abi::{
-    ABI_MAGIC, ABI_MAJOR, ABI_MIN_MINOR, ABI_VERSION_SYMBOL, AbiVersion, IrisPluginRef,
+    ABI_MAGIC, ABI_MAJOR, ABI_MIN_MINOR, ABI_MINOR, ABI_VERSION_SYMBOL, AbiVersion, IrisPluginRef,
 };
 use crate::host::Plugin;
 
@@ -239,8 +243,10 @@ pub fn load_library(path: &Path) -> Result<Plugin, LoadError> {
         });
     }
     let header = lib_header_from_path(path).map_err(|err| library_error(path, err))?;
-    let module = header
-        .init_root_module::<IrisPluginRef>()
+    check_layout(path, header, version.minor)?;
+    // SAFETY: `check_layout` has compared the library's root-module layout (and, through it,
+    // every type the plugin exchanges with the host) with this host's.
+    let module = unsafe { header.init_root_module_with_unchecked_layout::<IrisPluginRef>() }
         .map_err(|err| library_error(path, err))?;
     Ok(Plugin::from_module(
         module,
@@ -248,6 +254,32 @@ pub fn load_library(path: &Path) -> Result<Plugin, LoadError> {
         version.major,
         version.minor,
     ))
+}
+
+/// Compares the library's root-module layout with the host's, recursively (the root module,
+/// the device table, every argument struct).
+///
+/// abi_stable's own check lets the library's prefix types have more fields than the host's
+/// (a newer plugin) but not fewer. iris also accepts an older minor, whose tables are shorter:
+/// then the plugin's layout is the one whose fields the host's must match, field by field.
+/// Fields past the plugin's table are read through `Option` accessors, which see them missing.
+fn check_layout(path: &Path, header: &LibHeader, plugin_minor: u32) -> Result<(), LoadError> {
+    let Some(plugin) = header.layout() else {
+        return Err(LoadError::IncompatibleLayout {
+            path: path.to_path_buf(),
+            details: "the library's root module carries no layout to check".to_owned(),
+        });
+    };
+    let host = <IrisPluginRef as StableAbi>::LAYOUT;
+    let (shorter, longer) = if plugin_minor < ABI_MINOR {
+        (plugin, host)
+    } else {
+        (host, plugin)
+    };
+    check_layout_compatibility(shorter, longer).map_err(|err| LoadError::IncompatibleLayout {
+        path: path.to_path_buf(),
+        details: abi_instability_summary(&err.to_string()),
+    })
 }
 
 /// Reads the exported [`AbiVersion`] block. The library handle is leaked on purpose: plugins

@@ -5,14 +5,16 @@
 //! `cargo bench -p iris-tests --bench op_call -- --warm-up-time 1 --measurement-time 3`
 //!
 //! Calls: `mem_info`, a 64-byte host-to-device `write`, and `binary` add on a 1x16 f32 matrix
-//! when the CPU device implements it (the bench says so when it does not).
+//! when the CPU device implements it (the bench says so when it does not), all with the CPU
+//! device's synchronous queue; then the same `binary` call plus `synchronize` on the
+//! synchronous and on the asynchronous queue, the cost of handing work to the queue's thread.
 
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use iris_device_cpu::{CpuDevice, CpuOptions};
-use iris_plugin::abi::BinaryArgs;
-use iris_plugin::{Backend, BinaryOp, DType, MatRef, OpKind};
+use iris_plugin::abi::{BinaryArgs, BufferSlice};
+use iris_plugin::{Backend, BinaryOp, DType, Logger, MatRef, OpKind};
 
 const CAPACITY: u64 = 64 << 20;
 const COLS: u64 = 16;
@@ -24,6 +26,7 @@ fn binary_args(a: iris_plugin::BufferHandle, out: iris_plugin::BufferHandle) -> 
         b: MatRef::contiguous(a, 0, DType::F32, 1, COLS),
         out: MatRef::contiguous(out, 0, DType::F32, 1, COLS),
         op: BinaryOp::ADD,
+        workspace: BufferSlice::EMPTY,
     }
 }
 
@@ -31,19 +34,29 @@ fn op_call(c: &mut Criterion) {
     let library = iris_tests::plugin_library("cpu");
     let plugin = iris_plugin::load_library(&library)
         .unwrap_or_else(|err| panic!("loading {}: {err}", library.display()));
-    let loaded = plugin
-        .open(
-            0,
-            &[
-                ("capacity".into(), CAPACITY.to_string()),
-                ("threads".into(), "1".into()),
-            ],
-        )
-        .expect("the CPU plugin opens");
-    let direct = CpuDevice::open(CpuOptions {
-        threads: 1,
-        capacity: CAPACITY,
-    })
+    let open = |queue: &str| {
+        plugin
+            .open(
+                0,
+                &[
+                    ("capacity".into(), CAPACITY.to_string()),
+                    ("threads".into(), "1".into()),
+                    ("queue".into(), queue.into()),
+                ],
+            )
+            .expect("the CPU plugin opens")
+    };
+    let loaded = open("sync");
+    let capacity = CAPACITY.to_string();
+    let options = [
+        ("threads", "1"),
+        ("capacity", capacity.as_str()),
+        ("queue", "sync"),
+    ];
+    let direct = CpuDevice::open(
+        CpuOptions::parse(&options).expect("options parse"),
+        Logger::discard(),
+    )
     .expect("the CPU device opens");
 
     let data = [0x5au8; 64];
@@ -89,6 +102,26 @@ fn op_call(c: &mut Criterion) {
         eprintln!(
             "binary_add_1x16_f32: skipped, the CPU device does not implement `binary` in this build"
         );
+    }
+
+    if loaded.supports(OpKind::BINARY) {
+        let mut group = c.benchmark_group("binary_add_1x16_f32_and_synchronize");
+        for (name, device) in [("sync_queue", &loaded), ("async_queue", &open("async"))] {
+            let (a, out) = (
+                device.alloc(BYTES).expect("alloc"),
+                device.alloc(BYTES).expect("alloc"),
+            );
+            let args = binary_args(a, out);
+            group.bench_function(name, |b| {
+                b.iter(|| {
+                    device.binary(black_box(&args)).expect("binary");
+                    device.synchronize().expect("synchronize");
+                });
+            });
+            device.free(a).expect("free");
+            device.free(out).expect("free");
+        }
+        group.finish();
     }
 
     for buffer in [loaded_a, loaded_out] {

@@ -56,6 +56,73 @@ fn next_major_version_is_a_version_mismatch_naming_both_versions() {
 }
 
 #[test]
+fn a_plugin_built_for_abi_1_is_refused_naming_both_versions() {
+    let path = fixture_library("abi_1");
+    let err = load_library(&path).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LoadError::VersionMismatch {
+                plugin_major: 1,
+                plugin_minor: 0,
+                host_major: ABI_MAJOR,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(text.contains("built for iris ABI 1.0"), "{text}");
+    assert!(text.contains(&format!("needs {ABI_MAJOR}.x")), "{text}");
+}
+
+/// A plugin built for 2.0 has shorter tables than this host's 2.1: it loads, works, and the
+/// host falls back to ordinary memory for staging, which 2.0 lacks.
+#[test]
+fn a_plugin_built_for_abi_2_0_loads_and_the_host_falls_back() {
+    let path = iris_tests::abi_2_0_fixture().unwrap_or_else(|err| panic!("{err}"));
+    let plugin = load_library(&path).unwrap_or_else(|err| panic!("the 2.0 plugin loads: {err}"));
+    assert_eq!((plugin.abi_major(), plugin.abi_minor()), (2, 0));
+    assert!(
+        ABI_MINOR > 0,
+        "this test needs a host newer than the fixture"
+    );
+    let device = std::sync::Arc::new(plugin.open(0, &[]).expect("device 0 opens"));
+    assert!(!device.has_staging());
+    let buf = device.alloc(4096).unwrap();
+    let mut staging = device.host_buffer(4096).unwrap();
+    assert!(!staging.is_pinned());
+    staging.as_mut_slice().unwrap().fill(0x5a);
+    device.upload(buf, 0, &mut staging, 0, 4096).unwrap();
+    device.zero(buf, 1024, 1024).unwrap();
+    let mut back = device.host_buffer(4096).unwrap();
+    device.download(buf, 0, &mut back, 0, 4096).unwrap();
+    let bytes = back.as_slice().unwrap();
+    assert!(bytes[..1024].iter().all(|b| *b == 0x5a));
+    assert!(bytes[1024..2048].iter().all(|b| *b == 0));
+    assert!(bytes[2048..].iter().all(|b| *b == 0x5a));
+    drop((staging, back));
+    device.free(buf).unwrap();
+    // The conformance suite passes, with host staging reported as unsupported.
+    let report = iris_plugin::conformance::run(&plugin, &device);
+    let failures: Vec<String> = report
+        .failures()
+        .map(|c| format!("{}: {}", c.name, c.status))
+        .collect();
+    assert!(failures.is_empty(), "{failures:?}");
+    let staging = report
+        .checks
+        .iter()
+        .find(|c| c.name == "queue.host_staging")
+        .expect("the suite checks staging");
+    assert!(
+        staging.status.detail().contains("ABI 2.0"),
+        "{}",
+        staging.status
+    );
+}
+
+#[test]
 fn different_root_module_layout_is_incompatible() {
     let path = fixture_library("bad_layout");
     let err = load_library(&path).unwrap_err();

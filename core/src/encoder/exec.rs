@@ -8,13 +8,15 @@
 //! a batch before running it. The measured peak can exceed the plan only by the remainders the
 //! allocator leaves unsplit when it reuses a larger cached block (under 1 MiB per block).
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use abi_stable::std_types::RSlice;
 use iris_plugin::abi::{
-    AttentionArgs, BinaryArgs, BufferSlice, CastArgs, GatherArgs, GemmArgs, NormArgs, Rope2dArgs,
+    AttentionArgs, BinaryArgs, BufferSlice, CastArgs, CopyRegion, GatherArgs, GemmArgs, NormArgs,
+    RotaryArgs,
 };
-use iris_plugin::{Activation, BinaryOp, DType, Device, MatRef};
+use iris_plugin::host::HostBuffer;
+use iris_plugin::{Activation, BinaryOp, DType, Device, DeviceError, MatRef};
 
 use crate::encoder::EncoderError;
 use crate::memory::allocator::round_size;
@@ -178,6 +180,7 @@ pub struct Runner {
     device: Arc<Device>,
     allocator: Arc<CachingAllocator>,
     plan: Option<Arc<Mutex<PlanState>>>,
+    staging: Arc<Mutex<StagingRing>>,
 }
 
 #[derive(Default)]
@@ -205,6 +208,7 @@ impl Runner {
             device: Arc::clone(allocator.device()),
             allocator,
             plan: None,
+            staging: Arc::default(),
         }
     }
 
@@ -214,6 +218,7 @@ impl Runner {
             device: Arc::clone(allocator.device()),
             allocator,
             plan: Some(Arc::new(Mutex::new(PlanState::default()))),
+            staging: Arc::default(),
         }
     }
 
@@ -283,7 +288,10 @@ impl Runner {
     }
 
     /// Uploads host f32 slices, concatenated in order, as one `rows x cols` tensor of `dtype`.
-    /// Conversion goes through a staging buffer of bounded size, so a batch of images is never
+    ///
+    /// Values are converted chunk by chunk into the runner's two staging buffers (page-locked
+    /// memory from the plugin where it offers it) and uploaded from there, so the conversion
+    /// of one chunk overlaps the transfer of the previous one, and a batch of images is never
     /// copied whole on the host.
     pub fn upload_f32_parts(
         &self,
@@ -298,16 +306,21 @@ impl Runner {
                 "upload of {total} values into a {rows}x{cols} tensor"
             )));
         }
-        /// Elements converted per device write: 1 MiB of f32.
-        const STAGING_ELEMENTS: usize = 1 << 18;
         let tensor = self.tensor(dtype, rows, cols)?;
         if let Storage::Device(buffer) = tensor.storage.as_ref() {
-            let mut staging = Vec::new();
-            let mut offset = 0;
-            for chunk in parts.iter().flat_map(|p| p.chunks(STAGING_ELEMENTS)) {
-                encode_f32_into(chunk, dtype, &mut staging);
-                buffer.write(offset, &staging)?;
-                offset += staging.len() as u64;
+            let size = usize::try_from(dtype_size(dtype)).map_err(|_| too_big())?;
+            let mut staging = self.staging()?;
+            let mut offset = buffer.offset();
+            let chunks = parts.iter().flat_map(|p| p.chunks(STAGING_BYTES / size));
+            for (i, chunk) in chunks.enumerate() {
+                // Waits until the upload that last used this slot has read it.
+                let slot = &mut staging.slots[i % STAGING_SLOTS];
+                let bytes = slot.as_mut_slice()?;
+                let len = chunk.len() * size;
+                encode_f32_to(chunk, dtype, &mut bytes[..len]);
+                self.device
+                    .upload(buffer.handle(), offset, slot, 0, len as u64)?;
+                offset += len as u64;
             }
         }
         Ok(tensor)
@@ -326,6 +339,41 @@ impl Runner {
             buffer.write(0, bytes)?;
         }
         Ok(tensor)
+    }
+
+    /// Uploads i32 values as a `[1, len]` vector: indices and segment boundaries, which ops
+    /// take on the device so that a step uploads them once for every layer.
+    pub fn upload_i32(&self, values: &[i32]) -> Result<Tensor, EncoderError> {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.upload_bytes(&bytes, DType::I32, 1, values.len() as u64)
+    }
+
+    /// Attention segments for one forward pass: the boundaries on the host and, uploaded once,
+    /// on the device.
+    pub fn segments(&self, cu_seqlens: Vec<u32>) -> Result<Segments, EncoderError> {
+        let device: Vec<i32> = cu_seqlens
+            .iter()
+            .map(|&c| i32::try_from(c).map_err(|_| shape_error("segment boundary")))
+            .collect::<Result<_, _>>()?;
+        let max_seqlen = cu_seqlens
+            .windows(2)
+            .map(|w| u64::from(w[1].saturating_sub(w[0])))
+            .max()
+            .unwrap_or(0);
+        Ok(Segments {
+            device: self.upload_i32(&device)?,
+            host: cu_seqlens,
+            max_seqlen,
+        })
+    }
+
+    /// Row indices for [`Runner::gather_rows`], uploaded once.
+    pub fn indices(&self, rows: &[u32]) -> Result<Tensor, EncoderError> {
+        let values: Vec<i32> = rows
+            .iter()
+            .map(|&r| i32::try_from(r).map_err(|_| shape_error("row index")))
+            .collect::<Result<_, _>>()?;
+        self.upload_i32(&values)
     }
 
     /// A device buffer of its own holding `tensor`'s elements contiguously: the tensor's own
@@ -356,7 +404,24 @@ impl Runner {
         }
         let mut bytes = vec![0u8; usize::try_from(tensor.bytes()).map_err(|_| too_big())?];
         let mat = tensor.mat();
-        self.device.read(mat.buf, mat.offset, &mut bytes)?;
+        let mut staging = self.staging()?;
+        let chunks: Vec<(usize, usize)> = (0..bytes.len())
+            .step_by(STAGING_BYTES)
+            .map(|at| (at, STAGING_BYTES.min(bytes.len() - at)))
+            .collect();
+        // Chunk i goes through slot i % 2: while the host copies chunk i - 1 out, chunk i is
+        // already on its way.
+        for i in 0..=chunks.len() {
+            if let Some(&(at, len)) = chunks.get(i) {
+                let slot = &mut staging.slots[i % STAGING_SLOTS];
+                self.device
+                    .download(mat.buf, mat.offset + at as u64, slot, 0, len as u64)?;
+            }
+            if let Some(&(at, len)) = i.checked_sub(1).and_then(|j| chunks.get(j)) {
+                let slot = &mut staging.slots[(i - 1) % STAGING_SLOTS];
+                bytes[at..at + len].copy_from_slice(&slot.as_slice()?[..len]);
+            }
+        }
         Ok(bytes)
     }
 
@@ -372,23 +437,27 @@ impl Runner {
             if tensor.dtype == DType::F32 {
                 self.copy_rows(tensor, &out)?;
             } else {
-                self.device.cast(&CastArgs {
-                    src: tensor.mat(),
-                    out: out.mat(),
-                })?;
+                self.op(
+                    |ws| CastArgs {
+                        src: tensor.mat(),
+                        out: out.mat(),
+                        workspace: ws,
+                    },
+                    Device::cast_workspace,
+                    Device::cast,
+                )?;
             }
             out
         };
-        let mut bytes = vec![0u8; usize::try_from(source.bytes()).map_err(|_| too_big())?];
-        let mat = source.mat();
-        self.device.read(mat.buf, mat.offset, &mut bytes)?;
-        Ok(bytes
+        Ok(self
+            .download_bytes(&source)?
             .chunks_exact(4)
             .map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]))
             .collect())
     }
 
-    /// `act(x · wᵀ + bias)` into a new tensor.
+    /// `act(x · wᵀ + bias)` into a new tensor. `weight` is a model weight: it does not change
+    /// while it lives, so a device may keep it in the layout its kernels prefer.
     pub fn linear(
         &self,
         x: &Tensor,
@@ -401,7 +470,7 @@ impl Runner {
         Ok(out)
     }
 
-    /// `out += x · wᵀ + bias` (a residual connection).
+    /// `out += x · wᵀ + bias` (a residual connection); `weight` as in [`Runner::linear`].
     pub fn linear_accumulate(
         &self,
         x: &Tensor,
@@ -421,19 +490,21 @@ impl Runner {
         out: &Tensor,
         accumulate: bool,
     ) -> Result<(), EncoderError> {
-        if self.is_planning() {
-            return Ok(());
-        }
-        self.device.gemm(&GemmArgs {
-            a: x.mat(),
-            w: weight.mat(),
-            bias: bias.map_or(MatRef::NONE, Tensor::mat),
-            out: out.mat(),
-            activation,
-            accumulate,
-            w_transposed: false,
-        })?;
-        Ok(())
+        self.op(
+            |workspace| GemmArgs {
+                a: x.mat(),
+                w: weight.mat(),
+                bias: bias.map_or(MatRef::NONE, Tensor::mat),
+                out: out.mat(),
+                activation,
+                accumulate,
+                w_transposed: false,
+                w_constant: true,
+                workspace,
+            },
+            Device::gemm_workspace,
+            Device::gemm,
+        )
     }
 
     /// Layer norm of each row into a new tensor.
@@ -445,30 +516,36 @@ impl Runner {
         eps: f32,
     ) -> Result<Tensor, EncoderError> {
         let out = self.tensor(x.dtype, x.rows, x.cols)?;
-        if !self.is_planning() {
-            self.device.layer_norm(&NormArgs {
+        self.op(
+            |workspace| NormArgs {
                 x: x.mat(),
                 weight: weight.mat(),
                 bias: bias.map_or(MatRef::NONE, Tensor::mat),
                 out: out.mat(),
                 eps,
-            })?;
-        }
+                workspace,
+            },
+            Device::layer_norm_workspace,
+            Device::layer_norm,
+        )?;
         Ok(out)
     }
 
     /// RMS norm of each row into a new tensor.
     pub fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor, EncoderError> {
         let out = self.tensor(x.dtype, x.rows, x.cols)?;
-        if !self.is_planning() {
-            self.device.rms_norm(&NormArgs {
+        self.op(
+            |workspace| NormArgs {
                 x: x.mat(),
                 weight: weight.mat(),
                 bias: MatRef::NONE,
                 out: out.mat(),
                 eps,
-            })?;
-        }
+                workspace,
+            },
+            Device::rms_norm_workspace,
+            Device::rms_norm,
+        )?;
         Ok(out)
     }
 
@@ -479,41 +556,44 @@ impl Runner {
         b: &Tensor,
         op: BinaryOp,
     ) -> Result<(), EncoderError> {
-        if self.is_planning() {
-            return Ok(());
-        }
-        self.device.binary(&BinaryArgs {
-            a: a.mat(),
-            b: b.mat(),
-            out: a.mat(),
-            op,
-        })?;
-        Ok(())
+        self.op(
+            |workspace| BinaryArgs {
+                a: a.mat(),
+                b: b.mat(),
+                out: a.mat(),
+                op,
+                workspace,
+            },
+            Device::binary_workspace,
+            Device::binary,
+        )
     }
 
-    /// 2-D rotary embedding in place on `x` (`[tokens, heads * head_dim]`).
-    pub fn rope_2d(
+    /// Rotary embedding in place on `x` (`[tokens, heads * head_dim]`) from f32 `cos` and
+    /// `sin` tables (`[tokens, head_dim]`), uploaded once per forward pass.
+    pub fn rotary(
         &self,
         x: &Tensor,
         heads: u64,
         head_dim: u64,
-        positions: &[u32],
-        theta: f32,
+        cos: &Tensor,
+        sin: &Tensor,
     ) -> Result<(), EncoderError> {
-        if self.is_planning() {
-            return Ok(());
-        }
-        self.device.rope_2d(&Rope2dArgs {
-            x: x.mat(),
-            heads,
-            head_dim,
-            positions: RSlice::from_slice(positions),
-            theta,
-        })?;
-        Ok(())
+        self.op(
+            |workspace| RotaryArgs {
+                x: x.mat(),
+                heads,
+                head_dim,
+                cos: cos.mat(),
+                sin: sin.mat(),
+                workspace,
+            },
+            Device::rotary_workspace,
+            Device::rotary,
+        )
     }
 
-    /// Variable-length attention over `cu_seqlens` segments into a new tensor; the workspace is
+    /// Variable-length attention over `segments` into a new tensor; the workspace is
     /// allocated (and released) through the allocator.
     pub fn attention(
         &self,
@@ -522,56 +602,47 @@ impl Runner {
         v: &Tensor,
         heads: u64,
         head_dim: u64,
-        cu_seqlens: &[u32],
+        segments: &Segments,
     ) -> Result<Tensor, EncoderError> {
         let out = self.tensor(q.dtype, q.rows, q.cols)?;
         let scale = attention_scale(head_dim);
-        let mut args = AttentionArgs {
-            q: q.mat(),
-            k: k.mat(),
-            v: v.mat(),
-            out: out.mat(),
-            heads,
-            head_dim,
-            scale,
-            cu_seqlens: RSlice::from_slice(cu_seqlens),
-            workspace: BufferSlice::EMPTY,
-        };
-        let workspace_bytes = self.device.attention_workspace(&args)?;
-        let workspace = if workspace_bytes > 0 {
-            Some(self.tensor(DType::F32, 1, workspace_bytes.div_ceil(4))?)
-        } else {
-            None
-        };
-        if let Some(workspace) = &workspace {
-            let mat = workspace.mat();
-            args.workspace = BufferSlice {
-                buf: mat.buf,
-                offset: mat.offset,
-                bytes: workspace_bytes,
-            };
-        }
-        if !self.is_planning() {
-            self.device.attention(&args)?;
-        }
-        drop(workspace);
+        self.op(
+            |workspace| AttentionArgs {
+                q: q.mat(),
+                k: k.mat(),
+                v: v.mat(),
+                out: out.mat(),
+                heads,
+                head_dim,
+                scale,
+                cu_seqlens: RSlice::from_slice(&segments.host),
+                cu_seqlens_device: segments.device.mat(),
+                max_seqlen: segments.max_seqlen,
+                workspace,
+            },
+            Device::attention_workspace,
+            Device::attention,
+        )?;
         Ok(out)
     }
 
-    /// `out[i] = src[indices[i]]` into a new tensor.
-    pub fn gather_rows(&self, src: &Tensor, indices: &[u32]) -> Result<Tensor, EncoderError> {
-        let out = self.tensor(src.dtype, indices.len() as u64, src.cols)?;
-        if !self.is_planning() {
-            self.device.gather_rows(&GatherArgs {
+    /// `out[i] = src[indices[i]]` into a new tensor; `indices` from [`Runner::indices`].
+    pub fn gather_rows(&self, src: &Tensor, indices: &Tensor) -> Result<Tensor, EncoderError> {
+        let out = self.tensor(src.dtype, indices.cols, src.cols)?;
+        self.op(
+            |workspace| GatherArgs {
                 src: src.mat(),
                 out: out.mat(),
-                indices: RSlice::from_slice(indices),
-            })?;
-        }
+                indices: indices.mat(),
+                workspace,
+            },
+            Device::gather_rows_workspace,
+            Device::gather_rows,
+        )?;
         Ok(out)
     }
 
-    /// Copies `src` into `out` row by row (same shape and dtype).
+    /// Copies `src` into `out` row by row (same shape and dtype), in one batched copy.
     pub fn copy_rows(&self, src: &Tensor, out: &Tensor) -> Result<(), EncoderError> {
         if src.rows != out.rows || src.cols != out.cols || src.dtype != out.dtype {
             return Err(EncoderError::Shape(format!("copy of {src:?} into {out:?}")));
@@ -581,21 +652,93 @@ impl Runner {
         }
         let (s, d) = (src.mat(), out.mat());
         let size = dtype_size(src.dtype);
-        if src.is_contiguous() && out.is_contiguous() {
-            self.device
-                .copy(d.buf, d.offset, s.buf, s.offset, src.bytes())?;
-            return Ok(());
-        }
-        let regions: Vec<_> = (0..src.rows)
-            .map(|row| iris_plugin::CopyRegion {
-                src_offset: s.offset + row * s.row_stride * size,
-                dst_offset: d.offset + row * d.row_stride * size,
-                bytes: src.cols * size,
-            })
-            .collect();
-        self.device.copy_regions(d.buf, s.buf, &regions)?;
+        let regions: Vec<CopyRegion> = if src.is_contiguous() && out.is_contiguous() {
+            vec![CopyRegion {
+                src: s.buf,
+                src_offset: s.offset,
+                dst: d.buf,
+                dst_offset: d.offset,
+                bytes: src.bytes(),
+            }]
+        } else {
+            (0..src.rows)
+                .map(|row| CopyRegion {
+                    src: s.buf,
+                    src_offset: s.offset + row * s.row_stride * size,
+                    dst: d.buf,
+                    dst_offset: d.offset + row * d.row_stride * size,
+                    bytes: src.cols * size,
+                })
+                .collect()
+        };
+        self.device.copy_batch(&regions)?;
         Ok(())
     }
+
+    /// Runs one op: asks the device for the op's workspace, allocates it through the allocator
+    /// (so that it is accounted, and counted in a plan), enqueues the op, and returns the
+    /// workspace's block at once (the queue orders its later uses).
+    fn op<A>(
+        &self,
+        args: impl Fn(BufferSlice) -> A,
+        workspace: fn(&Device, &A) -> Result<u64, DeviceError>,
+        run: fn(&Device, &A) -> Result<(), DeviceError>,
+    ) -> Result<(), EncoderError> {
+        let bytes = workspace(&self.device, &args(BufferSlice::EMPTY))?;
+        let scratch = if bytes > 0 {
+            Some(self.tensor(DType::U8, 1, bytes)?)
+        } else {
+            None
+        };
+        if self.is_planning() {
+            return Ok(());
+        }
+        let slice = scratch.as_ref().map_or(BufferSlice::EMPTY, |ws| {
+            let mat = ws.mat();
+            BufferSlice {
+                buf: mat.buf,
+                offset: mat.offset,
+                bytes,
+            }
+        });
+        run(&self.device, &args(slice))?;
+        Ok(())
+    }
+
+    /// The runner's staging buffers, allocated on first use.
+    fn staging(&self) -> Result<MutexGuard<'_, StagingRing>, EncoderError> {
+        let mut guard = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
+        if guard.slots.is_empty() {
+            for _ in 0..STAGING_SLOTS {
+                guard
+                    .slots
+                    .push(self.device.host_buffer(STAGING_BYTES as u64)?);
+            }
+        }
+        Ok(guard)
+    }
+}
+
+/// Bytes per staging buffer: large enough that a transfer's fixed cost is small, small enough
+/// that two of them stay in the caches of the CPU converting into them.
+const STAGING_BYTES: usize = 1 << 20;
+/// Staging buffers per runner: one filling while the other transfers.
+const STAGING_SLOTS: usize = 2;
+
+/// Host staging buffers used in turn (chunk `i` of a transfer through slot `i % 2`).
+#[derive(Default)]
+struct StagingRing {
+    slots: Vec<HostBuffer>,
+}
+
+/// Attention segments of one forward pass (see [`Runner::segments`]).
+pub struct Segments {
+    /// Boundaries on the host.
+    pub host: Vec<u32>,
+    /// The same boundaries on the device, i32 `[1, len]`.
+    pub device: Tensor,
+    /// Length of the longest segment.
+    pub max_seqlen: u64,
 }
 
 /// `head_dim^-0.5`, the attention score scale of every Qwen-VL tower.
@@ -619,12 +762,18 @@ pub fn encode_f32(data: &[f32], dtype: DType) -> Vec<u8> {
     out
 }
 
-/// [`encode_f32`] into a reused buffer (cleared first). Writing fixed-size chunks of a sized
-/// buffer, rather than collecting a byte iterator, lets the compiler vectorise the loop.
+/// [`encode_f32`] into a reused buffer (cleared first).
 pub fn encode_f32_into(data: &[f32], dtype: DType, out: &mut Vec<u8>) {
     let size = usize::try_from(dtype_size(dtype)).unwrap_or(4);
     out.clear();
     out.resize(data.len() * size, 0);
+    encode_f32_to(data, dtype, out);
+}
+
+/// Host f32 values into `out`, exactly `data.len()` elements of `dtype`. Writing fixed-size
+/// chunks of a sized buffer, rather than collecting a byte iterator, lets the compiler
+/// vectorise the loop.
+fn encode_f32_to(data: &[f32], dtype: DType, out: &mut [u8]) {
     match dtype {
         DType::F16 => {
             for (dst, v) in out.chunks_exact_mut(2).zip(data) {
@@ -642,6 +791,10 @@ pub fn encode_f32_into(data: &[f32], dtype: DType, out: &mut Vec<u8>) {
             }
         }
     }
+}
+
+fn shape_error(what: &str) -> EncoderError {
+    EncoderError::Shape(format!("{what} does not fit in an i32"))
 }
 
 fn too_big() -> EncoderError {

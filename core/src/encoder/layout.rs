@@ -30,6 +30,48 @@ pub fn rotary_positions(grids: &[Grid], merge: u32) -> Vec<u32> {
     out
 }
 
+/// The rotary `cos` and `sin` tables of tokens at `positions` (`[row, col]` pairs, as from
+/// [`rotary_positions`]): `[tokens, head_dim]` f32 each, flat. With `q = head_dim / 4`
+/// frequencies `f_i = 1 / theta^(2i / (head_dim / 2))`, channel `c < head_dim / 2` has the
+/// angle `row · f_c` for `c < q` and `col · f_(c-q)` otherwise, and channel `c + head_dim / 2`
+/// repeats it (transformers' `emb = cat(freqs, freqs)`). Everything is computed in f32, as
+/// transformers' vision rotary does.
+pub fn rotary_tables(positions: &[u32], head_dim: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+    let quarter = head_dim / 4;
+    let half = head_dim / 2;
+    let freqs: Vec<f32> = (0..quarter)
+        .map(|i| {
+            // Small integers: exact in f32. Matches `arange(0, dim, 2) / dim`.
+            #[allow(clippy::cast_precision_loss)]
+            let exponent = (2 * i) as f32 / half as f32;
+            1.0 / theta.powf(exponent)
+        })
+        .collect();
+    let tokens = positions.len() / 2;
+    let mut cos = Vec::with_capacity(tokens * head_dim);
+    let mut sin = Vec::with_capacity(tokens * head_dim);
+    let mut angles = vec![0f32; half];
+    for pair in positions.chunks_exact(2) {
+        for (c, angle) in angles.iter_mut().enumerate() {
+            let (position, i) = if c < quarter {
+                (pair[0], c)
+            } else {
+                (pair[1], c - quarter)
+            };
+            // Positions are u32 values; their rounding to f32 is the rounding transformers
+            // applies.
+            #[allow(clippy::cast_precision_loss)]
+            let position = position as f32;
+            *angle = position * freqs[i];
+        }
+        for _ in 0..2 {
+            cos.extend(angles.iter().map(|a| a.cos()));
+            sin.extend(angles.iter().map(|a| a.sin()));
+        }
+    }
+    (cos, sin)
+}
+
 /// Full-attention segments: one per frame of each image (`h * w` patches each).
 pub fn frame_cu_seqlens(grids: &[Grid]) -> Vec<u32> {
     let mut out = vec![0u32];
@@ -221,6 +263,20 @@ mod tests {
                 (1, 3)
             ]
         );
+    }
+
+    #[test]
+    fn rotary_tables_repeat_the_half_and_split_row_and_column() {
+        // Token at (row 2, col 3), head_dim 8: quarter 2, frequencies 1 and theta^-0.5.
+        let (cos, sin) = rotary_tables(&[2, 3], 8, 100.0);
+        assert_eq!(cos.len(), 8);
+        let angles = [2.0f32, 2.0 * 0.1, 3.0, 3.0 * 0.1];
+        for (c, angle) in angles.iter().enumerate() {
+            assert!((cos[c] - angle.cos()).abs() < 1e-6, "cos {c}");
+            assert!((sin[c] - angle.sin()).abs() < 1e-6, "sin {c}");
+            assert_eq!(cos[c], cos[c + 4]);
+            assert_eq!(sin[c], sin[c + 4]);
+        }
     }
 
     #[test]

@@ -16,10 +16,10 @@ use std::collections::{BTreeMap, HashMap};
 use iris_plugin::{Activation, BinaryOp, DType};
 
 use crate::encoder::EncoderError;
-use crate::encoder::exec::{Runner, Tensor, encode_f32};
+use crate::encoder::exec::{Runner, Segments, Tensor, encode_f32};
 use crate::encoder::layout::{
     Grid, expand_units, frame_cu_seqlens, interpolated_pos_embed, inverse_permutation, patches,
-    rotary_positions, window_layout,
+    rotary_positions, rotary_tables, window_layout,
 };
 use crate::model::{Family, HostTensor, HostWeights, VisionConfig};
 
@@ -35,6 +35,12 @@ pub struct VisionTower {
     /// arithmetic, done there once per batch.
     pos_table: Option<Vec<f32>>,
     weight_bytes: u64,
+}
+
+/// The rotary tables of one forward pass, `[tokens, head_dim]` f32 each.
+struct Rotary {
+    cos: Tensor,
+    sin: Tensor,
 }
 
 /// Encoder outputs of one image.
@@ -190,16 +196,18 @@ impl VisionTower {
         }
 
         let mut positions = rotary_positions(grids, merge);
-        let full_cu = frame_cu_seqlens(grids);
-        let mut window_cu = Vec::new();
+        // Everything that depends only on the grids is uploaded once here and read by every
+        // layer: attention segments, the window permutation, the rotary tables.
+        let full = runner.segments(frame_cu_seqlens(grids))?;
+        let mut window = None;
         let mut restore: Option<Vec<u32>> = None;
         if cfg.family == Family::Qwen25Vl {
-            let window = cfg.window_size.unwrap_or(0);
-            let units = window / cfg.spatial_merge_size / cfg.patch_size;
+            let window_size = cfg.window_size.unwrap_or(0);
+            let units = window_size / cfg.spatial_merge_size / cfg.patch_size;
             let units = u32::try_from(units.max(1)).map_err(|_| shape("window size"))?;
             let (unit_index, cu) = window_layout(grids, merge, units);
             let rows = expand_units(&unit_index, merge_unit);
-            hidden = runner.gather_rows(&hidden, &rows)?;
+            hidden = runner.gather_rows(&hidden, &runner.indices(&rows)?)?;
             positions = rows
                 .iter()
                 .flat_map(|&row| {
@@ -207,19 +215,28 @@ impl VisionTower {
                     [positions[at], positions[at + 1]]
                 })
                 .collect();
-            window_cu = cu;
+            window = Some(runner.segments(cu)?);
             restore = Some(inverse_permutation(&unit_index));
         }
+        // The rotary base (10000) is exact in f32, the precision the tables are computed in.
+        #[allow(clippy::cast_possible_truncation)]
+        let theta = cfg.rope_theta as f32;
+        let head_dim = cfg.head_dim();
+        let (cos, sin) = rotary_tables(&positions, head_dim, theta);
+        let rows = total;
+        let cols = head_dim as u64;
+        let rotary = Rotary {
+            cos: runner.upload_f32(&cos, DType::F32, rows, cols)?,
+            sin: runner.upload_f32(&sin, DType::F32, rows, cols)?,
+        };
 
         let mut deepstack = Vec::new();
         for layer in 0..cfg.depth {
-            let cu =
-                if cfg.family == Family::Qwen25Vl && !cfg.fullatt_block_indexes.contains(&layer) {
-                    &window_cu
-                } else {
-                    &full_cu
-                };
-            self.block(runner, layer, &hidden, &positions, cu)?;
+            let segments = match &window {
+                Some(window) if !cfg.fullatt_block_indexes.contains(&layer) => window,
+                _ => &full,
+            };
+            self.block(runner, layer, &hidden, &rotary, segments)?;
             if let Some(j) = cfg
                 .deepstack_visual_indexes
                 .iter()
@@ -233,6 +250,7 @@ impl VisionTower {
                 )?);
             }
         }
+        drop((rotary, full, window));
         let merged = self.merger(runner, "merger", &hidden, false)?;
         drop(hidden);
 
@@ -240,28 +258,30 @@ impl VisionTower {
         // each image's entry in the encoder cache owns exactly its bytes.
         let mut outputs = Vec::with_capacity(grids.len());
         let mut start = 0u64;
-        let split = |tensor: &Tensor, start: u64, tokens: u64| -> Result<Tensor, EncoderError> {
-            match &restore {
-                Some(inverse) => {
-                    let rows: Vec<u32> = inverse
-                        [usize::try_from(start).map_err(|_| shape("rows"))?..]
-                        [..usize::try_from(tokens).map_err(|_| shape("rows"))?]
-                        .to_vec();
-                    runner.gather_rows(tensor, &rows)
-                }
-                None => {
-                    let out = runner.tensor(tensor.dtype(), tokens, tensor.cols())?;
-                    runner.copy_rows(&tensor.row_range(start, tokens)?, &out)?;
-                    Ok(out)
-                }
-            }
-        };
         for grid in grids {
             let tokens = self.tokens(*grid);
-            let embeddings = split(&merged, start, tokens)?;
+            let split = |tensor: &Tensor, order: Option<&Tensor>| -> Result<Tensor, EncoderError> {
+                match order {
+                    Some(indices) => runner.gather_rows(tensor, indices),
+                    None => {
+                        let out = runner.tensor(tensor.dtype(), tokens, tensor.cols())?;
+                        runner.copy_rows(&tensor.row_range(start, tokens)?, &out)?;
+                        Ok(out)
+                    }
+                }
+            };
+            let order = match &restore {
+                Some(inverse) => {
+                    let from = usize::try_from(start).map_err(|_| shape("rows"))?;
+                    let len = usize::try_from(tokens).map_err(|_| shape("rows"))?;
+                    Some(runner.indices(&inverse[from..from + len])?)
+                }
+                None => None,
+            };
+            let embeddings = split(&merged, order.as_ref())?;
             let mut extra = Vec::with_capacity(deepstack.len());
             for output in &deepstack {
-                extra.push(split(output, start, tokens)?);
+                extra.push(split(output, order.as_ref())?);
             }
             outputs.push(ImageOutput {
                 embeddings,
@@ -278,16 +298,13 @@ impl VisionTower {
         runner: &Runner,
         layer: usize,
         hidden: &Tensor,
-        positions: &[u32],
-        cu_seqlens: &[u32],
+        rotary: &Rotary,
+        segments: &Segments,
     ) -> Result<(), EncoderError> {
         let cfg = &self.config;
         let p = format!("blocks.{layer}");
         let heads = cfg.num_heads as u64;
         let head_dim = cfg.head_dim() as u64;
-        // The rotary base (10000) is exact in f32, the precision the op computes angles in.
-        #[allow(clippy::cast_possible_truncation)]
-        let theta = cfg.rope_theta as f32;
 
         let normed = self.norm(runner, &format!("{p}.norm1"), hidden)?;
         let qkv = runner.linear(
@@ -299,12 +316,12 @@ impl VisionTower {
         drop(normed);
         let d = cfg.hidden as u64;
         // q and k are adjacent column blocks: one rotary call covers both as 2 * heads heads.
-        runner.rope_2d(
+        runner.rotary(
             &qkv.col_range(0, 2 * d)?,
             2 * heads,
             head_dim,
-            positions,
-            theta,
+            &rotary.cos,
+            &rotary.sin,
         )?;
         let attended = runner.attention(
             &qkv.col_range(0, d)?,
@@ -312,7 +329,7 @@ impl VisionTower {
             &qkv.col_range(2 * d, d)?,
             heads,
             head_dim,
-            cu_seqlens,
+            segments,
         )?;
         drop(qkv);
         runner.linear_accumulate(

@@ -427,6 +427,12 @@ impl Engine {
         self.shared.sleep_level.load(Ordering::SeqCst) != 0
     }
 
+    /// What has crossed the device boundary since start-up: bytes each way, batched copies,
+    /// fills, ops, synchronisations.
+    pub fn device_counters(&self) -> iris_plugin::host::Counters {
+        self.shared.allocator.device().counters()
+    }
+
     /// Device and allocator figures now, with both caches' sizes.
     pub fn gauges(&self) -> MemoryGauges {
         let s = &self.shared;

@@ -131,6 +131,47 @@ async fn encode_gathers_the_towers_output_and_a_repeat_is_cached() {
     assert_eq!(m.memory.encoder_cache_entries, 2);
 }
 
+/// A step's input embeddings are assembled with one batched copy (every image row of every
+/// request and deepstack level) and at most one fill (the text rows), whatever the number of
+/// requests and items in the step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_step_assembles_its_embeddings_with_one_copy_and_at_most_one_fill() {
+    let engine = engine();
+    let images: Vec<Vec<u8>> = (0..3).map(|seed| png(112, 84, 40 + seed)).collect();
+    // First encode every image, so that the requests below only assemble cached outputs.
+    engine
+        .encode(
+            images.iter().cloned().map(input).collect(),
+            EncodeOptions::default(),
+        )
+        .await
+        .unwrap();
+    let (steps_before, counters_before) =
+        (engine.metrics_snapshot().steps, engine.device_counters());
+    let request = |i: usize| {
+        let picked = vec![
+            input(images[i % 3].clone()),
+            input(images[(i + 1) % 3].clone()),
+        ];
+        engine.encode(picked, WITH_EMBEDDINGS)
+    };
+    // Concurrent, so that steps carry several requests.
+    let (r0, r1, r2, r3) = tokio::join!(request(0), request(1), request(2), request(3));
+    for result in [r0, r1, r2, r3] {
+        let result = result.unwrap();
+        assert!(result.iter().all(|r| r.cached && r.embeddings.is_some()));
+    }
+    let steps = engine.metrics_snapshot().steps - steps_before;
+    let counters = engine.device_counters().since(&counters_before);
+    assert!(steps > 0);
+    assert_eq!(
+        counters.copy_batches, steps,
+        "{counters:?} over {steps} steps"
+    );
+    assert!(counters.fills <= steps, "{counters:?} over {steps} steps");
+    assert_eq!(counters.ops, 0, "nothing is encoded again");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_reset_reports_what_it_released_and_memory_returns_to_the_baseline() {
     let engine = engine();

@@ -20,7 +20,7 @@ use crate::budget::EncoderBudget;
 use crate::cache::device::{DeviceEncoderCache, Entry};
 use crate::cache::encoder::{EncoderCacheManagement, EncoderCacheManager};
 use crate::encoder::EncoderError;
-use crate::encoder::exec::{Runner, Tensor};
+use crate::encoder::exec::Runner;
 use crate::encoder::tower::VisionTower;
 use crate::engine::Shared;
 use crate::engine::api::{EngineError, ResetReport};
@@ -28,7 +28,7 @@ use crate::engine::prompt::{Chunk, Event, PromptLayout};
 use crate::model::{HostWeights, VisionConfig, WeightSource};
 use crate::preprocess::PreprocessedImage;
 use crate::scheduler::{RequestId, Scheduler, SchedulerError, SchedulerPolicy, StepOutput};
-use iris_plugin::DType;
+use iris_plugin::{CopyRegion, DType};
 
 /// A request handed to the engine core.
 pub(crate) struct AddRequest {
@@ -227,14 +227,15 @@ impl Worker {
             }
         };
         self.cache.free_hashes(&output.freed);
-        if let Err(err) = self.run_step(&output) {
-            let err = EngineError::Internal(err.to_string());
-            for (id, _) in &output.scheduled {
-                self.fail(*id, &err);
-            }
-            // The manager may now count items whose outputs never reached the device cache;
-            // emptying both keeps them in agreement (other requests re-encode what they need).
-            self.reset_encoder_cache();
+        // The step is done when the device has finished its work: only then do requests hear
+        // of their chunks, and a failure of queued work fails this step, not a later one.
+        let result = self.run_step(&output).and_then(|chunks| {
+            self.runner.device().synchronize()?;
+            Ok(chunks)
+        });
+        match result {
+            Ok(chunks) => self.deliver(chunks),
+            Err(err) => self.fail_step(&output, &err),
         }
         let mut events = Vec::new();
         for id in self.scheduler.update_from_output(&output) {
@@ -257,21 +258,56 @@ impl Worker {
         events
     }
 
-    fn run_step(&mut self, output: &StepOutput) -> Result<(), EncoderError> {
+    /// Fails the requests of a step whose work failed.
+    fn fail_step(&mut self, output: &StepOutput, err: &EncoderError) {
+        let err = EngineError::Internal(err.to_string());
+        for (id, _) in &output.scheduled {
+            self.fail(*id, &err);
+        }
+        // The manager may now count items whose outputs never reached the device cache;
+        // emptying both keeps them in agreement (other requests re-encode what they need).
+        self.reset_encoder_cache();
+    }
+
+    /// Sends each request its chunk of a completed step; a request whose consumer is gone is
+    /// aborted.
+    fn deliver(&mut self, chunks: Vec<(RequestId, Chunk)>) {
+        for (id, chunk) in chunks {
+            let Some(active) = self.active.get(&id) else {
+                continue;
+            };
+            if active.events.send(Event::Chunk(chunk)).is_err() {
+                // The consumer is gone; its abort command may still be queued.
+                let key = active.key;
+                self.by_key.remove(&key);
+                self.active.remove(&id);
+                self.scheduler.abort(id);
+            }
+        }
+    }
+
+    /// Enqueues a step's work: the encoder on newly scheduled items, then the gather of every
+    /// scheduled position into the step's input embeddings. Returns each request's chunk.
+    fn run_step(&mut self, output: &StepOutput) -> Result<Vec<(RequestId, Chunk)>, EncoderError> {
         self.encode(output)?;
         let hidden = self.vision.out_hidden as u64;
         let total = output.total_tokens();
         let levels = self.vision.deepstack_visual_indexes.len();
         if total == 0 {
-            return Ok(());
+            return Ok(Vec::new());
         }
-        // The step's input-embedding buffers: main, then one per deepstack level.
-        let buffers = (0..=levels)
-            .map(|_| self.runner.tensor(self.dtype, total, hidden))
-            .collect::<Result<Vec<Tensor>, _>>()?;
+        // The step's input-embedding buffers, main then one per deepstack level, stacked in
+        // one tensor: text rows are zero (the language model embeds them), image rows come from
+        // the device cache. One fill and one batched copy per step, whatever the number of
+        // requests, items and levels.
+        let buffers = self
+            .runner
+            .tensor(self.dtype, total * (levels as u64 + 1), hidden)?;
+        let level = |l: u64| buffers.row_range(l * total, total);
         let row_bytes = hidden * self.dtype.size().unwrap_or(4);
-        let zeros = vec![0u8; usize::try_from(row_bytes).unwrap_or(0)];
-        let device = Arc::clone(self.runner.device());
+        let dst = buffers.mat();
+        let mut regions = Vec::new();
+        let mut text_rows = 0u64;
         let mut row = 0;
         for &(id, tokens) in &output.scheduled {
             let Some(active) = self.active.get(&id) else {
@@ -295,55 +331,69 @@ impl Worker {
                             .map_err(|miss| EncoderError::Shape(miss.to_string()))?;
                         let sources = std::iter::once(entry.embeddings())
                             .chain((0..levels).filter_map(|l| entry.deepstack_embeddings(l)));
-                        for (source, out) in sources.zip(&buffers) {
-                            let dst = out.mat();
-                            device.copy(
-                                dst.buf,
-                                dst.offset + dst_row * row_bytes,
-                                source.buf,
-                                source.offset + item_row * row_bytes,
-                                run * row_bytes,
-                            )?;
+                        for (l, source) in (0u64..).zip(sources) {
+                            regions.push(CopyRegion {
+                                src: source.buf,
+                                src_offset: source.offset + item_row * row_bytes,
+                                dst: dst.buf,
+                                dst_offset: dst.offset + (l * total + dst_row) * row_bytes,
+                                bytes: run * row_bytes,
+                            });
                         }
                         p += run;
                     }
                     None => {
-                        // A text position: the language model embeds it; iris leaves zeros.
-                        for out in &buffers {
-                            let dst = out.mat();
-                            device.write(dst.buf, dst.offset + dst_row * row_bytes, &zeros)?;
-                        }
+                        text_rows += 1;
                         p += 1;
                     }
                 }
             }
+            row += tokens;
+        }
+        let device = self.runner.device();
+        if text_rows > 0 {
+            device.zero(dst.buf, dst.offset, buffers.bytes())?;
+        }
+        if !regions.is_empty() {
+            device.copy_batch(&regions)?;
+        }
+        let mut chunks = Vec::with_capacity(output.scheduled.len());
+        let mut row = 0;
+        for &(id, tokens) in &output.scheduled {
+            let Some(active) = self.active.get(&id) else {
+                row += tokens;
+                continue;
+            };
+            let start = self
+                .scheduler
+                .num_computed_tokens(id)
+                .unwrap_or(active.layout.prompt_len);
             let mask = active.layout.mask(start, tokens);
             let (embeddings, deepstack) = if active.return_embeddings {
-                let mut parts = Vec::with_capacity(buffers.len());
-                for out in &buffers {
-                    parts.push(self.runner.download_f32(&out.row_range(row, tokens)?)?);
+                let mut parts = Vec::with_capacity(levels + 1);
+                for l in 0..=levels as u64 {
+                    parts.push(
+                        self.runner
+                            .download_f32(&level(l)?.row_range(row, tokens)?)?,
+                    );
                 }
                 let mut parts = parts.into_iter();
                 (parts.next(), parts.collect())
             } else {
                 (None, Vec::new())
             };
-            let chunk = Chunk {
-                start,
-                mask,
-                embeddings,
-                deepstack,
-            };
-            if active.events.send(Event::Chunk(chunk)).is_err() {
-                // The consumer is gone; its abort command may still be queued.
-                let key = active.key;
-                self.by_key.remove(&key);
-                self.active.remove(&id);
-                self.scheduler.abort(id);
-            }
+            chunks.push((
+                id,
+                Chunk {
+                    start,
+                    mask,
+                    embeddings,
+                    deepstack,
+                },
+            ));
             row += tokens;
         }
-        Ok(())
+        Ok(chunks)
     }
 
     /// Runs the tower once on every newly scheduled item of the step and stores the outputs.
@@ -375,9 +425,13 @@ impl Worker {
             .runner
             .upload_f32_parts(&parts, self.dtype, rows, row_len)?;
         let started = Instant::now();
-        let outputs = tower.forward(&self.runner, &input, &grids);
-        // Forward returns once the device has run the graph (ops are synchronous on the
-        // reference device; others synchronise when the outputs are read or reused).
+        // Forward enqueues the graph; the encoder's time is that of completed work.
+        let outputs = tower
+            .forward(&self.runner, &input, &grids)
+            .and_then(|outputs| {
+                self.runner.device().synchronize()?;
+                Ok(outputs)
+            });
         self.shared
             .encoder_time_ns
             .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);

@@ -352,12 +352,16 @@ impl CachingAllocator {
     }
 
     /// The counters and the device's `(free, total)`, read under one lock so that they agree.
+    /// The allocator's counters, the device's `(free, total)` and the bytes the plugin holds
+    /// outside `alloc`, read after the device's queue has drained (frees are queue-ordered).
     pub(crate) fn stats_with_mem_info(
         &self,
-    ) -> Result<(AllocatorStats, iris_plugin::MemInfo), AllocError> {
+    ) -> Result<(AllocatorStats, iris_plugin::MemInfo, u64), AllocError> {
         let state = self.lock();
+        self.device.synchronize()?;
         let info = self.device.mem_info()?;
-        Ok((state.stats, info))
+        let held = self.device.memory_report()?.held_bytes();
+        Ok((state.stats, info, held))
     }
 
     /// Allocates a new segment for a request that no cached block fits; on out-of-memory

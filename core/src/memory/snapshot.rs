@@ -36,10 +36,15 @@ pub struct MemorySnapshot {
     /// Device memory in use that the allocator does not hold: `device_used -
     /// allocator_reserved`, saturating at 0.
     pub non_allocator: u64,
+    /// The part of it the plugin reports holding outside `alloc` (context, library handles,
+    /// compiled kernels, caches); the rest belongs to the driver or to other processes.
+    pub plugin_held: u64,
 }
 
 impl MemorySnapshot {
-    /// Reads the device's memory and the allocator's counters (under one lock, so they agree).
+    /// Reads the device's memory and the allocator's counters (under one lock, so they agree),
+    /// after waiting for the device's queue: frees are queue-ordered, so only then does the
+    /// device's figure show every release.
     ///
     /// ```
     /// # use std::sync::Arc;
@@ -56,12 +61,13 @@ impl MemorySnapshot {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn take(allocator: &CachingAllocator) -> Result<MemorySnapshot, AllocError> {
-        let (stats, info) = allocator.stats_with_mem_info()?;
-        Ok(MemorySnapshot::from_parts(&stats, info))
+        let (stats, info, held) = allocator.stats_with_mem_info()?;
+        Ok(MemorySnapshot::from_parts(&stats, info, held))
     }
 
-    /// A snapshot from figures read elsewhere.
-    pub fn from_parts(stats: &AllocatorStats, info: MemInfo) -> MemorySnapshot {
+    /// A snapshot from figures read elsewhere; `plugin_held` is the plugin's own report of what
+    /// it holds outside `alloc`.
+    pub fn from_parts(stats: &AllocatorStats, info: MemInfo, plugin_held: u64) -> MemorySnapshot {
         let device_used = info.total.saturating_sub(info.free);
         MemorySnapshot {
             device_free: info.free,
@@ -72,6 +78,7 @@ impl MemorySnapshot {
             allocator_peak_allocated: stats.peak_allocated,
             allocator_peak_reserved: stats.peak_reserved,
             non_allocator: device_used.saturating_sub(stats.reserved),
+            plugin_held,
         }
     }
 }
@@ -244,6 +251,7 @@ mod tests {
                 free: 600,
                 total: 1000,
             },
+            0,
         );
         assert_eq!(snapshot.device_used, 400);
         assert_eq!(snapshot.non_allocator, 100);
@@ -256,6 +264,7 @@ mod tests {
                 free: 900,
                 total: 1000,
             },
+            0,
         );
         assert_eq!(snapshot.non_allocator, 0);
         let json = serde_json::to_value(snapshot).unwrap();
@@ -311,6 +320,7 @@ mod tests {
                     ..AllocatorStats::default()
                 },
                 MemInfo { free, total: 1000 },
+                0,
             )
         };
         // Baseline: 50 bytes used by the driver. Weights 200. The run peaks at 500 allocated

@@ -9,18 +9,19 @@
 //! f32 keys and values are read in place through their row strides; f16/bf16 blocks are
 //! converted into the slot first.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use gemm::Parallelism;
 use iris_plugin::abi::{AttentionArgs, DType, PluginError};
+use iris_plugin::validate::{self, Checker, Mat};
 use rayon::prelude::*;
 
 use super::gemm::{Dst, Operand, matrix, run_gemm};
-use super::{Elem, View, disjoint, math, with_elem};
+use super::{Elem, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
-use crate::memory::{BUFFER_ALIGN, Region, check_range};
+use crate::memory::BUFFER_ALIGN;
+use crate::queue::Exec;
 
 /// Queries per work item.
 pub const Q_BLOCK: usize = 128;
@@ -29,7 +30,7 @@ pub const K_BLOCK: usize = 256;
 /// f32 values per cache line: scratch parts start on cache lines.
 const LINE_FLOATS: usize = BUFFER_ALIGN / 4;
 
-/// Validated attention arguments.
+/// Checked attention operands.
 struct Plan {
     q: View,
     k: View,
@@ -37,7 +38,6 @@ struct Plan {
     out: View,
     heads: usize,
     head_dim: usize,
-    tokens: usize,
     segments: Vec<(usize, usize)>,
 }
 
@@ -112,153 +112,145 @@ impl Slots {
 }
 
 impl CpuDevice {
-    /// Scratch bytes [`CpuDevice::attention_impl`] needs: one slot per thread plus alignment.
+    /// Scratch bytes an attention with these arguments needs: one slot per thread plus
+    /// alignment. Shapes and dtype only: the contract lets a caller size the workspace before
+    /// any operand exists (a planning pass), so no buffer handle is looked up here.
     pub(crate) fn attention_workspace_impl(
         &self,
         args: &AttentionArgs<'_>,
     ) -> Result<u64, PluginError> {
-        // Shapes and dtype only: the contract lets a caller size the workspace before any
-        // operand exists (a planning pass), so no buffer handle is looked up here.
-        const OP: &str = "attention_workspace";
-        let q = &args.q;
-        if q.dtype.size().is_none() {
-            return Err(invalid(OP, format!("`q`: unknown dtype {}", q.dtype)));
-        }
-        let fits = |what: &str, value: u64| {
-            usize::try_from(value)
-                .map_err(|_| invalid(OP, format!("`{what}`: {value} does not fit in memory")))
-        };
-        let heads = fits("heads", args.heads)?;
-        let head_dim = fits("head_dim", args.head_dim)?;
-        let cols = fits("q.cols", q.cols)?;
-        if head_dim == 0 || heads == 0 || heads.checked_mul(head_dim) != Some(cols) {
-            return Err(invalid(
-                OP,
-                format!(
-                    "`heads` {heads} x `head_dim` {head_dim} does not equal the {cols} columns of `q`"
-                ),
-            ));
-        }
-        let tokens = fits("q.rows", q.rows)?;
-        segments(OP, args.cu_seqlens.as_slice(), tokens)?;
-        Ok(self.workspace_for(q.rows, heads, head_dim, q.dtype))
+        let checked = validate::attention(&Checker::shapes_only("attention_workspace"), args)?;
+        Ok(self.workspace_for(
+            checked.tokens,
+            checked.heads,
+            checked.head_dim,
+            checked.q.dtype,
+        ))
     }
 
-    /// [`AttentionArgs`].
-    pub(crate) fn attention_impl(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
+    /// Checks [`AttentionArgs`] and its workspace, and resolves the operands.
+    pub(crate) fn prepare_attention(
+        &self,
+        args: &AttentionArgs<'_>,
+    ) -> Result<AttentionJob, PluginError> {
         const OP: &str = "attention";
-        let plan = self.attention_plan(OP, args)?;
-        let required = self.workspace_bytes(&plan);
-        let ws = args.workspace;
-        if ws.bytes < required {
-            return Err(invalid(
-                OP,
-                format!(
-                    "`workspace`: {} bytes given, {required} needed ({} threads, head_dim {})",
-                    ws.bytes, self.options.threads, plan.head_dim
-                ),
-            ));
-        }
-        if required == 0 {
-            return Ok(());
-        }
-        let region: Arc<Region> = self.memory.region(OP, ws.buf).map_err(|_| {
-            invalid(
-                OP,
-                format!("`workspace`: unknown buffer handle {}", ws.buf.0),
-            )
-        })?;
-        let start = check_range(OP, "`workspace`", &region, ws.offset, ws.bytes)?;
-        for (name, view) in [
-            ("q", &plan.q),
-            ("k", &plan.k),
-            ("v", &plan.v),
-            ("out", &plan.out),
-        ] {
-            let end = ws.offset + ws.bytes;
-            if view.buf == ws.buf
-                && view.offset < view.end
-                && ws.offset < view.end
-                && view.offset < end
-            {
-                return Err(invalid(OP, format!("`workspace` overlaps `{name}`")));
-            }
-        }
-        // SAFETY: `start` is inside the region; the first line boundary at or after it is
-        // at most BUFFER_ALIGN - 1 bytes further, which `workspace_bytes` reserves.
-        let base = unsafe { region.ptr().add(start) };
-        let base = base
-            .wrapping_add(base.align_offset(BUFFER_ALIGN))
-            .cast::<f32>();
-        let slots = Slots {
-            base,
-            layout: SlotLayout::new(plan.head_dim, plan.q.dtype != DType::F32),
+        let lens = self.lens();
+        let check = Checker::new(OP, &lens);
+        let checked = validate::attention(&check, args)?;
+        let required = self.workspace_for(
+            checked.tokens,
+            checked.heads,
+            checked.head_dim,
+            checked.q.dtype,
+        );
+        check.workspace(
+            &args.workspace,
+            required,
+            &[
+                ("q", &checked.q),
+                ("k", &checked.k),
+                ("v", &checked.v),
+                ("out", &checked.out),
+                ("cu_seqlens_device", &checked.cu_seqlens_device),
+            ],
+        )?;
+        let workspace = if required == 0 {
+            None
+        } else {
+            let ws = &args.workspace;
+            let mat = Mat {
+                buf: ws.buf,
+                offset: ws.offset,
+                end: ws.offset + ws.bytes,
+                dtype: DType::U8,
+                rows: 1,
+                cols: check.fits("workspace", ws.bytes)?,
+                stride: check.fits("workspace", ws.bytes)?,
+            };
+            Some(View::new(self, OP, "workspace", &mat)?)
         };
-        with_elem!(OP, plan.q.dtype, T => {
-            self.run_attention::<T>(&plan, args.scale, slots);
-            Ok(())
+        Ok(AttentionJob {
+            plan: Plan {
+                q: View::new(self, OP, "q", &checked.q)?,
+                k: View::new(self, OP, "k", &checked.k)?,
+                v: View::new(self, OP, "v", &checked.v)?,
+                out: View::new(self, OP, "out", &checked.out)?,
+                heads: checked.heads,
+                head_dim: checked.head_dim,
+                segments: checked.segments,
+            },
+            cu_seqlens: args.cu_seqlens.to_vec(),
+            cu_seqlens_device: View::new(
+                self,
+                OP,
+                "cu_seqlens_device",
+                &checked.cu_seqlens_device,
+            )?,
+            scale: args.scale,
+            workspace,
         })
     }
 
-    fn workspace_bytes(&self, plan: &Plan) -> u64 {
-        self.workspace_for(plan.tokens as u64, plan.heads, plan.head_dim, plan.q.dtype)
-    }
-
     /// One scratch slot per worker thread, plus slack to align the first slot.
-    fn workspace_for(&self, tokens: u64, heads: usize, head_dim: usize, dtype: DType) -> u64 {
+    fn workspace_for(&self, tokens: usize, heads: usize, head_dim: usize, dtype: DType) -> u64 {
         if tokens == 0 || heads == 0 {
             return 0;
         }
         let layout = SlotLayout::new(head_dim, dtype != DType::F32);
         (self.options.threads * layout.len * 4 + BUFFER_ALIGN) as u64
     }
+}
 
-    fn attention_plan(&self, op: &str, args: &AttentionArgs<'_>) -> Result<Plan, PluginError> {
-        let q = View::new(self, op, "q", &args.q)?;
-        let k = View::new(self, op, "k", &args.k)?;
-        let v = View::new(self, op, "v", &args.v)?;
-        let out = View::new(self, op, "out", &args.out)?;
-        let (tokens, cols) = (q.rows, q.cols);
-        for (name, view) in [("k", &k), ("v", &v), ("out", &out)] {
-            view.expect_dtype(op, name, q.dtype, "q")?;
-            view.expect_shape(op, name, tokens, cols)?;
-        }
-        let too_big = |what: &str, value: u64| {
-            invalid(op, format!("`{what}`: {value} does not fit in memory"))
-        };
-        let heads = usize::try_from(args.heads).map_err(|_| too_big("heads", args.heads))?;
-        let head_dim =
-            usize::try_from(args.head_dim).map_err(|_| too_big("head_dim", args.head_dim))?;
-        if head_dim == 0 || heads == 0 || heads.checked_mul(head_dim) != Some(cols) {
+/// A checked attention, with its workspace.
+pub(crate) struct AttentionJob {
+    plan: Plan,
+    cu_seqlens: Vec<u32>,
+    cu_seqlens_device: View,
+    scale: f32,
+    workspace: Option<View>,
+}
+
+impl AttentionJob {
+    /// Runs the attention on `exec`'s pool.
+    pub(crate) fn run(&self, exec: &Exec) -> Result<(), PluginError> {
+        // The reference device holds the host to its promise that both copies of the
+        // boundaries agree: a CUDA device reads only the device copy, aclnn only the host one.
+        // SAFETY: an i32 `[1, segments + 1]` view (checked) that no op writes meanwhile.
+        let device_cu = unsafe { self.cu_seqlens_device.i32_row() };
+        if let Some(i) = (0..self.cu_seqlens.len())
+            .find(|&i| i64::from(device_cu[i]) != i64::from(self.cu_seqlens[i]))
+        {
             return Err(invalid(
-                op,
+                "attention",
                 format!(
-                    "`heads` {heads} x `head_dim` {head_dim} does not equal the {cols} columns of `q`"
+                    "`cu_seqlens_device`[{i}] = {} disagrees with `cu_seqlens`[{i}] = {}",
+                    device_cu[i], self.cu_seqlens[i]
                 ),
             ));
         }
-        if !args.scale.is_finite() {
-            return Err(invalid(
-                op,
-                format!("`scale`: expected a finite value, got {}", args.scale),
-            ));
-        }
-        for (name, view) in [("q", &q), ("k", &k), ("v", &v)] {
-            disjoint(op, "out", &out, name, view)?;
-        }
-        let segments = segments(op, args.cu_seqlens.as_slice(), tokens)?;
-        Ok(Plan {
-            q,
-            k,
-            v,
-            out,
-            heads,
-            head_dim,
-            tokens,
-            segments,
+        let Some(workspace) = &self.workspace else {
+            // No workspace is needed only when there is nothing to compute.
+            return Ok(());
+        };
+        let base = workspace.addr();
+        // The first line boundary at or after `base` is at most BUFFER_ALIGN - 1 bytes
+        // further, which `workspace_for` reserves.
+        let base = base
+            .wrapping_add(base.align_offset(BUFFER_ALIGN))
+            .cast::<f32>();
+        let plan = &self.plan;
+        let slots = Slots {
+            base,
+            layout: SlotLayout::new(plan.head_dim, plan.q.dtype != DType::F32),
+        };
+        with_elem!("attention", plan.q.dtype, T => {
+            exec.run_attention::<T>(plan, self.scale, slots);
+            Ok(())
         })
     }
+}
 
+impl Exec {
     fn run_attention<T: Elem>(&self, plan: &Plan, scale: f32, slots: Slots) {
         // Longest segments first: their items are the most expensive (a greedy LPT order).
         let mut segments: Vec<(usize, usize)> =
@@ -278,7 +270,7 @@ impl CpuDevice {
             }
         }
         let next = AtomicUsize::new(0);
-        let threads = self.options.threads;
+        let threads = self.threads;
         self.pool.install(|| {
             (0..threads).into_par_iter().for_each(|slot| {
                 // SAFETY: `slot < threads`, the number of slots `workspace_bytes` counted, and
@@ -424,35 +416,4 @@ fn attend<T: Elem>(plan: &Plan, scale: f32, item: Item, layout: SlotLayout, scra
             plan.out.segment_mut::<T>(item.start + item.q0 + i, c0, d)
         });
     }
-}
-
-/// The `(start, length)` of each segment of `cu_seqlens`, which must start at 0, never decrease
-/// and end at `tokens`.
-fn segments(op: &str, cu: &[u32], tokens: usize) -> Result<Vec<(usize, usize)>, PluginError> {
-    if cu.first() != Some(&0) {
-        return Err(invalid(op, "`cu_seqlens`: must start with 0"));
-    }
-    let mut segments = Vec::with_capacity(cu.len() - 1);
-    for (i, pair) in cu.windows(2).enumerate() {
-        if pair[1] < pair[0] {
-            return Err(invalid(
-                op,
-                format!(
-                    "`cu_seqlens`: decreases at index {}: {} after {}",
-                    i + 1,
-                    pair[1],
-                    pair[0]
-                ),
-            ));
-        }
-        segments.push((pair[0] as usize, (pair[1] - pair[0]) as usize));
-    }
-    let last = cu[cu.len() - 1] as usize;
-    if last != tokens {
-        return Err(invalid(
-            op,
-            format!("`cu_seqlens`: ends at {last}, but `q` has {tokens} tokens"),
-        ));
-    }
-    Ok(segments)
 }

@@ -1,172 +1,248 @@
-//! Elementwise ops: activation, binary add/mul with row broadcast, row gather and cast.
+//! Elementwise ops: activation, binary add/mul with row broadcast, row gather by device
+//! indices, and cast.
 
 use iris_plugin::abi::{
     Activation, ActivationArgs, BinaryArgs, BinaryOp, CastArgs, GatherArgs, PluginError,
 };
+use iris_plugin::validate::{self, Checker};
 
-use super::{View, alias_or_disjoint, disjoint, math, with_elem};
+use super::{Elem, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
+use crate::queue::Exec;
+
+/// A checked elementwise op, ready to run.
+pub(crate) enum ElementwiseJob {
+    /// `out = act(x)`.
+    Activation {
+        /// Input.
+        x: View,
+        /// Output (`x` itself or disjoint).
+        out: View,
+        /// The function.
+        act: Activation,
+    },
+    /// `out = a ∘ b`.
+    Binary {
+        /// Left operand.
+        a: View,
+        /// Right operand (full or one broadcast row).
+        b: View,
+        /// Output.
+        out: View,
+        /// Add or multiply.
+        op: BinaryOp,
+        /// `b` is one row.
+        broadcast: bool,
+    },
+    /// `out[i] = src[indices[i]]`.
+    Gather {
+        /// Source rows.
+        src: View,
+        /// Destination.
+        out: View,
+        /// i32 row indices, read when the job runs.
+        indices: View,
+    },
+    /// `out = src` converted.
+    Cast {
+        /// Source.
+        src: View,
+        /// Destination.
+        out: View,
+    },
+}
 
 impl CpuDevice {
-    /// [`ActivationArgs`]: `out = act(x)`; `out` may be exactly `x`.
-    pub(crate) fn activation_impl(&self, args: &ActivationArgs) -> Result<(), PluginError> {
+    /// Checks [`ActivationArgs`].
+    pub(crate) fn prepare_activation(
+        &self,
+        args: &ActivationArgs,
+    ) -> Result<ElementwiseJob, PluginError> {
         const OP: &str = "activation";
-        let x = View::new(self, OP, "x", &args.x)?;
-        let out = View::new(self, OP, "out", &args.out)?;
-        out.expect_dtype(OP, "out", x.dtype, "x")?;
-        out.expect_shape(OP, "out", x.rows, x.cols)?;
-        alias_or_disjoint(OP, "out", &out, "x", &x)?;
-        check_activation(OP, "activation", args.activation)?;
-        let act = args.activation;
-        with_elem!(OP, x.dtype, T => {
-            self.par_rows(x.rows, x.cols, x.cols, |rows, scratch| {
-                for r in rows {
-                    // SAFETY: each task owns its rows of `out`; `x` is `out` exactly or
-                    // disjoint from it, and is read before the row is written.
-                    unsafe { x.load_row::<T>(r, scratch) };
-                    math::activate_slice(act, scratch);
-                    // SAFETY: as above.
-                    unsafe { out.store_row::<T>(r, scratch) };
-                }
-            });
-            Ok(())
+        let lens = self.lens();
+        let (x, out) = validate::activation(&Checker::new(OP, &lens), args)?;
+        Ok(ElementwiseJob::Activation {
+            x: View::new(self, OP, "x", &x)?,
+            out: View::new(self, OP, "out", &out)?,
+            act: args.activation,
         })
     }
 
-    /// [`BinaryArgs`]: `out = a ∘ b`, `b` full-shaped or one broadcast row.
-    pub(crate) fn binary_impl(&self, args: &BinaryArgs) -> Result<(), PluginError> {
+    /// Checks [`BinaryArgs`].
+    pub(crate) fn prepare_binary(&self, args: &BinaryArgs) -> Result<ElementwiseJob, PluginError> {
         const OP: &str = "binary";
-        let a = View::new(self, OP, "a", &args.a)?;
-        let b = View::new(self, OP, "b", &args.b)?;
-        let out = View::new(self, OP, "out", &args.out)?;
-        b.expect_dtype(OP, "b", a.dtype, "a")?;
-        out.expect_dtype(OP, "out", a.dtype, "a")?;
-        let broadcast = b.rows == 1 && a.rows != 1;
-        if !broadcast {
-            b.expect_shape(OP, "b", a.rows, a.cols)?;
-        } else if b.cols != a.cols {
-            return Err(invalid(
-                OP,
-                format!(
-                    "`b`: expected shape [{}, {}] or [1, {}], got [{}, {}]",
-                    a.rows, a.cols, a.cols, b.rows, b.cols
-                ),
-            ));
-        }
-        out.expect_shape(OP, "out", a.rows, a.cols)?;
-        alias_or_disjoint(OP, "out", &out, "a", &a)?;
-        alias_or_disjoint(OP, "out", &out, "b", &b)?;
-        let op = args.op;
-        if op != BinaryOp::ADD && op != BinaryOp::MUL {
-            return Err(invalid(OP, format!("`op`: unknown binary op {}", op.0)));
-        }
-        let cols = a.cols;
-        with_elem!(OP, a.dtype, T => {
-            let mut row_b = vec![0.0f32; if broadcast { cols } else { 0 }];
-            if broadcast && a.rows > 0 {
-                // SAFETY: row 0 of `b` is only read during this op (`out` cannot alias a
-                // broadcast `b`: their shapes differ).
-                unsafe { b.load_row::<T>(0, &mut row_b) };
-            }
-            self.par_rows(a.rows, cols, 2 * cols, |rows, scratch| {
-                let (sa, sb) = scratch.split_at_mut(cols);
-                for r in rows {
-                    // SAFETY: each task owns its rows of `out`; `a` and `b` are `out` exactly
-                    // or disjoint from it, and both rows are read before the row is written.
-                    unsafe { a.load_row::<T>(r, sa) };
-                    let rb: &[f32] = if broadcast {
-                        &row_b
-                    } else {
-                        // SAFETY: as above.
-                        unsafe { b.load_row::<T>(r, sb) };
-                        sb
-                    };
-                    if op == BinaryOp::ADD {
-                        math::add_assign(sa, rb);
-                    } else {
-                        math::mul_assign(sa, rb);
-                    }
-                    // SAFETY: as above.
-                    unsafe { out.store_row::<T>(r, sa) };
-                }
-            });
-            Ok(())
+        let lens = self.lens();
+        let checked = validate::binary(&Checker::new(OP, &lens), args)?;
+        Ok(ElementwiseJob::Binary {
+            a: View::new(self, OP, "a", &checked.a)?,
+            b: View::new(self, OP, "b", &checked.b)?,
+            out: View::new(self, OP, "out", &checked.out)?,
+            op: args.op,
+            broadcast: checked.broadcast,
         })
     }
 
-    /// [`GatherArgs`]: `out[i] = src[indices[i]]`.
-    pub(crate) fn gather_rows_impl(&self, args: &GatherArgs<'_>) -> Result<(), PluginError> {
+    /// Checks [`GatherArgs`] (the indices themselves are device data, checked when the job
+    /// runs).
+    pub(crate) fn prepare_gather(&self, args: &GatherArgs) -> Result<ElementwiseJob, PluginError> {
         const OP: &str = "gather_rows";
-        let src = View::new(self, OP, "src", &args.src)?;
-        let out = View::new(self, OP, "out", &args.out)?;
-        let indices = args.indices.as_slice();
-        out.expect_dtype(OP, "out", src.dtype, "src")?;
-        out.expect_shape(OP, "out", indices.len(), src.cols)?;
-        if let Some((i, index)) = indices
-            .iter()
-            .enumerate()
-            .find(|(_, index)| usize::try_from(**index).map_or(true, |v| v >= src.rows))
-        {
-            return Err(invalid(
-                OP,
-                format!(
-                    "`indices`[{i}] = {index} is out of range for `src` with {} rows",
-                    src.rows
-                ),
-            ));
-        }
-        disjoint(OP, "out", &out, "src", &src)?;
-        with_elem!(OP, src.dtype, T => {
-            self.par_rows(out.rows, out.cols, 0, |rows, _| {
-                for r in rows {
-                    // Indices were checked against `src.rows` above.
-                    let from = indices[r] as usize;
-                    // SAFETY: each task owns its rows of `out`, which does not overlap `src`.
-                    unsafe { out.row_mut::<T>(r).copy_from_slice(src.row::<T>(from)) };
-                }
-            });
-            Ok(())
+        let lens = self.lens();
+        let (src, out, indices) = validate::gather_rows(&Checker::new(OP, &lens), args)?;
+        Ok(ElementwiseJob::Gather {
+            src: View::new(self, OP, "src", &src)?,
+            out: View::new(self, OP, "out", &out)?,
+            indices: View::new(self, OP, "indices", &indices)?,
         })
     }
 
-    /// [`CastArgs`]: `out = src` converted to `out.dtype`.
-    pub(crate) fn cast_impl(&self, args: &CastArgs) -> Result<(), PluginError> {
+    /// Checks [`CastArgs`].
+    pub(crate) fn prepare_cast(&self, args: &CastArgs) -> Result<ElementwiseJob, PluginError> {
         const OP: &str = "cast";
-        let src = View::new(self, OP, "src", &args.src)?;
-        let out = View::new(self, OP, "out", &args.out)?;
-        out.expect_shape(OP, "out", src.rows, src.cols)?;
-        if out.same_as(&src) {
-            // Same elements, same dtype: nothing to convert.
-            return Ok(());
-        }
-        disjoint(OP, "out", &out, "src", &src)?;
-        let cols = src.cols;
-        with_elem!(OP, src.dtype, S => {
-            with_elem!(OP, out.dtype, D => {
-                self.par_rows(src.rows, cols, cols, |rows, scratch| {
-                    for r in rows {
-                        // SAFETY: each task owns its rows of `out`, disjoint from `src`.
-                        unsafe {
-                            src.load_row::<S>(r, scratch);
-                            out.store_row::<D>(r, scratch);
-                        }
-                    }
-                });
-                Ok(())
-            })
+        let lens = self.lens();
+        let (src, out) = validate::cast(&Checker::new(OP, &lens), args)?;
+        Ok(ElementwiseJob::Cast {
+            src: View::new(self, OP, "src", &src)?,
+            out: View::new(self, OP, "out", &out)?,
         })
     }
 }
 
-/// Fails unless `act` is an activation this ABI version defines.
-pub(crate) fn check_activation(op: &str, name: &str, act: Activation) -> Result<(), PluginError> {
-    if Activation::ALL.contains(&act) {
-        Ok(())
-    } else {
-        Err(invalid(
-            op,
-            format!("`{name}`: unknown activation {}", act.0),
-        ))
+impl ElementwiseJob {
+    /// Runs the op on `exec`'s pool.
+    pub(crate) fn run(&self, exec: &Exec) -> Result<(), PluginError> {
+        match self {
+            ElementwiseJob::Activation { x, out, act } => activation(exec, x, out, *act),
+            ElementwiseJob::Binary {
+                a,
+                b,
+                out,
+                op,
+                broadcast,
+            } => binary(exec, a, b, out, *op, *broadcast),
+            ElementwiseJob::Gather { src, out, indices } => gather(exec, src, out, indices),
+            ElementwiseJob::Cast { src, out } => cast(exec, src, out),
+        }
     }
+}
+
+fn activation(exec: &Exec, x: &View, out: &View, act: Activation) -> Result<(), PluginError> {
+    with_elem!("activation", x.dtype, T => {
+        exec.par_rows(x.rows, x.cols, x.cols, |rows, scratch| {
+            for r in rows {
+                // SAFETY: each task owns its rows of `out`; `x` is `out` exactly or disjoint
+                // from it, and is read before the row is written.
+                unsafe { x.load_row::<T>(r, scratch) };
+                math::activate_slice(act, scratch);
+                // SAFETY: as above.
+                unsafe { out.store_row::<T>(r, scratch) };
+            }
+        });
+        Ok(())
+    })
+}
+
+fn binary(
+    exec: &Exec,
+    a: &View,
+    b: &View,
+    out: &View,
+    op: BinaryOp,
+    broadcast: bool,
+) -> Result<(), PluginError> {
+    let cols = a.cols;
+    with_elem!("binary", a.dtype, T => {
+        let mut row_b = vec![0.0f32; if broadcast { cols } else { 0 }];
+        if broadcast && a.rows > 0 {
+            // SAFETY: a broadcast `b` is disjoint from `out` (checked), so nothing writes it.
+            unsafe { b.load_row::<T>(0, &mut row_b) };
+        }
+        exec.par_rows(a.rows, cols, 2 * cols, |rows, scratch| {
+            let (sa, sb) = scratch.split_at_mut(cols);
+            for r in rows {
+                // SAFETY: each task owns its rows of `out`; `a` and `b` are `out` exactly or
+                // disjoint from it, and both rows are read before the row is written.
+                unsafe { a.load_row::<T>(r, sa) };
+                let rb: &[f32] = if broadcast {
+                    &row_b
+                } else {
+                    // SAFETY: as above.
+                    unsafe { b.load_row::<T>(r, sb) };
+                    sb
+                };
+                if op == BinaryOp::ADD {
+                    math::add_assign(sa, rb);
+                } else {
+                    math::mul_assign(sa, rb);
+                }
+                // SAFETY: as above.
+                unsafe { out.store_row::<T>(r, sa) };
+            }
+        });
+        Ok(())
+    })
+}
+
+fn gather(exec: &Exec, src: &View, out: &View, indices: &View) -> Result<(), PluginError> {
+    const OP: &str = "gather_rows";
+    let index_row: &[i32] = if out.rows == 0 {
+        &[]
+    } else {
+        // SAFETY: `indices` is an i32 `[1, len]` view disjoint from `out` (checked), and the
+        // queue orders this read after the work that wrote it.
+        unsafe { indices.i32_row() }
+    };
+    // A bad index is device data the host vouched for: its row becomes zeros (never a read
+    // outside `src`) and the op reports the first one.
+    let bad = index_row
+        .iter()
+        .enumerate()
+        .find(|(_, i)| usize::try_from(**i).map_or(true, |i| i >= src.rows));
+    with_elem!(OP, src.dtype, T => {
+        exec.par_rows(out.rows, out.cols, 0, |rows, _| {
+            for r in rows {
+                // SAFETY: each task owns its rows of `out`, which overlaps neither `src` nor
+                // `indices` (checked).
+                let dst = unsafe { out.row_mut::<T>(r) };
+                match usize::try_from(index_row[r]) {
+                    // SAFETY: `from` is below `src.rows`; `src` is disjoint from `out`.
+                    Ok(from) if from < src.rows => dst.copy_from_slice(unsafe { src.row::<T>(from) }),
+                    _ => T::store(&vec![0.0; dst.len()], dst),
+                }
+            }
+        });
+        Ok(())
+    })?;
+    match bad {
+        Some((i, index)) => Err(invalid(
+            OP,
+            format!(
+                "`indices`[{i}] = {index} is out of range for `src` with {} rows",
+                src.rows
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn cast(exec: &Exec, src: &View, out: &View) -> Result<(), PluginError> {
+    if src.buf == out.buf && src.dtype == out.dtype && std::ptr::eq(src.addr(), out.addr()) {
+        // The same view of one dtype: nothing to convert.
+        return Ok(());
+    }
+    let cols = src.cols;
+    with_elem!("cast", src.dtype, S => {
+        with_elem!("cast", out.dtype, D => {
+            exec.par_rows(src.rows, cols, cols, |rows, scratch| {
+                for r in rows {
+                    // SAFETY: each task owns its rows of `out`, disjoint from `src`.
+                    unsafe {
+                        src.load_row::<S>(r, scratch);
+                        out.store_row::<D>(r, scratch);
+                    }
+                }
+            });
+            Ok(())
+        })
+    })
 }

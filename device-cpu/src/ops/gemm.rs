@@ -13,11 +13,13 @@
 
 use gemm::Parallelism;
 use iris_plugin::abi::{Activation, GemmArgs, PluginError};
+use iris_plugin::validate::{self, Checker};
 use rayon::prelude::*;
 
-use super::{Elem, View, disjoint, elementwise::check_activation, math, with_elem};
+use super::{Elem, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
+use crate::queue::Exec;
 
 /// Output columns per weight block on the f16/bf16 path: a `[512, 1280]` f32 block is 2.5 MiB.
 pub const HALF_N_BLOCK: usize = 512;
@@ -50,81 +52,42 @@ unsafe impl Send for Dst {}
 unsafe impl Sync for Dst {}
 
 impl CpuDevice {
-    /// [`GemmArgs`].
-    pub(crate) fn gemm_impl(&self, args: &GemmArgs) -> Result<(), PluginError> {
+    /// Checks [`GemmArgs`] and resolves the operands: the job to queue.
+    pub(crate) fn prepare_gemm(&self, args: &GemmArgs) -> Result<GemmJob, PluginError> {
         const OP: &str = "gemm";
-        let a = View::new(self, OP, "a", &args.a)?;
-        let w = View::new(self, OP, "w", &args.w)?;
-        let bias = if args.bias.is_none() {
-            None
-        } else {
-            Some(View::new(self, OP, "bias", &args.bias)?)
-        };
-        let out = View::new(self, OP, "out", &args.out)?;
-        check_activation(OP, "activation", args.activation)?;
-        let (m, k) = (a.rows, a.cols);
-        let (n, wk) = if args.w_transposed {
-            (w.cols, w.rows)
-        } else {
-            (w.rows, w.cols)
-        };
-        if wk != k {
-            let shape = if args.w_transposed {
-                "[k, n]"
-            } else {
-                "[n, k]"
-            };
-            return Err(invalid(
-                OP,
-                format!(
-                    "`w`: shape [{}, {}] read as {shape} has k = {wk}, but `a` has k = {k}",
-                    w.rows, w.cols
-                ),
-            ));
-        }
-        w.expect_dtype(OP, "w", a.dtype, "a")?;
-        if let Some(bias) = &bias {
-            bias.expect_dtype(OP, "bias", a.dtype, "a")?;
-            bias.expect_shape(OP, "bias", 1, n)?;
-        }
-        out.expect_dtype(OP, "out", a.dtype, "a")?;
-        out.expect_shape(OP, "out", m, n)?;
-        disjoint(OP, "out", &out, "a", &a)?;
-        disjoint(OP, "out", &out, "w", &w)?;
-        if let Some(bias) = &bias {
-            disjoint(OP, "out", &out, "bias", bias)?;
-        }
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        let job = Job {
-            a,
-            w,
-            bias,
-            out,
-            m,
-            n,
-            k,
+        let lens = self.lens();
+        let checked = validate::gemm(&Checker::new(OP, &lens), args)?;
+        Ok(GemmJob {
+            a: View::new(self, OP, "a", &checked.a)?,
+            w: View::new(self, OP, "w", &checked.w)?,
+            bias: View::optional(self, OP, "bias", checked.bias.as_ref())?,
+            out: View::new(self, OP, "out", &checked.out)?,
+            m: checked.m,
+            n: checked.n,
+            k: checked.k,
             transposed: args.w_transposed,
             act: args.activation,
             accumulate: args.accumulate,
-        };
-        match job.a.dtype {
-            iris_plugin::abi::DType::F32 => self.gemm_f32(&job),
-            dtype => with_elem!(OP, dtype, T => self.gemm_half::<T>(&job)),
+        })
+    }
+}
+
+impl GemmJob {
+    /// Runs the product on `exec`'s pool.
+    pub(crate) fn run(&self, exec: &Exec) -> Result<(), PluginError> {
+        if self.m == 0 || self.n == 0 {
+            return Ok(());
+        }
+        match self.a.dtype {
+            iris_plugin::abi::DType::F32 => exec.gemm_f32(self),
+            dtype => with_elem!("gemm", dtype, T => exec.gemm_half::<T>(self)),
         }
     }
+}
 
-    fn parallelism(&self) -> Parallelism {
-        if self.options.threads > 1 {
-            Parallelism::Rayon(self.options.threads)
-        } else {
-            Parallelism::None
-        }
-    }
-
-    fn gemm_f32(&self, job: &Job) -> Result<(), PluginError> {
-        let Job { m, n, k, .. } = *job;
+impl Exec {
+    fn gemm_f32(&self, job: &GemmJob) -> Result<(), PluginError> {
+        let GemmJob { m, n, k, .. } = *job;
         let out = &job.out;
         let mut bias = vec![0.0f32; if job.bias.is_some() { n } else { 0 }];
         if let Some(view) = &job.bias {
@@ -220,8 +183,8 @@ impl CpuDevice {
         Ok(())
     }
 
-    fn gemm_half<T: Elem>(&self, job: &Job) -> Result<(), PluginError> {
-        let Job { m, n, k, .. } = *job;
+    fn gemm_half<T: Elem>(&self, job: &GemmJob) -> Result<(), PluginError> {
+        let GemmJob { m, n, k, .. } = *job;
         let out = &job.out;
         // `a` in f32, contiguous.
         let mut a32 = vec![0.0f32; m * k];
@@ -320,8 +283,8 @@ impl CpuDevice {
     }
 }
 
-/// A validated gemm: operands, sizes and flags.
-struct Job {
+/// A checked gemm: operands, sizes and flags.
+pub(crate) struct GemmJob {
     a: View,
     w: View,
     bias: Option<View>,

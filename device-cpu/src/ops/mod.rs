@@ -1,17 +1,19 @@
 //! The CPU device's ops: f32 compute on f32, f16 and bf16 storage, on the device's rayon pool.
 //!
-//! Every op validates all of its arguments before it touches memory: buffer handles are known,
-//! each view's byte range lies inside its buffer, dtypes and shapes agree, and operands that the
-//! contract says must not overlap do not. Validation turns each [`MatRef`] into a [`View`], the
-//! only place where device memory becomes a pointer; the typed row accessors on [`View`] are the
-//! crate's small unsafe surface for ops.
+//! Every op is split in two. Its `prepare_*` function runs when the call is made: it checks
+//! every argument with [`iris_plugin::validate`] (buffer handles known, byte ranges inside
+//! their buffers, dtypes and shapes that agree, no forbidden overlaps) and turns each checked
+//! operand into a [`View`], the only place where device memory becomes a pointer and which
+//! keeps its buffer alive. The prepared job then runs on the device's queue (see
+//! [`crate::queue`]). The typed row accessors on [`View`] are the crate's small unsafe surface
+//! for ops.
 //!
 //! - [`gemm`]: matrix products through the `gemm` crate, with bias, activation and accumulation.
 //! - [`attention`]: tiled variable-length attention with an online softmax, scratch carved out
 //!   of the caller's workspace.
 //! - [`norm`]: layer and RMS normalisation.
 //! - [`elementwise`]: activations, binary add/mul, row gather and cast.
-//! - [`rope`]: Qwen-VL's 2-D rotary embedding.
+//! - [`rotary`]: rotary position embedding from cos/sin tables.
 //! - [`math`]: vectorised exp, activations and reductions shared by the ops.
 
 pub mod attention;
@@ -19,25 +21,21 @@ pub mod elementwise;
 pub mod gemm;
 pub(crate) mod math;
 pub mod norm;
-pub mod rope;
+pub mod rotary;
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use iris_plugin::abi::{BufferHandle, DType, MatRef, OpKind, PluginError};
-use rayon::prelude::*;
+use iris_plugin::abi::{BufferHandle, DType, OpKind, PluginError};
+use iris_plugin::validate::Mat;
 
 use crate::device::CpuDevice;
 use crate::error::invalid;
-use crate::memory::{Region, check_range};
+use crate::memory::Region;
 
 /// Ops this device implements: all of them.
 pub const SUPPORTED: &[OpKind] = &OpKind::ALL;
-
-/// Elements a row-parallel task handles at least, so that small ops do not drown in scheduling.
-const MIN_ELEMENTS_PER_TASK: usize = 16 * 1024;
 
 /// A storage element type: how rows of it convert to and from f32.
 pub(crate) trait Elem: Copy + Send + Sync + 'static {
@@ -100,7 +98,7 @@ macro_rules! with_elem {
 }
 pub(crate) use with_elem;
 
-/// A validated [`MatRef`]: its buffer is alive for as long as the view, and every element of
+/// A checked operand ([`Mat`]) resolved to memory: its buffer is alive for as long as the view, and every element of
 /// every row lies inside the buffer and is aligned for the dtype.
 pub(crate) struct View {
     /// Keeps the buffer alive while an op runs, even if it is freed concurrently.
@@ -117,10 +115,6 @@ pub(crate) struct View {
     pub cols: usize,
     /// Elements between row starts.
     pub stride: usize,
-    /// Byte offset of the view in its buffer.
-    pub offset: u64,
-    /// End of the touched byte range in the buffer.
-    pub end: u64,
 }
 
 // SAFETY: a view is an address inside a region it keeps alive; which rows a thread reads or
@@ -131,137 +125,68 @@ unsafe impl Send for View {}
 unsafe impl Sync for View {}
 
 impl View {
-    /// Validates `m` (argument `name` of `op`) against the device's buffers.
-    pub(crate) fn new(
-        dev: &CpuDevice,
-        op: &str,
-        name: &str,
-        m: &MatRef,
-    ) -> Result<View, PluginError> {
+    /// The view of a checked operand `m` (argument `name` of `op`): looks its buffer up and
+    /// keeps it alive. [`iris_plugin::validate`] has checked the range and alignment against
+    /// the buffer's length, which cannot change while the handle is known.
+    pub(crate) fn new(dev: &CpuDevice, op: &str, name: &str, m: &Mat) -> Result<View, PluginError> {
         let region = dev
             .memory
             .region(op, m.buf)
             .map_err(|_| invalid(op, format!("`{name}`: unknown buffer handle {}", m.buf.0)))?;
-        let Some(size) = m.dtype.size() else {
-            return Err(invalid(op, format!("`{name}`: unknown dtype {}", m.dtype)));
-        };
-        if m.row_stride < m.cols {
+        if m.end > region.len() as u64 {
             return Err(invalid(
                 op,
                 format!(
-                    "`{name}`: row_stride {} is smaller than cols {}",
-                    m.row_stride, m.cols
+                    "`{name}`: bytes up to {} lie outside the buffer of {} bytes",
+                    m.end,
+                    region.len()
                 ),
             ));
         }
-        if m.row_stride > isize::MAX as u64 / size {
-            return Err(invalid(
-                op,
-                format!("`{name}`: row_stride {} is too large", m.row_stride),
-            ));
-        }
-        if !m.offset.is_multiple_of(size) {
-            return Err(invalid(
-                op,
-                format!(
-                    "`{name}`: offset {} is not a multiple of the {} element size {size}",
-                    m.offset, m.dtype
-                ),
-            ));
-        }
-        let (start, end) = m.byte_range().ok_or_else(|| {
+        let start = usize::try_from(m.offset).map_err(|_| {
             invalid(
                 op,
-                format!(
-                    "`{name}`: a [{}, {}] view with row_stride {} at offset {} overflows",
-                    m.rows, m.cols, m.row_stride, m.offset
-                ),
+                format!("`{name}`: offset {} does not fit in memory", m.offset),
             )
         })?;
-        let start = check_range(op, &format!("`{name}`"), &region, start, end - start)?;
-        let to_usize = |value: u64| {
-            usize::try_from(value)
-                .map_err(|_| invalid(op, format!("`{name}`: {value} does not fit in memory")))
-        };
-        let (rows, cols, stride) = (
-            to_usize(m.rows)?,
-            to_usize(m.cols)?,
-            to_usize(m.row_stride)?,
-        );
-        // SAFETY: `start` lies inside the region (checked above).
+        // SAFETY: `start <= end <= len` (checked above), so the address is inside the region.
         let base = unsafe { region.ptr().add(start) };
         Ok(View {
             _region: region,
             base,
             buf: m.buf,
             dtype: m.dtype,
-            rows,
-            cols,
-            stride,
-            offset: m.offset,
-            end,
+            rows: m.rows,
+            cols: m.cols,
+            stride: m.stride,
         })
     }
 
-    /// Checks that the view is `[rows, cols]`.
-    pub(crate) fn expect_shape(
-        &self,
+    /// The view of an optional checked operand.
+    pub(crate) fn optional(
+        dev: &CpuDevice,
         op: &str,
         name: &str,
-        rows: usize,
-        cols: usize,
-    ) -> Result<(), PluginError> {
-        if self.rows == rows && self.cols == cols {
-            Ok(())
-        } else {
-            Err(invalid(
-                op,
-                format!(
-                    "`{name}`: expected shape [{rows}, {cols}], got [{}, {}]",
-                    self.rows, self.cols
-                ),
-            ))
-        }
+        m: Option<&Mat>,
+    ) -> Result<Option<View>, PluginError> {
+        m.map(|m| View::new(dev, op, name, m)).transpose()
     }
 
-    /// Checks that the view has `dtype` (the dtype of operand `other`).
-    pub(crate) fn expect_dtype(
-        &self,
-        op: &str,
-        name: &str,
-        dtype: DType,
-        other: &str,
-    ) -> Result<(), PluginError> {
-        if self.dtype == dtype {
-            Ok(())
-        } else {
-            Err(invalid(
-                op,
-                format!(
-                    "`{name}`: dtype {} differs from `{other}`'s {dtype}",
-                    self.dtype
-                ),
-            ))
-        }
+    /// Address of element (0, 0).
+    pub(crate) fn addr(&self) -> *mut u8 {
+        self.base
     }
 
-    /// Whether the byte ranges of the two views intersect (empty views never do).
-    pub(crate) fn overlaps(&self, other: &View) -> bool {
-        self.buf == other.buf
-            && self.offset < self.end
-            && other.offset < other.end
-            && self.offset < other.end
-            && other.offset < self.end
-    }
-
-    /// Whether the two views are the same elements in the same layout.
-    pub(crate) fn same_as(&self, other: &View) -> bool {
-        self.buf == other.buf
-            && self.offset == other.offset
-            && self.dtype == other.dtype
-            && self.rows == other.rows
-            && self.cols == other.cols
-            && (self.stride == other.stride || self.rows <= 1)
+    /// Row 0 of an i32 vector (indices, segment boundaries).
+    ///
+    /// # Safety
+    /// The view's dtype is i32, it has at least one row, and no thread writes the row while the
+    /// slice lives.
+    pub(crate) unsafe fn i32_row(&self) -> &[i32] {
+        debug_assert!(self.dtype == DType::I32 && self.rows >= 1);
+        // SAFETY: validated: the row lies inside the live region, aligned for i32 (offset a
+        // multiple of 4 and buffers 64-byte aligned); the caller rules out concurrent writes.
+        unsafe { std::slice::from_raw_parts(self.base.cast::<i32>(), self.cols) }
     }
 
     /// Address of element (0, 0) as a `T` pointer. `T` must be the view's dtype.
@@ -330,74 +255,5 @@ impl View {
     pub(crate) unsafe fn store_row<T: Elem>(&self, r: usize, src: &[f32]) {
         // SAFETY: forwarded to the caller.
         T::store(src, unsafe { self.row_mut::<T>(r) });
-    }
-}
-
-/// Fails unless `out` is exactly `x` or does not overlap it.
-pub(crate) fn alias_or_disjoint(
-    op: &str,
-    out_name: &str,
-    out: &View,
-    x_name: &str,
-    x: &View,
-) -> Result<(), PluginError> {
-    if out.same_as(x) || !out.overlaps(x) {
-        Ok(())
-    } else {
-        Err(overlap_error(op, out_name, x_name, "unless it is exactly"))
-    }
-}
-
-/// Fails if `out` overlaps `x`.
-pub(crate) fn disjoint(
-    op: &str,
-    out_name: &str,
-    out: &View,
-    x_name: &str,
-    x: &View,
-) -> Result<(), PluginError> {
-    if out.overlaps(x) {
-        Err(overlap_error(op, out_name, x_name, "at all, even as"))
-    } else {
-        Ok(())
-    }
-}
-
-fn overlap_error(op: &str, out_name: &str, x_name: &str, rule: &str) -> PluginError {
-    invalid(
-        op,
-        format!("`{out_name}` overlaps `{x_name}`; it may not overlap it {rule} the same view"),
-    )
-}
-
-impl CpuDevice {
-    /// Runs `f` on the device's pool over row ranges covering `0..rows`, each with an f32
-    /// scratch of `scratch_len` elements.
-    pub(crate) fn par_rows(
-        &self,
-        rows: usize,
-        cols: usize,
-        scratch_len: usize,
-        f: impl Fn(Range<usize>, &mut [f32]) + Sync,
-    ) {
-        if rows == 0 {
-            return;
-        }
-        let per_task = (MIN_ELEMENTS_PER_TASK / cols.max(1)).max(1);
-        let tasks = rows.div_ceil(per_task);
-        if tasks == 1 || self.options.threads == 1 {
-            let mut scratch = vec![0.0; scratch_len];
-            f(0..rows, &mut scratch);
-            return;
-        }
-        self.pool.install(|| {
-            (0..tasks).into_par_iter().for_each_init(
-                || vec![0.0; scratch_len],
-                |scratch, task| {
-                    let start = task * per_task;
-                    f(start..(start + per_task).min(rows), scratch);
-                },
-            );
-        });
     }
 }

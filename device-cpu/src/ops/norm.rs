@@ -1,10 +1,11 @@
 //! Layer normalisation and RMS normalisation over rows, in f32.
 
 use iris_plugin::abi::{NormArgs, PluginError};
+use iris_plugin::validate::{self, Checker};
 
-use super::{View, alias_or_disjoint, math, with_elem};
+use super::{View, math, with_elem};
 use crate::device::CpuDevice;
-use crate::error::invalid;
+use crate::queue::Exec;
 
 /// Which normalisation.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -14,55 +15,49 @@ enum Kind {
 }
 
 impl CpuDevice {
-    /// [`NormArgs`] as a layer norm (biased variance, optional bias).
-    pub(crate) fn layer_norm_impl(&self, args: &NormArgs) -> Result<(), PluginError> {
-        self.norm(Kind::Layer, "layer_norm", args)
+    /// Checks [`NormArgs`] for a layer norm (`rms` false) or an RMS norm, and resolves the
+    /// operands.
+    pub(crate) fn prepare_norm(&self, args: &NormArgs, rms: bool) -> Result<NormJob, PluginError> {
+        let op = if rms { "rms_norm" } else { "layer_norm" };
+        let lens = self.lens();
+        let checked = validate::norm(&Checker::new(op, &lens), args, rms)?;
+        Ok(NormJob {
+            kind: if rms { Kind::Rms } else { Kind::Layer },
+            x: View::new(self, op, "x", &checked.x)?,
+            weight: View::new(self, op, "weight", &checked.weight)?,
+            bias: View::optional(self, op, "bias", checked.bias.as_ref())?,
+            out: View::new(self, op, "out", &checked.out)?,
+            eps: args.eps,
+        })
     }
+}
 
-    /// [`NormArgs`] as an RMS norm (no bias).
-    pub(crate) fn rms_norm_impl(&self, args: &NormArgs) -> Result<(), PluginError> {
-        self.norm(Kind::Rms, "rms_norm", args)
-    }
+/// A checked normalisation.
+pub(crate) struct NormJob {
+    kind: Kind,
+    x: View,
+    weight: View,
+    bias: Option<View>,
+    out: View,
+    eps: f32,
+}
 
-    fn norm(&self, kind: Kind, op: &str, args: &NormArgs) -> Result<(), PluginError> {
-        let x = View::new(self, op, "x", &args.x)?;
-        let weight = View::new(self, op, "weight", &args.weight)?;
-        let bias = if args.bias.is_none() {
-            None
-        } else if kind == Kind::Rms {
-            return Err(invalid(
-                op,
-                "`bias` must be absent (MatRef::NONE) for RMS norm",
-            ));
-        } else {
-            Some(View::new(self, op, "bias", &args.bias)?)
-        };
-        let out = View::new(self, op, "out", &args.out)?;
-        let cols = x.cols;
-        weight.expect_dtype(op, "weight", x.dtype, "x")?;
-        weight.expect_shape(op, "weight", 1, cols)?;
-        if let Some(bias) = &bias {
-            bias.expect_dtype(op, "bias", x.dtype, "x")?;
-            bias.expect_shape(op, "bias", 1, cols)?;
-        }
-        out.expect_dtype(op, "out", x.dtype, "x")?;
-        out.expect_shape(op, "out", x.rows, cols)?;
-        alias_or_disjoint(op, "out", &out, "x", &x)?;
-        // An output overlapping the parameters would change them while other rows read them.
-        super::disjoint(op, "out", &out, "weight", &weight)?;
-        if let Some(bias) = &bias {
-            super::disjoint(op, "out", &out, "bias", bias)?;
-        }
-        if !(args.eps >= 0.0 && args.eps.is_finite()) {
-            return Err(invalid(
-                op,
-                format!("`eps`: expected a finite value >= 0, got {}", args.eps),
-            ));
-        }
+impl NormJob {
+    /// Normalises every row on `exec`'s pool.
+    pub(crate) fn run(&self, exec: &Exec) -> Result<(), PluginError> {
+        let NormJob {
+            kind,
+            x,
+            weight,
+            bias,
+            out,
+            eps,
+        } = self;
+        let (kind, eps, cols) = (*kind, *eps, x.cols);
+        let op = "norm";
         if x.rows == 0 || cols == 0 {
             return Ok(());
         }
-        let eps = args.eps;
         // `cols` fits in memory, and f32 represents such counts closely enough for a mean.
         #[allow(clippy::cast_precision_loss)]
         let inv_n = 1.0 / cols as f32;
@@ -72,12 +67,12 @@ impl CpuDevice {
             // SAFETY: parameters are disjoint from `out` (checked), so nothing writes them.
             unsafe {
                 weight.load_row::<T>(0, &mut w);
-                if let Some(bias) = &bias {
+                if let Some(bias) = bias {
                     bias.load_row::<T>(0, &mut b);
                 }
             }
             let b = bias.as_ref().map(|_| b.as_slice());
-            self.par_rows(x.rows, cols, cols, |rows, row| {
+            exec.par_rows(x.rows, cols, cols, |rows, row| {
                 for r in rows {
                     // SAFETY: each task owns its rows of `out`; `x` is `out` exactly or
                     // disjoint from it, and is read before the row is written.

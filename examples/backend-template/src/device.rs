@@ -7,7 +7,10 @@
 //! conformance failure, an unlisted one is reported as unsupported.
 
 use iris_plugin::Backend;
-use iris_plugin::abi::{BufferHandle, CopyRegion, DType, DeviceDesc, MemInfo, PluginError};
+use iris_plugin::abi::{
+    BufferHandle, CopyRegion, DType, DeviceDesc, FillArgs, MemInfo, MemoryReport, PluginError,
+    Property, property,
+};
 
 use crate::error::invalid;
 use crate::memory::Memory;
@@ -96,6 +99,8 @@ impl Backend for TemplateDevice {
             dtypes: DType::ALL.to_vec().into(),
             // No op yet: list each one here as it is implemented.
             ops: Vec::new().into(),
+            // Facts iris shows in `iris devices --json`; see `iris_plugin::abi::property`.
+            properties: vec![Property::new(property::QUEUE, "sync")].into(),
         }
     }
 
@@ -103,11 +108,24 @@ impl Backend for TemplateDevice {
         Ok(self.memory.mem_info())
     }
 
+    fn memory_report(&self) -> Result<MemoryReport, PluginError> {
+        let (allocated, buffers) = self.memory.usage();
+        Ok(MemoryReport {
+            allocated,
+            buffers,
+            // A real backend lists what it holds outside `alloc` here: its context, library
+            // handles, compiled kernels, workspace pools.
+            held: Vec::new().into(),
+        })
+    }
+
     fn alloc(&self, bytes: u64) -> Result<BufferHandle, PluginError> {
         self.memory.alloc(bytes)
     }
 
     fn free(&self, buf: BufferHandle) -> Result<(), PluginError> {
+        // Nothing is ever queued here, so freeing at once is queue-ordered. A device with a
+        // stream defers the release until the work enqueued before it is done.
         self.memory.free(buf)
     }
 
@@ -119,33 +137,17 @@ impl Backend for TemplateDevice {
         self.memory.read(src, offset, dst)
     }
 
-    fn copy(
-        &self,
-        dst: BufferHandle,
-        dst_offset: u64,
-        src: BufferHandle,
-        src_offset: u64,
-        bytes: u64,
-    ) -> Result<(), PluginError> {
-        let region = CopyRegion {
-            src_offset,
-            dst_offset,
-            bytes,
-        };
-        self.memory.copy_regions("copy", dst, src, &[region])
+    fn copy_batch(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
+        self.memory.copy_batch(regions)
     }
 
-    fn copy_regions(
-        &self,
-        dst: BufferHandle,
-        src: BufferHandle,
-        regions: &[CopyRegion],
-    ) -> Result<(), PluginError> {
-        self.memory.copy_regions("copy_regions", dst, src, regions)
+    fn fill(&self, args: &FillArgs) -> Result<(), PluginError> {
+        self.memory.fill(args)
     }
 
     fn synchronize(&self) -> Result<(), PluginError> {
-        // Every call completes before it returns; a device with queues waits for them here.
+        // Every call completes before it returns; a device with a queue waits for it here and
+        // reports a failure of the work it ran.
         Ok(())
     }
 }

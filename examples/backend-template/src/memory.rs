@@ -9,12 +9,14 @@
 //! - a request larger than the free memory is an out-of-memory error (its own code, so the host
 //!   can evict and retry), a zero-size request, a double free or an unknown handle an invalid
 //!   argument;
-//! - every byte range is checked against its buffer before anything is copied.
+//! - every byte range is checked against its buffer before anything is copied, with the shared
+//!   checks of [`iris_plugin::validate`] that every backend calls.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-use iris_plugin::abi::{BufferHandle, CopyRegion, MemInfo, PluginError};
+use iris_plugin::abi::{BufferHandle, CopyRegion, FillArgs, MemInfo, PluginError};
+use iris_plugin::validate::{self, Checker};
 
 use crate::error::{invalid, out_of_memory};
 
@@ -90,79 +92,84 @@ impl Memory {
         Ok(())
     }
 
+    /// Bytes and number of live buffers, for the memory report.
+    pub fn usage(&self) -> (u64, u64) {
+        let table = self.lock();
+        (table.used, table.buffers.len() as u64)
+    }
+
+    /// The length of a buffer, for [`iris_plugin::validate`].
+    pub fn len_of(&self, buf: BufferHandle) -> Option<u64> {
+        self.lock().buffers.get(&buf.0).map(|b| b.len() as u64)
+    }
+
     /// Host -> device.
     pub fn write(&self, dst: BufferHandle, offset: u64, src: &[u8]) -> Result<(), PluginError> {
+        let lens = |buf| self.len_of(buf);
+        validate::range(
+            &Checker::new("write", &lens),
+            "dst",
+            dst,
+            offset,
+            src.len() as u64,
+        )?;
         let mut table = self.lock();
         let buffer = buffer_mut(&mut table, "write", dst)?;
-        let range = checked_range("write", "dst", buffer.len(), offset, src.len() as u64)?;
-        buffer[range].copy_from_slice(src);
+        buffer[range(offset, src.len() as u64)].copy_from_slice(src);
         Ok(())
     }
 
     /// Device -> host.
     pub fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), PluginError> {
+        let lens = |buf| self.len_of(buf);
+        validate::range(
+            &Checker::new("read", &lens),
+            "src",
+            src,
+            offset,
+            dst.len() as u64,
+        )?;
         let mut table = self.lock();
         let buffer = buffer_mut(&mut table, "read", src)?;
-        let range = checked_range("read", "src", buffer.len(), offset, dst.len() as u64)?;
-        dst.copy_from_slice(&buffer[range]);
+        dst.copy_from_slice(&buffer[range(offset, dst.len() as u64)]);
         Ok(())
     }
 
-    /// Device -> device copy of several regions. Every region is checked before any byte
-    /// moves, so a bad region leaves `dst` untouched.
-    pub fn copy_regions(
-        &self,
-        op: &str,
-        dst: BufferHandle,
-        src: BufferHandle,
-        regions: &[CopyRegion],
-    ) -> Result<(), PluginError> {
+    /// Device -> device copy of several regions. Every region is checked (by the shared
+    /// validation) before any byte moves, so a bad region leaves every buffer untouched.
+    pub fn copy_batch(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
+        let lens = |buf| self.len_of(buf);
+        validate::copy_batch(&Checker::new("copy_batch", &lens), regions)?;
         let mut table = self.lock();
-        let dst_len = buffer_mut(&mut table, op, dst)?.len();
-        let src_len = buffer_mut(&mut table, op, src)?.len();
-        let mut checked = Vec::with_capacity(regions.len());
-        for (index, region) in regions.iter().enumerate() {
-            let from = checked_range(
-                op,
-                &format!("region {index} source"),
-                src_len,
-                region.src_offset,
-                region.bytes,
-            )?;
-            let to = checked_range(
-                op,
-                &format!("region {index} destination"),
-                dst_len,
-                region.dst_offset,
-                region.bytes,
-            )?;
-            checked.push((from, to));
+        for region in regions.iter().filter(|r| r.bytes > 0) {
+            // No destination overlaps a source (validated), so the order of regions does not
+            // matter; going through a temporary keeps the borrow checker out of the way.
+            let bytes = buffer_mut(&mut table, "copy_batch", region.src)?
+                [range(region.src_offset, region.bytes)]
+            .to_vec();
+            buffer_mut(&mut table, "copy_batch", region.dst)?
+                [range(region.dst_offset, region.bytes)]
+            .copy_from_slice(&bytes);
         }
-        if dst == src {
-            for (index, (_, to)) in checked.iter().enumerate() {
-                if checked
-                    .iter()
-                    .any(|(from, _)| to.start < from.end && from.start < to.end)
-                {
-                    return Err(invalid(
-                        op,
-                        format!("region {index} destination overlaps a source region"),
-                    ));
-                }
-            }
-            let buffer = buffer_mut(&mut table, op, dst)?;
-            for (from, to) in checked {
-                buffer.copy_within(from, to.start);
-            }
+        Ok(())
+    }
+
+    /// Fills a range with a repeated value.
+    pub fn fill(&self, args: &FillArgs) -> Result<(), PluginError> {
+        let lens = |buf| self.len_of(buf);
+        validate::fill(&Checker::new("fill", &lens), args)?;
+        if args.dst.bytes == 0 {
             return Ok(());
         }
-        let [Some(to_buf), Some(from_buf)] = table.buffers.get_disjoint_mut([&dst.0, &src.0])
-        else {
-            // Both handles were looked up above under the same lock.
-            return Err(invalid(op, "buffer vanished during the copy"));
-        };
-        for (from, to) in checked {
-            to_buf[to].copy_from_slice(&from_buf[from]);
+        let mut table = self.lock();
+        let buffer = buffer_mut(&mut table, "fill", args.dst.buf)?;
+        let pattern = args.value.to_le_bytes();
+        let width = args.width as usize;
+        for (i, byte) in buffer[range(args.dst.offset, args.dst.bytes)]
+            .iter_mut()
+            .enumerate()
+        {
+            *byte = pattern[i % width];
         }
         Ok(())
     }
@@ -192,30 +199,11 @@ fn buffer_mut<'a>(
         .ok_or_else(|| invalid(op, format!("unknown buffer handle {}", buf.0)))
 }
 
-/// `[offset, offset + len)` as a `usize` range, if it lies inside a buffer of `buffer_len`.
-fn checked_range(
-    op: &str,
-    what: &str,
-    buffer_len: usize,
-    offset: u64,
-    len: u64,
-) -> Result<std::ops::Range<usize>, PluginError> {
-    let outside = || {
-        invalid(
-            op,
-            format!(
-                "{what}: bytes [{offset}, {offset}+{len}) lie outside the buffer of {buffer_len} bytes"
-            ),
-        )
-    };
-    let end = offset.checked_add(len).ok_or_else(outside)?;
-    if end > buffer_len as u64 {
-        return Err(outside());
-    }
-    // Both fit: they are at most `buffer_len`, a `usize`.
-    let start = usize::try_from(offset).map_err(|_| outside())?;
-    let end = usize::try_from(end).map_err(|_| outside())?;
-    Ok(start..end)
+/// `[offset, offset + len)` as a `usize` range; the shared validation has checked it against a
+/// buffer, whose length is a `usize`.
+fn range(offset: u64, len: u64) -> std::ops::Range<usize> {
+    let start = usize::try_from(offset).unwrap_or(usize::MAX);
+    start..start + usize::try_from(len).unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -246,18 +234,15 @@ mod tests {
         let memory = Memory::new(1000);
         let a = memory.alloc(64).unwrap();
         memory.write(a, 0, &[1, 2, 3, 4]).unwrap();
-        let overlapping = CopyRegion {
-            src_offset: 0,
-            dst_offset: 2,
+        let region = |src_offset, dst_offset| CopyRegion {
+            src: a,
+            src_offset,
+            dst: a,
+            dst_offset,
             bytes: 4,
         };
-        assert!(memory.copy_regions("copy", a, a, &[overlapping]).is_err());
-        let disjoint = CopyRegion {
-            src_offset: 0,
-            dst_offset: 32,
-            bytes: 4,
-        };
-        memory.copy_regions("copy", a, a, &[disjoint]).unwrap();
+        assert!(memory.copy_batch(&[region(0, 2)]).is_err());
+        memory.copy_batch(&[region(0, 32)]).unwrap();
         let mut back = [0; 4];
         memory.read(a, 32, &mut back).unwrap();
         assert_eq!(back, [1, 2, 3, 4]);

@@ -1,0 +1,301 @@
+//! The device's in-order queue, and the pool its work runs on.
+//!
+//! In `sync` mode every call runs its work before returning, as a plain CPU library would. In
+//! `async` mode (the default) work goes to one worker thread that runs it in submission order
+//! on the device's rayon pool, and calls return at once: the CPU device then behaves like an
+//! accelerator's stream, so a host that forgets to synchronise gets wrong results in tests on
+//! this device rather than on a customer's GPU. An optional delay before each item makes such
+//! mistakes show deterministically.
+//!
+//! A failure of queued work is kept and reported by the next call that submits or waits
+//! (the ABI's "at the next call or at `synchronize`"), naming the failed call; work submitted
+//! after it still runs.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use gemm::Parallelism;
+use iris_plugin::abi::PluginError;
+use iris_plugin::backend::panic_message;
+use rayon::prelude::*;
+
+/// Elements a row-parallel task handles at least, so that small ops do not drown in scheduling.
+const MIN_ELEMENTS_PER_TASK: usize = 16 * 1024;
+
+/// How calls complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueMode {
+    /// Each call completes before it returns.
+    Sync,
+    /// Calls enqueue; a worker thread runs the queue in order.
+    Async,
+}
+
+impl QueueMode {
+    /// `sync` or `async`.
+    pub fn name(self) -> &'static str {
+        match self {
+            QueueMode::Sync => "sync",
+            QueueMode::Async => "async",
+        }
+    }
+}
+
+/// What queued work runs on: the device's thread pool.
+pub(crate) struct Exec {
+    pub(crate) pool: rayon::ThreadPool,
+    pub(crate) threads: usize,
+}
+
+impl Exec {
+    /// A pool of `threads` workers.
+    pub(crate) fn new(threads: usize) -> Result<Exec, PluginError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|index| format!("iris-cpu-{index}"))
+            .build()
+            .map_err(|err| PluginError::internal(format!("open: cannot start threads: {err}")))?;
+        Ok(Exec { pool, threads })
+    }
+
+    /// The `gemm` crate's parallelism for this pool.
+    pub(crate) fn parallelism(&self) -> Parallelism {
+        if self.threads > 1 {
+            Parallelism::Rayon(self.threads)
+        } else {
+            Parallelism::None
+        }
+    }
+
+    /// Runs `f` on the pool over row ranges covering `0..rows`, each with an f32 scratch of
+    /// `scratch_len` elements.
+    pub(crate) fn par_rows(
+        &self,
+        rows: usize,
+        cols: usize,
+        scratch_len: usize,
+        f: impl Fn(Range<usize>, &mut [f32]) + Sync,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        let per_task = (MIN_ELEMENTS_PER_TASK / cols.max(1)).max(1);
+        let tasks = rows.div_ceil(per_task);
+        if tasks == 1 || self.threads == 1 {
+            let mut scratch = vec![0.0; scratch_len];
+            f(0..rows, &mut scratch);
+            return;
+        }
+        self.pool.install(|| {
+            (0..tasks).into_par_iter().for_each_init(
+                || vec![0.0; scratch_len],
+                |scratch, task| {
+                    let start = task * per_task;
+                    f(start..(start + per_task).min(rows), scratch);
+                },
+            );
+        });
+    }
+}
+
+/// One unit of queued work.
+pub(crate) type Work = Box<dyn FnOnce(&Exec) -> Result<(), PluginError> + Send>;
+
+/// The queue of one opened device.
+pub(crate) struct Queue {
+    mode: QueueMode,
+    shared: Arc<Shared>,
+    worker: Option<JoinHandle<()>>,
+}
+
+struct Shared {
+    exec: Exec,
+    delay: Duration,
+    state: Mutex<State>,
+    /// Signalled when work arrives or the queue shuts down.
+    arrived: Condvar,
+    /// Signalled when an item completes.
+    completed: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    items: VecDeque<Item>,
+    /// Items submitted so far; a fence's value.
+    submitted: u64,
+    /// Items completed so far.
+    done: u64,
+    /// The first failure not yet reported.
+    failure: Option<PluginError>,
+    shutdown: bool,
+}
+
+struct Item {
+    seq: u64,
+    name: &'static str,
+    work: Work,
+}
+
+impl Queue {
+    /// A queue running on `exec`; in async mode, with a worker thread that waits `delay`
+    /// before each item.
+    pub(crate) fn new(mode: QueueMode, exec: Exec, delay: Duration) -> Result<Queue, PluginError> {
+        let shared = Arc::new(Shared {
+            exec,
+            delay,
+            state: Mutex::new(State::default()),
+            arrived: Condvar::new(),
+            completed: Condvar::new(),
+        });
+        let worker = match mode {
+            QueueMode::Sync => None,
+            QueueMode::Async => {
+                let shared = Arc::clone(&shared);
+                let handle = std::thread::Builder::new()
+                    .name("iris-cpu-queue".to_owned())
+                    .spawn(move || shared.run())
+                    .map_err(|err| {
+                        PluginError::internal(format!("open: cannot start the queue thread: {err}"))
+                    })?;
+                Some(handle)
+            }
+        };
+        Ok(Queue {
+            mode,
+            shared,
+            worker,
+        })
+    }
+
+    /// How calls complete.
+    pub(crate) fn mode(&self) -> QueueMode {
+        self.mode
+    }
+
+    /// Submits `work` named `name`: runs it now (sync) or enqueues it (async). A failure of
+    /// earlier work not yet reported is returned instead, and `work` is dropped.
+    pub(crate) fn submit(&self, name: &'static str, work: Work) -> Result<(), PluginError> {
+        let mut state = self.shared.lock();
+        if let Some(failure) = state.failure.take() {
+            return Err(failure);
+        }
+        state.submitted += 1;
+        let seq = state.submitted;
+        match self.mode {
+            QueueMode::Sync => {
+                drop(state);
+                let result = self.shared.execute(name, seq, work);
+                self.shared.lock().done = seq;
+                result
+            }
+            QueueMode::Async => {
+                state.items.push_back(Item { seq, name, work });
+                drop(state);
+                self.shared.arrived.notify_one();
+                Ok(())
+            }
+        }
+    }
+
+    /// A fence after everything submitted so far.
+    pub(crate) fn fence(&self) -> u64 {
+        self.shared.lock().submitted
+    }
+
+    /// Waits until fence `value` is complete; reports a failure of queued work.
+    pub(crate) fn wait(&self, value: u64) -> Result<(), PluginError> {
+        let mut state = self.shared.lock();
+        while state.done < value {
+            state = self
+                .shared
+                .completed
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        match state.failure.take() {
+            Some(failure) => Err(failure),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for everything submitted so far.
+    pub(crate) fn synchronize(&self) -> Result<(), PluginError> {
+        let fence = self.fence();
+        self.wait(fence)
+    }
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        self.shared.lock().shutdown = true;
+        self.shared.arrived.notify_all();
+        if let Some(worker) = self.worker.take() {
+            // The worker finishes the items already queued, then exits; it catches panics of
+            // the work itself, so a join error would only mean a bug in the loop below.
+            let _ = worker.join();
+        }
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Work runs outside the lock and panics are caught, so a poisoned lock can only come
+        // from a panic between two consistent updates; keep serving.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The worker thread: runs items in order until shut down and drained.
+    fn run(&self) {
+        loop {
+            let item = {
+                let mut state = self.lock();
+                loop {
+                    if let Some(item) = state.items.pop_front() {
+                        break item;
+                    }
+                    if state.shutdown {
+                        return;
+                    }
+                    state = self
+                        .arrived
+                        .wait(state)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
+            };
+            if !self.delay.is_zero() {
+                std::thread::sleep(self.delay);
+            }
+            let Item { seq, name, work } = item;
+            let result = self.execute(name, seq, work);
+            let mut state = self.lock();
+            if let Err(err) = result
+                && state.failure.is_none()
+            {
+                state.failure = Some(PluginError::new(
+                    err.code,
+                    format!(
+                        "asynchronous failure of {name} (call #{seq}): {}",
+                        err.message
+                    ),
+                ));
+            }
+            state.done = seq;
+            drop(state);
+            self.completed.notify_all();
+        }
+    }
+
+    fn execute(&self, name: &str, seq: u64, work: Work) -> Result<(), PluginError> {
+        match catch_unwind(AssertUnwindSafe(|| work(&self.exec))) {
+            Ok(result) => result,
+            Err(payload) => Err(PluginError::internal(format!(
+                "{name} (call #{seq}) panicked: {}",
+                panic_message(payload.as_ref())
+            ))),
+        }
+    }
+}
