@@ -60,9 +60,12 @@ impl Library {
         }
     }
 
-    /// The names cudarc tries, in its order.
+    /// The names cudarc tries, in its order (each once).
     pub fn candidates(self) -> Vec<String> {
-        cudarc::get_lib_name_candidates(self.stem())
+        let mut names = cudarc::get_lib_name_candidates(self.stem());
+        let mut seen = std::collections::HashSet::new();
+        names.retain(|name| seen.insert(name.clone()));
+        names
     }
 }
 

@@ -51,6 +51,19 @@ fn attention_matches_the_reference_for_every_head_dim() {
     run("attention", &[], Libraries::Full);
 }
 
+/// The whole conformance suite (`iris plugin check`) over the emulated device. Its tower-sized
+/// GEMMs and attention take many minutes on the CPU emulation, so it runs on request:
+/// `cargo test -p iris-device-cuda --test ops -- --ignored conformance`.
+#[test]
+#[ignore = "many minutes on the CPU emulation; run on request"]
+fn conformance_suite_passes_over_the_emulated_device() {
+    run(
+        "conformance",
+        &[("IRIS_STANDIN_MEMORY", &(8u64 << 30).to_string())],
+        Libraries::Full,
+    );
+}
+
 /// One scenario, run in a child process by the tests above (never on its own).
 #[test]
 #[ignore = "a child-process scenario, run by the other tests of this file"]
@@ -58,6 +71,9 @@ fn scenario() {
     let name = std::env::var(common::SCENARIO_ENV)
         .expect("run by the parent tests of tests/ops.rs, which set IRIS_STANDIN_SCENARIO");
     let device = open();
+    if name == "conformance" {
+        return conformance(device);
+    }
     match name.as_str() {
         "gemm" => gemm(&device),
         "elementwise" => elementwise(&device),
@@ -663,6 +679,24 @@ fn attention(device: &Device) {
             out.free(device);
         }
     }
+}
+
+fn conformance(device: Device) {
+    let plugin = load_library(&plugin_library()).unwrap();
+    let device = std::sync::Arc::new(device);
+    let report = iris_plugin::conformance::run(&plugin, &device);
+    for check in &report.checks {
+        eprintln!("{:<48} {}", check.name, check.status);
+    }
+    let failures: Vec<String> = report
+        .failures()
+        .map(|check| format!("{}: {}", check.name, check.status))
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "conformance failures:\n{}",
+        failures.join("\n")
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
