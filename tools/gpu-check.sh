@@ -26,7 +26,8 @@
 # --quick shortens the bench (200 prompts) and the transformers comparison (2 repeats).
 # --debug uses a debug build instead of release: for trying the script's own steps on a machine
 # without a GPU, where the release build's time buys nothing.
-# Environment: BENCH_ARGS (extra `iris bench` flags), ENCODE_TOLERANCE_F32 and
+# Environment: SKIP (steps not to run, comma-separated: plugin-check, encode, bench,
+# transformers), BENCH_ARGS (extra `iris bench` flags), ENCODE_TOLERANCE_F32 and
 # ENCODE_TOLERANCE_BF16 (relative L2 error allowed against the CPU device; defaults 1e-4 and
 # 2e-2), PYTHON (default python3).
 set -uo pipefail
@@ -41,7 +42,7 @@ while [ $# -gt 0 ]; do
     --out) out="$2"; shift 2 ;;
     --quick) quick=1; shift ;;
     --debug) profile=debug; shift ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 64 ;;
   esac
 done
@@ -82,6 +83,9 @@ run() {
 }
 
 skip() { record "$1" skip 0 "$2"; }
+
+# wanted STEP: whether STEP is not listed in $SKIP.
+wanted() { case ",${SKIP:-}," in *",$1,"*) return 1 ;; *) return 0 ;; esac; }
 
 echo "== iris GPU check, results in $out"
 
@@ -127,10 +131,16 @@ fi
 
 if [ "${devices:-0}" -gt 0 ]; then
   # --- conformance on every ordinal -----------------------------------------------------------
-  run plugin-check "$out/plugin-check.json" "$iris" plugin check cuda --json
+  if wanted plugin-check; then
+    run plugin-check "$out/plugin-check.json" "$iris" plugin check cuda --json
+  else
+    skip plugin-check "in SKIP"
+  fi
 
   # --- encode: CUDA against the CPU device on the golden fixtures -------------------------------
-  for model in qwen2_vl qwen2_5_vl qwen3_vl; do
+  models=(qwen2_vl qwen2_5_vl qwen3_vl)
+  wanted encode || { skip encode "in SKIP"; models=(); }
+  for model in "${models[@]}"; do
     for dtype in f32 bf16; do
       name="encode.$model.$dtype"
       dir="tests/data/golden/$model"
@@ -181,6 +191,7 @@ EOF
   done
 
   # --- the seed experiment ----------------------------------------------------------------------
+  if wanted bench; then
   bench_args=(--device cuda --no-progress --result-json "$out/bench.json" --plot "$out/bench-memory.svg")
   [ "$quick" -eq 1 ] && bench_args+=(--num-prompts 200)
   # shellcheck disable=SC2206 # BENCH_ARGS is a list of flags on purpose
@@ -224,9 +235,14 @@ EOF
   else
     skip bench.verdict "no bench.json"
   fi
+  else
+    skip bench "in SKIP"
+  fi
 
   # --- transformers on the same GPU -----------------------------------------------------------
-  if "$python" -c "import torch, transformers; assert torch.cuda.is_available()" > /dev/null 2>&1; then
+  if ! wanted transformers; then
+    skip transformers "in SKIP"
+  elif "$python" -c "import torch, transformers; assert torch.cuda.is_available()" > /dev/null 2>&1; then
     repeats=5
     [ "$quick" -eq 1 ] && repeats=2
     run transformers "$out/transformers.log" "$python" tools/gpu-check/towers_vs_transformers.py \

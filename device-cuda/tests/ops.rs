@@ -87,8 +87,8 @@ fn scenario() {
 /// Opens the stand-in device with all ops. The kernels come from a cache entry (the stand-in
 /// driver accepts any image and finds kernels by name), so no NVRTC is needed.
 fn open() -> Device {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("ops-kernel-cache-{}", std::process::id()));
+    // Children share the folder: the cache writes a temporary file and renames it.
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ops-kernel-cache");
     let cache = Cache::new(Some(dir.clone()));
     // The stand-in is compute capability 8.0 with driver 12.4.
     cache.store(Target::Cubin(80), 12040, b"emulated").unwrap();
