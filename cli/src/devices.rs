@@ -4,6 +4,7 @@
 //! probe's reason. Each device is opened (with the config's `[plugins.<name>]` options) to read
 //! its description and memory, then closed.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -49,6 +50,10 @@ struct DeviceInfo {
     vendor: String,
     total_bytes: u64,
     free_bytes: u64,
+    /// Device memory the plugin holds outside `alloc` (context, libraries, kernels), by item.
+    held: BTreeMap<String, u64>,
+    /// The device's properties (compute capability, memory bandwidth, queue, kernel tier...).
+    properties: BTreeMap<String, String>,
 }
 
 /// Runs `iris devices`.
@@ -95,6 +100,7 @@ fn describe(entry: &Entry, config: &Config) -> PluginInfo {
         let opened = open_device(plugin, ordinal, &options).map_err(|err| err.to_string());
         let info = opened.and_then(|device| {
             let mem = device.mem_info().map_err(|err| err.to_string())?;
+            let report = device.memory_report().map_err(|err| err.to_string())?;
             let desc = device.description();
             Ok(DeviceInfo {
                 ordinal,
@@ -102,6 +108,8 @@ fn describe(entry: &Entry, config: &Config) -> PluginInfo {
                 vendor: desc.vendor.clone(),
                 total_bytes: mem.total,
                 free_bytes: mem.free,
+                held: report.held.into_iter().collect(),
+                properties: desc.properties.iter().cloned().collect(),
             })
         });
         match info {
@@ -131,7 +139,16 @@ fn describe(entry: &Entry, config: &Config) -> PluginInfo {
 fn table(listing: &Listing) -> String {
     let mut rows = vec![
         [
-            "PLUGIN", "VERSION", "ABI", "DEVICE", "NAME", "VENDOR", "TOTAL", "FREE", "SOURCE",
+            "PLUGIN",
+            "VERSION",
+            "ABI",
+            "DEVICE",
+            "NAME",
+            "VENDOR",
+            "TOTAL",
+            "FREE",
+            "SOURCE",
+            "PROPERTIES",
         ]
         .map(str::to_owned),
     ];
@@ -161,6 +178,12 @@ fn table(listing: &Listing) -> String {
                 bytes(device.total_bytes),
                 bytes(device.free_bytes),
                 source.clone(),
+                device
+                    .properties
+                    .iter()
+                    .map(|(key, value)| format!("{key}={value}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
             ]);
         }
         if let Some(reason) = &plugin.reason {

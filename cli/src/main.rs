@@ -61,8 +61,20 @@ enum PluginCommand {
     Check(plugin_check::CheckArgs),
 }
 
+/// Environment variable with the log filter (`tracing` directives, e.g. `info` or
+/// `iris::plugin=debug`); warnings and errors are shown when it is unset.
+const LOG_ENV: &str = "IRIS_LOG";
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Logs go to stderr, so that JSON and tables on stdout stay clean. Plugins log through the
+    // host into the same output, under the target `iris::plugin` with their name and device.
+    let filter = tracing_subscriber::EnvFilter::try_from_env(LOG_ENV)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let result = match &cli.command {
         Command::Devices(args) => devices::run(&cli.global, args),
         Command::Encode(args) => encode::run(&cli.global, args),

@@ -205,3 +205,27 @@ fn config_errors_name_the_key() {
     let stderr = text(&output.stderr);
     assert!(stderr.contains("plugins.cpu.threads"), "{stderr}");
 }
+
+/// Plugins log through the host: with `IRIS_LOG` raised, the CPU device's message on opening
+/// reaches stderr tagged with the plugin's name and the device ordinal, and stdout stays JSON.
+#[test]
+fn plugin_messages_reach_the_log_with_plugin_and_device() {
+    let output = Command::new(env!("CARGO_BIN_EXE_iris"))
+        .args(["devices", "--json"])
+        .current_dir(std::env::temp_dir())
+        .env("IRIS_PLUGIN_PATH", deps_dir())
+        .env("IRIS_LOG", "iris::plugin=debug")
+        .env_remove("IRIS_DEVICE")
+        .output()
+        .expect("the iris binary runs");
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let stderr = text(&output.stderr);
+    assert!(
+        stderr.contains("opened: ") && stderr.contains("plugin=cpu") && stderr.contains("device=0"),
+        "{stderr}"
+    );
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("stdout is JSON");
+    let cpu = &json["plugins"][0];
+    assert_eq!(cpu["devices"][0]["properties"]["queue"], "async");
+    assert!(cpu["devices"][0]["held"].is_object());
+}

@@ -84,7 +84,7 @@ fn a_plugin_built_for_abi_2_0_loads_and_the_host_falls_back() {
     let plugin = load_library(&path).unwrap_or_else(|err| panic!("the 2.0 plugin loads: {err}"));
     assert_eq!((plugin.abi_major(), plugin.abi_minor()), (2, 0));
     assert!(
-        ABI_MINOR > 0,
+        plugin.abi_minor() < ABI_MINOR,
         "this test needs a host newer than the fixture"
     );
     let device = std::sync::Arc::new(plugin.open(0, &[]).expect("device 0 opens"));
