@@ -1,21 +1,23 @@
 // Runs the plugin's CUDA kernels (kernels/iris.cu, included below unchanged) on the CPU, for the
 // stand-in driver: cuModuleLoadData accepts any image, cuModuleGetFunction finds the kernels by
-// name, and cuLaunchKernel runs the grid one block at a time with one host thread per CUDA
-// thread. __syncthreads is a barrier of the block's threads; warp shuffles exchange values
-// through a per-warp slot array between two barriers of the warp's 32 threads. Shared memory
-// is function-local static storage, which all threads of the running block share.
+// name, and cuLaunchKernel runs the grid one block at a time. Each CUDA thread of a block is a
+// fiber (ucontext) with its own stack, all on the calling host thread: a barrier (__syncthreads,
+// or the warp-wide one around a shuffle) counts arrivals and yields to the next fiber until the
+// last one arrives. Warp shuffles exchange values through a per-warp slot array between two warp
+// barriers. Shared memory is function-local static storage, which every fiber of the running
+// block shares.
 //
 // This checks indexing, tiling, synchronisation and numerics of the kernels and the plugin's
 // launch arguments and grids; it says nothing about their speed.
 
-#include <barrier>
+#include <ucontext.h>
+
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
-#include <memory>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -29,32 +31,104 @@ struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
 
-static thread_local uint3 threadIdx;
-static thread_local uint3 blockIdx;
+// The running fiber's indices: the scheduler sets threadIdx before it switches to a fiber.
+static uint3 threadIdx;
+static uint3 blockIdx;
 static uint3 blockDim;
 static uint3 gridDim;
 
-struct Block {
-    std::barrier<> all;
-    std::vector<std::unique_ptr<std::barrier<>>> warps;
-    std::vector<float> slots;
-    explicit Block(unsigned threads) : all((std::ptrdiff_t)threads), slots(threads) {
-        for (unsigned w = 0; w < (threads + 31) / 32; ++w)
-            warps.push_back(std::make_unique<std::barrier<>>(32));
-    }
-};
-static Block *block;
+namespace emu {
 
-static void __syncthreads() { block->all.arrive_and_wait(); }
+constexpr std::size_t STACK_BYTES = 256 * 1024;
+
+struct Fiber {
+    ucontext_t context;
+    std::vector<char> stack = std::vector<char>(STACK_BYTES);
+    bool done = false;
+};
+
+struct Barrier {
+    unsigned arrived = 0;
+    unsigned generation = 0;
+};
+
+ucontext_t scheduler;
+std::vector<Fiber> fibers;
+unsigned running;
+Barrier block_barrier;
+std::vector<Barrier> warp_barriers;
+std::vector<float> slots;
+void (*kernel)(void **);
+void **kernel_params;
+
+void yield() { swapcontext(&fibers[running].context, &scheduler); }
+
+void wait(Barrier &barrier, unsigned count) {
+    unsigned generation = barrier.generation;
+    if (++barrier.arrived == count) {
+        barrier.arrived = 0;
+        barrier.generation++;
+        return;
+    }
+    while (barrier.generation == generation) yield();
+}
+
+void entry() {
+    kernel(kernel_params);
+    fibers[running].done = true;
+    // Returning resumes the scheduler (uc_link).
+}
+
+// Runs one block of `threads` fibers to completion. Returns false on a deadlock (fibers left
+// waiting at a barrier the others will never reach).
+bool run_block(unsigned threads) {
+    if (fibers.size() < threads) fibers.resize(threads);
+    block_barrier = Barrier{};
+    warp_barriers.assign((threads + 31) / 32, Barrier{});
+    slots.assign(threads, 0.0f);
+    for (unsigned t = 0; t < threads; ++t) {
+        Fiber &fiber = fibers[t];
+        fiber.done = false;
+        getcontext(&fiber.context);
+        fiber.context.uc_stack.ss_sp = fiber.stack.data();
+        fiber.context.uc_stack.ss_size = fiber.stack.size();
+        fiber.context.uc_link = &scheduler;
+        makecontext(&fiber.context, entry, 0);
+    }
+    for (;;) {
+        bool pending = false;
+        unsigned generation = block_barrier.generation;
+        std::vector<unsigned> warp_generations;
+        for (const Barrier &b : warp_barriers) warp_generations.push_back(b.generation);
+        bool progressed = false;
+        for (unsigned t = 0; t < threads; ++t) {
+            if (fibers[t].done) continue;
+            pending = true;
+            running = t;
+            threadIdx = {t, 0, 0};
+            swapcontext(&scheduler, &fibers[t].context);
+            if (fibers[t].done) progressed = true;
+        }
+        if (!pending) return true;
+        for (std::size_t w = 0; w < warp_barriers.size(); ++w)
+            progressed |= warp_barriers[w].generation != warp_generations[w];
+        progressed |= block_barrier.generation != generation;
+        if (!progressed) return false;
+    }
+}
+
+}  // namespace emu
+
+static void __syncthreads() { emu::wait(emu::block_barrier, blockDim.x); }
 
 static float exchange(float v, unsigned from_lane) {
     unsigned t = threadIdx.x;
     unsigned base = t & ~31u;
-    std::barrier<> &warp = *block->warps[t / 32];
-    block->slots[t] = v;
-    warp.arrive_and_wait();
-    float r = block->slots[base + (from_lane & 31u)];
-    warp.arrive_and_wait();
+    emu::Barrier &warp = emu::warp_barriers[t / 32];
+    emu::slots[t] = v;
+    emu::wait(warp, 32);
+    float r = emu::slots[base + (from_lane & 31u)];
+    emu::wait(warp, 32);
     return r;
 }
 
@@ -153,25 +227,15 @@ int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsign
     (void)stream;
     (void)extra;
     if (by != 1 || bz != 1 || shared != 0 || bx == 0 || bx % 32 != 0) return 1;  // INVALID_VALUE
-    Launcher run = *static_cast<const Launcher *>(function);
+    emu::kernel = *static_cast<const Launcher *>(function);
+    emu::kernel_params = params;
     gridDim = {gx, gy, gz};
     blockDim = {bx, by, bz};
     for (unsigned z = 0; z < gz; ++z)
         for (unsigned y = 0; y < gy; ++y)
             for (unsigned x = 0; x < gx; ++x) {
-                Block current(bx);
-                block = &current;
-                std::vector<std::thread> threads;
-                threads.reserve(bx);
-                for (unsigned t = 0; t < bx; ++t) {
-                    threads.emplace_back([=] {
-                        threadIdx = {t, 0, 0};
-                        blockIdx = {x, y, z};
-                        run(params);
-                    });
-                }
-                for (auto &thread : threads) thread.join();
-                block = nullptr;
+                blockIdx = {x, y, z};
+                if (!emu::run_block(bx)) return 719;  // CUDA_ERROR_LAUNCH_FAILED: a deadlock
             }
     return 0;
 }
