@@ -1,6 +1,6 @@
 //! Every op of the plugin, through the real ABI, against an f64 host reference, on a stand-in
-//! device: the stand-in driver runs the plugin's own kernels on the CPU (one host thread per
-//! CUDA thread, `tests/standin/emu.cpp`) and stand-in cuBLAS and cuBLASLt compute GEMMs on the
+//! device: the stand-in driver runs the plugin's own kernels on the CPU (one fiber per CUDA
+//! thread, `tests/standin/emu.cpp`) and stand-in cuBLAS and cuBLASLt compute GEMMs on the
 //! host with the libraries' column-major conventions (`tests/standin/cublas.c`).
 //!
 //! This checks what can go wrong without a GPU: argument validation, launch arguments and

@@ -4,7 +4,7 @@
  * It exports the driver entry points the plugin calls, with host memory as device memory and
  * every asynchronous operation done at once. Built alone, it cannot run kernels: module loads and
  * launches return CUDA_ERROR_NOT_SUPPORTED. Built with -DIRIS_STANDIN_KERNELS and linked with
- * emu.cpp, it runs the plugin's own kernels (kernels/iris.cu) on the CPU, one thread per CUDA
+ * emu.cpp, it runs the plugin's own kernels (kernels/iris.cu) on the CPU, one fiber per CUDA
  * thread. It returns only codes that exist in cudarc's CUresult enum.
  *
  * Switches, read at cuInit:
