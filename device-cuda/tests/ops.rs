@@ -51,6 +51,21 @@ fn attention_matches_the_reference_for_every_head_dim() {
     run("attention", &[], Libraries::Full);
 }
 
+/// The same ops on this machine's GPU, with its real driver, cuBLAS, cuBLASLt and NVRTC. Skips,
+/// saying why, when the plugin finds no device here; fails on anything else.
+#[test]
+fn every_op_matches_the_reference_on_this_machines_gpu() {
+    let plugin = load_library(&plugin_library()).expect("the cuda plugin loads");
+    let probe = plugin.probe();
+    if probe.device_count == 0 {
+        eprintln!("skipped: no CUDA device: {}", probe.reason);
+        return;
+    }
+    for scenario in ["gemm", "elementwise", "movement", "attention"] {
+        run(scenario, &[(GPU_ENV, "1")], Libraries::System);
+    }
+}
+
 /// The whole conformance suite (`iris plugin check`) over the emulated device. Its tower-sized
 /// GEMMs and attention take many minutes on the CPU emulation, so it runs on request:
 /// `cargo test -p iris-device-cuda --test ops -- --ignored conformance`.
@@ -84,9 +99,19 @@ fn scenario() {
     device.synchronize().unwrap();
 }
 
-/// Opens the stand-in device with all ops. The kernels come from a cache entry (the stand-in
-/// driver accepts any image and finds kernels by name), so no NVRTC is needed.
+/// Set in children that run on a real GPU.
+const GPU_ENV: &str = "IRIS_TEST_REAL_GPU";
+
+/// Opens the device with all ops. On the stand-in, the kernels come from a cache entry (the
+/// stand-in driver accepts any image and finds kernels by name), so no NVRTC is needed; on a
+/// real GPU they are compiled (or taken from the user's kernel cache).
 fn open() -> Device {
+    if std::env::var_os(GPU_ENV).is_some() {
+        let plugin = load_library(&plugin_library()).unwrap();
+        let device = plugin.open(0, &[]).expect("opens the GPU with ops");
+        assert_eq!(device.description().ops.len(), 9, "every op is listed");
+        return device;
+    }
     // Children share the folder: the cache writes a temporary file and renames it.
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ops-kernel-cache");
     let cache = Cache::new(Some(dir.clone()));

@@ -20,6 +20,8 @@ pub enum Libraries {
     Driver,
     /// The stand-in driver running the kernels on the CPU, and stand-in cuBLAS and cuBLASLt.
     Full,
+    /// This machine's own CUDA installation, with the environment unchanged (GPU tests).
+    System,
 }
 
 /// Runs `scenario` of the current test binary in a child and fails with its output unless it
@@ -35,11 +37,6 @@ pub fn run(scenario: &str, env: &[(&str, &str)], libraries: Libraries) {
 
 /// Runs `scenario` in a child and returns how it ended.
 pub fn child(scenario: &str, env: &[(&str, &str)], libraries: Libraries) -> Output {
-    let lib_dir = match libraries {
-        Libraries::None => empty_dir(),
-        Libraries::Driver => driver_dir().to_path_buf(),
-        Libraries::Full => full_dir().to_path_buf(),
-    };
     let mut command = Command::new(std::env::current_exe().expect("test binary path"));
     command
         .args([
@@ -49,17 +46,26 @@ pub fn child(scenario: &str, env: &[(&str, &str)], libraries: Libraries) -> Outp
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(SCENARIO_ENV, scenario)
-        .env("LD_LIBRARY_PATH", &lib_dir)
-        // Keep the child away from this machine's CUDA installs: the scenarios describe a
-        // driver and the libraries beside it, nothing else.
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env_remove("CUDA_HOME")
-        .env_remove("CUDA_PATH")
-        .env_remove("IRIS_CUDA_LIB_PATH")
-        .env_remove("VIRTUAL_ENV")
-        .env_remove("CONDA_PREFIX")
-        .env("IRIS_CUDA_KERNEL_CACHE", "off");
+        .env(SCENARIO_ENV, scenario);
+    let lib_dir = match libraries {
+        Libraries::System => None,
+        Libraries::None => Some(empty_dir()),
+        Libraries::Driver => Some(driver_dir().to_path_buf()),
+        Libraries::Full => Some(full_dir().to_path_buf()),
+    };
+    if let Some(lib_dir) = lib_dir {
+        command
+            .env("LD_LIBRARY_PATH", &lib_dir)
+            // Keep the child away from this machine's CUDA installs: the scenarios describe a
+            // driver and the libraries beside it, nothing else.
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .env_remove("CUDA_HOME")
+            .env_remove("CUDA_PATH")
+            .env_remove("IRIS_CUDA_LIB_PATH")
+            .env_remove("VIRTUAL_ENV")
+            .env_remove("CONDA_PREFIX")
+            .env("IRIS_CUDA_KERNEL_CACHE", "off");
+    }
     for (key, value) in env {
         command.env(key, value);
     }
