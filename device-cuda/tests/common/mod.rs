@@ -108,11 +108,14 @@ fn standin(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// Builds `output` through a temporary file and a rename, so that a child still running the
+/// previous build keeps its mapped copy intact.
 fn compile(compiler: &str, args: &[&str], inputs: &[PathBuf], output: &Path) {
+    let partial = output.with_extension(format!("partial{}", std::process::id()));
     let status = Command::new(compiler)
         .args(args)
         .arg("-o")
-        .arg(output)
+        .arg(&partial)
         .args(inputs)
         .status()
         .unwrap_or_else(|err| panic!("{compiler} builds the stand-in libraries: {err}"));
@@ -121,6 +124,14 @@ fn compile(compiler: &str, args: &[&str], inputs: &[PathBuf], output: &Path) {
         "{compiler} failed to build {}",
         output.display()
     );
+    std::fs::rename(&partial, output).unwrap();
+}
+
+/// Copies `from` to `to` through a temporary file and a rename (see [`compile`]).
+fn install_copy(from: &Path, to: &Path) {
+    let partial = to.with_extension(format!("partial{}", std::process::id()));
+    std::fs::copy(from, &partial).unwrap();
+    std::fs::rename(&partial, to).unwrap();
 }
 
 fn cc() -> String {
@@ -151,7 +162,7 @@ fn driver_dir() -> &'static Path {
             &[standin("libcuda.c")],
             &library,
         );
-        std::fs::copy(&library, dir.join("libcuda.so")).unwrap();
+        install_copy(&library, &dir.join("libcuda.so"));
         dir
     })
 }
@@ -200,7 +211,7 @@ fn full_dir() -> &'static Path {
             &[driver_object, emulator_object],
             &library,
         );
-        std::fs::copy(&library, dir.join("libcuda.so")).unwrap();
+        install_copy(&library, &dir.join("libcuda.so"));
         for (name, soname) in [
             ("libcublas.so.12", "libcublas.so.12"),
             ("libcublasLt.so.12", "libcublasLt.so.12"),

@@ -5,7 +5,8 @@
 // or the warp-wide one around a shuffle) counts arrivals and yields to the next fiber until the
 // last one arrives. Warp shuffles exchange values through a per-warp slot array between two warp
 // barriers. Shared memory is function-local static storage, which every fiber of the running
-// block shares.
+// block shares. On x86-64 a fiber switch is a few instructions (callee-saved registers and the
+// stack pointer); elsewhere it is swapcontext, which also saves the signal mask with a syscall.
 //
 // This checks indexing, tiling, synchronisation and numerics of the kernels and the plugin's
 // launch arguments and grids; it says nothing about their speed.
@@ -43,6 +44,7 @@ constexpr std::size_t STACK_BYTES = 256 * 1024;
 
 struct Fiber {
     ucontext_t context;
+    void *sp = nullptr;  // saved stack pointer (x86-64 switch)
     std::vector<char> stack = std::vector<char>(STACK_BYTES);
     bool done = false;
 };
@@ -53,6 +55,7 @@ struct Barrier {
 };
 
 ucontext_t scheduler;
+void *scheduler_sp;
 std::vector<Fiber> fibers;
 unsigned running;
 Barrier block_barrier;
@@ -61,7 +64,44 @@ std::vector<float> slots;
 void (*kernel)(void **);
 void **kernel_params;
 
-void yield() { swapcontext(&fibers[running].context, &scheduler); }
+#if defined(__x86_64__)
+// Saves the callee-saved registers on the current stack, stores the stack pointer in *save,
+// switches to `load` and restores what was saved there (System V x86-64 ABI).
+extern "C" void iris_emu_switch(void **save, void *load);
+asm(R"(
+    .text
+    .globl iris_emu_switch
+    .type iris_emu_switch, @function
+iris_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size iris_emu_switch, .-iris_emu_switch
+)");
+constexpr bool FAST_SWITCH = true;
+#else
+constexpr bool FAST_SWITCH = false;
+void iris_emu_switch(void **, void *) {}
+#endif
+
+void yield() {
+    if (FAST_SWITCH)
+        iris_emu_switch(&fibers[running].sp, scheduler_sp);
+    else
+        swapcontext(&fibers[running].context, &scheduler);
+}
 
 void wait(Barrier &barrier, unsigned count) {
     unsigned generation = barrier.generation;
@@ -76,7 +116,23 @@ void wait(Barrier &barrier, unsigned count) {
 void entry() {
     kernel(kernel_params);
     fibers[running].done = true;
-    // Returning resumes the scheduler (uc_link).
+    if (FAST_SWITCH) {
+        // A finished fiber is never resumed: its stack has no frame to return to.
+        iris_emu_switch(&fibers[running].sp, scheduler_sp);
+        std::abort();
+    }
+    // With ucontext, returning resumes the scheduler (uc_link).
+}
+
+// A fresh stack for `fiber` whose first switch-in "returns" into entry() with the stack
+// aligned as after a call.
+void prepare(Fiber &fiber) {
+    auto top = reinterpret_cast<std::uintptr_t>(fiber.stack.data() + fiber.stack.size()) & ~std::uintptr_t{15};
+    auto *slot = reinterpret_cast<void **>(top);
+    *--slot = nullptr;                             // entry()'s return address: never used
+    *--slot = reinterpret_cast<void *>(&entry);    // where the switch's `ret` goes
+    for (int i = 0; i < 6; ++i) *--slot = nullptr;  // rbp, rbx, r12-r15
+    fiber.sp = slot;
 }
 
 // Runs one block of `threads` fibers to completion. Returns false on a deadlock (fibers left
@@ -89,6 +145,10 @@ bool run_block(unsigned threads) {
     for (unsigned t = 0; t < threads; ++t) {
         Fiber &fiber = fibers[t];
         fiber.done = false;
+        if (FAST_SWITCH) {
+            prepare(fiber);
+            continue;
+        }
         getcontext(&fiber.context);
         fiber.context.uc_stack.ss_sp = fiber.stack.data();
         fiber.context.uc_stack.ss_size = fiber.stack.size();
@@ -106,7 +166,10 @@ bool run_block(unsigned threads) {
             pending = true;
             running = t;
             threadIdx = {t, 0, 0};
-            swapcontext(&scheduler, &fibers[t].context);
+            if (FAST_SWITCH)
+                iris_emu_switch(&scheduler_sp, fibers[t].sp);
+            else
+                swapcontext(&scheduler, &fibers[t].context);
             if (fibers[t].done) progressed = true;
         }
         if (!pending) return true;
