@@ -37,6 +37,11 @@ fn gemm_matches_the_reference_on_every_path() {
 }
 
 #[test]
+fn gemm_falls_back_to_cublas_when_cublaslt_has_no_algorithm() {
+    run("gemm", &[("IRIS_STANDIN_LT_NO_ALGO", "1")], Libraries::Full);
+}
+
+#[test]
 fn norms_activations_and_binary_ops_match_the_reference() {
     run("elementwise", &[], Libraries::Full);
 }

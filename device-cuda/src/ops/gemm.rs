@@ -131,7 +131,7 @@ impl CudaDevice {
                     &operands,
                     Product::scratch(scratch, gemm.n as u64),
                 )
-                .and_then(|()| epilogue(scratch, true, gemm.n as u64, bias, args.activation, true))
+                .and_then(|_| epilogue(scratch, true, gemm.n as u64, bias, args.activation, true))
         } else {
             let bias_fused = plan.lt && bias != 0 && bias % BIAS_ALIGNMENT == 0;
             let act_fused = plan.lt && args.activation == Activation::GELU_TANH && !args.accumulate;
@@ -143,15 +143,15 @@ impl CudaDevice {
                 bias: if bias_fused { bias } else { 0 },
                 gelu: act_fused,
             };
-            let rest_bias = if bias_fused { 0 } else { bias };
-            let rest_act = if act_fused {
-                Activation::NONE
-            } else {
-                args.activation
-            };
             compute
                 .product(stream, &gemm, args, &plan, &operands, product)
-                .and_then(|()| {
+                .and_then(|fused| {
+                    let rest_bias = if fused.bias { 0 } else { bias };
+                    let rest_act = if fused.gelu {
+                        Activation::NONE
+                    } else {
+                        args.activation
+                    };
                     if rest_bias == 0 && rest_act == Activation::NONE {
                         Ok(())
                     } else {
@@ -168,6 +168,13 @@ impl CudaDevice {
         };
         outcome.map_err(|err| err.into_plugin(op))
     }
+}
+
+/// What the library applied of what a [`Product`] asked for.
+#[derive(Debug, Clone, Copy)]
+struct Fused {
+    bias: bool,
+    gelu: bool,
 }
 
 /// Device addresses of the inputs and the library's share of the workspace.
@@ -248,7 +255,10 @@ impl Compute {
         })
     }
 
-    /// Enqueues the product into `product` through cuBLASLt or cuBLAS.
+    /// Enqueues the product into `product` through cuBLASLt or cuBLAS, and says what of the
+    /// bias and activation the library applied. When cuBLASLt has no algorithm for a problem
+    /// (an alignment or layout it does not take), cuBLAS computes the product instead and the
+    /// caller applies the bias and activation.
     fn product(
         &self,
         stream: CUstream,
@@ -257,11 +267,28 @@ impl Compute {
         plan: &Plan,
         operands: &Operands,
         product: Product,
-    ) -> Result<(), CudaError> {
-        if plan.lt {
-            self.product_lt(stream, gemm, args, operands, &product)
-        } else {
-            self.product_blas(gemm, args, operands, &product)
+    ) -> Result<Fused, CudaError> {
+        let unfused = Fused {
+            bias: false,
+            gelu: false,
+        };
+        if !plan.lt {
+            return self
+                .product_blas(gemm, args, operands, &product)
+                .map(|()| unfused);
+        }
+        match self.product_lt(stream, gemm, args, operands, &product) {
+            Ok(()) => Ok(Fused {
+                bias: product.bias != 0,
+                gelu: product.gelu,
+            }),
+            Err(CudaError::Blas {
+                call: "cublasLtMatmulAlgoGetHeuristic",
+                ..
+            }) => self
+                .product_blas(gemm, args, operands, &product)
+                .map(|()| unfused),
+            Err(err) => Err(err),
         }
     }
 
@@ -283,7 +310,22 @@ impl Compute {
         } else {
             cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
         };
-        let f32_type = cublas_sys::cudaDataType::CUDA_R_32F;
+        let input_type = match gemm.a.dtype {
+            DType::F16 => cublas_sys::cudaDataType::CUDA_R_16F,
+            DType::BF16 => cublas_sys::cudaDataType::CUDA_R_16BF,
+            _ => cublas_sys::cudaDataType::CUDA_R_32F,
+        };
+        let output_type = if product.f32 {
+            cublas_sys::cudaDataType::CUDA_R_32F
+        } else {
+            input_type
+        };
+        // Half-precision inputs always accumulate in f32; TF32 only concerns f32 inputs.
+        let compute_type = if gemm.a.dtype == DType::F32 {
+            compute_type
+        } else {
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
         let int = |value: u64| {
             i32::try_from(value)
                 .map_err(|_| CudaError::Unsupported(format!("gemm: {value} is 2^31 or more")))
@@ -321,14 +363,14 @@ impl Compute {
                 k,
                 (&alpha as *const f32).cast(),
                 operands.w as *const c_void,
-                f32_type,
+                input_type,
                 lda,
                 operands.a as *const c_void,
-                f32_type,
+                input_type,
                 ldb,
                 (&beta as *const f32).cast(),
                 product.ptr as *mut c_void,
-                f32_type,
+                output_type,
                 ldc,
                 compute_type,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

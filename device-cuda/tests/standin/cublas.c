@@ -3,9 +3,11 @@
  * driver: the entry points the plugin calls, computing on the host (device memory is host
  * memory there) with the libraries' column-major conventions, in double precision.
  *
- * cublasGemmEx takes f32 only; cublasLtMatmul takes f32, f16 and bf16 inputs with an f32 or
- * same-type output, alpha and beta, and the DEFAULT, BIAS, GELU and GELU_BIAS epilogues (GELU
- * is the tanh form). Anything else is CUBLAS_STATUS_NOT_SUPPORTED.
+ * cublasGemmEx and cublasLtMatmul take f32, f16 and bf16 inputs with an f32 or same-type
+ * output, alpha and beta; cublasLtMatmul also the DEFAULT, BIAS, GELU and GELU_BIAS epilogues
+ * (GELU is the tanh form). Anything else is CUBLAS_STATUS_NOT_SUPPORTED. With
+ * IRIS_STANDIN_LT_NO_ALGO=1 set, cuBLASLt's heuristic finds no algorithm for any problem (as it
+ * does for layouts or alignments it does not take).
  */
 #include <math.h>
 #include <stdint.h>
@@ -146,7 +148,7 @@ cublasStatus_t cublasGemmEx(void *handle, int ta, int tb, int m, int n, int k, c
     (void)handle;
     (void)compute;
     (void)algo;
-    if (at != R_32F || bt != R_32F || ct != R_32F) return NOT_SUPPORTED;
+    if (!known_type(at) || bt != at || (ct != at && ct != R_32F)) return NOT_SUPPORTED;
     if (m < 0 || n < 0 || k < 0 || lda < 1 || ldb < 1 || ldc < (m > 1 ? m : 1)) return INVALID_VALUE;
     gemm(ta, tb, m, n, k, *(const float *)alpha, a, at, lda, b, bt, ldb, *(const float *)beta, c, ct,
          ldc, c, ct, ldc, NULL, 0);
@@ -227,6 +229,8 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(void *handle, void *desc, void *a,
                                               struct heuristic *results, int *count) {
     (void)handle; (void)desc; (void)a; (void)b; (void)c; (void)d; (void)pref;
     if (requested < 1) return INVALID_VALUE;
+    const char *no_algo = getenv("IRIS_STANDIN_LT_NO_ALGO");
+    if (no_algo && strcmp(no_algo, "1") == 0) return NOT_SUPPORTED;
     memset(results, 0, sizeof *results);
     results->algo[0] = 42;
     results->waves = 1.0f;
