@@ -74,6 +74,8 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal, never in files and pipes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = match &cli.command {
         Command::Devices(args) => devices::run(&cli.global, args),
