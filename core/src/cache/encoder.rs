@@ -454,10 +454,16 @@ impl EncoderCacheManagement for EncoderCacheManager {
     }
 
     fn get_freed_mm_hashes(&mut self) -> Vec<MmHash> {
+        // Eviction order, as vLLM reports it; an entry evicted twice in one step is reported once.
         let mut freed = std::mem::take(&mut self.freed);
-        freed.retain(|h| !self.cached.contains_key(h));
-        freed.sort_unstable();
-        freed.dedup();
+        let mut seen = Vec::with_capacity(freed.len());
+        freed.retain(|h| {
+            let keep = !self.cached.contains_key(h) && !seen.contains(h);
+            if keep {
+                seen.push(h.clone());
+            }
+            keep
+        });
         freed
     }
 
