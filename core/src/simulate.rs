@@ -538,7 +538,7 @@ pub fn simulate_with<S: EncoderOutputStore>(
         let record = step_record(&out, step, &finished, scheduler, &names, workload);
         on_step(&record).map_err(|message| SimulateError::Callback { step, message })?;
         last_step = step;
-        if out.scheduled.is_empty() {
+        if out.scheduled.is_empty() && out.preempted.is_empty() {
             // Nothing moved: the state changes only when a request arrives or is aborted.
             let arrival = order.get(next).map(|&i| workload[i].arrival_step);
             let abort = aborts[next_abort..]

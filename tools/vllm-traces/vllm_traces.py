@@ -309,7 +309,8 @@ class VllmRun:
             record["running"] = [r.request_id for r in s.running]
             record["waiting"] = [r.request_id for r in s.waiting]
             yield "step", record
-            if not out.num_scheduled_tokens:
+            if not out.num_scheduled_tokens and not out.preempted_req_ids:
+                # Nothing moved: only an arrival or an abort changes the state.
                 arrival = (
                     workload[order[nxt]].get("arrival_step", 0) if nxt < len(order) else None
                 )
@@ -454,40 +455,53 @@ GEOMETRY = {"qwen2-vl": 28, "qwen3-vl": 32}
 RESOLUTIONS = [(224, 224), (448, 336), (640, 480), (672, 672), (896, 896), (1280, 720)]
 
 
-def random_case(rng, index):
-    """One random workload and configuration, always schedulable by both sides."""
-    mnbt = rng.choice([256, 512, 1024, 2048, 4096, 8192])
+def random_case(rng, index, **opts):
+    """One random workload and configuration, always schedulable by both sides.
+
+    `opts` pins what the corpus needs: `mnbt`, `seqs`, `unchunked`, `geometry` ("qwen2-vl",
+    "qwen3-vl" or "mixed"), `cache` ("default", "small", "one" or "large"), `kv` ("tiny" or
+    None), `long`, `abort` (probability), `requests` (count) and `repeat` (probability of an
+    image repeated within a request).
+    """
+    mnbt = opts.get("mnbt") or rng.choice([256, 512, 1024, 2048, 4096, 8192])
     config = dict(CONFIG_DEFAULTS)
     config["max_num_batched_tokens"] = mnbt
-    config["max_num_seqs"] = rng.choice([1, 2, 4, 8, 16, 32])
-    config["disable_chunked_mm_input"] = rng.random() < 0.4
-    geometry = rng.choice(list(GEOMETRY))
-    side = GEOMETRY[geometry]
+    config["max_num_seqs"] = opts.get("seqs") or rng.choice([1, 2, 4, 8, 16, 32])
+    unchunked = opts.get("unchunked")
+    config["disable_chunked_mm_input"] = rng.random() < 0.4 if unchunked is None else unchunked
+    geometry = opts.get("geometry") or rng.choice(list(GEOMETRY))
     images = []
     for k in range(rng.randint(2, 12)):
+        g = rng.choice(list(GEOMETRY)) if geometry == "mixed" else geometry
+        side = GEOMETRY[g]
         w, h = rng.choice(RESOLUTIONS)
         tokens = (w // side) * (h // side)
         if config["disable_chunked_mm_input"]:
-            tokens = min(tokens, mnbt)
+            tokens = min(tokens, mnbt - 2)
         # Qwen3-VL-style placeholders carry their start and end markers as non-embeddings.
-        framed = geometry == "qwen3-vl" and rng.random() < 0.3 and tokens + 2 <= (
-            mnbt if config["disable_chunked_mm_input"] else 1 << 30
-        )
+        framed = g == "qwen3-vl" and rng.random() < 0.3
         images.append((f"img{index}-{k}", tokens, framed))
     largest = max(t for _, t, _ in images)
-    config["encoder_cache_size"] = rng.choice(
-        [None, max(1, largest // 2), largest, largest * 2, largest * 6]
-    )
+    cache = opts.get("cache") or rng.choice(["default", "small", "one", "large"])
+    config["encoder_cache_size"] = {
+        "default": None,
+        "small": max(1, largest // 2),
+        "one": largest,
+        "large": largest * rng.choice([2, 6]),
+    }[cache]
     requests = []
     step = 0
-    long_prompts = rng.random() < 0.3
-    for r in range(rng.randint(2, 14)):
+    long_prompts = opts.get("long", rng.random() < 0.3)
+    abort = opts.get("abort", 0.1)
+    repeat = opts.get("repeat", 0.15)
+    count = opts.get("requests") or rng.randint(2, 14)
+    for r in range(count):
         items, pos = [], 0
         n_items = rng.choice([0, 1, 1, 2, 2, 3, 4])
         for _ in range(n_items):
             pos += rng.randint(0, 120)
             name, tokens, framed = rng.choice(images)
-            if items and rng.random() < 0.15:
+            if items and rng.random() < repeat:
                 name, tokens, framed = next(
                     (n, t, f) for n, t, f in images if n == items[-1]["hash"]
                 )
@@ -498,15 +512,76 @@ def random_case(rng, index):
             pos += item["length"]
         tail = rng.randint(1, 3000 if long_prompts else 200)
         req = {"id": f"r{r}", "arrival_step": step, "prompt_len": pos + tail, "items": items}
-        if rng.random() < 0.1:
+        if rng.random() < abort:
             req["abort_step"] = step + rng.randint(0, 4)
         requests.append(req)
         step += rng.choice([0, 0, 1, 2])
-    if rng.random() < 0.3:
+    kv = opts.get("kv", "tiny" if rng.random() < 0.3 else None)
+    if kv == "tiny":
         bs = DEFAULT_BLOCK_SIZE
         need = max(-(-r["prompt_len"] // bs) for r in requests)
-        config["num_kv_blocks"] = need + 1 + rng.randint(0, need)
+        config["num_kv_blocks"] = need + 1 + rng.randint(0, need // 2)
     return requests, config
+
+
+# The committed corpus: name, what it covers, seed, and what the case pins.
+CORPUS = [
+    ("chunked-512-4seqs-cache1024", "chunked, budget 512, 4 running, cache 1024 tokens", 101, dict(mnbt=512, seqs=4, unchunked=False, cache="large")),
+    ("unchunked-2048-16seqs", "unchunked, budget 2048, 16 running", 102, dict(mnbt=2048, seqs=16, unchunked=True)),
+    ("unchunked-4096-many-steps", "unchunked, budget 4096, many requests", 103, dict(mnbt=4096, seqs=8, unchunked=True, requests=14, long=True)),
+    ("chunked-512-16seqs-cache1200", "chunked, budget 512, 16 running, a cache of about two images", 104, dict(mnbt=512, seqs=16, unchunked=False, cache="large")),
+    ("budget-256-chunked", "smallest budget, chunked", 105, dict(mnbt=256, unchunked=False)),
+    ("budget-256-unchunked", "smallest budget, unchunked", 106, dict(mnbt=256, unchunked=True)),
+    ("budget-8192-chunked", "largest budget, chunked", 107, dict(mnbt=8192, unchunked=False, requests=12)),
+    ("budget-8192-unchunked", "largest budget, unchunked", 108, dict(mnbt=8192, unchunked=True, requests=12)),
+    ("one-seq", "one running sequence", 109, dict(seqs=1)),
+    ("two-seqs-unchunked", "two running sequences, unchunked", 110, dict(seqs=2, unchunked=True)),
+    ("32-seqs", "32 running sequences", 111, dict(seqs=32, mnbt=8192, requests=14)),
+    ("cache-smaller-than-an-image", "encoder cache asked below one image (raised to the largest item)", 112, dict(cache="small")),
+    ("cache-smaller-unchunked", "encoder cache asked below one image, unchunked", 113, dict(cache="small", unchunked=True)),
+    ("cache-one-image", "encoder cache equal to the largest image", 114, dict(cache="one")),
+    ("cache-one-image-1024", "cache of one image, budget 1024", 115, dict(cache="one", mnbt=1024)),
+    ("cache-large", "large encoder cache", 116, dict(cache="large", mnbt=2048)),
+    ("shared-images", "few distinct images, shared between requests", 117, dict(requests=14, repeat=0.0)),
+    ("repeated-within-request", "the same image repeated within requests", 118, dict(repeat=0.8)),
+    ("repeated-unchunked", "repeated images, unchunked", 119, dict(repeat=0.8, unchunked=True)),
+    ("long-prompts", "long text prompts", 120, dict(long=True, mnbt=1024)),
+    ("long-prompts-unchunked", "long prompts, unchunked", 121, dict(long=True, unchunked=True, mnbt=2048)),
+    ("preemption-tiny-kv", "a KV cache barely above one prompt: preemption", 122, dict(kv="tiny", seqs=8, mnbt=1024)),
+    ("preemption-tiny-kv-unchunked", "tiny KV cache, unchunked", 221, dict(kv="tiny", seqs=8, unchunked=True, mnbt=2048)),
+    ("preemption-long", "tiny KV cache, long prompts", 205, dict(kv="tiny", long=True, seqs=16)),
+    ("preemption-small-budget", "tiny KV cache, budget 256", 200, dict(kv="tiny", mnbt=256, seqs=4)),
+    ("aborts-mid-prefill", "aborted requests, some mid-prefill", 126, dict(abort=0.5, long=True, mnbt=512)),
+    ("aborts-unchunked", "aborts, unchunked", 127, dict(abort=0.5, unchunked=True, long=True)),
+    ("qwen2-vl-geometry", "Qwen2-VL token geometry (28-pixel embeddings)", 128, dict(geometry="qwen2-vl")),
+    ("qwen3-vl-geometry", "Qwen3-VL token geometry (32-pixel embeddings, framed placeholders)", 129, dict(geometry="qwen3-vl")),
+    ("mixed-geometry", "Qwen2-VL and Qwen3-VL images in one workload", 130, dict(geometry="mixed", requests=12)),
+    ("mixed-geometry-unchunked", "mixed geometry, unchunked", 131, dict(geometry="mixed", unchunked=True)),
+    ("vllm-starves-a-large-image", "vLLM starves a waiting image as large as the cache behind a stream of smaller ones (progress serves it in 2 steps)", None, dict(build="starvation")),
+]
+
+
+def starvation_case():
+    """A request whose one image fills the whole cache arrives behind a stream of requests with
+    smaller images. vLLM sets it aside while any smaller image is held and admits the requests
+    behind it, which keep the space held, so it waits until the stream ends; the progress policy
+    reserves the space it was refused and serves it at once."""
+    config = dict(CONFIG_DEFAULTS)
+    config.update(max_num_batched_tokens=512, encoder_cache_size=1000)
+    workload = [{"id": "s0", "arrival_step": 0, "prompt_len": 750,
+                 "items": [{"hash": "small0", "offset": 100, "length": 600}]}]
+    workload.append({"id": "big", "arrival_step": 1, "prompt_len": 1000,
+                     "items": [{"hash": "big", "offset": 0, "length": 1000}]})
+    for k in range(1, 24):
+        workload.append({"id": f"s{k}", "arrival_step": k, "prompt_len": 750,
+                         "items": [{"hash": f"small{k}", "offset": 100, "length": 600}]})
+    return workload, config
+
+
+def corpus_case(seed, opts):
+    if opts.get("build") == "starvation":
+        return starvation_case()
+    return random_case(random.Random(seed), seed, **opts)
 
 
 def main():
@@ -516,6 +591,7 @@ def main():
     mode.add_argument("--regenerate", nargs="+", metavar="TRACE", help="re-run and rewrite traces")
     mode.add_argument("--verify", nargs="+", metavar="TRACE", help="re-run and check traces")
     mode.add_argument("--random", type=int, metavar="N", help="compare vLLM and iris on N random workloads")
+    mode.add_argument("--corpus", metavar="DIR", help="write the committed corpus of traces into DIR")
     p.add_argument("--out", help="trace to write (with --workload)")
     p.add_argument("--about", default="", help="what the trace covers (with --workload)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -545,6 +621,21 @@ def main():
         write_trace(args.out, workload, config, args.about, run, lines)
         steps = sum(1 for k, _ in lines if k == "step")
         print(f"{args.out}: {steps} steps")
+    elif args.corpus:
+        os.makedirs(args.corpus, exist_ok=True)
+        for name, about, seed, opts in CORPUS:
+            workload, config = corpus_case(seed, opts)
+            run, lines = run_vllm(workload, config)
+            path = os.path.join(args.corpus, f"{name}.jsonl")
+            write_trace(path, workload, config, about, run, lines)
+            steps = [b for k, b in lines if k == "step"]
+            end = lines[-1][1]
+            print(
+                f"{path}: {len(steps)} steps, "
+                f"{sum(len(b['preempted']) for b in steps)} preemptions, "
+                f"{sum(1 for r in workload if 'abort_step' in r)} aborts, "
+                f"{'stalled' if end['stalled'] else 'finished'}"
+            )
     elif args.regenerate:
         for path in args.regenerate:
             header, workload, config, _ = read_trace(path)
