@@ -189,9 +189,12 @@ class VllmRun:
         )
         # The budget vLLM derives from the model's largest item, here the workload's: the
         # scheduler's own derivation needs a multimodal model's processor.
+        # A workload without images is a model without multimodal input: no maximum at all
+        # (iris's budget treats a zero maximum the same way).
+        largest = largest_item(workload, config)
         compute, cache_size = compute_mm_encoder_budget(
             vllm_config.scheduler_config,
-            {"image": largest_item(workload, config)},
+            {"image": largest} if largest > 0 else {},
         )
         self.compute_budget = compute
         self.cache_size = cache_size
