@@ -658,14 +658,20 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> Scheduler<M, B> {
     }
 
     fn take_kv(&mut self, id: RequestId, blocks: u64) {
-        if let (Some(kv), Some(state)) = (self.kv.as_mut(), self.requests.get_mut(&id)) {
+        let Some(kv) = self.kv.as_mut() else {
+            return;
+        };
+        if let Some(state) = self.requests.get_mut(&id) {
             kv.free -= blocks;
             state.blocks += blocks;
         }
     }
 
     fn release_kv(&mut self, id: RequestId) {
-        if let (Some(kv), Some(state)) = (self.kv.as_mut(), self.requests.get_mut(&id)) {
+        let Some(kv) = self.kv.as_mut() else {
+            return;
+        };
+        if let Some(state) = self.requests.get_mut(&id) {
             kv.free += state.blocks;
             state.blocks = 0;
         }
@@ -735,8 +741,11 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> Scheduler<M, B> {
                 index += 1;
                 continue;
             }
-            let computed = self.requests.get(&id).map_or(0, |r| r.computed);
             let blocks = loop {
+                if self.kv.is_none() {
+                    break Some(0);
+                }
+                let computed = self.requests.get(&id).map_or(0, |r| r.computed);
                 if let Some(blocks) = self.kv_shortfall(id, computed + placed.tokens) {
                     break Some(blocks);
                 }
