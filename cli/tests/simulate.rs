@@ -59,7 +59,10 @@ fn summary_steps_out_and_json() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(lines[0]["step"], 0);
-    assert_eq!(lines[0]["scheduled"], serde_json::json!([["r1", 800], ["r2", 200]]));
+    assert_eq!(
+        lines[0]["scheduled"],
+        serde_json::json!([["r1", 800], ["r2", 200]])
+    );
     assert_eq!(lines[0]["finished"], serde_json::json!(["r1"]));
     assert_eq!(lines[0]["running"], serde_json::json!(["r2"]));
     assert_eq!(lines[0]["encoder_inputs"]["r1"], serde_json::json!([0]));
