@@ -452,6 +452,18 @@ mod tests {
     }
 
     #[test]
+    fn scheduler_policy_section() {
+        use crate::budget::Policy;
+        assert_eq!(parse("").unwrap().scheduler_policy, None);
+        let config = parse("[scheduler]\npolicy = \"progress\"").unwrap();
+        assert_eq!(config.scheduler_policy, Some(Policy::Progress));
+        let err = parse("[scheduler]\npolcy = \"vllm\"").unwrap_err();
+        assert!(err.to_string().contains("scheduler.polcy"), "{err}");
+        let err = parse("[scheduler]\npolicy = \"fifo\"").unwrap_err();
+        assert!(err.to_string().contains("`progress`"), "{err}");
+    }
+
+    #[test]
     fn syntax_errors_name_the_file() {
         let err = parse("device = ").unwrap_err();
         assert!(matches!(err, ConfigError::Syntax { .. }), "{err:?}");
