@@ -538,3 +538,77 @@ fn policy_is_swappable_through_the_traits() {
         .unwrap();
     assert_eq!(drive(&mut s), 2);
 }
+
+#[test]
+fn unchunked_rule_comes_before_a_cache_hit() {
+    // x is cached by a; b's window [0, 300) covers x at [100, 500) only in part. vLLM cuts b
+    // back to x's start although x needs no encoder run; the progress policy lets it split x.
+    let mut c = config(800);
+    c.disable_chunked_mm_input = true;
+    for (policy, expected) in [(Policy::Vllm, 100), (Policy::Progress, 300)] {
+        let mut s = scheduler(
+            SchedulerConfig {
+                policy,
+                ..c.clone()
+            },
+            400,
+            None,
+            None,
+        );
+        let a = add(&mut s, 500, vec![MmItem::new("x", 0, 400)]);
+        let b = add(&mut s, 600, vec![MmItem::new("x", 100, 400)]);
+        let (out, _) = step(&mut s);
+        assert_eq!(
+            (tokens(&out, a), tokens(&out, b)),
+            (500, expected),
+            "{policy}"
+        );
+    }
+}
+
+#[test]
+fn a_window_without_embedding_positions_encodes_nothing() {
+    // The item's first position is a marker, not an embedding: a window ending just past it
+    // leaves the item for the next step.
+    let mut s = scheduler(config(101), 100, None, None);
+    let a = add(
+        &mut s,
+        300,
+        vec![MmItem::with_runs("x", 100, 100, vec![(1, 99)])],
+    );
+    let (out, _) = step(&mut s);
+    assert_eq!((tokens(&out, a), encoded(&out)), (101, vec![]));
+    let (out, _) = step(&mut s);
+    assert_eq!(encoded(&out), vec![(a, 0)]);
+    assert_eq!(out.encoder_inputs[0].embeds, 98);
+}
+
+#[test]
+fn a_waiting_request_is_admitted_only_if_its_whole_prompt_fits_the_kv_cache() {
+    // 16-token blocks, 10 usable (11 less the null block). Preemption itself is covered by the
+    // vLLM traces (preemption-*.jsonl).
+    let mut cfg = config(96);
+    cfg.max_num_seqs = 4;
+    cfg.num_kv_blocks = Some(11);
+    let mut s = scheduler(cfg, 10, None, None);
+    let a = add(&mut s, 144, vec![]);
+    let b = add(&mut s, 144, vec![]);
+    // a takes the whole budget: 96 tokens, 6 blocks.
+    let (out, _) = step(&mut s);
+    assert_eq!(out.scheduled, vec![(a, 96)]);
+    assert_eq!(out.free_kv_blocks, Some(4));
+    let c = add(&mut s, 16, vec![]);
+    // a's last 48 tokens take 3 more blocks, leaving 1; b's 9 blocks do not fit, and c, behind
+    // it, is not tried.
+    let (out, finished) = step(&mut s);
+    assert_eq!(out.scheduled, vec![(a, 48)]);
+    assert_eq!(out.free_kv_blocks, Some(1));
+    assert_eq!(finished, vec![a]);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.scheduled, vec![(b, 96)]);
+    assert_eq!(s.waiting().collect::<Vec<_>>(), vec![c]);
+    assert!(
+        s.add_request(NewRequest::new(161, vec![])).is_err(),
+        "11 blocks of 16 tokens can never hold 161"
+    );
+}
