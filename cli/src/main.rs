@@ -84,7 +84,11 @@ fn main() -> ExitCode {
             command: PluginCommand::Check(args),
         } => plugin_check::run(&cli.global, args),
         Command::Profile(args) => profile::run(&cli.global, args),
-        Command::Simulate(args) => simulate::run(args).map(|()| ExitCode::SUCCESS),
+        Command::Simulate(args) => cli
+            .global
+            .config()
+            .and_then(|config| simulate::run(args, config.scheduler_policy))
+            .map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&cli.global, args),
         Command::Bench(args) => bench::run(&cli.global, args),
     };
