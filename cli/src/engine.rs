@@ -5,7 +5,7 @@ use std::future::Future;
 
 use anyhow::Context;
 use clap::Args;
-use iris_core::budget::SchedulerConfig;
+use iris_core::budget::{Policy, SchedulerConfig};
 use iris_core::engine::{DEFAULT_PROCESSOR_CACHE_BYTES, Engine, EngineConfig};
 use iris_core::profile::DEFAULT_DEVICE_MEMORY_UTILIZATION;
 
@@ -32,6 +32,10 @@ pub struct EngineArgs {
     /// Never split an image's positions across steps.
     #[arg(long)]
     pub disable_chunked_mm_input: bool,
+    /// Scheduler rules: `vllm` (vLLM 0.33.0 step for step) or `progress` (every request
+    /// completes). Default: the config file's `[scheduler] policy`, else `vllm`.
+    #[arg(long, value_name = "POLICY")]
+    pub scheduler_policy: Option<Policy>,
     /// Share of the device's total memory iris may use, in (0, 1]; start-up is refused when
     /// less than that is free.
     #[arg(long, default_value_t = DEFAULT_DEVICE_MEMORY_UTILIZATION)]
@@ -49,6 +53,7 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs,
             encoder_cache_size: self.encoder_cache_size,
             disable_chunked_mm_input: self.disable_chunked_mm_input,
+            policy: self.scheduler_policy.unwrap_or_default(),
             ..SchedulerConfig::default()
         }
     }
@@ -78,8 +83,11 @@ impl EngineArgs {
     /// # Errors
     /// Configuration, device selection or start-up failures, with the numbers.
     pub fn start(&self, global: &GlobalArgs) -> anyhow::Result<Engine> {
-        let engine_config = self.engine_config()?;
+        let mut engine_config = self.engine_config()?;
         let config = global.config()?;
+        if self.scheduler_policy.is_none() {
+            engine_config.scheduler.policy = config.scheduler_policy.unwrap_or_default();
+        }
         let device = discover(&config).open_selected(&config)?;
         Engine::start(engine_config, device).context("the engine did not start")
     }

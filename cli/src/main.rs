@@ -74,6 +74,8 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal, never in files and pipes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = match &cli.command {
         Command::Devices(args) => devices::run(&cli.global, args),
@@ -82,7 +84,11 @@ fn main() -> ExitCode {
             command: PluginCommand::Check(args),
         } => plugin_check::run(&cli.global, args),
         Command::Profile(args) => profile::run(&cli.global, args),
-        Command::Simulate(args) => simulate::run(args).map(|()| ExitCode::SUCCESS),
+        Command::Simulate(args) => cli
+            .global
+            .config()
+            .and_then(|config| simulate::run(args, config.scheduler_policy))
+            .map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&cli.global, args),
         Command::Bench(args) => bench::run(&cli.global, args),
     };

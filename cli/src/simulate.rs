@@ -10,7 +10,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use iris_core::budget::{DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, SchedulerConfig};
+use iris_core::budget::{
+    DEFAULT_KV_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Policy,
+    SchedulerConfig,
+};
 use iris_core::simulate::{SimulationSummary, SizeOnlyOutputs, parse_workload, simulate};
 
 /// Flags of `iris simulate`.
@@ -32,6 +35,17 @@ pub struct SimulateArgs {
     /// Never split a multimodal item across steps.
     #[arg(long)]
     pub disable_chunked_mm_input: bool,
+    /// Scheduler rules: `vllm` (vLLM 0.33.0 step for step, stalls included) or `progress`
+    /// (every request completes). Default: the config file's `[scheduler] policy`, else `vllm`.
+    #[arg(long, value_name = "POLICY")]
+    pub scheduler_policy: Option<Policy>,
+    /// Tokens per KV-cache block.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_KV_BLOCK_SIZE)]
+    pub kv_block_size: u64,
+    /// KV-cache blocks, counted as vLLM's num_gpu_blocks (one is the null block); when set,
+    /// requests are preempted as vLLM preempts them. Default: unlimited.
+    #[arg(long, value_name = "N")]
+    pub num_kv_blocks: Option<u64>,
     /// Write one JSON line per step to this file.
     #[arg(long, value_name = "FILE.jsonl")]
     pub steps_out: Option<PathBuf>,
@@ -40,8 +54,8 @@ pub struct SimulateArgs {
     pub json: bool,
 }
 
-/// Runs `iris simulate`.
-pub fn run(args: &SimulateArgs) -> Result<()> {
+/// Runs `iris simulate`; `configured` is the config file's scheduler policy, if any.
+pub fn run(args: &SimulateArgs, configured: Option<Policy>) -> Result<()> {
     let text = std::fs::read_to_string(&args.workload)
         .with_context(|| format!("reading workload {}", args.workload.display()))?;
     let workload = parse_workload(&text)
@@ -51,6 +65,9 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         max_num_seqs: args.max_num_seqs,
         encoder_cache_size: args.encoder_cache_size,
         disable_chunked_mm_input: args.disable_chunked_mm_input,
+        policy: args.scheduler_policy.or(configured).unwrap_or_default(),
+        kv_block_size: args.kv_block_size,
+        num_kv_blocks: args.num_kv_blocks,
         ..SchedulerConfig::default()
     };
     let mut steps_out = match &args.steps_out {
@@ -93,6 +110,7 @@ fn print_summary(
     s: &SimulationSummary,
     requested_cache: Option<u64>,
 ) -> std::io::Result<()> {
+    writeln!(out, "scheduler policy         {}", s.policy)?;
     writeln!(out, "requests                 {}", s.num_requests)?;
     writeln!(out, "steps                    {}", s.steps)?;
     writeln!(out, "scheduled tokens         {}", s.scheduled_tokens)?;
@@ -104,6 +122,7 @@ fn print_summary(
     writeln!(out, "encoder runs             {}", s.encoder_runs)?;
     writeln!(out, "encoder cache hits       {}", s.hits)?;
     writeln!(out, "evictions                {}", s.evictions)?;
+    writeln!(out, "preemptions              {}", s.preemptions)?;
     write!(
         out,
         "peak cache use           {} of {} embedding tokens",
@@ -128,9 +147,10 @@ fn print_summary(
     )?;
     writeln!(out, "finishing steps:")?;
     for r in &s.requests {
+        let verb = if r.aborted { "aborted " } else { "finished" };
         writeln!(
             out,
-            "  {:<20} arrived {:>6}  finished {:>6}",
+            "  {:<20} arrived {:>6}  {verb} {:>6}",
             r.id, r.arrival_step, r.finish_step
         )?;
     }

@@ -59,8 +59,12 @@ fn summary_steps_out_and_json() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(lines[0]["step"], 0);
-    assert_eq!(lines[0]["scheduled"]["r1"], 800);
-    assert_eq!(lines[0]["scheduled"]["r2"], 200);
+    assert_eq!(
+        lines[0]["scheduled"],
+        serde_json::json!([["r1", 800], ["r2", 200]])
+    );
+    assert_eq!(lines[0]["finished"], serde_json::json!(["r1"]));
+    assert_eq!(lines[0]["running"], serde_json::json!(["r2"]));
     assert_eq!(lines[0]["encoder_inputs"]["r1"], serde_json::json!([0]));
     assert_eq!(lines[0]["free_slots"], 100);
     assert_eq!(lines[0]["freeable_slots"], 100);
@@ -69,17 +73,21 @@ fn summary_steps_out_and_json() {
             "step",
             "scheduled",
             "encoder_inputs",
+            "preempted",
+            "finished",
             "freed",
             "free_slots",
             "freeable_slots",
+            "running",
+            "waiting",
         ] {
             assert!(l.get(key).is_some(), "{key} missing in {l}");
         }
     }
     let total: u64 = lines
         .iter()
-        .flat_map(|l| l["scheduled"].as_object().unwrap().values())
-        .map(|v| v.as_u64().unwrap())
+        .flat_map(|l| l["scheduled"].as_array().unwrap())
+        .map(|pair| pair[1].as_u64().unwrap())
         .sum();
     assert_eq!(total, 800 + 700 + 900);
 
@@ -96,6 +104,7 @@ fn summary_steps_out_and_json() {
     assert!(out.status.success());
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summary["encoder_tokens_computed"], 1300);
+    assert_eq!(summary["policy"], "vllm");
     assert_eq!(summary["hits"], 1);
     assert_eq!(summary["encoder_cache_size"], 700);
     assert_eq!(summary["steps"], lines.len() as u64);
@@ -153,5 +162,90 @@ fn non_chunked_item_larger_than_a_step_names_the_flags() {
         "{stderr}"
     );
     assert!(stderr.contains("--max-num-batched-tokens"), "{stderr}");
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// The requests of a committed vLLM trace, as a workload file's text.
+fn trace_workload(name: &str) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../core/tests/fixtures/vllm-traces")
+        .join(name);
+    std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v.get("request").map(ToString::to_string))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn policy_from_flag_or_config_file_and_kv_preemption() {
+    let d = dir("policy");
+    let workload = d.join("w.jsonl");
+    std::fs::write(&workload, trace_workload("preemption-tiny-kv.jsonl")).unwrap();
+    let w = workload.to_str().unwrap();
+    // The trace's configuration: vLLM preempted three times.
+    let kv = [
+        "--max-num-batched-tokens",
+        "1024",
+        "--max-num-seqs",
+        "8",
+        "--encoder-cache-size",
+        "440",
+        "--num-kv-blocks",
+        "285",
+    ];
+    let run = |extra: &[&str]| {
+        let mut args = vec!["simulate", "--workload", w];
+        args.extend_from_slice(&kv);
+        args.extend_from_slice(extra);
+        let out = iris(&args);
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    let (ok, text) = run(&[]);
+    assert!(ok, "{text}");
+    assert!(text.contains("scheduler policy         vllm"), "{text}");
+    assert!(text.contains("preemptions              3"), "{text}");
+
+    let (ok, text) = run(&["--scheduler-policy", "progress"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("scheduler policy         progress"), "{text}");
+
+    let config = d.join("iris.toml");
+    std::fs::write(&config, "[scheduler]\npolicy = \"progress\"\n").unwrap();
+    let (ok, text) = run(&["--config", config.to_str().unwrap()]);
+    assert!(ok, "{text}");
+    assert!(text.contains("scheduler policy         progress"), "{text}");
+    // The flag wins over the file.
+    let (ok, text) = run(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--scheduler-policy",
+        "vllm",
+    ]);
+    assert!(ok, "{text}");
+    assert!(text.contains("scheduler policy         vllm"), "{text}");
+
+    let (ok, text) = run(&["--scheduler-policy", "fifo"]);
+    assert!(!ok);
+    assert!(text.contains("vllm, progress"), "{text}");
+    std::fs::write(&config, "[scheduler]\npolicy = \"fifo\"\n").unwrap();
+    let (ok, text) = run(&["--config", config.to_str().unwrap()]);
+    assert!(!ok);
+    assert!(
+        text.contains("scheduler") && text.contains("policy") && text.contains("`progress`"),
+        "{text}"
+    );
+
+    // A prompt longer than the KV cache is refused with the numbers.
+    let (ok, text) = run(&["--num-kv-blocks", "3"]);
+    assert!(!ok);
+    assert!(text.contains("--num-kv-blocks"), "{text}");
     std::fs::remove_dir_all(&d).ok();
 }

@@ -35,6 +35,62 @@ use thiserror::Error;
 pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: u64 = 8192;
 /// `max_num_seqs` when none is given (vLLM's default).
 pub const DEFAULT_MAX_NUM_SEQS: u64 = 256;
+/// Tokens per KV-cache block when none is given (vLLM's default block size).
+pub const DEFAULT_KV_BLOCK_SIZE: u64 = 16;
+
+/// Which rules the scheduler follows.
+///
+/// ```
+/// use iris_core::budget::Policy;
+///
+/// assert_eq!("progress".parse::<Policy>().unwrap(), Policy::Progress);
+/// assert_eq!(Policy::default().to_string(), "vllm");
+/// assert!("fcfs".parse::<Policy>().unwrap_err().contains("vllm, progress"));
+/// ```
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    /// vLLM 0.33.0's v1 scheduler, step for step, stalls included.
+    #[default]
+    Vllm,
+    /// vLLM's rules plus iris's progress guarantees: every step schedules a token while requests
+    /// are unfinished, and every request completes (see [`crate::scheduler`]).
+    Progress,
+}
+
+impl Policy {
+    /// Every policy, as named on the command line and in configuration.
+    pub const ALL: [Policy; 2] = [Policy::Vllm, Policy::Progress];
+
+    /// The name used on the command line and in configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Vllm => "vllm",
+            Policy::Progress => "progress",
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                format!("unknown scheduler policy {s:?}; expected one of vllm, progress")
+            })
+    }
+}
 
 /// The part of the scheduler configuration that the encoder budget depends on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +109,13 @@ pub struct SchedulerConfig {
     pub disable_chunked_mm_input: bool,
     /// Whether a prompt may be prefilled over several steps.
     pub enable_chunked_prefill: bool,
+    /// Which rules the scheduler follows.
+    pub policy: Policy,
+    /// Tokens per KV-cache block (vLLM's `--block-size`).
+    pub kv_block_size: u64,
+    /// KV-cache blocks, counted as vLLM's `num_gpu_blocks` (one of them is the null block no
+    /// request gets); `None`: unlimited, so no request is ever preempted.
+    pub num_kv_blocks: Option<u64>,
 }
 
 impl Default for SchedulerConfig {
@@ -65,6 +128,9 @@ impl Default for SchedulerConfig {
             encoder_cache_size: None,
             disable_chunked_mm_input: false,
             enable_chunked_prefill: true,
+            policy: Policy::Vllm,
+            kv_block_size: DEFAULT_KV_BLOCK_SIZE,
+            num_kv_blocks: None,
         }
     }
 }
@@ -153,6 +219,14 @@ pub enum BudgetError {
         /// The setting.
         name: &'static str,
     },
+    /// Fewer KV blocks than the null block plus one.
+    #[error(
+        "num_kv_blocks must be at least 2 (one is the null block), got {num_kv_blocks}; raise --num-kv-blocks"
+    )]
+    TooFewKvBlocks {
+        /// The configured count.
+        num_kv_blocks: u64,
+    },
     /// A byte figure overflowed 64 bits.
     #[error("encoder budget in bytes overflows: {tokens} tokens x {width} x {dtype_bytes} bytes")]
     Overflow {
@@ -211,6 +285,16 @@ impl EncoderBudget {
         if config.max_num_seqs == 0 {
             return Err(BudgetError::Zero {
                 name: "max_num_seqs",
+            });
+        }
+        if config.kv_block_size == 0 {
+            return Err(BudgetError::Zero {
+                name: "kv_block_size",
+            });
+        }
+        if config.num_kv_blocks.is_some_and(|n| n < 2) {
+            return Err(BudgetError::TooFewKvBlocks {
+                num_kv_blocks: config.num_kv_blocks.unwrap_or(0),
             });
         }
         let (compute, cache) = compute_mm_encoder_budget(config, modalities)?;

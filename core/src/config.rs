@@ -12,6 +12,9 @@
 //! [plugins.cpu]              # options passed to the plugin's `open`, as text
 //! threads = 8
 //! capacity = "16GiB"
+//!
+//! [scheduler]
+//! policy = "vllm"            # "vllm" (vLLM 0.33.0 step for step) or "progress"; --scheduler-policy
 //! ```
 //!
 //! Environment: `IRIS_DEVICE` overrides `device`; `IRIS_PLUGIN_PATH` (folders separated by `:`)
@@ -91,6 +94,8 @@ pub struct Config {
     pub plugin_dirs: Vec<PathBuf>,
     /// `[plugins.<name>]`: options passed to each plugin's `open`, values as text.
     pub plugins: BTreeMap<String, BTreeMap<String, String>>,
+    /// `[scheduler] policy`: the scheduler rules when no `--scheduler-policy` is given.
+    pub scheduler_policy: Option<crate::budget::Policy>,
 }
 
 impl Default for Config {
@@ -100,6 +105,7 @@ impl Default for Config {
             device_ordinal: 0,
             plugin_dirs: Vec::new(),
             plugins: BTreeMap::new(),
+            scheduler_policy: None,
         }
     }
 }
@@ -176,7 +182,13 @@ impl Config {
 
     /// Builds a configuration from a parsed TOML table, checking every key.
     pub fn from_table(table: Table, origin: &str) -> Result<Config, ConfigError> {
-        const KNOWN: &[&str] = &["device", "device_ordinal", "plugin_dirs", "plugins"];
+        const KNOWN: &[&str] = &[
+            "device",
+            "device_ordinal",
+            "plugin_dirs",
+            "plugins",
+            "scheduler",
+        ];
         let mut config = Config::default();
         for (key, value) in table {
             match key.as_str() {
@@ -186,6 +198,10 @@ impl Config {
                 }
                 "plugin_dirs" => config.plugin_dirs = section(origin, "plugin_dirs", value)?,
                 "plugins" => config.plugins = plugin_tables(origin, value)?,
+                "scheduler" => {
+                    config.scheduler_policy =
+                        section::<SchedulerSection>(origin, "scheduler", value)?.policy;
+                }
                 _ => return Err(unknown_key(origin, &key, KNOWN)),
             }
         }
@@ -235,6 +251,13 @@ impl Config {
     pub fn search_path(&self) -> iris_plugin::SearchPath {
         iris_plugin::SearchPath::from_env(&self.plugin_dirs)
     }
+}
+
+/// `[scheduler]`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SchedulerSection {
+    policy: Option<crate::budget::Policy>,
 }
 
 /// Deserialises one key's value into `T`, naming `key` in the error. A section struct with
@@ -426,6 +449,18 @@ mod tests {
 
         let err = parse("[plugins]\ncpu = 1").unwrap_err();
         assert!(err.to_string().contains("`plugins.cpu`"), "{err}");
+    }
+
+    #[test]
+    fn scheduler_policy_section() {
+        use crate::budget::Policy;
+        assert_eq!(parse("").unwrap().scheduler_policy, None);
+        let config = parse("[scheduler]\npolicy = \"progress\"").unwrap();
+        assert_eq!(config.scheduler_policy, Some(Policy::Progress));
+        let err = parse("[scheduler]\npolcy = \"vllm\"").unwrap_err();
+        assert!(err.to_string().contains("scheduler.polcy"), "{err}");
+        let err = parse("[scheduler]\npolicy = \"fifo\"").unwrap_err();
+        assert!(err.to_string().contains("`progress`"), "{err}");
     }
 
     #[test]

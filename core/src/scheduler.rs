@@ -1,53 +1,73 @@
 //! The scheduler: which prompt tokens and which encoder inputs run in each step.
 //!
-//! It reproduces vLLM v1's scheduler on the multimodal path. Per step, with a token budget of
-//! `max_num_batched_tokens` and the encoder compute budget, running requests are placed first (in
-//! admission order), then waiting ones (first come, first served, up to `max_num_seqs` running).
-//! A request is offered `min(remaining prompt, token budget)` tokens and its items are walked in
-//! position order:
+//! Two policies ([`Policy`], chosen in [`SchedulerConfig::policy`]) share the step structure of
+//! vLLM v1's `Scheduler.schedule()`: with a token budget of `max_num_batched_tokens` and the
+//! encoder compute budget, running requests are placed first (in admission order), then waiting
+//! ones (up to `max_num_seqs` running). A request is offered `min(remaining prompt, token
+//! budget)` tokens and its items are walked in position order.
 //!
-//! 1. stop at the first item that starts beyond this step's token window;
-//! 2. skip items whose positions are all consumed;
-//! 3. skip an item whose hash this request already picked this step (it shares that output);
-//! 4. skip an item whose hash is cached, taking a reference to it;
-//! 5. with chunked multimodal input disabled, if the window would cover the item only in part, cut
-//!    the tokens back to just before the item and stop (an item is never split across steps);
-//! 6. if the encoder cache cannot allocate it, cut the tokens back to the item's start and stop;
-//! 7. otherwise spend its embedding tokens from the compute budget and schedule it.
+//! # `vllm`: vLLM 0.33.0, step for step
 //!
-//! Encoder-cache allocation happens after the request is placed. Every scheduled token counts as
-//! consumed when [`SchedulerPolicy::update_from_output`] sees the step's output; an input is
-//! released once all its positions are consumed; a request is finished once its whole prompt is
-//! (iris ends where the language model's input embeddings begin), and finished or aborted requests
+//! The default reproduces vLLM 0.33.0 (`_try_schedule_encoder_inputs`, the running and waiting
+//! loops, preemption); the committed traces under `core/tests/fixtures/vllm-traces/` were written
+//! by vLLM's own scheduler and are replayed step by step in CI. For each item whose placeholder
+//! meets the window `[computed, computed + tokens)`:
+//!
+//! 1. with chunked multimodal input disabled, if the window starts at or before the item and
+//!    would cover it only in part, cut the tokens back to the item's start and stop (this comes
+//!    first, so an item that is cached or picked twice still stops the window);
+//! 2. skip an item whose hash this request already picked this step (it shares that output);
+//! 3. skip an item whose hash is cached, taking a reference to it;
+//! 4. if the encoder cache cannot allocate it (compute budget or space), cut the tokens back to
+//!    the item's start (to zero if the window starts inside it) and stop;
+//! 5. skip an item none of whose embedding positions are in the window;
+//! 6. otherwise spend its embeddings from the compute budget and schedule it.
+//!
+//! A running request left with no tokens is passed over; a waiting one is set aside for this
+//! step and keeps its place at the head of the queue, so the requests behind it are tried.
+//! References a walk took stay held in both cases (vLLM's behaviour, and the root of its
+//! stalls). With `num_kv_blocks` set, KV blocks are allocated as vLLM's `KVCacheManager` does
+//! without prefix caching: a running request that does not fit preempts the last running request
+//! (possibly itself), which releases everything and returns to the head of the waiting queue
+//! with its progress reset; a waiting request is admitted only if its whole prompt fits; no
+//! waiting request is admitted in a step that preempted.
+//!
+//! Every scheduled token counts as consumed when [`SchedulerPolicy::update_from_output`] sees
+//! the step's output; an input is released once all its positions are consumed; a request is
+//! finished once its whole prompt is (iris ends where the language model's input embeddings
+//! begin, as a vLLM request with `max_tokens = 1` does), and finished or aborted requests
 //! release everything.
 //!
-//! # Progress (no livelock)
+//! # `progress`: no livelock
 //!
 //! vLLM can stall for good when encoder-cache space is held by a request that cannot move (a
 //! waiting request that took cache references in a walk and was then not placed, or a request
 //! whose tokens were trimmed to zero while it held an input), or when space that frees up is
 //! taken, step after step, by requests behind the one that needs it. Two maximum-size items and a
-//! cache that fits one is the smallest such case. iris keeps three rules:
+//! cache that fits one is the smallest such case. The `progress` policy walks items with steps 2
+//! and 3 before step 1 and without step 5, and keeps three rules:
 //!
-//! - **Only placed requests hold references.** References a walk takes (step 4) are rolled back
+//! - **Only placed requests hold references.** References a walk takes (step 3) are rolled back
 //!   when the request ends up with no tokens. So every held reference belongs to a request whose
 //!   next window starts inside or before that input, and such a request always gets tokens when it
-//!   gets budget: the cut-back of steps 5 and 6 lands at a later item's start, past its position.
+//!   gets budget: the cut-back of steps 1 and 4 lands at a later item's start, past its position.
 //!   Held space therefore drains.
-//! - **A request refused for space has first claim on the space that frees.** When step 6 refuses
+//! - **A request refused for space has first claim on the space that frees.** When step 4 refuses
 //!   an item for lack of cache space (not compute), the item's size is reserved for the rest of the
 //!   step: later requests may still hit cached entries and schedule text, but they allocate only
 //!   what leaves the reserved slots available. Running requests are walked before waiting ones and
-//!   keep their admission order, so the refused request is first in line at the next step.
+//!   keep their admission order, and a waiting request that cannot move blocks those behind it, so
+//!   the refused request is first in line at the next step.
 //! - **Every item can be scheduled on its own.** [`BudgetPolicy::check_item`] refuses, when the
 //!   request is added, an item larger than the cache or the compute budget, or (chunked
 //!   multimodal input disabled) larger than `max_num_batched_tokens`.
 //!
 //! Together: whenever requests are unfinished, every step schedules at least one token, and every
 //! request completes. The tests pin the two-maximum-items case in every configuration, and the
-//! property tests check progress after every step.
+//! property tests check progress after every step. Where the two policies part on the committed
+//! traces is listed, with the reason, in `core/tests/scheduler_traces.rs`.
 //!
-//! [`Scheduler`] is the default [`SchedulerPolicy`]; it is generic over the encoder cache manager
+//! [`Scheduler`] implements [`SchedulerPolicy`]; it is generic over the encoder cache manager
 //! ([`EncoderCacheManagement`]) and the budget ([`BudgetPolicy`]).
 //!
 //! ```
@@ -70,6 +90,7 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
+pub use crate::budget::Policy;
 use crate::budget::{
     BudgetError, BudgetPolicy, EncoderBudget, Modality, ModalityLimits, SchedulerConfig,
 };
@@ -91,6 +112,9 @@ pub struct MmItem {
     pub length: u64,
     /// Positions that are embeddings (its encoder-cache size); `length` when all are.
     pub embeds: u64,
+    /// Where the embeddings are, as `[start, end)` runs relative to `offset`, in order and not
+    /// overlapping; `None` when every position is one.
+    pub embed_runs: Option<Arc<[(u64, u64)]>>,
 }
 
 impl MmItem {
@@ -102,28 +126,105 @@ impl MmItem {
             offset,
             length,
             embeds: length,
+            embed_runs: None,
         }
     }
 
-    /// An image item where only `embeds` of its `length` positions are embeddings (the rest are
-    /// separators or timestamps in the placeholder).
+    /// An image item whose first `embeds` of its `length` positions are embeddings (the rest are
+    /// separators or timestamps in the placeholder). `embeds > length` is refused when the
+    /// request is added.
     pub fn with_embeds(hash: impl Into<MmHash>, offset: u64, length: u64, embeds: u64) -> Self {
-        MmItem {
-            embeds,
-            ..MmItem::new(hash, offset, length)
+        if embeds == length {
+            return MmItem::new(hash, offset, length);
         }
+        MmItem::with_runs(hash, offset, length, vec![(0, embeds)])
     }
 
     /// An image item sized by its embedding mask: one entry per placeholder position.
     pub fn with_mask(hash: impl Into<MmHash>, offset: u64, is_embed: &[bool]) -> Self {
         let length = u64::try_from(is_embed.len()).unwrap_or(u64::MAX);
-        let embeds = u64::try_from(is_embed.iter().filter(|e| **e).count()).unwrap_or(u64::MAX);
-        MmItem::with_embeds(hash, offset, length, embeds)
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for (p, _) in is_embed.iter().enumerate().filter(|(_, e)| **e) {
+            let p = u64::try_from(p).unwrap_or(u64::MAX);
+            match runs.last_mut() {
+                Some((_, end)) if *end == p => *end = p + 1,
+                _ => runs.push((p, p + 1)),
+            }
+        }
+        MmItem::with_runs(hash, offset, length, runs)
+    }
+
+    /// An image item whose embeddings are the positions in `runs` (`[start, end)` relative to
+    /// `offset`, in order, not overlapping, inside the item; checked when the request is added).
+    pub fn with_runs(
+        hash: impl Into<MmHash>,
+        offset: u64,
+        length: u64,
+        runs: Vec<(u64, u64)>,
+    ) -> Self {
+        let embeds = runs.iter().map(|(s, e)| e.saturating_sub(*s)).sum();
+        MmItem {
+            embeds,
+            embed_runs: Some(runs.into()),
+            ..MmItem::new(hash, offset, length)
+        }
     }
 
     /// One past the last placeholder position.
     pub fn end(&self) -> u64 {
         self.offset.saturating_add(self.length)
+    }
+
+    /// Embedding positions among the item's positions `[start, end)` (relative to `offset`).
+    pub fn embeds_between(&self, start: u64, end: u64) -> u64 {
+        match &self.embed_runs {
+            None => end.saturating_sub(start),
+            Some(runs) => runs
+                .iter()
+                .map(|&(s, e)| e.min(end).saturating_sub(s.max(start)))
+                .sum(),
+        }
+    }
+
+    fn check(&self, index: usize, prompt_len: u64, previous_end: u64) -> Result<(), String> {
+        if self.length == 0 {
+            return Err(format!("item {index}: length must be at least 1"));
+        }
+        if self.embeds > self.length {
+            return Err(format!(
+                "item {index}: embeds {} exceeds its length {}",
+                self.embeds, self.length
+            ));
+        }
+        if self.embeds == 0 {
+            return Err(format!("item {index}: it has no embedding position"));
+        }
+        if let Some(runs) = &self.embed_runs {
+            let mut last = 0;
+            for &(s, e) in runs.iter() {
+                if s < last || e <= s || e > self.length {
+                    return Err(format!(
+                        "item {index}: embedding run {s}..{e} is empty, out of order or past the item's length {}",
+                        self.length
+                    ));
+                }
+                last = e;
+            }
+        }
+        if self.offset < previous_end {
+            return Err(format!(
+                "item {index}: offset {} overlaps or precedes the previous item, which ends at {previous_end}",
+                self.offset
+            ));
+        }
+        if self.end() > prompt_len {
+            return Err(format!(
+                "item {index}: positions {}..{} extend past prompt_len {prompt_len}",
+                self.offset,
+                self.end()
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -165,12 +266,17 @@ pub struct StepOutput {
     pub scheduled: Vec<(RequestId, u64)>,
     /// Encoder inputs to run, in placement order.
     pub encoder_inputs: Vec<EncoderInput>,
-    /// Hashes the device cache must free before storing this step's outputs.
+    /// Requests preempted this step (KV blocks ran out), in preemption order: they released
+    /// everything and wait again from the start of their prompts.
+    pub preempted: Vec<RequestId>,
+    /// Hashes the device cache must free before storing this step's outputs, in eviction order.
     pub freed: Vec<MmHash>,
     /// Encoder-cache free slots after scheduling.
     pub free_slots: u64,
     /// Encoder-cache freeable slots after scheduling.
     pub freeable_slots: u64,
+    /// Free KV blocks after scheduling; `None` when KV blocks are unlimited.
+    pub free_kv_blocks: Option<u64>,
 }
 
 impl StepOutput {
@@ -199,12 +305,29 @@ pub enum SchedulerError {
         /// What is wrong, with the numbers.
         reason: String,
     },
+    /// The prompt needs more KV blocks than there are.
+    #[error(
+        "the prompt of {prompt_len} tokens needs {needed} KV blocks of {block_size} tokens but only {usable} exist (num_kv_blocks {num_kv_blocks} less the null block), so it can never be admitted; raise --num-kv-blocks to at least {}",
+        needed + 1
+    )]
+    PromptExceedsKvCache {
+        /// Prompt tokens.
+        prompt_len: u64,
+        /// Blocks it needs.
+        needed: u64,
+        /// Tokens per block.
+        block_size: u64,
+        /// Blocks a request can get.
+        usable: u64,
+        /// The configured count.
+        num_kv_blocks: u64,
+    },
     /// The encoder cache manager refused an allocation the walk had checked.
     #[error(transparent)]
     Cache(#[from] EncoderCacheError),
 }
 
-/// A scheduling policy. [`Scheduler`] is the default; an engine drives any policy through this
+/// A scheduling policy. [`Scheduler`] is the implementation; an engine drives it through this
 /// trait: add requests, then per step `schedule`, run the outputs, `update_from_output`.
 pub trait SchedulerPolicy {
     /// Queues a request; refuses one that could never be scheduled.
@@ -231,12 +354,13 @@ pub trait SchedulerPolicy {
     }
 }
 
-/// The default scheduler (vLLM v1 semantics, with the progress rules above).
+/// The scheduler, following the [`Policy`] of its configuration.
 #[derive(Debug)]
 pub struct Scheduler<M = EncoderCacheManager, B = EncoderBudget> {
     config: SchedulerConfig,
     budget: B,
     manager: M,
+    kv: Option<KvBlocks>,
     requests: HashMap<RequestId, RequestState>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
@@ -252,6 +376,25 @@ struct RequestState {
     items: Arc<[MmItem]>,
     /// Items before this index are fully consumed and released.
     next_unconsumed: usize,
+    /// KV blocks held.
+    blocks: u64,
+}
+
+/// KV-cache blocks as vLLM's `KVCacheManager` counts them for one full-attention group without
+/// prefix caching: a request holds `ceil(tokens / block_size)` blocks for its computed and
+/// scheduled tokens, and gives them all back when it finishes, is aborted or is preempted.
+#[derive(Debug)]
+struct KvBlocks {
+    block_size: u64,
+    /// Blocks a request can get: `num_kv_blocks` less the null block.
+    usable: u64,
+    free: u64,
+}
+
+impl KvBlocks {
+    fn blocks_for(&self, tokens: u64) -> u64 {
+        tokens.div_ceil(self.block_size)
+    }
 }
 
 /// Scratch space for one request's walk, reused across requests and steps.
@@ -267,7 +410,7 @@ struct Walk {
 struct Placement {
     tokens: u64,
     compute_budget: u64,
-    /// Cache slots this request needed and was refused for lack of space.
+    /// Cache slots this request needed and was refused for lack of space (`progress` only).
     refused_space: u64,
 }
 
@@ -290,10 +433,19 @@ impl Scheduler<EncoderCacheManager, EncoderBudget> {
 impl<M: EncoderCacheManagement, B: BudgetPolicy> Scheduler<M, B> {
     /// A scheduler with this configuration, budget and cache manager.
     pub fn new(config: SchedulerConfig, budget: B, manager: M) -> Self {
+        let kv = config.num_kv_blocks.map(|n| {
+            let usable = n.saturating_sub(1);
+            KvBlocks {
+                block_size: config.kv_block_size.max(1),
+                usable,
+                free: usable,
+            }
+        });
         Scheduler {
             config,
             budget,
             manager,
+            kv,
             requests: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -324,6 +476,11 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> Scheduler<M, B> {
         &self.config
     }
 
+    /// The policy in force.
+    pub fn policy(&self) -> Policy {
+        self.config.policy
+    }
+
     /// The next step's number.
     pub fn step(&self) -> u64 {
         self.step
@@ -334,104 +491,203 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> Scheduler<M, B> {
         self.requests.get(&request).map(|r| r.computed)
     }
 
-    /// Places one request: walks its items, then allocates or rolls back.
-    fn place(
+    /// Running requests, in the order the next step serves them.
+    pub fn running(&self) -> &[RequestId] {
+        &self.running
+    }
+
+    /// Waiting requests, head first.
+    pub fn waiting(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.waiting.iter().copied()
+    }
+
+    /// Free KV blocks; `None` when KV blocks are unlimited.
+    pub fn free_kv_blocks(&self) -> Option<u64> {
+        self.kv.as_ref().map(|kv| kv.free)
+    }
+
+    /// Walks one request's items the way its policy does. Leaves the items to encode in
+    /// `walk.to_schedule` and the repeats in `walk.shared`; allocates nothing.
+    fn walk(
         &mut self,
         id: RequestId,
         token_budget: u64,
         compute_budget: u64,
         reserved: u64,
-    ) -> Result<Placement, SchedulerError> {
-        let Some(state) = self.requests.get(&id) else {
-            return Ok(Placement {
-                tokens: 0,
-                compute_budget,
-                refused_space: 0,
-            });
+    ) -> Placement {
+        let mut placement = Placement {
+            tokens: 0,
+            compute_budget,
+            refused_space: 0,
         };
-        let computed = state.computed;
-        let items = Arc::clone(&state.items);
-        let first = state.next_unconsumed;
-        let mut tokens = (state.prompt_len - computed).min(token_budget);
-        let mut compute = compute_budget;
-        let mut already = 0u64;
-        let mut refused_space = 0u64;
         let walk = &mut self.walk;
         walk.to_schedule.clear();
         walk.shared.clear();
         walk.took_refs.clear();
         walk.picked.clear();
-
-        for (i, item) in items.iter().enumerate().skip(first) {
-            // Step 1: beyond this step's window.
-            if item.offset >= computed + tokens {
-                break;
-            }
-            // Step 2: all positions consumed.
-            if item.end() <= computed {
-                continue;
-            }
-            // Step 3: this request already picked the hash this step.
-            if walk.picked.contains(&item.hash) {
-                walk.shared.push(i);
-                continue;
-            }
-            // Step 4: cached; a reference taken here is rolled back if the request is not placed.
-            let held = self.manager.holds(id, i);
-            if self.manager.check_and_update_cache(id, i, &item.hash) {
-                if !held {
-                    walk.took_refs.push(i);
+        let Some(state) = self.requests.get(&id) else {
+            return placement;
+        };
+        let computed = state.computed;
+        let mut tokens = (state.prompt_len - computed).min(token_budget);
+        let items = &state.items;
+        let first = state.next_unconsumed;
+        let mut compute = compute_budget;
+        let mut already = 0u64;
+        let unchunked = self.config.disable_chunked_mm_input;
+        match self.config.policy {
+            Policy::Vllm => {
+                let window_end = computed + tokens;
+                for (i, item) in items.iter().enumerate().skip(first) {
+                    if tokens == 0 || item.offset >= window_end {
+                        break;
+                    }
+                    if item.end() <= computed {
+                        continue;
+                    }
+                    // vLLM's rule 1: `<=`, so a window starting exactly at the item splits it too.
+                    if unchunked && computed <= item.offset && computed + tokens < item.end() {
+                        tokens = item.offset - computed;
+                        break;
+                    }
+                    if walk.picked.contains(&item.hash) {
+                        walk.shared.push(i);
+                        continue;
+                    }
+                    if self.manager.check_and_update_cache(id, i, &item.hash) {
+                        continue;
+                    }
+                    if !self.manager.can_allocate(item.embeds, compute, already) {
+                        tokens = tokens.min(item.offset.saturating_sub(computed));
+                        break;
+                    }
+                    let rel_start = computed.saturating_sub(item.offset);
+                    let rel_end = item.length.min(window_end - item.offset);
+                    if item.embeds_between(rel_start, rel_end) == 0 {
+                        continue;
+                    }
+                    compute -= item.embeds;
+                    already += item.embeds;
+                    walk.to_schedule.push(i);
+                    walk.picked.push(item.hash.clone());
                 }
-                continue;
             }
-            // Step 5: never split an item when chunked multimodal input is disabled.
-            if self.config.disable_chunked_mm_input && computed + tokens < item.end() {
-                tokens = item.offset.saturating_sub(computed);
-                break;
-            }
-            // Step 6: no room (compute or space); the reserved slots of a request refused earlier
-            // this step count as already scheduled.
-            if !self
-                .manager
-                .can_allocate(item.embeds, compute, already.saturating_add(reserved))
-            {
-                if item.embeds <= compute {
-                    refused_space = item.embeds + already;
+            Policy::Progress => {
+                for (i, item) in items.iter().enumerate().skip(first) {
+                    if item.offset >= computed + tokens {
+                        break;
+                    }
+                    if item.end() <= computed {
+                        continue;
+                    }
+                    if walk.picked.contains(&item.hash) {
+                        walk.shared.push(i);
+                        continue;
+                    }
+                    // A reference taken here is rolled back if the request is not placed.
+                    let held = self.manager.holds(id, i);
+                    if self.manager.check_and_update_cache(id, i, &item.hash) {
+                        if !held {
+                            walk.took_refs.push(i);
+                        }
+                        continue;
+                    }
+                    if unchunked && computed + tokens < item.end() {
+                        tokens = item.offset.saturating_sub(computed);
+                        break;
+                    }
+                    // The reserved slots of a request refused earlier this step count as
+                    // already scheduled.
+                    if !self.manager.can_allocate(
+                        item.embeds,
+                        compute,
+                        already.saturating_add(reserved),
+                    ) {
+                        if item.embeds <= compute {
+                            placement.refused_space = item.embeds + already;
+                        }
+                        tokens = item.offset.saturating_sub(computed);
+                        break;
+                    }
+                    compute -= item.embeds;
+                    already += item.embeds;
+                    walk.to_schedule.push(i);
+                    walk.picked.push(item.hash.clone());
                 }
-                tokens = item.offset.saturating_sub(computed);
-                break;
             }
-            // Step 7.
-            compute -= item.embeds;
-            already += item.embeds;
-            walk.to_schedule.push(i);
-            walk.picked.push(item.hash.clone());
         }
+        placement.tokens = tokens;
+        placement.compute_budget = compute;
+        placement
+    }
 
-        if tokens == 0 {
-            for &i in &walk.took_refs {
-                self.manager.free_encoder_input(id, i);
-            }
-            return Ok(Placement {
-                tokens: 0,
-                compute_budget,
-                refused_space,
-            });
-        }
-        for &i in &walk.to_schedule {
-            let item = &items[i];
+    /// Takes the references of a placed request's walk: allocations for the items it encodes,
+    /// hits for their repeats.
+    fn commit(&mut self, id: RequestId) -> Result<(), SchedulerError> {
+        let Some(state) = self.requests.get(&id) else {
+            return Ok(());
+        };
+        for &i in &self.walk.to_schedule {
+            let item = &state.items[i];
             self.manager.allocate(id, i, &item.hash, item.embeds)?;
         }
-        for &i in &walk.shared {
-            let item = &items[i];
+        for &i in &self.walk.shared {
             // Allocated just above by this request's earlier occurrence: a hit.
-            self.manager.check_and_update_cache(id, i, &item.hash);
+            self.manager
+                .check_and_update_cache(id, i, &state.items[i].hash);
         }
-        Ok(Placement {
-            tokens,
-            compute_budget: compute,
-            refused_space,
-        })
+        Ok(())
+    }
+
+    /// Undoes the references a `progress` walk took for a request that is not placed.
+    fn roll_back(&mut self, id: RequestId) {
+        for &i in &self.walk.took_refs {
+            self.manager.free_encoder_input(id, i);
+        }
+    }
+
+    /// KV blocks `id` needs beyond those it holds to have `tokens` tokens in the cache, if they
+    /// are free; `Some(0)` when KV blocks are unlimited.
+    fn kv_shortfall(&self, id: RequestId, tokens: u64) -> Option<u64> {
+        let Some(kv) = &self.kv else {
+            return Some(0);
+        };
+        let held = self.requests.get(&id).map_or(0, |r| r.blocks);
+        let need = kv.blocks_for(tokens).saturating_sub(held);
+        (need <= kv.free).then_some(need)
+    }
+
+    fn take_kv(&mut self, id: RequestId, blocks: u64) {
+        let Some(kv) = self.kv.as_mut() else {
+            return;
+        };
+        if let Some(state) = self.requests.get_mut(&id) {
+            kv.free -= blocks;
+            state.blocks += blocks;
+        }
+    }
+
+    fn release_kv(&mut self, id: RequestId) {
+        let Some(kv) = self.kv.as_mut() else {
+            return;
+        };
+        if let Some(state) = self.requests.get_mut(&id) {
+            kv.free += state.blocks;
+            state.blocks = 0;
+        }
+    }
+
+    /// vLLM's `_preempt_request`: everything released, progress reset, back to the head of the
+    /// waiting queue.
+    fn preempt(&mut self, id: RequestId, out: &mut StepOutput) {
+        self.release_kv(id);
+        self.manager.free(id);
+        if let Some(state) = self.requests.get_mut(&id) {
+            state.computed = 0;
+            state.next_unconsumed = 0;
+        }
+        self.waiting.push_front(id);
+        out.preempted.push(id);
     }
 
     fn record(&self, out: &mut StepOutput, id: RequestId, tokens: u64) {
@@ -449,6 +705,7 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> Scheduler<M, B> {
         }
     }
 
+    /// Releases, in position order, the inputs whose positions are all consumed.
     fn release_consumed(&mut self, id: RequestId) {
         let Some(state) = self.requests.get_mut(&id) else {
             return;
@@ -461,6 +718,122 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> Scheduler<M, B> {
             state.next_unconsumed += 1;
         }
     }
+
+    /// The running requests' pass; returns the slots reserved for a request refused for space
+    /// (`progress` only). It ends early when a request cannot get KV blocks even after
+    /// preempting every request behind it, as vLLM's does.
+    fn schedule_running(
+        &mut self,
+        out: &mut StepOutput,
+        token_budget: &mut u64,
+        compute_budget: &mut u64,
+    ) -> Result<u64, SchedulerError> {
+        let mut reserved = 0u64;
+        let mut index = 0;
+        while index < self.running.len() && *token_budget > 0 {
+            let id = self.running[index];
+            let placed = self.walk(id, *token_budget, *compute_budget, reserved);
+            reserved = reserved.max(placed.refused_space);
+            if placed.tokens == 0 {
+                if self.config.policy == Policy::Progress {
+                    self.roll_back(id);
+                }
+                index += 1;
+                continue;
+            }
+            let blocks = loop {
+                if self.kv.is_none() {
+                    break Some(0);
+                }
+                let computed = self.requests.get(&id).map_or(0, |r| r.computed);
+                if let Some(blocks) = self.kv_shortfall(id, computed + placed.tokens) {
+                    break Some(blocks);
+                }
+                // vLLM preempts the last running request, which is never one already placed
+                // this step: those come before `index`.
+                let Some(victim) = self.running.pop() else {
+                    break None;
+                };
+                self.preempt(victim, out);
+                if victim == id {
+                    break None;
+                }
+            };
+            let Some(blocks) = blocks else {
+                break;
+            };
+            self.take_kv(id, blocks);
+            self.commit(id)?;
+            *compute_budget = placed.compute_budget;
+            *token_budget -= placed.tokens;
+            self.record(out, id, placed.tokens);
+            index += 1;
+        }
+        Ok(reserved)
+    }
+
+    /// The waiting requests' pass.
+    fn schedule_waiting(
+        &mut self,
+        out: &mut StepOutput,
+        token_budget: &mut u64,
+        compute_budget: &mut u64,
+        reserved: u64,
+    ) -> Result<(), SchedulerError> {
+        let max_running = usize::try_from(self.config.max_num_seqs).unwrap_or(usize::MAX);
+        let mut set_aside: Vec<RequestId> = Vec::new();
+        while *token_budget > 0 && self.running.len() < max_running {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let (prompt_len, computed) = self
+                .requests
+                .get(&id)
+                .map_or((0, 0), |r| (r.prompt_len, r.computed));
+            if !self.config.enable_chunked_prefill && prompt_len - computed > *token_budget {
+                break;
+            }
+            let placed = self.walk(id, *token_budget, *compute_budget, reserved);
+            if placed.tokens == 0 {
+                match self.config.policy {
+                    Policy::Vllm => {
+                        // Kept at the head of the queue, with the references its walk took.
+                        set_aside.push(id);
+                        self.waiting.pop_front();
+                        continue;
+                    }
+                    Policy::Progress => {
+                        self.roll_back(id);
+                        break;
+                    }
+                }
+            }
+            // vLLM admits a request only if its whole prompt fits (`scheduler_reserve_full_isl`),
+            // and allocates for the tokens scheduled now.
+            let fits = self.kv_shortfall(id, prompt_len).is_some();
+            let Some(blocks) = self
+                .kv_shortfall(id, computed + placed.tokens)
+                .filter(|_| fits)
+            else {
+                match self.config.policy {
+                    Policy::Vllm => self.manager.free(id),
+                    Policy::Progress => self.roll_back(id),
+                }
+                break;
+            };
+            self.take_kv(id, blocks);
+            self.commit(id)?;
+            *compute_budget = placed.compute_budget;
+            *token_budget -= placed.tokens;
+            self.waiting.pop_front();
+            self.running.push(id);
+            self.record(out, id, placed.tokens);
+        }
+        for id in set_aside.into_iter().rev() {
+            self.waiting.push_front(id);
+        }
+        Ok(())
+    }
 }
 
 impl<M: EncoderCacheManagement, B: BudgetPolicy> SchedulerPolicy for Scheduler<M, B> {
@@ -472,41 +845,24 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> SchedulerPolicy for Scheduler<M
         }
         let mut previous_end = 0;
         for (index, item) in request.items.iter().enumerate() {
-            if item.length == 0 {
-                return Err(SchedulerError::InvalidRequest {
-                    reason: format!("item {index}: length must be at least 1"),
-                });
-            }
-            if item.embeds > item.length {
-                return Err(SchedulerError::InvalidRequest {
-                    reason: format!(
-                        "item {index}: embeds {} exceeds its length {}",
-                        item.embeds, item.length
-                    ),
-                });
-            }
-            if item.offset < previous_end {
-                return Err(SchedulerError::InvalidRequest {
-                    reason: format!(
-                        "item {index}: offset {} overlaps or precedes the previous item, which ends at {previous_end}",
-                        item.offset
-                    ),
-                });
-            }
-            if item.end() > request.prompt_len {
-                return Err(SchedulerError::InvalidRequest {
-                    reason: format!(
-                        "item {index}: positions {}..{} extend past prompt_len {}",
-                        item.offset,
-                        item.end(),
-                        request.prompt_len
-                    ),
-                });
-            }
+            item.check(index, request.prompt_len, previous_end)
+                .map_err(|reason| SchedulerError::InvalidRequest { reason })?;
             self.budget
                 .check_item(item.modality, item.length, item.embeds)
                 .map_err(|source| SchedulerError::Budget { index, source })?;
             previous_end = item.end();
+        }
+        if let (Some(kv), Some(num_kv_blocks)) = (&self.kv, self.config.num_kv_blocks) {
+            let needed = kv.blocks_for(request.prompt_len);
+            if needed > kv.usable {
+                return Err(SchedulerError::PromptExceedsKvCache {
+                    prompt_len: request.prompt_len,
+                    needed,
+                    block_size: kv.block_size,
+                    usable: kv.usable,
+                    num_kv_blocks,
+                });
+            }
         }
         let id = RequestId(self.next_id);
         self.next_id += 1;
@@ -517,6 +873,7 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> SchedulerPolicy for Scheduler<M
                 computed: 0,
                 items: request.items.into(),
                 next_unconsumed: 0,
+                blocks: 0,
             },
         );
         self.waiting.push_back(id);
@@ -531,52 +888,15 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> SchedulerPolicy for Scheduler<M
         self.step += 1;
         let mut token_budget = self.config.max_num_batched_tokens;
         let mut compute_budget = self.budget.compute_budget();
-        let mut reserved = 0u64;
-
-        // Running requests first, in admission order.
-        let mut index = 0;
-        while index < self.running.len() && token_budget > 0 {
-            let id = self.running[index];
-            index += 1;
-            let placed = self.place(id, token_budget, compute_budget, reserved)?;
-            reserved = reserved.max(placed.refused_space);
-            if placed.tokens == 0 {
-                continue;
-            }
-            compute_budget = placed.compute_budget;
-            token_budget -= placed.tokens;
-            self.record(&mut out, id, placed.tokens);
+        let reserved = self.schedule_running(&mut out, &mut token_budget, &mut compute_budget)?;
+        // vLLM admits no waiting request in a step that preempted one.
+        if out.preempted.is_empty() {
+            self.schedule_waiting(&mut out, &mut token_budget, &mut compute_budget, reserved)?;
         }
-
-        // Then waiting ones, first come first served: one that cannot move blocks those behind.
-        let max_running = usize::try_from(self.config.max_num_seqs).unwrap_or(usize::MAX);
-        while token_budget > 0 && self.running.len() < max_running {
-            let Some(&id) = self.waiting.front() else {
-                break;
-            };
-            if !self.config.enable_chunked_prefill {
-                let remaining = self
-                    .requests
-                    .get(&id)
-                    .map_or(0, |r| r.prompt_len - r.computed);
-                if remaining > token_budget {
-                    break;
-                }
-            }
-            let placed = self.place(id, token_budget, compute_budget, reserved)?;
-            if placed.tokens == 0 {
-                break;
-            }
-            compute_budget = placed.compute_budget;
-            token_budget -= placed.tokens;
-            self.waiting.pop_front();
-            self.running.push(id);
-            self.record(&mut out, id, placed.tokens);
-        }
-
         out.freed = self.manager.get_freed_mm_hashes();
         out.free_slots = self.manager.num_free_slots();
         out.freeable_slots = self.manager.num_freeable_slots();
+        out.free_kv_blocks = self.free_kv_blocks();
         Ok(out)
     }
 
@@ -591,6 +911,7 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> SchedulerPolicy for Scheduler<M
             self.release_consumed(id);
             if done {
                 self.manager.free(id);
+                self.release_kv(id);
                 self.requests.remove(&id);
                 finished.push(id);
             }
@@ -602,10 +923,12 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> SchedulerPolicy for Scheduler<M
     }
 
     fn abort(&mut self, request: RequestId) -> bool {
-        if self.requests.remove(&request).is_none() {
+        if !self.requests.contains_key(&request) {
             return false;
         }
         self.manager.free(request);
+        self.release_kv(request);
+        self.requests.remove(&request);
         self.running.retain(|id| *id != request);
         self.waiting.retain(|id| *id != request);
         true

@@ -7,14 +7,19 @@
 //! {"id": "r1", "arrival_step": 0, "prompt_len": 800, "items": [{"hash": "a", "offset": 100, "length": 600}]}
 //! ```
 //!
-//! `arrival_step` (default 0) is the step at which the request arrives; `items` (default none)
-//! are in position order; an item's optional `embeds` gives how many of its `length` positions
-//! are embeddings (its encoder-cache size), when not all are. Blank lines are skipped. A bad line
-//! is an error naming the line and the field ([`parse_workload`]).
+//! `arrival_step` (default 0) is the step at which the request arrives; `abort_step` (optional,
+//! not before the arrival) aborts it at the start of that step if it has not finished; `items`
+//! (default none) are in position order; an item's optional `embeds` gives how many of its
+//! `length` positions are embeddings (its encoder-cache size), when not all are: the first
+//! `embeds` positions, or those in its optional `embed_runs` (`[start, end)` pairs relative to
+//! the item's offset). Items with the same hash must have the same embeddings count. Blank lines
+//! are skipped. A bad line is an error naming the line and the field ([`parse_workload`]).
 //!
-//! [`simulate`] then steps the scheduler: requests are added at their arrival step, every
-//! scheduled token counts as consumed at the end of its step, and a request finishes when its
-//! whole prompt is consumed. Encoder outputs go to an [`EncoderOutputStore`]: [`SizeOnlyOutputs`]
+//! [`simulate`] then steps the scheduler: requests are added at their arrival step, aborts are
+//! applied, every scheduled token counts as consumed at the end of its step, and a request
+//! finishes when its whole prompt is consumed. A step that schedules nothing jumps to the next
+//! arrival or abort; with none left, the simulation ends with [`SimulateError::Stalled`] (the
+//! `vllm` policy can stall, the `progress` policy cannot). Encoder outputs go to an [`EncoderOutputStore`]: [`SizeOnlyOutputs`]
 //! records sizes only (what `iris simulate` uses); a device encoder cache can be plugged in the
 //! same way, and after every step the store must hold exactly the manager's entries.
 //!
@@ -43,10 +48,10 @@ use serde::Serialize;
 use serde_json::Value;
 use thiserror::Error;
 
-use crate::budget::tokens_to_bytes;
 use crate::budget::{
     BudgetError, BudgetPolicy, EncoderBudget, Modality, ModalityLimits, SchedulerConfig,
 };
+use crate::budget::{Policy, tokens_to_bytes};
 use crate::cache::device::{DeviceEncoderCache, Entry};
 use crate::cache::encoder::{EncoderCacheManagement, EncoderCacheManager, MmHash, RequestId};
 use crate::memory::CachingAllocator;
@@ -65,6 +70,9 @@ pub struct WorkloadItem {
     pub length: u64,
     /// Positions that are embeddings, when not all are.
     pub embeds: Option<u64>,
+    /// Where the embeddings are: `[start, end)` runs relative to `offset`; `None`: the first
+    /// `embeds` positions.
+    pub embed_runs: Option<Vec<(u64, u64)>>,
 }
 
 /// One workload request.
@@ -78,6 +86,8 @@ pub struct WorkloadRequest {
     pub prompt_len: u64,
     /// Items in position order.
     pub items: Vec<WorkloadItem>,
+    /// The step at whose start it is aborted, if it has not finished by then.
+    pub abort_step: Option<u64>,
     /// The workload line it came from (1-based; 0 when built in code).
     #[serde(skip)]
     pub line: usize,
@@ -126,9 +136,15 @@ pub enum SimulateError {
     /// The scheduler failed.
     #[error(transparent)]
     Scheduler(#[from] SchedulerError),
-    /// A step scheduled nothing although requests were unfinished.
-    #[error("step {step} scheduled no token while {waiting} requests wait and {running} run")]
+    /// A step scheduled nothing although requests were unfinished, and no arrival or abort is
+    /// left to change that.
+    #[error(
+        "step {step} scheduled no token while {waiting} requests wait and {running} run, and nothing is left to arrive: the {policy} scheduler policy stalled{hint}",
+        hint = if *policy == Policy::Vllm { " (vLLM stalls here too; --scheduler-policy progress guarantees progress)" } else { "" }
+    )]
     Stalled {
+        /// The policy that ran.
+        policy: Policy,
         /// The step.
         step: u64,
         /// Waiting requests.
@@ -290,21 +306,32 @@ impl EncoderOutputStore for DeviceCacheOutputs {
     }
 }
 
-/// One step as `--steps-out` writes it.
+/// One step as `--steps-out` writes it, and as the vLLM traces record it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StepRecord {
     /// The step.
     pub step: u64,
-    /// Tokens per request id.
-    pub scheduled: BTreeMap<String, u64>,
+    /// `(request id, tokens)` in placement order.
+    pub scheduled: Vec<(String, u64)>,
     /// Item indices whose encoder runs, per request id.
     pub encoder_inputs: BTreeMap<String, Vec<usize>>,
-    /// Hashes freed.
+    /// Requests preempted (KV blocks ran out), in preemption order.
+    pub preempted: Vec<String>,
+    /// Requests whose prompts this step finished, in placement order.
+    pub finished: Vec<String>,
+    /// Hashes the device cache frees, in eviction order.
     pub freed: Vec<String>,
     /// Encoder-cache free slots after scheduling.
     pub free_slots: u64,
     /// Encoder-cache freeable slots after scheduling.
     pub freeable_slots: u64,
+    /// Free KV blocks after scheduling, when KV blocks are limited.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub free_kv_blocks: Option<u64>,
+    /// Running requests after the step, in the order the next step serves them.
+    pub running: Vec<String>,
+    /// Waiting requests after the step, head first.
+    pub waiting: Vec<String>,
 }
 
 /// One request's outcome.
@@ -314,13 +341,17 @@ pub struct RequestOutcome {
     pub id: String,
     /// Its arrival step.
     pub arrival_step: u64,
-    /// The step in which its last prompt token was scheduled.
+    /// The step in which its last prompt token was scheduled, or in which it was aborted.
     pub finish_step: u64,
+    /// Whether it was aborted.
+    pub aborted: bool,
 }
 
 /// What a simulation found.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SimulationSummary {
+    /// The scheduler policy that ran.
+    pub policy: Policy,
     /// Steps run (the last finishing step + 1).
     pub steps: u64,
     /// Requests simulated.
@@ -335,6 +366,8 @@ pub struct SimulationSummary {
     pub hits: u64,
     /// Entries evicted.
     pub evictions: u64,
+    /// Preemptions (KV blocks ran out).
+    pub preemptions: u64,
     /// Most encoder-cache slots occupied at once.
     pub peak_cache_use: u64,
     /// The encoder cache size used, in embedding tokens.
@@ -345,9 +378,9 @@ pub struct SimulationSummary {
     pub max_num_batched_tokens: u64,
     /// `max_num_seqs`.
     pub max_num_seqs: u64,
-    /// Mean steps from arrival to finish (inclusive).
+    /// Mean steps from arrival to finish (inclusive), aborted requests left out.
     pub mean_latency_steps: f64,
-    /// Largest steps from arrival to finish (inclusive).
+    /// Largest steps from arrival to finish (inclusive), aborted requests left out.
     pub max_latency_steps: u64,
     /// Per request, in workload order.
     pub requests: Vec<RequestOutcome>,
@@ -357,6 +390,7 @@ pub struct SimulationSummary {
 pub fn parse_workload(text: &str) -> Result<Vec<WorkloadRequest>, SimulateError> {
     let mut out = Vec::new();
     let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut sizes: HashMap<String, (u64, usize)> = HashMap::new();
     for (n, raw) in text.lines().enumerate() {
         let line = n + 1;
         if raw.trim().is_empty() {
@@ -371,6 +405,25 @@ pub fn parse_workload(text: &str) -> Result<Vec<WorkloadRequest>, SimulateError>
             });
         }
         seen.insert(req.id.clone(), line);
+        for (k, item) in req.items.iter().enumerate() {
+            let embeds = item.embeds.unwrap_or(item.length);
+            match sizes.get(item.hash.as_str()) {
+                Some(&(first, first_line)) if first != embeds => {
+                    return Err(SimulateError::Parse {
+                        line,
+                        field: format!("items[{k}].embeds"),
+                        reason: format!(
+                            "hash {:?} has {embeds} embeddings here but {first} on line {first_line}; equal hashes must be the same item",
+                            item.hash
+                        ),
+                    });
+                }
+                Some(_) => {}
+                None => {
+                    sizes.insert(item.hash.clone(), (embeds, line));
+                }
+            }
+        }
         out.push(req);
     }
     Ok(out)
@@ -424,13 +477,24 @@ pub fn simulate_with<S: EncoderOutputStore>(
     mut on_step: impl FnMut(&StepRecord) -> Result<(), String>,
 ) -> Result<SimulationSummary, SimulateError> {
     let config = scheduler.config().clone();
+    // Stable: requests arriving in the same step are added in workload order.
     let mut order: Vec<usize> = (0..workload.len()).collect();
     order.sort_by_key(|&i| workload[i].arrival_step);
     let mut names: HashMap<RequestId, usize> = HashMap::new();
+    let mut ids: Vec<Option<RequestId>> = vec![None; workload.len()];
     let mut finish: Vec<Option<u64>> = vec![None; workload.len()];
+    let mut aborted = vec![false; workload.len()];
+    let mut aborts: Vec<(u64, usize)> = workload
+        .iter()
+        .enumerate()
+        .filter_map(|(w, r)| r.abort_step.map(|a| (a, w)))
+        .collect();
+    aborts.sort_unstable();
+    let mut next_abort = 0;
     let mut next = 0;
     let mut step = 0u64;
     let mut scheduled_tokens = 0u64;
+    let mut preemptions = 0u64;
     let mut last_step = 0u64;
 
     while next < order.len() || scheduler.has_unfinished() {
@@ -448,43 +512,72 @@ pub fn simulate_with<S: EncoderOutputStore>(
                         source,
                     })?;
             names.insert(id, order[next]);
+            ids[order[next]] = Some(id);
             next += 1;
         }
-        let out = scheduler.schedule()?;
-        if out.scheduled.is_empty() {
-            return Err(SimulateError::Stalled {
-                step,
-                waiting: scheduler.num_waiting(),
-                running: scheduler.num_running(),
-            });
+        // Aborts due by now, in step then workload order; a finished request ignores its abort.
+        while let Some(&(_, w)) = aborts.get(next_abort).filter(|(a, _)| *a <= step) {
+            next_abort += 1;
+            if let (None, Some(id)) = (finish[w], ids[w]) {
+                scheduler.abort(id);
+                finish[w] = Some(step);
+                aborted[w] = true;
+            }
         }
+        let out = scheduler.schedule()?;
         run_outputs(outputs, &out, step)?;
         check_outputs(scheduler.manager(), outputs, step)?;
         scheduled_tokens += out.total_tokens();
-        let record = step_record(&out, step, &names, workload);
-        on_step(&record).map_err(|message| SimulateError::Callback { step, message })?;
-        for id in scheduler.update_from_output(&out) {
-            if let Some(&w) = names.get(&id) {
+        preemptions += u64::try_from(out.preempted.len()).unwrap_or(u64::MAX);
+        let finished = scheduler.update_from_output(&out);
+        for id in &finished {
+            if let Some(&w) = names.get(id) {
                 finish[w] = Some(step);
             }
         }
+        let record = step_record(&out, step, &finished, scheduler, &names, workload);
+        on_step(&record).map_err(|message| SimulateError::Callback { step, message })?;
         last_step = step;
-        step += 1;
+        if out.scheduled.is_empty() && out.preempted.is_empty() {
+            // Nothing moved: the state changes only when a request arrives or is aborted.
+            let arrival = order.get(next).map(|&i| workload[i].arrival_step);
+            let abort = aborts[next_abort..]
+                .iter()
+                .find(|(_, w)| finish[*w].is_none())
+                .map(|(a, _)| *a);
+            match arrival.into_iter().chain(abort).min() {
+                Some(event) => step = event.max(step + 1),
+                None if scheduler.has_unfinished() => {
+                    return Err(SimulateError::Stalled {
+                        policy: config.policy,
+                        step,
+                        waiting: scheduler.num_waiting(),
+                        running: scheduler.num_running(),
+                    });
+                }
+                None => step += 1,
+            }
+        } else {
+            step += 1;
+        }
     }
 
     let stats = scheduler.manager().stats();
     let requests: Vec<RequestOutcome> = workload
         .iter()
         .zip(&finish)
-        .map(|(w, f)| RequestOutcome {
+        .zip(&aborted)
+        .map(|((w, f), &aborted)| RequestOutcome {
             id: w.id.clone(),
             arrival_step: w.arrival_step,
             // Every request finishes before the loop ends; the loop runs until none is left.
             finish_step: f.unwrap_or(last_step),
+            aborted,
         })
         .collect();
     let latencies: Vec<u64> = requests
         .iter()
+        .filter(|r| !r.aborted)
         .map(|r| r.finish_step.saturating_sub(r.arrival_step) + 1)
         .collect();
     let total: u64 = latencies.iter().sum();
@@ -495,6 +588,7 @@ pub fn simulate_with<S: EncoderOutputStore>(
         total as f64 / latencies.len() as f64
     };
     Ok(SimulationSummary {
+        policy: config.policy,
         steps: if workload.is_empty() {
             0
         } else {
@@ -506,6 +600,7 @@ pub fn simulate_with<S: EncoderOutputStore>(
         encoder_runs: stats.allocations,
         hits: stats.hits,
         evictions: stats.evictions,
+        preemptions,
         peak_cache_use: stats.peak_used,
         encoder_cache_size: scheduler.budget().cache_size(),
         encoder_compute_budget: scheduler.budget().compute_budget(),
@@ -623,6 +718,7 @@ impl SyntheticWorkload {
                         offset: pos,
                         length,
                         embeds: None,
+                        embed_runs: None,
                     });
                     pos += length;
                 }
@@ -632,6 +728,7 @@ impl SyntheticWorkload {
                     arrival_step: u64::try_from(r / per_step).unwrap_or(u64::MAX),
                     prompt_len,
                     items,
+                    abort_step: None,
                     line: 0,
                 }
             })
@@ -679,12 +776,13 @@ fn to_request(w: &WorkloadRequest) -> NewRequest {
         w.items
             .iter()
             .map(|i| {
-                MmItem::with_embeds(
-                    i.hash.as_str(),
-                    i.offset,
-                    i.length,
-                    i.embeds.unwrap_or(i.length),
-                )
+                let hash = i.hash.as_str();
+                match &i.embed_runs {
+                    Some(runs) => MmItem::with_runs(hash, i.offset, i.length, runs.clone()),
+                    None => {
+                        MmItem::with_embeds(hash, i.offset, i.length, i.embeds.unwrap_or(i.length))
+                    }
+                }
             })
             .collect(),
     )
@@ -693,6 +791,8 @@ fn to_request(w: &WorkloadRequest) -> NewRequest {
 fn step_record(
     out: &StepOutput,
     step: u64,
+    finished: &[RequestId],
+    scheduler: &Scheduler,
     names: &HashMap<RequestId, usize>,
     workload: &[WorkloadRequest],
 ) -> StepRecord {
@@ -712,9 +812,19 @@ fn step_record(
         step,
         scheduled: out.scheduled.iter().map(|(id, t)| (name(id), *t)).collect(),
         encoder_inputs,
+        preempted: {
+            // Sorted: vLLM reports the step's preemptions as a set.
+            let mut p: Vec<String> = out.preempted.iter().map(name).collect();
+            p.sort_unstable();
+            p
+        },
+        finished: finished.iter().map(name).collect(),
         freed: out.freed.iter().map(|h| h.to_string()).collect(),
         free_slots: out.free_slots,
         freeable_slots: out.freeable_slots,
+        free_kv_blocks: out.free_kv_blocks,
+        running: scheduler.running().iter().map(name).collect(),
+        waiting: scheduler.waiting().map(|id| name(&id)).collect(),
     }
 }
 
@@ -729,7 +839,7 @@ fn parse_line(raw: &str, line: usize) -> Result<WorkloadRequest, SimulateError> 
     let Value::Object(obj) = value else {
         return Err(err("(line)", "expected a JSON object".to_owned()));
     };
-    const REQUEST_FIELDS: [&str; 4] = ["id", "arrival_step", "prompt_len", "items"];
+    const REQUEST_FIELDS: [&str; 5] = ["id", "arrival_step", "abort_step", "prompt_len", "items"];
     if let Some(k) = obj.keys().find(|k| !REQUEST_FIELDS.contains(&k.as_str())) {
         return Err(err(
             k,
@@ -748,6 +858,19 @@ fn parse_line(raw: &str, line: usize) -> Result<WorkloadRequest, SimulateError> 
     let arrival_step = match obj.get("arrival_step") {
         None => 0,
         Some(v) => as_u64(v).map_err(|r| err("arrival_step", r))?,
+    };
+    let abort_step = match obj.get("abort_step") {
+        None | Some(Value::Null) => None,
+        Some(v) => {
+            let a = as_u64(v).map_err(|r| err("abort_step", r))?;
+            if a < arrival_step {
+                return Err(err(
+                    "abort_step",
+                    format!("{a} is before the request's arrival_step {arrival_step}"),
+                ));
+            }
+            Some(a)
+        }
     };
     let prompt_len = match obj.get("prompt_len") {
         None => return Err(err("prompt_len", "missing".to_owned())),
@@ -794,6 +917,7 @@ fn parse_line(raw: &str, line: usize) -> Result<WorkloadRequest, SimulateError> 
         arrival_step,
         prompt_len,
         items,
+        abort_step,
         line,
     })
 }
@@ -811,7 +935,7 @@ fn parse_item(v: &Value, k: usize, line: usize) -> Result<WorkloadItem, Simulate
     let Value::Object(obj) = v else {
         return Err(err("", format!("expected an object, got {v}")));
     };
-    const ITEM_FIELDS: [&str; 4] = ["hash", "offset", "length", "embeds"];
+    const ITEM_FIELDS: [&str; 5] = ["hash", "offset", "length", "embeds", "embed_runs"];
     if let Some(key) = obj.keys().find(|key| !ITEM_FIELDS.contains(&key.as_str())) {
         return Err(err(
             key,
@@ -851,11 +975,67 @@ fn parse_item(v: &Value, k: usize, line: usize) -> Result<WorkloadItem, Simulate
             Some(e)
         }
     };
+    let embed_runs = match obj.get("embed_runs") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(list)) => {
+            let mut runs = Vec::with_capacity(list.len());
+            let mut previous_end = 0u64;
+            for (r, v) in list.iter().enumerate() {
+                let pair = v
+                    .as_array()
+                    .filter(|p| p.len() == 2)
+                    .and_then(|p| Some((p[0].as_u64()?, p[1].as_u64()?)))
+                    .ok_or_else(|| {
+                        err(
+                            "embed_runs",
+                            format!(
+                                "run {r}: expected [start, end] of non-negative integers, got {v}"
+                            ),
+                        )
+                    })?;
+                if pair.0 < previous_end || pair.1 <= pair.0 || pair.1 > length {
+                    return Err(err(
+                        "embed_runs",
+                        format!(
+                            "run {r}: {}..{} must be non-empty, after the previous run and within the item's length {length}",
+                            pair.0, pair.1
+                        ),
+                    ));
+                }
+                previous_end = pair.1;
+                runs.push(pair);
+            }
+            let total: u64 = runs.iter().map(|(s, e)| e - s).sum();
+            if total == 0 {
+                return Err(err(
+                    "embed_runs",
+                    "must cover at least one position".to_owned(),
+                ));
+            }
+            if embeds.is_some_and(|e| e != total) {
+                return Err(err(
+                    "embeds",
+                    format!(
+                        "{} disagrees with embed_runs, which cover {total}",
+                        embeds.unwrap_or(0)
+                    ),
+                ));
+            }
+            Some(runs)
+        }
+        Some(other) => return Err(err("embed_runs", format!("expected an array, got {other}"))),
+    };
+    let embeds = embeds.or_else(|| {
+        embed_runs
+            .as_ref()
+            .map(|runs| runs.iter().map(|(s, e)| e - s).sum())
+    });
     Ok(WorkloadItem {
         hash,
         offset,
         length,
         embeds,
+        embed_runs,
     })
 }
 
@@ -971,11 +1151,13 @@ mod tests {
         })
         .unwrap();
         // Step 0: r1 800 tokens (encodes a), r2 200 tokens (hit on a). Step 1: r2's last 500.
-        assert_eq!(records[0].scheduled.get("r1"), Some(&800));
-        assert_eq!(records[0].scheduled.get("r2"), Some(&200));
+        assert_eq!(
+            records[0].scheduled,
+            vec![("r1".to_owned(), 800), ("r2".to_owned(), 200)]
+        );
         assert_eq!(records[0].encoder_inputs.get("r1"), Some(&vec![0]));
         assert!(!records[0].encoder_inputs.contains_key("r2"));
-        assert_eq!(records[1].scheduled.get("r2"), Some(&500));
+        assert_eq!(records[1].scheduled, vec![("r2".to_owned(), 500)]);
         // Idle steps 2..4 are skipped: r3 arrives at 5 and finishes there.
         assert_eq!(records[2].step, 5);
         let finish: Vec<u64> = s.requests.iter().map(|r| r.finish_step).collect();

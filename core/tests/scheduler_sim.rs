@@ -4,10 +4,12 @@
 
 use std::sync::Arc;
 
-use iris_core::budget::SchedulerConfig;
+use iris_core::budget::{Policy, SchedulerConfig};
 use iris_core::cache::encoder::{EncoderCacheManagement, EncoderCacheManager};
 use iris_core::memory::CachingAllocator;
-use iris_core::scheduler::{MmItem, NewRequest, RequestId, Scheduler, SchedulerPolicy};
+use iris_core::scheduler::{
+    MmItem, NewRequest, RequestId, Scheduler, SchedulerError, SchedulerPolicy,
+};
 use iris_core::simulate::{
     DeviceCacheOutputs, EncoderOutputStore, SizeOnlyOutputs, SyntheticWorkload, build_scheduler,
     check_outputs, run_outputs, simulate_with,
@@ -106,6 +108,7 @@ proptest! {
         mnbt in 40u64..400,
         cache in 95u64..400,
         chunked in any::<bool>(),
+        kv_blocks in prop::option::of(30u64..200),
         ops in prop::collection::vec(op(), 1..120),
     ) {
         let config = SchedulerConfig {
@@ -114,6 +117,10 @@ proptest! {
             max_num_seqs: 8,
             encoder_cache_size: Some(cache),
             disable_chunked_mm_input: !chunked,
+            // Progress after every step is the progress policy's guarantee, with or without
+            // preemption.
+            policy: Policy::Progress,
+            num_kv_blocks: kv_blocks,
             ..SchedulerConfig::default()
         };
         let mut s = Scheduler::with_item_limit(config, image_len(5)).unwrap();
@@ -123,7 +130,12 @@ proptest! {
         for op in ops {
             match op {
                 Op::Arrive { gaps, tail } => {
-                    ids.push(s.add_request(request(&gaps, tail)).unwrap());
+                    // A prompt longer than the KV cache is refused; the rest must be accepted.
+                    match s.add_request(request(&gaps, tail)) {
+                        Ok(id) => ids.push(id),
+                        Err(SchedulerError::PromptExceedsKvCache { .. }) => {}
+                        Err(err) => panic!("{err}"),
+                    }
                 }
                 Op::Step => {
                     let out = s.schedule().unwrap();

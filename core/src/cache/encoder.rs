@@ -454,10 +454,16 @@ impl EncoderCacheManagement for EncoderCacheManager {
     }
 
     fn get_freed_mm_hashes(&mut self) -> Vec<MmHash> {
+        // Eviction order, as vLLM reports it; an entry evicted twice in one step is reported once.
         let mut freed = std::mem::take(&mut self.freed);
-        freed.retain(|h| !self.cached.contains_key(h));
-        freed.sort_unstable();
-        freed.dedup();
+        let mut seen = Vec::with_capacity(freed.len());
+        freed.retain(|h| {
+            let keep = !self.cached.contains_key(h) && !seen.contains(h);
+            if keep {
+                seen.push(h.clone());
+            }
+            keep
+        });
         freed
     }
 
@@ -577,7 +583,8 @@ mod tests {
         assert!(m.can_allocate(150, 1000, 0));
         assert!(!m.contains("b") && !m.contains("a") && m.contains("c"));
         assert_eq!(slots(&m), (200, 300));
-        assert_eq!(m.get_freed_mm_hashes(), vec![h("a"), h("b")]);
+        // In eviction order, as vLLM reports them.
+        assert_eq!(m.get_freed_mm_hashes(), vec![h("b"), h("a")]);
         assert!(m.get_freed_mm_hashes().is_empty());
         assert_eq!(m.stats().evictions, 2);
     }

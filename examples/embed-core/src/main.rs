@@ -75,7 +75,10 @@ fn main() -> anyhow::Result<()> {
             shape.context("embeddings were asked for")?
         );
     }
-    println!("memory: {}", serde_json::to_string_pretty(&engine.memory_json())?);
+    println!(
+        "memory: {}",
+        serde_json::to_string_pretty(&engine.memory_json())?
+    );
     Ok(())
 }
 
@@ -87,6 +90,9 @@ fn gradient_png(width: u32, height: u32) -> anyhow::Result<Vec<u8>> {
         image::Rgb([r, g, 128])
     });
     let mut bytes = Vec::new();
-    image.write_to(&mut std::io::Cursor::new(&mut bytes), image::ImageFormat::Png)?;
+    image.write_to(
+        &mut std::io::Cursor::new(&mut bytes),
+        image::ImageFormat::Png,
+    )?;
     Ok(bytes)
 }

@@ -28,5 +28,8 @@ fn a_missing_plugin_is_a_clear_error() {
         .expect("the example runs");
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("/nonexistent/libiris_device_x.so"), "{stderr}");
+    assert!(
+        stderr.contains("/nonexistent/libiris_device_x.so"),
+        "{stderr}"
+    );
 }
