@@ -286,19 +286,8 @@ impl HostBuffers {
         let len = usize::try_from(bytes)
             .map_err(|_| CudaError::Invalid(format!("{bytes} bytes do not fit in memory")))?;
         // SAFETY: a plain host allocation with no flags; the context is current.
-        let ptr = unsafe { result::malloc_host(len, 0) }.map_err(|err| {
-            if err.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-                CudaError::OutOfMemory {
-                    what: "cuMemHostAlloc (pinned host memory)".into(),
-                    requested: bytes,
-                    free: 0,
-                    total: 0,
-                    code: err.0,
-                }
-            } else {
-                CudaError::driver("cuMemHostAlloc", err)
-            }
-        })?;
+        let ptr = unsafe { result::malloc_host(len, 0) }
+            .map_err(|err| CudaError::driver("cuMemHostAlloc", err))?;
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         self.lock().insert(id, (ptr as usize, len));
         Ok(HostAlloc {

@@ -673,13 +673,8 @@ impl Descriptors {
         let len =
             usize::try_from(grown).map_err(|_| CudaError::Invalid(format!("{grown} bytes")))?;
         // SAFETY: a plain allocation in the current context.
-        let ptr = unsafe { result::malloc_sync(len) }.map_err(|err| CudaError::OutOfMemory {
-            what: "copy descriptors".into(),
-            requested: grown,
-            free: 0,
-            total: 0,
-            code: err.0,
-        })?;
+        let ptr = unsafe { result::malloc_sync(len) }
+            .map_err(|err| CudaError::driver("cuMemAlloc", err))?;
         *self = Descriptors { ptr, bytes: grown };
         Ok(())
     }
