@@ -77,11 +77,15 @@ fn every_op_matches_the_reference_on_this_machines_gpu() {
 #[test]
 #[ignore = "many minutes on the CPU emulation; run on request"]
 fn conformance_suite_passes_over_the_emulated_device() {
-    run(
+    let memory = (8u64 << 30).to_string();
+    let output = common::child(
         "conformance",
-        &[("IRIS_STANDIN_MEMORY", &(8u64 << 30).to_string())],
+        &[("IRIS_STANDIN_MEMORY", &memory)],
         Libraries::Full,
     );
+    // The checks and their outcomes, passed or not.
+    eprintln!("{}", String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "{}", common::text(&output));
 }
 
 /// One scenario, run in a child process by the tests above (never on its own).
@@ -718,6 +722,12 @@ fn conformance(device: Device) {
     for check in &report.checks {
         eprintln!("{:<48} {}", check.name, check.status);
     }
+    eprintln!(
+        "{} passed, {} failed, {} unsupported",
+        report.passed(),
+        report.failed(),
+        report.unsupported()
+    );
     let failures: Vec<String> = report
         .failures()
         .map(|check| format!("{}: {}", check.name, check.status))
