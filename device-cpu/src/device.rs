@@ -191,6 +191,35 @@ impl CpuDevice {
         Ok((region, start))
     }
 
+    /// Enqueues a copy between a host staging buffer and device memory, either way.
+    fn staged(
+        &self,
+        op: &'static str,
+        copy: &StagedCopy,
+        to_device: bool,
+    ) -> Result<(), PluginError> {
+        let (host, host_start) = self.host_range(op, copy.host, copy.host_offset, copy.bytes)?;
+        let (device, device_start) =
+            self.device_range(op, "device", copy.device, copy.device_offset, copy.bytes)?;
+        let len = usize::try_from(copy.bytes).unwrap_or(0);
+        self.queue.submit(
+            op,
+            Box::new(move |_| {
+                // SAFETY: ranges inside their regions (checked); host and device regions are
+                // distinct allocations; the host leaves the range alone until a fence after
+                // this work completes (ABI contract).
+                unsafe {
+                    if to_device {
+                        copy_between(&host, host_start, &device, device_start, len);
+                    } else {
+                        copy_between(&device, device_start, &host, host_start, len);
+                    }
+                }
+                Ok(())
+            }),
+        )
+    }
+
     /// Checks a device range and resolves its region and start.
     fn device_range(
         &self,
@@ -424,37 +453,11 @@ impl iris_plugin::Backend for CpuDevice {
     }
 
     fn upload(&self, copy: &StagedCopy) -> Result<(), PluginError> {
-        const OP: &str = "upload";
-        let (host, host_start) = self.host_range(OP, copy.host, copy.host_offset, copy.bytes)?;
-        let (device, device_start) =
-            self.device_range(OP, "device", copy.device, copy.device_offset, copy.bytes)?;
-        let len = usize::try_from(copy.bytes).unwrap_or(0);
-        self.queue.submit(
-            OP,
-            Box::new(move |_| {
-                // SAFETY: ranges inside their regions (checked); host and device regions are
-                // distinct allocations; the host leaves the range alone until the fence after
-                // this work (ABI contract).
-                unsafe { copy_between(&host, host_start, &device, device_start, len) };
-                Ok(())
-            }),
-        )
+        self.staged("upload", copy, true)
     }
 
     fn download(&self, copy: &StagedCopy) -> Result<(), PluginError> {
-        const OP: &str = "download";
-        let (host, host_start) = self.host_range(OP, copy.host, copy.host_offset, copy.bytes)?;
-        let (device, device_start) =
-            self.device_range(OP, "device", copy.device, copy.device_offset, copy.bytes)?;
-        let len = usize::try_from(copy.bytes).unwrap_or(0);
-        self.queue.submit(
-            OP,
-            Box::new(move |_| {
-                // SAFETY: as in `upload`, in the other direction.
-                unsafe { copy_between(&device, device_start, &host, host_start, len) };
-                Ok(())
-            }),
-        )
+        self.staged("download", copy, false)
     }
 
     fn fence(&self) -> Result<u64, PluginError> {

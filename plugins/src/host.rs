@@ -600,9 +600,7 @@ impl Device {
                     host_offset: src_offset,
                     bytes,
                 };
-                let upload = self.staging_fn("upload", self.vtable_upload())?;
-                self.check("upload", upload(self.instance.ctx, &copy))?;
-                src.pending = Some(self.fence()?);
+                src.pending = Some(self.enqueue_staged("upload", self.vtable_upload(), &copy)?);
                 Ok(())
             }
         }
@@ -635,12 +633,24 @@ impl Device {
                     host_offset: dst_offset,
                     bytes,
                 };
-                let download = self.staging_fn("download", self.vtable_download())?;
-                self.check("download", download(self.instance.ctx, &copy))?;
-                dst.pending = Some(self.fence()?);
+                dst.pending =
+                    Some(self.enqueue_staged("download", self.vtable_download(), &copy)?);
                 Ok(())
             }
         }
+    }
+
+    /// Enqueues a staged copy with `transfer` (`upload` or `download`) and returns the fence
+    /// that orders the host buffer's next use after it.
+    fn enqueue_staged(
+        &self,
+        op: &'static str,
+        transfer: Option<StagedFn>,
+        copy: &StagedCopy,
+    ) -> Result<u64, DeviceError> {
+        let transfer = self.staging_fn(op, transfer)?;
+        self.check(op, transfer(self.instance.ctx, copy))?;
+        self.fence()
     }
 
     fn fence(&self) -> Result<u64, DeviceError> {
@@ -838,6 +848,9 @@ fn host_range(offset: u64, bytes: u64) -> std::ops::Range<usize> {
     let len = usize::try_from(bytes).unwrap_or(0);
     start..start + len
 }
+
+/// The signature of `upload` and `download`.
+type StagedFn = extern "C" fn(DeviceCtx, &StagedCopy) -> RResult<(), PluginError>;
 
 /// Whom a plugin's log messages are attributed to.
 struct LogTarget {

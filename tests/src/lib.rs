@@ -57,16 +57,12 @@ fn build_abi_2_0_fixture() -> Result<PathBuf, String> {
     );
     std::fs::write(source.join("Cargo.toml"), manifest).map_err(|e| e.to_string())?;
     let lib = std::fs::read_to_string(fixture.join("src/lib.rs")).map_err(|e| e.to_string())?;
+    // The copy includes the template's files by absolute path.
     let template = root.join("examples/backend-template/src");
-    let lib = lib
-        .replace(
-            "\"../../../../examples/backend-template/src/error.rs\"",
-            &format!("{:?}", template.join("error.rs").display().to_string()),
-        )
-        .replace(
-            "\"../../../../examples/backend-template/src/memory.rs\"",
-            &format!("{:?}", template.join("memory.rs").display().to_string()),
-        );
+    let lib = lib.replace(
+        "\"../../../../examples/backend-template/src/",
+        &format!("\"{}/", template.display()),
+    );
     std::fs::write(source.join("src/lib.rs"), lib).map_err(|e| e.to_string())?;
     std::fs::copy(root.join("Cargo.lock"), source.join("Cargo.lock")).map_err(|e| e.to_string())?;
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
