@@ -1,0 +1,21 @@
+// Headers of the aclnn operators iris calls (libopapi_math.so, libopapi_nn.so,
+// libopapi_transformer.so on CANN 8.5 and later; libopapi.so before). Each op is resolved on its
+// own at run time. Input of generate.sh; not compiled by the build.
+#include "aclnnop/aclnn_add.h"
+#include "aclnnop/aclnn_addmm.h"
+#include "aclnnop/aclnn_batch_matmul.h"
+#include "aclnnop/aclnn_cast.h"
+#include "aclnnop/aclnn_copy.h"
+#include "aclnnop/aclnn_fill_scalar.h"
+#include "aclnnop/aclnn_flash_attention_score.h"
+#include "aclnnop/aclnn_gelu.h"
+#include "aclnnop/aclnn_gelu_v2.h"
+#include "aclnnop/aclnn_index_select.h"
+#include "aclnnop/aclnn_layer_norm.h"
+#include "aclnnop/aclnn_matmul.h"
+#include "aclnnop/aclnn_mul.h"
+#include "aclnnop/aclnn_rms_norm.h"
+#include "aclnnop/aclnn_rotary_position_embedding.h"
+#include "aclnnop/aclnn_sigmoid.h"
+#include "aclnnop/aclnn_silu.h"
+#include "aclnnop/aclnn_softmax.h"

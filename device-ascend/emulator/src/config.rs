@@ -1,0 +1,143 @@
+//! The emulation's settings and fault injection, read from the environment once per process.
+//!
+//! | Variable | Meaning | Default |
+//! |---|---|---|
+//! | `ASCEND_EMU_DEVICES` | physical NPUs | 2 |
+//! | `ASCEND_EMU_HBM` | memory per NPU (bytes, or with `KiB`..`TiB`) | 16 GiB |
+//! | `ASCEND_EMU_SOC` | `aclrtGetSocName()`; `Ascend310P*` emulates an inference card (DDR, no BF16, no LayerNorm, rotary or fused attention, f32 matmul only with `cubeMathType` 1) | `Ascend910B3` |
+//! | `ASCEND_EMU_STUB` | `1`: behave as CANN's link stubs (every call returns 100039) | off |
+//! | `ASCEND_EMU_INIT_ERROR` | `aclInit` returns this code (100002 still initialises, as a second `aclInit` does) | 0 |
+//! | `ASCEND_EMU_FAIL_MALLOC_AT` | the N-th `aclrtMalloc` of the process fails with 207001 | off |
+//! | `ASCEND_EMU_FAIL_OP` | an aclnn op (`aclnnSoftmax`) fails: its N-th kernel (`ASCEND_EMU_FAIL_OP_AT`, default 1) reports 507015 at the next synchronisation, or with `ASCEND_EMU_FAIL_OP_WHEN=launch` its N-th launch returns 561000 | off |
+//! | `ASCEND_EMU_PANIC_OP` | an aclnn op panics inside the emulation: its N-th kernel (`ASCEND_EMU_PANIC_OP_AT`, default 1) or, with `ASCEND_EMU_PANIC_OP_WHEN=phase1`, its N-th first phase; the emulation catches it and reports an error, as a C library must | off |
+//! | `ASCEND_EMU_QUEUE_DELAY_US` | a pause before each queued task, to make missing synchronisation show | 0 |
+//!
+//! `ASCEND_RT_VISIBLE_DEVICES` is applied as the real runtime applies it.
+
+use std::sync::OnceLock;
+
+/// Default number of emulated NPUs.
+pub const DEFAULT_DEVICES: u32 = 2;
+/// Default memory per NPU.
+pub const DEFAULT_HBM: u64 = 16 << 30;
+/// Default SoC name (an Atlas A2 part).
+pub const DEFAULT_SOC: &str = "Ascend910B3";
+
+/// When an injected op failure happens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum When {
+    /// In the first phase (`GetWorkspaceSize`) or the launch, returned by the call.
+    Call,
+    /// In the kernel on the stream, reported at the next synchronisation.
+    Kernel,
+}
+
+/// Settings of this process's emulation.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Physical NPUs.
+    pub devices: u32,
+    /// Bytes per NPU.
+    pub hbm: u64,
+    /// SoC name.
+    pub soc: String,
+    /// Behave as link stubs.
+    pub stub: bool,
+    /// `aclInit`'s return value.
+    pub init_error: i32,
+    /// The 1-based `aclrtMalloc` that fails.
+    pub fail_malloc_at: Option<u64>,
+    /// `(op, n, when)`: the n-th run of `op` fails.
+    pub fail_op: Option<(String, u64, When)>,
+    /// `(op, n, when)`: the n-th run (or first phase) of `op` panics.
+    pub panic_op: Option<(String, u64, When)>,
+    /// Pause before each queued task, in microseconds.
+    pub queue_delay_us: u64,
+}
+
+impl Config {
+    /// Whether the SoC is an Atlas inference (310P) part.
+    pub fn is_310p(&self) -> bool {
+        self.soc.starts_with("Ascend310P")
+    }
+}
+
+/// The process's settings.
+pub fn get() -> &'static Config {
+    static CONFIG: OnceLock<Config> = OnceLock::new();
+    CONFIG.get_or_init(|| {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let number = |name: &str| var(name).and_then(|v| v.trim().parse::<u64>().ok());
+        let when = |name: &str, default: When| match var(name).as_deref().map(str::trim) {
+            Some("launch") | Some("phase1") => When::Call,
+            Some("kernel") => When::Kernel,
+            _ => default,
+        };
+        Config {
+            devices: number("ASCEND_EMU_DEVICES")
+                .and_then(|n| u32::try_from(n).ok())
+                .unwrap_or(DEFAULT_DEVICES),
+            hbm: var("ASCEND_EMU_HBM")
+                .and_then(|v| parse_bytes(&v))
+                .unwrap_or(DEFAULT_HBM),
+            soc: var("ASCEND_EMU_SOC").unwrap_or_else(|| DEFAULT_SOC.to_owned()),
+            stub: var("ASCEND_EMU_STUB").is_some_and(|v| v.trim() == "1"),
+            init_error: var("ASCEND_EMU_INIT_ERROR")
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0),
+            fail_malloc_at: number("ASCEND_EMU_FAIL_MALLOC_AT"),
+            fail_op: var("ASCEND_EMU_FAIL_OP").map(|op| {
+                (
+                    op.trim().to_owned(),
+                    number("ASCEND_EMU_FAIL_OP_AT").unwrap_or(1),
+                    when("ASCEND_EMU_FAIL_OP_WHEN", When::Kernel),
+                )
+            }),
+            panic_op: var("ASCEND_EMU_PANIC_OP").map(|op| {
+                (
+                    op.trim().to_owned(),
+                    number("ASCEND_EMU_PANIC_OP_AT").unwrap_or(1),
+                    when("ASCEND_EMU_PANIC_OP_WHEN", When::Kernel),
+                )
+            }),
+            queue_delay_us: number("ASCEND_EMU_QUEUE_DELAY_US").unwrap_or(0),
+        }
+    })
+}
+
+/// Bytes with an optional binary or decimal unit: `4096`, `8GiB`, `512 MiB`, `2GB`.
+pub fn parse_bytes(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let number: u64 = digits.parse().ok()?;
+    let unit: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        _ => return None,
+    };
+    number.checked_mul(unit).filter(|bytes| *bytes > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_sizes_parse_with_units() {
+        assert_eq!(parse_bytes("4096"), Some(4096));
+        assert_eq!(parse_bytes("8GiB"), Some(8 << 30));
+        assert_eq!(parse_bytes("512 MiB"), Some(512 << 20));
+        assert_eq!(parse_bytes("0"), None);
+        assert_eq!(parse_bytes("lots"), None);
+    }
+}

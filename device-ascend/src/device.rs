@@ -1,0 +1,1310 @@
+//! The Ascend device: options, description, memory, transfers, the queue, and the entry of
+//! every op. Ops live in [`crate::ops`], buffers in [`crate::memory`].
+//!
+//! Every entry point takes the device's lock and makes its context current on the calling
+//! thread (the host may call from any thread; AscendCL binds contexts to threads), then checks
+//! its arguments with [`iris_plugin::validate`] before enqueueing anything.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, c_void};
+use std::sync::{Mutex, MutexGuard};
+
+use iris_plugin::Logger;
+use iris_plugin::abi::{
+    ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, BufferSlice, CastArgs, CopyRegion,
+    DType, DeviceDesc, FillArgs, GatherArgs, GemmArgs, HeldMemory, HostAlloc, HostBufferId, MatRef,
+    MemInfo, MemoryReport, NormArgs, OpKind, PluginError, Property, RotaryArgs, StagedCopy,
+    property,
+};
+use iris_plugin::validate::{self, Checker, Mat};
+
+use crate::error::AscendError;
+use crate::memory::{DeviceBlock, MemKind, Memory, mem_info};
+use crate::ops::attention::Path;
+use crate::ops::{self, Exec, Requirement, elementwise};
+use crate::runtime::{Runtime, VISIBLE_DEVICES_ENV, aclnn};
+use crate::stream::{Context, DeviceBinding, Event, Stream, offset_ptr};
+use crate::sys;
+
+/// Workspace requirements remembered per call shape; beyond this many the memo starts over.
+const REQUIREMENT_MEMO: usize = 4096;
+/// Size of the block descriptors point at while a workspace is sized.
+const SIZING_BYTES: u64 = 512;
+
+/// How attention runs (option `attention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionMode {
+    /// The fused op where the part, dtype and op library allow it, else composed.
+    Auto,
+    /// Always `aclnnFlashAttentionVarLenScore` (an error where it cannot run).
+    Fused,
+    /// Always batched matmul, softmax, batched matmul.
+    Composed,
+}
+
+/// Options of [`AscendDevice::open`], from the `[plugins.ascend]` table of the config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AscendOptions {
+    /// `attention = "auto" | "fused" | "composed"` (default `auto`).
+    pub attention: AttentionMode,
+}
+
+impl AscendOptions {
+    /// Parses `key = value` options; unknown keys are errors naming the key.
+    pub fn parse(pairs: &[(&str, &str)]) -> Result<AscendOptions, PluginError> {
+        let mut options = AscendOptions {
+            attention: AttentionMode::Auto,
+        };
+        for (key, value) in pairs {
+            match *key {
+                "attention" => {
+                    options.attention = match value.trim() {
+                        "auto" => AttentionMode::Auto,
+                        "fused" => AttentionMode::Fused,
+                        "composed" => AttentionMode::Composed,
+                        other => {
+                            return Err(PluginError::invalid_argument(format!(
+                                "open: option `attention`: expected `auto`, `fused` or `composed`, got `{other}`"
+                            )));
+                        }
+                    };
+                }
+                other => {
+                    return Err(PluginError::invalid_argument(format!(
+                        "open: unknown option `{other}` (known: attention)"
+                    )));
+                }
+            }
+        }
+        Ok(options)
+    }
+}
+
+/// The part's family, from `aclrtGetSocName`: it decides dtypes and which aclnn ops have
+/// kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// Atlas A2 (`Ascend910B*`).
+    A2,
+    /// Atlas A3 (`Ascend910_93*`).
+    A3,
+    /// Atlas inference cards (`Ascend310P*`): no BF16, no LayerNorm, rotary or fused
+    /// attention kernels, f32 matmul only with `cubeMathType = 1`.
+    Inference310P,
+    /// Anything else: the A2 rules, and the op libraries decide.
+    Other,
+}
+
+impl Family {
+    /// The family of a SoC name.
+    pub fn of(soc: &str) -> Family {
+        if soc.starts_with("Ascend910_93") {
+            Family::A3
+        } else if soc.starts_with("Ascend910B") {
+            Family::A2
+        } else if soc.starts_with("Ascend310P") {
+            Family::Inference310P
+        } else {
+            Family::Other
+        }
+    }
+
+    /// aclnn matmul's `cubeMathType`: keep the dtype, except where f32 cannot stay f32.
+    pub fn cube_math(self, dtype: DType) -> i8 {
+        if self == Family::Inference310P && dtype == DType::F32 {
+            1
+        } else {
+            0
+        }
+    }
+}
+
+struct State {
+    memory: Memory,
+    fences: std::collections::BTreeMap<u64, Event>,
+    next_fence: u64,
+    /// An error of queued work seen outside `synchronize` (while waiting to retry an
+    /// allocation), reported by the next `synchronize` or `read`.
+    deferred: Option<AscendError>,
+    requirements: HashMap<String, (Requirement, Path)>,
+}
+
+/// One opened NPU.
+pub struct AscendDevice {
+    rt: &'static Runtime,
+    ordinal: u32,
+    soc: String,
+    family: Family,
+    options: AscendOptions,
+    total: u64,
+    held: Vec<HeldMemory>,
+    dtypes: Vec<DType>,
+    ops: Vec<OpKind>,
+    unsupported: HashMap<OpKind, String>,
+    properties: Vec<Property>,
+    log: Logger,
+    // Drop order is CANN's teardown order: buffers and events, the stream, the context, the
+    // device binding.
+    /// The address every descriptor points at while a workspace is sized (see `ops`).
+    sizing: DeviceBlock,
+    state: Mutex<State>,
+    stream: Stream,
+    context: Context,
+    binding: DeviceBinding,
+}
+
+impl AscendDevice {
+    /// Opens device `ordinal` (an index among the NPUs the runtime shows).
+    pub fn open(
+        rt: &'static Runtime,
+        ordinal: u32,
+        options: AscendOptions,
+        log: Logger,
+    ) -> Result<AscendDevice, AscendError> {
+        let id = i32::try_from(ordinal)
+            .map_err(|_| AscendError::Internal(format!("ordinal {ordinal} is too large")))?;
+        let binding = DeviceBinding::acquire(rt, id)?;
+        let kind = MemKind::detect(rt)?;
+        let before = mem_info(rt, kind)?;
+        let context = Context::create(rt, &binding)?;
+        let stream = Stream::create(rt, &context)?;
+        let opened = mem_info(rt, kind)?;
+        let mut memory = Memory::new(rt, kind);
+        let sizing = memory.transient(SIZING_BYTES)?;
+        let after = mem_info(rt, kind)?;
+        let soc = soc_name(rt).unwrap_or_else(|| "Ascend NPU".to_owned());
+        let family = Family::of(&soc);
+        let (ops, unsupported) = supported_ops(rt, family);
+        let mut dtypes = vec![DType::F32, DType::F16];
+        if family != Family::Inference310P {
+            dtypes.push(DType::BF16);
+        }
+        dtypes.extend([DType::I32, DType::U8]);
+        // Other processes may allocate meanwhile: these are the device's own figures, as near
+        // as the driver lets the plugin measure them.
+        let held_context = before.free.saturating_sub(opened.free);
+        let held_sizing = opened.free.saturating_sub(after.free);
+        let held = vec![
+            HeldMemory {
+                what: "context and stream".into(),
+                bytes: held_context,
+            },
+            HeldMemory {
+                what: "workspace sizing address".into(),
+                bytes: held_sizing,
+            },
+        ];
+        let properties = properties(rt, &soc, kind, &options);
+        log.info(format!(
+            "opened NPU {ordinal} ({soc}): {} of {} bytes of {} free; runtime {}; context and stream hold {held_context} bytes",
+            after.free,
+            after.total,
+            kind.name(),
+            rt.acl_path().display()
+        ));
+        for (op, reason) in &unsupported {
+            log.debug(format!("{op} unsupported: {reason}"));
+        }
+        Ok(AscendDevice {
+            rt,
+            ordinal,
+            soc,
+            family,
+            options,
+            total: after.total,
+            held,
+            dtypes,
+            ops,
+            unsupported,
+            properties,
+            log,
+            sizing,
+            state: Mutex::new(State {
+                memory,
+                fences: std::collections::BTreeMap::new(),
+                next_fence: 1,
+                deferred: None,
+                requirements: HashMap::new(),
+            }),
+            stream,
+            context,
+            binding,
+        })
+    }
+
+    /// The part's family.
+    pub fn family(&self) -> Family {
+        self.family
+    }
+
+    /// Takes the device's lock and makes its context current on this thread.
+    fn lock(&self) -> Result<MutexGuard<'_, State>, PluginError> {
+        let state = self
+            .state
+            .lock()
+            .map_err(|_| PluginError::internal("the device's lock is poisoned"))?;
+        self.context.make_current()?;
+        Ok(state)
+    }
+
+    fn require(&self, op: OpKind) -> Result<(), PluginError> {
+        match self.unsupported.get(&op) {
+            Some(reason) => Err(PluginError::unsupported(format!("{op}: {reason}"))),
+            None => Ok(()),
+        }
+    }
+
+    fn require_dtype(&self, op: &str, dtype: DType) -> Result<(), PluginError> {
+        if self.dtypes.contains(&dtype) {
+            Ok(())
+        } else {
+            Err(PluginError::unsupported(format!(
+                "{op}: dtype {dtype} is not supported on {}",
+                self.soc
+            )))
+        }
+    }
+
+    /// The workspace an op needs, measured once per call shape. Measured twice: with the
+    /// caller's handles and with distinct ones, so that the answer holds whichever operands
+    /// alias when the op runs.
+    fn requirement<A: Handles, C>(
+        &self,
+        state: &mut State,
+        name: &'static str,
+        args: &A,
+        check: &dyn Fn(&Checker<'_>, &A) -> Result<C, PluginError>,
+        paths: &dyn Fn(&C) -> Vec<Path>,
+        body: &dyn Fn(&mut Exec<'_>, &C, Path) -> Result<(), AscendError>,
+    ) -> Result<(Requirement, Path), PluginError> {
+        let key = format!("{name}:{:?}", args.map_handles(&mut |h| h.0.min(1)));
+        if let Some(found) = state.requirements.get(&key) {
+            return Ok(*found);
+        }
+        let shapes = Checker::shapes_only(name);
+        let given = check(&shapes, args)?;
+        let mut next = 0u64;
+        let distinct_args = args.map_handles(&mut |h| {
+            if h.0 == 0 {
+                0
+            } else {
+                next += 1;
+                next
+            }
+        });
+        let distinct = check(&shapes, &distinct_args)?;
+        let candidates = paths(&given);
+        let mut last = None;
+        for path in candidates {
+            let mut a = Exec::measure(self.rt, self.sizing.ptr());
+            let mut b = Exec::measure(self.rt, self.sizing.ptr());
+            let measured = body(&mut a, &given, path).and_then(|()| body(&mut b, &distinct, path));
+            match measured {
+                Ok(()) => {
+                    let (ra, rb) = (a.requirement(), b.requirement());
+                    let req = Requirement {
+                        scratch: ra.scratch.max(rb.scratch),
+                        aclnn: ra.aclnn.max(rb.aclnn),
+                    };
+                    if state.requirements.len() >= REQUIREMENT_MEMO {
+                        state.requirements.clear();
+                    }
+                    state.requirements.insert(key, (req, path));
+                    return Ok((req, path));
+                }
+                Err(err) => {
+                    self.log
+                        .debug(format!("{name}: {path:?} cannot run this call: {err}"));
+                    last = Some(err);
+                }
+            }
+        }
+        Err(last.map_or_else(
+            || PluginError::unsupported(format!("{name}: no implementation for this call")),
+            PluginError::from,
+        ))
+    }
+
+    /// The common path of every op: support, arguments, workspace, run (or, without a
+    /// workspace, the query's answer).
+    #[allow(clippy::too_many_arguments)]
+    fn op<A: Handles, C>(
+        &self,
+        kind: OpKind,
+        name: &'static str,
+        args: &A,
+        workspace: Option<&BufferSlice>,
+        check: &dyn Fn(&Checker<'_>, &A) -> Result<C, PluginError>,
+        dtype: &dyn Fn(&C) -> DType,
+        operands: &dyn Fn(&C) -> Vec<(&'static str, Mat)>,
+        paths: &dyn Fn(&C) -> Vec<Path>,
+        body: &dyn Fn(&mut Exec<'_>, &C, Path) -> Result<(), AscendError>,
+    ) -> Result<u64, PluginError> {
+        self.require(kind)?;
+        let mut state = self.lock()?;
+        let checked = match workspace {
+            None => check(&Checker::shapes_only(name), args)?,
+            Some(_) => {
+                let lens = |buf: BufferHandle| state.memory.len_of(buf);
+                check(&Checker::new(name, &lens), args)?
+            }
+        };
+        self.require_dtype(name, dtype(&checked))?;
+        let (req, path) = self.requirement(&mut state, name, args, check, paths, body)?;
+        let Some(ws) = workspace else {
+            return Ok(req.total());
+        };
+        let lens = |buf: BufferHandle| state.memory.len_of(buf);
+        let named = operands(&checked);
+        let refs: Vec<(&str, &Mat)> = named.iter().map(|(n, m)| (*n, m)).collect();
+        Checker::new(name, &lens).workspace(ws, req.total(), &refs)?;
+        let base: *mut c_void = if req.total() == 0 {
+            std::ptr::null_mut()
+        } else {
+            offset_ptr(state.memory.base(ws.buf), ws.offset)
+        };
+        let mut exec = Exec::run(self.rt, &state.memory, self.stream.raw(), base, req);
+        body(&mut exec, &checked, path)?;
+        Ok(0)
+    }
+
+    fn attention_paths(&self, a: &validate::Attention) -> Vec<Path> {
+        let fused_ok = matches!(self.family, Family::A2 | Family::Other)
+            && matches!(a.q.dtype, DType::F16 | DType::BF16);
+        match self.options.attention {
+            AttentionMode::Fused => vec![Path::Fused],
+            AttentionMode::Composed => vec![Path::Composed],
+            AttentionMode::Auto if fused_ok => vec![Path::Fused, Path::Composed],
+            AttentionMode::Auto => vec![Path::Composed],
+        }
+    }
+
+    fn rotary_paths(&self) -> Vec<Path> {
+        // The fused op's first phase reports a missing symbol or a refused shape; the
+        // composed path then runs.
+        if self.family == Family::Inference310P {
+            vec![Path::Composed]
+        } else {
+            vec![Path::Fused, Path::Composed]
+        }
+    }
+
+    fn device_range(
+        &self,
+        state: &State,
+        op: &'static str,
+        name: &str,
+        buf: BufferHandle,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), PluginError> {
+        let lens = |b: BufferHandle| state.memory.len_of(b);
+        validate::range(&Checker::new(op, &lens), name, buf, offset, len)
+    }
+
+    fn host_range(
+        state: &State,
+        op: &'static str,
+        id: HostBufferId,
+        offset: u64,
+        bytes: u64,
+    ) -> Result<*mut c_void, PluginError> {
+        let Some((ptr, len)) = state.memory.host(id) else {
+            return Err(PluginError::invalid_argument(format!(
+                "{op}: unknown host buffer {}",
+                id.0
+            )));
+        };
+        match offset.checked_add(bytes) {
+            Some(end) if end <= len => Ok(offset_ptr(ptr, offset)),
+            _ => Err(PluginError::invalid_argument(format!(
+                "{op}: host bytes [{offset}, {offset}+{bytes}) lie outside the host buffer of {len} bytes"
+            ))),
+        }
+    }
+}
+
+impl iris_plugin::Backend for AscendDevice {
+    fn describe(&self) -> DeviceDesc {
+        DeviceDesc {
+            name: self.soc.clone().into(),
+            vendor: "Huawei".into(),
+            total_memory: self.total,
+            dtypes: self.dtypes.clone().into(),
+            ops: self.ops.clone().into(),
+            properties: self.properties.clone().into(),
+        }
+    }
+
+    fn mem_info(&self) -> Result<MemInfo, PluginError> {
+        let state = self.lock()?;
+        Ok(state.memory.mem_info()?)
+    }
+
+    fn memory_report(&self) -> Result<MemoryReport, PluginError> {
+        let mut state = self.lock()?;
+        state.memory.reap()?;
+        let (allocated, buffers) = state.memory.usage();
+        Ok(MemoryReport {
+            allocated,
+            buffers,
+            held: self.held.clone().into(),
+        })
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<BufferHandle, PluginError> {
+        if bytes == 0 {
+            return Err(PluginError::invalid_argument("alloc: 0 bytes"));
+        }
+        let mut state = self.lock()?;
+        let State {
+            memory, deferred, ..
+        } = &mut *state;
+        let result = memory.alloc(bytes, &self.stream, deferred);
+        if let Err(AscendError::OutOfMemory { .. }) = &result {
+            self.log
+                .debug(format!("alloc of {bytes} bytes: out of memory"));
+        }
+        Ok(result?)
+    }
+
+    fn free(&self, buf: BufferHandle) -> Result<(), PluginError> {
+        let mut state = self.lock()?;
+        if state.memory.len_of(buf).is_none() {
+            return Err(PluginError::invalid_argument(format!(
+                "free: unknown buffer handle {}",
+                buf.0
+            )));
+        }
+        Ok(state.memory.free(buf, &self.stream)?)
+    }
+
+    fn write(&self, dst: BufferHandle, offset: u64, src: &[u8]) -> Result<(), PluginError> {
+        let mut state = self.lock()?;
+        self.device_range(&state, "write", "dst", dst, offset, src.len() as u64)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        Ok(state.memory.write(dst, offset, src, &self.stream)?)
+    }
+
+    fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), PluginError> {
+        let mut state = self.lock()?;
+        self.device_range(&state, "read", "src", src, offset, dst.len() as u64)?;
+        self.stream.synchronize()?;
+        state.memory.reap_all();
+        if let Some(err) = state.deferred.take() {
+            return Err(err.into());
+        }
+        Ok(state.memory.read_synchronized(src, offset, dst)?)
+    }
+
+    fn copy_batch(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
+        let state = self.lock()?;
+        let lens = |b: BufferHandle| state.memory.len_of(b);
+        validate::copy_batch(&Checker::new("copy_batch", &lens), regions)?;
+        for region in regions.iter().filter(|r| r.bytes > 0) {
+            let src = offset_ptr(state.memory.base(region.src), region.src_offset);
+            let dst = offset_ptr(state.memory.base(region.dst), region.dst_offset);
+            state.memory.copy_async(
+                dst,
+                src,
+                region.bytes,
+                sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE,
+                &self.stream,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn fill(&self, args: &FillArgs) -> Result<(), PluginError> {
+        let mut state = self.lock()?;
+        {
+            let lens = |b: BufferHandle| state.memory.len_of(b);
+            validate::fill(&Checker::new("fill", &lens), args)?;
+        }
+        let dst = args.dst;
+        if dst.bytes == 0 {
+            return Ok(());
+        }
+        let pattern = args.value.to_le_bytes();
+        let width = usize::try_from(args.width).unwrap_or(4);
+        if pattern[..width].iter().all(|b| *b == pattern[0]) {
+            let ptr = offset_ptr(state.memory.base(dst.buf), dst.offset);
+            return Ok(state
+                .memory
+                .memset_async(ptr, dst.bytes, pattern[0], &self.stream)?);
+        }
+        let (offset, count) = (
+            dst.offset / u64::from(args.width),
+            dst.bytes / u64::from(args.width),
+        );
+        let mut measure = Exec::measure(self.rt, self.sizing.ptr());
+        elementwise::fill_pattern(&mut measure, dst.buf, offset, count, args.value, args.width)?;
+        let req = measure.requirement();
+        let scratch = if req.total() > 0 {
+            Some(state.memory.transient(req.total())?)
+        } else {
+            None
+        };
+        let base = scratch
+            .as_ref()
+            .map_or(std::ptr::null_mut(), crate::memory::DeviceBlock::ptr);
+        let result = {
+            let mut exec = Exec::run(self.rt, &state.memory, self.stream.raw(), base, req);
+            elementwise::fill_pattern(&mut exec, dst.buf, offset, count, args.value, args.width)
+        };
+        if let Some(block) = scratch {
+            state.memory.retire(block, &self.stream)?;
+        }
+        Ok(result?)
+    }
+
+    fn synchronize(&self) -> Result<(), PluginError> {
+        let mut state = self.lock()?;
+        let synced = self.stream.synchronize();
+        state.memory.reap_all();
+        synced?;
+        match state.deferred.take() {
+            Some(err) => Err(err.into()),
+            None => Ok(()),
+        }
+    }
+
+    fn gemm_workspace(&self, args: &GemmArgs) -> Result<u64, PluginError> {
+        self.gemm_call(args, None)
+    }
+
+    fn gemm(&self, args: &GemmArgs) -> Result<(), PluginError> {
+        self.gemm_call(args, Some(&args.workspace)).map(drop)
+    }
+
+    fn layer_norm_workspace(&self, args: &NormArgs) -> Result<u64, PluginError> {
+        self.norm_call(args, None, false)
+    }
+
+    fn layer_norm(&self, args: &NormArgs) -> Result<(), PluginError> {
+        self.norm_call(args, Some(&args.workspace), false).map(drop)
+    }
+
+    fn rms_norm_workspace(&self, args: &NormArgs) -> Result<u64, PluginError> {
+        self.norm_call(args, None, true)
+    }
+
+    fn rms_norm(&self, args: &NormArgs) -> Result<(), PluginError> {
+        self.norm_call(args, Some(&args.workspace), true).map(drop)
+    }
+
+    fn activation_workspace(&self, args: &ActivationArgs) -> Result<u64, PluginError> {
+        self.activation_call(args, None)
+    }
+
+    fn activation(&self, args: &ActivationArgs) -> Result<(), PluginError> {
+        self.activation_call(args, Some(&args.workspace)).map(drop)
+    }
+
+    fn binary_workspace(&self, args: &BinaryArgs) -> Result<u64, PluginError> {
+        self.binary_call(args, None)
+    }
+
+    fn binary(&self, args: &BinaryArgs) -> Result<(), PluginError> {
+        self.binary_call(args, Some(&args.workspace)).map(drop)
+    }
+
+    fn rotary_workspace(&self, args: &RotaryArgs) -> Result<u64, PluginError> {
+        self.rotary_call(args, None)
+    }
+
+    fn rotary(&self, args: &RotaryArgs) -> Result<(), PluginError> {
+        self.rotary_call(args, Some(&args.workspace)).map(drop)
+    }
+
+    fn attention_workspace(&self, args: &AttentionArgs<'_>) -> Result<u64, PluginError> {
+        self.attention_call(args, None)
+    }
+
+    fn attention(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
+        self.attention_call(args, Some(&args.workspace)).map(drop)
+    }
+
+    fn gather_rows_workspace(&self, args: &GatherArgs) -> Result<u64, PluginError> {
+        self.gather_call(args, None)
+    }
+
+    fn gather_rows(&self, args: &GatherArgs) -> Result<(), PluginError> {
+        self.gather_call(args, Some(&args.workspace)).map(drop)
+    }
+
+    fn cast_workspace(&self, args: &CastArgs) -> Result<u64, PluginError> {
+        self.cast_call(args, None)
+    }
+
+    fn cast(&self, args: &CastArgs) -> Result<(), PluginError> {
+        self.cast_call(args, Some(&args.workspace)).map(drop)
+    }
+
+    fn alloc_host(&self, bytes: u64) -> Result<HostAlloc, PluginError> {
+        if bytes == 0 {
+            return Err(PluginError::invalid_argument("alloc_host: 0 bytes"));
+        }
+        let mut state = self.lock()?;
+        let (id, ptr, len) = state.memory.alloc_host(bytes)?;
+        Ok(HostAlloc { id, ptr, len })
+    }
+
+    fn free_host(&self, id: HostBufferId) -> Result<(), PluginError> {
+        let mut state = self.lock()?;
+        if state.memory.free_host(id, &self.stream)? {
+            Ok(())
+        } else {
+            Err(PluginError::invalid_argument(format!(
+                "free_host: unknown host buffer {}",
+                id.0
+            )))
+        }
+    }
+
+    fn upload(&self, copy: &StagedCopy) -> Result<(), PluginError> {
+        const OP: &str = "upload";
+        let state = self.lock()?;
+        let host = Self::host_range(&state, OP, copy.host, copy.host_offset, copy.bytes)?;
+        self.device_range(
+            &state,
+            OP,
+            "device",
+            copy.device,
+            copy.device_offset,
+            copy.bytes,
+        )?;
+        let device = offset_ptr(state.memory.base(copy.device), copy.device_offset);
+        Ok(state.memory.copy_async(
+            device,
+            host,
+            copy.bytes,
+            sys::aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
+            &self.stream,
+        )?)
+    }
+
+    fn download(&self, copy: &StagedCopy) -> Result<(), PluginError> {
+        const OP: &str = "download";
+        let state = self.lock()?;
+        let host = Self::host_range(&state, OP, copy.host, copy.host_offset, copy.bytes)?;
+        self.device_range(
+            &state,
+            OP,
+            "device",
+            copy.device,
+            copy.device_offset,
+            copy.bytes,
+        )?;
+        let device = offset_ptr(state.memory.base(copy.device), copy.device_offset);
+        Ok(state.memory.copy_async(
+            host,
+            device,
+            copy.bytes,
+            sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST,
+            &self.stream,
+        )?)
+    }
+
+    fn fence(&self) -> Result<u64, PluginError> {
+        let mut state = self.lock()?;
+        // Fences the host never waits for would pile up: complete ones are forgotten (waiting
+        // for a forgotten fence returns at once).
+        while let Some(entry) = state.fences.first_entry() {
+            if !entry.get().is_complete()? {
+                break;
+            }
+            entry.remove();
+        }
+        let event = Event::record(self.rt, &self.stream)?;
+        let value = state.next_fence;
+        state.next_fence += 1;
+        state.fences.insert(value, event);
+        Ok(value)
+    }
+
+    fn wait_fence(&self, value: u64) -> Result<(), PluginError> {
+        let mut state = self.lock()?;
+        if value == 0 || value >= state.next_fence {
+            return Err(PluginError::invalid_argument(format!(
+                "wait_fence: fence {value} was never recorded (the last is {})",
+                state.next_fence - 1
+            )));
+        }
+        // A fence no longer held was waited for already, or an earlier wait covered it.
+        let waited = match state.fences.get(&value) {
+            Some(event) => event.synchronize(),
+            None => Ok(()),
+        };
+        let later = state.fences.split_off(&(value + 1));
+        state.fences = later;
+        state.memory.reap()?;
+        Ok(waited?)
+    }
+}
+
+impl AscendDevice {
+    fn gemm_call(&self, args: &GemmArgs, ws: Option<&BufferSlice>) -> Result<u64, PluginError> {
+        let (act, acc, tr) = (args.activation, args.accumulate, args.w_transposed);
+        let family = self.family;
+        self.op(
+            OpKind::GEMM,
+            "gemm",
+            args,
+            ws,
+            &|check, a| validate::gemm(check, a),
+            &|g| g.out.dtype,
+            &|g| {
+                let mut list = vec![("a", g.a), ("w", g.w), ("out", g.out)];
+                list.extend(g.bias.map(|b| ("bias", b)));
+                list
+            },
+            &|_| vec![Path::Composed],
+            &|x, g, _| ops::gemm::gemm(x, g, act, acc, tr, family.cube_math(g.out.dtype)),
+        )
+    }
+
+    fn norm_call(
+        &self,
+        args: &NormArgs,
+        ws: Option<&BufferSlice>,
+        rms: bool,
+    ) -> Result<u64, PluginError> {
+        let (kind, name) = if rms {
+            (OpKind::RMS_NORM, "rms_norm")
+        } else {
+            (OpKind::LAYER_NORM, "layer_norm")
+        };
+        let eps = args.eps;
+        self.op(
+            kind,
+            name,
+            args,
+            ws,
+            &|check, a| validate::norm(check, a, rms),
+            &|n| n.x.dtype,
+            &|n| {
+                let mut list = vec![("x", n.x), ("weight", n.weight), ("out", n.out)];
+                list.extend(n.bias.map(|b| ("bias", b)));
+                list
+            },
+            &|_| vec![Path::Composed],
+            &|x, n, _| ops::norm::norm(x, n, eps, rms),
+        )
+    }
+
+    fn activation_call(
+        &self,
+        args: &ActivationArgs,
+        ws: Option<&BufferSlice>,
+    ) -> Result<u64, PluginError> {
+        let act = args.activation;
+        self.op(
+            OpKind::ACTIVATION,
+            "activation",
+            args,
+            ws,
+            &|check, a| {
+                let (x, out) = validate::activation(check, a)?;
+                Ok((x, out))
+            },
+            &|(x, _)| x.dtype,
+            &|(x, out)| vec![("x", *x), ("out", *out)],
+            &|_| vec![Path::Composed],
+            &|x, (input, out), _| elementwise::activation(x, input, out, act),
+        )
+    }
+
+    fn binary_call(&self, args: &BinaryArgs, ws: Option<&BufferSlice>) -> Result<u64, PluginError> {
+        let op = args.op;
+        self.op(
+            OpKind::BINARY,
+            "binary",
+            args,
+            ws,
+            &|check, a| validate::binary(check, a),
+            &|b| b.a.dtype,
+            &|b| vec![("a", b.a), ("b", b.b), ("out", b.out)],
+            &|_| vec![Path::Composed],
+            &|x, b, _| elementwise::binary(x, op, &b.a, &b.b, &b.out),
+        )
+    }
+
+    fn rotary_call(&self, args: &RotaryArgs, ws: Option<&BufferSlice>) -> Result<u64, PluginError> {
+        self.op(
+            OpKind::ROTARY,
+            "rotary",
+            args,
+            ws,
+            &|check, a| validate::rotary(check, a),
+            &|r| r.x.dtype,
+            &|r| vec![("x", r.x), ("cos", r.cos), ("sin", r.sin)],
+            &|_| self.rotary_paths(),
+            &|x, r, path| ops::rotary::rotary(x, r, path),
+        )
+    }
+
+    fn attention_call(
+        &self,
+        args: &AttentionArgs<'_>,
+        ws: Option<&BufferSlice>,
+    ) -> Result<u64, PluginError> {
+        let scale = args.scale;
+        let cu: Vec<u32> = args.cu_seqlens.as_slice().to_vec();
+        let family = self.family;
+        self.op(
+            OpKind::ATTENTION,
+            "attention",
+            args,
+            ws,
+            &|check, a| validate::attention(check, a),
+            &|a| a.q.dtype,
+            &|a| {
+                vec![
+                    ("q", a.q),
+                    ("k", a.k),
+                    ("v", a.v),
+                    ("out", a.out),
+                    ("cu_seqlens_device", a.cu_seqlens_device),
+                ]
+            },
+            &|a| self.attention_paths(a),
+            &|x, a, path| {
+                ops::attention::attention(x, a, scale, &cu, path, family.cube_math(a.q.dtype))
+            },
+        )
+    }
+
+    fn gather_call(&self, args: &GatherArgs, ws: Option<&BufferSlice>) -> Result<u64, PluginError> {
+        self.op(
+            OpKind::GATHER_ROWS,
+            "gather_rows",
+            args,
+            ws,
+            &|check, a| validate::gather_rows(check, a),
+            &|(src, _, _)| {
+                if src.dtype.is_float() {
+                    src.dtype
+                } else {
+                    DType::F32
+                }
+            },
+            &|(src, out, indices)| vec![("src", *src), ("out", *out), ("indices", *indices)],
+            &|_| vec![Path::Composed],
+            &|x, (src, out, indices), _| elementwise::gather_rows(x, src, out, indices),
+        )
+    }
+
+    fn cast_call(&self, args: &CastArgs, ws: Option<&BufferSlice>) -> Result<u64, PluginError> {
+        let dtypes = self.dtypes.clone();
+        let soc = self.soc.clone();
+        self.op(
+            OpKind::CAST,
+            "cast",
+            args,
+            ws,
+            &|check, a| {
+                let (src, out) = validate::cast(check, a)?;
+                if !dtypes.contains(&out.dtype) {
+                    return Err(PluginError::unsupported(format!(
+                        "cast: dtype {} is not supported on {soc}",
+                        out.dtype
+                    )));
+                }
+                Ok((src, out))
+            },
+            &|(src, _)| src.dtype,
+            &|(src, out)| vec![("src", *src), ("out", *out)],
+            &|_| vec![Path::Composed],
+            &|x, (src, out), _| elementwise::cast(x, src, out),
+        )
+    }
+}
+
+impl Drop for AscendDevice {
+    fn drop(&mut self) {
+        // Teardown needs the context current on this thread and the queue idle; buffers the
+        // host did not free are released here (a safety net: the host frees first).
+        if let Ok(mut state) = self.state.lock() {
+            let _ = self.context.make_current();
+            if let Err(err) = self.stream.synchronize() {
+                self.log.warn(format!("closing: queued work failed: {err}"));
+            }
+            state.fences.clear();
+            state.memory.clear();
+        }
+        self.log.debug(format!(
+            "closing NPU {} (device {})",
+            self.ordinal,
+            self.binding.id()
+        ));
+    }
+}
+
+/// Operand handles of an op's arguments, rewritten: for the workspace memo's key (every
+/// non-null handle the same) and for measuring without aliasing (every one distinct).
+trait Handles: Sized + std::fmt::Debug {
+    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self;
+}
+
+fn remap(m: &MatRef, f: &mut dyn FnMut(BufferHandle) -> u64) -> MatRef {
+    MatRef {
+        buf: BufferHandle(f(m.buf)),
+        ..*m
+    }
+}
+
+impl Handles for GemmArgs {
+    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+        GemmArgs {
+            a: remap(&self.a, f),
+            w: remap(&self.w, f),
+            bias: remap(&self.bias, f),
+            out: remap(&self.out, f),
+            workspace: BufferSlice::EMPTY,
+            ..*self
+        }
+    }
+}
+
+impl Handles for NormArgs {
+    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+        NormArgs {
+            x: remap(&self.x, f),
+            weight: remap(&self.weight, f),
+            bias: remap(&self.bias, f),
+            out: remap(&self.out, f),
+            workspace: BufferSlice::EMPTY,
+            ..*self
+        }
+    }
+}
+
+impl Handles for ActivationArgs {
+    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+        ActivationArgs {
+            x: remap(&self.x, f),
+            out: remap(&self.out, f),
+            workspace: BufferSlice::EMPTY,
+            ..*self
+        }
+    }
+}
+
+impl Handles for BinaryArgs {
+    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+        BinaryArgs {
+            a: remap(&self.a, f),
+            b: remap(&self.b, f),
+            out: remap(&self.out, f),
+            workspace: BufferSlice::EMPTY,
+            ..*self
+        }
+    }
+}
+
+impl Handles for RotaryArgs {
+    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+        RotaryArgs {
+            x: remap(&self.x, f),
+            cos: remap(&self.cos, f),
+            sin: remap(&self.sin, f),
+            workspace: BufferSlice::EMPTY,
+            ..*self
+        }
+    }
+}
+
+impl<'a> Handles for AttentionArgs<'a> {
+    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+        AttentionArgs {
+            q: remap(&self.q, f),
+            k: remap(&self.k, f),
+            v: remap(&self.v, f),
+            out: remap(&self.out, f),
+            cu_seqlens_device: remap(&self.cu_seqlens_device, f),
+            workspace: BufferSlice::EMPTY,
+            ..*self
+        }
+    }
+}
+
+impl Handles for GatherArgs {
+    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+        GatherArgs {
+            src: remap(&self.src, f),
+            out: remap(&self.out, f),
+            indices: remap(&self.indices, f),
+            workspace: BufferSlice::EMPTY,
+        }
+    }
+}
+
+impl Handles for CastArgs {
+    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+        CastArgs {
+            src: remap(&self.src, f),
+            out: remap(&self.out, f),
+            workspace: BufferSlice::EMPTY,
+        }
+    }
+}
+
+/// `aclrtGetSocName()`, e.g. `Ascend910B3`.
+fn soc_name(rt: &Runtime) -> Option<String> {
+    let get = rt.acl().aclrtGetSocName.as_ref().ok()?;
+    // SAFETY: returns a static C string owned by the runtime, or null.
+    let ptr = unsafe { get() };
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: non-null and NUL-terminated; copied at once.
+    let name = unsafe { CStr::from_ptr(ptr) }
+        .to_string_lossy()
+        .trim()
+        .to_owned();
+    (!name.is_empty()).then_some(name)
+}
+
+/// The ops this part and these op libraries can run, and why the others cannot.
+fn supported_ops(rt: &Runtime, family: Family) -> (Vec<OpKind>, HashMap<OpKind, String>) {
+    let mut missing: HashMap<OpKind, String> = HashMap::new();
+    let mut need = |op: OpKind, found: Result<&'static str, AscendError>| {
+        if let Err(err) = found {
+            missing.entry(op).or_insert_with(|| err.to_string());
+        }
+    };
+    macro_rules! has {
+        ($ws:ident, $run:ident) => {
+            aclnn!(rt, $ws, $run).map(|op| op.library)
+        };
+    }
+    let copy = || has!(aclnnInplaceCopyGetWorkspaceSize, aclnnInplaceCopy);
+    let add = || has!(aclnnInplaceAddGetWorkspaceSize, aclnnInplaceAdd);
+    for op in [
+        OpKind::GEMM,
+        OpKind::LAYER_NORM,
+        OpKind::RMS_NORM,
+        OpKind::ACTIVATION,
+        OpKind::BINARY,
+        OpKind::ROTARY,
+        OpKind::GATHER_ROWS,
+        OpKind::CAST,
+    ] {
+        need(op, copy());
+    }
+    need(OpKind::GEMM, has!(aclnnMatmulGetWorkspaceSize, aclnnMatmul));
+    need(OpKind::GEMM, has!(aclnnAddmmGetWorkspaceSize, aclnnAddmm));
+    need(OpKind::GEMM, add());
+    need(
+        OpKind::LAYER_NORM,
+        has!(aclnnLayerNormGetWorkspaceSize, aclnnLayerNorm),
+    );
+    need(
+        OpKind::RMS_NORM,
+        has!(aclnnRmsNormGetWorkspaceSize, aclnnRmsNorm),
+    );
+    for act in [
+        has!(aclnnGeluV2GetWorkspaceSize, aclnnGeluV2),
+        has!(aclnnGeluGetWorkspaceSize, aclnnGelu),
+        has!(aclnnSiluGetWorkspaceSize, aclnnSilu),
+        has!(aclnnMulsGetWorkspaceSize, aclnnMuls),
+        has!(aclnnInplaceSigmoidGetWorkspaceSize, aclnnInplaceSigmoid),
+        has!(aclnnMulGetWorkspaceSize, aclnnMul),
+        has!(aclnnInplaceMulGetWorkspaceSize, aclnnInplaceMul),
+    ] {
+        need(OpKind::ACTIVATION, act.clone());
+        // Gemm's activation epilogue uses the same ops.
+        need(OpKind::GEMM, act);
+    }
+    need(OpKind::BINARY, has!(aclnnAddGetWorkspaceSize, aclnnAdd));
+    need(OpKind::BINARY, add());
+    need(OpKind::BINARY, has!(aclnnMulGetWorkspaceSize, aclnnMul));
+    need(
+        OpKind::BINARY,
+        has!(aclnnInplaceMulGetWorkspaceSize, aclnnInplaceMul),
+    );
+    // Rotary composes from elementwise ops where the fused op is missing; the fused op (and
+    // the cast of its tables) is an optimisation chosen per call.
+    need(
+        OpKind::ROTARY,
+        has!(aclnnInplaceMulsGetWorkspaceSize, aclnnInplaceMuls),
+    );
+    need(
+        OpKind::ROTARY,
+        has!(aclnnInplaceMulGetWorkspaceSize, aclnnInplaceMul),
+    );
+    need(OpKind::ROTARY, add());
+    need(
+        OpKind::GATHER_ROWS,
+        has!(aclnnIndexSelectGetWorkspaceSize, aclnnIndexSelect),
+    );
+    need(OpKind::CAST, has!(aclnnCastGetWorkspaceSize, aclnnCast));
+    // Attention runs composed everywhere the batched matmul and softmax exist; the fused op
+    // is an optimisation chosen per call.
+    need(OpKind::ATTENTION, copy());
+    need(
+        OpKind::ATTENTION,
+        has!(aclnnBatchMatMulGetWorkspaceSize, aclnnBatchMatMul),
+    );
+    need(
+        OpKind::ATTENTION,
+        has!(aclnnInplaceMulsGetWorkspaceSize, aclnnInplaceMuls),
+    );
+    need(
+        OpKind::ATTENTION,
+        has!(aclnnSoftmaxGetWorkspaceSize, aclnnSoftmax),
+    );
+    if family == Family::Inference310P {
+        missing.entry(OpKind::LAYER_NORM).or_insert_with(|| {
+            "aclnn has no LayerNorm kernels on Atlas inference (310P) parts".to_owned()
+        });
+    }
+    let ops = OpKind::ALL
+        .into_iter()
+        .filter(|op| !missing.contains_key(op))
+        .collect();
+    (ops, missing)
+}
+
+/// Facts for `iris devices` and bug reports: the part, the libraries, and where each aclnn
+/// op came from.
+fn properties(rt: &Runtime, soc: &str, kind: MemKind, options: &AscendOptions) -> Vec<Property> {
+    let mut props = vec![
+        Property::new(property::SOC, soc),
+        Property::new(property::QUEUE, "async"),
+        Property::new("memory_kind", kind.name()),
+        Property::new("runtime_library", rt.acl_path().display()),
+        Property::new(
+            "nnopbase_library",
+            rt.nnopbase_path().map_or_else(
+                |reason| format!("missing: {reason}"),
+                |p| p.display().to_string(),
+            ),
+        ),
+        Property::new(
+            "attention",
+            format!("{:?}", options.attention).to_lowercase(),
+        ),
+    ];
+    if let Some(version) = runtime_version(rt) {
+        props.push(Property::new(property::RUNTIME_VERSION, version));
+    }
+    if let Ok(visible) = std::env::var(VISIBLE_DEVICES_ENV) {
+        props.push(Property::new("visible_devices", visible));
+    }
+    let libs = rt
+        .ops()
+        .iter()
+        .map(|lib| lib.path.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    props.push(Property::new(
+        "op_libraries",
+        if libs.is_empty() {
+            "none".to_owned()
+        } else {
+            libs
+        },
+    ));
+    // Which library each aclnn op came from, grouped by library, and the ops no library has.
+    let mut sources: Vec<(&'static str, Vec<&'static str>)> = Vec::new();
+    let mut missing: Vec<&'static str> = Vec::new();
+    macro_rules! source {
+        ($($ws:ident $run:ident),* $(,)?) => {
+            $(
+                let short = &stringify!($run)["aclnn".len()..];
+                match aclnn!(rt, $ws, $run) {
+                    Ok(op) => match sources.iter_mut().find(|(lib, _)| *lib == op.library) {
+                        Some((_, ops)) => ops.push(short),
+                        None => sources.push((op.library, vec![short])),
+                    },
+                    Err(_) => missing.push(short),
+                }
+            )*
+        };
+    }
+    source!(
+        aclnnMatmulGetWorkspaceSize aclnnMatmul,
+        aclnnAddmmGetWorkspaceSize aclnnAddmm,
+        aclnnBatchMatMulGetWorkspaceSize aclnnBatchMatMul,
+        aclnnLayerNormGetWorkspaceSize aclnnLayerNorm,
+        aclnnRmsNormGetWorkspaceSize aclnnRmsNorm,
+        aclnnGeluV2GetWorkspaceSize aclnnGeluV2,
+        aclnnGeluGetWorkspaceSize aclnnGelu,
+        aclnnSiluGetWorkspaceSize aclnnSilu,
+        aclnnMulsGetWorkspaceSize aclnnMuls,
+        aclnnInplaceSigmoidGetWorkspaceSize aclnnInplaceSigmoid,
+        aclnnAddGetWorkspaceSize aclnnAdd,
+        aclnnInplaceAddGetWorkspaceSize aclnnInplaceAdd,
+        aclnnMulGetWorkspaceSize aclnnMul,
+        aclnnInplaceMulGetWorkspaceSize aclnnInplaceMul,
+        aclnnInplaceMulsGetWorkspaceSize aclnnInplaceMuls,
+        aclnnSoftmaxGetWorkspaceSize aclnnSoftmax,
+        aclnnIndexSelectGetWorkspaceSize aclnnIndexSelect,
+        aclnnCastGetWorkspaceSize aclnnCast,
+        aclnnInplaceCopyGetWorkspaceSize aclnnInplaceCopy,
+        aclnnInplaceFillScalarGetWorkspaceSize aclnnInplaceFillScalar,
+        aclnnFlashAttentionVarLenScoreGetWorkspaceSize aclnnFlashAttentionVarLenScore,
+        aclnnRotaryPositionEmbeddingGetWorkspaceSize aclnnRotaryPositionEmbedding,
+    );
+    let sources = sources
+        .iter()
+        .map(|(lib, ops)| format!("{lib}: {}", ops.join(" ")))
+        .collect::<Vec<_>>()
+        .join("; ");
+    props.push(Property::new(
+        "aclnn_sources",
+        if sources.is_empty() {
+            "none".to_owned()
+        } else {
+            sources
+        },
+    ));
+    props.push(Property::new(
+        "aclnn_missing",
+        if missing.is_empty() {
+            "none".to_owned()
+        } else {
+            missing.join(" ")
+        },
+    ));
+    props
+}
+
+/// `aclrtGetVersion`: the runtime's `major.minor.patch`.
+fn runtime_version(rt: &Runtime) -> Option<String> {
+    let get = rt.acl().aclrtGetVersion.as_ref().ok()?;
+    let (mut major, mut minor, mut patch) = (0i32, 0i32, 0i32);
+    // SAFETY: valid out-pointers.
+    let code = unsafe { get(&mut major, &mut minor, &mut patch) };
+    (code == sys::ACL_SUCCESS).then(|| format!("{major}.{minor}.{patch}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn families_from_soc_names() {
+        assert_eq!(Family::of("Ascend910B3"), Family::A2);
+        assert_eq!(Family::of("Ascend910_9392"), Family::A3);
+        assert_eq!(Family::of("Ascend310P3"), Family::Inference310P);
+        assert_eq!(Family::of("Ascend950PR"), Family::Other);
+        assert_eq!(Family::Inference310P.cube_math(DType::F32), 1);
+        assert_eq!(Family::Inference310P.cube_math(DType::F16), 0);
+        assert_eq!(Family::A2.cube_math(DType::F32), 0);
+    }
+
+    #[test]
+    fn options_parse_and_name_unknown_keys() {
+        let options = AscendOptions::parse(&[("attention", "composed")]).unwrap();
+        assert_eq!(options.attention, AttentionMode::Composed);
+        let err = AscendOptions::parse(&[("attention", "sometimes")]).unwrap_err();
+        assert!(err.message.contains("`attention`"), "{}", err.message);
+        let err = AscendOptions::parse(&[("threads", "2")]).unwrap_err();
+        assert!(err.message.contains("`threads`"), "{}", err.message);
+    }
+}

@@ -1,0 +1,641 @@
+//! Device buffers behind opaque handles, queue-ordered frees, pinned host memory (staging for
+//! `write`, host buffers for `alloc_host`), and the driver's memory figures.
+//!
+//! All of a device's work runs on its one stream, so a free only has to wait for the work
+//! enqueued before it: [`Memory::free`] records an event after that work and releases the
+//! block with `aclrtFree` once the event completes (checked at later calls, and at
+//! `synchronize`). An allocation that fails for lack of memory first waits for the stream and
+//! releases those blocks, then retries once.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+
+use iris_plugin::abi::{BufferHandle, HostBufferId, MemInfo};
+
+use crate::error::AscendError;
+use crate::result::AclError;
+use crate::runtime::Runtime;
+use crate::stream::{Event, Stream, offset_ptr};
+use crate::sys;
+
+/// Largest piece of one `write` staged at a time, so that a large upload does not pin a
+/// host buffer of its own size.
+pub const STAGING_CHUNK: u64 = 64 << 20;
+/// Pinned staging kept for reuse between writes; idle blocks beyond it are released.
+pub const STAGING_POOL: u64 = 256 << 20;
+/// Smallest staging block, so that small writes share blocks.
+const STAGING_MIN: u64 = 1 << 20;
+/// Alignment `alloc_host` promises.
+pub const HOST_ALIGN: usize = 64;
+
+/// A block from `aclrtMalloc`, freed with `aclrtFree` on drop.
+pub struct DeviceBlock {
+    rt: &'static Runtime,
+    ptr: *mut c_void,
+    len: u64,
+}
+
+// SAFETY: the block is a device address; its uses are ordered by the stream and the device's
+// lock.
+unsafe impl Send for DeviceBlock {}
+// SAFETY: a shared block only gives out its address and length (no interior mutability); the
+// memory behind it is used through the stream.
+unsafe impl Sync for DeviceBlock {}
+
+impl DeviceBlock {
+    /// The device address.
+    pub fn ptr(&self) -> *mut c_void {
+        self.ptr
+    }
+
+    /// Bytes requested.
+    pub fn bytes(&self) -> u64 {
+        self.len
+    }
+}
+
+impl Drop for DeviceBlock {
+    fn drop(&mut self) {
+        if let Ok(free) = self.rt.acl().aclrtFree.as_ref() {
+            // SAFETY: allocated by aclrtMalloc and freed once; no queued work uses it (the
+            // queue-ordered free waited for its event, or the stream was synchronised).
+            let _ = unsafe { free(self.ptr) };
+        }
+    }
+}
+
+/// Pinned host memory from `aclrtMallocHost`, freed with `aclrtFreeHost` on drop.
+pub struct HostBlock {
+    rt: &'static Runtime,
+    ptr: *mut c_void,
+    len: u64,
+}
+
+// SAFETY: plain host memory; the device orders its asynchronous uses.
+unsafe impl Send for HostBlock {}
+
+impl HostBlock {
+    /// Allocates `len` bytes of pinned host memory.
+    pub fn new(rt: &'static Runtime, len: u64) -> Result<HostBlock, AscendError> {
+        let malloc = rt
+            .acl()
+            .aclrtMallocHost
+            .as_ref()
+            .map_err(|_| rt.missing("aclrtMallocHost"))?;
+        let size = usize::try_from(len)
+            .map_err(|_| AscendError::Internal(format!("{len} bytes do not fit in memory")))?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `ptr` is a valid out-pointer.
+        rt.check("aclrtMallocHost", unsafe { malloc(&mut ptr, size) })?;
+        if ptr.is_null() {
+            return Err(AscendError::Internal(
+                "aclrtMallocHost succeeded but returned null".into(),
+            ));
+        }
+        let block = HostBlock { rt, ptr, len };
+        if !(ptr as usize).is_multiple_of(HOST_ALIGN) {
+            return Err(AscendError::Internal(format!(
+                "aclrtMallocHost returned {ptr:p}, not {HOST_ALIGN}-byte aligned"
+            )));
+        }
+        Ok(block)
+    }
+
+    /// The host address.
+    pub fn ptr(&self) -> *mut c_void {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.len
+    }
+}
+
+impl Drop for HostBlock {
+    fn drop(&mut self) {
+        if let Ok(free) = self.rt.acl().aclrtFreeHost.as_ref() {
+            // SAFETY: allocated by aclrtMallocHost and freed once, after the work using it.
+            let _ = unsafe { free(self.ptr) };
+        }
+    }
+}
+
+/// Which `aclrtMemAttr` reports this part's memory: HBM on 910-class parts, DDR on edge and
+/// inference parts such as the 310P.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemKind {
+    /// `ACL_HBM_MEM`.
+    Hbm,
+    /// `ACL_DDR_MEM`.
+    Ddr,
+}
+
+impl MemKind {
+    /// Asks for both and keeps the one with the larger total.
+    pub fn detect(rt: &Runtime) -> Result<MemKind, AscendError> {
+        let hbm = mem_info(rt, MemKind::Hbm);
+        let ddr = mem_info(rt, MemKind::Ddr);
+        match (hbm, ddr) {
+            (Ok(h), Ok(d)) => Ok(if d.total > h.total {
+                MemKind::Ddr
+            } else {
+                MemKind::Hbm
+            }),
+            (Ok(_), Err(_)) => Ok(MemKind::Hbm),
+            (Err(_), Ok(_)) => Ok(MemKind::Ddr),
+            (Err(err), Err(_)) => Err(err),
+        }
+    }
+
+    /// `HBM` or `DDR`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemKind::Hbm => "HBM",
+            MemKind::Ddr => "DDR",
+        }
+    }
+}
+
+/// `aclrtGetMemInfo` for `kind` on the current context's device.
+pub fn mem_info(rt: &Runtime, kind: MemKind) -> Result<MemInfo, AscendError> {
+    let get = rt
+        .acl()
+        .aclrtGetMemInfo
+        .as_ref()
+        .map_err(|_| rt.missing("aclrtGetMemInfo"))?;
+    let attr = match kind {
+        MemKind::Hbm => sys::aclrtMemAttr::ACL_HBM_MEM,
+        MemKind::Ddr => sys::aclrtMemAttr::ACL_DDR_MEM,
+    };
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid out-pointers.
+    rt.check("aclrtGetMemInfo", unsafe {
+        get(attr, &mut free, &mut total)
+    })?;
+    Ok(MemInfo {
+        free: free as u64,
+        total: total as u64,
+    })
+}
+
+/// Blocks released once the work before an event is done.
+struct Pending {
+    event: Event,
+    device: Vec<DeviceBlock>,
+    host: Vec<HostBlock>,
+    /// Whether `device` counts in the allocated figures (buffers from `alloc`, not transient
+    /// scratch).
+    counted: bool,
+}
+
+/// A pinned staging block for `write`, busy until its event completes.
+struct Staging {
+    block: HostBlock,
+    busy: Option<Event>,
+}
+
+/// A device's buffers and pinned host memory.
+pub struct Memory {
+    rt: &'static Runtime,
+    kind: MemKind,
+    buffers: HashMap<u64, DeviceBlock>,
+    next_handle: u64,
+    /// Bytes and count of buffers not yet released (live, or freed but pending).
+    allocated: u64,
+    buffer_count: u64,
+    host: HashMap<u64, HostBlock>,
+    next_host: u64,
+    pending: VecDeque<Pending>,
+    staging: Vec<Staging>,
+}
+
+impl Memory {
+    /// An empty table for a device whose memory `kind` reports.
+    pub fn new(rt: &'static Runtime, kind: MemKind) -> Memory {
+        Memory {
+            rt,
+            kind,
+            buffers: HashMap::new(),
+            next_handle: 1,
+            allocated: 0,
+            buffer_count: 0,
+            host: HashMap::new(),
+            next_host: 1,
+            pending: VecDeque::new(),
+            staging: Vec::new(),
+        }
+    }
+
+    /// Which memory figures the device reports.
+    pub fn kind(&self) -> MemKind {
+        self.kind
+    }
+
+    /// `(free, total)` as the driver sees it.
+    pub fn mem_info(&self) -> Result<MemInfo, AscendError> {
+        mem_info(self.rt, self.kind)
+    }
+
+    /// `(bytes, buffers)` not yet released.
+    pub fn usage(&self) -> (u64, u64) {
+        (self.allocated, self.buffer_count)
+    }
+
+    /// Length of a live buffer.
+    pub fn len_of(&self, buf: BufferHandle) -> Option<u64> {
+        self.buffers.get(&buf.0).map(DeviceBlock::bytes)
+    }
+
+    /// Device address of a live buffer (null for an unknown handle: only reached after
+    /// validation, or when sizing a workspace).
+    pub fn base(&self, buf: BufferHandle) -> *mut c_void {
+        self.buffers
+            .get(&buf.0)
+            .map_or(std::ptr::null_mut(), DeviceBlock::ptr)
+    }
+
+    /// Allocates `bytes` with `aclrtMalloc` (huge pages first). On out of memory it waits
+    /// for `stream`, releases pending frees and retries once; an error of the work it waited
+    /// for is returned in `deferred` for the next `synchronize`.
+    pub fn alloc(
+        &mut self,
+        bytes: u64,
+        stream: &Stream,
+        deferred: &mut Option<AscendError>,
+    ) -> Result<BufferHandle, AscendError> {
+        self.reap()?;
+        let block = match self.malloc(bytes) {
+            Err(code) if code.is_out_of_memory() && !self.pending.is_empty() => {
+                if let Err(err) = stream.synchronize() {
+                    deferred.get_or_insert(err);
+                }
+                self.reap()?;
+                self.malloc(bytes)
+            }
+            other => other,
+        };
+        let block = block.map_err(|code| self.malloc_error(code, bytes))?;
+        let handle = self.next_handle;
+        self.next_handle += 1;
+        self.allocated += bytes;
+        self.buffer_count += 1;
+        self.buffers.insert(handle, block);
+        Ok(BufferHandle(handle))
+    }
+
+    /// Frees a buffer, queue-ordered: the handle is gone at once, the block once the work
+    /// enqueued before this call is done.
+    pub fn free(&mut self, buf: BufferHandle, stream: &Stream) -> Result<(), AscendError> {
+        let Some(block) = self.buffers.remove(&buf.0) else {
+            return Err(AscendError::Internal(format!(
+                "free: unknown buffer handle {}",
+                buf.0
+            )));
+        };
+        let event = Event::record(self.rt, stream)?;
+        self.pending.push_back(Pending {
+            event,
+            device: vec![block],
+            host: Vec::new(),
+            counted: true,
+        });
+        self.reap()
+    }
+
+    /// A device block outside the buffer table, for scratch an op needs beyond its caller's
+    /// workspace; hand it back with [`Memory::retire`] right after enqueueing its use.
+    pub fn transient(&mut self, bytes: u64) -> Result<DeviceBlock, AscendError> {
+        self.reap()?;
+        self.malloc(bytes)
+            .map_err(|code| self.malloc_error(code, bytes))
+    }
+
+    /// Releases a transient block once the work enqueued so far is done.
+    pub fn retire(&mut self, block: DeviceBlock, stream: &Stream) -> Result<(), AscendError> {
+        let event = Event::record(self.rt, stream)?;
+        self.pending.push_back(Pending {
+            event,
+            device: vec![block],
+            host: Vec::new(),
+            counted: false,
+        });
+        Ok(())
+    }
+
+    /// Releases the blocks whose work is done, oldest first (events complete in order on
+    /// the one stream).
+    pub fn reap(&mut self) -> Result<(), AscendError> {
+        while let Some(front) = self.pending.front() {
+            if !front.event.is_complete()? {
+                break;
+            }
+            if let Some(done) = self.pending.pop_front() {
+                self.release(done);
+            }
+        }
+        for staging in &mut self.staging {
+            if let Some(event) = &staging.busy
+                && event.is_complete()?
+            {
+                staging.busy = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases everything pending; the caller synchronised the stream.
+    pub fn reap_all(&mut self) {
+        while let Some(done) = self.pending.pop_front() {
+            self.release(done);
+        }
+        for staging in &mut self.staging {
+            staging.busy = None;
+        }
+        self.trim_staging();
+    }
+
+    /// Enqueues a copy of `src` into `dst` at `offset` through pinned staging; returns once
+    /// `src` may be reused.
+    pub fn write(
+        &mut self,
+        dst: BufferHandle,
+        offset: u64,
+        src: &[u8],
+        stream: &Stream,
+    ) -> Result<(), AscendError> {
+        self.reap()?;
+        let base = self.base(dst);
+        let copy = self
+            .rt
+            .acl()
+            .aclrtMemcpyAsync
+            .as_ref()
+            .map_err(|_| self.rt.missing("aclrtMemcpyAsync"))?;
+        let chunk = usize::try_from(STAGING_CHUNK).unwrap_or(usize::MAX);
+        for (index, piece) in src.chunks(chunk).enumerate() {
+            let at = offset + (index as u64) * STAGING_CHUNK;
+            let len = piece.len() as u64;
+            let slot = self.staging_slot(len)?;
+            let host = self.staging[slot].block.ptr();
+            // SAFETY: the staging block holds at least `len` bytes and is idle (no queued
+            // copy reads it); `piece` is a host slice of `len` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(piece.as_ptr(), host.cast::<u8>(), piece.len());
+            }
+            // SAFETY: destination range checked against the buffer by the caller; the source
+            // is pinned memory that stays untouched until the event recorded below completes.
+            let code = unsafe {
+                copy(
+                    offset_ptr(base, at),
+                    piece.len(),
+                    host,
+                    piece.len(),
+                    sys::aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
+                    stream.raw(),
+                )
+            };
+            self.rt.check("aclrtMemcpyAsync", code)?;
+            self.staging[slot].busy = Some(Event::record(self.rt, stream)?);
+        }
+        Ok(())
+    }
+
+    /// Copies from a buffer into host memory; the caller synchronised the stream.
+    pub fn read_synchronized(
+        &self,
+        src: BufferHandle,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), AscendError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let copy = self
+            .rt
+            .acl()
+            .aclrtMemcpy
+            .as_ref()
+            .map_err(|_| self.rt.missing("aclrtMemcpy"))?;
+        // SAFETY: source range checked by the caller; the stream is idle, so the synchronous
+        // copy sees all earlier work; `dst` is a host slice of that length.
+        let code = unsafe {
+            copy(
+                dst.as_mut_ptr().cast::<c_void>(),
+                dst.len(),
+                offset_ptr(self.base(src), offset),
+                dst.len(),
+                sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST,
+            )
+        };
+        self.rt.check("aclrtMemcpy", code)
+    }
+
+    /// Enqueues an asynchronous copy of `bytes` between device (or pinned host) addresses.
+    pub fn copy_async(
+        &self,
+        dst: *mut c_void,
+        src: *const c_void,
+        bytes: u64,
+        kind: sys::aclrtMemcpyKind::Type,
+        stream: &Stream,
+    ) -> Result<(), AscendError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let copy = self
+            .rt
+            .acl()
+            .aclrtMemcpyAsync
+            .as_ref()
+            .map_err(|_| self.rt.missing("aclrtMemcpyAsync"))?;
+        let len = usize::try_from(bytes)
+            .map_err(|_| AscendError::Internal(format!("{bytes} bytes do not fit in memory")))?;
+        // SAFETY: ranges checked by the caller; both lie in live blocks whose release waits for
+        // this work (queue-ordered frees).
+        let code = unsafe { copy(dst, len, src, len, kind, stream.raw()) };
+        self.rt.check("aclrtMemcpyAsync", code)
+    }
+
+    /// Enqueues a byte fill.
+    pub fn memset_async(
+        &self,
+        dst: *mut c_void,
+        bytes: u64,
+        value: u8,
+        stream: &Stream,
+    ) -> Result<(), AscendError> {
+        let set = self
+            .rt
+            .acl()
+            .aclrtMemsetAsync
+            .as_ref()
+            .map_err(|_| self.rt.missing("aclrtMemsetAsync"))?;
+        let len = usize::try_from(bytes)
+            .map_err(|_| AscendError::Internal(format!("{bytes} bytes do not fit in memory")))?;
+        // SAFETY: range checked by the caller, inside a live block.
+        let code = unsafe { set(dst, len, i32::from(value), len, stream.raw()) };
+        self.rt.check("aclrtMemsetAsync", code)
+    }
+
+    /// Allocates a pinned host buffer for the host's staging.
+    pub fn alloc_host(&mut self, bytes: u64) -> Result<(HostBufferId, *mut u8, u64), AscendError> {
+        self.reap()?;
+        let block = HostBlock::new(self.rt, bytes)?;
+        let id = self.next_host;
+        self.next_host += 1;
+        let ptr = block.ptr().cast::<u8>();
+        let len = block.bytes();
+        self.host.insert(id, block);
+        Ok((HostBufferId(id), ptr, len))
+    }
+
+    /// A live host buffer's address and length.
+    pub fn host(&self, id: HostBufferId) -> Option<(*mut c_void, u64)> {
+        self.host
+            .get(&id.0)
+            .map(|block| (block.ptr(), block.bytes()))
+    }
+
+    /// Frees a host buffer, queue-ordered.
+    pub fn free_host(&mut self, id: HostBufferId, stream: &Stream) -> Result<bool, AscendError> {
+        let Some(block) = self.host.remove(&id.0) else {
+            return Ok(false);
+        };
+        let event = Event::record(self.rt, stream)?;
+        self.pending.push_back(Pending {
+            event,
+            device: Vec::new(),
+            host: vec![block],
+            counted: false,
+        });
+        self.reap()?;
+        Ok(true)
+    }
+
+    /// Releases everything: for closing, after the stream was synchronised.
+    pub fn clear(&mut self) {
+        self.reap_all();
+        for (_, block) in self.buffers.drain() {
+            drop(block);
+        }
+        self.host.clear();
+        self.staging.clear();
+        self.allocated = 0;
+        self.buffer_count = 0;
+    }
+
+    fn release(&mut self, done: Pending) {
+        for block in done.device.iter().filter(|_| done.counted) {
+            self.allocated = self.allocated.saturating_sub(block.bytes());
+            self.buffer_count = self.buffer_count.saturating_sub(1);
+        }
+        // The blocks go back to the runtime here: aclrtFree and aclrtFreeHost on drop.
+        drop(done.host);
+        drop(done.device);
+    }
+
+    fn malloc(&self, bytes: u64) -> Result<DeviceBlock, AclError> {
+        let Ok(malloc) = self.rt.acl().aclrtMalloc.as_ref() else {
+            return Err(AclError(sys::ACL_ERROR_FEATURE_UNSUPPORTED));
+        };
+        let Ok(size) = usize::try_from(bytes) else {
+            return Err(AclError::MEMORY_ALLOCATION);
+        };
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `ptr` is a valid out-pointer.
+        let code = AclError(unsafe {
+            malloc(
+                &mut ptr,
+                size,
+                sys::aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST,
+            )
+        });
+        code.result()?;
+        if ptr.is_null() {
+            return Err(AclError(sys::ACL_ERROR_BAD_ALLOC));
+        }
+        Ok(DeviceBlock {
+            rt: self.rt,
+            ptr,
+            len: bytes,
+        })
+    }
+
+    fn malloc_error(&self, code: AclError, requested: u64) -> AscendError {
+        let message = match self.rt.check("aclrtMalloc", code.0) {
+            Err(AscendError::Acl { message, .. }) => message,
+            _ => String::new(),
+        };
+        if code.0 == sys::ACL_ERROR_FEATURE_UNSUPPORTED && self.rt.acl().aclrtMalloc.is_err() {
+            return self.rt.missing("aclrtMalloc");
+        }
+        if code.is_out_of_memory() {
+            let info = self.mem_info().unwrap_or(MemInfo { free: 0, total: 0 });
+            return AscendError::OutOfMemory {
+                function: "aclrtMalloc",
+                code,
+                requested,
+                free: info.free,
+                total: info.total,
+                message,
+            };
+        }
+        AscendError::Acl {
+            function: "aclrtMalloc",
+            code,
+            message,
+        }
+    }
+
+    /// An idle staging block of at least `len` bytes.
+    fn staging_slot(&mut self, len: u64) -> Result<usize, AscendError> {
+        let fit = self
+            .staging
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.busy.is_none() && s.block.bytes() >= len)
+            .min_by_key(|(_, s)| s.block.bytes())
+            .map(|(index, _)| index);
+        if let Some(index) = fit {
+            return Ok(index);
+        }
+        self.trim_staging();
+        // At the pool's bound, wait for a busy block rather than pin more host memory.
+        let pinned: u64 = self.staging.iter().map(|s| s.block.bytes()).sum();
+        if pinned >= STAGING_POOL
+            && let Some(index) = self
+                .staging
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.block.bytes() >= len)
+                .min_by_key(|(_, s)| s.block.bytes())
+                .map(|(index, _)| index)
+        {
+            if let Some(event) = self.staging[index].busy.take() {
+                event.synchronize()?;
+            }
+            return Ok(index);
+        }
+        let size = len.max(STAGING_MIN).next_power_of_two();
+        self.staging.push(Staging {
+            block: HostBlock::new(self.rt, size)?,
+            busy: None,
+        });
+        Ok(self.staging.len() - 1)
+    }
+
+    /// Releases idle staging blocks while the pool holds more than [`STAGING_POOL`].
+    fn trim_staging(&mut self) {
+        let mut total: u64 = self.staging.iter().map(|s| s.block.bytes()).sum();
+        let mut index = 0;
+        while total > STAGING_POOL && index < self.staging.len() {
+            if self.staging[index].busy.is_none() {
+                total -= self.staging[index].block.bytes();
+                self.staging.swap_remove(index);
+            } else {
+                index += 1;
+            }
+        }
+    }
+}

@@ -1,0 +1,602 @@
+//! The Ascend plugin over the emulated CANN runtime: the conformance suite, the probe's
+//! reasons, fault injection, memory accounting and resource release.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{Layout, emulator_stats, isolated, open, plugin, use_install};
+use iris_plugin::abi::{
+    Activation, ActivationArgs, AttentionArgs, BufferHandle, BufferSlice, DType, ErrorCode, MatRef,
+    NormArgs, OpKind, RotaryArgs,
+};
+use iris_plugin::conformance;
+use iris_plugin::{Device, DeviceError};
+
+/// Emulated memory per NPU for these tests: room for the suite's tower shapes, small enough
+/// that an oversized allocation fails at once.
+const HBM: &str = "4GiB";
+
+fn upload_f32(device: &Device, values: &[f32]) -> BufferHandle {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let buf = device.alloc(bytes.len() as u64).expect("alloc");
+    device.write(buf, 0, &bytes).expect("write");
+    buf
+}
+
+fn download_f32(device: &Device, buf: BufferHandle, len: usize) -> Vec<f32> {
+    let mut bytes = vec![0u8; len * 4];
+    device.read(buf, 0, &mut bytes).expect("read");
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// Runs an in-place gelu (tanh) over `values` and returns the device's answer.
+fn gelu_tanh(device: &Device, values: &[f32]) -> Result<Vec<f32>, DeviceError> {
+    let buf = upload_f32(device, values);
+    let x = MatRef::contiguous(buf, 0, DType::F32, 1, values.len() as u64);
+    let mut args = ActivationArgs {
+        x,
+        out: x,
+        activation: Activation::GELU_TANH,
+        workspace: BufferSlice::EMPTY,
+    };
+    let bytes = device.activation_workspace(&args)?;
+    let ws = device.alloc(bytes.max(1)).expect("alloc workspace");
+    args.workspace = BufferSlice {
+        buf: ws,
+        offset: 0,
+        bytes,
+    };
+    let result = device
+        .activation(&args)
+        .and_then(|()| device.synchronize())
+        .map(|()| download_f32(device, buf, values.len()));
+    device.free(ws).expect("free");
+    device.free(buf).expect("free");
+    result
+}
+
+fn assert_conformance(device: &Arc<Device>) -> conformance::Report {
+    let plugin = device.plugin().clone();
+    let report = conformance::run(&plugin, device);
+    let failures: Vec<String> = report
+        .failures()
+        .map(|check| format!("{}: {}", check.name, check.status))
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "conformance failures:\n{}",
+        failures.join("\n")
+    );
+    for check in &report.checks {
+        let timing = check
+            .timing
+            .as_ref()
+            .map(|t| format!(" {:.4} s {:.2} {}", t.seconds, t.throughput, t.unit))
+            .unwrap_or_default();
+        println!("{} {}{timing}", check.name, check.status.label());
+    }
+    report
+}
+
+fn assert_released(stats: iris_cann_emulator::EmuStats) {
+    assert_eq!(
+        (
+            stats.tensors,
+            stats.scalars,
+            stats.int_arrays,
+            stats.executors
+        ),
+        (0, 0, 0, 0),
+        "descriptors or executors left alive: {stats:?}"
+    );
+    assert_eq!(
+        stats.device_blocks, 0,
+        "device memory left allocated: {stats:?}"
+    );
+    assert_eq!(
+        stats.reserved_bytes, 0,
+        "contexts or streams left open: {stats:?}"
+    );
+    assert_eq!(
+        stats.pinned_bytes, 0,
+        "pinned host memory left allocated: {stats:?}"
+    );
+}
+
+#[test]
+fn conformance_suite_passes_and_everything_is_released() {
+    isolated(
+        "conformance_suite_passes_and_everything_is_released",
+        &[("ASCEND_EMU_HBM", HBM), ("ASCEND_EMU_QUEUE_DELAY_US", "20")],
+        || {
+            use_install(Layout::Split);
+            let plugin = plugin();
+            let probe = plugin.probe();
+            assert_eq!(probe.device_count, 2, "{}", probe.reason);
+            {
+                let device = open(&plugin, 0, &[]);
+                let desc = device.description();
+                assert_eq!(desc.name, "Ascend910B3");
+                assert!(desc.dtypes.contains(&DType::BF16));
+                assert_eq!(desc.ops.len(), OpKind::ALL.len(), "{:?}", desc.ops);
+                assert_eq!(desc.property("memory_kind"), Some("HBM"));
+                // One emulated file under every name: each op resolves in the first split library.
+                assert!(
+                    desc.property("aclnn_sources")
+                        .is_some_and(|s| s.starts_with("libopapi_math.so: Matmul Addmm")),
+                    "{:?}",
+                    desc.property("aclnn_sources")
+                );
+                assert_eq!(desc.property("aclnn_missing"), Some("none"));
+                let report = assert_conformance(&device);
+                assert_eq!(report.unsupported(), 0, "{:?}", report.checks);
+                let held = device.memory_report().expect("memory_report");
+                // An explicit context (32 MiB) and a stream (2 MiB) in the emulation, and the
+                // 512-byte block workspace queries point at (544 bytes as aclrtMalloc charges).
+                assert_eq!(held.held_bytes(), (34 << 20) + 544, "{held:?}");
+            }
+            assert_released(emulator_stats(0));
+        },
+    );
+}
+
+#[test]
+fn an_old_op_library_without_the_transformer_ops_serves_the_rest() {
+    isolated(
+        "an_old_op_library_without_the_transformer_ops_serves_the_rest",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Legacy);
+            let plugin = plugin();
+            assert_eq!(plugin.probe().device_count, 2);
+            let device = open(&plugin, 0, &[]);
+            let desc = device.description();
+            assert_eq!(desc.ops.len(), OpKind::ALL.len(), "{:?}", desc.ops);
+            assert_eq!(
+                desc.property("aclnn_missing"),
+                Some("FlashAttentionVarLenScore RotaryPositionEmbedding")
+            );
+            assert!(
+                desc.property("aclnn_sources")
+                    .is_some_and(|s| s.starts_with("libopapi.so: Matmul")),
+                "{:?}",
+                desc.property("aclnn_sources")
+            );
+            // The suite passes with rotary and attention composed from the ops present.
+            let report = assert_conformance(&device);
+            assert_eq!(report.unsupported(), 0, "{:?}", report.checks);
+
+            // Asked for the missing fused attention explicitly: unsupported, naming the op.
+            let fused = open(&plugin, 1, &[("attention", "fused")]);
+            let q = MatRef::contiguous(BufferHandle(1), 0, DType::BF16, 4, 64);
+            let cu = [0u32, 4];
+            let err = fused
+                .attention_workspace(&AttentionArgs {
+                    q,
+                    k: q,
+                    v: q,
+                    out: MatRef::contiguous(BufferHandle(2), 0, DType::BF16, 4, 64),
+                    heads: 1,
+                    head_dim: 64,
+                    scale: 0.125,
+                    cu_seqlens: cu.as_slice().into(),
+                    cu_seqlens_device: MatRef::vector(BufferHandle(3), 0, DType::I32, 2),
+                    max_seqlen: 4,
+                    workspace: BufferSlice::EMPTY,
+                })
+                .expect_err("the fused op is missing");
+            assert_eq!(err.code, ErrorCode::UNSUPPORTED);
+            assert!(
+                err.message
+                    .contains("aclnnFlashAttentionVarLenScore is not exported by"),
+                "{err}"
+            );
+        },
+    );
+}
+
+#[test]
+fn without_cann_the_probe_names_where_it_looked() {
+    isolated("without_cann_the_probe_names_where_it_looked", &[], || {
+        let root = use_install(Layout::Empty);
+        let probe = plugin().probe();
+        assert_eq!(probe.device_count, 0);
+        assert!(
+            probe.reason.starts_with("libacl_rt.so not found in: "),
+            "{}",
+            probe.reason
+        );
+        assert!(
+            probe
+                .reason
+                .contains(&root.join("lib64").display().to_string()),
+            "{}",
+            probe.reason
+        );
+        assert!(
+            probe
+                .reason
+                .contains("/usr/local/Ascend/ascend-toolkit/latest/lib64"),
+            "{}",
+            probe.reason
+        );
+        let err = plugin().open(0, &[]).expect_err("no device to open");
+        assert_eq!(err.code, ErrorCode::UNAVAILABLE);
+    });
+}
+
+#[test]
+fn stub_libraries_mean_no_driver() {
+    isolated(
+        "stub_libraries_mean_no_driver",
+        &[("ASCEND_EMU_STUB", "1")],
+        || {
+            use_install(Layout::Split);
+            let probe = plugin().probe();
+            assert_eq!(probe.device_count, 0);
+            assert!(
+                probe.reason.starts_with("CANN stub library: no driver"),
+                "{}",
+                probe.reason
+            );
+            assert!(probe.reason.contains("100039"), "{}", probe.reason);
+        },
+    );
+}
+
+#[test]
+fn a_repeated_acl_init_is_not_an_error() {
+    isolated(
+        "a_repeated_acl_init_is_not_an_error",
+        &[("ASCEND_EMU_INIT_ERROR", "100002"), ("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let plugin = plugin();
+            assert_eq!(plugin.probe().device_count, 2);
+            let device = open(&plugin, 1, &[]);
+            let got = gelu_tanh(&device, &[1.0, -1.0]).expect("gelu");
+            assert!((got[0] - 0.841_192).abs() < 1e-5, "{got:?}");
+        },
+    );
+}
+
+#[test]
+fn a_failing_acl_init_is_the_probe_reason() {
+    isolated(
+        "a_failing_acl_init_is_the_probe_reason",
+        &[("ASCEND_EMU_INIT_ERROR", "100000")],
+        || {
+            use_install(Layout::Split);
+            let probe = plugin().probe();
+            assert_eq!(probe.device_count, 0);
+            assert!(
+                probe.reason.starts_with("aclInit failed"),
+                "{}",
+                probe.reason
+            );
+            assert!(
+                probe.reason.contains("ACL_ERROR_INVALID_PARAM (100000)"),
+                "{}",
+                probe.reason
+            );
+        },
+    );
+}
+
+#[test]
+fn visible_devices_renumber_and_hide_npus() {
+    isolated(
+        "visible_devices_renumber_and_hide_npus",
+        &[("ASCEND_RT_VISIBLE_DEVICES", "1"), ("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let plugin = plugin();
+            assert_eq!(plugin.probe().device_count, 1);
+            let device = open(&plugin, 0, &[]);
+            assert_eq!(device.description().property("visible_devices"), Some("1"));
+            let buf = device.alloc(1 << 20).expect("alloc");
+            // Physical NPU 1 holds the block and the device's sizing block; NPU 0 nothing.
+            assert_eq!(emulator_stats(1).device_blocks, 2);
+            assert_eq!(emulator_stats(0).device_blocks, 0);
+            device.free(buf).expect("free");
+            let err = plugin.open(1, &[]).expect_err("one NPU is visible");
+            assert_eq!(err.code, ErrorCode::INVALID_ARGUMENT);
+        },
+    );
+    isolated(
+        "visible_devices_renumber_and_hide_npus",
+        &[("ASCEND_RT_VISIBLE_DEVICES", "")],
+        || {
+            use_install(Layout::Split);
+            let probe = plugin().probe();
+            assert_eq!(probe.device_count, 0);
+            assert!(probe.reason.starts_with("0 devices"), "{}", probe.reason);
+            assert!(
+                probe.reason.contains("ASCEND_RT_VISIBLE_DEVICES="),
+                "{}",
+                probe.reason
+            );
+        },
+    );
+}
+
+#[test]
+fn out_of_memory_carries_the_sizes_and_the_device_recovers() {
+    isolated(
+        "out_of_memory_carries_the_sizes_and_the_device_recovers",
+        &[
+            ("ASCEND_EMU_HBM", "1GiB"),
+            // The device's open makes the first aclrtMalloc (its sizing block).
+            ("ASCEND_EMU_FAIL_MALLOC_AT", "4"),
+        ],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let a = device.alloc(4096).expect("first alloc");
+            let b = device.alloc(4096).expect("second alloc");
+            let err = device
+                .alloc(8192)
+                .expect_err("the third aclrtMalloc is refused");
+            assert!(err.is_out_of_memory(), "{err}");
+            assert!(err.message.contains("8192 bytes"), "{err}");
+            assert!(err.message.contains("207001"), "{err}");
+            let c = device.alloc(8192).expect("the next alloc works");
+            let err = device.alloc(2 << 30).expect_err("more than the NPU holds");
+            assert!(err.is_out_of_memory(), "{err}");
+            assert!(
+                err.message.contains(&format!("{} bytes", 2u64 << 30)),
+                "{err}"
+            );
+            assert!(err.message.contains("of 1073741824 bytes free"), "{err}");
+            for buf in [a, b, c] {
+                device.free(buf).expect("free");
+            }
+        },
+    );
+}
+
+#[test]
+fn an_out_of_memory_waits_for_queued_frees_and_retries() {
+    isolated(
+        "an_out_of_memory_waits_for_queued_frees_and_retries",
+        &[
+            ("ASCEND_EMU_HBM", "1GiB"),
+            ("ASCEND_EMU_QUEUE_DELAY_US", "20000"),
+        ],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let big = 700 << 20;
+            let a = device.alloc(big).expect("alloc");
+            device.zero(a, 0, 1 << 20).expect("queue work on the block");
+            // Queue-ordered: the block stays until the fill is done.
+            device.free(a).expect("free");
+            let report = device.memory_report().expect("report");
+            assert_eq!(
+                report.allocated, big,
+                "a freed block counts until it is released"
+            );
+            // Does not fit beside the pending block: waits for the queue, releases, retries.
+            let b = device.alloc(big).expect("alloc after the queued free");
+            device.free(b).expect("free");
+            device.synchronize().expect("synchronize");
+            assert_eq!(device.memory_report().expect("report").allocated, 0);
+        },
+    );
+}
+
+#[test]
+fn a_failing_kernel_is_reported_at_synchronize_and_the_device_goes_on() {
+    isolated(
+        "a_failing_kernel_is_reported_at_synchronize_and_the_device_goes_on",
+        &[("ASCEND_EMU_FAIL_OP", "aclnnGelu"), ("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let err = gelu_tanh(&device, &[1.0; 16]).expect_err("the first gelu kernel fails");
+            assert_eq!(err.code, ErrorCode::INTERNAL, "{err}");
+            assert!(err.message.contains("aclrtSynchronizeStream"), "{err}");
+            assert!(
+                err.message
+                    .contains("ACL_ERROR_RT_AICORE_EXCEPTION (507015)"),
+                "{err}"
+            );
+            assert!(
+                err.message.contains("injected"),
+                "the runtime's recent message: {err}"
+            );
+            let got = gelu_tanh(&device, &[1.0]).expect("the next one works");
+            assert!((got[0] - 0.841_192).abs() < 1e-5);
+        },
+    );
+    isolated(
+        "a_failing_kernel_is_reported_at_synchronize_and_the_device_goes_on",
+        &[
+            ("ASCEND_EMU_FAIL_OP", "aclnnGelu"),
+            ("ASCEND_EMU_FAIL_OP_WHEN", "launch"),
+            ("ASCEND_EMU_HBM", HBM),
+        ],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let err = gelu_tanh(&device, &[1.0; 16]).expect_err("the launch fails");
+            assert_eq!(err.op, "activation", "reported by the call itself: {err}");
+            assert!(
+                err.message.contains("aclnnGelu failed: ACLNN_ERR_INNER"),
+                "{err}"
+            );
+            assert!(gelu_tanh(&device, &[1.0]).is_ok());
+        },
+    );
+}
+
+#[test]
+fn a_panic_inside_the_emulated_op_is_an_error_not_a_crash() {
+    for when in ["kernel", "phase1"] {
+        isolated(
+            "a_panic_inside_the_emulated_op_is_an_error_not_a_crash",
+            &[
+                ("ASCEND_EMU_PANIC_OP", "aclnnGelu"),
+                ("ASCEND_EMU_PANIC_OP_WHEN", when),
+                ("ASCEND_EMU_HBM", HBM),
+            ],
+            || {
+                use_install(Layout::Split);
+                let device = open(&plugin(), 0, &[]);
+                let err = gelu_tanh(&device, &[1.0]).expect_err("the op panics");
+                assert_eq!(err.code, ErrorCode::INTERNAL, "{err}");
+                assert!(err.message.contains("panic"), "{err}");
+                // The device still works for everything else.
+                let buf = upload_f32(&device, &[1.5, 2.5]);
+                assert_eq!(download_f32(&device, buf, 2), vec![1.5, 2.5]);
+                device.free(buf).expect("free");
+            },
+        );
+    }
+}
+
+#[test]
+fn a_large_write_is_staged_through_a_bounded_pinned_pool() {
+    isolated(
+        "a_large_write_is_staged_through_a_bounded_pinned_pool",
+        &[
+            ("ASCEND_EMU_HBM", HBM),
+            ("ASCEND_EMU_QUEUE_DELAY_US", "50000"),
+        ],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            // 640 MiB: ten staging chunks, more than the pinned pool holds.
+            let block: Vec<u8> = (0..(1usize << 20) + 7)
+                .map(|i| u8::try_from(i % 251).unwrap_or(0))
+                .collect();
+            let mut data = block.repeat(640);
+            data.truncate(640 << 20);
+            let len = data.len();
+            let buf = device.alloc(len as u64).expect("alloc");
+            device.write(buf, 0, &data).expect("write");
+            let pinned = emulator_stats(0).pinned_bytes;
+            assert!(pinned <= 256 << 20, "{pinned} bytes pinned for staging");
+            let mut back = vec![0u8; 4096];
+            for offset in [0usize, 64 << 20, len - 4096] {
+                device.read(buf, offset as u64, &mut back).expect("read");
+                assert!(back == data[offset..offset + 4096], "bytes at {offset}");
+            }
+            device.free(buf).expect("free");
+        },
+    );
+}
+
+#[test]
+fn calls_from_many_threads_set_the_context_on_each() {
+    isolated(
+        "calls_from_many_threads_set_the_context_on_each",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let buf = std::thread::scope(|s| {
+                s.spawn(|| upload_f32(&device, &[3.0, 4.0]))
+                    .join()
+                    .expect("thread")
+            });
+            let got = std::thread::scope(|s| {
+                s.spawn(|| download_f32(&device, buf, 2))
+                    .join()
+                    .expect("thread")
+            });
+            assert_eq!(got, vec![3.0, 4.0]);
+            std::thread::scope(|s| s.spawn(|| device.free(buf)).join().expect("thread"))
+                .expect("free");
+        },
+    );
+}
+
+#[test]
+fn the_310p_has_no_bf16_or_layer_norm_and_reports_ddr() {
+    isolated(
+        "the_310p_has_no_bf16_or_layer_norm_and_reports_ddr",
+        &[("ASCEND_EMU_SOC", "Ascend310P3"), ("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let desc = device.description();
+            assert!(!desc.dtypes.contains(&DType::BF16), "{:?}", desc.dtypes);
+            assert!(!device.supports(OpKind::LAYER_NORM));
+            // Rotary and attention compose from the ops the 310P has.
+            assert!(device.supports(OpKind::ROTARY));
+            let x16 = MatRef::contiguous(BufferHandle(1), 0, DType::F16, 4, 64);
+            let table = MatRef::contiguous(BufferHandle(2), 0, DType::F32, 4, 64);
+            let rotary = RotaryArgs {
+                x: x16,
+                heads: 1,
+                head_dim: 64,
+                cos: table,
+                sin: MatRef {
+                    offset: 1024,
+                    ..table
+                },
+                workspace: BufferSlice::EMPTY,
+            };
+            assert!(device.rotary_workspace(&rotary).expect("rotary") > 0);
+            assert!(device.supports(OpKind::RMS_NORM));
+            assert_eq!(desc.property("memory_kind"), Some("DDR"));
+            assert_eq!(device.mem_info().expect("mem_info").total, 4 << 30);
+            let x = MatRef::contiguous(BufferHandle(1), 0, DType::F16, 2, 8);
+            let w = MatRef::contiguous(BufferHandle(2), 0, DType::F16, 1, 8);
+            let norm = NormArgs {
+                x,
+                weight: w,
+                bias: MatRef::NONE,
+                out: x,
+                eps: 1e-6,
+                workspace: BufferSlice::EMPTY,
+            };
+            let err = device
+                .layer_norm_workspace(&norm)
+                .expect_err("no LayerNorm kernels");
+            assert_eq!(err.code, ErrorCode::UNSUPPORTED);
+            assert!(err.message.contains("310P"), "{err}");
+            let bf16 = NormArgs {
+                x: MatRef {
+                    dtype: DType::BF16,
+                    ..x
+                },
+                weight: MatRef {
+                    dtype: DType::BF16,
+                    ..w
+                },
+                out: MatRef {
+                    dtype: DType::BF16,
+                    ..x
+                },
+                ..norm
+            };
+            let err = device.rms_norm_workspace(&bf16).expect_err("no bf16");
+            assert_eq!(err.code, ErrorCode::UNSUPPORTED);
+            // f16 works, and f32 attention runs composed with cubeMathType 1.
+            let got = gelu_tanh(&device, &[1.0]).expect("gelu");
+            assert!((got[0] - 0.841_192).abs() < 1e-5);
+            let q = MatRef::contiguous(BufferHandle(1), 0, DType::F32, 3, 8);
+            let cu = [0u32, 3];
+            let attention = AttentionArgs {
+                q,
+                k: q,
+                v: q,
+                out: MatRef::contiguous(BufferHandle(2), 0, DType::F32, 3, 8),
+                heads: 1,
+                head_dim: 8,
+                scale: 0.25,
+                cu_seqlens: cu.as_slice().into(),
+                cu_seqlens_device: MatRef::vector(BufferHandle(3), 0, DType::I32, 2),
+                max_seqlen: 3,
+                workspace: BufferSlice::EMPTY,
+            };
+            assert!(device.attention_workspace(&attention).expect("attention") > 0);
+        },
+    );
+}
