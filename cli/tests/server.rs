@@ -1365,9 +1365,7 @@ async fn clients_that_hang_up_under_load_release_their_queued_and_running_work()
             "16384",
         ],
     ));
-    let served_before = server.metrics().await["steps"].as_u64().unwrap_or(0);
-    // Sixteen clients each send three large images and hang up after a moment: some while
-    // their request waits behind the two running ones, some while it runs.
+    // Sixteen clients each send three large images: two requests run, the others wait.
     let mut set = tokio::task::JoinSet::new();
     for client in 0..16u32 {
         let server = Arc::clone(&server);
@@ -1376,20 +1374,45 @@ async fn clients_that_hang_up_under_load_release_their_queued_and_running_work()
             .collect();
         set.spawn(async move {
             let body = json!({ "images": urls });
-            let wait = Duration::from_millis(50 + 25 * u64::from(client));
-            tokio::time::timeout(wait, server.post_json("/v1/encode", &body))
-                .await
-                .is_err()
+            server.post_json("/v1/encode", &body).await
         });
     }
+    // Once the engine core holds work, every client hangs up (its task is cancelled, which
+    // drops the request and closes the connection): some while running, most while queued.
+    let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT;
+    loop {
+        let in_flight = gauge(&server.memory().await, "in_flight_requests");
+        if in_flight >= 2 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the engine never held two requests"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    set.abort_all();
     let mut hung_up = 0;
-    while let Some(gave_up) = set.join_next().await {
-        hung_up += u32::from(gave_up.expect("client task"));
+    while let Some(result) = set.join_next().await {
+        match result {
+            Ok(reply) => assert_eq!(reply.status, 200, "{}", reply.text),
+            Err(err) => {
+                assert!(err.is_cancelled(), "client task: {err}");
+                hung_up += 1;
+            }
+        }
     }
     assert!(hung_up > 0, "every client was answered before hanging up");
     wait_until_idle(&server, "after the clients hung up").await;
-    let steps = server.metrics().await["steps"].as_u64().unwrap_or(0);
-    assert!(steps > served_before, "the engine ran no step at all");
+    // Requests whose clients hung up while queued were dropped, not encoded: every image the
+    // engine encoded is in the encoder cache or was evicted from it.
+    let m = server.metrics().await;
+    let encoded =
+        gauge(&m, "encoder_cache_evictions") + gauge(&m["memory"], "encoder_cache_entries");
+    assert!(
+        encoded < 48,
+        "the engine encoded {encoded} of the 48 images: hung-up requests ran anyway"
+    );
     // The server still serves, and the aborted work left nothing behind.
     let reply = server
         .encode(&json!({"images": [data_url(&png(56, 56, 8999))]}))
