@@ -1228,7 +1228,9 @@ async fn wait_until_idle(server: &Server, when: &str) {
 const BURST_SIDE: u32 = 448;
 /// The queue bound of the burst test, in requests; the token bound lets exactly as many
 /// one-image requests in.
-const BURST_BOUND: u64 = 4;
+const BURST_SEEDS: u32 = 4;
+/// [`BURST_SEEDS`] as a figure to compare with the server's.
+const BURST_BOUND: u64 = BURST_SEEDS as u64;
 /// Host bytes one admitted burst request may hold at its peak: body, base64 text, encoded and
 /// decoded image, the resized image and its patch rows, with room for the allocator's rounding.
 const BURST_BYTES_PER_REQUEST: u64 = 16 << 20;
@@ -1268,7 +1270,7 @@ async fn a_burst_of_ten_times_the_queue_bound_gets_503_with_retry_after_and_boun
     // allocator's blocks for such a batch exist before the baseline (no reset after it: the
     // CPU device's memory is host memory, and is measured apart below).
     let mut warm = tokio::task::JoinSet::new();
-    for seed in 0..BURST_BOUND as u32 {
+    for seed in 0..BURST_SEEDS {
         let server = Arc::clone(&server);
         let body = body(5000 + seed);
         warm.spawn(async move { server.encode(&body).await });
@@ -1276,9 +1278,7 @@ async fn a_burst_of_ten_times_the_queue_bound_gets_503_with_retry_after_and_boun
     while let Some(done) = warm.join_next().await {
         done.expect("warm-up request");
     }
-    let burst: Vec<Value> = (0..10 * BURST_BOUND as u32)
-        .map(|i| body(6000 + i))
-        .collect();
+    let burst: Vec<Value> = (0..10 * BURST_SEEDS).map(|i| body(6000 + i)).collect();
     let pid = server.child.id();
     let reserved_before = gauge(
         &server.metrics().await["memory"],

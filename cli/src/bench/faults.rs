@@ -44,6 +44,14 @@ pub struct Plan {
     pub reset: bool,
 }
 
+impl Plan {
+    /// No fault.
+    pub const NONE: Plan = Plan {
+        abort_after: None,
+        reset: false,
+    };
+}
+
 /// The faults of request `index` under `seed`.
 pub fn plan(seed: u64, index: usize) -> Plan {
     let index = u64::try_from(index).unwrap_or(u64::MAX);

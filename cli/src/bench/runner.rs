@@ -245,13 +245,11 @@ pub async fn run_bench<T: BenchTarget>(
             break;
         };
         let images = workload.prompt_images(index);
-        let plan = opts
-            .inject_faults
-            .then(|| faults::plan(opts.seed, index))
-            .unwrap_or(faults::Plan {
-                abort_after: None,
-                reset: false,
-            });
+        let plan = if opts.inject_faults {
+            faults::plan(opts.seed, index)
+        } else {
+            faults::Plan::NONE
+        };
         if plan.reset {
             let target = Arc::clone(&target);
             resets.push(tokio::spawn(async move { target.reset_all().await }));

@@ -72,12 +72,7 @@ pub(crate) fn run_guarded(liveness: Arc<Liveness>, body: impl FnOnce()) {
     GUARDED.with(|g| g.borrow_mut().take());
     if let Err(payload) = result {
         // Already marked by the hook unless another hook replaced it since.
-        let message = payload
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic without a message".to_owned());
-        liveness.mark_dead(message);
+        liveness.mark_dead(panic_message(payload.as_ref()).to_owned());
     }
 }
 
@@ -92,7 +87,7 @@ fn install_hook() {
                 if let Ok(guarded) = g.try_borrow()
                     && let Some(liveness) = guarded.as_ref()
                 {
-                    let message = info.payload_as_str().unwrap_or("a panic without a message");
+                    let message = panic_message(info.payload());
                     let place = info
                         .location()
                         .map(|l| format!(" at {}:{}", l.file(), l.line()))
@@ -103,6 +98,15 @@ fn install_hook() {
             previous(info);
         }));
     });
+}
+
+/// The text a panic was raised with (`panic!` with a literal or with formatting).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
 }
 
 #[cfg(test)]
