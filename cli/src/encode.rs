@@ -17,7 +17,7 @@ use iris_core::preprocess::{DecodeLimits, preprocess};
 use iris_plugin::DType;
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 
-use crate::settings::{GlobalArgs, discover, print_stdout};
+use crate::settings::{GlobalArgs, print_stdout, registry};
 
 /// Which model to run, shared by the commands that load one.
 #[derive(Debug, Args)]
@@ -73,8 +73,7 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
     }
 
     let config = global.config()?;
-    let registry = discover(&config);
-    let device = registry.open_selected(&config)?;
+    let device = registry(&config).open_selected(&config)?;
     let device_name = format!("{} ({})", device.description().name, device.plugin().name());
     let allocator = CachingAllocator::new(Arc::new(device));
     let runner = Runner::new(Arc::clone(&allocator));

@@ -6,13 +6,15 @@ use std::future::Future;
 use anyhow::Context;
 use clap::Args;
 use iris_core::budget::{Policy, SchedulerConfig};
+use iris_core::engine::admission::{AdmissionConfig, Permit};
+use iris_core::engine::liveness::PANIC_AT_STEP_ENV;
 use iris_core::engine::{DEFAULT_PROCESSOR_CACHE_BYTES, Engine, EngineConfig};
 use iris_core::profile::DEFAULT_DEVICE_MEMORY_UTILIZATION;
 
 use crate::encode::ModelArgs;
 use crate::http::engine_api::{EncodeOptions, EngineError, ImageInput, ImageResult};
 use crate::http::{self, MetricsSnapshot, ResetReport};
-use crate::settings::{GlobalArgs, discover};
+use crate::settings::{GlobalArgs, registry};
 
 /// Flags that shape the engine (names follow vLLM's where the meaning is the same).
 #[derive(Debug, Args)]
@@ -43,6 +45,15 @@ pub struct EngineArgs {
     /// Processor cache size in GiB of preprocessed pixels (0 disables it).
     #[arg(long, default_value_t = DEFAULT_PROCESSOR_CACHE_BYTES as f64 / f64::from(1u32 << 30))]
     pub mm_processor_cache_gb: f64,
+    /// Most requests admitted and not finished (preprocessing, queued or running); more get
+    /// 503 `overloaded` with `Retry-After`. Default: 2 x --max-num-seqs.
+    #[arg(long, value_name = "N")]
+    pub max_queued_requests: Option<u64>,
+    /// Most embedding tokens of images admitted and not finished (estimated from the image
+    /// headers, before decoding); more get 503 `overloaded`. A request alone is always
+    /// admitted. Default: 4 x --max-num-batched-tokens.
+    #[arg(long, value_name = "TOKENS")]
+    pub max_pending_tokens: Option<u64>,
 }
 
 impl EngineArgs {
@@ -75,6 +86,11 @@ impl EngineArgs {
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let bytes = (gib * f64::from(1u32 << 30)) as u64;
         config.processor_cache_bytes = bytes;
+        config.admission = AdmissionConfig {
+            max_queued_requests: self.max_queued_requests,
+            max_pending_tokens: self.max_pending_tokens,
+        };
+        config.panic_at_step = panic_at_step_from_env()?;
         Ok(config)
     }
 
@@ -83,13 +99,51 @@ impl EngineArgs {
     /// # Errors
     /// Configuration, device selection or start-up failures, with the numbers.
     pub fn start(&self, global: &GlobalArgs) -> anyhow::Result<Engine> {
+        self.start_with(global, |_| {})
+    }
+
+    /// [`EngineArgs::start`] with the resolved configuration adjusted first (e.g. a device's
+    /// fault options for `iris bench --inject-faults`).
+    ///
+    /// # Errors
+    /// Those of [`EngineArgs::start`].
+    pub fn start_with(
+        &self,
+        global: &GlobalArgs,
+        adjust: impl FnOnce(&mut iris_core::config::Config),
+    ) -> anyhow::Result<Engine> {
         let mut engine_config = self.engine_config()?;
-        let config = global.config()?;
+        let mut config = global.config()?;
+        adjust(&mut config);
         if self.scheduler_policy.is_none() {
             engine_config.scheduler.policy = config.scheduler_policy.unwrap_or_default();
         }
-        let device = discover(&config).open_selected(&config)?;
+        let admission = &mut engine_config.admission;
+        admission.max_queued_requests = admission
+            .max_queued_requests
+            .or(config.admission.max_queued_requests);
+        admission.max_pending_tokens = admission
+            .max_pending_tokens
+            .or(config.admission.max_pending_tokens);
+        let device = registry(&config).open_selected(&config)?;
         Engine::start(engine_config, device).context("the engine did not start")
+    }
+}
+
+/// The fault-injection step of [`PANIC_AT_STEP_ENV`], when set.
+fn panic_at_step_from_env() -> anyhow::Result<Option<u64>> {
+    match std::env::var(PANIC_AT_STEP_ENV) {
+        Ok(value) if !value.trim().is_empty() => {
+            let step = value.trim().parse::<u64>().ok().filter(|s| *s > 0);
+            let step = step.with_context(|| {
+                format!("{PANIC_AT_STEP_ENV} must be a step number from 1, got {value:?}")
+            })?;
+            eprintln!(
+                "iris: fault injection: the engine core will panic at step {step} ({PANIC_AT_STEP_ENV})"
+            );
+            Ok(Some(step))
+        }
+        _ => Ok(None),
     }
 }
 
@@ -113,29 +167,53 @@ pub fn startup_line(engine: &Engine) -> String {
     )
 }
 
+/// Runs a reset only on a live engine, and reports an error rather than the zeros the engine's
+/// reset answers when its core died during the call (the liveness flag is set before the core
+/// unwinds, so checking after the call is enough).
+async fn checked_reset(
+    engine: &Engine,
+    reset: impl Future<Output = ResetReport>,
+) -> Result<ResetReport, EngineError> {
+    engine.health()?;
+    let report = reset.await;
+    engine.health()?;
+    Ok(report)
+}
+
 impl http::Engine for Engine {
+    type Permit = Permit;
+
+    fn admit(&self) -> Result<Permit, EngineError> {
+        Engine::admit(self)
+    }
+
     fn encode(
         &self,
+        permit: Permit,
         images: Vec<ImageInput>,
         opts: EncodeOptions,
     ) -> impl Future<Output = Result<Vec<ImageResult>, EngineError>> + Send {
-        Engine::encode(self, images, opts)
+        Engine::encode_admitted(self, permit, images, opts)
     }
 
-    fn reset_mm_cache(&self) -> impl Future<Output = ResetReport> + Send {
-        std::future::ready(Engine::reset_mm_cache(self))
+    fn health(&self) -> Result<(), EngineError> {
+        Engine::health(self)
     }
 
-    fn reset_encoder_cache(&self) -> impl Future<Output = ResetReport> + Send {
-        Engine::reset_encoder_cache(self)
+    fn reset_mm_cache(&self) -> impl Future<Output = Result<ResetReport, EngineError>> + Send {
+        checked_reset(self, std::future::ready(Engine::reset_mm_cache(self)))
     }
 
-    fn reset_allocator(&self) -> impl Future<Output = ResetReport> + Send {
-        Engine::reset_allocator(self)
+    fn reset_encoder_cache(&self) -> impl Future<Output = Result<ResetReport, EngineError>> + Send {
+        checked_reset(self, Engine::reset_encoder_cache(self))
     }
 
-    fn reset_all(&self) -> impl Future<Output = ResetReport> + Send {
-        Engine::reset_all(self)
+    fn reset_allocator(&self) -> impl Future<Output = Result<ResetReport, EngineError>> + Send {
+        checked_reset(self, Engine::reset_allocator(self))
+    }
+
+    fn reset_all(&self) -> impl Future<Output = Result<ResetReport, EngineError>> + Send {
+        checked_reset(self, Engine::reset_all(self))
     }
 
     fn sleep(&self, level: u8) -> impl Future<Output = Result<ResetReport, EngineError>> + Send {

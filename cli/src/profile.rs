@@ -11,7 +11,7 @@ use iris_core::memory::CachingAllocator;
 use iris_core::profile::{DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileRequest, profile_startup};
 
 use crate::encode::ModelArgs;
-use crate::settings::{GlobalArgs, discover, print_stdout};
+use crate::settings::{GlobalArgs, print_stdout, registry};
 
 /// Arguments of `iris profile`.
 #[derive(Debug, Args)]
@@ -48,7 +48,7 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
         ..SchedulerConfig::default()
     };
     let config = global.config()?;
-    let device = discover(&config).open_selected(&config)?;
+    let device = registry(&config).open_selected(&config)?;
     let device_name = format!("{} ({})", device.description().name, device.plugin().name());
     let allocator = CachingAllocator::new(Arc::new(device));
     let request = ProfileRequest {

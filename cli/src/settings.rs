@@ -44,9 +44,16 @@ pub fn builtins() -> Vec<Plugin> {
     vec![Plugin::builtin(iris_device_cpu::plugin_root())]
 }
 
-/// A registry of the built-ins and every library on the config's search path.
+/// A registry of the built-ins and every library on the config's search path, each loaded:
+/// for `iris devices`, which shows them all.
 pub fn discover(config: &Config) -> Registry {
     Registry::discover(builtins(), config.search_path())
+}
+
+/// A registry for selecting one device: the built-ins, with libraries loaded only when the
+/// device spec needs them (`--device cpu` opens no vendor library).
+pub fn registry(config: &Config) -> Registry {
+    Registry::new(builtins(), config.search_path())
 }
 
 /// Writes `text` to standard output. A closed pipe (`iris devices | head`) is not an error:

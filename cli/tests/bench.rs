@@ -74,7 +74,7 @@ impl Drop for Server {
 
 fn serve(dir: &Path) -> (Server, String) {
     let (child, url) =
-        common::spawn_serve(dir, &[], Stdio::null()).unwrap_or_else(|err| panic!("{err}"));
+        common::spawn_serve(dir, &[], &[], Stdio::null()).unwrap_or_else(|err| panic!("{err}"));
     (Server(child), url)
 }
 
@@ -131,4 +131,66 @@ fn in_process_and_url_runs_agree_and_return_memory_to_the_baseline() {
         assert!(svg.contains("after reset"));
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+#[test]
+fn inject_faults_soaks_the_engine_and_counts_every_request() {
+    let dir = folder("faults");
+    let json = dir.join("result.json");
+    let output = iris(&dir)
+        .arg("bench")
+        .args(ENGINE)
+        .args([
+            "--inject-faults",
+            "--num-prompts",
+            "100",
+            "--images-per-prompt",
+            "1",
+            "--image-size",
+            "56x56,112x84",
+            "--repeat-ratio",
+            "0.3",
+            "--request-rate",
+            "inf",
+            "--max-concurrency",
+            "8",
+            "--no-progress",
+        ])
+        .arg("--result-json")
+        .arg(&json)
+        .output()
+        .expect("iris bench runs");
+    let text = stdout(&output);
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap_or_else(|err| {
+        panic!(
+            "no result JSON ({err}); stdout:\n{text}\nstderr:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    }))
+    .expect("result JSON parses");
+    assert!(output.status.success(), "{text}");
+    let faults = &v["faults"];
+    let count = |key: &str| {
+        faults[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("faults.{key} in {faults}"))
+    };
+    assert_eq!(count("unexpected"), 0, "{faults}");
+    assert_eq!(count("failed_resets"), 0, "{faults}");
+    assert_eq!(
+        count("answered") + count("aborted") + count("overloaded") + count("injected"),
+        100,
+        "every request is counted once: {faults}"
+    );
+    assert!(count("answered") > 0, "{faults}");
+    assert!(
+        count("resets") > 0,
+        "the seeded plan resets during the load: {faults}"
+    );
+    assert_eq!(v["leaked_bytes"], 0, "{v}");
+    assert!(
+        text.contains("every fault handled (no unexpected error): yes"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

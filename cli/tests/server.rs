@@ -44,6 +44,8 @@ struct Reply {
     status: u16,
     text: String,
     json: Value,
+    /// The `Retry-After` header, when sent.
+    retry_after: Option<String>,
 }
 
 impl Reply {
@@ -58,17 +60,23 @@ impl Server {
     /// Starts `iris serve --port 0` with the tiny model and `extra` flags, and waits for its
     /// `listening on` line.
     fn start(name: &str, extra: &[&str]) -> Server {
+        Server::start_env(name, extra, &[])
+    }
+
+    /// [`Server::start`] with environment variables set for the server.
+    fn start_env(name: &str, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let dir = std::env::temp_dir().join(format!("iris-server-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("temp folder");
         let stderr_path = dir.join("stderr.txt");
         let stderr = std::fs::File::create(&stderr_path).expect("stderr file");
-        let (child, base) = common::spawn_serve(&dir, extra, stderr.into()).unwrap_or_else(|err| {
-            panic!(
-                "{err}; stderr:\n{}",
-                std::fs::read_to_string(&stderr_path).unwrap_or_default()
-            )
-        });
+        let (child, base) =
+            common::spawn_serve(&dir, extra, env, stderr.into()).unwrap_or_else(|err| {
+                panic!(
+                    "{err}; stderr:\n{}",
+                    std::fs::read_to_string(&stderr_path).unwrap_or_default()
+                )
+            });
         assert!(
             base.starts_with("http://127.0.0.1:"),
             "listens on loopback: {base}"
@@ -106,16 +114,25 @@ impl Server {
         let exchange = async {
             let response = self.client.request(request).await?;
             let status = response.status().as_u16();
+            let retry_after = response
+                .headers()
+                .get(header::RETRY_AFTER)
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
             let bytes = response.into_body().collect().await?.to_bytes();
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((status, bytes))
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((status, retry_after, bytes))
         };
-        let (status, bytes) = tokio::time::timeout(REQUEST_TIMEOUT, exchange)
+        let (status, retry_after, bytes) = tokio::time::timeout(REQUEST_TIMEOUT, exchange)
             .await
             .unwrap_or_else(|_| panic!("{method} {path} timed out"))
             .unwrap_or_else(|err| panic!("{method} {path} failed: {err}"));
         let text = String::from_utf8_lossy(&bytes).into_owned();
         let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        Reply { status, text, json }
+        Reply {
+            status,
+            text,
+            json,
+            retry_after,
+        }
     }
 
     async fn request(&self, method: Method, path: &str, body: Vec<u8>) -> Reply {
@@ -1141,4 +1158,402 @@ async fn sleep_under_load_refuses_or_finishes_every_request() {
         .await;
     let memory = server.memory().await;
     assert_eq!(memory["in_flight_requests"], 0, "{memory:#}");
+}
+
+/// Resident memory of process `pid`, in bytes (`VmRSS` of /proc/PID/status).
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc status");
+    kib * 1024
+}
+
+/// Samples a process's resident memory every few milliseconds until stopped; the peak.
+struct RssPeak {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl RssPeak {
+    fn start(pid: u32) -> RssPeak {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut peak = rss_bytes(pid);
+            while !flag.load(Ordering::SeqCst) {
+                peak = peak.max(rss_bytes(pid));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            peak.max(rss_bytes(pid))
+        });
+        RssPeak { stop, thread }
+    }
+
+    fn stop(self) -> u64 {
+        self.stop.store(true, Ordering::SeqCst);
+        self.thread.join().expect("the sampler ends")
+    }
+}
+
+/// The `admission` figures of `GET /memory`'s metrics.
+async fn admission(server: &Server) -> Value {
+    server.metrics().await["admission"].clone()
+}
+
+/// Polls `GET /memory` until no request is pending or in flight (aborted requests are released
+/// by the engine core between steps); fails after [`REQUEST_TIMEOUT`].
+async fn wait_until_idle(server: &Server, when: &str) {
+    let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT;
+    loop {
+        let memory = server.memory().await;
+        let pending = gauge(&memory["metrics"]["admission"], "pending_requests");
+        let in_flight = gauge(&memory, "in_flight_requests");
+        if pending == 0 && in_flight == 0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{when}: {pending} requests still pending, {in_flight} in flight: {memory:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Side of the burst's images: 448 x 448 is 256 embedding tokens and 4.8 MB of preprocessed
+/// rows (1024 patches x 1176 f32) per image, so that work held beyond the bound would show in
+/// the server's resident memory.
+const BURST_SIDE: u32 = 448;
+/// The queue bound of the burst test, in requests; the token bound lets exactly as many
+/// one-image requests in.
+const BURST_SEEDS: u32 = 4;
+/// [`BURST_SEEDS`] as a figure to compare with the server's.
+const BURST_BOUND: u64 = BURST_SEEDS as u64;
+/// Host bytes one admitted burst request may hold at its peak: body, base64 text, encoded and
+/// decoded image, the resized image and its patch rows, with room for the allocator's rounding.
+const BURST_BYTES_PER_REQUEST: u64 = 16 << 20;
+/// Resident memory the server may gain for reasons other than held requests: connection
+/// buffers and the stacks and allocator arenas of the threads a burst wakes.
+const BURST_SLACK: u64 = 64 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_of_ten_times_the_queue_bound_gets_503_with_retry_after_and_bounded_memory() {
+    let tokens = (BURST_BOUND * 256).to_string();
+    let bound = BURST_BOUND.to_string();
+    let server = Arc::new(Server::start(
+        "burst",
+        &[
+            "--max-queued-requests",
+            &bound,
+            "--max-pending-tokens",
+            &tokens,
+            // No processor cache: its (bounded, wanted) growth is not what is measured here.
+            "--mm-processor-cache-gb",
+            "0",
+        ],
+    ));
+    let limits = admission(&server).await;
+    assert_eq!(
+        gauge(&limits, "max_queued_requests"),
+        BURST_BOUND,
+        "{limits}"
+    );
+    assert_eq!(
+        gauge(&limits, "max_pending_tokens"),
+        BURST_BOUND * 256,
+        "{limits}"
+    );
+    let body = |seed: u32| json!({"images": [data_url(&png(BURST_SIDE, BURST_SIDE, seed))]});
+    // Warm up with as many requests as the bound lets in at once, so that threads and the
+    // allocator's blocks for such a batch exist before the baseline (no reset after it: the
+    // CPU device's memory is host memory, and is measured apart below).
+    let mut warm = tokio::task::JoinSet::new();
+    for seed in 0..BURST_SEEDS {
+        let server = Arc::clone(&server);
+        let body = body(5000 + seed);
+        warm.spawn(async move { server.encode(&body).await });
+    }
+    while let Some(done) = warm.join_next().await {
+        done.expect("warm-up request");
+    }
+    let burst: Vec<Value> = (0..10 * BURST_SEEDS).map(|i| body(6000 + i)).collect();
+    let pid = server.child.id();
+    let reserved_before = gauge(
+        &server.metrics().await["memory"],
+        "allocator_reserved_bytes",
+    );
+    let baseline = rss_bytes(pid);
+    let sampler = RssPeak::start(pid);
+    let mut set = tokio::task::JoinSet::new();
+    for body in burst {
+        let server = Arc::clone(&server);
+        set.spawn(async move { server.post_json("/v1/encode", &body).await });
+    }
+    let mut answered = 0;
+    let mut refused = 0;
+    while let Some(reply) = set.join_next().await {
+        let reply = reply.expect("client task");
+        match reply.status {
+            200 => answered += 1,
+            503 => {
+                refused += 1;
+                assert_eq!(reply.json["error"]["code"], "overloaded", "{}", reply.text);
+                assert_eq!(reply.retry_after.as_deref(), Some("1"), "{}", reply.text);
+            }
+            other => panic!("burst: HTTP {other}: {}", reply.text),
+        }
+    }
+    let peak = sampler.stop();
+    assert!(answered >= 1, "nothing was served ({refused} refused)");
+    assert!(refused >= 1, "a burst of 10x the bound got no 503");
+    let figures = admission(&server).await;
+    assert!(
+        gauge(&figures, "peak_pending_requests") <= BURST_BOUND,
+        "the request bound was passed: {figures}"
+    );
+    assert!(
+        gauge(&figures, "peak_pending_tokens") <= BURST_BOUND * 256,
+        "the token bound was passed: {figures}"
+    );
+    assert_eq!(gauge(&figures, "rejected_requests"), refused, "{figures}");
+    // The CPU device's buffers are host memory too, bounded by the device budget rather than
+    // by backpressure: whatever the allocator reserved beyond the warm-up is allowed on top.
+    let reserved_after = gauge(
+        &server.metrics().await["memory"],
+        "allocator_reserved_bytes",
+    );
+    let device_growth = reserved_after.saturating_sub(reserved_before);
+    let growth = peak.saturating_sub(baseline);
+    let allowance = BURST_BOUND * BURST_BYTES_PER_REQUEST + BURST_SLACK + device_growth;
+    assert!(
+        growth <= allowance,
+        "resident memory grew by {growth} bytes during a burst of {} requests (baseline \
+         {baseline}, peak {peak}, device reserve +{device_growth}); the bound of \
+         {BURST_BOUND} requests allows {allowance}",
+        10 * BURST_BOUND
+    );
+    eprintln!(
+        "burst: {answered} answered, {refused} refused; resident memory +{} MiB at peak \
+         (allowance {} MiB)",
+        growth >> 20,
+        allowance >> 20
+    );
+
+    // Right after: served normally, and nothing held.
+    let after = server.encode(&body(7000)).await;
+    assert_eq!(after["images"][0]["num_tokens"], 256, "{after}");
+    wait_until_idle(&server, "after the burst").await;
+    server.post("/reset_all").await.expect(200, "reset_all");
+    server.assert_at_after_start("after the burst").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn clients_that_hang_up_under_load_release_their_queued_and_running_work() {
+    let server = Arc::new(Server::start(
+        "hang-up",
+        &[
+            "--mm-processor-cache-gb",
+            "0",
+            "--max-num-seqs",
+            "2",
+            // Every client is admitted: this test is about hanging up, not about refusals.
+            "--max-queued-requests",
+            "16",
+            "--max-pending-tokens",
+            "16384",
+        ],
+    ));
+    // Sixteen clients each send three large images: two requests run, the others wait.
+    let mut set = tokio::task::JoinSet::new();
+    for client in 0..16u32 {
+        let server = Arc::clone(&server);
+        let urls: Vec<String> = (0..3)
+            .map(|i| data_url(&png(BURST_SIDE, BURST_SIDE, 8000 + client * 3 + i)))
+            .collect();
+        set.spawn(async move {
+            let body = json!({ "images": urls });
+            server.post_json("/v1/encode", &body).await
+        });
+    }
+    // Once the engine core holds work, every client hangs up (its task is cancelled, which
+    // drops the request and closes the connection): some while running, most while queued.
+    let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT;
+    loop {
+        let in_flight = gauge(&server.memory().await, "in_flight_requests");
+        if in_flight >= 2 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the engine never held two requests"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    set.abort_all();
+    let mut hung_up = 0;
+    while let Some(result) = set.join_next().await {
+        match result {
+            Ok(reply) => assert_eq!(reply.status, 200, "{}", reply.text),
+            Err(err) => {
+                assert!(err.is_cancelled(), "client task: {err}");
+                hung_up += 1;
+            }
+        }
+    }
+    assert!(hung_up > 0, "every client was answered before hanging up");
+    wait_until_idle(&server, "after the clients hung up").await;
+    // Requests whose clients hung up while queued were dropped, not encoded: every image the
+    // engine encoded is in the encoder cache or was evicted from it.
+    let m = server.metrics().await;
+    let encoded =
+        gauge(&m, "encoder_cache_evictions") + gauge(&m["memory"], "encoder_cache_entries");
+    assert!(
+        encoded < 48,
+        "the engine encoded {encoded} of the 48 images: hung-up requests ran anyway"
+    );
+    // The server still serves, and the aborted work left nothing behind.
+    let reply = server
+        .encode(&json!({"images": [data_url(&png(56, 56, 8999))]}))
+        .await;
+    assert_eq!(reply["images"][0]["num_tokens"], 4, "{reply}");
+    server.post("/reset_all").await.expect(200, "reset_all");
+    server
+        .assert_at_after_start("after the clients hung up")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_of_the_engine_core_fails_in_flight_requests_and_turns_every_route_503() {
+    let server = Server::start_env("panic", &[], &[("IRIS_ENGINE_PANIC_AT_STEP", "3")]);
+    server
+        .get("/health")
+        .await
+        .expect(200, "health before the fault");
+    // Requests one at a time: those served before step 3 succeed, the one running in step 3
+    // dies with the engine core.
+    let mut served = 0;
+    let failed = loop {
+        let reply = server
+            .post_json(
+                "/v1/encode",
+                &json!({"images": [data_url(&png(56, 56, 9000 + served))]}),
+            )
+            .await;
+        if reply.status != 200 || served == 3 {
+            break reply;
+        }
+        served += 1;
+    };
+    let failed_at = std::time::Instant::now();
+    assert!(
+        served >= 1,
+        "the first request was already lost: {}",
+        failed.text
+    );
+    assert_eq!(failed.status, 500, "the request in flight: {}", failed.text);
+    assert!(
+        failed.text.contains("panicked") && failed.text.contains("injected fault"),
+        "{}",
+        failed.text
+    );
+    let health = server.get("/health").await;
+    let seen_after = failed_at.elapsed();
+    assert_eq!(
+        health.status, 503,
+        "/health after the panic: {}",
+        health.text
+    );
+    assert_eq!(
+        health.json["error"]["code"], "engine_dead",
+        "{}",
+        health.text
+    );
+    assert!(
+        seen_after < Duration::from_secs(1),
+        "/health answered 503 only {seen_after:?} after the failure"
+    );
+    // Every other route refuses too: no zeros from a dead engine.
+    for (method, path) in [
+        (Method::POST, "/reset_all"),
+        (Method::POST, "/reset_encoder_cache"),
+        (Method::POST, "/reset_mm_cache"),
+        (Method::POST, "/reset_allocator"),
+        (Method::GET, "/memory"),
+        (Method::GET, "/metrics"),
+        (Method::GET, "/server_info"),
+        (Method::POST, "/wake_up"),
+    ] {
+        let reply = server.request(method.clone(), path, Vec::new()).await;
+        assert_eq!(reply.status, 503, "{method} {path}: {}", reply.text);
+        assert_eq!(
+            reply.json["error"]["code"], "engine_dead",
+            "{path}: {}",
+            reply.text
+        );
+    }
+    let refused = server
+        .post_json(
+            "/v1/encode",
+            &json!({"images": [data_url(&png(56, 56, 9200))]}),
+        )
+        .await;
+    assert_eq!(refused.status, 503, "{}", refused.text);
+    assert_eq!(refused.json["error"]["code"], "engine_dead");
+    // The process is alive and said what happened.
+    let mut server = server;
+    assert!(
+        server.child.try_wait().expect("child status").is_none(),
+        "the server exited"
+    );
+    let stderr = std::fs::read_to_string(server.dir.join("stderr.txt")).unwrap_or_default();
+    assert!(
+        stderr.contains("the engine core panicked") && stderr.contains("injected fault"),
+        "{stderr}"
+    );
+}
+
+/// A plugin folder holding the `load-abort` fixture under a plugin's file name: a vendor
+/// library that kills any process that loads it.
+fn aborting_plugin_dir() -> PathBuf {
+    let deps = std::env::current_exe()
+        .expect("test binaries know their own path")
+        .parent()
+        .expect("a test binary lives in a folder")
+        .to_path_buf();
+    let dir = std::env::temp_dir().join(format!("iris-aborting-plugins-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp folder");
+    let target = dir.join(iris_plugin::loader::library_file_name("zz_broken"));
+    if !target.exists() {
+        // Copy to a unique name, then rename: tests run in parallel.
+        let partial = dir.join(format!("partial-{:?}", std::thread::current().id()));
+        std::fs::copy(deps.join("libiris_fixture_load_abort.so"), &partial)
+            .expect("fixture copied");
+        std::fs::rename(&partial, &target).expect("fixture in place");
+    }
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_vendor_library_does_not_break_a_cpu_start_nor_auto() {
+    let plugins = aborting_plugin_dir();
+    let plugins = plugins.to_str().expect("UTF-8 temp path");
+    // `--device cpu` (the common flags) with the broken library on the search path.
+    let server = Server::start("broken-plugin-cpu", &["--plugin-dir", plugins]);
+    assert_eq!(
+        server.get("/server_info").await.expect(200, "info")["plugin"],
+        "cpu"
+    );
+    drop(server);
+    // `auto` tries cuda, ascend, then cpu, which has a device: it stops there.
+    let server = Server::start_env(
+        "broken-plugin-auto",
+        &["--plugin-dir", plugins],
+        &[("IRIS_DEVICE", "auto")],
+    );
+    assert_eq!(
+        server.get("/server_info").await.expect(200, "info")["plugin"],
+        "cpu"
+    );
 }

@@ -96,6 +96,8 @@ pub struct Config {
     pub plugins: BTreeMap<String, BTreeMap<String, String>>,
     /// `[scheduler] policy`: the scheduler rules when no `--scheduler-policy` is given.
     pub scheduler_policy: Option<crate::budget::Policy>,
+    /// `[admission]`: the engine's backpressure bounds when no flag gives them.
+    pub admission: crate::engine::admission::AdmissionConfig,
 }
 
 impl Default for Config {
@@ -106,6 +108,7 @@ impl Default for Config {
             plugin_dirs: Vec::new(),
             plugins: BTreeMap::new(),
             scheduler_policy: None,
+            admission: crate::engine::admission::AdmissionConfig::default(),
         }
     }
 }
@@ -188,6 +191,7 @@ impl Config {
             "plugin_dirs",
             "plugins",
             "scheduler",
+            "admission",
         ];
         let mut config = Config::default();
         for (key, value) in table {
@@ -202,6 +206,7 @@ impl Config {
                     config.scheduler_policy =
                         section::<SchedulerSection>(origin, "scheduler", value)?.policy;
                 }
+                "admission" => config.admission = section(origin, "admission", value)?,
                 _ => return Err(unknown_key(origin, &key, KNOWN)),
             }
         }
@@ -461,6 +466,17 @@ mod tests {
         assert!(err.to_string().contains("scheduler.polcy"), "{err}");
         let err = parse("[scheduler]\npolicy = \"fifo\"").unwrap_err();
         assert!(err.to_string().contains("`progress`"), "{err}");
+    }
+
+    #[test]
+    fn admission_section() {
+        assert_eq!(parse("").unwrap().admission.max_queued_requests, None);
+        let config =
+            parse("[admission]\nmax_queued_requests = 64\nmax_pending_tokens = 9000").unwrap();
+        assert_eq!(config.admission.max_queued_requests, Some(64));
+        assert_eq!(config.admission.max_pending_tokens, Some(9000));
+        let err = parse("[admission]\nmax_queue = 1").unwrap_err();
+        assert!(err.to_string().contains("admission.max_queue"), "{err}");
     }
 
     #[test]

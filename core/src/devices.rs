@@ -9,10 +9,16 @@
 //!
 //! - a path (contains `/` or ends in `.so`): that library, loaded on its own;
 //! - `auto`: the first plugin that has devices, trying `cuda`, `ascend`, then `cpu`, then any
-//!   other plugin in registry order;
+//!   other plugin in registry order, then any other library on the search path; it stops at the
+//!   first plugin with devices;
 //! - a name: the built-in plugin of that name if there is one, else the library of that name
 //!   found on the search path. To use a library instead of a built-in of the same name, give
 //!   its path.
+//!
+//! Selecting loads no library it does not need: with [`Registry::new`] nothing is loaded up
+//! front, so `--device cpu` opens no vendor library and `auto` loads libraries one by one in
+//! its order, stopping at the first with devices. A broken vendor runtime then cannot break a
+//! start on another device. [`Registry::discover`] loads every library, for `iris devices`.
 
 use std::path::{Path, PathBuf};
 
@@ -159,31 +165,49 @@ impl Registry {
 
     fn select_auto(&self) -> Result<Plugin, DevicesError> {
         let mut names: Vec<String> = AUTO_ORDER.iter().map(|name| (*name).to_owned()).collect();
-        for entry in &self.entries {
-            if !names.contains(&entry.name) {
-                names.push(entry.name.clone());
+        let listed = self.entries.iter().map(|entry| entry.name.clone());
+        // Names only: a library is loaded when its turn comes, not before.
+        let on_path = self
+            .search
+            .discover()
+            .into_iter()
+            .filter_map(|path| iris_plugin::loader::plugin_name_of(&path));
+        for name in listed.chain(on_path) {
+            if !names.contains(&name) {
+                names.push(name);
             }
         }
         let mut tried = Vec::new();
         for name in names {
-            match self.loaded_by_name(&name) {
-                Some(plugin) => {
+            match self.auto_candidate(&name) {
+                Ok(Some(plugin)) => {
                     let probe = plugin.probe();
                     if probe.device_count > 0 {
-                        return Ok(plugin.clone());
+                        return Ok(plugin);
                     }
                     tried.push(format!("{name}: {}", probe.reason));
                 }
-                None => {
-                    if let Some(err) = self.failed_by_name(&name) {
-                        tried.push(format!("{name}: {err}"));
-                    } else if AUTO_ORDER.contains(&name.as_str()) {
-                        tried.push(format!("{name}: not installed"));
-                    }
-                }
+                Ok(None) => tried.push(format!("{name}: not installed")),
+                Err(err) => tried.push(format!("{name}: {err}")),
             }
         }
         Err(DevicesError::NoneAvailable { tried })
+    }
+
+    /// The plugin `auto` tries under `name`: already loaded, else loaded now from the search
+    /// path; `None` when no library of that name exists.
+    fn auto_candidate(&self, name: &str) -> Result<Option<Plugin>, String> {
+        if let Some(plugin) = self.loaded_by_name(name) {
+            return Ok(Some(plugin.clone()));
+        }
+        if let Some(err) = self.failed_by_name(name) {
+            return Err(err.to_string());
+        }
+        match self.search.find(name) {
+            Ok(path) => load_library(&path).map(Some).map_err(|err| err.to_string()),
+            Err(LoadError::NotFound { .. }) => Ok(None),
+            Err(err) => Err(err.to_string()),
+        }
     }
 
     fn by_name(&self, name: &str) -> Result<Plugin, DevicesError> {

@@ -11,6 +11,7 @@
 //! [`BenchArgs`] holds the flags; [`BenchArgs::workload_spec`] and [`BenchArgs::run_options`]
 //! turn them into the runner's inputs, and [`finish`] prints and writes the results.
 
+pub mod faults;
 pub mod plot;
 pub mod report;
 pub mod runner;
@@ -75,6 +76,11 @@ pub struct BenchArgs {
     /// Do not draw the progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Soak the engine with faults while the load runs: clients that hang up, resets in the
+    /// middle, and (in process on the CPU device) injected out-of-memory. Counts answered,
+    /// expected and unexpected errors; exits 1 on an unexpected error or leaked bytes.
+    #[arg(long)]
+    pub inject_faults: bool,
 }
 
 impl BenchArgs {
@@ -104,6 +110,7 @@ impl BenchArgs {
             seed: self.seed,
             sample_interval: std::time::Duration::from_millis(self.sample_interval_ms),
             show_progress: !self.no_progress,
+            inject_faults: self.inject_faults,
         }
     }
 }
@@ -163,13 +170,28 @@ pub fn run(
     let code = match &args.bench.url {
         Some(url) => runtime.block_on(run_against_url(url, &args.bench))?,
         None => {
-            let engine = std::sync::Arc::new(args.engine.start(global)?);
+            let engine = if args.bench.inject_faults {
+                std::sync::Arc::new(args.engine.start_with(global, inject_cpu_faults)?)
+            } else {
+                std::sync::Arc::new(args.engine.start(global)?)
+            };
             eprintln!("{}", crate::engine::startup_line(&engine));
             let target = std::sync::Arc::new(runner::InProcessTarget::new(engine));
             runtime.block_on(run_against(target, &args.bench))?
         }
     };
     Ok(std::process::ExitCode::from(code))
+}
+
+/// Adds the CPU device's out-of-memory fault option (see [`faults`]) unless the config sets
+/// its own.
+fn inject_cpu_faults(config: &mut iris_core::config::Config) {
+    config
+        .plugins
+        .entry("cpu".to_owned())
+        .or_default()
+        .entry("fail_alloc_every".to_owned())
+        .or_insert_with(|| faults::CPU_FAIL_ALLOC_EVERY.to_string());
 }
 
 /// Runs the bench against `target` and finishes it (see [`finish`]).

@@ -10,6 +10,7 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
+use super::faults::FaultReport;
 use super::stats::RunStats;
 use crate::http::MemoryGauges;
 
@@ -242,6 +243,8 @@ pub struct BenchReport {
     pub cache: CacheStats,
     /// Step time and the engine's share of it.
     pub steps: StepStats,
+    /// With `--inject-faults`: how the engine took them.
+    pub faults: Option<FaultReport>,
     /// The four checkpoints.
     pub memory: MemoryCheckpoints,
     /// The verdict.
@@ -253,9 +256,11 @@ pub struct BenchReport {
 }
 
 impl BenchReport {
-    /// The process exit status: 1 when memory does not return to the baseline, else 0.
+    /// The process exit status: 1 when memory does not return to the baseline or, with
+    /// `--inject-faults`, when a fault was not handled; else 0.
     pub fn exit_code(&self) -> u8 {
-        u8::from(!self.verdict.returned)
+        let faults_handled = self.faults.as_ref().is_none_or(FaultReport::passed);
+        u8::from(!self.verdict.returned || !faults_handled)
     }
 
     /// The `--result-json` document.
@@ -293,6 +298,7 @@ impl BenchReport {
             "memory_returned_to_baseline": self.verdict.returned,
             "leaked_bytes": self.verdict.leaked_bytes,
             "timeline": self.timeline,
+            "faults": self.faults,
         })
     }
 
@@ -365,6 +371,9 @@ impl BenchReport {
             st.encoder_time_s,
             st.overhead_share * 100.0
         );
+        if let Some(faults) = &self.faults {
+            out.push_str(&faults.render_text());
+        }
         out.push('\n');
         out.push_str(&memory_table(&self.memory));
         out.push('\n');
@@ -539,6 +548,7 @@ mod tests {
                 seed: 0,
             },
             stats: summarize(&outcomes, Duration::from_secs(1)),
+            faults: None,
             cache: CacheStats::default(),
             steps: StepStats::default(),
             verdict: verdict(&memory),

@@ -24,6 +24,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
+use super::faults;
 use super::report::{
     BenchReport, CacheStats, EngineCounters, MemoryCheckpoints, MemoryPoint, RunInfo, StepStats,
     TimedPoint, verdict,
@@ -31,7 +32,7 @@ use super::report::{
 use super::stats::{RequestOutcome, summarize};
 use super::workload::{EncodedImage, RequestRate, Workload, arrival_offsets};
 use crate::http::MetricsSnapshot;
-use crate::http::engine_api::{EncodeOptions, Engine, ImageInput};
+use crate::http::engine_api::{EncodeOptions, Engine, EngineError, ImageInput};
 
 /// Default interval between memory samples during the load.
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
@@ -100,6 +101,9 @@ pub enum TargetError {
     /// The engine refused or failed (in-process targets).
     #[error("engine: {0}")]
     Engine(String),
+    /// The client gave up on the request (`--inject-faults`).
+    #[error("{}", super::faults::ABORTED)]
+    Aborted,
 }
 
 /// Why a bench run stopped before producing a report.
@@ -166,6 +170,8 @@ pub struct RunOptions {
     pub sample_interval: Duration,
     /// Draw a progress bar on stderr (drawn only when stderr is a terminal).
     pub show_progress: bool,
+    /// Abandon and reset at random while the load runs ([`super::faults`]).
+    pub inject_faults: bool,
 }
 
 impl Default for RunOptions {
@@ -176,6 +182,7 @@ impl Default for RunOptions {
             seed: 0,
             sample_interval: DEFAULT_SAMPLE_INTERVAL,
             show_progress: true,
+            inject_faults: false,
         }
     }
 }
@@ -230,6 +237,7 @@ pub async fn run_bench<T: BenchTarget>(
     ));
     let offsets = arrival_offsets(num_prompts, opts.request_rate, opts.seed);
     let mut tasks = Vec::with_capacity(num_prompts);
+    let mut resets = Vec::new();
     for (index, offset) in offsets.into_iter().enumerate() {
         tokio::time::sleep_until((start + offset).into()).await;
         // The semaphore is never closed, so acquiring can only succeed.
@@ -237,12 +245,27 @@ pub async fn run_bench<T: BenchTarget>(
             break;
         };
         let images = workload.prompt_images(index);
+        let plan = if opts.inject_faults {
+            faults::plan(opts.seed, index)
+        } else {
+            faults::Plan::NONE
+        };
+        if plan.reset {
+            let target = Arc::clone(&target);
+            resets.push(tokio::spawn(async move { target.reset_all().await }));
+        }
         let target = Arc::clone(&target);
         let progress = progress.clone();
         tasks.push(tokio::spawn(async move {
             let count = u64::try_from(images.len()).unwrap_or(u64::MAX);
             let sent = Instant::now();
-            let result = target.encode(images).await;
+            let result = match plan.abort_after {
+                // Dropping the call is the client hanging up.
+                Some(after) => tokio::time::timeout(after, target.encode(images))
+                    .await
+                    .unwrap_or(Err(TargetError::Aborted)),
+                None => target.encode(images).await,
+            };
             let latency = sent.elapsed();
             drop(permit);
             progress.inc(1);
@@ -258,6 +281,13 @@ pub async fn run_bench<T: BenchTarget>(
             cached_images: 0,
             error: Some(format!("request task failed: {err}")),
         }));
+    }
+    let mut reset_results = Vec::with_capacity(resets.len());
+    for reset in resets {
+        reset_results.push(match reset.await {
+            Ok(result) => result.map_err(|e| e.to_string()),
+            Err(err) => Err(format!("reset task failed: {err}")),
+        });
     }
     let load_duration = start.elapsed();
     progress.finish_and_clear();
@@ -321,6 +351,9 @@ pub async fn run_bench<T: BenchTarget>(
             seed: opts.seed,
         },
         stats: summarize(&outcomes, load_duration),
+        faults: opts
+            .inject_faults
+            .then(|| faults::FaultReport::new(&outcomes, &reset_results)),
         cache: CacheStats::between(&counters_before, &counters_after),
         steps: StepStats::between(&counters_before, &counters_after),
         verdict: verdict(&memory),
@@ -557,11 +590,13 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
                 bytes: img.bytes.to_vec(),
             })
             .collect();
+        let engine_error = |e: EngineError| TargetError::Engine(e.to_string());
+        let permit = self.engine.admit().map_err(engine_error)?;
         let results = self
             .engine
-            .encode(inputs, EncodeOptions::default())
+            .encode(permit, inputs, EncodeOptions::default())
             .await
-            .map_err(|e| TargetError::Engine(e.to_string()))?;
+            .map_err(engine_error)?;
         Ok(results
             .into_iter()
             .map(|r| EncodedItem {
@@ -589,8 +624,11 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
     }
 
     async fn reset_all(&self) -> Result<(), TargetError> {
-        self.engine.reset_all().await;
-        Ok(())
+        self.engine
+            .reset_all()
+            .await
+            .map(|_| ())
+            .map_err(|e| TargetError::Engine(e.to_string()))
     }
 }
 

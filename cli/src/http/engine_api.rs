@@ -13,20 +13,28 @@ pub use iris_core::engine::api::{
 
 /// The engine as the HTTP server sees it.
 pub trait Engine: Send + Sync + 'static {
-    /// Encodes `images` (one request), returning one result per image in order.
+    /// A request's hold on the engine's backpressure bounds, given back when dropped.
+    type Permit: Send + 'static;
+    /// Takes a request slot before the request body is read: `Err(Overloaded)` beyond the
+    /// engine's bounds, `Err(Dead)` once the engine died.
+    fn admit(&self) -> Result<Self::Permit, EngineError>;
+    /// Encodes `images` (one admitted request), returning one result per image in order.
     fn encode(
         &self,
+        permit: Self::Permit,
         images: Vec<ImageInput>,
         opts: EncodeOptions,
     ) -> impl Future<Output = Result<Vec<ImageResult>, EngineError>> + Send;
+    /// `Ok` while the engine can serve; `Err(Dead)` or `Err(DeviceLost)` otherwise.
+    fn health(&self) -> Result<(), EngineError>;
     /// Clears the processor cache.
-    fn reset_mm_cache(&self) -> impl Future<Output = ResetReport> + Send;
+    fn reset_mm_cache(&self) -> impl Future<Output = Result<ResetReport, EngineError>> + Send;
     /// Clears the encoder cache (manager and device buffers).
-    fn reset_encoder_cache(&self) -> impl Future<Output = ResetReport> + Send;
+    fn reset_encoder_cache(&self) -> impl Future<Output = Result<ResetReport, EngineError>> + Send;
     /// Returns the allocator's unused reserved blocks to the device.
-    fn reset_allocator(&self) -> impl Future<Output = ResetReport> + Send;
+    fn reset_allocator(&self) -> impl Future<Output = Result<ResetReport, EngineError>> + Send;
     /// All three resets, in order: processor cache, encoder cache, allocator.
-    fn reset_all(&self) -> impl Future<Output = ResetReport> + Send;
+    fn reset_all(&self) -> impl Future<Output = Result<ResetReport, EngineError>> + Send;
     /// Puts the engine to sleep at `level` 1 (weights to host) or 2 (weights discarded).
     fn sleep(&self, level: u8) -> impl Future<Output = Result<ResetReport, EngineError>> + Send;
     /// Wakes the engine up, restoring weights.

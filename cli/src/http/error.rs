@@ -1,13 +1,17 @@
 //! The one error shape every route answers with: `{"error": {"message", "type", "code"}}`.
 //!
-//! Bad input is a 4xx, refusals while sleeping or overloaded are a 503, and only faults inside
-//! iris are a 500. axum's own rejections (body too large, unknown route, wrong method) are mapped
+//! Bad input is a 4xx; refusals while sleeping (`engine_sleeping`), overloaded (`overloaded`,
+//! with `Retry-After`), with a dead engine (`engine_dead`) or a lost device (`device_lost`) are a
+//! 503; only faults inside iris are a 500. axum's own rejections (body too large, unknown route, wrong method) are mapped
 //! to the same shape so a client never has to parse plain text.
 
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 use super::engine_api::EngineError;
+
+/// `Retry-After` of a 503 `overloaded`, in seconds: queued work drains in about a step or two.
+pub const OVERLOADED_RETRY_AFTER_S: u64 = 1;
 
 /// An HTTP error response: status plus the JSON error object.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -22,6 +26,8 @@ pub struct ApiError {
     pub kind: &'static str,
     /// A stable machine-readable code, e.g. `invalid_base64`.
     pub code: &'static str,
+    /// Seconds a client should wait before retrying, sent as `Retry-After` (503 `overloaded`).
+    pub retry_after_s: Option<u64>,
 }
 
 impl ApiError {
@@ -47,6 +53,7 @@ impl ApiError {
             message: message.into(),
             kind,
             code,
+            retry_after_s: None,
         }
     }
 
@@ -57,6 +64,16 @@ impl ApiError {
             "authentication_error",
             "invalid_api_key",
             "missing or invalid API key: send `Authorization: Bearer <key>`",
+        )
+    }
+
+    /// A 503: the engine cannot serve now (`code` says why).
+    pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable_error",
+            code,
+            message,
         )
     }
 
@@ -82,18 +99,13 @@ impl From<EngineError> for ApiError {
     fn from(err: EngineError) -> Self {
         match err {
             EngineError::BadInput { message, code } => Self::bad_request(code, message),
-            EngineError::Sleeping => Self::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable_error",
-                "engine_sleeping",
-                err.to_string(),
-            ),
-            EngineError::Overloaded => Self::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable_error",
-                "overloaded",
-                err.to_string(),
-            ),
+            EngineError::Sleeping => Self::unavailable("engine_sleeping", err.to_string()),
+            EngineError::Overloaded => Self {
+                retry_after_s: Some(OVERLOADED_RETRY_AFTER_S),
+                ..Self::unavailable("overloaded", err.to_string())
+            },
+            EngineError::Dead(_) => Self::unavailable("engine_dead", err.to_string()),
+            EngineError::DeviceLost(_) => Self::unavailable("device_lost", err.to_string()),
             // Internal, and any kind a later engine adds: a fault, never the client's.
             _ => Self::internal(err.to_string()),
         }
@@ -102,6 +114,12 @@ impl From<EngineError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(seconds) = self.retry_after_s {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
     }
 }

@@ -192,6 +192,47 @@ const GAUGES: [(&str, &str, Field); 9] = [
     ),
 ];
 
+/// Backpressure counters: kept apart from the cache counters above.
+const ADMISSION_COUNTERS: [(&str, &str, Field); 1] = [(
+    "iris_requests_rejected_overloaded_total",
+    "Requests refused with 503 overloaded (beyond the queue bounds)",
+    |s| s.admission.rejected_requests,
+)];
+
+/// Backpressure gauges: what is pending against the bounds.
+const ADMISSION_GAUGES: [(&str, &str, Field); 6] = [
+    (
+        "iris_pending_requests",
+        "Requests admitted and not finished",
+        |s| s.admission.pending_requests,
+    ),
+    (
+        "iris_pending_tokens",
+        "Embedding tokens of requests admitted and not finished",
+        |s| s.admission.pending_tokens,
+    ),
+    (
+        "iris_pending_requests_peak",
+        "Most requests pending at once since start",
+        |s| s.admission.peak_pending_requests,
+    ),
+    (
+        "iris_pending_tokens_peak",
+        "Most embedding tokens pending at once since start",
+        |s| s.admission.peak_pending_tokens,
+    ),
+    (
+        "iris_max_queued_requests",
+        "Bound on pending requests",
+        |s| s.admission.max_queued_requests,
+    ),
+    (
+        "iris_max_pending_tokens",
+        "Bound on pending embedding tokens",
+        |s| s.admission.max_pending_tokens,
+    ),
+];
+
 impl<E: Engine> EngineCollector<E> {
     /// A collector over `engine`'s snapshot.
     ///
@@ -200,10 +241,12 @@ impl<E: Engine> EngineCollector<E> {
     pub fn new(engine: Arc<E>) -> Result<Self, MetricsError> {
         let counters = COUNTERS
             .iter()
+            .chain(&ADMISSION_COUNTERS)
             .map(|(name, help, f)| Ok((IntCounter::new(*name, *help)?, *f)))
             .collect::<Result<Vec<_>, prometheus::Error>>()?;
         let gauges = GAUGES
             .iter()
+            .chain(&ADMISSION_GAUGES)
             .map(|(name, help, f)| Ok((IntGauge::new(*name, *help)?, *f)))
             .collect::<Result<Vec<_>, prometheus::Error>>()?;
         let descs = counters

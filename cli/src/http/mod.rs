@@ -15,7 +15,7 @@
 //! | GET    | `/server_info`         | configuration and environment                            |
 //! | GET    | `/memory`              | the engine's memory JSON plus `metrics` (see below)      |
 //! | GET    | `/metrics`             | Prometheus text                                          |
-//! | GET    | `/health`              | `{"status": "ok"}`                                       |
+//! | GET    | `/health`              | `{"status": "ok"}`; 503 when the engine is dead or the device lost |
 //!
 //! `GET /memory` is the engine's [`Engine::memory`] object with one key added, `metrics`: the
 //! [`MetricsSnapshot`] (cache counters, memory now, before start and after start). `iris bench
@@ -24,6 +24,11 @@
 //! Every error is `{"error": {"message", "type", "code"}}` ([`ApiError`]); axum's own rejections
 //! (413, 404, 405) are mapped to it. While the engine sleeps, `POST /v1/encode` answers 503 with
 //! code `engine_sleeping`.
+//!
+//! Failure handling: beyond the engine's backpressure bounds `POST /v1/encode` answers 503
+//! `overloaded` with `Retry-After` before its body is read. Once the engine is dead (its core
+//! panicked) or its device lost, `/health` and every other route answer 503 (`engine_dead`,
+//! `device_lost`): a client never reads zeros from a dead engine.
 
 pub mod engine_api;
 pub mod error;
@@ -40,7 +45,7 @@ use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, MatchedPath, RawQuery, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, RawQuery, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -159,10 +164,14 @@ pub fn router<E: Engine>(engine: Arc<E>, config: ServerConfig) -> Result<Router,
         .route("/metrics", get(metrics_text::<E>))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
+            require_alive::<E>,
+        ))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
             require_api_key::<E>,
         ));
     let app = Router::new()
-        .route("/health", get(health))
+        .route("/health", get(health::<E>))
         .merge(protected)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -193,15 +202,25 @@ type Shared<E> = State<Arc<ServerState<E>>>;
 
 async fn encode<E: Engine>(
     State(state): Shared<E>,
-    body: Result<Bytes, BytesRejection>,
+    request: Request,
 ) -> Result<Json<Value>, ApiError> {
-    let body = body.map_err(|rejection| body_rejection(&rejection, state.limits.max_body_bytes))?;
+    // Refused before the body is read, so that a burst beyond the bounds holds no memory.
+    let permit = match state.engine.admit() {
+        Ok(permit) => permit,
+        Err(err) => return Err(refuse(request, err.into(), state.limits.max_body_bytes).await),
+    };
+    let body = Bytes::from_request(request, &state)
+        .await
+        .map_err(|rejection| body_rejection(&rejection, state.limits.max_body_bytes))?;
     let limits = state.limits;
     // Base64 and header parsing of up to max_body_bytes is CPU work: keep it off the async threads.
     let parsed = tokio::task::spawn_blocking(move || request::parse_encode_request(&body, &limits))
         .await
         .map_err(|err| ApiError::internal(format!("request parsing task failed: {err}")))??;
-    let results = state.engine.encode(parsed.images, parsed.options).await?;
+    let results = state
+        .engine
+        .encode(permit, parsed.images, parsed.options)
+        .await?;
     let cached = results.iter().filter(|r| r.cached).count();
     let cached = u64::try_from(cached).unwrap_or(u64::MAX);
     let total = u64::try_from(results.len()).unwrap_or(u64::MAX);
@@ -209,20 +228,20 @@ async fn encode<E: Engine>(
     Ok(Json(request::encode_response(&results)))
 }
 
-async fn reset_mm_cache<E: Engine>(State(state): Shared<E>) -> Json<Value> {
-    reset_json(state.engine.reset_mm_cache().await)
+async fn reset_mm_cache<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiError> {
+    Ok(reset_json(state.engine.reset_mm_cache().await?))
 }
 
-async fn reset_encoder_cache<E: Engine>(State(state): Shared<E>) -> Json<Value> {
-    reset_json(state.engine.reset_encoder_cache().await)
+async fn reset_encoder_cache<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiError> {
+    Ok(reset_json(state.engine.reset_encoder_cache().await?))
 }
 
-async fn reset_allocator<E: Engine>(State(state): Shared<E>) -> Json<Value> {
-    reset_json(state.engine.reset_allocator().await)
+async fn reset_allocator<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiError> {
+    Ok(reset_json(state.engine.reset_allocator().await?))
 }
 
-async fn reset_all<E: Engine>(State(state): Shared<E>) -> Json<Value> {
-    reset_json(state.engine.reset_all().await)
+async fn reset_all<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiError> {
+    Ok(reset_json(state.engine.reset_all().await?))
 }
 
 async fn sleep<E: Engine>(
@@ -271,8 +290,9 @@ async fn metrics_text<E: Engine>(State(state): Shared<E>) -> Result<Response, Ap
     Ok(([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], text).into_response())
 }
 
-async fn health() -> Json<Value> {
-    Json(json!({ "status": "ok" }))
+async fn health<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiError> {
+    state.engine.health()?;
+    Ok(Json(json!({ "status": "ok" })))
 }
 
 async fn not_found() -> ApiError {
@@ -310,6 +330,32 @@ async fn require_api_key<E: Engine>(
         }
     }
     next.run(req).await
+}
+
+/// Answers 503 on every route once the engine is dead or its device lost.
+async fn require_alive<E: Engine>(State(state): Shared<E>, req: Request, next: Next) -> Response {
+    match state.engine.health() {
+        Ok(()) => next.run(req).await,
+        Err(err) => refuse(req, err.into(), state.limits.max_body_bytes)
+            .await
+            .into_response(),
+    }
+}
+
+/// Reads and drops a refused request's body, a frame at a time (nothing is kept), then returns
+/// `error`. A server that answered without reading the body would close the connection with
+/// unread data, which resets it: the client could lose the answer before reading it.
+async fn refuse(request: Request, error: ApiError, limit: usize) -> ApiError {
+    use http_body_util::BodyExt as _;
+    let mut body = request.into_body();
+    let mut seen = 0usize;
+    while seen <= limit {
+        match body.frame().await {
+            Some(Ok(frame)) => seen += frame.data_ref().map_or(0, |data| data.len()),
+            _ => break,
+        }
+    }
+    error
 }
 
 async fn track_request<E: Engine>(State(state): Shared<E>, req: Request, next: Next) -> Response {

@@ -40,6 +40,8 @@ struct State {
 pub(crate) struct FakeEngine {
     state: Mutex<State>,
     sleeping: AtomicBool,
+    dead: AtomicBool,
+    overloaded: AtomicBool,
     leak_on_reset: bool,
 }
 
@@ -48,6 +50,8 @@ impl FakeEngine {
         let engine = Self {
             state: Mutex::new(State::default()),
             sleeping: AtomicBool::new(false),
+            dead: AtomicBool::new(false),
+            overloaded: AtomicBool::new(false),
             leak_on_reset,
         };
         {
@@ -59,6 +63,16 @@ impl FakeEngine {
             s.counters.after_start = gauges(&s);
         }
         engine
+    }
+
+    /// Marks the fake engine dead, as a panic of the real engine's core does.
+    pub(crate) fn kill(&self) {
+        self.dead.store(true, Ordering::SeqCst);
+    }
+
+    /// Makes admission refuse (or admit again), as the real engine does beyond its bounds.
+    pub(crate) fn set_overloaded(&self, overloaded: bool) {
+        self.overloaded.store(overloaded, Ordering::SeqCst);
     }
 
     fn encode_one(
@@ -170,8 +184,26 @@ fn merge(a: ResetReport, b: ResetReport) -> ResetReport {
 }
 
 impl Engine for FakeEngine {
+    type Permit = ();
+
+    fn admit(&self) -> Result<(), EngineError> {
+        self.health()?;
+        if self.overloaded.load(Ordering::SeqCst) {
+            return Err(EngineError::Overloaded);
+        }
+        Ok(())
+    }
+
+    fn health(&self) -> Result<(), EngineError> {
+        if self.dead.load(Ordering::SeqCst) {
+            return Err(EngineError::Dead("the fake engine was killed".to_owned()));
+        }
+        Ok(())
+    }
+
     async fn encode(
         &self,
+        (): (),
         images: Vec<ImageInput>,
         opts: EncodeOptions,
     ) -> Result<Vec<ImageResult>, EngineError> {
@@ -186,24 +218,24 @@ impl Engine for FakeEngine {
             .collect()
     }
 
-    async fn reset_mm_cache(&self) -> ResetReport {
-        Self::reset_processor(&mut self.state.lock().unwrap())
+    async fn reset_mm_cache(&self) -> Result<ResetReport, EngineError> {
+        Ok(Self::reset_processor(&mut self.state.lock().unwrap()))
     }
 
-    async fn reset_encoder_cache(&self) -> ResetReport {
-        Self::reset_encoder(&mut self.state.lock().unwrap())
+    async fn reset_encoder_cache(&self) -> Result<ResetReport, EngineError> {
+        Ok(Self::reset_encoder(&mut self.state.lock().unwrap()))
     }
 
-    async fn reset_allocator(&self) -> ResetReport {
-        self.trim(&mut self.state.lock().unwrap())
+    async fn reset_allocator(&self) -> Result<ResetReport, EngineError> {
+        Ok(self.trim(&mut self.state.lock().unwrap()))
     }
 
-    async fn reset_all(&self) -> ResetReport {
+    async fn reset_all(&self) -> Result<ResetReport, EngineError> {
         let mut s = self.state.lock().unwrap();
         let a = Self::reset_processor(&mut s);
         let b = Self::reset_encoder(&mut s);
         let c = self.trim(&mut s);
-        merge(merge(a, b), c)
+        Ok(merge(merge(a, b), c))
     }
 
     async fn sleep(&self, level: u8) -> Result<ResetReport, EngineError> {
@@ -213,7 +245,7 @@ impl Engine for FakeEngine {
                 code: "invalid_sleep_level",
             });
         }
-        let report = self.reset_all().await;
+        let report = self.reset_all().await?;
         self.sleeping.store(true, Ordering::SeqCst);
         Ok(report)
     }

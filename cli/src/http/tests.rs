@@ -387,3 +387,54 @@ async fn serve_args_bind_and_serve() {
     tx.send(()).unwrap();
     server.await.unwrap().unwrap();
 }
+
+#[tokio::test]
+async fn overloaded_encodes_get_503_with_retry_after_and_recover() {
+    let (app, engine) = app(ServerConfig::default());
+    let body = json!({"images": [url(&png(28, 28, 3))]});
+    engine.set_overloaded(true);
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri("/v1/encode")
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        resp.headers()
+            .get(header::RETRY_AFTER)
+            .map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_error_shape(&serde_json::from_slice(&bytes).unwrap(), "overloaded");
+    engine.set_overloaded(false);
+    let (status, v) = call_json(&app, Method::POST, "/v1/encode", Some(body)).await;
+    assert_eq!(status, 200, "{v}");
+}
+
+#[tokio::test]
+async fn a_dead_engine_turns_health_and_every_route_503() {
+    let (app, engine) = app(ServerConfig::default());
+    let (status, _) = call(&app, Method::GET, "/health", None, None).await;
+    assert_eq!(status, 200);
+    engine.kill();
+    for (method, path) in [
+        (Method::GET, "/health"),
+        (Method::POST, "/v1/encode"),
+        (Method::POST, "/reset_mm_cache"),
+        (Method::POST, "/reset_encoder_cache"),
+        (Method::POST, "/reset_allocator"),
+        (Method::POST, "/reset_all"),
+        (Method::POST, "/sleep"),
+        (Method::POST, "/wake_up"),
+        (Method::GET, "/is_sleeping"),
+        (Method::GET, "/server_info"),
+        (Method::GET, "/memory"),
+        (Method::GET, "/metrics"),
+    ] {
+        let (status, v) = call_json(&app, method.clone(), path, None).await;
+        assert_eq!(status, 503, "{method} {path}: {v}");
+        assert_error_shape(&v, "engine_dead");
+    }
+}

@@ -33,11 +33,17 @@ pub fn iris(dir: &Path) -> Command {
     cmd
 }
 
-/// Starts `iris serve --port 0` with [`ENGINE`] and `extra` flags, its stderr going to
+/// Starts `iris serve --port 0` with [`ENGINE`] and `extra` flags (and `env` set), its stderr going to
 /// `stderr`, and waits for its `listening on` line. Returns the child and the base URL, or
 /// what went wrong (the child is then killed).
-pub fn spawn_serve(dir: &Path, extra: &[&str], stderr: Stdio) -> Result<(Child, String), String> {
+pub fn spawn_serve(
+    dir: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+    stderr: Stdio,
+) -> Result<(Child, String), String> {
     let mut child = iris(dir)
+        .envs(env.iter().copied())
         .arg("serve")
         .args(ENGINE)
         .args(["--port", "0"])

@@ -56,6 +56,13 @@ pub enum EngineError {
     /// A fault inside iris or the device: a 500.
     #[error("internal error: {0}")]
     Internal(String),
+    /// The engine-core thread panicked and the engine refuses every call: a 503. The process
+    /// needs a restart.
+    #[error("the engine is dead: {0}")]
+    Dead(String),
+    /// The device does not answer (lost, reset, driver gone): a 503.
+    #[error("the device is unavailable: {0}")]
+    DeviceLost(String),
 }
 
 /// What a reset or sleep released, in bytes and entries.
@@ -118,10 +125,33 @@ pub struct MetricsSnapshot {
     /// Of that, time in the vision tower's forward passes, in ns.
     #[serde(default)]
     pub encoder_time_ns: u64,
+    /// Backpressure: the bounds and what is pending against them.
+    #[serde(default)]
+    pub admission: AdmissionStats,
     /// Memory now.
     pub memory: MemoryGauges,
     /// Memory before the engine loaded anything (the pre-start baseline).
     pub before_start: MemoryGauges,
     /// Memory once start-up (weights, profiling, cache set-up) finished: the post-start baseline.
     pub after_start: MemoryGauges,
+}
+
+/// The engine's admission bounds and what is pending against them: requests admitted and not
+/// finished (preprocessing, queued or running) and their embedding tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AdmissionStats {
+    /// Most requests pending at once; more are refused with 503 `overloaded`.
+    pub max_queued_requests: u64,
+    /// Most embedding tokens pending at once; more are refused with 503 `overloaded`.
+    pub max_pending_tokens: u64,
+    /// Requests pending now.
+    pub pending_requests: u64,
+    /// Embedding tokens pending now.
+    pub pending_tokens: u64,
+    /// Most requests ever pending at once since start.
+    pub peak_pending_requests: u64,
+    /// Most embedding tokens ever pending at once since start.
+    pub peak_pending_tokens: u64,
+    /// Requests refused as overloaded since start.
+    pub rejected_requests: u64,
 }

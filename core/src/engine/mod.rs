@@ -27,8 +27,16 @@
 //!   503); requests admitted before the sleep wait and finish after the wake-up.
 //! - **Abort**: dropping the future of [`Engine::encode`] (a client that hung up) aborts its
 //!   request, which releases its cache references.
+//! - **Backpressure** ([`admission`]): requests and embedding tokens between admission and the
+//!   end of a request are bounded; beyond the bounds [`Engine::admit`] and [`Engine::encode`]
+//!   refuse with [`EngineError::Overloaded`] before any image is decoded.
+//! - **Liveness** ([`liveness`]): the engine-core thread runs under a panic guard; a panic
+//!   fails the requests in flight and marks the engine dead ([`Engine::health`]), after which
+//!   every call is refused with [`EngineError::Dead`].
 
+pub mod admission;
 pub mod api;
+pub mod liveness;
 pub mod prompt;
 mod worker;
 
@@ -53,9 +61,11 @@ use crate::preprocess::{
 };
 use crate::profile::{ProfileError, ProfileRequest, StartupProfile, profile_startup};
 use crate::scheduler::Scheduler;
+use admission::{Admission, AdmissionConfig, Permit, estimate_tokens};
 use api::{
     EncodeOptions, EngineError, ImageInput, ImageResult, MemoryGauges, MetricsSnapshot, ResetReport,
 };
+use liveness::{Liveness, run_guarded};
 use prompt::{Assembly, Event, PromptLayout};
 use worker::{AddRequest, Command, Worker};
 
@@ -79,6 +89,11 @@ pub struct EngineConfig {
     pub processor_cache_bytes: u64,
     /// Decoder limits (a second line of defence behind the server's header check).
     pub decode_limits: DecodeLimits,
+    /// Backpressure bounds (defaults derived from the scheduler's budget).
+    pub admission: AdmissionConfig,
+    /// Fault injection for tests and drills: the engine-core thread panics at the start of
+    /// this step (1-based). See [`liveness::PANIC_AT_STEP_ENV`].
+    pub panic_at_step: Option<u64>,
 }
 
 impl EngineConfig {
@@ -92,6 +107,8 @@ impl EngineConfig {
             device_memory_utilization: crate::profile::DEFAULT_DEVICE_MEMORY_UTILIZATION,
             processor_cache_bytes: DEFAULT_PROCESSOR_CACHE_BYTES,
             decode_limits: DecodeLimits::default(),
+            admission: AdmissionConfig::default(),
+            panic_at_step: None,
         }
     }
 }
@@ -129,9 +146,22 @@ pub(crate) struct Shared {
     encoder_cache_capacity_tokens: AtomicU64,
     encoder_cache_free_tokens: AtomicU64,
     in_flight: AtomicU64,
+    admission: Arc<Admission>,
+    liveness: Arc<Liveness>,
+    panic_at_step: Option<u64>,
 }
 
 impl Shared {
+    /// Called by the engine core at the start of every step: the fault-injection point of
+    /// [`EngineConfig::panic_at_step`].
+    pub(crate) fn before_step(&self) {
+        if let Some(step) = self.panic_at_step
+            && self.steps.load(Ordering::Relaxed) + 1 == step
+        {
+            panic!("injected fault: {}={step}", liveness::PANIC_AT_STEP_ENV);
+        }
+    }
+
     fn processor_stats(&self) -> crate::cache::processor::ProcessorCacheStats {
         self.processor
             .lock()
@@ -196,25 +226,32 @@ impl Engine {
             encoder_cache_capacity_tokens: AtomicU64::new(0),
             encoder_cache_free_tokens: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
+            admission: Admission::new(config.admission.limits(&config.scheduler)),
+            liveness: Arc::new(Liveness::default()),
+            panic_at_step: config.panic_at_step,
         });
         let (commands, receiver) = std_mpsc::channel::<Command>();
         let (ready_tx, ready_rx) = std_mpsc::channel::<Result<StartupProfile, StartError>>();
         let thread_shared = Arc::clone(&shared);
         let thread_config = config.clone();
+        let liveness = Arc::clone(&shared.liveness);
         let thread = std::thread::Builder::new()
             .name("iris-engine-core".to_owned())
             .spawn(move || {
-                // The device, the tower and every cache live and die on this thread.
-                match start_worker(thread_shared, &thread_config) {
-                    Ok((worker, profile)) => {
-                        if ready_tx.send(Ok(profile)).is_ok() {
-                            worker.run(&receiver);
+                // The device, the tower and every cache live and die on this thread; a panic
+                // (during start-up or later) is contained here and marks the engine dead.
+                run_guarded(liveness, move || {
+                    match start_worker(thread_shared, &thread_config) {
+                        Ok((worker, profile)) => {
+                            if ready_tx.send(Ok(profile)).is_ok() {
+                                worker.run(&receiver);
+                            }
+                        }
+                        Err(err) => {
+                            let _ = ready_tx.send(Err(err));
                         }
                     }
-                    Err(err) => {
-                        let _ = ready_tx.send(Err(err));
-                    }
-                }
+                });
             })
             .map_err(|e| StartError::Thread(e.to_string()))?;
         let startup = match ready_rx.recv() {
@@ -264,18 +301,71 @@ impl Engine {
     ) -> Result<T, EngineError> {
         let (tx, rx) = oneshot::channel();
         if !self.send(make(tx)) {
-            return Err(stopped());
+            return Err(self.stopped());
         }
-        rx.await.map_err(|_| stopped())
+        rx.await.map_err(|_| self.stopped())
     }
 
-    /// Encodes one request's images; one result per image, in order.
+    /// Why the engine core is gone: dead (it panicked) or shut down.
+    fn stopped(&self) -> EngineError {
+        self.shared.liveness.check().err().unwrap_or_else(stopped)
+    }
+
+    /// Whether the engine can serve: `Err(Dead)` once the engine-core thread panicked,
+    /// `Err(DeviceLost)` when the device does not answer a memory query.
+    ///
+    /// # Errors
+    /// [`EngineError::Dead`] or [`EngineError::DeviceLost`], with the reason.
+    pub fn health(&self) -> Result<(), EngineError> {
+        self.shared.liveness.check()?;
+        self.shared
+            .allocator
+            .device()
+            .mem_info()
+            .map(|_| ())
+            .map_err(|err| EngineError::DeviceLost(err.to_string()))
+    }
+
+    /// Takes a request slot under the backpressure bounds, before the request's body is even
+    /// read; [`Engine::encode_admitted`] then charges its tokens.
+    ///
+    /// # Errors
+    /// [`EngineError::Overloaded`] beyond the request bound, [`EngineError::Dead`] once the
+    /// engine died, [`EngineError::Sleeping`] while asleep.
+    pub fn admit(&self) -> Result<Permit, EngineError> {
+        self.shared.liveness.check()?;
+        if self.is_sleeping() {
+            return Err(EngineError::Sleeping);
+        }
+        self.shared.admission.admit()
+    }
+
+    /// Encodes one request's images; one result per image, in order. Takes its own request
+    /// slot: [`Engine::admit`] then [`Engine::encode_admitted`].
+    ///
+    /// # Errors
+    /// Those of [`Engine::admit`] and [`Engine::encode_admitted`].
+    pub async fn encode(
+        &self,
+        images: Vec<ImageInput>,
+        options: EncodeOptions,
+    ) -> Result<Vec<ImageResult>, EngineError> {
+        let permit = self.admit()?;
+        self.encode_admitted(permit, images, options).await
+    }
+
+    /// Encodes one admitted request's images; one result per image, in order. The request's
+    /// tokens, estimated from the image headers, are charged to `permit` before anything is
+    /// decoded; the permit is given back when the request ends (or its future is dropped).
     ///
     /// # Errors
     /// [`EngineError::BadInput`] for an image that cannot be decoded or preprocessed (naming
-    /// it), [`EngineError::Sleeping`] while asleep, [`EngineError::Internal`] for a fault.
-    pub async fn encode(
+    /// it), [`EngineError::Overloaded`] beyond the token bound, [`EngineError::Sleeping`] while
+    /// asleep, [`EngineError::Dead`] once the engine died, [`EngineError::Internal`] for a
+    /// fault.
+    pub async fn encode_admitted(
         &self,
+        mut permit: Permit,
         images: Vec<ImageInput>,
         options: EncodeOptions,
     ) -> Result<Vec<ImageResult>, EngineError> {
@@ -285,9 +375,15 @@ impl Engine {
                 code: "no_images",
             });
         }
+        self.shared.liveness.check()?;
         if self.is_sleeping() {
             return Err(EngineError::Sleeping);
         }
+        let tokens = images
+            .iter()
+            .map(|image| estimate_tokens(&image.bytes, &self.config.decode_limits, &self.processor))
+            .sum();
+        self.shared.admission.charge(&mut permit, tokens)?;
         let shared = Arc::clone(&self.shared);
         let processor = self.processor.clone();
         let limits = self.config.decode_limits;
@@ -323,7 +419,7 @@ impl Engine {
             events,
         };
         if !self.send(Command::Add(Box::new(request))) {
-            return Err(stopped());
+            return Err(self.stopped());
         }
         let mut guard = AbortOnDrop {
             engine: self,
@@ -347,7 +443,13 @@ impl Engine {
             }
         }
         guard.armed = false;
-        Err(stopped())
+        drop(permit);
+        // The engine core dropped the request without a word: it died (a 500 for this
+        // request, which was in flight) or shut down.
+        Err(match self.shared.liveness.dead_reason() {
+            Some(reason) => EngineError::Internal(format!("the engine core panicked: {reason}")),
+            None => stopped(),
+        })
     }
 
     /// Clears the processor cache; reports the bytes released.
@@ -470,6 +572,7 @@ impl Engine {
             steps: s.steps.load(Ordering::Relaxed),
             step_time_ns: s.step_time_ns.load(Ordering::Relaxed),
             encoder_time_ns: s.encoder_time_ns.load(Ordering::Relaxed),
+            admission: s.admission.stats(),
             memory: self.gauges(),
             before_start: gauges_of_snapshot(Some(&self.startup.before_start)),
             after_start: gauges_of_snapshot(Some(&self.startup.after_start)),
@@ -495,6 +598,8 @@ impl Engine {
                 "free_tokens": s.encoder_cache_free_tokens.load(Ordering::Relaxed),
             },
             "in_flight_requests": s.in_flight.load(Ordering::Relaxed),
+            "admission": s.admission.stats(),
+            "engine_dead": s.liveness.dead_reason(),
             "is_sleeping": self.is_sleeping(),
             "before_start": self.startup.before_start,
             "after_start": self.startup.after_start,
@@ -523,6 +628,7 @@ impl Engine {
                 "max_num_encoder_input_tokens": s.max_num_encoder_input_tokens,
                 "disable_chunked_mm_input": s.disable_chunked_mm_input,
             },
+            "admission": self.shared.admission.limits(),
             "device_memory_utilization": c.device_memory_utilization,
             "processor_cache_bytes": c.processor_cache_bytes,
             "processor": {

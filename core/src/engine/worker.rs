@@ -201,6 +201,7 @@ impl Worker {
     /// One step. A fault fails the requests of the step (they are released) and the engine goes
     /// on with the others.
     fn step(&mut self) {
+        self.shared.before_step();
         let started = Instant::now();
         let finished = self.run_scheduled_step();
         let s = &self.shared;
