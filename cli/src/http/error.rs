@@ -1,10 +1,12 @@
 //! The one error shape every route answers with: `{"error": {"message", "type", "code"}}`.
 //!
-//! Bad input is a 4xx, refusals while sleeping or overloaded are a 503, and only faults inside
-//! iris are a 500. axum's own rejections (body too large, unknown route, wrong method) are mapped
+//! Bad input is a 4xx (an image too large for the device's memory included:
+//! `image_too_large_for_device`), refusals while sleeping or overloaded and an item that does
+//! not fit in device memory next to other work (`device_out_of_memory`, with `Retry-After`) are
+//! a 503, and only faults inside iris are a 500 (a failed device step: `device_error`). axum's own rejections (body too large, unknown route, wrong method) are mapped
 //! to the same shape so a client never has to parse plain text.
 
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 use super::engine_api::EngineError;
@@ -22,6 +24,8 @@ pub struct ApiError {
     pub kind: &'static str,
     /// A stable machine-readable code, e.g. `invalid_base64`.
     pub code: &'static str,
+    /// Seconds a client should wait before retrying, sent as `Retry-After` (503 `overloaded`).
+    pub retry_after_s: Option<u64>,
 }
 
 impl ApiError {
@@ -47,6 +51,7 @@ impl ApiError {
             message: message.into(),
             kind,
             code,
+            retry_after_s: None,
         }
     }
 
@@ -57,6 +62,16 @@ impl ApiError {
             "authentication_error",
             "invalid_api_key",
             "missing or invalid API key: send `Authorization: Bearer <key>`",
+        )
+    }
+
+    /// A 503: the engine cannot serve now (`code` says why).
+    pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable_error",
+            code,
+            message,
         )
     }
 
@@ -94,6 +109,22 @@ impl From<EngineError> for ApiError {
                 "overloaded",
                 err.to_string(),
             ),
+            EngineError::TooLargeForDevice { message, .. } => {
+                Self::bad_request("image_too_large_for_device", message)
+            }
+            EngineError::OutOfMemory {
+                message,
+                retry_after_s,
+            } => Self {
+                retry_after_s: Some(retry_after_s),
+                ..Self::unavailable("device_out_of_memory", message)
+            },
+            EngineError::Device(_) => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "device_error",
+                err.to_string(),
+            ),
             // Internal, and any kind a later engine adds: a fault, never the client's.
             _ => Self::internal(err.to_string()),
         }
@@ -102,6 +133,50 @@ impl From<EngineError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(seconds) = self.retry_after_s {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_and_device_faults_map_to_their_status_code_and_retry_after() {
+        let too_large = ApiError::from(EngineError::TooLargeForDevice {
+            message: "image 0 needs 9 bytes, at most 4".to_owned(),
+            needed_bytes: 9,
+            available_bytes: 4,
+        });
+        assert_eq!(
+            (too_large.status, too_large.code, too_large.retry_after_s),
+            (StatusCode::BAD_REQUEST, "image_too_large_for_device", None)
+        );
+        let later = ApiError::from(EngineError::OutOfMemory {
+            message: "retry".to_owned(),
+            retry_after_s: 2,
+        });
+        assert_eq!(
+            (later.status, later.code, later.retry_after_s),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "device_out_of_memory",
+                Some(2)
+            )
+        );
+        let response = later.into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "2");
+        let device = ApiError::from(EngineError::Device("gemm failed".to_owned()));
+        assert_eq!(
+            (device.status, device.code),
+            (StatusCode::INTERNAL_SERVER_ERROR, "device_error")
+        );
+        assert!(device.message.contains("gemm failed"), "{}", device.message);
     }
 }
