@@ -780,6 +780,8 @@ async fn soak_with_aborts_resets_and_injected_faults_returns_to_the_baseline() {
     const CONCURRENCY: usize = 32;
     /// Images every request may share (cache hits), next to one fresh image per request.
     const SHARED: u64 = 16;
+    const SIZES: [(u32, u32); 4] = [(56, 56), (84, 56), (56, 84), (112, 84)];
+    const RESET_EVERY: u64 = 500;
     // Every 40th attention call fails when it runs (a device fault of its step); every 13th
     // raw allocation is refused (the allocator empties its cache and retries).
     let device = cpu_device_with(&[
@@ -793,20 +795,25 @@ async fn soak_with_aborts_resets_and_injected_faults_returns_to_the_baseline() {
     engine.reset_all().await;
     // Room for a step of a few small images and some outputs: large batches do not fit and
     // are split, and the fresh images' outputs fill the device until steps evict them.
-    let held = hold(&engine, device_free(&engine) - (3 << 20));
+    let held = hold(&engine, device_free(&engine) - (5 << 19));
     let semaphore = Arc::new(tokio::sync::Semaphore::new(CONCURRENCY));
     let mut rng = Rng(0x1234_5678_9abc_def1);
     let mut tasks = tokio::task::JoinSet::new();
     for request in 0..REQUESTS {
         let permit = Arc::clone(&semaphore).acquire_owned().await.unwrap();
-        // Now and then, between requests: a reset of the encoder cache or of everything.
-        match rng.below(400) {
-            0 => drop(engine.reset_encoder_cache().await),
-            1 => drop(engine.reset_all().await),
+        // A reset of the encoder cache or of everything, with requests in flight.
+        match request % RESET_EVERY {
+            0 if request % (2 * RESET_EVERY) == 0 => drop(engine.reset_encoder_cache().await),
+            0 => drop(engine.reset_all().await),
             _ => {}
         }
-        let shared = png_of(rng.below(SHARED));
-        let fresh = png_of(SHARED + request);
+        let shared = png_of(
+            rng.below(SHARED),
+            SIZES[usize::try_from(rng.below(4)).unwrap()],
+        );
+        // 16 tokens, 4 KiB of output: between two resets the fresh images' outputs outgrow
+        // the room left, so steps run out of memory and evict.
+        let fresh = png_of(SHARED + request, (112, 112));
         let images = match rng.below(3) {
             0 => vec![shared],
             1 => vec![fresh],
@@ -852,6 +859,7 @@ async fn soak_with_aborts_resets_and_injected_faults_returns_to_the_baseline() {
     }
     let m = engine.metrics_snapshot();
     let summary = format!("{outcomes:?} {m:?}");
+    eprintln!("soak: {summary}");
     assert_eq!(outcomes.values().sum::<u64>(), REQUESTS);
     assert!(
         outcomes.get(&Outcome::Served).copied().unwrap_or(0) > REQUESTS / 2,
@@ -882,10 +890,8 @@ async fn soak_with_aborts_resets_and_injected_faults_returns_to_the_baseline() {
     );
 }
 
-/// A small PNG, distinct per `seed`, of one of four sizes.
-fn png_of(seed: u64) -> Vec<u8> {
-    let sizes = [(56, 56), (84, 56), (56, 84), (112, 84)];
-    let (w, h) = sizes[usize::try_from(seed % 4).unwrap_or(0)];
+/// A PNG of `w x h`, distinct per `seed` (any number of them, unlike [`png`]).
+fn png_of(seed: u64, (w, h): (u32, u32)) -> Vec<u8> {
     let pixels: Vec<u8> = (0..w * h * 3)
         .map(|i: u32| {
             let v = u64::from(i)
