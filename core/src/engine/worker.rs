@@ -491,7 +491,8 @@ impl Worker {
         }
         if let [(id, tokens)] = *scheduled {
             let levels = self.vision.deepstack_visual_indexes.len() as u64;
-            let needed = tokens * (levels + 1) * self.vision.out_hidden as u64 * self.row_unit();
+            let needed =
+                tokens * (levels + 1) * self.vision.out_hidden as u64 * self.element_bytes();
             let shortfall = self.shortfall(needed)?;
             self.shared
                 .faults
@@ -514,7 +515,7 @@ impl Worker {
     }
 
     /// Bytes of one element of the run dtype.
-    fn row_unit(&self) -> u64 {
+    fn element_bytes(&self) -> u64 {
         dtype_size(self.dtype)
     }
 
@@ -538,7 +539,7 @@ impl Worker {
             .runner
             .tensor(self.dtype, total * (levels as u64 + 1), hidden)?;
         let level = |l: u64| buffers.row_range(l * total, total);
-        let row_bytes = hidden * self.row_unit();
+        let row_bytes = hidden * self.element_bytes();
         let dst = buffers.mat();
         let mut regions = Vec::new();
         let mut text_rows = 0u64;
