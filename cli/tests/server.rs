@@ -853,9 +853,34 @@ async fn bad_inputs_get_4xx_json_errors_and_leave_nothing_behind() {
     assert_eq!(unknown.status, 404, "{}", unknown.text);
     assert_client_error(&unknown, "unknown route");
 
-    // The server is still serving after all that.
+    // Before any reset: no refused request reached the device or stayed in flight.
+    let memory = server.memory().await;
+    assert_eq!(memory["in_flight_requests"], 0, "{memory:#}");
+    let m = &memory["metrics"];
+    for field in [
+        "device_used_bytes",
+        "allocator_reserved_bytes",
+        "allocator_allocated_bytes",
+        "encoder_cache_entries",
+    ] {
+        assert_eq!(
+            gauge(&m["memory"], field),
+            gauge(&m["after_start"], field),
+            "after the bad inputs, before any reset: {field}: {m:#}"
+        );
+    }
+
+    // The server is still serving after all that, and what it keeps is its one cached output.
     let ok = server.encode(&json!({"images": [good]})).await;
     assert_eq!(ok["images"][0]["grid_thw"], grid(84, 56));
+    let m = server.metrics().await;
+    assert_eq!(gauge(&m["memory"], "encoder_cache_entries"), 1, "{m:#}");
+    assert_eq!(
+        gauge(&m["memory"], "allocator_allocated_bytes"),
+        gauge(&m["after_start"], "allocator_allocated_bytes")
+            + gauge(&m["memory"], "encoder_cache_bytes"),
+        "live blocks beyond the weights and the cached output: {m:#}"
+    );
 
     server.post("/reset_all").await.expect(200, "reset_all");
     server.assert_at_after_start("after the bad inputs").await;

@@ -108,6 +108,9 @@ impl EncoderCacheManagement for Recording {
             .push(Call::CanAllocate(size, compute_budget, already));
         self.inner.can_allocate(size, compute_budget, already)
     }
+    fn invalidate(&mut self, hash: &str) -> bool {
+        self.inner.invalidate(hash)
+    }
     fn allocate(
         &mut self,
         request: RequestId,

@@ -77,7 +77,8 @@ pub struct StartupProfile {
     pub encoder_compute_budget: u64,
     /// Encoder cache size in embedding tokens.
     pub encoder_cache_tokens: u64,
-    /// Encoder cache size in bytes: tokens x output width x dtype size.
+    /// Encoder cache size in bytes: tokens x output width x (1 + deepstack levels) x dtype
+    /// size.
     pub encoder_cache_bytes: u64,
     /// `ceil(total x device_memory_utilization)`.
     pub requested_bytes: u64,
@@ -165,7 +166,10 @@ pub fn profile_startup(
 
     let encoder_cache_tokens = budget.cache_size();
     let dtype_bytes = request.dtype.size().unwrap_or(4);
-    let encoder_cache_bytes = budget.cache_bytes(vision.out_hidden as u64, dtype_bytes)?;
+    // Each cached token is one row of the merged output plus one row per deepstack level
+    // (Qwen3-VL keeps those outputs with the item too).
+    let row_width = vision.out_hidden as u64 * (1 + vision.deepstack_visual_indexes.len() as u64);
+    let encoder_cache_bytes = budget.cache_bytes(row_width, dtype_bytes)?;
     let available_bytes = profile.available(requested_bytes)?;
     let report = StartupProfile {
         before_start,

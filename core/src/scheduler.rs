@@ -460,6 +460,19 @@ impl<M: EncoderCacheManagement, B: BudgetPolicy> Scheduler<M, B> {
         &self.manager
     }
 
+    /// Evicts every unreferenced encoder-cache entry; returns their hashes, whose device
+    /// buffers the caller frees. What an engine does on a device out-of-memory before retrying.
+    pub fn evict_unreferenced(&mut self) -> Vec<MmHash> {
+        self.manager.evict_unreferenced()
+    }
+
+    /// Forgets the encoder-cache entry of `hash` and every reference to it (its output never
+    /// reached the device, or was lost); requests that still need the item allocate it again
+    /// and re-encode it. False if it is not cached.
+    pub fn invalidate_encoder_output(&mut self, hash: &str) -> bool {
+        self.manager.invalidate(hash)
+    }
+
     /// Takes the scheduler apart: its budget and its cache manager (unfinished requests are
     /// dropped without releasing their references).
     pub fn into_parts(self) -> (B, M) {

@@ -1,8 +1,12 @@
 //! The one error shape every route answers with: `{"error": {"message", "type", "code"}}`.
 //!
-//! Bad input is a 4xx; refusals while sleeping (`engine_sleeping`), overloaded (`overloaded`,
-//! with `Retry-After`), with a dead engine (`engine_dead`) or a lost device (`device_lost`) are a
-//! 503; only faults inside iris are a 500. axum's own rejections (body too large, unknown route, wrong method) are mapped
+//! Bad input is a 4xx (an image too large for the device's memory included:
+//! `image_too_large_for_device`); refusals while sleeping (`engine_sleeping`), overloaded
+//! (`overloaded`, with `Retry-After`), with a dead engine (`engine_dead`) or a lost device
+//! (`device_lost`), and an item that does not fit in device memory next to other work
+//! (`device_out_of_memory`, with `Retry-After`) are a 503; only faults inside iris are a 500
+//! (a failed device step: `device_error`). axum's own rejections (body too large, unknown
+//! route, wrong method) are mapped
 //! to the same shape so a client never has to parse plain text.
 
 use axum::http::{HeaderValue, StatusCode, header};
@@ -106,6 +110,22 @@ impl From<EngineError> for ApiError {
             },
             EngineError::Dead(_) => Self::unavailable("engine_dead", err.to_string()),
             EngineError::DeviceLost(_) => Self::unavailable("device_lost", err.to_string()),
+            EngineError::TooLargeForDevice { message, .. } => {
+                Self::bad_request("image_too_large_for_device", message)
+            }
+            EngineError::OutOfMemory {
+                message,
+                retry_after_s,
+            } => Self {
+                retry_after_s: Some(retry_after_s),
+                ..Self::unavailable("device_out_of_memory", message)
+            },
+            EngineError::Device(_) => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "device_error",
+                err.to_string(),
+            ),
             // Internal, and any kind a later engine adds: a fault, never the client's.
             _ => Self::internal(err.to_string()),
         }
@@ -121,5 +141,43 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_and_device_faults_map_to_their_status_code_and_retry_after() {
+        let too_large = ApiError::from(EngineError::TooLargeForDevice {
+            message: "image 0 needs 9 bytes, at most 4".to_owned(),
+            needed_bytes: 9,
+            available_bytes: 4,
+        });
+        assert_eq!(
+            (too_large.status, too_large.code, too_large.retry_after_s),
+            (StatusCode::BAD_REQUEST, "image_too_large_for_device", None)
+        );
+        let later = ApiError::from(EngineError::OutOfMemory {
+            message: "retry".to_owned(),
+            retry_after_s: 2,
+        });
+        assert_eq!(
+            (later.status, later.code, later.retry_after_s),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "device_out_of_memory",
+                Some(2)
+            )
+        );
+        let response = later.into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "2");
+        let device = ApiError::from(EngineError::Device("gemm failed".to_owned()));
+        assert_eq!(
+            (device.status, device.code),
+            (StatusCode::INTERNAL_SERVER_ERROR, "device_error")
+        );
+        assert!(device.message.contains("gemm failed"), "{}", device.message);
     }
 }

@@ -119,7 +119,7 @@ pub struct EngineCollector<E> {
 
 type Field = fn(&MetricsSnapshot) -> u64;
 
-const COUNTERS: [(&str, &str, Field); 6] = [
+const COUNTERS: [(&str, &str, Field); 10] = [
     (
         "iris_processor_cache_hits_total",
         "Processor cache hits",
@@ -147,6 +147,26 @@ const COUNTERS: [(&str, &str, Field); 6] = [
         "iris_encoder_cache_evictions_total",
         "Encoder cache evictions",
         |s| s.encoder_cache_evictions,
+    ),
+    (
+        "iris_encoder_cache_reencodes_total",
+        "Device encoder-cache misses answered by encoding the item again",
+        |s| s.encoder_cache_reencodes,
+    ),
+    (
+        "iris_oom_recoveries_total",
+        "Out-of-memory recoveries during steps (evict, trim, retry)",
+        |s| s.oom_recoveries,
+    ),
+    (
+        "iris_oom_failures_total",
+        "Requests failed because an item did not fit in device memory",
+        |s| s.oom_failures,
+    ),
+    (
+        "iris_device_faults_total",
+        "Steps failed by a device error other than out of memory",
+        |s| s.device_faults,
     ),
 ];
 

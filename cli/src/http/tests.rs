@@ -329,6 +329,19 @@ async fn metrics_exposes_requests_latency_images_caches_and_memory() {
         Some(1.0)
     );
     assert!(metrics::sample_value(&text, "iris_device_used_bytes").unwrap() > 0.0);
+    // The fault counters are exposed from the start, at zero on a healthy run.
+    for counter in [
+        "iris_encoder_cache_reencodes_total",
+        "iris_oom_recoveries_total",
+        "iris_oom_failures_total",
+        "iris_device_faults_total",
+    ] {
+        assert_eq!(
+            metrics::sample_value(&text, counter),
+            Some(0.0),
+            "{counter}"
+        );
+    }
     // Scraping twice must not double the engine's cumulative counters.
     let (_, again) = call(&app, Method::GET, "/metrics", None, None).await;
     assert_eq!(

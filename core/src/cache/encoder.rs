@@ -166,6 +166,21 @@ pub trait EncoderCacheManagement {
     fn reset(&mut self) -> EncoderCacheReset;
     /// Current counters.
     fn stats(&self) -> EncoderCacheStats;
+    /// Drops the entry of `hash` and every reference to it, as if it had never been allocated;
+    /// false if it is not cached. An engine calls it for an entry whose encoder output never
+    /// reached the device or was lost (a failed encode, a device fault): the requests that
+    /// still need the item allocate it again and re-encode it. The caller frees the device side.
+    fn invalidate(&mut self, hash: &str) -> bool;
+    /// Evicts every unreferenced entry and returns their hashes (the device frees these): what
+    /// an engine does when the device runs out of memory, before it retries.
+    fn evict_unreferenced(&mut self) -> Vec<MmHash> {
+        // Asking for all freeable slots evicts until nothing unreferenced is left.
+        let freeable = self.num_freeable_slots();
+        if freeable > self.num_free_slots() {
+            self.can_allocate(freeable, u64::MAX, 0);
+        }
+        self.get_freed_mm_hashes()
+    }
 }
 
 /// The default encoder cache manager (vLLM v1 semantics, references per occurrence).
@@ -485,6 +500,27 @@ impl EncoderCacheManagement for EncoderCacheManager {
         report
     }
 
+    fn invalidate(&mut self, hash: &str) -> bool {
+        let Some(entry) = self.cached.remove(hash) else {
+            return false;
+        };
+        if entry.refs == 0 {
+            self.unreferenced.pop(hash);
+        } else {
+            // Its slots were out of `freeable` while referenced.
+            self.freeable += entry.size;
+            for occurrences in self.held.values_mut() {
+                let before = occurrences.len();
+                occurrences.retain(|(_, h)| &**h != hash);
+                self.references -= before - occurrences.len();
+            }
+            self.held.retain(|_, occurrences| !occurrences.is_empty());
+        }
+        self.free += entry.size;
+        self.checked();
+        true
+    }
+
     fn stats(&self) -> EncoderCacheStats {
         EncoderCacheStats {
             capacity: self.capacity,
@@ -566,6 +602,59 @@ mod tests {
         assert_eq!(m.references("x"), Some(1));
         m.free_encoder_input(A, 1);
         assert_eq!(slots(&m), (600, 1000));
+    }
+
+    #[test]
+    fn invalidate_drops_the_entry_and_every_reference_to_it() {
+        let mut m = EncoderCacheManager::new(1000);
+        let (x, y) = (h("x"), h("y"));
+        m.allocate(A, 0, &x, 300).unwrap();
+        assert!(m.check_and_update_cache(A, 1, &x));
+        assert!(m.check_and_update_cache(B, 0, &x));
+        m.allocate(B, 1, &y, 200).unwrap();
+        assert_eq!(slots(&m), (500, 500));
+        assert!(m.invalidate("x"));
+        assert!(!m.contains("x") && !m.holds(A, 0) && !m.holds(A, 1) && !m.holds(B, 0));
+        assert_eq!(
+            m.references("y"),
+            Some(1),
+            "other entries keep their references"
+        );
+        assert_eq!(slots(&m), (800, 800));
+        assert_eq!(m.stats().references, 1);
+        assert!(!m.invalidate("x"), "already gone");
+        // Releasing the requests afterwards changes nothing for `x`.
+        m.free(A);
+        m.free(B);
+        assert_eq!(slots(&m), (800, 1000));
+        // An unreferenced entry leaves the eviction order too.
+        assert!(m.invalidate("y"));
+        assert!(m.eviction_order().is_empty());
+        assert_eq!(slots(&m), (1000, 1000));
+        m.verify().unwrap();
+        // Nothing invalidated is reported as freed: the caller frees the device side itself.
+        assert!(m.get_freed_mm_hashes().is_empty());
+    }
+
+    #[test]
+    fn evict_unreferenced_keeps_referenced_entries() {
+        let mut m = EncoderCacheManager::new(1000);
+        for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
+            m.allocate(A, i, &h(name), 100).unwrap();
+        }
+        m.allocate(B, 0, &h("d"), 100).unwrap();
+        assert!(
+            m.evict_unreferenced().is_empty(),
+            "everything is referenced"
+        );
+        m.free_encoder_input(A, 2);
+        m.free(B);
+        let evicted = m.evict_unreferenced();
+        assert_eq!(evicted, vec![h("c"), h("d")]);
+        assert!(m.contains("a") && m.contains("b"));
+        assert_eq!(slots(&m), (800, 800));
+        assert_eq!(m.stats().evictions, 2);
+        m.verify().unwrap();
     }
 
     #[test]

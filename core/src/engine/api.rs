@@ -63,6 +63,30 @@ pub enum EngineError {
     /// The device does not answer (lost, reset, driver gone): a 503.
     #[error("the device is unavailable: {0}")]
     DeviceLost(String),
+    /// An item needs more device memory than the device can ever give it, even with nothing
+    /// else running: a 4xx (the client must send a smaller image).
+    #[error("{message}")]
+    TooLargeForDevice {
+        /// What does not fit, with both numbers.
+        message: String,
+        /// Bytes the item needs.
+        needed_bytes: u64,
+        /// The most the device can give it.
+        available_bytes: u64,
+    },
+    /// An item did not fit in device memory next to the work in flight, but fits once that
+    /// work drains: a 503 with `Retry-After`.
+    #[error("{message}")]
+    OutOfMemory {
+        /// What did not fit, with the numbers.
+        message: String,
+        /// Seconds to wait before retrying.
+        retry_after_s: u64,
+    },
+    /// A device error other than out of memory failed the step that ran the request: a 500.
+    /// The engine goes on; other requests are not affected.
+    #[error("device error: {0}")]
+    Device(String),
 }
 
 /// What a reset or sleep released, in bytes and entries.
@@ -116,6 +140,22 @@ pub struct MetricsSnapshot {
     pub encoder_cache_misses: u64,
     /// Encoder cache entries evicted for space.
     pub encoder_cache_evictions: u64,
+    /// Device encoder-cache misses answered by encoding the item again.
+    #[serde(default)]
+    pub encoder_cache_reencodes: u64,
+    /// Out-of-memory recoveries during steps (unreferenced entries evicted, free blocks
+    /// trimmed, work retried).
+    #[serde(default)]
+    pub oom_recoveries: u64,
+    /// Encoder batches or step gathers split in halves after an out-of-memory.
+    #[serde(default)]
+    pub oom_batch_splits: u64,
+    /// Requests failed because an item did not fit in device memory.
+    #[serde(default)]
+    pub oom_failures: u64,
+    /// Steps failed by a device error other than out of memory.
+    #[serde(default)]
+    pub device_faults: u64,
     /// Engine steps run.
     #[serde(default)]
     pub steps: u64,

@@ -1,5 +1,6 @@
 //! The engine end to end on the built-in CPU device with the `tiny` model and dummy weights.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -7,7 +8,7 @@ use super::*;
 use crate::encoder::tower::VisionTower;
 use crate::model::DUMMY_DEFAULT_SEED;
 use crate::preprocess::preprocess;
-use crate::test_support::{cpu_allocator, cpu_device};
+use crate::test_support::{cpu_allocator, cpu_device, cpu_device_with};
 
 fn device() -> Device {
     cpu_device("1GiB")
@@ -82,6 +83,19 @@ fn assert_close(a: &[f32], b: &[f32]) {
             (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
             "value {i}: {x} vs {y}"
         );
+    }
+}
+
+/// Asks the engine core to check its books between steps (manager and device cache agree,
+/// no reference without a request, nothing allocated beyond the weights and the cached
+/// outputs); panics with what is wrong.
+async fn check(engine: &Engine) {
+    let result = engine
+        .ask(Command::Check)
+        .await
+        .expect("the engine answers");
+    if let Err(broken) = result {
+        panic!("engine books: {broken}");
     }
 }
 
@@ -303,11 +317,13 @@ async fn bad_input_is_refused_by_name_and_leaves_nothing_behind() {
         engine.sleep(3).await.unwrap_err().to_string(),
         "sleep level must be 1 or 2, got 3"
     );
-    engine.reset_all().await;
+    // No image reached the device: memory is at the post-start figures without any reset.
     assert_eq!(
         baseline_figures(&engine.gauges()),
         baseline_figures(&after_start)
     );
+    check(&engine).await;
+    assert_eq!(engine.memory_json()["in_flight_requests"], 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -339,6 +355,15 @@ async fn a_dropped_consumer_aborts_its_request() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(in_flight(&engine), 0, "the abort released the request");
+    // Before any reset: no reference is left, the manager and the device cache agree, and the
+    // allocator's live blocks are the weights plus the cached outputs.
+    check(&engine).await;
+    let g = engine.gauges();
+    assert_eq!(
+        g.allocator_allocated_bytes,
+        after_start.allocator_allocated_bytes + g.encoder_cache_bytes,
+        "{g:?}"
+    );
     engine.reset_all().await;
     assert_eq!(
         baseline_figures(&engine.gauges()),
@@ -405,4 +430,539 @@ async fn a_request_admitted_before_sleep_waits_and_finishes_after_wake_up() {
         baseline_figures(&engine.gauges()),
         baseline_figures(&m.after_start)
     );
+}
+
+/// Device memory taken outside the engine's allocator, as another tenant of the device would;
+/// given back on drop.
+struct Held {
+    device: Arc<Device>,
+    handle: iris_plugin::BufferHandle,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.device
+            .free(self.handle)
+            .expect("the held block is freed");
+        self.device.synchronize().expect("the free completes");
+    }
+}
+
+/// Takes `bytes` of the engine's device outside its allocator.
+fn hold(engine: &Engine, bytes: u64) -> Held {
+    let device = Arc::clone(engine.shared.allocator.device());
+    // An allocation refused by an injected fault is tried once more, as the allocator does.
+    let handle = device
+        .alloc(bytes)
+        .or_else(|_| device.alloc(bytes))
+        .expect("the block is held");
+    Held { device, handle }
+}
+
+/// Free device bytes, as the driver reports them.
+fn device_free(engine: &Engine) -> u64 {
+    let g = engine.gauges();
+    g.device_total_bytes - g.device_used_bytes
+}
+
+/// How far the allocator's reserved bytes rise to encode `images` in one request, starting
+/// from an empty encoder cache and an emptied allocator: what the step takes from the device.
+async fn reserved_growth(engine: &Engine, images: &[Vec<u8>]) -> u64 {
+    engine.reset_all().await;
+    let before = engine.gauges().allocator_reserved_bytes;
+    engine
+        .encode(
+            images.iter().cloned().map(input).collect(),
+            EncodeOptions::default(),
+        )
+        .await
+        .expect("the calibration encode");
+    let grown = engine.gauges().allocator_reserved_bytes - before;
+    engine.reset_all().await;
+    grown
+}
+
+/// Device bytes the tiny tower takes at its peak to encode `images` in one batch (input,
+/// activations, outputs), planned without running anything.
+fn planned_peak(images: &[Vec<u8>]) -> u64 {
+    let spec = ModelSpec::preset("tiny").unwrap();
+    let allocator = cpu_allocator("1GiB");
+    let host = config().weights.load(&spec.vision, DType::F32).unwrap();
+    let tower = VisionTower::new(
+        &Runner::new(Arc::clone(&allocator)),
+        spec.vision.clone(),
+        &host,
+        DType::F32,
+    )
+    .unwrap();
+    let planner = Runner::planner(allocator);
+    let images: Vec<_> = images
+        .iter()
+        .map(|bytes| preprocess(bytes, &spec.processor, &DecodeLimits::default()).unwrap())
+        .collect();
+    let rows = images.iter().map(|i| i.num_patches() as u64).sum();
+    let input = planner
+        .tensor(DType::F32, rows, spec.vision.patch_row_len() as u64)
+        .unwrap();
+    let grids: Vec<_> = images.iter().map(|i| i.grid_thw).collect();
+    drop(tower.forward(&planner, &input, &grids).unwrap());
+    planner.planned_peak()
+}
+
+/// The engine with an encoder cache too large for the device: the device, not the manager,
+/// bounds what is cached, so memory runs out before the manager evicts anything.
+fn device_bound_config() -> EngineConfig {
+    let mut cfg = config();
+    cfg.scheduler.encoder_cache_size = Some(1 << 22);
+    cfg
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_memory_mid_step_is_recovered_by_evicting_unreferenced_outputs() {
+    let engine = Engine::start(device_bound_config(), device()).unwrap();
+    let after_start = engine.metrics_snapshot().after_start;
+    let need = reserved_growth(&engine, &[png(448, 448, 100)]).await;
+    // Room for one such step and 2 MiB of cached outputs (64 KiB each): the outputs of the
+    // requests before fill it, and a later step finds the device full.
+    let held = hold(&engine, device_free(&engine) - need - (2 << 20));
+    let image = png(448, 448, 101);
+    let expected = reference(&image);
+    let mut served = 0;
+    while engine.metrics_snapshot().oom_recoveries == 0 {
+        assert!(served < 200, "{served} requests and no out-of-memory");
+        let seed = 102 + u8::try_from(served % 150).unwrap();
+        let results = engine
+            .encode(vec![input(png(448, 448, seed))], EncodeOptions::default())
+            .await
+            .expect("served despite the full device");
+        assert_eq!(results[0].num_tokens, 256);
+        served += 1;
+    }
+    let m = engine.metrics_snapshot();
+    assert!(m.encoder_cache_evictions > 0, "{m:?}");
+    assert_eq!((m.oom_failures, m.device_faults), (0, 0), "{m:?}");
+    assert!(
+        m.memory.encoder_cache_entries < served,
+        "outputs were evicted: {m:?}"
+    );
+    // The outputs are right after the recovery too.
+    let results = engine
+        .encode(vec![input(image)], WITH_EMBEDDINGS)
+        .await
+        .unwrap();
+    assert_close(&results[0].embeddings.clone().unwrap().0, &expected);
+    check(&engine).await;
+    drop(held);
+    engine.reset_all().await;
+    assert_eq!(
+        baseline_figures(&engine.gauges()),
+        baseline_figures(&after_start)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_does_not_fit_is_split_and_each_half_runs() {
+    let engine = Engine::start(device_bound_config(), device()).unwrap();
+    let after_start = engine.metrics_snapshot().after_start;
+    let images = [png(672, 672, 113), png(672, 672, 114)];
+    let one = planned_peak(&images[..1]);
+    let two = planned_peak(&images);
+    assert!(
+        two > one * 3 / 2,
+        "two items take more than one: {two} vs {one}"
+    );
+    // Room for one item's step but not for both in one batch.
+    engine.reset_all().await;
+    let held = hold(&engine, device_free(&engine) - (one + two) / 2);
+    let results = engine
+        .encode(images.iter().cloned().map(input).collect(), WITH_EMBEDDINGS)
+        .await
+        .expect("served in halves");
+    for (result, image) in results.iter().zip(&images) {
+        assert_close(&result.embeddings.clone().unwrap().0, &reference(image));
+    }
+    let m = engine.metrics_snapshot();
+    assert!(m.oom_recoveries > 0 && m.oom_batch_splits > 0, "{m:?}");
+    assert_eq!((m.oom_failures, m.device_faults), (0, 0), "{m:?}");
+    check(&engine).await;
+    drop(held);
+    engine.reset_all().await;
+    assert_eq!(
+        baseline_figures(&engine.gauges()),
+        baseline_figures(&after_start)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_that_can_never_fit_fails_alone_with_the_numbers() {
+    let engine = Engine::start(device_bound_config(), device()).unwrap();
+    let after_start = engine.metrics_snapshot().after_start;
+    engine.reset_all().await;
+    // 3 MiB left: a small image's step fits, a 448x448 image's input alone (4.8 MB) does not.
+    let held = hold(&engine, device_free(&engine) - (3 << 20));
+    let (big, small) = (png(448, 448, 120), png(56, 56, 121));
+    let (too_big, fine) = tokio::join!(
+        engine.encode(
+            vec![input(small.clone()), input(big.clone())],
+            WITH_EMBEDDINGS
+        ),
+        engine.encode(vec![input(small.clone())], WITH_EMBEDDINGS),
+    );
+    match too_big {
+        Err(EngineError::TooLargeForDevice {
+            message,
+            needed_bytes,
+            available_bytes,
+        }) => {
+            assert!(needed_bytes > available_bytes, "{message}");
+            assert!(needed_bytes > 448 * 448 * 3 * 4, "{message}");
+            for part in [
+                "image 1".to_owned(),
+                needed_bytes.to_string(),
+                available_bytes.to_string(),
+            ] {
+                assert!(message.contains(&part), "`{part}` missing: {message}");
+            }
+        }
+        other => panic!("expected TooLargeForDevice, got {other:?}"),
+    }
+    let fine = fine.expect("the request not involved is served");
+    assert_close(&fine[0].embeddings.clone().unwrap().0, &reference(&small));
+    let m = engine.metrics_snapshot();
+    assert_eq!((m.oom_failures, m.device_faults), (1, 0), "{m:?}");
+    check(&engine).await;
+    // With the memory back, the same image is served.
+    drop(held);
+    let results = engine
+        .encode(vec![input(big.clone())], WITH_EMBEDDINGS)
+        .await
+        .unwrap();
+    assert_close(&results[0].embeddings.clone().unwrap().0, &reference(&big));
+    check(&engine).await;
+    engine.reset_all().await;
+    assert_eq!(
+        baseline_figures(&engine.gauges()),
+        baseline_figures(&after_start)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_fault_fails_its_step_keeps_earlier_outputs_and_the_engine_goes_on() {
+    let (kept, failing) = (png(56, 84, 130), png(84, 56, 131));
+    // An engine without faults counts the op calls of start-up and of one encode, so that the
+    // fault lands on the first op of the second encode below.
+    let (startup_ops, encode_ops) = {
+        let engine = engine();
+        let startup = engine.device_counters().ops;
+        engine
+            .encode(vec![input(kept.clone())], EncodeOptions::default())
+            .await
+            .unwrap();
+        (startup, engine.device_counters().ops - startup)
+    };
+    let at = (startup_ops + encode_ops + 1).to_string();
+    let device = cpu_device_with(&[
+        ("capacity", "1GiB"),
+        ("fail_op", "any"),
+        ("fail_op_at", at.as_str()),
+    ]);
+    let engine = Engine::start(config(), device).unwrap();
+    let after_start = engine.metrics_snapshot().after_start;
+    engine
+        .encode(vec![input(kept.clone())], EncodeOptions::default())
+        .await
+        .unwrap();
+    match engine
+        .encode(vec![input(failing.clone())], EncodeOptions::default())
+        .await
+    {
+        Err(EngineError::Device(message)) => {
+            assert!(message.contains("injected"), "{message}");
+        }
+        other => panic!("expected a device error, got {other:?}"),
+    }
+    // The failed step's output is gone, the earlier one is kept, and the books agree.
+    check(&engine).await;
+    assert_eq!(engine.gauges().encoder_cache_entries, 1);
+    let m = engine.metrics_snapshot();
+    assert_eq!(m.device_faults, 1, "{m:?}");
+    // The engine goes on: the failed image is encoded now, the kept one comes from the cache.
+    let results = engine
+        .encode(
+            vec![input(failing.clone()), input(kept.clone())],
+            WITH_EMBEDDINGS,
+        )
+        .await
+        .expect("the engine is alive");
+    assert!(!results[0].cached && results[1].cached, "{results:?}");
+    assert_close(
+        &results[0].embeddings.clone().unwrap().0,
+        &reference(&failing),
+    );
+    assert_close(&results[1].embeddings.clone().unwrap().0, &reference(&kept));
+    check(&engine).await;
+    engine.reset_all().await;
+    assert_eq!(
+        baseline_figures(&engine.gauges()),
+        baseline_figures(&after_start)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_device_output_is_encoded_again() {
+    let engine = engine();
+    let after_start = engine.metrics_snapshot().after_start;
+    let image = png(112, 84, 140);
+    let first = engine
+        .encode(vec![input(image.clone())], WITH_EMBEDDINGS)
+        .await
+        .unwrap();
+    let hash = first[0].mm_hash.clone();
+    let lost = engine
+        .ask(|tx| Command::LoseDeviceEntry(hash, tx))
+        .await
+        .unwrap();
+    assert!(lost);
+    // The manager still counts the item: the books disagree, and the check says so.
+    let broken = engine.ask(Command::Check).await.unwrap().unwrap_err();
+    assert!(broken.contains("device cache holds"), "{broken}");
+    let again = engine
+        .encode(vec![input(image.clone())], WITH_EMBEDDINGS)
+        .await
+        .expect("a cache miss is encoded again, not a failure");
+    assert!(!again[0].cached);
+    assert_close(
+        &again[0].embeddings.clone().unwrap().0,
+        &first[0].embeddings.clone().unwrap().0,
+    );
+    assert_eq!(engine.metrics_snapshot().encoder_cache_reencodes, 1);
+    check(&engine).await;
+    let third = engine
+        .encode(vec![input(image)], EncodeOptions::default())
+        .await
+        .unwrap();
+    assert!(third[0].cached);
+    assert_eq!(engine.metrics_snapshot().encoder_cache_reencodes, 1);
+    engine.reset_all().await;
+    assert_eq!(
+        baseline_figures(&engine.gauges()),
+        baseline_figures(&after_start)
+    );
+}
+
+/// A small deterministic generator (xorshift64*), so that a failing soak run can be replayed.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+/// What became of one soak request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Outcome {
+    Served,
+    /// Failed by an injected device fault.
+    DeviceFault,
+    /// Did not fit next to the work in flight (503, retry later).
+    RetryLater,
+    /// Its consumer went away before the answer.
+    Aborted,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_with_aborts_resets_and_injected_faults_returns_to_the_baseline() {
+    const REQUESTS: u64 = 3000;
+    const CONCURRENCY: usize = 32;
+    /// Images every request may share (cache hits), next to one fresh image per request.
+    const SHARED: u64 = 16;
+    const SIZES: [(u32, u32); 4] = [(56, 56), (84, 56), (56, 84), (112, 84)];
+    const RESET_EVERY: u64 = 500;
+    // Every 40th attention call fails when it runs (a device fault of its step); every 13th
+    // raw allocation is refused (the allocator empties its cache and retries).
+    let device = cpu_device_with(&[
+        ("capacity", "1GiB"),
+        ("fail_op", "attention"),
+        ("fail_op_every", "40"),
+        ("fail_alloc_every", "13"),
+    ]);
+    let engine = Arc::new(Engine::start(device_bound_config(), device).unwrap());
+    let after_start = engine.metrics_snapshot().after_start;
+    engine.reset_all().await;
+    // Room for a step of a few small images and some outputs: large batches do not fit and
+    // are split, and the fresh images' outputs fill the device until steps evict them.
+    let held = hold(&engine, device_free(&engine) - (5 << 19));
+    let semaphore = Arc::new(tokio::sync::Semaphore::new(CONCURRENCY));
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut tasks = tokio::task::JoinSet::new();
+    for request in 0..REQUESTS {
+        let permit = Arc::clone(&semaphore).acquire_owned().await.unwrap();
+        // A reset of the encoder cache or of everything, with requests in flight.
+        match request % RESET_EVERY {
+            0 if request % (2 * RESET_EVERY) == 0 => drop(engine.reset_encoder_cache().await),
+            0 => drop(engine.reset_all().await),
+            _ => {}
+        }
+        let shared = png_of(
+            rng.below(SHARED),
+            SIZES[usize::try_from(rng.below(4)).unwrap()],
+        );
+        // 16 tokens, 4 KiB of output: between two resets the fresh images' outputs outgrow
+        // the room left, so steps run out of memory and evict.
+        let fresh = png_of(SHARED + request, (112, 112));
+        let images = match rng.below(3) {
+            0 => vec![shared],
+            1 => vec![fresh],
+            _ => vec![fresh, shared],
+        };
+        let abort_after = (rng.below(10) == 0).then(|| Duration::from_micros(rng.below(2000)));
+        let engine = Arc::clone(&engine);
+        tasks.spawn(async move {
+            let _permit = permit;
+            let count = images.len();
+            let call = engine.encode(
+                images.into_iter().map(input).collect(),
+                EncodeOptions::default(),
+            );
+            let result = match abort_after {
+                // Dropping the future mid-way is what a client that hung up does.
+                Some(after) => match tokio::time::timeout(after, call).await {
+                    Ok(result) => result,
+                    Err(_) => return Outcome::Aborted,
+                },
+                None => tokio::time::timeout(Duration::from_secs(60), call)
+                    .await
+                    .unwrap_or_else(|_| panic!("request {request} got no answer")),
+            };
+            match result {
+                Ok(results) => {
+                    assert_eq!(results.len(), count, "request {request}");
+                    Outcome::Served
+                }
+                Err(EngineError::Device(message)) if message.contains("injected") => {
+                    Outcome::DeviceFault
+                }
+                Err(EngineError::OutOfMemory { .. }) => Outcome::RetryLater,
+                Err(other) => panic!("request {request}: unexpected error {other:?}"),
+            }
+        });
+    }
+    let mut outcomes = HashMap::new();
+    while let Some(joined) = tasks.join_next().await {
+        *outcomes
+            .entry(joined.expect("request task"))
+            .or_insert(0u64) += 1;
+    }
+    let m = engine.metrics_snapshot();
+    let summary = format!("{outcomes:?} {m:?}");
+    eprintln!("soak: {summary}");
+    assert_eq!(outcomes.values().sum::<u64>(), REQUESTS);
+    assert!(
+        outcomes.get(&Outcome::Served).copied().unwrap_or(0) > REQUESTS / 2,
+        "{summary}"
+    );
+    assert!(outcomes.contains_key(&Outcome::Aborted), "{summary}");
+    assert!(outcomes.contains_key(&Outcome::DeviceFault), "{summary}");
+    assert!(m.device_faults > 0 && m.oom_recoveries > 0, "{summary}");
+    assert!(
+        engine.shared.allocator.stats().oom_retries > 0,
+        "injected allocation failures were retried: {summary}"
+    );
+    assert_eq!(
+        m.oom_failures,
+        outcomes.get(&Outcome::RetryLater).copied().unwrap_or(0),
+        "{summary}"
+    );
+    // Before any reset: nothing in flight, the books agree, nothing allocated beyond the
+    // weights and the cached outputs.
+    assert_eq!(engine.memory_json()["in_flight_requests"], 0);
+    check(&engine).await;
+    drop(held);
+    engine.reset_all().await;
+    assert_eq!(
+        baseline_figures(&engine.gauges()),
+        baseline_figures(&after_start),
+        "{summary}"
+    );
+}
+
+/// A PNG of `w x h`, distinct per `seed` (any number of them, unlike [`png`]).
+fn png_of(seed: u64, (w, h): (u32, u32)) -> Vec<u8> {
+    let pixels: Vec<u8> = (0..w * h * 3)
+        .map(|i: u32| {
+            let v = u64::from(i)
+                .wrapping_mul(0x9e37_79b9)
+                .wrapping_add(seed.wrapping_mul(0x85eb_ca6b));
+            v.to_le_bytes()[1]
+        })
+        .collect();
+    let mut out = Vec::new();
+    image::ImageEncoder::write_image(
+        image::codecs::png::PngEncoder::new(&mut out),
+        &pixels,
+        w,
+        h,
+        image::ExtendedColorType::Rgb8,
+    )
+    .expect("png encodes");
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_startup_report_predicts_the_encoder_cache_bytes_of_each_family() {
+    // The golden towers: one per family, Qwen3-VL with two deepstack levels.
+    for (family, side, levels) in [
+        ("qwen2_vl", 112, 0),
+        ("qwen2_5_vl", 112, 0),
+        ("qwen3_vl", 128, 2),
+    ] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/data/golden")
+            .join(family);
+        let mut spec = ModelSpec::from_hf_dir(&dir).expect("the golden config parses");
+        assert_eq!(
+            spec.vision.deepstack_visual_indexes.len(),
+            levels,
+            "{family}"
+        );
+        // Items of at most 16 tokens (a side x side image), four of them in the cache. Their
+        // rows (48, 56 or 72 f32 values) make whole 512-byte blocks, so the measured bytes
+        // carry no rounding.
+        spec.processor.max_pixels = u64::from(side) * u64::from(side);
+        let mut cfg = EngineConfig::new(
+            spec,
+            WeightSource::Dummy {
+                seed: DUMMY_DEFAULT_SEED,
+            },
+        );
+        cfg.scheduler.max_num_batched_tokens = 64;
+        cfg.scheduler.encoder_cache_size = Some(64);
+        let engine = Engine::start(cfg, device()).expect("the engine starts");
+        let startup = engine.startup();
+        assert_eq!(
+            (startup.max_item_tokens, startup.encoder_cache_tokens),
+            (16, 64),
+            "{family}"
+        );
+        for seed in 0..4 {
+            let results = engine
+                .encode(
+                    vec![input(png(side, side, 150 + seed))],
+                    EncodeOptions::default(),
+                )
+                .await
+                .unwrap();
+            assert_eq!(results[0].num_tokens, 16, "{family}");
+        }
+        let g = engine.gauges();
+        assert_eq!(g.encoder_cache_entries, 4, "{family}: the cache is full");
+        assert_eq!(
+            g.encoder_cache_bytes, startup.encoder_cache_bytes,
+            "{family}: measured vs predicted encoder cache bytes"
+        );
+    }
 }

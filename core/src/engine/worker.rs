@@ -7,9 +7,24 @@
 //! deliver each request its rows -> mark the tokens consumed and finish requests. Commands
 //! (new requests, aborts, resets, sleep, wake-up) are taken between steps, which is where the
 //! scheduler's reset contract wants them.
+//!
+//! Faults during a step (see docs/ARCHITECTURE.md, "Failure handling"):
+//!
+//! - **Out of memory** (encoder batch or step buffer): evict every unreferenced encoder-cache
+//!   entry, return the allocator's free blocks to the device, retry; then split the batch (or
+//!   the step's requests) in halves and retry each. A single item that still does not fit fails
+//!   the requests that need it: [`EngineError::TooLargeForDevice`] with the bytes it needs and
+//!   the most the device can give when it could never fit, [`EngineError::OutOfMemory`] (retry
+//!   later) when it fits once other work drains. Other requests go on.
+//! - **Any other device error** fails the step's requests ([`EngineError::Device`]); the
+//!   outputs this step wrote are dropped from the device cache and the manager, entries of
+//!   earlier steps are kept, and the engine goes on.
+//! - **A device-cache miss** for an item the manager holds is answered by encoding it again.
+//!
+//! After every step the manager's entries are exactly the device cache's.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
@@ -20,15 +35,35 @@ use crate::budget::EncoderBudget;
 use crate::cache::device::{DeviceEncoderCache, Entry};
 use crate::cache::encoder::{EncoderCacheManagement, EncoderCacheManager};
 use crate::encoder::EncoderError;
-use crate::encoder::exec::Runner;
+use crate::encoder::exec::{Runner, dtype_size};
 use crate::encoder::tower::VisionTower;
 use crate::engine::Shared;
 use crate::engine::api::{EngineError, ResetReport};
 use crate::engine::prompt::{Chunk, Event, PromptLayout};
+use crate::memory::AllocError;
 use crate::model::{HostWeights, VisionConfig, WeightSource};
 use crate::preprocess::PreprocessedImage;
 use crate::scheduler::{RequestId, Scheduler, SchedulerError, SchedulerPolicy, StepOutput};
 use iris_plugin::{CopyRegion, DType};
+
+/// `Retry-After` of an item that did not fit in device memory next to other work, in seconds:
+/// that work drains within a few steps.
+pub const OUT_OF_MEMORY_RETRY_AFTER_S: u64 = 1;
+
+/// Counters of the engine core's fault handling; the handle reads them for `/metrics`.
+#[derive(Debug, Default)]
+pub(crate) struct FaultCounters {
+    /// Device-cache misses answered by encoding the item again.
+    pub reencodes: AtomicU64,
+    /// Out-of-memory recoveries: unreferenced entries evicted, free blocks trimmed, retried.
+    pub oom_recoveries: AtomicU64,
+    /// Batches (of items or of a step's requests) split in halves after an out-of-memory.
+    pub batch_splits: AtomicU64,
+    /// Requests failed because an item did not fit in device memory (now or ever).
+    pub oom_failures: AtomicU64,
+    /// Steps failed by a device error other than out of memory.
+    pub device_faults: AtomicU64,
+}
 
 /// A request handed to the engine core.
 pub(crate) struct AddRequest {
@@ -49,6 +84,56 @@ pub(crate) enum Command {
     TrimAllocator(oneshot::Sender<ResetReport>),
     Sleep(u8, oneshot::Sender<Result<ResetReport, EngineError>>),
     WakeUp(oneshot::Sender<Result<(), EngineError>>),
+    /// Checks that the manager and the device cache agree and that the allocator holds nothing
+    /// beyond the weights and the cached outputs.
+    #[cfg(test)]
+    Check(oneshot::Sender<Result<(), String>>),
+    /// Drops an item's device output without telling the manager: a device-side loss.
+    #[cfg(test)]
+    LoseDeviceEntry(String, oneshot::Sender<bool>),
+}
+
+/// An item (or a request's step buffer) that did not fit in device memory after eviction,
+/// trimming and splitting.
+#[derive(Debug, Clone, Copy)]
+struct MemoryShortfall {
+    /// Bytes it needs.
+    needed: u64,
+    /// The most the device can give it once other work drains.
+    available: u64,
+    /// Whether other work holds memory that will be given back.
+    others_hold: bool,
+}
+
+impl MemoryShortfall {
+    /// The error of `what` ("image 2", ...).
+    fn error(self, what: &str) -> EngineError {
+        let MemoryShortfall {
+            needed,
+            available,
+            others_hold,
+        } = self;
+        if needed > available || !others_hold {
+            EngineError::TooLargeForDevice {
+                message: format!(
+                    "{what} does not fit in device memory: it needs about {needed} bytes and the \
+                     device can give it at most {available} bytes (its total less the weights \
+                     and what the driver holds); send a smaller image or lower max_pixels"
+                ),
+                needed_bytes: needed,
+                available_bytes: available,
+            }
+        } else {
+            EngineError::OutOfMemory {
+                message: format!(
+                    "{what} does not fit in device memory next to the work in flight: it needs \
+                     about {needed} bytes of the {available} the device can give; retry once \
+                     other requests have finished"
+                ),
+                retry_after_s: OUT_OF_MEMORY_RETRY_AFTER_S,
+            }
+        }
+    }
 }
 
 struct Active {
@@ -80,6 +165,11 @@ pub(crate) struct Worker {
     asleep: Option<Asleep>,
     active: HashMap<RequestId, Active>,
     by_key: HashMap<u64, RequestId>,
+    /// Allocator bytes in live blocks after start-up: the weights. Everything above it between
+    /// steps is the device cache's.
+    baseline_allocated: u64,
+    /// Hashes whose outputs this step stored in the device cache.
+    written: Vec<String>,
 }
 
 impl Worker {
@@ -92,7 +182,6 @@ impl Worker {
     ) -> Worker {
         Worker {
             shared,
-            runner,
             vision: tower.config().clone(),
             dtype: tower.dtype(),
             tower: Some(tower),
@@ -102,6 +191,9 @@ impl Worker {
             asleep: None,
             active: HashMap::new(),
             by_key: HashMap::new(),
+            baseline_allocated: runner.allocator().stats().allocated,
+            written: Vec::new(),
+            runner,
         }
     }
 
@@ -163,6 +255,15 @@ impl Worker {
                 let result = self.wake_up();
                 self.publish();
                 let _ = reply.send(result);
+            }
+            #[cfg(test)]
+            Command::Check(reply) => {
+                let _ = reply.send(self.check());
+            }
+            #[cfg(test)]
+            Command::LoseDeviceEntry(hash, reply) => {
+                let _ = reply.send(self.cache.remove(&hash).is_some());
+                self.publish();
             }
         }
     }
@@ -228,16 +329,12 @@ impl Worker {
             }
         };
         self.cache.free_hashes(&output.freed);
-        // The step is done when the device has finished its work: only then do requests hear
-        // of their chunks, and a failure of queued work fails this step, not a later one.
-        let result = self.run_step(&output).and_then(|chunks| {
-            self.runner.device().synchronize()?;
-            Ok(chunks)
-        });
-        match result {
+        self.written.clear();
+        match self.run_step(&output) {
             Ok(chunks) => self.deliver(chunks),
             Err(err) => self.fail_step(&output, &err),
         }
+        self.reconcile(&output);
         let mut events = Vec::new();
         for id in self.scheduler.update_from_output(&output) {
             if let Some(active) = self.active.remove(&id) {
@@ -259,15 +356,77 @@ impl Worker {
         events
     }
 
-    /// Fails the requests of a step whose work failed.
+    /// Fails the requests of a step whose work failed with a device error (out of memory is
+    /// handled where it happens). Outputs this step stored may be incomplete and are dropped;
+    /// entries of earlier steps are only read by a step, so they are kept.
     fn fail_step(&mut self, output: &StepOutput, err: &EncoderError) {
-        let err = EngineError::Internal(err.to_string());
+        self.shared
+            .faults
+            .device_faults
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(error = %err, requests = output.scheduled.len(), "a step failed");
+        // Work queued before the failure may still run: let it finish, so that the next step
+        // starts on a settled queue. A second failure reported here is this step's too.
+        if let Err(more) = self.sync() {
+            tracing::warn!(error = %more, "settling the device queue after a failed step");
+        }
+        let err = match err {
+            EncoderError::Device(_) | EncoderError::Alloc(_) => {
+                EngineError::Device(err.to_string())
+            }
+            _ => EngineError::Internal(err.to_string()),
+        };
         for (id, _) in &output.scheduled {
             self.fail(*id, &err);
         }
-        // The manager may now count items whose outputs never reached the device cache;
-        // emptying both keeps them in agreement (other requests re-encode what they need).
-        self.reset_encoder_cache();
+        for hash in std::mem::take(&mut self.written) {
+            self.cache.remove(&hash);
+            self.scheduler.invalidate_encoder_output(&hash);
+        }
+    }
+
+    /// Keeps the manager in agreement with the device cache: an item the manager allocated
+    /// this step whose output is not on the device (its encode failed, or every request that
+    /// wanted it went away first) is forgotten, so that whoever needs it next encodes it.
+    fn reconcile(&mut self, output: &StepOutput) {
+        for input in &output.encoder_inputs {
+            if !self.cache.contains(&input.hash) {
+                self.scheduler.invalidate_encoder_output(&input.hash);
+            }
+        }
+        // And an output stored for an item the manager no longer counts is not kept.
+        for hash in std::mem::take(&mut self.written) {
+            if !self.scheduler.manager().contains(&hash) {
+                self.cache.remove(&hash);
+            }
+        }
+    }
+
+    /// Fails, in the step's requests, every one whose images include an item that did not
+    /// fit, naming the image; the manager forgets items that have no device output.
+    fn fail_items(
+        &mut self,
+        output: &StepOutput,
+        failed: Vec<(Arc<PreprocessedImage>, MemoryShortfall)>,
+    ) {
+        for (image, shortfall) in failed {
+            for (id, _) in &output.scheduled {
+                let index = self
+                    .active
+                    .get(id)
+                    .and_then(|active| active.images.iter().position(|i| i.hash == image.hash));
+                if let Some(index) = index {
+                    self.shared
+                        .faults
+                        .oom_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.fail(*id, &shortfall.error(&format!("image {index}")));
+                }
+            }
+            if !self.cache.contains(&image.hash) {
+                self.scheduler.invalidate_encoder_output(&image.hash);
+            }
+        }
     }
 
     /// Sends each request its chunk of a completed step; a request whose consumer is gone is
@@ -287,12 +446,88 @@ impl Worker {
         }
     }
 
-    /// Enqueues a step's work: the encoder on newly scheduled items, then the gather of every
-    /// scheduled position into the step's input embeddings. Returns each request's chunk.
+    /// Runs a step's work: the encoder on newly scheduled items (and on items the device cache
+    /// lost), then the gather of every scheduled position into the step's input embeddings.
+    /// Returns each request's chunk once the device has finished the work, so that a failure
+    /// of queued work fails this step and not a later one. Out of memory is handled inside
+    /// (requests whose items do not fit are failed here); an error is a device fault.
     fn run_step(&mut self, output: &StepOutput) -> Result<Vec<(RequestId, Chunk)>, EncoderError> {
         self.encode(output)?;
+        self.encode_missing(output)?;
+        let scheduled: Vec<(RequestId, u64)> = output
+            .scheduled
+            .iter()
+            .copied()
+            .filter(|(id, tokens)| *tokens > 0 && self.active.contains_key(id))
+            .collect();
+        let chunks = self.gather_recovering(&scheduled)?;
+        self.sync()?;
+        Ok(chunks)
+    }
+
+    /// Waits for the device's queue through the allocator, which also reports a failure that a
+    /// memory snapshot on another thread ran into first: a failure is this step's.
+    fn sync(&self) -> Result<(), EncoderError> {
+        Ok(self.runner.allocator().synchronize()?)
+    }
+
+    /// Gathers the scheduled positions of `scheduled` (active requests), retrying after an
+    /// out-of-memory with memory released, then in halves; a single request whose step buffer
+    /// still does not fit is failed.
+    fn gather_recovering(
+        &mut self,
+        scheduled: &[(RequestId, u64)],
+    ) -> Result<Vec<(RequestId, Chunk)>, EncoderError> {
+        if scheduled.is_empty() {
+            return Ok(Vec::new());
+        }
+        match self.gather(scheduled) {
+            Err(err) if is_out_of_memory(&err) => {}
+            other => return other,
+        }
+        self.recover_memory()?;
+        match self.gather(scheduled) {
+            Err(err) if is_out_of_memory(&err) => {}
+            other => return other,
+        }
+        if let [(id, tokens)] = *scheduled {
+            let levels = self.vision.deepstack_visual_indexes.len() as u64;
+            let needed =
+                tokens * (levels + 1) * self.vision.out_hidden as u64 * self.element_bytes();
+            let shortfall = self.shortfall(needed)?;
+            self.shared
+                .faults
+                .oom_failures
+                .fetch_add(1, Ordering::Relaxed);
+            self.fail(
+                id,
+                &shortfall.error(&format!("the {tokens} positions of this request's step")),
+            );
+            return Ok(Vec::new());
+        }
+        self.shared
+            .faults
+            .batch_splits
+            .fetch_add(1, Ordering::Relaxed);
+        let (first, second) = scheduled.split_at(scheduled.len() / 2);
+        let mut chunks = self.gather_recovering(first)?;
+        chunks.extend(self.gather_recovering(second)?);
+        Ok(chunks)
+    }
+
+    /// Bytes of one element of the run dtype.
+    fn element_bytes(&self) -> u64 {
+        dtype_size(self.dtype)
+    }
+
+    /// Enqueues the gather of every scheduled position of `scheduled` (active requests with
+    /// tokens) into one input-embedding buffer and reads back what the requests asked for.
+    fn gather(
+        &mut self,
+        scheduled: &[(RequestId, u64)],
+    ) -> Result<Vec<(RequestId, Chunk)>, EncoderError> {
         let hidden = self.vision.out_hidden as u64;
-        let total = output.total_tokens();
+        let total: u64 = scheduled.iter().map(|(_, tokens)| tokens).sum();
         let levels = self.vision.deepstack_visual_indexes.len();
         if total == 0 {
             return Ok(Vec::new());
@@ -305,12 +540,12 @@ impl Worker {
             .runner
             .tensor(self.dtype, total * (levels as u64 + 1), hidden)?;
         let level = |l: u64| buffers.row_range(l * total, total);
-        let row_bytes = hidden * self.dtype.size().unwrap_or(4);
+        let row_bytes = hidden * self.element_bytes();
         let dst = buffers.mat();
         let mut regions = Vec::new();
         let mut text_rows = 0u64;
         let mut row = 0;
-        for &(id, tokens) in &output.scheduled {
+        for &(id, tokens) in scheduled {
             let Some(active) = self.active.get(&id) else {
                 row += tokens;
                 continue;
@@ -326,6 +561,7 @@ impl Worker {
                     Some((index, item_row)) => {
                         let (_, length) = active.layout.items[index];
                         let run = (length - item_row).min(start + tokens - p);
+                        // `encode_missing` put every item of the window on the device.
                         let entry = self
                             .cache
                             .get(&active.images[index].hash)
@@ -358,9 +594,9 @@ impl Worker {
         if !regions.is_empty() {
             device.copy_batch(&regions)?;
         }
-        let mut chunks = Vec::with_capacity(output.scheduled.len());
+        let mut chunks = Vec::with_capacity(scheduled.len());
         let mut row = 0;
-        for &(id, tokens) in &output.scheduled {
+        for &(id, tokens) in scheduled {
             let Some(active) = self.active.get(&id) else {
                 row += tokens;
                 continue;
@@ -397,7 +633,8 @@ impl Worker {
         Ok(chunks)
     }
 
-    /// Runs the tower once on every newly scheduled item of the step and stores the outputs.
+    /// Runs the tower on every newly scheduled item of the step and stores the outputs; items
+    /// that do not fit in device memory fail their requests.
     fn encode(&mut self, output: &StepOutput) -> Result<(), EncoderError> {
         let mut batch: Vec<Arc<PreprocessedImage>> = Vec::new();
         for input in &output.encoder_inputs {
@@ -411,6 +648,91 @@ impl Worker {
             }
             batch.push(Arc::clone(image));
         }
+        let failed = self.encode_recovering(&batch)?;
+        self.fail_items(output, failed);
+        Ok(())
+    }
+
+    /// Encodes again every item in a scheduled window that the manager counts as cached but
+    /// the device cache does not hold (a [`crate::cache::device::CacheMiss`]): the documented
+    /// answer to a lost output, instead of failing the step.
+    fn encode_missing(&mut self, output: &StepOutput) -> Result<(), EncoderError> {
+        let mut missing: Vec<Arc<PreprocessedImage>> = Vec::new();
+        for &(id, tokens) in &output.scheduled {
+            let Some(active) = self.active.get_mut(&id) else {
+                continue;
+            };
+            let start = self
+                .scheduler
+                .num_computed_tokens(id)
+                .unwrap_or(active.layout.prompt_len);
+            for (index, &(offset, length)) in active.layout.items.iter().enumerate() {
+                let image = &active.images[index];
+                let in_window = offset < start + tokens && start < offset + length;
+                if !in_window || self.cache.contains(&image.hash) {
+                    continue;
+                }
+                active.encoded[index] = true;
+                if !missing.iter().any(|m| m.hash == image.hash) {
+                    missing.push(Arc::clone(image));
+                }
+            }
+        }
+        if missing.is_empty() {
+            return Ok(());
+        }
+        tracing::debug!(items = missing.len(), "device cache miss: encoding again");
+        let failed = self.encode_recovering(&missing)?;
+        let encoded = missing.len() - failed.len();
+        self.shared
+            .faults
+            .reencodes
+            .fetch_add(encoded as u64, Ordering::Relaxed);
+        self.fail_items(output, failed);
+        Ok(())
+    }
+
+    /// Encodes `batch`, recovering from out-of-memory: memory released and a retry, then the
+    /// halves on their own. Returns the items that still did not fit, alone, with the
+    /// numbers; an error is a device fault.
+    fn encode_recovering(
+        &mut self,
+        batch: &[Arc<PreprocessedImage>],
+    ) -> Result<Vec<(Arc<PreprocessedImage>, MemoryShortfall)>, EncoderError> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        match self.encode_batch(batch) {
+            Err(err) if is_out_of_memory(&err) => {}
+            other => return other.map(|()| Vec::new()),
+        }
+        self.recover_memory()?;
+        match self.encode_batch(batch) {
+            Err(err) if is_out_of_memory(&err) => {}
+            other => return other.map(|()| Vec::new()),
+        }
+        if let [image] = batch {
+            let needed = self.encode_bytes(image)?;
+            return Ok(vec![(Arc::clone(image), self.shortfall(needed)?)]);
+        }
+        self.shared
+            .faults
+            .batch_splits
+            .fetch_add(1, Ordering::Relaxed);
+        let (first, second) = batch.split_at(batch.len() / 2);
+        let mut failed = self.encode_recovering(first)?;
+        failed.extend(self.encode_recovering(second)?);
+        Ok(failed)
+    }
+
+    /// Runs the tower once on the items of `batch` the device cache does not hold yet and
+    /// stores their outputs.
+    fn encode_batch(&mut self, batch: &[Arc<PreprocessedImage>]) -> Result<(), EncoderError> {
+        // A retry skips what an earlier attempt already stored.
+        let batch: Vec<&Arc<PreprocessedImage>> = batch
+            .iter()
+            .filter(|image| !self.cache.contains(&image.hash))
+            .collect();
         if batch.is_empty() {
             return Ok(());
         }
@@ -430,7 +752,7 @@ impl Worker {
         let outputs = tower
             .forward(&self.runner, &input, &grids)
             .and_then(|outputs| {
-                self.runner.device().synchronize()?;
+                self.sync()?;
                 Ok(outputs)
             });
         self.shared
@@ -449,8 +771,51 @@ impl Worker {
                 .collect::<Result<Vec<_>, _>>()?;
             let entry = Entry::new(buffer, tokens, hidden, self.dtype).with_deepstack(deepstack);
             self.cache.insert(image.hash.clone(), entry);
+            self.written.push(image.hash.clone());
         }
         Ok(())
+    }
+
+    /// After an out-of-memory: settles the queue (a failure of work already queued is this
+    /// step's device fault, and must not be consumed by the trim below), evicts every
+    /// unreferenced encoder-cache entry and returns the allocator's free blocks to the device.
+    fn recover_memory(&mut self) -> Result<(), EncoderError> {
+        self.sync()?;
+        self.shared
+            .faults
+            .oom_recoveries
+            .fetch_add(1, Ordering::Relaxed);
+        let evicted = self.scheduler.evict_unreferenced();
+        self.cache.free_hashes(&evicted);
+        self.runner.allocator().empty_cache()?;
+        Ok(())
+    }
+
+    /// Device bytes encoding `image` alone takes at its peak (input, activations, outputs),
+    /// planned without running anything.
+    fn encode_bytes(&self, image: &PreprocessedImage) -> Result<u64, EncoderError> {
+        let tower = self
+            .tower
+            .as_ref()
+            .ok_or_else(|| EncoderError::Shape("the tower is asleep".to_owned()))?;
+        let planner = Runner::planner(Arc::clone(self.runner.allocator()));
+        let rows = image.num_patches() as u64;
+        let input = planner.tensor(self.dtype, rows, self.vision.patch_row_len() as u64)?;
+        drop(tower.forward(&planner, &input, &[image.grid_thw])?);
+        Ok(planner.planned_peak())
+    }
+
+    /// How `needed` bytes compare with what the device can give, measured after memory was
+    /// released: the most is its free memory plus what the allocator holds beyond the
+    /// weights (other requests' outputs and this step's buffers, given back as work drains).
+    fn shortfall(&self, needed: u64) -> Result<MemoryShortfall, EncoderError> {
+        let stats = self.runner.allocator().stats();
+        let info = self.runner.device().mem_info()?;
+        Ok(MemoryShortfall {
+            needed,
+            available: info.free + stats.reserved.saturating_sub(self.baseline_allocated),
+            others_hold: stats.allocated > self.baseline_allocated,
+        })
     }
 
     fn fail(&mut self, id: RequestId, err: &EngineError) {
@@ -560,6 +925,55 @@ impl Worker {
         }
     }
 
+    /// Between steps: the manager's entries are the device cache's (each of the size the
+    /// manager counts), the manager's own invariants hold, and the allocator's live blocks are
+    /// the weights plus the cached outputs: nothing else is left behind.
+    #[cfg(test)]
+    fn check(&self) -> Result<(), String> {
+        let manager = self.scheduler.manager();
+        manager.verify()?;
+        let references = manager.stats().references;
+        if self.active.is_empty() && references != 0 {
+            return Err(format!(
+                "{references} encoder-cache references held with no request in flight"
+            ));
+        }
+        let mut counted: Vec<(String, u64)> = manager
+            .entries()
+            .map(|(hash, size)| (hash.to_string(), size))
+            .collect();
+        counted.sort();
+        let mut held: Vec<(String, u64)> = self
+            .cache
+            .hashes()
+            .into_iter()
+            .map(|hash| {
+                let tokens = self.cache.get(&hash).map_or(0, |entry| entry.tokens);
+                (hash, tokens)
+            })
+            .collect();
+        held.sort();
+        if counted != held {
+            return Err(format!(
+                "the manager counts {counted:?} but the device cache holds {held:?}"
+            ));
+        }
+        let weights = if self.tower.is_some() {
+            self.baseline_allocated
+        } else {
+            0
+        };
+        let allocated = self.runner.allocator().stats().allocated;
+        if allocated != weights + self.cache.bytes() {
+            return Err(format!(
+                "the allocator has {allocated} bytes in live blocks, not the weights' {weights} \
+                 plus the cached outputs' {}",
+                self.cache.bytes()
+            ));
+        }
+        Ok(())
+    }
+
     /// Publishes the figures the handle reads without asking this thread.
     fn publish(&self) {
         let stats = self.scheduler.manager().stats();
@@ -579,6 +993,68 @@ impl Worker {
     }
 }
 
+/// Whether a step's error is the device (or the allocator) running out of memory.
+fn is_out_of_memory(err: &EncoderError) -> bool {
+    match err {
+        EncoderError::Alloc(AllocError::OutOfMemory { .. }) => true,
+        EncoderError::Alloc(AllocError::Device(err)) | EncoderError::Device(err) => {
+            err.is_out_of_memory()
+        }
+        _ => false,
+    }
+}
+
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shortfall_is_transient_only_when_draining_work_would_make_room() {
+        let error = |needed, available, others_hold| {
+            MemoryShortfall {
+                needed,
+                available,
+                others_hold,
+            }
+            .error("image 3")
+        };
+        match error(5000, 4000, true) {
+            EngineError::TooLargeForDevice {
+                message,
+                needed_bytes,
+                available_bytes,
+            } => {
+                assert_eq!((needed_bytes, available_bytes), (5000, 4000));
+                assert!(
+                    message.contains("image 3")
+                        && message.contains("5000")
+                        && message.contains("4000"),
+                    "{message}"
+                );
+            }
+            other => panic!("expected TooLargeForDevice, got {other:?}"),
+        }
+        // Nothing else holds memory: waiting would not help, whatever the estimate says.
+        assert!(matches!(
+            error(3000, 4000, false),
+            EngineError::TooLargeForDevice { .. }
+        ));
+        match error(3000, 4000, true) {
+            EngineError::OutOfMemory {
+                message,
+                retry_after_s,
+            } => {
+                assert_eq!(retry_after_s, OUT_OF_MEMORY_RETRY_AFTER_S);
+                assert!(
+                    message.contains("image 3") && message.contains("3000"),
+                    "{message}"
+                );
+            }
+            other => panic!("expected OutOfMemory, got {other:?}"),
+        }
+    }
 }

@@ -298,6 +298,24 @@ impl CachingAllocator {
         })
     }
 
+    /// Waits until the device's queue has run everything submitted so far and reports the
+    /// first failure of that work, including one that a memory snapshot taken on another
+    /// thread ran into first (a device reports an asynchronous failure once, to whichever call
+    /// waits first). Whoever runs work on the device should synchronize through here, so that
+    /// a failure is attributed to that work.
+    ///
+    /// # Errors
+    /// The device error of the failed work.
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
+        let result = self.device.synchronize();
+        // Taken after waiting: a snapshot that took the failure held the lock until it had
+        // stored it, so it is there by now.
+        match self.lock().deferred_failure.take() {
+            Some(earlier) => Err(earlier),
+            None => result,
+        }
+    }
+
     /// The current counters.
     pub fn stats(&self) -> AllocatorStats {
         self.lock().stats
@@ -357,8 +375,12 @@ impl CachingAllocator {
     pub(crate) fn stats_with_mem_info(
         &self,
     ) -> Result<(AllocatorStats, iris_plugin::MemInfo, u64), AllocError> {
-        let state = self.lock();
-        self.device.synchronize()?;
+        let mut state = self.lock();
+        if let Err(err) = self.device.synchronize() {
+            // A failure of queued work belongs to the thread that queued it (the engine's
+            // step), not to this reader: keep it for that thread's next synchronize.
+            state.deferred_failure.get_or_insert(err);
+        }
         let info = self.device.mem_info()?;
         let held = self.device.memory_report()?.held_bytes();
         Ok((state.stats, info, held))
@@ -629,6 +651,9 @@ struct State {
     large_free: BTreeSet<FreeKey>,
     next_segment: u64,
     stats: AllocatorStats,
+    /// A failure of queued device work that a reader on another thread (a memory snapshot)
+    /// ran into first; [`CachingAllocator::synchronize`] hands it to the owner of the work.
+    deferred_failure: Option<DeviceError>,
 }
 
 impl State {
