@@ -872,9 +872,12 @@ async fn soak_with_aborts_resets_and_injected_faults_returns_to_the_baseline() {
         engine.shared.allocator.stats().oom_retries > 0,
         "injected allocation failures were retried: {summary}"
     );
-    assert_eq!(
-        m.oom_failures,
-        outcomes.get(&Outcome::RetryLater).copied().unwrap_or(0),
+    // A request the engine failed for memory counts even when its consumer had gone by the
+    // time the answer came (then the test saw it as aborted).
+    let retry_later = outcomes.get(&Outcome::RetryLater).copied().unwrap_or(0);
+    let aborted = outcomes.get(&Outcome::Aborted).copied().unwrap_or(0);
+    assert!(
+        (retry_later..=retry_later + aborted).contains(&m.oom_failures),
         "{summary}"
     );
     // Before any reset: nothing in flight, the books agree, nothing allocated beyond the
