@@ -9,8 +9,8 @@ use std::hint::black_box;
 
 use abi_stable::std_types::RSlice;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use iris_plugin::abi::{AttentionArgs, BufferSlice, GemmArgs};
 use iris_device_cpu::isa::Tier;
+use iris_plugin::abi::{AttentionArgs, BufferSlice, GemmArgs};
 use iris_plugin::{Activation, DType, Device, MatRef, Plugin};
 
 const THREADS: usize = 2;

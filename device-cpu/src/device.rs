@@ -7,16 +7,16 @@ use std::time::Duration;
 use iris_plugin::Logger;
 use iris_plugin::abi::{
     ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, CastArgs, CopyRegion, DType,
-    DeviceDesc, FillArgs, GatherArgs, GemmArgs, HostAlloc, HostBufferId, MemInfo, MemoryReport,
-    HeldMemory, NormArgs, OpKind, PluginError, Property, RotaryArgs, StagedCopy, property,
+    DeviceDesc, FillArgs, GatherArgs, GemmArgs, HeldMemory, HostAlloc, HostBufferId, MemInfo,
+    MemoryReport, NormArgs, OpKind, PluginError, Property, RotaryArgs, StagedCopy, property,
 };
 use iris_plugin::validate::{self, Checker};
 
 use crate::error::invalid;
 use crate::faults::{self, Faults};
 use crate::isa::{ISA_ENV, Tier};
-use crate::ops::native::PackCache;
 use crate::memory::{Memory, Region, check_range};
+use crate::ops::native::PackCache;
 use crate::queue::{Exec, Queue, QueueMode};
 
 /// Share of physical memory the device offers when no `capacity` option is given: leaves room

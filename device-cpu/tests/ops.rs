@@ -395,12 +395,7 @@ fn gemm_matches_reference_for_every_flag_combination() {
 /// their 112-row tasks and odd reductions), constant and per-call weights.
 #[test]
 fn gemm_tiers_match_reference_on_tile_crossing_shapes() {
-    let shapes = [
-        (1, 1, 1),
-        (17, 33, 65),
-        (333, 77, 129),
-        (1024, 1280, 24),
-    ];
+    let shapes = [(1, 1, 1), (17, 33, 65), (333, 77, 129), (1024, 1280, 24)];
     for tier in tiers() {
         let dev = device_on(2, tier);
         for (i, (m, n, k)) in shapes.into_iter().enumerate() {
@@ -458,10 +453,15 @@ fn constant_weights_are_packed_once_and_released() {
     assert!(packed >= 2 * 32 * 3 * 4, "{packed} bytes held");
     dev.gemm(&args).unwrap();
     assert_eq!(held(&dev), packed, "the second product reuses the copy");
-    dev.write(w.buf, 0, &encode(DType::BF16, &[2.0; 240])).unwrap();
+    dev.write(w.buf, 0, &encode(DType::BF16, &[2.0; 240]))
+        .unwrap();
     dev.gemm(&args).unwrap();
     assert!(download(&dev, &out).iter().all(|v| *v == 12.0));
-    assert_eq!(held(&dev), packed, "the stale copy was replaced, not kept beside");
+    assert_eq!(
+        held(&dev),
+        packed,
+        "the stale copy was replaced, not kept beside"
+    );
     dev.free(w.buf).unwrap();
     assert_eq!(held(&dev), 0);
     for buf in [a.buf, out.buf] {

@@ -21,8 +21,8 @@ use iris_plugin::abi::{AttentionArgs, DType, PluginError};
 use iris_plugin::validate::{self, Checker, Mat};
 use rayon::prelude::*;
 
-use super::native::{self as native, Bf16Mat, Epilogue, OutMat, PackedB};
 use super::gemm::{Dst, Operand, matrix, run_gemm};
+use super::native::{self as native, Bf16Mat, Epilogue, OutMat, PackedB};
 use super::{Elem, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
@@ -393,7 +393,11 @@ fn attend_bf16(
             native::matmul(None, qb, kb, d, q, keys, out, Epilogue::STORE);
         }
         let p = &mut packs.p[..qb * kb];
-        for (i, (row, p_row)) in s.chunks_exact_mut(kb).zip(p.chunks_exact_mut(kb)).enumerate() {
+        for (i, (row, p_row)) in s
+            .chunks_exact_mut(kb)
+            .zip(p.chunks_exact_mut(kb))
+            .enumerate()
+        {
             math::scale(row, scale);
             let new_max = max[i].max(math::max(row));
             let correction = if max[i] == f32::NEG_INFINITY {
@@ -407,7 +411,8 @@ fn attend_bf16(
                 math::scale(&mut acc[i * d..(i + 1) * d], correction);
             }
             max[i] = new_max;
-            <half::bf16 as Elem>::store(row, p_row);
+            // SAFETY: the caller checked the CPU's features.
+            unsafe { <half::bf16 as native::Output>::store(row, p_row) };
         }
         let probs = Bf16Mat {
             ptr: p.as_ptr().cast::<u16>(),
@@ -431,10 +436,12 @@ fn attend_bf16(
         math::scale(row, 1.0 / sum[i]);
         // SAFETY: this item is the only writer of these columns of this row of `out`, which
         // is disjoint from every input.
-        <half::bf16 as Elem>::store(row, unsafe {
+        let dst = unsafe {
             plan.out
                 .segment_mut::<half::bf16>(item.start + item.q0 + i, c0, d)
-        });
+        };
+        // SAFETY: the caller checked the CPU's features.
+        unsafe { <half::bf16 as native::Output>::store(row, dst) };
     }
 }
 

@@ -25,8 +25,8 @@ use rayon::prelude::*;
 use super::native::{self as native, Bf16Mat, Epilogue, OutMat, PackCache, PackKey, PackedB};
 use super::{Elem, View, math, with_elem};
 use crate::device::CpuDevice;
-use crate::memory::Memory;
 use crate::error::invalid;
+use crate::memory::Memory;
 use crate::queue::Exec;
 
 /// Output columns per weight block on the f16/bf16 path: a `[512, 1280]` f32 block is 2.5 MiB.

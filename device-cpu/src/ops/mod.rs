@@ -19,10 +19,10 @@
 //! - [`math`]: vectorised exp, activations and reductions shared by the ops.
 
 pub mod attention;
-pub mod native;
 pub mod elementwise;
 pub mod gemm;
 pub(crate) mod math;
+pub mod native;
 pub mod norm;
 pub mod rotary;
 

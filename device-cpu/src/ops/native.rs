@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use iris_plugin::abi::{Activation, BufferHandle};
 use rayon::prelude::*;
 
-use super::{Elem, math};
+use super::math;
 
 /// Output columns per packed panel: two 16-lane f32 vectors.
 pub const NR: usize = 32;
@@ -184,7 +184,10 @@ impl PackedB {
             }
         };
         if parallel {
-            self.data.par_chunks_mut(panel_len).enumerate().for_each(fill);
+            self.data
+                .par_chunks_mut(panel_len)
+                .enumerate()
+                .for_each(fill);
         } else {
             self.data.chunks_mut(panel_len).enumerate().for_each(fill);
         }
@@ -238,7 +241,7 @@ thread_local! {
 /// overlaps neither `a` nor the epilogue's bias and nothing else touches it during the call;
 /// `b.n() == n`, `b.k() == k`, and the bias has `n` values.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn matmul<T: Elem>(
+pub(crate) unsafe fn matmul<T: Output>(
     pool: Option<(&rayon::ThreadPool, usize)>,
     m: usize,
     n: usize,
@@ -307,10 +310,12 @@ pub(crate) unsafe fn matmul<T: Elem>(
                             )
                         };
                         if epilogue.accumulate {
-                            T::load(dst, &mut old[..cols]);
+                            // SAFETY: the CPU runs the kernels (caller's contract).
+                            unsafe { T::load(dst, &mut old[..cols]) };
                             math::add_assign(row, &old[..cols]);
                         }
-                        T::store(row, dst);
+                        // SAFETY: as above.
+                        unsafe { T::store(row, dst) };
                     }
                 }
             }
@@ -386,8 +391,8 @@ unsafe fn kernel<const R: usize>(
     tile: &mut [[f32; NR]; MR],
 ) {
     use std::arch::x86_64::{
-        __m512bh, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_set1_epi32,
-        _mm512_setzero_ps, _mm512_storeu_ps,
+        __m512bh, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_set1_epi32, _mm512_setzero_ps,
+        _mm512_storeu_ps,
     };
     // SAFETY (whole body): reads stay inside `lhs` (`pairs * R` words) and `panel`
     // (`pairs * NR` words) per the caller; `__m512bh` and `__m512` are both 64 bytes of lanes.
@@ -423,6 +428,106 @@ unsafe fn kernel<const R: usize>(
     _tile: &mut [[f32; NR]; MR],
 ) {
     unreachable!("the bf16 kernels need x86-64")
+}
+
+/// An output element type of [`matmul`]: f32, or bf16 converted with AVX512-BF16's
+/// round-to-nearest-even (`vcvtneps2bf16`, 16 lanes at a time; denormals flush to zero, which
+/// the scalar conversion elsewhere keeps).
+pub(crate) trait Output: Copy + Send + Sync + 'static {
+    /// Converts `src` into `dst` (same length).
+    ///
+    /// # Safety
+    /// [`available`] is true.
+    unsafe fn load(src: &[Self], dst: &mut [f32]);
+    /// Converts `src` into `dst` (same length).
+    ///
+    /// # Safety
+    /// [`available`] is true.
+    unsafe fn store(src: &[f32], dst: &mut [Self]);
+}
+
+impl Output for f32 {
+    unsafe fn load(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    unsafe fn store(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Output for half::bf16 {
+    unsafe fn load(src: &[half::bf16], dst: &mut [f32]) {
+        // SAFETY: forwarded to the caller.
+        unsafe { widen_bf16(src, dst) }
+    }
+    unsafe fn store(src: &[f32], dst: &mut [half::bf16]) {
+        // SAFETY: forwarded to the caller.
+        unsafe { narrow_bf16(src, dst) }
+    }
+}
+
+/// bf16 to f32 (exact): each value's bits shifted into the high half of a 32-bit lane.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn widen_bf16(src: &[half::bf16], dst: &mut [f32]) {
+    use std::arch::x86_64::{
+        __m256i, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_slli_epi32,
+        _mm512_storeu_ps,
+    };
+    debug_assert_eq!(src.len(), dst.len());
+    let mut chunks = src.chunks_exact(16);
+    let mut out = dst.chunks_exact_mut(16);
+    for (s, d) in (&mut chunks).zip(&mut out) {
+        // SAFETY: 16 bf16 (32 bytes) read from `s`, 16 f32 written to `d`.
+        unsafe {
+            let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(s.as_ptr().cast::<__m256i>()));
+            _mm512_storeu_ps(
+                d.as_mut_ptr(),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits)),
+            );
+        }
+    }
+    for (s, d) in chunks.remainder().iter().zip(out.into_remainder()) {
+        *d = s.to_f32();
+    }
+}
+
+/// f32 to bf16, rounding to nearest even.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn narrow_bf16(src: &[f32], dst: &mut [half::bf16]) {
+    use std::arch::x86_64::{__m256i, _mm256_storeu_si256, _mm512_cvtneps_pbh, _mm512_loadu_ps};
+    debug_assert_eq!(src.len(), dst.len());
+    let mut chunks = src.chunks_exact(16);
+    let mut out = dst.chunks_exact_mut(16);
+    for (s, d) in (&mut chunks).zip(&mut out) {
+        // SAFETY: 16 f32 read from `s`, 16 bf16 (32 bytes) written to `d`; `__m256bh` and
+        // `__m256i` are both 32 bytes.
+        unsafe {
+            let narrow: __m256i =
+                std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(s.as_ptr())));
+            _mm256_storeu_si256(d.as_mut_ptr().cast::<__m256i>(), narrow);
+        }
+    }
+    for (s, d) in chunks.remainder().iter().zip(out.into_remainder()) {
+        *d = half::bf16::from_f32(*s);
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn widen_bf16(src: &[half::bf16], dst: &mut [f32]) {
+    super::Elem::load(src, dst);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn narrow_bf16(src: &[f32], dst: &mut [half::bf16]) {
+    super::Elem::store(src, dst);
 }
 
 /// Where a packed weight came from: buffer, byte offset, shape, stride and layout.
@@ -514,7 +619,10 @@ mod tests {
     use super::*;
 
     fn bits(values: &[f32]) -> Vec<u16> {
-        values.iter().map(|v| bf16::from_f32(*v).to_bits()).collect()
+        values
+            .iter()
+            .map(|v| bf16::from_f32(*v).to_bits())
+            .collect()
     }
 
     fn value(seed: usize) -> f32 {
@@ -530,7 +638,10 @@ mod tests {
             eprintln!("skipped: this CPU lacks AVX512-BF16");
             return;
         }
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
         for (m, n, k) in [(1, 1, 1), (15, 33, 3), (29, 65, 16), (113, 40, 17)] {
             let a: Vec<f32> = (0..m * k).map(value).collect();
             let w: Vec<f32> = (0..n * k).map(|i| value(i + 3)).collect();
@@ -556,7 +667,16 @@ mod tests {
                 };
                 // SAFETY: as above; `out` is separate.
                 unsafe {
-                    matmul(Some((&pool, 2)), m, n, k, a_mat, &packed, out_mat, Epilogue::STORE)
+                    matmul(
+                        Some((&pool, 2)),
+                        m,
+                        n,
+                        k,
+                        a_mat,
+                        &packed,
+                        out_mat,
+                        Epilogue::STORE,
+                    )
                 };
                 for i in 0..m {
                     for j in 0..n {
@@ -571,6 +691,31 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The vector conversions round like `half` (to nearest even) on normal values, ties and
+    /// the tail past the last 16 lanes included; widening is exact.
+    #[test]
+    fn vector_conversions_match_the_scalar_ones() {
+        if !available() {
+            eprintln!("skipped: this CPU lacks AVX512-BF16");
+            return;
+        }
+        let mut values: Vec<f32> = (0..37).map(|i| (i as f32 - 18.3) * 0.137).collect();
+        // Exact ties between two bf16 values: 1 + 2^-8 and 1 + 3 * 2^-8.
+        values.extend([1.003_906_25, 1.011_718_75, -0.0, f32::INFINITY, 3.0e38]);
+        let mut narrow = vec![bf16::ZERO; values.len()];
+        // SAFETY: checked above.
+        unsafe { <bf16 as Output>::store(&values, &mut narrow) };
+        for (v, got) in values.iter().zip(&narrow) {
+            assert_eq!(got.to_bits(), bf16::from_f32(*v).to_bits(), "{v}");
+        }
+        let mut wide = vec![0.0f32; narrow.len()];
+        // SAFETY: as above.
+        unsafe { <bf16 as Output>::load(&narrow, &mut wide) };
+        for (n, got) in narrow.iter().zip(&wide) {
+            assert_eq!(got.to_bits(), n.to_f32().to_bits());
         }
     }
 
