@@ -333,13 +333,13 @@ struct PackBuffers {
 ///
 /// # Safety
 /// As for [`PackedB::pack`].
-unsafe fn pack_into<'a>(
-    slot: &'a mut Option<PackedB>,
+unsafe fn pack_into(
+    slot: &mut Option<PackedB>,
     w: Bf16Mat,
     n: usize,
     k: usize,
     transposed: bool,
-) -> &'a PackedB {
+) -> &PackedB {
     match slot {
         // SAFETY: forwarded to the caller.
         Some(packed) => unsafe { packed.repack(w, n, k, transposed, false) },

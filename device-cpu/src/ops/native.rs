@@ -704,7 +704,13 @@ mod tests {
         }
         let mut values: Vec<f32> = (0..37).map(|i| (i as f32 - 18.3) * 0.137).collect();
         // Exact ties between two bf16 values: 1 + 2^-8 and 1 + 3 * 2^-8.
-        values.extend([1.003_906_25, 1.011_718_75, -0.0, f32::INFINITY, 3.0e38]);
+        values.extend([
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-8),
+            -0.0,
+            f32::INFINITY,
+            3.0e38,
+        ]);
         let mut narrow = vec![bf16::ZERO; values.len()];
         // SAFETY: checked above.
         unsafe { <bf16 as Output>::store(&values, &mut narrow) };
