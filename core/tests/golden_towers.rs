@@ -3,7 +3,9 @@
 //! `tests/data/golden/<model>/` holds a small random-weight checkpoint (config, preprocessor
 //! config, safetensors with Hugging Face names) and `golden.safetensors` with the pixel values
 //! and grids of two images and the tower's outputs, produced by `tools/golden/make_golden.py`.
-//! The tower must agree to a relative error of 1e-4 in f32.
+//! The tower must agree to a relative error of 1e-4 in f32, and in bf16 (weights and
+//! activations rounded to bf16, products on the CPU device's native bf16 kernels where the CPU
+//! has them) to [`BF16_TOLERANCE`] of the same f32 outputs.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,8 +18,11 @@ use iris_core::model::{ModelSpec, WeightSource};
 use iris_plugin::{DType, Plugin};
 use safetensors::SafeTensors;
 
-/// Relative error bound the issue sets for f32.
+/// Relative error bound for f32.
 const TOLERANCE: f64 = 1e-4;
+/// Relative error bound for bf16: a few units of bf16's 2^-8 rounding, accumulated over the
+/// tower's layers.
+const BF16_TOLERANCE: f64 = 3e-2;
 
 fn golden_dir(model: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -73,11 +78,11 @@ fn relative_errors(actual: &[f32], expected: &[f32]) -> (f64, f64) {
     (max_diff / max_ref, (diff_sq / ref_sq).sqrt())
 }
 
-fn check_model(model: &str) {
+fn check_model(model: &str, dtype: DType, tolerance: f64) {
     let dir = golden_dir(model);
     let spec = ModelSpec::from_hf_dir(&dir).expect("golden config parses");
     let weights = WeightSource::Safetensors(vec![dir.clone()])
-        .load(&spec.vision, DType::F32)
+        .load(&spec.vision, dtype)
         .expect("golden weights load");
     let bytes = std::fs::read(dir.join("golden.safetensors")).expect("golden outputs exist");
     let golden = SafeTensors::deserialize(&bytes).expect("golden outputs parse");
@@ -86,16 +91,14 @@ fn check_model(model: &str) {
 
     let allocator = allocator();
     let runner = Runner::new(Arc::clone(&allocator));
-    let tower = VisionTower::new(&runner, spec.vision.clone(), &weights, DType::F32)
-        .expect("weights upload");
+    let tower =
+        VisionTower::new(&runner, spec.vision.clone(), &weights, dtype).expect("weights upload");
     let row_len = spec.vision.patch_row_len() as u64;
     let rows = pixels.len() as u64 / row_len;
 
     // Peak activation memory predicted by planning equals the one the run reaches.
     let planner = Runner::planner(Arc::clone(&allocator));
-    let planned_input = planner
-        .upload_f32(&pixels, DType::F32, rows, row_len)
-        .unwrap();
+    let planned_input = planner.upload_f32(&pixels, dtype, rows, row_len).unwrap();
     let planned = tower.forward(&planner, &planned_input, &grids).unwrap();
     drop(planned);
     drop(planned_input);
@@ -103,9 +106,7 @@ fn check_model(model: &str) {
 
     let before = allocator.stats().allocated;
     allocator.reset_peaks();
-    let input = runner
-        .upload_f32(&pixels, DType::F32, rows, row_len)
-        .unwrap();
+    let input = runner.upload_f32(&pixels, dtype, rows, row_len).unwrap();
     let outputs = tower
         .forward(&runner, &input, &grids)
         .expect("the tower runs");
@@ -128,15 +129,15 @@ fn check_model(model: &str) {
     }
     let (max_rel, norm_rel) = relative_errors(&embeddings, &f32s(&golden, "embeddings"));
     assert!(
-        max_rel < TOLERANCE && norm_rel < TOLERANCE,
-        "{model}: embeddings differ: max-relative {max_rel:e}, norm-relative {norm_rel:e}"
+        max_rel < tolerance && norm_rel < tolerance,
+        "{model} {dtype}: embeddings differ: max-relative {max_rel:e}, norm-relative {norm_rel:e}"
     );
     for (j, values) in deepstack.iter().enumerate() {
         let (max_rel, norm_rel) =
             relative_errors(values, &f32s(&golden, &format!("deepstack.{j}")));
         assert!(
-            max_rel < TOLERANCE && norm_rel < TOLERANCE,
-            "{model}: deepstack {j} differs: max-relative {max_rel:e}, norm-relative {norm_rel:e}"
+            max_rel < tolerance && norm_rel < tolerance,
+            "{model} {dtype}: deepstack {j} differs: max-relative {max_rel:e}, norm-relative {norm_rel:e}"
         );
     }
     let expected_deepstack = spec.vision.deepstack_visual_indexes.len();
@@ -158,15 +159,30 @@ fn check_model(model: &str) {
 
 #[test]
 fn qwen2_vl_matches_transformers() {
-    check_model("qwen2_vl");
+    check_model("qwen2_vl", DType::F32, TOLERANCE);
+}
+
+#[test]
+fn qwen2_vl_in_bf16_stays_within_bf16_tolerance() {
+    check_model("qwen2_vl", DType::BF16, BF16_TOLERANCE);
 }
 
 #[test]
 fn qwen2_5_vl_matches_transformers() {
-    check_model("qwen2_5_vl");
+    check_model("qwen2_5_vl", DType::F32, TOLERANCE);
+}
+
+#[test]
+fn qwen2_5_vl_in_bf16_stays_within_bf16_tolerance() {
+    check_model("qwen2_5_vl", DType::BF16, BF16_TOLERANCE);
 }
 
 #[test]
 fn qwen3_vl_matches_transformers() {
-    check_model("qwen3_vl");
+    check_model("qwen3_vl", DType::F32, TOLERANCE);
+}
+
+#[test]
+fn qwen3_vl_in_bf16_stays_within_bf16_tolerance() {
+    check_model("qwen3_vl", DType::BF16, BF16_TOLERANCE);
 }

@@ -1,5 +1,6 @@
 //! Throughput of the CPU device's heavy ops on 2 threads, through the public ABI: a square f32
-//! GEMM (GFLOP/s), the Qwen2-VL tower's GEMM shapes (f32 and bf16) and its attention.
+//! GEMM (GFLOP/s), the Qwen2-VL tower's GEMM shapes (f32, and bf16 on every kernel tier this
+//! CPU runs) and its attention.
 //!
 //! Throughput is reported in floating-point operations, so criterion's "elem/s" reads as
 //! FLOP/s.
@@ -8,12 +9,18 @@ use std::hint::black_box;
 
 use abi_stable::std_types::RSlice;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use iris_device_cpu::isa::Tier;
 use iris_plugin::abi::{AttentionArgs, BufferSlice, GemmArgs};
 use iris_plugin::{Activation, DType, Device, MatRef, Plugin};
 
 const THREADS: usize = 2;
 
 fn device() -> Device {
+    device_on(Tier::best())
+}
+
+/// The device with its kernel tier forced to `tier`.
+fn device_on(tier: Tier) -> Device {
     let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
     plugin
         .open(
@@ -24,9 +31,24 @@ fn device() -> Device {
                 // Each call then completes before it returns, so an iteration times the op and
                 // not its hand-off to the queue's thread.
                 ("queue".to_owned(), "sync".to_owned()),
+                ("isa".to_owned(), tier.name().to_owned()),
             ],
         )
         .expect("open the cpu device")
+}
+
+/// The tiers with distinct bf16 paths that this CPU runs; the others are named as skipped.
+fn bf16_tiers() -> Vec<Tier> {
+    [Tier::Avx512Bf16, Tier::Avx512]
+        .into_iter()
+        .filter(|tier| {
+            let runs = tier.supported();
+            if !runs {
+                eprintln!("skipping tier {tier}: this CPU lacks {}", tier.features());
+            }
+            runs
+        })
+        .collect()
 }
 
 /// A `[rows, cols]` matrix of small deterministic values.
@@ -164,14 +186,18 @@ fn gemm(c: &mut Criterion) {
         DType::F32,
         true,
     );
-    gemm_case(
-        c,
-        &dev,
-        "bf16 fc1 m1024 k1280 n5120 +bias",
-        (1024, 5120, 1280),
-        DType::BF16,
-        true,
-    );
+    drop(dev);
+    for tier in bf16_tiers() {
+        let dev = device_on(tier);
+        for (what, shape) in [
+            ("qkv m1024 k1280 n3840", (1024, 3840, 1280)),
+            ("fc1 m1024 k1280 n5120", (1024, 5120, 1280)),
+            ("fc2 m1024 k5120 n1280", (1024, 1280, 5120)),
+        ] {
+            let name = format!("bf16 {tier} {what} +bias");
+            gemm_case(c, &dev, &name, shape, DType::BF16, true);
+        }
+    }
 }
 
 fn attention_case(c: &mut Criterion, dev: &Device, tokens: u64, dtype: DType) {
@@ -213,7 +239,11 @@ fn attention_case(c: &mut Criterion, dev: &Device, tokens: u64, dtype: DType) {
     let mut group = c.benchmark_group("attention");
     group.throughput(Throughput::Elements(4 * tokens * tokens * cols));
     group.sample_size(10);
-    group.bench_function(format!("{dtype} {tokens} tokens 16x80"), |b| {
+    let tier = dev
+        .description()
+        .property("kernel_tier")
+        .map_or_else(String::new, |tier| format!(" {tier}"));
+    group.bench_function(format!("{dtype}{tier} {tokens} tokens 16x80"), |b| {
         b.iter(|| dev.attention(black_box(&args)).expect("attention"))
     });
     group.finish();
@@ -226,7 +256,10 @@ fn attention(c: &mut Criterion) {
     let dev = device();
     attention_case(c, &dev, 1024, DType::F32);
     attention_case(c, &dev, 4096, DType::F32);
-    attention_case(c, &dev, 1024, DType::BF16);
+    drop(dev);
+    for tier in bf16_tiers() {
+        attention_case(c, &device_on(tier), 1024, DType::BF16);
+    }
 }
 
 criterion_group!(benches, gemm, attention);

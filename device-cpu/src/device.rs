@@ -7,14 +7,16 @@ use std::time::Duration;
 use iris_plugin::Logger;
 use iris_plugin::abi::{
     ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, CastArgs, CopyRegion, DType,
-    DeviceDesc, FillArgs, GatherArgs, GemmArgs, HostAlloc, HostBufferId, MemInfo, MemoryReport,
-    NormArgs, OpKind, PluginError, Property, RotaryArgs, StagedCopy, property,
+    DeviceDesc, FillArgs, GatherArgs, GemmArgs, HeldMemory, HostAlloc, HostBufferId, MemInfo,
+    MemoryReport, NormArgs, OpKind, PluginError, Property, RotaryArgs, StagedCopy, property,
 };
 use iris_plugin::validate::{self, Checker};
 
 use crate::error::invalid;
 use crate::faults::{self, Faults};
+use crate::isa::{ISA_ENV, Tier};
 use crate::memory::{Memory, Region, check_range};
+use crate::ops::native::PackCache;
 use crate::queue::{Exec, Queue, QueueMode};
 
 /// Share of physical memory the device offers when no `capacity` option is given: leaves room
@@ -41,6 +43,9 @@ pub struct CpuOptions {
     pub poison: bool,
     /// Injected faults (default: none).
     pub faults: Faults,
+    /// The kernel tier asked for (default: [`ISA_ENV`], else the best the CPU runs); one the
+    /// CPU lacks runs as the best it has.
+    pub isa: Option<Tier>,
 }
 
 impl CpuOptions {
@@ -53,6 +58,7 @@ impl CpuOptions {
             queue_delay: Duration::ZERO,
             poison: false,
             faults: Faults::default(),
+            isa: None,
         }
     }
 
@@ -94,6 +100,9 @@ impl CpuOptions {
                         .map_err(|_| bad("microseconds (an integer)"))?;
                     options.queue_delay = Duration::from_micros(micros);
                 }
+                "isa" => {
+                    options.isa = Some(Tier::parse(value).ok_or_else(|| bad(TIER_NAMES))?);
+                }
                 "poison" => {
                     options.poison = value
                         .trim()
@@ -107,7 +116,7 @@ impl CpuOptions {
                         return Err(invalid(
                             "open",
                             format!(
-                                "unknown option `{other}` (known: threads, capacity, queue, queue_delay_us, poison, {})",
+                                "unknown option `{other}` (known: threads, capacity, queue, queue_delay_us, poison, isa, {})",
                                 faults::KEYS.join(", ")
                             ),
                         ));
@@ -126,19 +135,31 @@ pub struct CpuDevice {
     queue: Queue,
     pub(crate) memory: Arc<Memory>,
     pub(crate) options: CpuOptions,
+    /// The kernel tier in use.
+    tier: Tier,
+    /// Packed copies of constant weights (see [`crate::ops::native`]).
+    pub(crate) packs: Arc<PackCache>,
     log: Logger,
 }
 
 impl CpuDevice {
     /// Opens the device with parsed options; `log` carries messages to the host.
     pub fn open(options: CpuOptions, log: Logger) -> Result<CpuDevice, PluginError> {
-        let exec = Exec::new(options.threads)?;
+        let requested = match options.isa {
+            Some(tier) => tier,
+            None => tier_from_env()?,
+        };
+        let (tier, note) = Tier::resolve(requested);
+        if let Some(note) = note {
+            log.warn(note);
+        }
+        let exec = Exec::new(options.threads, tier)?;
         let queue = Queue::new(options.queue, exec, options.queue_delay)?;
         if options.faults.any() {
             log.warn(format!("fault injection is on: {:?}", options.faults));
         }
         log.debug(format!(
-            "opened: {} threads, {} bytes, {} queue",
+            "opened: {} threads, {} bytes, {} queue, kernel tier {tier}",
             options.threads,
             options.capacity,
             options.queue.name()
@@ -146,6 +167,8 @@ impl CpuDevice {
         Ok(CpuDevice {
             memory: Arc::new(Memory::new(options.capacity, options.poison)),
             options,
+            tier,
+            packs: Arc::new(PackCache::default()),
             queue,
             log,
         })
@@ -154,6 +177,16 @@ impl CpuDevice {
     /// The options the device was opened with.
     pub fn options(&self) -> &CpuOptions {
         &self.options
+    }
+
+    /// The kernel tier in use.
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    /// Bytes of packed weight copies held (counted in the memory report).
+    pub fn packed_bytes(&self) -> u64 {
+        self.packs.bytes()
     }
 
     /// Buffer lengths for [`iris_plugin::validate`].
@@ -202,9 +235,14 @@ impl CpuDevice {
         let (device, device_start) =
             self.device_range(op, "device", copy.device, copy.device_offset, copy.bytes)?;
         let len = usize::try_from(copy.bytes).unwrap_or(0);
+        let (packs, written) = (Arc::clone(&self.packs), copy.device);
         self.queue.submit(
             op,
             Box::new(move |_| {
+                if to_device {
+                    // In queue order: a product queued earlier still sees the old copy.
+                    packs.evict(written);
+                }
                 // SAFETY: ranges inside their regions (checked); host and device regions are
                 // distinct allocations; the host leaves the range alone until a fence after
                 // this work completes (ABI contract).
@@ -260,6 +298,7 @@ impl iris_plugin::Backend for CpuDevice {
             properties: vec![
                 Property::new(property::QUEUE, self.queue.mode().name()),
                 Property::new(property::COMPUTE_UNITS, self.options.threads),
+                Property::new(property::KERNEL_TIER, self.tier),
             ]
             .into(),
         }
@@ -274,7 +313,7 @@ impl iris_plugin::Backend for CpuDevice {
         Ok(MemoryReport {
             allocated,
             buffers,
-            held: Vec::new().into(),
+            held: held_memory(self.packs.bytes()).into(),
         })
     }
 
@@ -285,7 +324,11 @@ impl iris_plugin::Backend for CpuDevice {
 
     fn free(&self, buf: BufferHandle) -> Result<(), PluginError> {
         // Queued work holds the region: the memory goes when that work is done.
-        self.memory.free(buf)
+        self.memory.free(buf)?;
+        // After the table forgets the buffer, so a product still queued cannot re-add a copy
+        // (see `PackCache::get_or_pack`).
+        self.packs.evict(buf);
+        Ok(())
     }
 
     fn write(&self, dst: BufferHandle, offset: u64, src: &[u8]) -> Result<(), PluginError> {
@@ -296,13 +339,16 @@ impl iris_plugin::Backend for CpuDevice {
             unsafe {
                 std::ptr::copy_nonoverlapping(src.as_ptr(), region.ptr().add(start), src.len());
             }
+            self.packs.evict(dst);
             return Ok(());
         }
         // Asynchronous: the bytes travel with the work, so `src` is free on return.
         let data = src.to_vec();
+        let packs = Arc::clone(&self.packs);
         self.queue.submit(
             "write",
             Box::new(move |_| {
+                packs.evict(dst);
                 // SAFETY: as above; the region lives in this closure.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
@@ -339,12 +385,14 @@ impl iris_plugin::Backend for CpuDevice {
             let dst_start = check_range(OP, "dst", &dst, region.dst_offset, region.bytes)?;
             // The length is inside a region, so it fits in usize.
             let len = usize::try_from(region.bytes).unwrap_or(0);
-            copies.push((src, src_start, dst, dst_start, len));
+            copies.push((src, src_start, dst, dst_start, len, region.dst));
         }
+        let packs = Arc::clone(&self.packs);
         self.queue.submit(
             OP,
             Box::new(move |_| {
-                for (src, src_start, dst, dst_start, len) in &copies {
+                for (src, src_start, dst, dst_start, len, handle) in &copies {
+                    packs.evict(*handle);
                     // SAFETY: ranges inside their regions (checked); no destination overlaps
                     // another region's destination or any source (validated).
                     unsafe { copy_between(src, *src_start, dst, *dst_start, *len) };
@@ -365,9 +413,11 @@ impl iris_plugin::Backend for CpuDevice {
             self.device_range(OP, "dst", args.dst.buf, args.dst.offset, args.dst.bytes)?;
         let len = usize::try_from(args.dst.bytes).unwrap_or(0);
         let (value, width) = (args.value, args.width);
+        let (packs, filled) = (Arc::clone(&self.packs), args.dst.buf);
         self.queue.submit(
             OP,
             Box::new(move |_| {
+                packs.evict(filled);
                 // SAFETY: the range is inside the region (checked), which this work holds.
                 let bytes = unsafe { std::slice::from_raw_parts_mut(region.ptr().add(start), len) };
                 let pattern = value.to_le_bytes();
@@ -474,6 +524,33 @@ impl Drop for CpuDevice {
         // The queue, dropped first (field order), finishes the work already queued.
         self.log.debug("closing");
     }
+}
+
+/// Tier names for messages.
+const TIER_NAMES: &str = "`amx`, `avx512bf16`, `avx512` or `generic`";
+
+/// The tier [`ISA_ENV`] asks for, else the best this build runs on this CPU.
+fn tier_from_env() -> Result<Tier, PluginError> {
+    match std::env::var(ISA_ENV) {
+        Ok(value) if !value.trim().is_empty() => Tier::parse(&value).ok_or_else(|| {
+            invalid(
+                "open",
+                format!("{ISA_ENV}=`{value}`: expected {TIER_NAMES}"),
+            )
+        }),
+        _ => Ok(Tier::best()),
+    }
+}
+
+/// The memory report's items for `packed` bytes of packed weights.
+fn held_memory(packed: u64) -> Vec<HeldMemory> {
+    if packed == 0 {
+        return Vec::new();
+    }
+    vec![HeldMemory {
+        what: "packed weights".into(),
+        bytes: packed,
+    }]
 }
 
 /// Physical memory times [`DEFAULT_CAPACITY_FRACTION`].

@@ -23,6 +23,8 @@ use iris_plugin::abi::PluginError;
 use iris_plugin::backend::panic_message;
 use rayon::prelude::*;
 
+use crate::isa::Tier;
+
 /// Elements a row-parallel task handles at least, so that small ops do not drown in scheduling.
 const MIN_ELEMENTS_PER_TASK: usize = 16 * 1024;
 
@@ -49,17 +51,23 @@ impl QueueMode {
 pub(crate) struct Exec {
     pub(crate) pool: rayon::ThreadPool,
     pub(crate) threads: usize,
+    /// The kernel tier ops run on.
+    pub(crate) tier: Tier,
 }
 
 impl Exec {
     /// A pool of `threads` workers.
-    pub(crate) fn new(threads: usize) -> Result<Exec, PluginError> {
+    pub(crate) fn new(threads: usize, tier: Tier) -> Result<Exec, PluginError> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|index| format!("iris-cpu-{index}"))
             .build()
             .map_err(|err| PluginError::internal(format!("open: cannot start threads: {err}")))?;
-        Ok(Exec { pool, threads })
+        Ok(Exec {
+            pool,
+            threads,
+            tier,
+        })
     }
 
     /// The `gemm` crate's parallelism for this pool.

@@ -18,20 +18,48 @@ use iris_plugin::{
 };
 
 use abi_stable::std_types::RSlice;
+use iris_device_cpu::isa::Tier;
 
 const SENTINEL: f32 = 1234.5;
 
 fn device(threads: usize) -> Device {
+    device_on(threads, Tier::best())
+}
+
+/// The device with its kernel tier forced to `tier` (through the `isa` option, which, unlike
+/// `IRIS_CPU_ISA`, does not race between test threads).
+fn device_on(threads: usize, tier: Tier) -> Device {
     let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
-    plugin
+    let dev = plugin
         .open(
             0,
             &[
                 ("threads".to_owned(), threads.to_string()),
                 ("capacity".to_owned(), "2GiB".to_owned()),
+                ("isa".to_owned(), tier.name().to_owned()),
             ],
         )
-        .unwrap()
+        .unwrap();
+    assert_eq!(
+        dev.description().property("kernel_tier"),
+        Some(tier.name()),
+        "the device runs the tier asked for"
+    );
+    dev
+}
+
+/// Every tier this CPU and build run; the others are printed as skipped, with the reason.
+fn tiers() -> Vec<Tier> {
+    Tier::ALL
+        .into_iter()
+        .filter(|tier| {
+            let (used, note) = Tier::resolve(*tier);
+            if let Some(note) = &note {
+                eprintln!("skipping tier {tier}: {note}");
+            }
+            used == *tier
+        })
+        .collect()
 }
 
 /// xorshift64*: deterministic test data without a rand dependency.
@@ -253,6 +281,8 @@ struct GemmCase {
     act: Activation,
     accumulate: bool,
     strided: bool,
+    /// Pass `w_constant` (the device may pack the weight once and keep it).
+    constant: bool,
 }
 
 fn run_gemm_case(dev: &Device, dtype: DType, case: &GemmCase, seed: u64) {
@@ -289,7 +319,7 @@ fn run_gemm_case(dev: &Device, dtype: DType, case: &GemmCase, seed: u64) {
         activation: case.act,
         accumulate: case.accumulate,
         w_transposed: case.transposed,
-        w_constant: false,
+        w_constant: case.constant,
         workspace: BufferSlice::EMPTY,
     })
     .unwrap();
@@ -309,8 +339,13 @@ fn run_gemm_case(dev: &Device, dtype: DType, case: &GemmCase, seed: u64) {
     }
     let got = download(dev, &out_view);
     let what = format!(
-        "gemm m={m} n={n} k={k} t={} bias={} act={:?} acc={}",
-        case.transposed, case.bias, case.act, case.accumulate
+        "gemm m={m} n={n} k={k} t={} bias={} act={:?} acc={} const={} tier={}",
+        case.transposed,
+        case.bias,
+        case.act,
+        case.accumulate,
+        case.constant,
+        dev.description().property("kernel_tier").unwrap_or("?")
     );
     assert_close(&what, dtype, &got, &want);
     for view in [a_view, w_view, bias_view, out_view] {
@@ -322,34 +357,115 @@ fn run_gemm_case(dev: &Device, dtype: DType, case: &GemmCase, seed: u64) {
 
 #[test]
 fn gemm_matches_reference_for_every_flag_combination() {
-    let dev = device(3);
     let acts = [
         Activation::NONE,
         Activation::QUICK_GELU,
         Activation::GELU_ERF,
     ];
-    let mut seed = 1;
-    for dtype in DType::FLOATS {
-        for transposed in [false, true] {
-            for bias in [false, true] {
-                for act in acts {
-                    for accumulate in [false, true] {
-                        let case = GemmCase {
-                            m: 37,
-                            n: 29,
-                            k: 23,
-                            transposed,
-                            bias,
-                            act,
-                            accumulate,
-                            strided: seed % 2 == 0,
-                        };
-                        run_gemm_case(&dev, dtype, &case, seed);
-                        seed += 1;
+    for tier in tiers() {
+        let dev = device_on(3, tier);
+        let mut seed = 1;
+        for dtype in DType::FLOATS {
+            for transposed in [false, true] {
+                for bias in [false, true] {
+                    for act in acts {
+                        for accumulate in [false, true] {
+                            let case = GemmCase {
+                                m: 37,
+                                n: 29,
+                                k: 23,
+                                transposed,
+                                bias,
+                                act,
+                                accumulate,
+                                strided: seed % 2 == 0,
+                                constant: seed % 3 == 0,
+                            };
+                            run_gemm_case(&dev, dtype, &case, seed);
+                            seed += 1;
+                        }
                     }
                 }
             }
         }
+    }
+}
+
+/// Each tier on odd and tile-crossing shapes (the bf16 kernels' 14-row by 32-column tiles,
+/// their 112-row tasks and odd reductions), constant and per-call weights.
+#[test]
+fn gemm_tiers_match_reference_on_tile_crossing_shapes() {
+    let shapes = [(1, 1, 1), (17, 33, 65), (333, 77, 129), (1024, 1280, 24)];
+    for tier in tiers() {
+        let dev = device_on(2, tier);
+        for (i, (m, n, k)) in shapes.into_iter().enumerate() {
+            for dtype in [DType::BF16, DType::F32] {
+                for constant in [false, true] {
+                    let case = GemmCase {
+                        m,
+                        n,
+                        k,
+                        transposed: i % 2 == 1,
+                        bias: true,
+                        act: Activation::GELU_TANH,
+                        accumulate: constant,
+                        strided: true,
+                        constant,
+                    };
+                    run_gemm_case(&dev, dtype, &case, 500 + i as u64);
+                }
+            }
+        }
+    }
+}
+
+/// A constant weight is packed once and kept, counted in the memory report; rewriting its
+/// buffer drops the copy (the next product sees the new weight) and freeing it releases it.
+#[test]
+fn constant_weights_are_packed_once_and_released() {
+    let dev = device_on(2, Tier::best());
+    let native = Tier::best() >= Tier::Avx512Bf16;
+    if !native {
+        eprintln!("skipped: this CPU has no native bf16 kernels, which are what pack weights");
+        return;
+    }
+    let (m, n, k) = (5, 40, 6);
+    let a = upload(&dev, DType::BF16, m, k, &[1.0; 30]);
+    let w = upload(&dev, DType::BF16, n, k, &[0.5; 240]);
+    let out = upload(&dev, DType::BF16, m, n, &[0.0; 200]);
+    let args = GemmArgs {
+        a,
+        w,
+        bias: MatRef::NONE,
+        out,
+        activation: Activation::NONE,
+        accumulate: false,
+        w_transposed: false,
+        w_constant: true,
+        workspace: BufferSlice::EMPTY,
+    };
+    let held = |dev: &Device| dev.memory_report().unwrap().held_bytes();
+    assert_eq!(held(&dev), 0);
+    dev.gemm(&args).unwrap();
+    assert!(download(&dev, &out).iter().all(|v| *v == 3.0));
+    let packed = held(&dev);
+    // Two panels of 32 columns, three pairs of bf16 each.
+    assert!(packed >= 2 * 32 * 3 * 4, "{packed} bytes held");
+    dev.gemm(&args).unwrap();
+    assert_eq!(held(&dev), packed, "the second product reuses the copy");
+    dev.write(w.buf, 0, &encode(DType::BF16, &[2.0; 240]))
+        .unwrap();
+    dev.gemm(&args).unwrap();
+    assert!(download(&dev, &out).iter().all(|v| *v == 12.0));
+    assert_eq!(
+        held(&dev),
+        packed,
+        "the stale copy was replaced, not kept beside"
+    );
+    dev.free(w.buf).unwrap();
+    assert_eq!(held(&dev), 0);
+    for buf in [a.buf, out.buf] {
+        dev.free(buf).unwrap();
     }
 }
 
@@ -378,6 +494,7 @@ fn gemm_handles_blocks_and_degenerate_sizes() {
                     act,
                     accumulate,
                     strided: true,
+                    constant: transposed,
                 };
                 run_gemm_case(&dev, dtype, &case, 100 + i as u64);
             }
@@ -1098,81 +1215,83 @@ fn attention_ref(
 
 #[test]
 fn attention_matches_reference_over_segments() {
-    let dev = device(3);
-    let mut rng = Rng::new(29);
-    // Empty segments, a segment longer than one key block and one query block, odd lengths.
-    let cu: Vec<u32> = vec![0, 0, 7, 7, 300, 301, 338];
-    let tokens = 338;
-    for dtype in DType::FLOATS {
-        let (heads, d) = (2, 12);
-        let cols = heads * d;
-        // q, k, v as column slices of one fused [tokens, 3 * cols] matrix.
-        let qkv = rng.vec(tokens * 3 * cols, dtype, 2.0);
-        let fused = upload(&dev, dtype, tokens, 3 * cols, &qkv);
-        let part = |i: usize| MatRef {
-            offset: fused.offset + (i * cols) as u64 * size(dtype),
-            cols: cols as u64,
-            ..fused
-        };
-        let pick = |i: usize| -> Vec<f32> {
-            (0..tokens)
-                .flat_map(|t| qkv[t * 3 * cols + i * cols..][..cols].to_vec())
-                .collect()
-        };
-        let (q, k, v) = (pick(0), pick(1), pick(2));
-        let out = upload_strided(&dev, dtype, tokens, cols, 1, 3, &vec![0.0; tokens * cols]);
-        let scale = 1.0 / (d as f32).sqrt();
-        let cu_i32: Vec<i32> = cu.iter().map(|&c| c as i32).collect();
-        let mut args = AttentionArgs {
-            q: part(0),
-            k: part(1),
-            v: part(2),
-            out,
-            heads: heads as u64,
-            head_dim: d as u64,
-            scale,
-            cu_seqlens: RSlice::from_slice(&cu),
-            cu_seqlens_device: upload_i32(&dev, &cu_i32),
-            max_seqlen: 293,
-            workspace: BufferSlice::EMPTY,
-        };
-        let bytes = dev.attention_workspace(&args).unwrap();
-        assert!(bytes > 0);
-        let ws = dev.alloc(bytes + 8).unwrap();
-        args.workspace = BufferSlice {
-            buf: ws,
-            offset: 4,
-            bytes: bytes + 4,
-        };
-        dev.attention(&args).unwrap();
-        let want = attention_ref(&q, &k, &v, cols, heads, d, scale, &cu);
-        assert_close(
-            &format!("attention {dtype}"),
-            dtype,
-            &download(&dev, &out),
-            &want,
-        );
+    for tier in tiers() {
+        let dev = device_on(3, tier);
+        let mut rng = Rng::new(29);
+        // Empty segments, a segment longer than one key block and one query block, odd lengths.
+        let cu: Vec<u32> = vec![0, 0, 7, 7, 300, 301, 338];
+        let tokens = 338;
+        for dtype in DType::FLOATS {
+            let (heads, d) = (2, 12);
+            let cols = heads * d;
+            // q, k, v as column slices of one fused [tokens, 3 * cols] matrix.
+            let qkv = rng.vec(tokens * 3 * cols, dtype, 2.0);
+            let fused = upload(&dev, dtype, tokens, 3 * cols, &qkv);
+            let part = |i: usize| MatRef {
+                offset: fused.offset + (i * cols) as u64 * size(dtype),
+                cols: cols as u64,
+                ..fused
+            };
+            let pick = |i: usize| -> Vec<f32> {
+                (0..tokens)
+                    .flat_map(|t| qkv[t * 3 * cols + i * cols..][..cols].to_vec())
+                    .collect()
+            };
+            let (q, k, v) = (pick(0), pick(1), pick(2));
+            let out = upload_strided(&dev, dtype, tokens, cols, 1, 3, &vec![0.0; tokens * cols]);
+            let scale = 1.0 / (d as f32).sqrt();
+            let cu_i32: Vec<i32> = cu.iter().map(|&c| c as i32).collect();
+            let mut args = AttentionArgs {
+                q: part(0),
+                k: part(1),
+                v: part(2),
+                out,
+                heads: heads as u64,
+                head_dim: d as u64,
+                scale,
+                cu_seqlens: RSlice::from_slice(&cu),
+                cu_seqlens_device: upload_i32(&dev, &cu_i32),
+                max_seqlen: 293,
+                workspace: BufferSlice::EMPTY,
+            };
+            let bytes = dev.attention_workspace(&args).unwrap();
+            assert!(bytes > 0);
+            let ws = dev.alloc(bytes + 8).unwrap();
+            args.workspace = BufferSlice {
+                buf: ws,
+                offset: 4,
+                bytes: bytes + 4,
+            };
+            dev.attention(&args).unwrap();
+            let want = attention_ref(&q, &k, &v, cols, heads, d, scale, &cu);
+            assert_close(
+                &format!("attention {dtype} tier {tier}"),
+                dtype,
+                &download(&dev, &out),
+                &want,
+            );
 
-        // Too small a workspace, named with the sizes.
-        args.workspace = BufferSlice {
-            buf: ws,
-            offset: 0,
-            bytes: bytes - 1,
-        };
-        assert_invalid(dev.attention(&args), "`workspace`");
-        args.workspace = BufferSlice {
-            buf: ws,
-            offset: 16,
-            bytes,
-        };
-        assert_invalid(dev.attention(&args), "`workspace`");
-        args.workspace = BufferSlice {
-            buf: fused.buf,
-            offset: 0,
-            bytes,
-        };
-        assert_invalid(dev.attention(&args), "`workspace`");
-        dev.free(ws).unwrap();
+            // Too small a workspace, named with the sizes.
+            args.workspace = BufferSlice {
+                buf: ws,
+                offset: 0,
+                bytes: bytes - 1,
+            };
+            assert_invalid(dev.attention(&args), "`workspace`");
+            args.workspace = BufferSlice {
+                buf: ws,
+                offset: 16,
+                bytes,
+            };
+            assert_invalid(dev.attention(&args), "`workspace`");
+            args.workspace = BufferSlice {
+                buf: fused.buf,
+                offset: 0,
+                bytes,
+            };
+            assert_invalid(dev.attention(&args), "`workspace`");
+            dev.free(ws).unwrap();
+        }
     }
 }
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Qwen2-VL-2B vision tower, f32, dummy weights: iris (CPU device) vs transformers on torch.
+"""Qwen2-VL-2B vision tower, f32 or bf16, dummy weights: iris (CPU device) vs transformers on torch.
 
 Both run in this one script, alternating, with the same thread count and the same image:
 one 448x448 image (1024 patches, 256 tokens) and a batch of four. For each case the script
 reports the median time over the repeats, the ratio, and the GFLOP/s each reaches against the
-machine's f32 GEMM peak measured in the same run (torch's 2048^3 matmul).
+machine's GEMM peak in the same dtype measured in the same run (torch's 2048^3 matmul). It
+prints the CPU model and its matrix features, and the kernel tier iris's CPU device runs.
 
 iris's time is what `iris encode` prints per call (upload, tower, read-back; weights already
 resident), torch's is the model call under `torch.inference_mode()`. Weight creation is not
@@ -12,7 +13,10 @@ timed on either side.
 
 Usage (from the repository root, with the virtual environment of tools/golden/README.md):
     cargo build --release -p iris
-    /work/venv/bin/python tools/bench/tower_vs_torch.py --threads 2 --repeats 5
+    /work/venv/bin/python tools/bench/tower_vs_torch.py --threads 2 --repeats 5 --dtype bf16
+    /work/venv/bin/python tools/bench/tower_vs_torch.py --threads 2 --repeats 5 --dtype f32
+
+`--isa` forces iris's kernel tier (IRIS_CPU_ISA: amx, avx512bf16, avx512, generic).
 """
 
 import argparse
@@ -58,7 +62,39 @@ def make_image(path):
     Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8)).save(path)
 
 
-def torch_setup(threads):
+def torch_dtype(dtype):
+    import torch
+
+    return {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+
+
+def cpu_summary():
+    """CPU model and the features that decide the matrix kernels, from /proc/cpuinfo."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ["avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"]
+    return model, [flag for flag in wanted if flag in flags]
+
+
+def iris_kernel_tier(iris, config, isa):
+    env = {**os.environ, "IRIS_DEVICE": "cpu"}
+    if isa:
+        env["IRIS_CPU_ISA"] = isa
+    result = subprocess.run([iris, "--config", config, "devices"], capture_output=True, text=True, env=env)
+    match = re.search(r"kernel_tier\W+(\w+)", result.stdout)
+    return match.group(1) if match else "unknown"
+
+
+def torch_setup(threads, dtype):
     import torch
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import (
@@ -78,12 +114,12 @@ def torch_setup(threads):
         temporal_patch_size=2,
     )
     config._attn_implementation = "sdpa"
-    model = Qwen2VisionTransformerPretrainedModel._from_config(config, dtype=torch.float32)
+    model = Qwen2VisionTransformerPretrainedModel._from_config(config, dtype=torch_dtype(dtype))
     model.eval()
     return model
 
 
-def torch_inputs(image_path, count):
+def torch_inputs(image_path, count, dtype):
     import torch
     from PIL import Image
     from transformers import Qwen2VLImageProcessor
@@ -91,7 +127,7 @@ def torch_inputs(image_path, count):
     processor = Qwen2VLImageProcessor()
     image = Image.open(image_path).convert("RGB")
     out = processor(images=[image] * count, return_tensors="pt")
-    return out["pixel_values"].to(torch.float32), out["image_grid_thw"]
+    return out["pixel_values"].to(torch_dtype(dtype)), out["image_grid_thw"]
 
 
 def time_torch(model, inputs):
@@ -104,12 +140,12 @@ def time_torch(model, inputs):
         return time.perf_counter() - start
 
 
-def gemm_peak(threads, repeats):
+def gemm_peak(threads, repeats, dtype):
     import torch
 
     torch.set_num_threads(threads)
-    a = torch.randn(2048, 2048)
-    b = torch.randn(2048, 2048)
+    a = torch.randn(2048, 2048, dtype=torch_dtype(dtype))
+    b = torch.randn(2048, 2048, dtype=torch_dtype(dtype))
     torch.mm(a, b)
     times = []
     for _ in range(repeats):
@@ -119,13 +155,16 @@ def gemm_peak(threads, repeats):
     return 2 * 2048**3 / statistics.median(times) / 1e9
 
 
-def time_iris(iris, config, image_path, count, out_dir):
+def time_iris(iris, config, image_path, count, out_dir, dtype, isa):
     args = [iris, "--config", config, "encode", "--model", "qwen2-vl-2b", "--weights", "dummy"]
-    args += ["--dtype", "f32", "--out", os.path.join(out_dir, "out.safetensors")]
+    args += ["--dtype", dtype, "--out", os.path.join(out_dir, "out.safetensors")]
     if count > 1:
         args.append("--batch")
     args += [image_path] * count
-    result = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "IRIS_DEVICE": "cpu"})
+    env = {**os.environ, "IRIS_DEVICE": "cpu"}
+    if isa:
+        env["IRIS_CPU_ISA"] = isa
+    result = subprocess.run(args, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         sys.exit(f"iris failed:\n{result.stdout}\n{result.stderr}")
     match = re.search(r"(?:batch of \d+ in )?([0-9.]+) s\s*$", result.stdout.strip().splitlines()[-2])
@@ -139,6 +178,9 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--iris", default="target/release/iris")
+    parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                        help="the model's dtype on both sides (default f32)")
+    parser.add_argument("--isa", help="force iris's kernel tier (IRIS_CPU_ISA)")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
 
@@ -148,22 +190,29 @@ def main():
         config = os.path.join(tmp, "iris.toml")
         with open(config, "w") as f:
             f.write(f'device = "cpu"\n[plugins.cpu]\nthreads = {args.threads}\n')
-        model = torch_setup(args.threads)
-        cases = {1: torch_inputs(image, 1), 4: torch_inputs(image, 4)}
+        model_name, features = cpu_summary()
+        tier = iris_kernel_tier(args.iris, config, args.isa)
+        print(f"CPU: {model_name}; features: {' '.join(features) or 'none of note'}; "
+              f"iris kernel tier: {tier}; dtype: {args.dtype}", flush=True)
+        model = torch_setup(args.threads, args.dtype)
+        cases = {1: torch_inputs(image, 1, args.dtype), 4: torch_inputs(image, 4, args.dtype)}
         time_torch(model, cases[1])  # warm-up
         results = {count: {"iris": [], "torch": []} for count in cases}
         for repeat in range(args.repeats):
             for count, inputs in cases.items():
                 results[count]["torch"].append(time_torch(model, inputs))
-                results[count]["iris"].append(time_iris(args.iris, config, image, count, tmp))
+                results[count]["iris"].append(
+                    time_iris(args.iris, config, image, count, tmp, args.dtype, args.isa))
                 print(f"repeat {repeat + 1}/{args.repeats}, {count} image(s): "
                       f"torch {results[count]['torch'][-1]:.2f} s, iris {results[count]['iris'][-1]:.2f} s",
                       flush=True)
-        peak = gemm_peak(args.threads, args.repeats)
+        peak = gemm_peak(args.threads, args.repeats, args.dtype)
 
     patches = (448 // PATCH) ** 2
-    summary = {"threads": args.threads, "repeats": args.repeats, "gemm_peak_gflops": peak, "cases": {}}
-    print(f"\nf32 GEMM peak (torch 2048^3 matmul, {args.threads} threads): {peak:.0f} GFLOP/s")
+    summary = {"threads": args.threads, "repeats": args.repeats, "dtype": args.dtype, "cpu": model_name,
+               "cpu_features": features, "kernel_tier": tier, "gemm_peak_gflops": peak, "cases": {}}
+    print(f"\nCPU: {model_name}; features: {' '.join(features)}; iris kernel tier: {tier}")
+    print(f"{args.dtype} GEMM peak (torch 2048^3 matmul, {args.threads} threads): {peak:.0f} GFLOP/s")
     print("| images | torch median s | iris median s | torch / iris | torch GFLOP/s (% peak) | iris GFLOP/s (% peak) |")
     print("|---|---|---|---|---|---|")
     for count, times in results.items():

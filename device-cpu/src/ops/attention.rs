@@ -8,6 +8,11 @@
 //! sum per query, rescaling `acc` when the max grows), so no segment-wide score matrix exists.
 //! f32 keys and values are read in place through their row strides; f16/bf16 blocks are
 //! converted into the slot first.
+//!
+//! bf16 attention on a tier with native bf16 kernels runs both products on
+//! [`super::native::matmul`] instead: queries are read in place, each key and value block is
+//! packed into pairs-of-bf16 panels as it is visited, scores and the accumulator stay f32, and
+//! the probabilities are rounded to bf16 for `P·V` (as bf16 attention does elsewhere).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -17,6 +22,7 @@ use iris_plugin::validate::{self, Checker, Mat};
 use rayon::prelude::*;
 
 use super::gemm::{Dst, Operand, matrix, run_gemm};
+use super::native::{self as native, Bf16Mat, Epilogue, OutMat, PackedB};
 use super::{Elem, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
@@ -243,15 +249,32 @@ impl AttentionJob {
             base,
             layout: SlotLayout::new(plan.head_dim, plan.q.dtype != DType::F32),
         };
+        if plan.q.dtype == DType::BF16 && exec.tier.native_bf16() && native::available() {
+            let scale = self.scale;
+            exec.run_items(plan, slots, |item, scratch, packs| {
+                attend_bf16(plan, scale, item, slots.layout, scratch, packs);
+            });
+            return Ok(());
+        }
         with_elem!("attention", plan.q.dtype, T => {
-            exec.run_attention::<T>(plan, self.scale, slots);
+            let scale = self.scale;
+            exec.run_items(plan, slots, |item, scratch, _| {
+                attend::<T>(plan, scale, item, slots.layout, scratch);
+            });
             Ok(())
         })
     }
 }
 
 impl Exec {
-    fn run_attention<T: Elem>(&self, plan: &Plan, scale: f32, slots: Slots) {
+    /// Runs `attend` on every item, one task per thread, each with its own workspace slot and
+    /// packing buffers.
+    fn run_items(
+        &self,
+        plan: &Plan,
+        slots: Slots,
+        attend: impl Fn(Item, &mut [f32], &mut PackBuffers) + Sync,
+    ) {
         // Longest segments first: their items are the most expensive (a greedy LPT order).
         let mut segments: Vec<(usize, usize)> =
             plan.segments.iter().copied().filter(|s| s.1 > 0).collect();
@@ -276,10 +299,11 @@ impl Exec {
                 // SAFETY: `slot < threads`, the number of slots `workspace_bytes` counted, and
                 // each index is handed to exactly one task.
                 let scratch = unsafe { slots.slot(slot) };
+                let mut packs = PackBuffers::default();
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(item) = items.get(i) else { break };
-                    attend::<T>(plan, scale, *item, slots.layout, scratch);
+                    attend(*item, scratch, &mut packs);
                 }
             });
         });
@@ -293,6 +317,132 @@ struct Item {
     len: usize,
     head: usize,
     q0: usize,
+}
+
+/// A task's buffers for the native bf16 path: packed key and value blocks and the
+/// probabilities in bf16. Small (a few tens of KiB at head dimensions up to 128) and reused for
+/// every item of the task.
+#[derive(Default)]
+struct PackBuffers {
+    k: Option<PackedB>,
+    v: Option<PackedB>,
+    p: Vec<half::bf16>,
+}
+
+/// Packs `w` into `slot`, reusing its memory.
+///
+/// # Safety
+/// As for [`PackedB::pack`].
+unsafe fn pack_into(
+    slot: &mut Option<PackedB>,
+    w: Bf16Mat,
+    n: usize,
+    k: usize,
+    transposed: bool,
+) -> &PackedB {
+    match slot {
+        // SAFETY: forwarded to the caller.
+        Some(packed) => unsafe { packed.repack(w, n, k, transposed, false) },
+        // SAFETY: as above.
+        None => *slot = Some(unsafe { PackedB::pack(w, n, k, transposed, false) }),
+    }
+    slot.as_ref().expect("packed just above")
+}
+
+/// Computes the output rows of one item on the native bf16 kernels.
+fn attend_bf16(
+    plan: &Plan,
+    scale: f32,
+    item: Item,
+    layout: SlotLayout,
+    scratch: &mut [f32],
+    packs: &mut PackBuffers,
+) {
+    let d = plan.head_dim;
+    let c0 = item.head * d;
+    let qb = Q_BLOCK.min(item.len - item.q0);
+    let (acc, rest) = scratch[layout.acc..].split_at_mut(layout.s - layout.acc);
+    let acc = &mut acc[..qb * d];
+    let (s_tile, rest) = rest.split_at_mut(layout.max - layout.s);
+    let (max, rest) = rest.split_at_mut(layout.sum - layout.max);
+    let (sum, _) = rest.split_at_mut(layout.k - layout.sum);
+    let (max, sum) = (&mut max[..qb], &mut sum[..qb]);
+    acc.fill(0.0);
+    max.fill(f32::NEG_INFINITY);
+    sum.fill(0.0);
+    let at = |view: &View, row: usize| Bf16Mat {
+        // SAFETY: row `row` and columns `c0..c0 + d` lie inside the validated view.
+        ptr: unsafe { view.ptr::<half::bf16>().add(row * view.stride + c0) }.cast::<u16>(),
+        stride: view.stride,
+    };
+    let q = at(&plan.q, item.start + item.q0);
+    packs.p.resize(Q_BLOCK * K_BLOCK, half::bf16::ZERO);
+    for k0 in (0..item.len).step_by(K_BLOCK) {
+        let kb = K_BLOCK.min(item.len - k0);
+        let first = item.start + k0;
+        let s = &mut s_tile[..qb * kb];
+        // SAFETY: inputs are disjoint from `out` (checked), so no one writes them; the key
+        // rows `first..first + kb` and columns `c0..c0 + d` are inside the view, and the query
+        // rows likewise; `s` is `[qb, kb]` scratch. The caller checked the CPU's features.
+        unsafe {
+            let keys = pack_into(&mut packs.k, at(&plan.k, first), kb, d, false);
+            let out = OutMat {
+                ptr: s.as_mut_ptr(),
+                stride: kb,
+            };
+            native::matmul(None, qb, kb, d, q, keys, out, Epilogue::STORE);
+        }
+        let p = &mut packs.p[..qb * kb];
+        for (i, (row, p_row)) in s
+            .chunks_exact_mut(kb)
+            .zip(p.chunks_exact_mut(kb))
+            .enumerate()
+        {
+            math::scale(row, scale);
+            let new_max = max[i].max(math::max(row));
+            let correction = if max[i] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                math::exp(max[i] - new_max)
+            };
+            let block_sum = math::exp_shifted_sum(row, new_max);
+            sum[i] = sum[i] * correction + block_sum;
+            if correction != 1.0 {
+                math::scale(&mut acc[i * d..(i + 1) * d], correction);
+            }
+            max[i] = new_max;
+            // SAFETY: the caller checked the CPU's features.
+            unsafe { <half::bf16 as native::Output>::store(row, p_row) };
+        }
+        let probs = Bf16Mat {
+            ptr: p.as_ptr().cast::<u16>(),
+            stride: kb,
+        };
+        // SAFETY: as above, for the value rows; `acc` is `[qb, d]` scratch.
+        unsafe {
+            let values = pack_into(&mut packs.v, at(&plan.v, first), d, kb, true);
+            let out = OutMat {
+                ptr: acc.as_mut_ptr(),
+                stride: d,
+            };
+            let add = Epilogue {
+                accumulate: true,
+                ..Epilogue::STORE
+            };
+            native::matmul(None, qb, d, kb, probs, values, out, add);
+        }
+    }
+    for (i, row) in acc.chunks_exact_mut(d).enumerate() {
+        math::scale(row, 1.0 / sum[i]);
+        // SAFETY: this item is the only writer of these columns of this row of `out`, which
+        // is disjoint from every input.
+        let dst = unsafe {
+            plan.out
+                .segment_mut::<half::bf16>(item.start + item.q0 + i, c0, d)
+        };
+        // SAFETY: the caller checked the CPU's features.
+        unsafe { <half::bf16 as native::Output>::store(row, dst) };
+    }
 }
 
 /// Computes the output rows of one item.

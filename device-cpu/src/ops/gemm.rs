@@ -7,18 +7,26 @@
 //! product; with both an activation and accumulation the product goes through a row-blocked f32
 //! temporary, since the activation must apply before the old contents are added.
 //!
-//! f16 and bf16 operands are converted to f32 first: `a` once, the weight in blocks of
+//! bf16 operands run on the native kernels of [`super::native`] when the device's kernel tier has
+//! them; a constant weight (`w_constant`) is packed once and kept in the device's
+//! [`super::native::PackCache`], any other weight is packed for the call.
+//!
+//! Otherwise f16 and bf16 operands are converted to f32 first: `a` once, the weight in blocks of
 //! [`HALF_N_BLOCK`] output columns, each block's product landing in an f32 tile that the
 //! epilogue converts into `out`.
+
+use std::sync::Arc;
 
 use gemm::Parallelism;
 use iris_plugin::abi::{Activation, GemmArgs, PluginError};
 use iris_plugin::validate::{self, Checker};
 use rayon::prelude::*;
 
+use super::native::{self as native, Bf16Mat, Epilogue, OutMat, PackCache, PackKey, PackedB};
 use super::{Elem, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
+use crate::memory::Memory;
 use crate::queue::Exec;
 
 /// Output columns per weight block on the f16/bf16 path: a `[512, 1280]` f32 block is 2.5 MiB.
@@ -57,6 +65,18 @@ impl CpuDevice {
         const OP: &str = "gemm";
         let lens = self.lens();
         let checked = validate::gemm(&Checker::new(OP, &lens), args)?;
+        let cache = args.w_constant.then(|| WeightCache {
+            packs: Arc::clone(&self.packs),
+            memory: Arc::clone(&self.memory),
+            key: PackKey {
+                buf: checked.w.buf,
+                offset: checked.w.offset,
+                rows: checked.w.rows,
+                cols: checked.w.cols,
+                stride: checked.w.stride,
+                transposed: args.w_transposed,
+            },
+        });
         Ok(GemmJob {
             a: View::new(self, OP, "a", &checked.a)?,
             w: View::new(self, OP, "w", &checked.w)?,
@@ -68,6 +88,7 @@ impl CpuDevice {
             transposed: args.w_transposed,
             act: args.activation,
             accumulate: args.accumulate,
+            cache,
         })
     }
 }
@@ -80,6 +101,9 @@ impl GemmJob {
         }
         match self.a.dtype {
             iris_plugin::abi::DType::F32 => exec.gemm_f32(self),
+            iris_plugin::abi::DType::BF16 if exec.tier.native_bf16() && native::available() => {
+                exec.gemm_bf16(self)
+            }
             dtype => with_elem!("gemm", dtype, T => exec.gemm_half::<T>(self)),
         }
     }
@@ -179,6 +203,59 @@ impl Exec {
                     math::add_assign(unsafe { out.row_mut::<f32>(m0 + r) }, scratch);
                 }
             });
+        }
+        Ok(())
+    }
+
+    fn gemm_bf16(&self, job: &GemmJob) -> Result<(), PluginError> {
+        let GemmJob { m, n, k, .. } = *job;
+        let w = Bf16Mat {
+            ptr: job.w.ptr::<half::bf16>().cast::<u16>(),
+            stride: job.w.stride,
+        };
+        // SAFETY: the validated weight view covers `[n, k]` (or `[k, n]`) and nothing writes
+        // it while the op runs (it is disjoint from `out`).
+        let pack = || unsafe { PackedB::pack(w, n, k, job.transposed, true) };
+        let packed = self.pool.install(|| match &job.cache {
+            Some(cache) => cache.packs.get_or_pack(
+                cache.key,
+                || cache.memory.len_of(cache.key.buf).is_some(),
+                pack,
+            ),
+            None => Arc::new(pack()),
+        });
+        let mut bias = vec![0.0f32; if job.bias.is_some() { n } else { 0 }];
+        if let Some(view) = &job.bias {
+            // SAFETY: `bias` is disjoint from `out` (checked), so nothing writes it.
+            unsafe { view.load_row::<half::bf16>(0, &mut bias) };
+        }
+        let epilogue = Epilogue {
+            bias: job.bias.as_ref().map(|_| bias.as_slice()),
+            act: job.act,
+            accumulate: job.accumulate,
+        };
+        let a = Bf16Mat {
+            ptr: job.a.ptr::<half::bf16>().cast::<u16>(),
+            stride: job.a.stride,
+        };
+        let out = OutMat {
+            ptr: job.out.ptr::<half::bf16>(),
+            stride: job.out.stride,
+        };
+        // SAFETY: the CPU runs the kernels (checked by the caller); the views are validated
+        // `[m, k]` and `[m, n]`, `out` overlaps neither `a`, `w` nor `bias`; `packed` is this
+        // weight's `[n, k]` packing.
+        unsafe {
+            native::matmul(
+                Some((&self.pool, self.threads)),
+                m,
+                n,
+                k,
+                a,
+                &packed,
+                out,
+                epilogue,
+            );
         }
         Ok(())
     }
@@ -295,6 +372,15 @@ pub(crate) struct GemmJob {
     transposed: bool,
     act: Activation,
     accumulate: bool,
+    /// Where a constant weight's packed copy is kept.
+    cache: Option<WeightCache>,
+}
+
+/// The device's cache of packed weights and what to look a weight up by.
+struct WeightCache {
+    packs: Arc<PackCache>,
+    memory: Arc<Memory>,
+    key: PackKey,
 }
 
 /// A row-major matrix operand with `row_stride` elements between rows. Strides come from

@@ -8,7 +8,9 @@
 //! [`crate::queue`]). The typed row accessors on [`View`] are the crate's small unsafe surface
 //! for ops.
 //!
-//! - [`gemm`]: matrix products through the `gemm` crate, with bias, activation and accumulation.
+//! - [`gemm`]: matrix products through the `gemm` crate, with bias, activation and accumulation;
+//!   bf16 products on the native kernels of [`native`] when the kernel tier has them.
+//! - [`native`]: AVX512-BF16 matrix products on packed weights, and the cache of packed weights.
 //! - [`attention`]: tiled variable-length attention with an online softmax, scratch carved out
 //!   of the caller's workspace.
 //! - [`norm`]: layer and RMS normalisation.
@@ -20,6 +22,7 @@ pub mod attention;
 pub mod elementwise;
 pub mod gemm;
 pub(crate) mod math;
+pub mod native;
 pub mod norm;
 pub mod rotary;
 

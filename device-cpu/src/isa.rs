@@ -1,0 +1,189 @@
+//! Kernel tiers: which instruction set the device's bf16 matrix products run on.
+//!
+//! The best tier the CPU supports is picked at open; [`ISA_ENV`] (or the `isa` option) forces a
+//! lower one, so one machine can test every tier it has. A tier the CPU lacks is clamped to the
+//! best one it has, with a warning naming both.
+//!
+//! - `avx512bf16`: bf16 products on `vdpbf16ps` (pairs of bf16 multiplied and summed into f32
+//!   lanes), weights packed into pairs-of-bf16 panels ([`crate::ops::native`]).
+//! - `avx512` and `generic`: bf16 operands widened to f32 and multiplied by the `gemm` crate,
+//!   whose kernels pick their own instruction set at run time (AVX-512 where present).
+//! - `amx`: recognised so that a forced value is not an error, but this version has no AMX-BF16
+//!   kernel: it runs as `avx512bf16`.
+//!
+//! f32 and f16 products run on the `gemm` crate in every tier.
+
+use std::fmt;
+
+/// Environment variable that forces a kernel tier (`amx`, `avx512bf16`, `avx512`, `generic`).
+pub const ISA_ENV: &str = "IRIS_CPU_ISA";
+
+/// A kernel tier, ordered from the most portable to the most specialised.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Tier {
+    /// Portable code: bf16 widened to f32.
+    Generic,
+    /// AVX-512F: bf16 widened to f32 (the `gemm` crate's AVX-512 kernels).
+    Avx512,
+    /// AVX512-BF16 dot products on packed bf16 weights.
+    Avx512Bf16,
+    /// AMX-BF16 tiles (no kernel in this version; runs as [`Tier::Avx512Bf16`]).
+    Amx,
+}
+
+impl Tier {
+    /// Every tier, most portable first.
+    pub const ALL: [Tier; 4] = [Tier::Generic, Tier::Avx512, Tier::Avx512Bf16, Tier::Amx];
+
+    /// The name [`ISA_ENV`] takes and `kernel_tier` reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Generic => "generic",
+            Tier::Avx512 => "avx512",
+            Tier::Avx512Bf16 => "avx512bf16",
+            Tier::Amx => "amx",
+        }
+    }
+
+    /// Parses a tier name (surrounding blanks and case ignored).
+    pub fn parse(value: &str) -> Option<Tier> {
+        let value = value.trim().to_ascii_lowercase();
+        Tier::ALL.into_iter().find(|tier| tier.name() == value)
+    }
+
+    /// Whether this CPU has the instructions the tier's kernels need (AMX also needs the
+    /// kernel's tile-data permission, which this version never requests).
+    pub fn supported(self) -> bool {
+        match self {
+            Tier::Generic => true,
+            Tier::Avx512 => has_avx512(),
+            Tier::Avx512Bf16 => has_avx512_bf16(),
+            Tier::Amx => has_amx(),
+        }
+    }
+
+    /// The best tier with a kernel in this build that the CPU supports.
+    pub fn best() -> Tier {
+        [Tier::Avx512Bf16, Tier::Avx512]
+            .into_iter()
+            .find(|tier| tier.supported())
+            .unwrap_or(Tier::Generic)
+    }
+
+    /// The tier to run when `requested` is asked for: itself when the CPU supports it and this
+    /// build has its kernel, else the best tier below it, with a note saying why.
+    pub fn resolve(requested: Tier) -> (Tier, Option<String>) {
+        let best = Tier::best();
+        if requested <= best {
+            return (requested, None);
+        }
+        let why = if requested == Tier::Amx && requested.supported() {
+            "this build has no AMX-BF16 kernel".to_owned()
+        } else {
+            format!("this CPU lacks {}", requested.features())
+        };
+        (
+            best,
+            Some(format!(
+                "kernel tier `{}` requested but {why}: using `{}`",
+                requested.name(),
+                best.name()
+            )),
+        )
+    }
+
+    /// The CPU features the tier needs, for messages.
+    pub fn features(self) -> &'static str {
+        match self {
+            Tier::Generic => "nothing",
+            Tier::Avx512 => "AVX-512F",
+            Tier::Avx512Bf16 => "AVX-512F/BW and AVX512-BF16",
+            Tier::Amx => "AMX-TILE and AMX-BF16",
+        }
+    }
+
+    /// Whether bf16 products run on the native bf16 kernels.
+    pub(crate) fn native_bf16(self) -> bool {
+        self >= Tier::Avx512Bf16
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512_bf16() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512bf16")
+}
+
+/// AMX-TILE and AMX-BF16 from CPUID leaf 7 (`is_x86_feature_detected!` has no stable AMX
+/// names yet). The OS must also grant tile data, which an AMX kernel would request.
+#[cfg(target_arch = "x86_64")]
+fn has_amx() -> bool {
+    const AMX_BF16: u32 = 1 << 22;
+    const AMX_TILE: u32 = 1 << 24;
+    // SAFETY: CPUID exists on every x86-64 CPU; leaf 0 gives the highest leaf, checked first.
+    #[allow(unused_unsafe)]
+    let leaf7 = unsafe {
+        use std::arch::x86_64::__cpuid_count;
+        if __cpuid_count(0, 0).eax < 7 {
+            return false;
+        }
+        __cpuid_count(7, 0)
+    };
+    leaf7.edx & (AMX_BF16 | AMX_TILE) == AMX_BF16 | AMX_TILE
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn has_avx512() -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn has_avx512_bf16() -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn has_amx() -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_names_are_refused() {
+        for tier in Tier::ALL {
+            assert_eq!(Tier::parse(tier.name()), Some(tier));
+        }
+        assert_eq!(Tier::parse(" AVX512BF16 "), Some(Tier::Avx512Bf16));
+        assert_eq!(Tier::parse("sse2"), None);
+    }
+
+    #[test]
+    fn forced_tiers_clamp_to_what_the_cpu_runs() {
+        let best = Tier::best();
+        assert!(best.supported());
+        for tier in Tier::ALL {
+            let (used, note) = Tier::resolve(tier);
+            assert!(used <= tier && used.supported());
+            assert_eq!(note.is_some(), used != tier, "{tier}: {note:?}");
+            if let Some(note) = note {
+                assert!(note.contains(tier.name()) && note.contains(used.name()));
+            }
+        }
+        assert_eq!(Tier::resolve(Tier::Amx).0, best);
+    }
+}

@@ -1,0 +1,766 @@
+//! Native bf16 matrix products on AVX512-BF16: `out = act(a · B + bias) (+ out)` with f32
+//! accumulation.
+//!
+//! `vdpbf16ps` multiplies 16 pairs of bf16 from each operand and adds both products of a pair
+//! into one f32 lane. Both operands are therefore laid out as pairs along `k`:
+//!
+//! - the right operand (the weight) is packed once into [`PackedB`]: panels of [`NR`] output
+//!   columns, each panel `[⌈k/2⌉][NR]` 32-bit words holding `(w[j, 2i], w[j, 2i+1])`, zero-padded
+//!   past `k` and `n`. The kernel reads one panel row per step as two full vectors, in order, so
+//!   the weight streams through the prefetchers with no gathers. Model weights are packed once
+//!   and cached ([`PackCache`]); attention packs its key and value blocks as it goes.
+//! - the left operand is packed per task into `[⌈k/2⌉][MR]` words per block of [`MR`] rows, so
+//!   the kernel's broadcasts come from one pointer at constant offsets.
+//!
+//! The micro-kernel keeps an `MR x NR` f32 tile in 28 of the 32 vector registers for the whole
+//! of `k` (no K blocking: at `k ≤ 5120` a panel is at most 320 KiB and stays in L2), then the
+//! epilogue adds the bias, applies the activation, adds the old output and converts. Work is
+//! split over the device's pool by blocks of [`MC`] rows and, when rows are few, by ranges of
+//! panels; each task packs its rows once and reuses them across all its panels.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use iris_plugin::abi::{Activation, BufferHandle};
+use rayon::prelude::*;
+
+use super::math;
+
+/// Output columns per packed panel: two 16-lane f32 vectors.
+pub const NR: usize = 32;
+/// Rows per micro-kernel call: 14 x 2 accumulators leave 4 of 32 registers for operands.
+pub const MR: usize = 14;
+/// Rows per task: the packed rows (`MC x k` bf16, 280 KiB at `k = 1280`) stay in L2 while the
+/// task's panels pass.
+pub const MC: usize = MR * 8;
+/// Tasks per pool thread the work is cut into when rows are few, for balance.
+const TASKS_PER_THREAD: usize = 4;
+
+/// A row-major bf16 matrix in memory: element `(r, c)` at `ptr + r * stride + c` (bf16 bits).
+#[derive(Clone, Copy)]
+pub(crate) struct Bf16Mat {
+    pub(crate) ptr: *const u16,
+    pub(crate) stride: usize,
+}
+
+impl Bf16Mat {
+    /// The bits of element `(j, c)` of a weight read as `[n, k]`, stored `[k, n]` when
+    /// `transposed`.
+    ///
+    /// # Safety
+    /// The element lies in live memory.
+    unsafe fn get(&self, j: usize, c: usize, transposed: bool) -> u16 {
+        let index = if transposed {
+            c * self.stride + j
+        } else {
+            j * self.stride + c
+        };
+        // SAFETY: forwarded to the caller.
+        unsafe { *self.ptr.add(index) }
+    }
+}
+
+/// A row-major output matrix of `T`.
+#[derive(Clone, Copy)]
+pub(crate) struct OutMat<T> {
+    pub(crate) ptr: *mut T,
+    pub(crate) stride: usize,
+}
+
+// SAFETY: addresses of validated views or owned scratch that outlive the product they are sent
+// into; tasks write disjoint tiles of an `OutMat` and only read a `Bf16Mat`.
+unsafe impl Send for Bf16Mat {}
+// SAFETY: as above.
+unsafe impl Sync for Bf16Mat {}
+// SAFETY: as above.
+unsafe impl<T> Send for OutMat<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for OutMat<T> {}
+
+/// What happens to each f32 result before it is stored.
+#[derive(Clone, Copy)]
+pub(crate) struct Epilogue<'a> {
+    /// Added per output column (`n` values).
+    pub(crate) bias: Option<&'a [f32]>,
+    /// Applied after the bias.
+    pub(crate) act: Activation,
+    /// Add the old output after the activation.
+    pub(crate) accumulate: bool,
+}
+
+impl Epilogue<'_> {
+    /// Plain store.
+    pub(crate) const STORE: Epilogue<'static> = Epilogue {
+        bias: None,
+        act: Activation::NONE,
+        accumulate: false,
+    };
+}
+
+/// A weight `[n, k]` packed into pairs-of-bf16 panels (see the module docs).
+pub struct PackedB {
+    data: Vec<u32>,
+    n: usize,
+    k: usize,
+}
+
+impl PackedB {
+    /// Packs `w`, an `[n, k]` matrix, or `[k, n]` when `transposed`; packs panels on the
+    /// current rayon pool when `parallel`.
+    ///
+    /// # Safety
+    /// `w` covers the stated shape in live memory that nothing writes during the call.
+    pub(crate) unsafe fn pack(
+        w: Bf16Mat,
+        n: usize,
+        k: usize,
+        transposed: bool,
+        parallel: bool,
+    ) -> PackedB {
+        let mut packed = PackedB {
+            data: Vec::new(),
+            n,
+            k,
+        };
+        // SAFETY: forwarded to the caller.
+        unsafe { packed.repack(w, n, k, transposed, parallel) };
+        packed
+    }
+
+    /// Packs `w` into this buffer, reusing its memory (attention packs block after block).
+    ///
+    /// # Safety
+    /// As for [`PackedB::pack`].
+    pub(crate) unsafe fn repack(
+        &mut self,
+        w: Bf16Mat,
+        n: usize,
+        k: usize,
+        transposed: bool,
+        parallel: bool,
+    ) {
+        let pairs = k.div_ceil(2);
+        let panel_len = pairs * NR;
+        self.n = n;
+        self.k = k;
+        self.data.clear();
+        self.data.resize(n.div_ceil(NR) * panel_len, 0);
+        if panel_len == 0 {
+            return;
+        }
+        let fill = |(p, panel): (usize, &mut [u32])| {
+            let j0 = p * NR;
+            let cols = NR.min(n - j0);
+            let at = |j: usize, c: usize| -> u32 {
+                // SAFETY: every element read is inside `[n, k]` (or `[k, n]`) per the caller.
+                u32::from(unsafe { w.get(j, c, transposed) })
+            };
+            if transposed {
+                // Rows of the stored `[k, n]` are contiguous in `j`.
+                for i in 0..pairs {
+                    let row = &mut panel[i * NR..i * NR + cols];
+                    for (jj, word) in row.iter_mut().enumerate() {
+                        let hi = if 2 * i + 1 < k {
+                            at(j0 + jj, 2 * i + 1)
+                        } else {
+                            0
+                        };
+                        *word = at(j0 + jj, 2 * i) | hi << 16;
+                    }
+                }
+            } else {
+                // Rows of the stored `[n, k]` are contiguous in `k`.
+                for jj in 0..cols {
+                    for i in 0..pairs {
+                        let hi = if 2 * i + 1 < k {
+                            at(j0 + jj, 2 * i + 1)
+                        } else {
+                            0
+                        };
+                        panel[i * NR + jj] = at(j0 + jj, 2 * i) | hi << 16;
+                    }
+                }
+            }
+        };
+        if parallel {
+            self.data
+                .par_chunks_mut(panel_len)
+                .enumerate()
+                .for_each(fill);
+        } else {
+            self.data.chunks_mut(panel_len).enumerate().for_each(fill);
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        (self.data.capacity() * size_of::<u32>()) as u64
+    }
+
+    /// Output columns.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Reduction length.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    fn panel(&self, p: usize) -> &[u32] {
+        let len = self.k.div_ceil(2) * NR;
+        &self.data[p * len..(p + 1) * len]
+    }
+}
+
+/// Whether this CPU runs [`matmul`].
+pub(crate) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+thread_local! {
+    /// Each pool thread's packed rows, kept between products so that their pages stay mapped.
+    static PACKED_ROWS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `out[m, n] = epilogue(a[m, k] · B)` with `B` packed; on `pool` when given, else on the
+/// calling thread. `m, n, k` may be anything, zero included.
+///
+/// # Safety
+/// [`available`] is true; `a` covers `[m, k]` and `out` `[m, n]` in live memory; `out`
+/// overlaps neither `a` nor the epilogue's bias and nothing else touches it during the call;
+/// `b.n() == n`, `b.k() == k`, and the bias has `n` values.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn matmul<T: Output>(
+    pool: Option<(&rayon::ThreadPool, usize)>,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Bf16Mat,
+    b: &PackedB,
+    out: OutMat<T>,
+    epilogue: Epilogue<'_>,
+) {
+    debug_assert!(b.n() == n && b.k() == k);
+    if m == 0 || n == 0 {
+        return;
+    }
+    let panels = n.div_ceil(NR);
+    let row_blocks = m.div_ceil(MC);
+    let threads = pool.map_or(1, |(_, threads)| threads);
+    let chunks = if threads > 1 {
+        (TASKS_PER_THREAD * threads)
+            .div_ceil(row_blocks)
+            .clamp(1, panels)
+    } else {
+        1
+    };
+    let per_chunk = panels.div_ceil(chunks);
+    let tasks = row_blocks * chunks;
+    let task = |t: usize| {
+        // Whole captures: the operands' `Sync` covers their pointers.
+        let (a, out) = (&a, &out);
+        let (block, chunk) = (t / chunks, t % chunks);
+        let m0 = block * MC;
+        let rows = MC.min(m - m0);
+        let p0 = chunk * per_chunk;
+        let p1 = (p0 + per_chunk).min(panels);
+        if p0 >= p1 {
+            return;
+        }
+        PACKED_ROWS.with(|cell| {
+            let mut packed = cell.borrow_mut();
+            // SAFETY: rows `m0..m0 + rows` of `a` are inside `[m, k]` (caller's contract).
+            unsafe { pack_rows(*a, m0, rows, k, &mut packed) };
+            let mut tile = [[0.0f32; NR]; MR];
+            let mut old = [0.0f32; NR];
+            let pairs = k.div_ceil(2);
+            for p in p0..p1 {
+                let panel = b.panel(p);
+                let j0 = p * NR;
+                let cols = NR.min(n - j0);
+                for r0 in (0..rows).step_by(MR) {
+                    let height = MR.min(rows - r0);
+                    let lhs = &packed[r0 * pairs..(r0 + height) * pairs];
+                    // SAFETY: the CPU has the features (caller's contract); `lhs` holds
+                    // `pairs x height` words and `panel` `pairs x NR`.
+                    unsafe { tile_product(height, lhs, panel, pairs, &mut tile) };
+                    for (r, row) in tile[..height].iter_mut().enumerate() {
+                        let row = &mut row[..cols];
+                        if let Some(bias) = epilogue.bias {
+                            math::add_assign(row, &bias[j0..j0 + cols]);
+                        }
+                        math::activate_slice(epilogue.act, row);
+                        // SAFETY: row `m0 + r0 + r < m`, columns `j0..j0 + cols <= n` of
+                        // `out`; this task alone writes them.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                out.ptr.add((m0 + r0 + r) * out.stride + j0),
+                                cols,
+                            )
+                        };
+                        if epilogue.accumulate {
+                            // SAFETY: the CPU runs the kernels (caller's contract).
+                            unsafe { T::load(dst, &mut old[..cols]) };
+                            math::add_assign(row, &old[..cols]);
+                        }
+                        // SAFETY: as above.
+                        unsafe { T::store(row, dst) };
+                    }
+                }
+            }
+        });
+    };
+    match pool {
+        Some((pool, _)) if tasks > 1 => pool.install(|| (0..tasks).into_par_iter().for_each(task)),
+        _ => (0..tasks).for_each(task),
+    }
+}
+
+/// Packs rows `m0..m0 + rows` of `a` (`k` columns) into `[⌈k/2⌉][MR]` words per block of `MR`
+/// rows (the last block `[⌈k/2⌉][rows % MR]`), so block `r0` starts at word `r0 * ⌈k/2⌉`.
+///
+/// # Safety
+/// The rows lie in live memory that nothing writes during the call.
+unsafe fn pack_rows(a: Bf16Mat, m0: usize, rows: usize, k: usize, dst: &mut Vec<u32>) {
+    let pairs = k.div_ceil(2);
+    dst.clear();
+    dst.resize(rows * pairs, 0);
+    for r0 in (0..rows).step_by(MR) {
+        let height = MR.min(rows - r0);
+        let block = &mut dst[r0 * pairs..(r0 + height) * pairs];
+        for r in 0..height {
+            // SAFETY: row `m0 + r0 + r` of `a` (caller's contract).
+            let src = unsafe { std::slice::from_raw_parts(a.ptr.add((m0 + r0 + r) * a.stride), k) };
+            let (full, tail) = src.split_at(k & !1);
+            for (i, pair) in full.chunks_exact(2).enumerate() {
+                block[i * height + r] = u32::from(pair[0]) | u32::from(pair[1]) << 16;
+            }
+            if let [last] = tail {
+                block[(pairs - 1) * height + r] = u32::from(*last);
+            }
+        }
+    }
+}
+
+/// `tile[..height] = lhs · panel` for one block of `height ≤ MR` packed rows.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW and AVX512-BF16; `lhs` holds `pairs * height` words and `panel`
+/// `pairs * NR`.
+unsafe fn tile_product(
+    height: usize,
+    lhs: &[u32],
+    panel: &[u32],
+    pairs: usize,
+    tile: &mut [[f32; NR]; MR],
+) {
+    debug_assert!(lhs.len() == pairs * height && panel.len() == pairs * NR);
+    macro_rules! dispatch {
+        ($($h:literal)*) => {
+            match height {
+                // SAFETY: forwarded to the caller.
+                $($h => unsafe { kernel::<$h>(lhs.as_ptr(), panel.as_ptr(), pairs, tile) },)*
+                _ => unreachable!("tile height {height} outside 1..={MR}"),
+            }
+        };
+    }
+    dispatch!(1 2 3 4 5 6 7 8 9 10 11 12 13 14);
+}
+
+/// The micro-kernel: an `R x NR` f32 tile in registers over all `pairs` steps.
+///
+/// # Safety
+/// As for [`tile_product`] with `height = R`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn kernel<const R: usize>(
+    lhs: *const u32,
+    panel: *const u32,
+    pairs: usize,
+    tile: &mut [[f32; NR]; MR],
+) {
+    use std::arch::x86_64::{
+        __m512bh, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_set1_epi32, _mm512_setzero_ps,
+        _mm512_storeu_ps,
+    };
+    // SAFETY (whole body): reads stay inside `lhs` (`pairs * R` words) and `panel`
+    // (`pairs * NR` words) per the caller; `__m512bh` and `__m512` are both 64 bytes of lanes.
+    unsafe {
+        let mut lo = [_mm512_setzero_ps(); R];
+        let mut hi = [_mm512_setzero_ps(); R];
+        let (mut a, mut b) = (lhs, panel);
+        for _ in 0..pairs {
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_ps(b.cast::<f32>()));
+            let b1: __m512bh = std::mem::transmute(_mm512_loadu_ps(b.add(16).cast::<f32>()));
+            for r in 0..R {
+                let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(r) as i32));
+                lo[r] = _mm512_dpbf16_ps(lo[r], x, b0);
+                hi[r] = _mm512_dpbf16_ps(hi[r], x, b1);
+            }
+            a = a.add(R);
+            b = b.add(NR);
+        }
+        for r in 0..R {
+            let row: *mut f32 = tile[r].as_mut_ptr();
+            _mm512_storeu_ps(row, lo[r]);
+            _mm512_storeu_ps(row.add(16), hi[r]);
+        }
+    }
+}
+
+/// Portable stand-in so that the crate builds elsewhere; never called ([`available`] is false).
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn kernel<const R: usize>(
+    _lhs: *const u32,
+    _panel: *const u32,
+    _pairs: usize,
+    _tile: &mut [[f32; NR]; MR],
+) {
+    unreachable!("the bf16 kernels need x86-64")
+}
+
+/// An output element type of [`matmul`]: f32, or bf16 converted with AVX512-BF16's
+/// round-to-nearest-even (`vcvtneps2bf16`, 16 lanes at a time; denormals flush to zero, which
+/// the scalar conversion elsewhere keeps).
+pub(crate) trait Output: Copy + Send + Sync + 'static {
+    /// Converts `src` into `dst` (same length).
+    ///
+    /// # Safety
+    /// [`available`] is true.
+    unsafe fn load(src: &[Self], dst: &mut [f32]);
+    /// Converts `src` into `dst` (same length).
+    ///
+    /// # Safety
+    /// [`available`] is true.
+    unsafe fn store(src: &[f32], dst: &mut [Self]);
+}
+
+impl Output for f32 {
+    unsafe fn load(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    unsafe fn store(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Output for half::bf16 {
+    unsafe fn load(src: &[half::bf16], dst: &mut [f32]) {
+        // SAFETY: forwarded to the caller.
+        unsafe { widen_bf16(src, dst) }
+    }
+    unsafe fn store(src: &[f32], dst: &mut [half::bf16]) {
+        // SAFETY: forwarded to the caller.
+        unsafe { narrow_bf16(src, dst) }
+    }
+}
+
+/// bf16 to f32 (exact): each value's bits shifted into the high half of a 32-bit lane.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn widen_bf16(src: &[half::bf16], dst: &mut [f32]) {
+    use std::arch::x86_64::{
+        __m256i, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_slli_epi32,
+        _mm512_storeu_ps,
+    };
+    debug_assert_eq!(src.len(), dst.len());
+    let mut chunks = src.chunks_exact(16);
+    let mut out = dst.chunks_exact_mut(16);
+    for (s, d) in (&mut chunks).zip(&mut out) {
+        // SAFETY: 16 bf16 (32 bytes) read from `s`, 16 f32 written to `d`.
+        unsafe {
+            let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(s.as_ptr().cast::<__m256i>()));
+            _mm512_storeu_ps(
+                d.as_mut_ptr(),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits)),
+            );
+        }
+    }
+    for (s, d) in chunks.remainder().iter().zip(out.into_remainder()) {
+        *d = s.to_f32();
+    }
+}
+
+/// f32 to bf16, rounding to nearest even.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn narrow_bf16(src: &[f32], dst: &mut [half::bf16]) {
+    use std::arch::x86_64::{__m256i, _mm256_storeu_si256, _mm512_cvtneps_pbh, _mm512_loadu_ps};
+    debug_assert_eq!(src.len(), dst.len());
+    let mut chunks = src.chunks_exact(16);
+    let mut out = dst.chunks_exact_mut(16);
+    for (s, d) in (&mut chunks).zip(&mut out) {
+        // SAFETY: 16 f32 read from `s`, 16 bf16 (32 bytes) written to `d`; `__m256bh` and
+        // `__m256i` are both 32 bytes.
+        unsafe {
+            let narrow: __m256i =
+                std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(s.as_ptr())));
+            _mm256_storeu_si256(d.as_mut_ptr().cast::<__m256i>(), narrow);
+        }
+    }
+    for (s, d) in chunks.remainder().iter().zip(out.into_remainder()) {
+        *d = half::bf16::from_f32(*s);
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn widen_bf16(src: &[half::bf16], dst: &mut [f32]) {
+    super::Elem::load(src, dst);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn narrow_bf16(src: &[f32], dst: &mut [half::bf16]) {
+    super::Elem::store(src, dst);
+}
+
+/// Where a packed weight came from: buffer, byte offset, shape, stride and layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct PackKey {
+    pub(crate) buf: BufferHandle,
+    pub(crate) offset: u64,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) stride: usize,
+    pub(crate) transposed: bool,
+}
+
+/// Packed copies of constant weights, keyed by where they came from; dropped when their buffer
+/// is freed or written.
+#[derive(Default)]
+pub struct PackCache {
+    entries: Mutex<HashMap<PackKey, Arc<PackedB>>>,
+    bytes: AtomicU64,
+}
+
+impl PackCache {
+    /// The packed copy for `key`, packing it with `pack` on a miss. The copy is kept only when
+    /// `live()` (asked under the cache's lock) says the buffer still exists, so a buffer freed
+    /// while its product was queued leaves nothing behind.
+    pub(crate) fn get_or_pack(
+        &self,
+        key: PackKey,
+        live: impl Fn() -> bool,
+        pack: impl FnOnce() -> PackedB,
+    ) -> Arc<PackedB> {
+        if let Some(found) = self.lock().get(&key) {
+            return Arc::clone(found);
+        }
+        let packed = Arc::new(pack());
+        let mut entries = self.lock();
+        if let Some(found) = entries.get(&key) {
+            return Arc::clone(found);
+        }
+        if live() {
+            self.bytes.fetch_add(packed.bytes(), Ordering::AcqRel);
+            entries.insert(key, Arc::clone(&packed));
+        }
+        packed
+    }
+
+    /// Drops every packed copy taken from `buf`.
+    pub(crate) fn evict(&self, buf: BufferHandle) {
+        let mut entries = self.lock();
+        if entries.is_empty() {
+            return;
+        }
+        entries.retain(|key, packed| {
+            let keep = key.buf != buf;
+            if !keep {
+                self.bytes.fetch_sub(packed.bytes(), Ordering::AcqRel);
+            }
+            keep
+        });
+    }
+
+    /// Bytes of packed copies held.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Acquire)
+    }
+
+    /// Number of packed copies held.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether no packed copy is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<PackKey, Arc<PackedB>>> {
+        // A poisoned lock only means a panic elsewhere; the map itself stays consistent.
+        self.entries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+
+    use super::*;
+
+    fn bits(values: &[f32]) -> Vec<u16> {
+        values
+            .iter()
+            .map(|v| bf16::from_f32(*v).to_bits())
+            .collect()
+    }
+
+    fn value(seed: usize) -> f32 {
+        // Small integers and halves: exact in bf16, so products and sums are exact in f32.
+        ((seed * 7919 % 17) as f32 - 8.0) * 0.5
+    }
+
+    /// Exact products (inputs exact in bf16, sums small integers) for every tile height, every
+    /// odd/even `k` and ragged `n`, against an f64 loop; both weight layouts.
+    #[test]
+    fn products_are_exact_on_exact_inputs() {
+        if !available() {
+            eprintln!("skipped: this CPU lacks AVX512-BF16");
+            return;
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for (m, n, k) in [(1, 1, 1), (15, 33, 3), (29, 65, 16), (113, 40, 17)] {
+            let a: Vec<f32> = (0..m * k).map(value).collect();
+            let w: Vec<f32> = (0..n * k).map(|i| value(i + 3)).collect();
+            let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
+            let (abits, wbits, wtbits) = (bits(&a), bits(&w), bits(&wt));
+            for transposed in [false, true] {
+                let src = if transposed { &wtbits } else { &wbits };
+                let stride = if transposed { n } else { k };
+                let a_mat = Bf16Mat {
+                    ptr: abits.as_ptr(),
+                    stride: k,
+                };
+                let w_mat = Bf16Mat {
+                    ptr: src.as_ptr(),
+                    stride,
+                };
+                // SAFETY: the vectors cover the shapes.
+                let packed = unsafe { PackedB::pack(w_mat, n, k, transposed, false) };
+                let mut out = vec![f32::NAN; m * n];
+                let out_mat = OutMat {
+                    ptr: out.as_mut_ptr(),
+                    stride: n,
+                };
+                // SAFETY: as above; `out` is separate.
+                unsafe {
+                    matmul(
+                        Some((&pool, 2)),
+                        m,
+                        n,
+                        k,
+                        a_mat,
+                        &packed,
+                        out_mat,
+                        Epilogue::STORE,
+                    )
+                };
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k)
+                            .map(|c| f64::from(a[i * k + c]) * f64::from(w[j * k + c]))
+                            .sum();
+                        assert_eq!(
+                            f64::from(out[i * n + j]),
+                            want,
+                            "{m}x{n}x{k} transposed={transposed} at ({i}, {j})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The vector conversions round like `half` (to nearest even) on normal values, ties and
+    /// the tail past the last 16 lanes included; widening is exact.
+    #[test]
+    fn vector_conversions_match_the_scalar_ones() {
+        if !available() {
+            eprintln!("skipped: this CPU lacks AVX512-BF16");
+            return;
+        }
+        let mut values: Vec<f32> = (0..37).map(|i| (i as f32 - 18.3) * 0.137).collect();
+        // Exact ties between two bf16 values: 1 + 2^-8 and 1 + 3 * 2^-8.
+        values.extend([
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-8),
+            -0.0,
+            f32::INFINITY,
+            3.0e38,
+        ]);
+        let mut narrow = vec![bf16::ZERO; values.len()];
+        // SAFETY: checked above.
+        unsafe { <bf16 as Output>::store(&values, &mut narrow) };
+        for (v, got) in values.iter().zip(&narrow) {
+            assert_eq!(got.to_bits(), bf16::from_f32(*v).to_bits(), "{v}");
+        }
+        let mut wide = vec![0.0f32; narrow.len()];
+        // SAFETY: as above.
+        unsafe { <bf16 as Output>::load(&narrow, &mut wide) };
+        for (n, got) in narrow.iter().zip(&wide) {
+            assert_eq!(got.to_bits(), n.to_f32().to_bits());
+        }
+    }
+
+    #[test]
+    fn the_cache_keeps_live_buffers_only_and_counts_bytes() {
+        let cache = PackCache::default();
+        let key = |buf| PackKey {
+            buf: BufferHandle(buf),
+            offset: 0,
+            rows: 2,
+            cols: 2,
+            stride: 2,
+            transposed: false,
+        };
+        let w = bits(&[1.0, 2.0, 3.0, 4.0]);
+        let pack = || {
+            // SAFETY: `w` is `[2, 2]`.
+            unsafe {
+                PackedB::pack(
+                    Bf16Mat {
+                        ptr: w.as_ptr(),
+                        stride: 2,
+                    },
+                    2,
+                    2,
+                    false,
+                    false,
+                )
+            }
+        };
+        let first = cache.get_or_pack(key(1), || true, pack);
+        assert_eq!(cache.len(), 1);
+        assert_eq!(cache.bytes(), first.bytes());
+        let again = cache.get_or_pack(key(1), || true, || unreachable!("cached"));
+        assert!(Arc::ptr_eq(&first, &again));
+        cache.get_or_pack(key(2), || false, pack);
+        assert_eq!(cache.len(), 1, "a freed buffer's copy is not kept");
+        cache.evict(BufferHandle(1));
+        assert!(cache.is_empty());
+        assert_eq!(cache.bytes(), 0);
+    }
+}
