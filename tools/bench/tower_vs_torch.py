@@ -8,8 +8,9 @@ machine's GEMM peak in the same dtype measured in the same run (torch's 2048^3 m
 prints the CPU model and its matrix features, and the kernel tier iris's CPU device runs.
 
 iris's time is what `iris encode` prints per call (upload, tower, read-back; weights already
-resident), torch's is the model call under `torch.inference_mode()`. Weight creation is not
-timed on either side.
+resident, after one untimed warm-up call: `iris encode --warmup`), torch's is the model call
+under `torch.inference_mode()`, also after a warm-up call. Weight creation is not timed on either
+side.
 
 Usage (from the repository root, with the virtual environment of tools/golden/README.md):
     cargo build --release -p iris
@@ -155,9 +156,13 @@ def gemm_peak(threads, repeats, dtype):
     return 2 * 2048**3 / statistics.median(times) / 1e9
 
 
-def time_iris(iris, config, image_path, count, out_dir, dtype, isa):
+def time_iris(iris, config, image_path, count, out_dir, dtype, isa, warmup=False):
     args = [iris, "--config", config, "encode", "--model", "qwen2-vl-2b", "--weights", "dummy"]
     args += ["--dtype", dtype, "--out", os.path.join(out_dir, "out.safetensors")]
+    if warmup:
+        # One untimed call first, as torch gets: one-time work at first use (packing constant
+        # weights for the bf16 kernels) is not what a serving engine pays per request.
+        args.append("--warmup")
     if count > 1:
         args.append("--batch")
     args += [image_path] * count
@@ -202,7 +207,7 @@ def main():
             for count, inputs in cases.items():
                 results[count]["torch"].append(time_torch(model, inputs))
                 results[count]["iris"].append(
-                    time_iris(args.iris, config, image, count, tmp, args.dtype, args.isa))
+                    time_iris(args.iris, config, image, count, tmp, args.dtype, args.isa, warmup=True))
                 print(f"repeat {repeat + 1}/{args.repeats}, {count} image(s): "
                       f"torch {results[count]['torch'][-1]:.2f} s, iris {results[count]['iris'][-1]:.2f} s",
                       flush=True)
