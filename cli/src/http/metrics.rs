@@ -119,7 +119,7 @@ pub struct EngineCollector<E> {
 
 type Field = fn(&MetricsSnapshot) -> u64;
 
-const COUNTERS: [(&str, &str, Field); 10] = [
+const COUNTERS: [(&str, &str, Field); 11] = [
     (
         "iris_processor_cache_hits_total",
         "Processor cache hits",
@@ -168,9 +168,14 @@ const COUNTERS: [(&str, &str, Field); 10] = [
         "Steps failed by a device error other than out of memory",
         |s| s.device_faults,
     ),
+    (
+        "iris_requests_rejected_overloaded_total",
+        "Requests refused with 503 overloaded (beyond the queue bounds)",
+        |s| s.admission.rejected_requests,
+    ),
 ];
 
-const GAUGES: [(&str, &str, Field); 9] = [
+const GAUGES: [(&str, &str, Field); 15] = [
     (
         "iris_device_used_bytes",
         "Device memory used (total - free)",
@@ -210,17 +215,7 @@ const GAUGES: [(&str, &str, Field); 9] = [
         "Processor cache entries",
         |s| s.memory.processor_cache_entries,
     ),
-];
-
-/// Backpressure counters: kept apart from the cache counters above.
-const ADMISSION_COUNTERS: [(&str, &str, Field); 1] = [(
-    "iris_requests_rejected_overloaded_total",
-    "Requests refused with 503 overloaded (beyond the queue bounds)",
-    |s| s.admission.rejected_requests,
-)];
-
-/// Backpressure gauges: what is pending against the bounds.
-const ADMISSION_GAUGES: [(&str, &str, Field); 6] = [
+    // Backpressure: what is pending against the admission bounds.
     (
         "iris_pending_requests",
         "Requests admitted and not finished",
@@ -261,12 +256,10 @@ impl<E: Engine> EngineCollector<E> {
     pub fn new(engine: Arc<E>) -> Result<Self, MetricsError> {
         let counters = COUNTERS
             .iter()
-            .chain(&ADMISSION_COUNTERS)
             .map(|(name, help, f)| Ok((IntCounter::new(*name, *help)?, *f)))
             .collect::<Result<Vec<_>, prometheus::Error>>()?;
         let gauges = GAUGES
             .iter()
-            .chain(&ADMISSION_GAUGES)
             .map(|(name, help, f)| Ok((IntGauge::new(*name, *help)?, *f)))
             .collect::<Result<Vec<_>, prometheus::Error>>()?;
         let descs = counters
