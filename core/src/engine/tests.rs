@@ -99,6 +99,17 @@ async fn check(engine: &Engine) {
     }
 }
 
+/// Resets everything and asserts that the device and allocator figures are back at the
+/// post-start baseline; `context` goes into the failure message.
+async fn reset_to_baseline(engine: &Engine, after_start: &MemoryGauges, context: &str) {
+    engine.reset_all().await;
+    assert_eq!(
+        baseline_figures(&engine.gauges()),
+        baseline_figures(after_start),
+        "{context}"
+    );
+}
+
 /// Device and allocator figures that must return to the post-start baseline.
 fn baseline_figures(g: &MemoryGauges) -> (u64, u64, u64) {
     (
@@ -246,11 +257,7 @@ async fn in_flight_requests_survive_a_reset_and_re_encode() {
             assert_close(&r.embeddings.clone().unwrap().0, &expected[(round + k) % 6]);
         }
     }
-    engine.reset_all().await;
-    assert_eq!(
-        baseline_figures(&engine.gauges()),
-        baseline_figures(&after_start)
-    );
+    reset_to_baseline(&engine, &after_start, "").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -364,11 +371,7 @@ async fn a_dropped_consumer_aborts_its_request() {
         after_start.allocator_allocated_bytes + g.encoder_cache_bytes,
         "{g:?}"
     );
-    engine.reset_all().await;
-    assert_eq!(
-        baseline_figures(&engine.gauges()),
-        baseline_figures(&after_start)
-    );
+    reset_to_baseline(&engine, &after_start, "").await;
 }
 
 #[test]
@@ -553,11 +556,7 @@ async fn out_of_memory_mid_step_is_recovered_by_evicting_unreferenced_outputs() 
     assert_close(&results[0].embeddings.clone().unwrap().0, &expected);
     check(&engine).await;
     drop(held);
-    engine.reset_all().await;
-    assert_eq!(
-        baseline_figures(&engine.gauges()),
-        baseline_figures(&after_start)
-    );
+    reset_to_baseline(&engine, &after_start, "").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -586,11 +585,7 @@ async fn a_batch_that_does_not_fit_is_split_and_each_half_runs() {
     assert_eq!((m.oom_failures, m.device_faults), (0, 0), "{m:?}");
     check(&engine).await;
     drop(held);
-    engine.reset_all().await;
-    assert_eq!(
-        baseline_figures(&engine.gauges()),
-        baseline_figures(&after_start)
-    );
+    reset_to_baseline(&engine, &after_start, "").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -639,11 +634,7 @@ async fn an_item_that_can_never_fit_fails_alone_with_the_numbers() {
         .unwrap();
     assert_close(&results[0].embeddings.clone().unwrap().0, &reference(&big));
     check(&engine).await;
-    engine.reset_all().await;
-    assert_eq!(
-        baseline_figures(&engine.gauges()),
-        baseline_figures(&after_start)
-    );
+    reset_to_baseline(&engine, &after_start, "").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -701,11 +692,7 @@ async fn a_device_fault_fails_its_step_keeps_earlier_outputs_and_the_engine_goes
     );
     assert_close(&results[1].embeddings.clone().unwrap().0, &reference(&kept));
     check(&engine).await;
-    engine.reset_all().await;
-    assert_eq!(
-        baseline_figures(&engine.gauges()),
-        baseline_figures(&after_start)
-    );
+    reset_to_baseline(&engine, &after_start, "").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -743,11 +730,7 @@ async fn a_lost_device_output_is_encoded_again() {
         .unwrap();
     assert!(third[0].cached);
     assert_eq!(engine.metrics_snapshot().encoder_cache_reencodes, 1);
-    engine.reset_all().await;
-    assert_eq!(
-        baseline_figures(&engine.gauges()),
-        baseline_figures(&after_start)
-    );
+    reset_to_baseline(&engine, &after_start, "").await;
 }
 
 /// A small deterministic generator (xorshift64*), so that a failing soak run can be replayed.
@@ -885,12 +868,7 @@ async fn soak_with_aborts_resets_and_injected_faults_returns_to_the_baseline() {
     assert_eq!(engine.memory_json()["in_flight_requests"], 0);
     check(&engine).await;
     drop(held);
-    engine.reset_all().await;
-    assert_eq!(
-        baseline_figures(&engine.gauges()),
-        baseline_figures(&after_start),
-        "{summary}"
-    );
+    reset_to_baseline(&engine, &after_start, &summary).await;
 }
 
 /// A PNG of `w x h`, distinct per `seed` (any number of them, unlike [`png`]).
