@@ -447,9 +447,10 @@ macro_rules! export_ops {
     };
 }
 
-/// Every op of the current emulated CANN.
+/// The ops of the emulated CANN outside the transformer library: what an older `libopapi.so`
+/// without the fused transformer ops exports.
 #[macro_export]
-macro_rules! export_all_ops {
+macro_rules! export_core_ops {
     () => {
         $crate::export_ops!(
             Matmul,
@@ -473,8 +474,15 @@ macro_rules! export_all_ops {
             Cast,
             InplaceCopy,
             InplaceFillScalar,
-            RotaryPositionEmbedding,
-            FlashAttentionVarLenScore,
         );
+    };
+}
+
+/// Every op of the current emulated CANN: the core ops and the transformer ops.
+#[macro_export]
+macro_rules! export_all_ops {
+    () => {
+        $crate::export_core_ops!();
+        $crate::export_ops!(RotaryPositionEmbedding, FlashAttentionVarLenScore);
     };
 }

@@ -4,26 +4,4 @@
 //! emulation's runtime and nnopbase, it shows how iris's Ascend device serves an op library
 //! that lacks some ops: those are unsupported, the rest work.
 
-iris_cann_emulator::export_ops!(
-    Matmul,
-    BatchMatMul,
-    Addmm,
-    LayerNorm,
-    RmsNorm,
-    Gelu,
-    GeluV2,
-    Silu,
-    Sigmoid,
-    InplaceSigmoid,
-    Softmax,
-    IndexSelect,
-    Add,
-    InplaceAdd,
-    Mul,
-    InplaceMul,
-    Muls,
-    InplaceMuls,
-    Cast,
-    InplaceCopy,
-    InplaceFillScalar,
-);
+iris_cann_emulator::export_core_ops!();
