@@ -39,14 +39,14 @@ fn device_on(tier: Tier) -> Device {
 
 /// The tiers with distinct bf16 paths that this CPU runs; the others are named as skipped.
 fn bf16_tiers() -> Vec<Tier> {
-    [Tier::Avx512Bf16, Tier::Avx512]
+    [Tier::Amx, Tier::Avx512Bf16, Tier::Avx512]
         .into_iter()
         .filter(|tier| {
-            let runs = tier.supported();
-            if !runs {
-                eprintln!("skipping tier {tier}: this CPU lacks {}", tier.features());
+            let (used, note) = Tier::resolve(*tier);
+            if let Some(note) = &note {
+                eprintln!("skipping tier {tier}: {note}");
             }
-            runs
+            used == *tier
         })
         .collect()
 }

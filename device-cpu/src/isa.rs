@@ -4,12 +4,13 @@
 //! lower one, so one machine can test every tier it has. A tier the CPU lacks is clamped to the
 //! best one it has, with a warning naming both.
 //!
+//! - `amx`: bf16 products on AMX-BF16 tiles (`tdpbf16ps`, [`crate::ops::amx`]), the rest of
+//!   the bf16 work (conversions, attention's softmax) on AVX-512. Needs the OS to grant tile
+//!   data, which is requested once per process; when it refuses, the tier is not offered.
 //! - `avx512bf16`: bf16 products on `vdpbf16ps` (pairs of bf16 multiplied and summed into f32
 //!   lanes), weights packed into pairs-of-bf16 panels ([`crate::ops::native`]).
 //! - `avx512` and `generic`: bf16 operands widened to f32 and multiplied by the `gemm` crate,
 //!   whose kernels pick their own instruction set at run time (AVX-512 where present).
-//! - `amx`: recognised so that a forced value is not an error, but this version has no AMX-BF16
-//!   kernel: it runs as `avx512bf16`.
 //!
 //! f32 and f16 products run on the `gemm` crate in every tier.
 
@@ -27,7 +28,7 @@ pub enum Tier {
     Avx512,
     /// AVX512-BF16 dot products on packed bf16 weights.
     Avx512Bf16,
-    /// AMX-BF16 tiles (no kernel in this version; runs as [`Tier::Avx512Bf16`]).
+    /// AMX-BF16 tiles on packed bf16 weights.
     Amx,
 }
 
@@ -51,36 +52,40 @@ impl Tier {
         Tier::ALL.into_iter().find(|tier| tier.name() == value)
     }
 
-    /// Whether this CPU has the instructions the tier's kernels need (AMX also needs the
-    /// kernel's tile-data permission, which this version never requests).
+    /// Whether this CPU has the instructions the tier's kernels need (for AMX: and the OS
+    /// granted tile data; the first call asks for it).
     pub fn supported(self) -> bool {
         match self {
             Tier::Generic => true,
             Tier::Avx512 => has_avx512(),
             Tier::Avx512Bf16 => has_avx512_bf16(),
-            Tier::Amx => has_amx(),
+            Tier::Amx => has_avx512_bf16() && crate::ops::amx::usable(),
         }
     }
 
-    /// The best tier with a kernel in this build that the CPU supports.
+    /// The best tier the CPU supports.
     pub fn best() -> Tier {
-        [Tier::Avx512Bf16, Tier::Avx512]
+        [Tier::Amx, Tier::Avx512Bf16, Tier::Avx512]
             .into_iter()
             .find(|tier| tier.supported())
             .unwrap_or(Tier::Generic)
     }
 
-    /// The tier to run when `requested` is asked for: itself when the CPU supports it and this
-    /// build has its kernel, else the best tier below it, with a note saying why.
+    /// The tier to run when `requested` is asked for: itself when the CPU supports it, else the
+    /// best tier below it, with a note saying why.
     pub fn resolve(requested: Tier) -> (Tier, Option<String>) {
         let best = Tier::best();
         if requested <= best {
             return (requested, None);
         }
-        let why = if requested == Tier::Amx && requested.supported() {
-            "this build has no AMX-BF16 kernel".to_owned()
-        } else {
-            format!("this CPU lacks {}", requested.features())
+        let why = match requested {
+            Tier::Amx if has_amx() && has_avx512_bf16() => {
+                "the OS refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)".to_owned()
+            }
+            Tier::Amx if has_amx() => {
+                "this CPU lacks AVX512-BF16, which the AMX tier also runs on".to_owned()
+            }
+            _ => format!("this CPU lacks {}", requested.features()),
         };
         (
             best,
@@ -100,11 +105,6 @@ impl Tier {
             Tier::Avx512Bf16 => "AVX-512F/BW and AVX512-BF16",
             Tier::Amx => "AMX-TILE and AMX-BF16",
         }
-    }
-
-    /// Whether bf16 products run on the native bf16 kernels.
-    pub(crate) fn native_bf16(self) -> bool {
-        self >= Tier::Avx512Bf16
     }
 }
 
@@ -127,9 +127,9 @@ fn has_avx512_bf16() -> bool {
 }
 
 /// AMX-TILE and AMX-BF16 from CPUID leaf 7 (`is_x86_feature_detected!` has no stable AMX
-/// names yet). The OS must also grant tile data, which an AMX kernel would request.
+/// names yet). The OS must also grant tile data ([`crate::ops::amx::usable`]).
 #[cfg(target_arch = "x86_64")]
-fn has_amx() -> bool {
+pub(crate) fn has_amx() -> bool {
     const AMX_BF16: u32 = 1 << 22;
     const AMX_TILE: u32 = 1 << 24;
     // SAFETY: CPUID exists on every x86-64 CPU; leaf 0 gives the highest leaf, checked first.
@@ -155,7 +155,7 @@ fn has_avx512_bf16() -> bool {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn has_amx() -> bool {
+pub(crate) fn has_amx() -> bool {
     false
 }
 

@@ -24,6 +24,7 @@ use iris_plugin::backend::panic_message;
 use rayon::prelude::*;
 
 use crate::isa::Tier;
+use crate::ops::native::Kernel;
 
 /// Elements a row-parallel task handles at least, so that small ops do not drown in scheduling.
 const MIN_ELEMENTS_PER_TASK: usize = 16 * 1024;
@@ -68,6 +69,13 @@ impl Exec {
             threads,
             tier,
         })
+    }
+
+    /// The native kernel bf16 products run on, if the tier has one.
+    pub(crate) fn bf16_kernel(&self) -> Option<Kernel> {
+        // The tier was resolved against this CPU at open; checking again costs a cached load
+        // and keeps the kernels' safety contract local.
+        Kernel::for_tier(self.tier).filter(|kernel| kernel.available())
     }
 
     /// The `gemm` crate's parallelism for this pool.

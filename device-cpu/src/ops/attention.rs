@@ -10,7 +10,7 @@
 //! converted into the slot first.
 //!
 //! bf16 attention on a tier with native bf16 kernels runs both products on
-//! [`super::native::matmul`] instead: queries are read in place, each key and value block is
+//! `native::matmul` instead: queries are read in place, each key and value block is
 //! packed into pairs-of-bf16 panels as it is visited, scores and the accumulator stay f32, and
 //! the probabilities are rounded to bf16 for `P·V` (as bf16 attention does elsewhere).
 
@@ -22,7 +22,7 @@ use iris_plugin::validate::{self, Checker, Mat};
 use rayon::prelude::*;
 
 use super::gemm::{Dst, Operand, matrix, run_gemm};
-use super::native::{self as native, Bf16Mat, Epilogue, OutMat, PackedB};
+use super::native::{self as native, Bf16Mat, Epilogue, Kernel, OutMat, PackedB};
 use super::{Elem, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
@@ -249,10 +249,12 @@ impl AttentionJob {
             base,
             layout: SlotLayout::new(plan.head_dim, plan.q.dtype != DType::F32),
         };
-        if plan.q.dtype == DType::BF16 && exec.tier.native_bf16() && native::available() {
+        if plan.q.dtype == DType::BF16
+            && let Some(kernel) = exec.bf16_kernel()
+        {
             let scale = self.scale;
             exec.run_items(plan, slots, |item, scratch, packs| {
-                attend_bf16(plan, scale, item, slots.layout, scratch, packs);
+                attend_bf16(plan, scale, item, slots.layout, scratch, packs, kernel);
             });
             return Ok(());
         }
@@ -339,12 +341,15 @@ unsafe fn pack_into(
     n: usize,
     k: usize,
     transposed: bool,
+    kernel: Kernel,
 ) -> &PackedB {
     match slot {
         // SAFETY: forwarded to the caller.
-        Some(packed) => unsafe { packed.repack(w, n, k, transposed, false) },
+        Some(packed) if packed.kernel() == kernel => unsafe {
+            packed.repack(w, n, k, transposed, false)
+        },
         // SAFETY: as above.
-        None => *slot = Some(unsafe { PackedB::pack(w, n, k, transposed, false) }),
+        _ => *slot = Some(unsafe { PackedB::pack(w, n, k, transposed, false, kernel) }),
     }
     slot.as_ref().expect("packed just above")
 }
@@ -357,6 +362,7 @@ fn attend_bf16(
     layout: SlotLayout,
     scratch: &mut [f32],
     packs: &mut PackBuffers,
+    kernel: Kernel,
 ) {
     let d = plan.head_dim;
     let c0 = item.head * d;
@@ -385,7 +391,7 @@ fn attend_bf16(
         // rows `first..first + kb` and columns `c0..c0 + d` are inside the view, and the query
         // rows likewise; `s` is `[qb, kb]` scratch. The caller checked the CPU's features.
         unsafe {
-            let keys = pack_into(&mut packs.k, at(&plan.k, first), kb, d, false);
+            let keys = pack_into(&mut packs.k, at(&plan.k, first), kb, d, false, kernel);
             let out = OutMat {
                 ptr: s.as_mut_ptr(),
                 stride: kb,
@@ -420,7 +426,7 @@ fn attend_bf16(
         };
         // SAFETY: as above, for the value rows; `acc` is `[qb, d]` scratch.
         unsafe {
-            let values = pack_into(&mut packs.v, at(&plan.v, first), d, kb, true);
+            let values = pack_into(&mut packs.v, at(&plan.v, first), d, kb, true, kernel);
             let out = OutMat {
                 ptr: acc.as_mut_ptr(),
                 stride: d,

@@ -22,7 +22,9 @@ use iris_plugin::abi::{Activation, GemmArgs, PluginError};
 use iris_plugin::validate::{self, Checker};
 use rayon::prelude::*;
 
-use super::native::{self as native, Bf16Mat, Epilogue, OutMat, PackCache, PackKey, PackedB};
+use super::native::{
+    self as native, Bf16Mat, Epilogue, Kernel, OutMat, PackCache, PackKey, PackedB,
+};
 use super::{Elem, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
@@ -101,9 +103,10 @@ impl GemmJob {
         }
         match self.a.dtype {
             iris_plugin::abi::DType::F32 => exec.gemm_f32(self),
-            iris_plugin::abi::DType::BF16 if exec.tier.native_bf16() && native::available() => {
-                exec.gemm_bf16(self)
-            }
+            iris_plugin::abi::DType::BF16 => match exec.bf16_kernel() {
+                Some(kernel) => exec.gemm_bf16(self, kernel),
+                None => exec.gemm_half::<half::bf16>(self),
+            },
             dtype => with_elem!("gemm", dtype, T => exec.gemm_half::<T>(self)),
         }
     }
@@ -207,7 +210,7 @@ impl Exec {
         Ok(())
     }
 
-    fn gemm_bf16(&self, job: &GemmJob) -> Result<(), PluginError> {
+    fn gemm_bf16(&self, job: &GemmJob, kernel: Kernel) -> Result<(), PluginError> {
         let GemmJob { m, n, k, .. } = *job;
         let w = Bf16Mat {
             ptr: job.w.ptr::<half::bf16>().cast::<u16>(),
@@ -215,7 +218,7 @@ impl Exec {
         };
         // SAFETY: the validated weight view covers `[n, k]` (or `[k, n]`) and nothing writes
         // it while the op runs (it is disjoint from `out`).
-        let pack = || unsafe { PackedB::pack(w, n, k, job.transposed, true) };
+        let pack = || unsafe { PackedB::pack(w, n, k, job.transposed, true, kernel) };
         let packed = self.pool.install(|| match &job.cache {
             Some(cache) => cache.packs.get_or_pack(
                 cache.key,
@@ -242,7 +245,7 @@ impl Exec {
             ptr: job.out.ptr::<half::bf16>(),
             stride: job.out.stride,
         };
-        // SAFETY: the CPU runs the kernels (checked by the caller); the views are validated
+        // SAFETY: the CPU runs the kernel (checked by the caller); the views are validated
         // `[m, k]` and `[m, n]`, `out` overlaps neither `a`, `w` nor `bias`; `packed` is this
         // weight's `[n, k]` packing.
         unsafe {

@@ -3,21 +3,23 @@
 //! Every op is split in two. Its `prepare_*` function runs when the call is made: it checks
 //! every argument with [`iris_plugin::validate`] (buffer handles known, byte ranges inside
 //! their buffers, dtypes and shapes that agree, no forbidden overlaps) and turns each checked
-//! operand into a [`View`], the only place where device memory becomes a pointer and which
+//! operand into a `View`, the only place where device memory becomes a pointer and which
 //! keeps its buffer alive. The prepared job then runs on the device's queue (see
-//! [`crate::queue`]). The typed row accessors on [`View`] are the crate's small unsafe surface
+//! [`crate::queue`]). The typed row accessors on `View` are the crate's small unsafe surface
 //! for ops.
 //!
 //! - [`gemm`]: matrix products through the `gemm` crate, with bias, activation and accumulation;
 //!   bf16 products on the native kernels of [`native`] when the kernel tier has them.
-//! - [`native`]: AVX512-BF16 matrix products on packed weights, and the cache of packed weights.
+//! - [`native`]: native bf16 matrix products on packed weights, and the cache of packed weights.
+//! - [`amx`]: the AMX-BF16 tile micro-kernel of [`native`].
 //! - [`attention`]: tiled variable-length attention with an online softmax, scratch carved out
 //!   of the caller's workspace.
 //! - [`norm`]: layer and RMS normalisation.
 //! - [`elementwise`]: activations, binary add/mul, row gather and cast.
 //! - [`rotary`]: rotary position embedding from cos/sin tables.
-//! - [`math`]: vectorised exp, activations and reductions shared by the ops.
+//! - `math`: vectorised exp, activations and reductions shared by the ops.
 
+pub mod amx;
 pub mod attention;
 pub mod elementwise;
 pub mod gemm;

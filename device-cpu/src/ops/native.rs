@@ -1,21 +1,25 @@
-//! Native bf16 matrix products on AVX512-BF16: `out = act(a · B + bias) (+ out)` with f32
-//! accumulation.
+//! Native bf16 matrix products: `out = act(a · B + bias) (+ out)` with f32 accumulation, on
+//! AVX512-BF16 dot products or, where the CPU has them, AMX-BF16 tiles ([`super::amx`]).
 //!
-//! `vdpbf16ps` multiplies 16 pairs of bf16 from each operand and adds both products of a pair
-//! into one f32 lane. Both operands are therefore laid out as pairs along `k`:
+//! Both instruction sets multiply pairs of bf16 and add both products of a pair into one f32
+//! (`vdpbf16ps` 16 lanes at a time, `tdpbf16ps` a 16 x 16 tile at a time), so both read the
+//! right operand in the same layout:
 //!
 //! - the right operand (the weight) is packed once into [`PackedB`]: panels of [`NR`] output
-//!   columns, each panel `[⌈k/2⌉][NR]` 32-bit words holding `(w[j, 2i], w[j, 2i+1])`, zero-padded
-//!   past `k` and `n`. The kernel reads one panel row per step as two full vectors, in order, so
-//!   the weight streams through the prefetchers with no gathers. Model weights are packed once
-//!   and cached ([`PackCache`]); attention packs its key and value blocks as it goes.
-//! - the left operand is packed per task into `[⌈k/2⌉][MR]` words per block of [`MR`] rows, so
-//!   the kernel's broadcasts come from one pointer at constant offsets.
+//!   columns, each panel `[pairs][NR]` 32-bit words holding `(w[j, 2i], w[j, 2i+1])`, zero-padded
+//!   past `k` and `n`. `pairs` is `⌈k/2⌉`, rounded up to a whole tile of 16 pairs for AMX
+//!   ([`Kernel::pair_align`]). The dot-product kernel reads one panel row per step as two full
+//!   vectors, in order, so the weight streams through the prefetchers with no gathers; AMX loads
+//!   16 panel rows as one tile per half-panel. Model weights are packed once and cached
+//!   ([`PackCache`]); attention packs its key and value blocks as it goes.
+//! - the left operand is packed per task, in the layout of the kernel the weight was packed for.
+//!   For dot products it is `[⌈k/2⌉][MR]` words per block of [`MR`] rows, so the kernel's
+//!   broadcasts come from one pointer at constant offsets.
 //!
-//! The micro-kernel keeps an `MR x NR` f32 tile in 28 of the 32 vector registers for the whole
-//! of `k` (no K blocking: at `k ≤ 5120` a panel is at most 320 KiB and stays in L2), then the
-//! epilogue adds the bias, applies the activation, adds the old output and converts. Work is
-//! split over the device's pool by blocks of [`MC`] rows and, when rows are few, by ranges of
+//! The dot-product micro-kernel keeps an `MR x NR` f32 tile in 28 of the 32 vector registers for
+//! the whole of `k` (no K blocking: at `k ≤ 5120` a panel is at most 320 KiB and stays in L2),
+//! then the epilogue adds the bias, applies the activation, adds the old output and converts.
+//! Work is split over the device's pool by blocks of rows and, when rows are few, by ranges of
 //! panels; each task packs its rows once and reuses them across all its panels.
 
 use std::collections::HashMap;
@@ -25,7 +29,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use iris_plugin::abi::{Activation, BufferHandle};
 use rayon::prelude::*;
 
-use super::math;
+use super::{amx, math};
+use crate::isa::Tier;
 
 /// Output columns per packed panel: two 16-lane f32 vectors.
 pub const NR: usize = 32;
@@ -36,6 +41,53 @@ pub const MR: usize = 14;
 pub const MC: usize = MR * 8;
 /// Tasks per pool thread the work is cut into when rows are few, for balance.
 const TASKS_PER_THREAD: usize = 4;
+/// Rows of the f32 tile a micro-kernel fills per call: the most of any kernel (AMX's 2 x 16).
+pub(crate) const TILE_ROWS: usize = 32;
+
+/// The f32 results of one block of rows against one panel, row-major.
+pub(crate) type Tile = [[f32; NR]; TILE_ROWS];
+
+/// The micro-kernel a product runs on, chosen when its weight is packed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// AVX512-BF16 `vdpbf16ps` on vector registers.
+    DotProduct,
+    /// AMX-BF16 `tdpbf16ps` on tile registers.
+    Amx,
+}
+
+impl Kernel {
+    /// The kernel a tier runs bf16 products on; `None` where it widens them to f32.
+    pub fn for_tier(tier: Tier) -> Option<Kernel> {
+        match tier {
+            Tier::Amx => Some(Kernel::Amx),
+            Tier::Avx512Bf16 => Some(Kernel::DotProduct),
+            Tier::Avx512 | Tier::Generic => None,
+        }
+    }
+
+    /// Packed rows hold a multiple of this many pairs: AMX consumes `k` a whole tile (16
+    /// pairs) at a time, and the zeros it reads past `k` must be in the packing.
+    pub fn pair_align(self) -> usize {
+        match self {
+            Kernel::DotProduct => 1,
+            Kernel::Amx => amx::TILE_PAIRS,
+        }
+    }
+
+    /// Whether this CPU runs the kernel (for AMX: and the OS granted tile data).
+    pub fn available(self) -> bool {
+        match self {
+            Kernel::DotProduct => available(),
+            Kernel::Amx => available() && amx::usable(),
+        }
+    }
+
+    /// The pairs a packed row of `k` values holds.
+    fn pairs(self, k: usize) -> usize {
+        k.div_ceil(2).next_multiple_of(self.pair_align())
+    }
+}
 
 /// A row-major bf16 matrix in memory: element `(r, c)` at `ptr + r * stride + c` (bf16 bits).
 #[derive(Clone, Copy)]
@@ -98,16 +150,18 @@ impl Epilogue<'_> {
     };
 }
 
-/// A weight `[n, k]` packed into pairs-of-bf16 panels (see the module docs).
+/// A weight `[n, k]` packed into pairs-of-bf16 panels for one [`Kernel`] (see the module docs).
 pub struct PackedB {
     data: Vec<u32>,
     n: usize,
     k: usize,
+    pairs: usize,
+    kernel: Kernel,
 }
 
 impl PackedB {
-    /// Packs `w`, an `[n, k]` matrix, or `[k, n]` when `transposed`; packs panels on the
-    /// current rayon pool when `parallel`.
+    /// Packs `w`, an `[n, k]` matrix, or `[k, n]` when `transposed`, for `kernel`; packs panels
+    /// on the current rayon pool when `parallel`.
     ///
     /// # Safety
     /// `w` covers the stated shape in live memory that nothing writes during the call.
@@ -117,18 +171,22 @@ impl PackedB {
         k: usize,
         transposed: bool,
         parallel: bool,
+        kernel: Kernel,
     ) -> PackedB {
         let mut packed = PackedB {
             data: Vec::new(),
             n,
             k,
+            pairs: 0,
+            kernel,
         };
         // SAFETY: forwarded to the caller.
         unsafe { packed.repack(w, n, k, transposed, parallel) };
         packed
     }
 
-    /// Packs `w` into this buffer, reusing its memory (attention packs block after block).
+    /// Packs `w` into this buffer for the same kernel, reusing its memory (attention packs
+    /// block after block).
     ///
     /// # Safety
     /// As for [`PackedB::pack`].
@@ -140,15 +198,18 @@ impl PackedB {
         transposed: bool,
         parallel: bool,
     ) {
-        let pairs = k.div_ceil(2);
+        let pairs = self.kernel.pairs(k);
         let panel_len = pairs * NR;
         self.n = n;
         self.k = k;
+        self.pairs = pairs;
         self.data.clear();
         self.data.resize(n.div_ceil(NR) * panel_len, 0);
         if panel_len == 0 {
             return;
         }
+        // Pairs that hold at least one value; the rest stay zero.
+        let filled = k.div_ceil(2);
         let fill = |(p, panel): (usize, &mut [u32])| {
             let j0 = p * NR;
             let cols = NR.min(n - j0);
@@ -158,7 +219,7 @@ impl PackedB {
             };
             if transposed {
                 // Rows of the stored `[k, n]` are contiguous in `j`.
-                for i in 0..pairs {
+                for i in 0..filled {
                     let row = &mut panel[i * NR..i * NR + cols];
                     for (jj, word) in row.iter_mut().enumerate() {
                         let hi = if 2 * i + 1 < k {
@@ -172,7 +233,7 @@ impl PackedB {
             } else {
                 // Rows of the stored `[n, k]` are contiguous in `k`.
                 for jj in 0..cols {
-                    for i in 0..pairs {
+                    for i in 0..filled {
                         let hi = if 2 * i + 1 < k {
                             at(j0 + jj, 2 * i + 1)
                         } else {
@@ -208,8 +269,18 @@ impl PackedB {
         self.k
     }
 
+    /// The kernel this packing is for.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
+
+    /// Pairs per panel row: `⌈k/2⌉` rounded up to [`Kernel::pair_align`].
+    pub fn pairs(&self) -> usize {
+        self.pairs
+    }
+
     fn panel(&self, p: usize) -> &[u32] {
-        let len = self.k.div_ceil(2) * NR;
+        let len = self.pairs * NR;
         &self.data[p * len..(p + 1) * len]
     }
 }
@@ -228,16 +299,11 @@ pub(crate) fn available() -> bool {
     }
 }
 
-thread_local! {
-    /// Each pool thread's packed rows, kept between products so that their pages stay mapped.
-    static PACKED_ROWS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// `out[m, n] = epilogue(a[m, k] · B)` with `B` packed; on `pool` when given, else on the
-/// calling thread. `m, n, k` may be anything, zero included.
+/// `out[m, n] = epilogue(a[m, k] · B)` with `B` packed, on the kernel `B` was packed for; on
+/// `pool` when given, else on the calling thread. `m, n, k` may be anything, zero included.
 ///
 /// # Safety
-/// [`available`] is true; `a` covers `[m, k]` and `out` `[m, n]` in live memory; `out`
+/// `b.kernel().available()`; `a` covers `[m, k]` and `out` `[m, n]` in live memory; `out`
 /// overlaps neither `a` nor the epilogue's bias and nothing else touches it during the call;
 /// `b.n() == n`, `b.k() == k`, and the bias has `n` values.
 #[allow(clippy::too_many_arguments)]
@@ -251,12 +317,94 @@ pub(crate) unsafe fn matmul<T: Output>(
     out: OutMat<T>,
     epilogue: Epilogue<'_>,
 ) {
+    debug_assert!(b.kernel().available());
+    // SAFETY: forwarded to the caller; the micro-kernel is the one `b` was packed for.
+    unsafe {
+        match b.kernel() {
+            Kernel::DotProduct => matmul_on::<Dot, T>(pool, m, n, k, a, b, out, epilogue),
+            Kernel::Amx => {
+                matmul_on::<amx::Amx<amx::Hardware>, T>(pool, m, n, k, a, b, out, epilogue)
+            }
+        }
+    }
+}
+
+/// A micro-kernel: how a task's rows of `a` are packed, and how a block of them meets a panel.
+pub(crate) trait Micro: Default {
+    /// Rows one [`Micro::block`] call computes, at most [`TILE_ROWS`].
+    const BLOCK: usize;
+    /// Rows per task: packed, they stay in L2 while the task's panels pass.
+    const TASK_ROWS: usize;
+
+    /// Packs rows `m0..m0 + rows` of `a` (`k` columns) into `dst`, `pairs` pairs per row.
+    ///
+    /// # Safety
+    /// The rows lie in live memory that nothing writes during the call.
+    unsafe fn pack_rows(
+        a: Bf16Mat,
+        m0: usize,
+        rows: usize,
+        k: usize,
+        pairs: usize,
+        dst: &mut Vec<u32>,
+    );
+
+    /// Readies the unit for one task's blocks.
+    ///
+    /// # Safety
+    /// The CPU runs the kernel.
+    unsafe fn enter(&mut self) {}
+
+    /// Ends a task begun with [`Micro::enter`].
+    ///
+    /// # Safety
+    /// As for [`Micro::enter`].
+    unsafe fn leave(&mut self) {}
+
+    /// `tile[..height] = packed rows r0..r0 + height · panel`.
+    ///
+    /// # Safety
+    /// Inside [`Micro::enter`] and [`Micro::leave`]; `packed` came from [`Micro::pack_rows`]
+    /// with these `pairs`, holds rows `r0..r0 + height`, `r0` is a multiple of
+    /// [`Micro::BLOCK`], `height ≤ BLOCK`, and `panel` holds `pairs * NR` words.
+    unsafe fn block(
+        &mut self,
+        packed: &[u32],
+        r0: usize,
+        height: usize,
+        pairs: usize,
+        panel: &[u32],
+        tile: &mut Tile,
+    );
+}
+
+thread_local! {
+    /// Each pool thread's packed rows, kept between products so that their pages stay mapped.
+    static PACKED_ROWS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`matmul`] on the micro-kernel `M`.
+///
+/// # Safety
+/// As for [`matmul`], with `M` a kernel the CPU runs and `b` packed for it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn matmul_on<M: Micro, T: Output>(
+    pool: Option<(&rayon::ThreadPool, usize)>,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Bf16Mat,
+    b: &PackedB,
+    out: OutMat<T>,
+    epilogue: Epilogue<'_>,
+) {
     debug_assert!(b.n() == n && b.k() == k);
     if m == 0 || n == 0 {
         return;
     }
+    let pairs = b.pairs();
     let panels = n.div_ceil(NR);
-    let row_blocks = m.div_ceil(MC);
+    let row_blocks = m.div_ceil(M::TASK_ROWS);
     let threads = pool.map_or(1, |(_, threads)| threads);
     let chunks = if threads > 1 {
         (TASKS_PER_THREAD * threads)
@@ -271,8 +419,8 @@ pub(crate) unsafe fn matmul<T: Output>(
         // Whole captures: the operands' `Sync` covers their pointers.
         let (a, out) = (&a, &out);
         let (block, chunk) = (t / chunks, t % chunks);
-        let m0 = block * MC;
-        let rows = MC.min(m - m0);
+        let m0 = block * M::TASK_ROWS;
+        let rows = M::TASK_ROWS.min(m - m0);
         let p0 = chunk * per_chunk;
         let p1 = (p0 + per_chunk).min(panels);
         if p0 >= p1 {
@@ -281,20 +429,21 @@ pub(crate) unsafe fn matmul<T: Output>(
         PACKED_ROWS.with(|cell| {
             let mut packed = cell.borrow_mut();
             // SAFETY: rows `m0..m0 + rows` of `a` are inside `[m, k]` (caller's contract).
-            unsafe { pack_rows(*a, m0, rows, k, &mut packed) };
-            let mut tile = [[0.0f32; NR]; MR];
+            unsafe { M::pack_rows(*a, m0, rows, k, pairs, &mut packed) };
+            let mut unit = M::default();
+            let mut tile: Tile = [[0.0; NR]; TILE_ROWS];
             let mut old = [0.0f32; NR];
-            let pairs = k.div_ceil(2);
+            // SAFETY: the CPU runs `M` (caller's contract).
+            unsafe { unit.enter() };
             for p in p0..p1 {
                 let panel = b.panel(p);
                 let j0 = p * NR;
                 let cols = NR.min(n - j0);
-                for r0 in (0..rows).step_by(MR) {
-                    let height = MR.min(rows - r0);
-                    let lhs = &packed[r0 * pairs..(r0 + height) * pairs];
-                    // SAFETY: the CPU has the features (caller's contract); `lhs` holds
-                    // `pairs x height` words and `panel` `pairs x NR`.
-                    unsafe { tile_product(height, lhs, panel, pairs, &mut tile) };
+                for r0 in (0..rows).step_by(M::BLOCK) {
+                    let height = M::BLOCK.min(rows - r0);
+                    // SAFETY: inside enter/leave; `packed` holds this task's rows packed with
+                    // `pairs`, `r0` steps by `BLOCK`, and `panel` holds `pairs * NR` words.
+                    unsafe { unit.block(&packed, r0, height, pairs, panel, &mut tile) };
                     for (r, row) in tile[..height].iter_mut().enumerate() {
                         let row = &mut row[..cols];
                         if let Some(bias) = epilogue.bias {
@@ -319,6 +468,8 @@ pub(crate) unsafe fn matmul<T: Output>(
                     }
                 }
             }
+            // SAFETY: pairs with `enter` above.
+            unsafe { unit.leave() };
         });
     };
     match pool {
@@ -327,68 +478,82 @@ pub(crate) unsafe fn matmul<T: Output>(
     }
 }
 
-/// Packs rows `m0..m0 + rows` of `a` (`k` columns) into `[⌈k/2⌉][MR]` words per block of `MR`
-/// rows (the last block `[⌈k/2⌉][rows % MR]`), so block `r0` starts at word `r0 * ⌈k/2⌉`.
-///
-/// # Safety
-/// The rows lie in live memory that nothing writes during the call.
-unsafe fn pack_rows(a: Bf16Mat, m0: usize, rows: usize, k: usize, dst: &mut Vec<u32>) {
-    let pairs = k.div_ceil(2);
-    dst.clear();
-    dst.resize(rows * pairs, 0);
-    for r0 in (0..rows).step_by(MR) {
-        let height = MR.min(rows - r0);
-        let block = &mut dst[r0 * pairs..(r0 + height) * pairs];
-        for r in 0..height {
-            // SAFETY: row `m0 + r0 + r` of `a` (caller's contract).
-            let src = unsafe { std::slice::from_raw_parts(a.ptr.add((m0 + r0 + r) * a.stride), k) };
-            let (full, tail) = src.split_at(k & !1);
-            for (i, pair) in full.chunks_exact(2).enumerate() {
-                block[i * height + r] = u32::from(pair[0]) | u32::from(pair[1]) << 16;
-            }
-            if let [last] = tail {
-                block[(pairs - 1) * height + r] = u32::from(*last);
+/// The AVX512-BF16 micro-kernel: blocks of [`MR`] rows against a panel, in vector registers.
+#[derive(Default)]
+pub(crate) struct Dot;
+
+impl Micro for Dot {
+    const BLOCK: usize = MR;
+    const TASK_ROWS: usize = MC;
+
+    /// Packs into `[pairs][MR]` words per block of `MR` rows (the last block
+    /// `[pairs][rows % MR]`), so block `r0` starts at word `r0 * pairs`.
+    unsafe fn pack_rows(
+        a: Bf16Mat,
+        m0: usize,
+        rows: usize,
+        k: usize,
+        pairs: usize,
+        dst: &mut Vec<u32>,
+    ) {
+        debug_assert_eq!(pairs, k.div_ceil(2));
+        dst.clear();
+        dst.resize(rows * pairs, 0);
+        for r0 in (0..rows).step_by(MR) {
+            let height = MR.min(rows - r0);
+            let block = &mut dst[r0 * pairs..(r0 + height) * pairs];
+            for r in 0..height {
+                // SAFETY: row `m0 + r0 + r` of `a` (caller's contract).
+                let src =
+                    unsafe { std::slice::from_raw_parts(a.ptr.add((m0 + r0 + r) * a.stride), k) };
+                let (full, tail) = src.split_at(k & !1);
+                for (i, pair) in full.chunks_exact(2).enumerate() {
+                    block[i * height + r] = u32::from(pair[0]) | u32::from(pair[1]) << 16;
+                }
+                if let [last] = tail {
+                    block[(pairs - 1) * height + r] = u32::from(*last);
+                }
             }
         }
     }
-}
 
-/// `tile[..height] = lhs · panel` for one block of `height ≤ MR` packed rows.
-///
-/// # Safety
-/// The CPU has AVX-512F/BW and AVX512-BF16; `lhs` holds `pairs * height` words and `panel`
-/// `pairs * NR`.
-unsafe fn tile_product(
-    height: usize,
-    lhs: &[u32],
-    panel: &[u32],
-    pairs: usize,
-    tile: &mut [[f32; NR]; MR],
-) {
-    debug_assert!(lhs.len() == pairs * height && panel.len() == pairs * NR);
-    macro_rules! dispatch {
-        ($($h:literal)*) => {
-            match height {
-                // SAFETY: forwarded to the caller.
-                $($h => unsafe { kernel::<$h>(lhs.as_ptr(), panel.as_ptr(), pairs, tile) },)*
-                _ => unreachable!("tile height {height} outside 1..={MR}"),
-            }
-        };
+    unsafe fn block(
+        &mut self,
+        packed: &[u32],
+        r0: usize,
+        height: usize,
+        pairs: usize,
+        panel: &[u32],
+        tile: &mut Tile,
+    ) {
+        let lhs = &packed[r0 * pairs..(r0 + height) * pairs];
+        debug_assert!(panel.len() == pairs * NR);
+        macro_rules! dispatch {
+            ($($h:literal)*) => {
+                match height {
+                    // SAFETY: the CPU has the features (caller's contract); `lhs` holds
+                    // `pairs * height` words and `panel` `pairs * NR`.
+                    $($h => unsafe { kernel::<$h>(lhs.as_ptr(), panel.as_ptr(), pairs, tile) },)*
+                    _ => unreachable!("tile height {height} outside 1..={MR}"),
+                }
+            };
+        }
+        dispatch!(1 2 3 4 5 6 7 8 9 10 11 12 13 14);
     }
-    dispatch!(1 2 3 4 5 6 7 8 9 10 11 12 13 14);
 }
 
 /// The micro-kernel: an `R x NR` f32 tile in registers over all `pairs` steps.
 ///
 /// # Safety
-/// As for [`tile_product`] with `height = R`.
+/// The CPU has AVX-512F/BW and AVX512-BF16; `lhs` holds `pairs * R` words and `panel`
+/// `pairs * NR`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn kernel<const R: usize>(
     lhs: *const u32,
     panel: *const u32,
     pairs: usize,
-    tile: &mut [[f32; NR]; MR],
+    tile: &mut Tile,
 ) {
     use std::arch::x86_64::{
         __m512bh, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_set1_epi32, _mm512_setzero_ps,
@@ -425,7 +590,7 @@ unsafe fn kernel<const R: usize>(
     _lhs: *const u32,
     _panel: *const u32,
     _pairs: usize,
-    _tile: &mut [[f32; NR]; MR],
+    _tile: &mut Tile,
 ) {
     unreachable!("the bf16 kernels need x86-64")
 }
@@ -630,63 +795,204 @@ mod tests {
         ((seed * 7919 % 17) as f32 - 8.0) * 0.5
     }
 
-    /// Exact products (inputs exact in bf16, sums small integers) for every tile height, every
-    /// odd/even `k` and ragged `n`, against an f64 loop; both weight layouts.
+    /// How a test runs a product: on the kernel a weight is packed for, or on the AMX loops
+    /// with the tile instructions computed by [`amx::model::Model`].
+    #[derive(Clone, Copy, Debug)]
+    enum Runner {
+        Native(Kernel),
+        AmxModel,
+    }
+
+    impl Runner {
+        /// Every runner this CPU runs; the ones it cannot are named with the reason.
+        fn all() -> Vec<Runner> {
+            let mut runners = vec![Runner::AmxModel];
+            for (kernel, tier) in [
+                (Kernel::DotProduct, Tier::Avx512Bf16),
+                (Kernel::Amx, Tier::Amx),
+            ] {
+                if kernel.available() {
+                    runners.push(Runner::Native(kernel));
+                } else {
+                    let why = Tier::resolve(tier).1.unwrap_or_default();
+                    eprintln!("skipped the {kernel:?} kernel: {why}");
+                }
+            }
+            runners
+        }
+
+        fn kernel(self) -> Kernel {
+            match self {
+                Runner::Native(kernel) => kernel,
+                Runner::AmxModel => Kernel::Amx,
+            }
+        }
+
+        /// # Safety
+        /// As for [`matmul`], bar the kernel's availability for the model.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn run<T: Output>(
+            self,
+            pool: Option<(&rayon::ThreadPool, usize)>,
+            m: usize,
+            n: usize,
+            k: usize,
+            a: Bf16Mat,
+            b: &PackedB,
+            out: OutMat<T>,
+            epilogue: Epilogue<'_>,
+        ) {
+            // SAFETY: forwarded to the caller.
+            unsafe {
+                match self {
+                    Runner::Native(_) => matmul(pool, m, n, k, a, b, out, epilogue),
+                    Runner::AmxModel => matmul_on::<amx::Amx<amx::model::Model>, T>(
+                        pool, m, n, k, a, b, out, epilogue,
+                    ),
+                }
+            }
+        }
+    }
+
+    /// Exact products (inputs exact in bf16, sums small integers) against an f64 loop, on
+    /// every kernel: every dot-product tile height, AMX's half and whole 32-row blocks, odd
+    /// and even `k` inside and across 32-value tiles, ragged `n`, more rows than one task;
+    /// both weight layouts; with and without bias and accumulation.
     #[test]
     fn products_are_exact_on_exact_inputs() {
-        if !available() {
-            eprintln!("skipped: this CPU lacks AVX512-BF16");
-            return;
-        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()
             .unwrap();
-        for (m, n, k) in [(1, 1, 1), (15, 33, 3), (29, 65, 16), (113, 40, 17)] {
-            let a: Vec<f32> = (0..m * k).map(value).collect();
-            let w: Vec<f32> = (0..n * k).map(|i| value(i + 3)).collect();
-            let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
-            let (abits, wbits, wtbits) = (bits(&a), bits(&w), bits(&wt));
-            for transposed in [false, true] {
-                let src = if transposed { &wtbits } else { &wbits };
-                let stride = if transposed { n } else { k };
-                let a_mat = Bf16Mat {
-                    ptr: abits.as_ptr(),
-                    stride: k,
-                };
-                let w_mat = Bf16Mat {
-                    ptr: src.as_ptr(),
-                    stride,
-                };
-                // SAFETY: the vectors cover the shapes.
-                let packed = unsafe { PackedB::pack(w_mat, n, k, transposed, false) };
-                let mut out = vec![f32::NAN; m * n];
-                let out_mat = OutMat {
-                    ptr: out.as_mut_ptr(),
+        let shapes = [
+            (1, 1, 1),
+            (15, 33, 3),
+            (29, 65, 16),
+            (113, 40, 17),
+            (17, 32, 32),
+            (33, 70, 97),
+            (130, 17, 64),
+        ];
+        for runner in Runner::all() {
+            for (m, n, k) in shapes {
+                let a: Vec<f32> = (0..m * k).map(value).collect();
+                let w: Vec<f32> = (0..n * k).map(|i| value(i + 3)).collect();
+                let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
+                let bias: Vec<f32> = (0..n).map(|j| value(j + 11)).collect();
+                let old: Vec<f32> = (0..m * n).map(|i| value(i + 5)).collect();
+                let (abits, wbits, wtbits) = (bits(&a), bits(&w), bits(&wt));
+                for (transposed, add) in [(false, false), (true, false), (false, true)] {
+                    let src = if transposed { &wtbits } else { &wbits };
+                    let stride = if transposed { n } else { k };
+                    let a_mat = Bf16Mat {
+                        ptr: abits.as_ptr(),
+                        stride: k,
+                    };
+                    let w_mat = Bf16Mat {
+                        ptr: src.as_ptr(),
+                        stride,
+                    };
+                    // SAFETY: the vectors cover the shapes.
+                    let packed =
+                        unsafe { PackedB::pack(w_mat, n, k, transposed, false, runner.kernel()) };
+                    assert!(packed.pairs().is_multiple_of(runner.kernel().pair_align()));
+                    let mut out = if add {
+                        old.clone()
+                    } else {
+                        vec![f32::NAN; m * n]
+                    };
+                    let out_mat = OutMat {
+                        ptr: out.as_mut_ptr(),
+                        stride: n,
+                    };
+                    let epilogue = Epilogue {
+                        bias: add.then_some(bias.as_slice()),
+                        act: Activation::NONE,
+                        accumulate: add,
+                    };
+                    // SAFETY: as above; `out` is separate.
+                    unsafe {
+                        runner.run(Some((&pool, 2)), m, n, k, a_mat, &packed, out_mat, epilogue)
+                    };
+                    for i in 0..m {
+                        for j in 0..n {
+                            let mut want: f64 = (0..k)
+                                .map(|c| f64::from(a[i * k + c]) * f64::from(w[j * k + c]))
+                                .sum();
+                            if add {
+                                want += f64::from(bias[j]) + f64::from(old[i * n + j]);
+                            }
+                            assert_eq!(
+                                f64::from(out[i * n + j]),
+                                want,
+                                "{runner:?} {m}x{n}x{k} transposed={transposed} add={add} \
+                                 at ({i}, {j})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// General inputs: every kernel within f32 rounding of an f64 loop over the same bf16
+    /// values, bf16 output included where the CPU converts it natively.
+    #[test]
+    fn products_match_a_reference_on_general_inputs() {
+        let (m, n, k) = (45, 50, 300);
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.0137)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 53 % 89) as f32 - 44.0) * 0.0211)
+            .collect();
+        let (abits, wbits) = (bits(&a), bits(&w));
+        let widen = |b: u16| f64::from(bf16::from_bits(b).to_f32());
+        for runner in Runner::all() {
+            let a_mat = Bf16Mat {
+                ptr: abits.as_ptr(),
+                stride: k,
+            };
+            let w_mat = Bf16Mat {
+                ptr: wbits.as_ptr(),
+                stride: k,
+            };
+            // SAFETY: the vectors cover the shapes.
+            let packed = unsafe { PackedB::pack(w_mat, n, k, false, true, runner.kernel()) };
+            let mut out = vec![0.0f32; m * n];
+            let out_mat = OutMat {
+                ptr: out.as_mut_ptr(),
+                stride: n,
+            };
+            // SAFETY: as above.
+            unsafe { runner.run(None, m, n, k, a_mat, &packed, out_mat, Epilogue::STORE) };
+            let mut narrow = vec![bf16::ZERO; m * n];
+            if available() {
+                let narrow_mat = OutMat {
+                    ptr: narrow.as_mut_ptr(),
                     stride: n,
                 };
-                // SAFETY: as above; `out` is separate.
-                unsafe {
-                    matmul(
-                        Some((&pool, 2)),
-                        m,
-                        n,
-                        k,
-                        a_mat,
-                        &packed,
-                        out_mat,
-                        Epilogue::STORE,
-                    )
-                };
-                for i in 0..m {
-                    for j in 0..n {
-                        let want: f64 = (0..k)
-                            .map(|c| f64::from(a[i * k + c]) * f64::from(w[j * k + c]))
-                            .sum();
-                        assert_eq!(
-                            f64::from(out[i * n + j]),
-                            want,
-                            "{m}x{n}x{k} transposed={transposed} at ({i}, {j})"
+                // SAFETY: as above; the CPU converts bf16 natively.
+                unsafe { runner.run(None, m, n, k, a_mat, &packed, narrow_mat, Epilogue::STORE) };
+            }
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|c| widen(abits[i * k + c]) * widen(wbits[j * k + c]))
+                        .sum();
+                    let scale: f64 = (0..k)
+                        .map(|c| (widen(abits[i * k + c]) * widen(wbits[j * k + c])).abs())
+                        .sum();
+                    let got = f64::from(out[i * n + j]);
+                    assert!(
+                        (got - want).abs() <= 1e-6 * scale,
+                        "{runner:?} f32 at ({i}, {j}): {got} vs {want}"
+                    );
+                    if available() {
+                        let got = f64::from(narrow[i * n + j].to_f32());
+                        assert!(
+                            (got - want).abs() <= 1e-6 * scale + want.abs() / 256.0,
+                            "{runner:?} bf16 at ({i}, {j}): {got} vs {want}"
                         );
                     }
                 }
@@ -725,6 +1031,38 @@ mod tests {
         }
     }
 
+    /// The AMX loops on the model: one product per 16 x 16 output tile and 16 pairs of `k`
+    /// (half blocks skip the lower tiles), and every task configures and releases the tiles.
+    #[test]
+    fn amx_blocks_issue_whole_tiles_only() {
+        let (rows, k) = (20, 40);
+        let abits = bits(&(0..rows * k).map(value).collect::<Vec<_>>());
+        let a = Bf16Mat {
+            ptr: abits.as_ptr(),
+            stride: k,
+        };
+        let pairs = Kernel::Amx.pairs(k);
+        assert_eq!(pairs, 32);
+        let mut packed = Vec::new();
+        // SAFETY: `abits` is `[rows, k]`.
+        unsafe { amx::Amx::<amx::model::Model>::pack_rows(a, 0, rows, k, pairs, &mut packed) };
+        assert_eq!(packed.len(), 32 * pairs, "rows padded to whole tiles");
+        assert!(packed[rows * pairs..].iter().all(|&w| w == 0));
+        assert!(packed[..pairs].iter().skip(k / 2).all(|&w| w == 0));
+        let panel = vec![0u32; pairs * NR];
+        let mut tile: Tile = [[0.0; NR]; TILE_ROWS];
+        for (height, dots) in [(16, 2 * 2), (17, 4 * 2)] {
+            let mut micro = amx::Amx::<amx::model::Model>::default();
+            // SAFETY: the model runs anywhere; `packed` holds 32 rows of `pairs` words.
+            unsafe {
+                micro.enter();
+                micro.block(&packed, 0, height, pairs, &panel, &mut tile);
+                micro.leave();
+            }
+            assert_eq!(micro.unit().dots, dots, "height {height}");
+        }
+    }
+
     #[test]
     fn the_cache_keeps_live_buffers_only_and_counts_bytes() {
         let cache = PackCache::default();
@@ -749,6 +1087,7 @@ mod tests {
                     2,
                     false,
                     false,
+                    Kernel::DotProduct,
                 )
             }
         };
