@@ -27,7 +27,7 @@
 
 use std::sync::OnceLock;
 
-use super::native::{Bf16Mat, Micro, NR, Tile};
+use super::native::{Bf16Mat, Micro, NR, TileOut};
 
 /// Pairs of bf16 in one tile row (64 bytes): the step along `k` of one `tdpbf16ps`.
 pub const TILE_PAIRS: usize = 16;
@@ -128,6 +128,8 @@ impl<U: TileUnit> Micro for Amx<U> {
     const BLOCK: usize = 2 * TILE_M;
     /// Four blocks: 128 rows of `k = 1280` are 320 KiB packed, which stay in L2.
     const TASK_ROWS: usize = 4 * 2 * TILE_M;
+    /// Whole tiles: a block of up to 16 rows writes 16, one of 17 to 32 writes 32.
+    const GRANULE: usize = TILE_M;
 
     /// Row-major, `pairs` words per row, rows padded with zeros to a multiple of 16.
     unsafe fn pack_rows(
@@ -142,15 +144,17 @@ impl<U: TileUnit> Micro for Amx<U> {
         dst.clear();
         dst.resize(rows.next_multiple_of(TILE_M) * pairs, 0);
         for (r, packed) in dst.chunks_exact_mut(pairs).take(rows).enumerate() {
-            // SAFETY: row `m0 + r` of `a` (caller's contract).
-            let src = unsafe { std::slice::from_raw_parts(a.ptr.add((m0 + r) * a.stride), k) };
-            let (full, tail) = src.split_at(k & !1);
-            for (word, pair) in packed.iter_mut().zip(full.chunks_exact(2)) {
-                *word = u32::from(pair[0]) | u32::from(pair[1]) << 16;
-            }
-            if let [last] = tail {
-                packed[k / 2] = u32::from(*last);
-            }
+            // A row of bf16 is already a row of words (the first of each pair in the low
+            // half); an odd last value lands in the low half of a zeroed word.
+            // SAFETY: row `m0 + r` of `a` holds `k` values (caller's contract) and `packed`
+            // holds `pairs >= k / 2` words, `2 * pairs >= k` bf16.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    a.ptr.add((m0 + r) * a.stride),
+                    packed.as_mut_ptr().cast::<u16>(),
+                    k,
+                )
+            };
         }
     }
 
@@ -171,7 +175,7 @@ impl<U: TileUnit> Micro for Amx<U> {
         height: usize,
         pairs: usize,
         panel: &[u32],
-        tile: &mut Tile,
+        out: TileOut,
     ) {
         let two = height > TILE_M;
         let rows = if two { 2 * TILE_M } else { TILE_M };
@@ -181,11 +185,12 @@ impl<U: TileUnit> Micro for Amx<U> {
         let u = &mut self.unit;
         let a_stride = pairs * size_of::<u32>();
         let b_stride = NR * size_of::<u32>();
+        let c_stride = out.stride * size_of::<f32>();
         // SAFETY: configured (inside enter/leave, caller's contract). Every load reads 16 rows
         // of 16 words: A rows `i0..i0 + 16` words into each of 16 (or 32) packed rows of
         // `pairs` words, B rows `i0..i0 + 16` of the `[pairs][NR]` panel at column 0 or 16;
         // `i0 + 16 <= pairs`, so all lie inside the slices checked above. Stores write 16
-        // rows of 16 f32 inside the 32 x NR `tile`.
+        // rows of 16 f32 into the 16 (or 32) rows of `out` (caller's contract).
         unsafe {
             for c in [C00, C01, C10, C11] {
                 u.zero(c);
@@ -203,14 +208,13 @@ impl<U: TileUnit> Micro for Amx<U> {
                     u.dot(C11, A1, B1);
                 }
             }
-            let out = tile.as_mut_ptr().cast::<f32>();
             let half = TILE_ROW_BYTES / size_of::<f32>();
-            u.store(C00, out, b_stride);
-            u.store(C01, out.add(half), b_stride);
+            u.store(C00, out.ptr, c_stride);
+            u.store(C01, out.ptr.add(half), c_stride);
             if two {
-                let lower = out.add(TILE_M * NR);
-                u.store(C10, lower, b_stride);
-                u.store(C11, lower.add(half), b_stride);
+                let lower = out.ptr.add(TILE_M * out.stride);
+                u.store(C10, lower, c_stride);
+                u.store(C11, lower.add(half), c_stride);
             }
         }
     }

@@ -11,7 +11,8 @@
 //! - [`gemm`]: matrix products through the `gemm` crate, with bias, activation and accumulation;
 //!   bf16 products on the native kernels of [`native`] when the kernel tier has them.
 //! - [`native`]: native bf16 matrix products on packed weights, and the cache of packed weights.
-//! - [`amx`]: the AMX-BF16 tile micro-kernel of [`native`].
+//! - [`amx`]: the AMX-BF16 tile micro-kernel of [`native`]; `pack` moves bf16 operands into
+//!   the layouts both kernels read.
 //! - [`attention`]: tiled variable-length attention with an online softmax, scratch carved out
 //!   of the caller's workspace.
 //! - [`norm`]: layer and RMS normalisation.
@@ -26,6 +27,7 @@ pub mod gemm;
 pub(crate) mod math;
 pub mod native;
 pub mod norm;
+pub(crate) mod pack;
 pub mod rotary;
 
 use std::sync::Arc;

@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use iris_plugin::abi::{Activation, BufferHandle};
 use rayon::prelude::*;
 
-use super::{amx, math};
+use super::{amx, math, pack};
 use crate::isa::Tier;
 
 /// Output columns per packed panel: two 16-lane f32 vectors.
@@ -213,33 +213,40 @@ impl PackedB {
         let fill = |(p, panel): (usize, &mut [u32])| {
             let j0 = p * NR;
             let cols = NR.min(n - j0);
-            let at = |j: usize, c: usize| -> u32 {
-                // SAFETY: every element read is inside `[n, k]` (or `[k, n]`) per the caller.
-                u32::from(unsafe { w.get(j, c, transposed) })
-            };
             if transposed {
-                // Rows of the stored `[k, n]` are contiguous in `j`.
+                // Rows `2i` and `2i + 1` of the stored `[k, n]` interleave into panel row `i`.
                 for i in 0..filled {
-                    let row = &mut panel[i * NR..i * NR + cols];
-                    for (jj, word) in row.iter_mut().enumerate() {
-                        let hi = if 2 * i + 1 < k {
-                            at(j0 + jj, 2 * i + 1)
-                        } else {
-                            0
-                        };
-                        *word = at(j0 + jj, 2 * i) | hi << 16;
+                    // SAFETY: columns `j0..j0 + cols` of rows `2i` and `2i + 1 < k` are inside
+                    // `[k, n]` (caller's contract); panel row `i` holds `NR >= cols` words.
+                    unsafe {
+                        let lo = w.ptr.add(2 * i * w.stride + j0);
+                        let hi = (2 * i + 1 < k).then(|| lo.add(w.stride));
+                        pack::interleave_rows(lo, hi, cols, panel[i * NR..].as_mut_ptr());
                     }
                 }
             } else {
-                // Rows of the stored `[n, k]` are contiguous in `k`.
-                for jj in 0..cols {
-                    for i in 0..filled {
-                        let hi = if 2 * i + 1 < k {
-                            at(j0 + jj, 2 * i + 1)
-                        } else {
-                            0
-                        };
-                        panel[i * NR + jj] = at(j0 + jj, 2 * i) | hi << 16;
+                // Rows of the stored `[n, k]` are rows of words: 16 of them at a time become
+                // 16 columns of the panel.
+                for c0 in (0..cols).step_by(16) {
+                    let rows = 16.min(cols - c0);
+                    // SAFETY: rows `j0 + c0..j0 + c0 + rows` hold `k / 2` whole words inside
+                    // `[n, k]` (caller's contract); the panel holds `pairs * NR` words, and
+                    // the last written is `(k / 2 - 1) * NR + c0 + rows - 1` from its start.
+                    unsafe {
+                        pack::transpose_words(
+                            rows,
+                            k / 2,
+                            |r| w.ptr.add((j0 + c0 + r) * w.stride).cast::<u32>(),
+                            panel[c0..].as_mut_ptr(),
+                            NR,
+                        )
+                    };
+                }
+                if k % 2 == 1 {
+                    for jj in 0..cols {
+                        // SAFETY: element `(j0 + jj, k - 1)` is inside `[n, k]`.
+                        panel[(k / 2) * NR + jj] =
+                            u32::from(unsafe { w.get(j0 + jj, k - 1, false) });
                     }
                 }
             }
@@ -361,12 +368,18 @@ pub(crate) trait Micro: Default {
     /// As for [`Micro::enter`].
     unsafe fn leave(&mut self) {}
 
-    /// `tile[..height] = packed rows r0..r0 + height · panel`.
+    /// Rows of the result are written in whole groups of this many: `height` rounded up.
+    const GRANULE: usize;
+
+    /// `out[..height] = packed rows r0..r0 + height · panel`, [`NR`] f32 per row; writes
+    /// `height` rounded up to [`Micro::GRANULE`] rows.
     ///
     /// # Safety
     /// Inside [`Micro::enter`] and [`Micro::leave`]; `packed` came from [`Micro::pack_rows`]
     /// with these `pairs`, holds rows `r0..r0 + height`, `r0` is a multiple of
-    /// [`Micro::BLOCK`], `height ≤ BLOCK`, and `panel` holds `pairs * NR` words.
+    /// [`Micro::BLOCK`], `height ≤ BLOCK`, `panel` holds `pairs * NR` words, and `out` the
+    /// rows written, nothing else touching them.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn block(
         &mut self,
         packed: &[u32],
@@ -374,8 +387,24 @@ pub(crate) trait Micro: Default {
         height: usize,
         pairs: usize,
         panel: &[u32],
-        tile: &mut Tile,
+        out: TileOut,
     );
+}
+
+/// Where a micro-kernel writes: rows of [`NR`] f32, `stride` values apart.
+#[derive(Clone, Copy)]
+pub(crate) struct TileOut {
+    pub(crate) ptr: *mut f32,
+    pub(crate) stride: usize,
+}
+
+impl TileOut {
+    fn of(tile: &mut Tile) -> TileOut {
+        TileOut {
+            ptr: tile.as_mut_ptr().cast(),
+            stride: NR,
+        }
+    }
 }
 
 thread_local! {
@@ -415,6 +444,11 @@ pub(crate) unsafe fn matmul_on<M: Micro, T: Output>(
     };
     let per_chunk = panels.div_ceil(chunks);
     let tasks = row_blocks * chunks;
+    // A plain f32 store needs no epilogue: whole blocks go straight into `out`.
+    let direct = T::IS_F32
+        && epilogue.bias.is_none()
+        && epilogue.act == Activation::NONE
+        && !epilogue.accumulate;
     let task = |t: usize| {
         // Whole captures: the operands' `Sync` covers their pointers.
         let (a, out) = (&a, &out);
@@ -441,15 +475,33 @@ pub(crate) unsafe fn matmul_on<M: Micro, T: Output>(
                 let cols = NR.min(n - j0);
                 for r0 in (0..rows).step_by(M::BLOCK) {
                     let height = M::BLOCK.min(rows - r0);
+                    if direct && cols == NR && height.is_multiple_of(M::GRANULE) {
+                        // SAFETY: as below; the rows written are rows `m0 + r0..m0 + r0 +
+                        // height` and columns `j0..j0 + NR` of `out`, which this task alone
+                        // writes.
+                        unsafe {
+                            let dst = TileOut {
+                                ptr: out.ptr.add((m0 + r0) * out.stride + j0).cast(),
+                                stride: out.stride,
+                            };
+                            unit.block(&packed, r0, height, pairs, panel, dst);
+                        }
+                        continue;
+                    }
                     // SAFETY: inside enter/leave; `packed` holds this task's rows packed with
-                    // `pairs`, `r0` steps by `BLOCK`, and `panel` holds `pairs * NR` words.
-                    unsafe { unit.block(&packed, r0, height, pairs, panel, &mut tile) };
+                    // `pairs`, `r0` steps by `BLOCK`, `panel` holds `pairs * NR` words, and
+                    // the tile holds `TILE_ROWS` rows, as many as any kernel writes.
+                    unsafe {
+                        unit.block(&packed, r0, height, pairs, panel, TileOut::of(&mut tile))
+                    };
                     for (r, row) in tile[..height].iter_mut().enumerate() {
                         let row = &mut row[..cols];
                         if let Some(bias) = epilogue.bias {
                             math::add_assign(row, &bias[j0..j0 + cols]);
                         }
-                        math::activate_slice(epilogue.act, row);
+                        if epilogue.act != Activation::NONE {
+                            math::activate_slice(epilogue.act, row);
+                        }
                         // SAFETY: row `m0 + r0 + r < m`, columns `j0..j0 + cols <= n` of
                         // `out`; this task alone writes them.
                         let dst = unsafe {
@@ -485,6 +537,7 @@ pub(crate) struct Dot;
 impl Micro for Dot {
     const BLOCK: usize = MR;
     const TASK_ROWS: usize = MC;
+    const GRANULE: usize = 1;
 
     /// Packs into `[pairs][MR]` words per block of `MR` rows (the last block
     /// `[pairs][rows % MR]`), so block `r0` starts at word `r0 * pairs`.
@@ -502,16 +555,25 @@ impl Micro for Dot {
         for r0 in (0..rows).step_by(MR) {
             let height = MR.min(rows - r0);
             let block = &mut dst[r0 * pairs..(r0 + height) * pairs];
-            for r in 0..height {
+            let row = |r: usize| {
                 // SAFETY: row `m0 + r0 + r` of `a` (caller's contract).
-                let src =
-                    unsafe { std::slice::from_raw_parts(a.ptr.add((m0 + r0 + r) * a.stride), k) };
-                let (full, tail) = src.split_at(k & !1);
-                for (i, pair) in full.chunks_exact(2).enumerate() {
-                    block[i * height + r] = u32::from(pair[0]) | u32::from(pair[1]) << 16;
-                }
-                if let [last] = tail {
-                    block[(pairs - 1) * height + r] = u32::from(*last);
+                unsafe { a.ptr.add((m0 + r0 + r) * a.stride) }
+            };
+            // SAFETY: each row holds `k / 2` whole words; `block` holds `pairs * height`
+            // words, of which the transpose writes the first `(k / 2) * height`.
+            unsafe {
+                pack::transpose_words(
+                    height,
+                    k / 2,
+                    |r| row(r).cast::<u32>(),
+                    block.as_mut_ptr(),
+                    height,
+                )
+            };
+            if k % 2 == 1 {
+                for r in 0..height {
+                    // SAFETY: the last value of row `r` (caller's contract).
+                    block[(pairs - 1) * height + r] = u32::from(unsafe { *row(r).add(k - 1) });
                 }
             }
         }
@@ -524,16 +586,16 @@ impl Micro for Dot {
         height: usize,
         pairs: usize,
         panel: &[u32],
-        tile: &mut Tile,
+        out: TileOut,
     ) {
         let lhs = &packed[r0 * pairs..(r0 + height) * pairs];
         debug_assert!(panel.len() == pairs * NR);
         macro_rules! dispatch {
             ($($h:literal)*) => {
                 match height {
-                    // SAFETY: the CPU has the features (caller's contract); `lhs` holds
-                    // `pairs * height` words and `panel` `pairs * NR`.
-                    $($h => unsafe { kernel::<$h>(lhs.as_ptr(), panel.as_ptr(), pairs, tile) },)*
+                    // SAFETY: the CPU has the features and `out` holds `height` rows (caller's
+                    // contract); `lhs` holds `pairs * height` words and `panel` `pairs * NR`.
+                    $($h => unsafe { kernel::<$h>(lhs.as_ptr(), panel.as_ptr(), pairs, out) },)*
                     _ => unreachable!("tile height {height} outside 1..={MR}"),
                 }
             };
@@ -545,16 +607,11 @@ impl Micro for Dot {
 /// The micro-kernel: an `R x NR` f32 tile in registers over all `pairs` steps.
 ///
 /// # Safety
-/// The CPU has AVX-512F/BW and AVX512-BF16; `lhs` holds `pairs * R` words and `panel`
-/// `pairs * NR`.
+/// The CPU has AVX-512F/BW and AVX512-BF16; `lhs` holds `pairs * R` words, `panel`
+/// `pairs * NR`, and `out` `R` rows.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn kernel<const R: usize>(
-    lhs: *const u32,
-    panel: *const u32,
-    pairs: usize,
-    tile: &mut Tile,
-) {
+unsafe fn kernel<const R: usize>(lhs: *const u32, panel: *const u32, pairs: usize, out: TileOut) {
     use std::arch::x86_64::{
         __m512bh, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_set1_epi32, _mm512_setzero_ps,
         _mm512_storeu_ps,
@@ -577,7 +634,7 @@ unsafe fn kernel<const R: usize>(
             b = b.add(NR);
         }
         for r in 0..R {
-            let row: *mut f32 = tile[r].as_mut_ptr();
+            let row = out.ptr.add(r * out.stride);
             _mm512_storeu_ps(row, lo[r]);
             _mm512_storeu_ps(row.add(16), hi[r]);
         }
@@ -590,7 +647,7 @@ unsafe fn kernel<const R: usize>(
     _lhs: *const u32,
     _panel: *const u32,
     _pairs: usize,
-    _tile: &mut Tile,
+    _out: TileOut,
 ) {
     unreachable!("the bf16 kernels need x86-64")
 }
@@ -599,6 +656,9 @@ unsafe fn kernel<const R: usize>(
 /// round-to-nearest-even (`vcvtneps2bf16`, 16 lanes at a time; denormals flush to zero, which
 /// the scalar conversion elsewhere keeps).
 pub(crate) trait Output: Copy + Send + Sync + 'static {
+    /// Whether this is f32, which results are stored as without conversion.
+    const IS_F32: bool;
+
     /// Converts `src` into `dst` (same length).
     ///
     /// # Safety
@@ -612,6 +672,7 @@ pub(crate) trait Output: Copy + Send + Sync + 'static {
 }
 
 impl Output for f32 {
+    const IS_F32: bool = true;
     unsafe fn load(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
@@ -621,6 +682,7 @@ impl Output for f32 {
 }
 
 impl Output for half::bf16 {
+    const IS_F32: bool = false;
     unsafe fn load(src: &[half::bf16], dst: &mut [f32]) {
         // SAFETY: forwarded to the caller.
         unsafe { widen_bf16(src, dst) }
@@ -1056,7 +1118,7 @@ mod tests {
             // SAFETY: the model runs anywhere; `packed` holds 32 rows of `pairs` words.
             unsafe {
                 micro.enter();
-                micro.block(&packed, 0, height, pairs, &panel, &mut tile);
+                micro.block(&packed, 0, height, pairs, &panel, TileOut::of(&mut tile));
                 micro.leave();
             }
             assert_eq!(micro.unit().dots, dots, "height {height}");
