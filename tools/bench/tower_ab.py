@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Qwen2-VL-2B vision tower, f32, dummy weights: two iris binaries side by side on the CPU device.
+"""Qwen2-VL-2B vision tower, dummy weights: two iris binaries side by side on the CPU device.
 
 For a change to iris itself: build the binary before and after the change, then run both in this
 one script, alternating, on the same image (one 448x448 image, and a batch of four) with the same
-thread count. Times are what `iris encode` prints per call (upload, tower, read-back), as in
-tower_vs_torch.py, whose image and timing code this script shares. Reports the median per case
-and the ratio before / after.
+thread count and dtype (`--dtype f32|bf16`, default f32; `--isa` forces the kernel tier). Times
+are what `iris encode` prints per call (upload, tower, read-back) after one untimed warm-up call,
+as in tower_vs_torch.py, whose image and timing code this script shares. Reports the median per
+case and the ratio before / after. `--no-warmup` skips the warm-up call, for binaries older than
+`iris encode --warmup`.
 
 Usage (Python with numpy and Pillow, e.g. the virtual environment of tools/golden/README.md):
     git worktree add /tmp/iris-before <commit> && (cd /tmp/iris-before && cargo build --release -p iris)
@@ -30,6 +32,11 @@ def main():
     parser.add_argument("--after", required=True, help="the iris binary after the change")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                        help="the model's dtype (default f32)")
+    parser.add_argument("--isa", help="force the kernel tier of both (IRIS_CPU_ISA)")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="no untimed warm-up call (binaries without `iris encode --warmup`)")
     args = parser.parse_args()
 
     binaries = {"before": args.before, "after": args.after}
@@ -47,7 +54,9 @@ def main():
                 if repeat % 2:
                     order.reverse()
                 for name, binary in order:
-                    results[count][name].append(time_iris(binary, config, image, count, tmp))
+                    results[count][name].append(
+                        time_iris(binary, config, image, count, tmp, args.dtype, args.isa,
+                                  warmup=not args.no_warmup))
                 print(f"repeat {repeat + 1}/{args.repeats}, {count} image(s): "
                       + ", ".join(f"{name} {results[count][name][-1]:.2f} s" for name in binaries),
                       flush=True)
