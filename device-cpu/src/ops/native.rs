@@ -342,6 +342,8 @@ pub(crate) trait Micro: Default {
     const BLOCK: usize;
     /// Rows per task: packed, they stay in L2 while the task's panels pass.
     const TASK_ROWS: usize;
+    /// Rows of the result are written in whole groups of this many: `height` rounded up.
+    const GRANULE: usize;
 
     /// Packs rows `m0..m0 + rows` of `a` (`k` columns) into `dst`, `pairs` pairs per row.
     ///
@@ -368,9 +370,6 @@ pub(crate) trait Micro: Default {
     /// As for [`Micro::enter`].
     unsafe fn leave(&mut self) {}
 
-    /// Rows of the result are written in whole groups of this many: `height` rounded up.
-    const GRANULE: usize;
-
     /// `out[..height] = packed rows r0..r0 + height · panel`, [`NR`] f32 per row; writes
     /// `height` rounded up to [`Micro::GRANULE`] rows.
     ///
@@ -379,7 +378,6 @@ pub(crate) trait Micro: Default {
     /// with these `pairs`, holds rows `r0..r0 + height`, `r0` is a multiple of
     /// [`Micro::BLOCK`], `height ≤ BLOCK`, `panel` holds `pairs * NR` words, and `out` the
     /// rows written, nothing else touching them.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn block(
         &mut self,
         packed: &[u32],
@@ -476,9 +474,11 @@ pub(crate) unsafe fn matmul_on<M: Micro, T: Output>(
                 for r0 in (0..rows).step_by(M::BLOCK) {
                     let height = M::BLOCK.min(rows - r0);
                     if direct && cols == NR && height.is_multiple_of(M::GRANULE) {
-                        // SAFETY: as below; the rows written are rows `m0 + r0..m0 + r0 +
-                        // height` and columns `j0..j0 + NR` of `out`, which this task alone
-                        // writes.
+                        // SAFETY: inside enter/leave; `packed` holds this task's rows packed
+                        // with `pairs`, `r0` steps by `BLOCK`, `panel` holds `pairs * NR` words;
+                        // `height` is whole granules, so the rows written are rows
+                        // `m0 + r0..m0 + r0 + height < m` and columns `j0..j0 + NR <= n` of
+                        // `out`, which this task alone writes.
                         unsafe {
                             let dst = TileOut {
                                 ptr: out.ptr.add((m0 + r0) * out.stride + j0).cast(),
