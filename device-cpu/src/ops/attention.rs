@@ -354,6 +354,23 @@ unsafe fn pack_into(
     slot.as_ref().expect("packed just above")
 }
 
+/// One query's online-softmax step over a block of scores: `row` becomes `exp(row - max)` under
+/// the new running `max`, `sum` gains the block's sum, and `acc` is rescaled when the max grew.
+fn online_softmax(row: &mut [f32], max: &mut f32, sum: &mut f32, acc: &mut [f32]) {
+    let new_max = max.max(math::max(row));
+    let correction = if *max == f32::NEG_INFINITY {
+        0.0
+    } else {
+        math::exp(*max - new_max)
+    };
+    let block_sum = math::exp_shifted_sum(row, new_max);
+    *sum = *sum * correction + block_sum;
+    if correction != 1.0 {
+        math::scale(acc, correction);
+    }
+    *max = new_max;
+}
+
 /// Computes the output rows of one item on the native bf16 kernels.
 fn attend_bf16(
     plan: &Plan,
@@ -405,18 +422,7 @@ fn attend_bf16(
             .enumerate()
         {
             math::scale(row, scale);
-            let new_max = max[i].max(math::max(row));
-            let correction = if max[i] == f32::NEG_INFINITY {
-                0.0
-            } else {
-                math::exp(max[i] - new_max)
-            };
-            let block_sum = math::exp_shifted_sum(row, new_max);
-            sum[i] = sum[i] * correction + block_sum;
-            if correction != 1.0 {
-                math::scale(&mut acc[i * d..(i + 1) * d], correction);
-            }
-            max[i] = new_max;
+            online_softmax(row, &mut max[i], &mut sum[i], &mut acc[i * d..(i + 1) * d]);
             // SAFETY: the caller checked the CPU's features.
             unsafe { <half::bf16 as native::Output>::store(row, p_row) };
         }
@@ -530,18 +536,7 @@ fn attend<T: Elem>(plan: &Plan, scale: f32, item: Item, layout: SlotLayout, scra
             );
         }
         for (i, row) in s.chunks_exact_mut(kb).enumerate() {
-            let new_max = max[i].max(math::max(row));
-            let correction = if max[i] == f32::NEG_INFINITY {
-                0.0
-            } else {
-                math::exp(max[i] - new_max)
-            };
-            let block_sum = math::exp_shifted_sum(row, new_max);
-            sum[i] = sum[i] * correction + block_sum;
-            if correction != 1.0 {
-                math::scale(&mut acc[i * d..(i + 1) * d], correction);
-            }
-            max[i] = new_max;
+            online_softmax(row, &mut max[i], &mut sum[i], &mut acc[i * d..(i + 1) * d]);
         }
         let p_op = matrix(s.as_ptr(), kb);
         // `d` is a column count of a validated view.
