@@ -119,8 +119,9 @@ fn has_avx512() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
 }
 
+/// AVX-512F/BW and AVX512-BF16: what the native bf16 kernels and conversions need.
 #[cfg(target_arch = "x86_64")]
-fn has_avx512_bf16() -> bool {
+pub(crate) fn has_avx512_bf16() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw")
         && std::arch::is_x86_feature_detected!("avx512bf16")
@@ -150,7 +151,7 @@ fn has_avx512() -> bool {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn has_avx512_bf16() -> bool {
+pub(crate) fn has_avx512_bf16() -> bool {
     false
 }
 
