@@ -79,6 +79,7 @@ pub fn parse_encode_request(body: &[u8], limits: &Limits) -> Result<EncodeReques
     };
     let options = EncodeOptions {
         return_embeddings: parse_return_embeddings(&obj)?,
+        ..EncodeOptions::default()
     };
     let urls = collect_image_urls(&obj)?;
     if urls.is_empty() {
@@ -321,7 +322,7 @@ fn collect_parts<'a>(
 }
 
 /// Parses `data:<media type>[;params];base64,<data>`, decodes it and checks the header.
-fn decode_image_url(field: &str, url: &str, limits: &Limits) -> Result<ImageInput, ApiError> {
+pub(crate) fn decode_image_url(field: &str, url: &str, limits: &Limits) -> Result<ImageInput, ApiError> {
     let lower_prefix = url.get(..8).unwrap_or(url).to_ascii_lowercase();
     if lower_prefix.starts_with("http://") || lower_prefix.starts_with("https://") {
         return Err(ApiError::bad_request(
@@ -369,14 +370,24 @@ fn decode_image_url(field: &str, url: &str, limits: &Limits) -> Result<ImageInpu
             format!("{field}: the data is not valid base64: {err}"),
         )
     })?;
-    if sniff_format(&bytes).is_none() {
+    check_image_bytes(field, &bytes, limits)?;
+    Ok(ImageInput { bytes })
+}
+
+/// Checks that `bytes` are an image file iris decodes, within the pixel limit, from the header
+/// alone.
+pub(crate) fn check_image_bytes(
+    field: &str,
+    bytes: &[u8],
+    limits: &Limits,
+) -> Result<(), ApiError> {
+    if sniff_format(bytes).is_none() {
         return Err(ApiError::bad_request(
             "unknown_image_format",
             format!("{field}: the data is not a PNG, JPEG or WebP file"),
         ));
     }
-    check_dimensions(field, &bytes, limits)?;
-    Ok(ImageInput { bytes })
+    check_dimensions(field, bytes, limits)
 }
 
 /// The format a file's signature names, if it is one iris decodes.

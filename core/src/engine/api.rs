@@ -12,6 +12,49 @@ pub struct ImageInput {
 pub struct EncodeOptions {
     /// Copy the encoder outputs back to the host and return them.
     pub return_embeddings: bool,
+    /// The request's processor settings (`mm_processor_kwargs`), over the model's.
+    pub processor: ProcessorOverrides,
+}
+
+/// A request's processor settings over the model's (`mm_processor_kwargs` as the Qwen
+/// processors take them). `None` keeps the model's value.
+///
+/// A request may narrow the pixel range, not widen it past the model's `max_pixels`: the
+/// engine's token budgets and memory profile were sized for that largest item.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProcessorOverrides {
+    /// Lower bound on resized pixels.
+    pub min_pixels: Option<u64>,
+    /// Upper bound on resized pixels (at most the model's).
+    pub max_pixels: Option<u64>,
+}
+
+impl ProcessorOverrides {
+    /// Whether nothing is overridden.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.min_pixels.is_none() && self.max_pixels.is_none()
+    }
+}
+
+/// What preprocessing found for one image, before any encoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImagePlan {
+    /// Grid `[t, h, w]` in patches, before spatial merge.
+    pub grid_thw: [u32; 3],
+    /// Embedding tokens the item produces.
+    pub num_tokens: u64,
+}
+
+/// The shape of the engine's outputs per embedding token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutputLayout {
+    /// Values per row of the main output (the tower's `out_hidden_size`).
+    pub hidden: u64,
+    /// Deepstack levels, each another `hidden` values per row (Qwen3-VL); 0 otherwise.
+    pub deepstack_levels: u64,
+    /// The engine's run dtype, in which its outputs live on the device.
+    pub dtype: iris_plugin::DType,
 }
 
 /// A host copy of one tensor: row-major `f32` data and its `[rows, cols]` shape.

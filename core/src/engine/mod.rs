@@ -63,7 +63,8 @@ use crate::profile::{ProfileError, ProfileRequest, StartupProfile, profile_start
 use crate::scheduler::Scheduler;
 use admission::{Admission, AdmissionConfig, Permit, estimate_tokens};
 use api::{
-    EncodeOptions, EngineError, ImageInput, ImageResult, MemoryGauges, MetricsSnapshot, ResetReport,
+    EncodeOptions, EngineError, ImageInput, ImagePlan, ImageResult, MemoryGauges, MetricsSnapshot,
+    OutputLayout, ProcessorOverrides, ResetReport,
 };
 use liveness::{Liveness, run_guarded};
 use prompt::{Assembly, Event, PromptLayout};
@@ -381,23 +382,13 @@ impl Engine {
         if self.is_sleeping() {
             return Err(EngineError::Sleeping);
         }
+        let processor = self.processor_for(&options.processor)?;
         let tokens = images
             .iter()
-            .map(|image| estimate_tokens(&image.bytes, &self.config.decode_limits, &self.processor))
+            .map(|image| estimate_tokens(&image.bytes, &self.config.decode_limits, &processor))
             .sum();
         self.shared.admission.charge(&mut permit, tokens)?;
-        let shared = Arc::clone(&self.shared);
-        let processor = self.processor.clone();
-        let limits = self.config.decode_limits;
-        let prepared = tokio::task::spawn_blocking(move || {
-            images
-                .iter()
-                .enumerate()
-                .map(|(index, image)| prepare(&shared, &processor, &limits, index, &image.bytes))
-                .collect::<Result<Vec<_>, _>>()
-        })
-        .await
-        .map_err(|e| EngineError::Internal(format!("preprocessing task failed: {e}")))??;
+        let prepared = self.prepare_all(images, &options.processor).await?;
 
         // Sleep may have been asked while the images were being preprocessed.
         if self.is_sleeping() {
@@ -452,6 +443,96 @@ impl Engine {
             Some(reason) => EngineError::Internal(format!("the engine core panicked: {reason}")),
             None => stopped(),
         })
+    }
+
+    /// Preprocesses `images` under the request's processor settings and reports each one's
+    /// grid and tokens, without encoding. The preprocessed images go into the processor cache,
+    /// so a following [`Engine::encode_admitted`] of the same images does not decode them again.
+    ///
+    /// # Errors
+    /// [`EngineError::BadInput`] for an image that cannot be decoded or preprocessed, or
+    /// processor settings the engine cannot honour; [`EngineError::Internal`] for a fault.
+    pub async fn plan(
+        &self,
+        images: &[ImageInput],
+        overrides: &ProcessorOverrides,
+    ) -> Result<Vec<ImagePlan>, EngineError> {
+        let prepared = self.prepare_all(images.to_vec(), overrides).await?;
+        Ok(prepared
+            .iter()
+            .map(|image| ImagePlan {
+                grid_thw: image.grid_thw,
+                num_tokens: u64::from(image.tokens),
+            })
+            .collect())
+    }
+
+    /// The shape and dtype of the engine's outputs.
+    #[must_use]
+    pub fn output_layout(&self) -> OutputLayout {
+        OutputLayout {
+            hidden: self.out_hidden as u64,
+            deepstack_levels: self.deepstack_levels as u64,
+            dtype: self.config.dtype,
+        }
+    }
+
+    /// The processor settings of a request: the model's, with the request's overrides checked
+    /// and applied.
+    fn processor_for(
+        &self,
+        overrides: &ProcessorOverrides,
+    ) -> Result<ProcessorConfig, EngineError> {
+        let mut processor = self.processor.clone();
+        if overrides.is_empty() {
+            return Ok(processor);
+        }
+        let bad = |message: String| EngineError::BadInput {
+            message,
+            code: "invalid_mm_processor_kwargs",
+        };
+        if let Some(max_pixels) = overrides.max_pixels {
+            if max_pixels > self.processor.max_pixels {
+                return Err(bad(format!(
+                    "mm_processor_kwargs.max_pixels {max_pixels} is above the model's max_pixels {}, for which the engine's budgets were sized",
+                    self.processor.max_pixels
+                )));
+            }
+            processor.max_pixels = max_pixels;
+        }
+        if let Some(min_pixels) = overrides.min_pixels {
+            processor.min_pixels = min_pixels;
+        }
+        if processor.min_pixels > processor.max_pixels {
+            return Err(bad(format!(
+                "mm_processor_kwargs: min_pixels {} is above max_pixels {}",
+                processor.min_pixels, processor.max_pixels
+            )));
+        }
+        processor
+            .validate()
+            .map_err(|err| bad(format!("mm_processor_kwargs: {err}")))?;
+        Ok(processor)
+    }
+
+    /// Decodes and preprocesses `images` on the blocking pool, through the processor cache.
+    async fn prepare_all(
+        &self,
+        images: Vec<ImageInput>,
+        overrides: &ProcessorOverrides,
+    ) -> Result<Vec<Arc<PreprocessedImage>>, EngineError> {
+        let processor = self.processor_for(overrides)?;
+        let shared = Arc::clone(&self.shared);
+        let limits = self.config.decode_limits;
+        tokio::task::spawn_blocking(move || {
+            images
+                .iter()
+                .enumerate()
+                .map(|(index, image)| prepare(&shared, &processor, &limits, index, &image.bytes))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await
+        .map_err(|e| EngineError::Internal(format!("preprocessing task failed: {e}")))?
     }
 
     /// Clears the processor cache; reports the bytes released.

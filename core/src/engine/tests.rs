@@ -53,6 +53,10 @@ fn input(bytes: Vec<u8>) -> ImageInput {
 
 const WITH_EMBEDDINGS: EncodeOptions = EncodeOptions {
     return_embeddings: true,
+    processor: ProcessorOverrides {
+        min_pixels: None,
+        max_pixels: None,
+    },
 };
 
 /// The tower run directly on one image: what the engine's gathered rows must equal.
@@ -154,6 +158,81 @@ async fn encode_gathers_the_towers_output_and_a_repeat_is_cached() {
     assert_eq!((m.encoder_cache_hits, m.encoder_cache_misses), (1, 2));
     assert_eq!((m.processor_cache_hits, m.processor_cache_misses), (1, 2));
     assert_eq!(m.memory.encoder_cache_entries, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_reports_the_grids_encode_gives_and_request_processor_settings_apply() {
+    let engine = engine();
+    let tiny_max = ModelSpec::preset("tiny").unwrap().processor.max_pixels;
+    let image = png(112, 84, 11);
+    let plans = engine
+        .plan(&[input(image.clone())], &ProcessorOverrides::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        plans,
+        [ImagePlan {
+            grid_thw: [1, 6, 8],
+            num_tokens: 12
+        }]
+    );
+    // The plan filled the processor cache: the encode does not decode again.
+    let results = engine
+        .encode(vec![input(image.clone())], EncodeOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(results[0].grid_thw, plans[0].grid_thw);
+    let m = engine.metrics_snapshot();
+    assert_eq!((m.processor_cache_hits, m.processor_cache_misses), (1, 1));
+
+    // A narrower pixel range gives the grid the Qwen processor gives for it: 112x84 with
+    // max_pixels 56*56 resizes to 56x56 (smart_resize keeps multiples of 28 under the bound).
+    let narrow = ProcessorOverrides {
+        min_pixels: None,
+        max_pixels: Some(56 * 56),
+    };
+    let options = EncodeOptions {
+        return_embeddings: true,
+        processor: narrow,
+    };
+    let plans = engine.plan(&[input(image.clone())], &narrow).await.unwrap();
+    let results = engine.encode(vec![input(image.clone())], options).await.unwrap();
+    assert_eq!(plans[0].grid_thw, results[0].grid_thw);
+    assert!(plans[0].num_tokens < 12, "{plans:?}");
+    assert_eq!(
+        results[0].embeddings.as_ref().unwrap().1[0],
+        plans[0].num_tokens
+    );
+
+    for (overrides, needle) in [
+        (
+            ProcessorOverrides {
+                min_pixels: None,
+                max_pixels: Some(tiny_max + 1),
+            },
+            "above the model's max_pixels",
+        ),
+        (
+            ProcessorOverrides {
+                min_pixels: Some(56 * 56 * 4),
+                max_pixels: Some(56 * 56),
+            },
+            "min_pixels 12544 is above max_pixels 3136",
+        ),
+    ] {
+        let err = engine.plan(&[input(image.clone())], &overrides).await.unwrap_err();
+        assert!(
+            matches!(&err, EngineError::BadInput { code: "invalid_mm_processor_kwargs", message } if message.contains(needle)),
+            "{err:?}"
+        );
+        let options = EncodeOptions {
+            return_embeddings: false,
+            processor: overrides,
+        };
+        assert!(engine.encode(vec![input(image.clone())], options).await.is_err());
+    }
+    let layout = engine.output_layout();
+    assert_eq!((layout.hidden, layout.deepstack_levels), (64, 0));
 }
 
 /// A step's input embeddings are assembled with one batched copy (every image row of every

@@ -64,6 +64,7 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     let options = EncodeOptions {
         return_embeddings: true,
+        ..EncodeOptions::default()
     };
     let results = runtime.block_on(engine.encode(vec![ImageInput { bytes: image }], options))?;
     for result in &results {
