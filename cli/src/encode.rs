@@ -219,6 +219,16 @@ impl ModelArgs {
         })
     }
 
+    /// The model id as the user named it: the `--model` preset, or the `--model-dir` path as
+    /// given (vLLM hashes its `--model` string into item identifiers the same way).
+    #[must_use]
+    pub fn model_id(&self) -> String {
+        match &self.model_dir {
+            Some(dir) => dir.display().to_string(),
+            None => self.model.clone(),
+        }
+    }
+
     /// The weights `--weights` asks for.
     ///
     /// # Errors

@@ -12,7 +12,10 @@ use iris_core::engine::{DEFAULT_PROCESSOR_CACHE_BYTES, Engine, EngineConfig};
 use iris_core::profile::DEFAULT_DEVICE_MEMORY_UTILIZATION;
 
 use crate::encode::ModelArgs;
-use crate::http::engine_api::{EncodeOptions, EngineError, ImageInput, ImageResult};
+use crate::http::engine_api::{
+    EncodeOptions, EngineError, ImageInput, ImagePlan, ImageResult, OutputLayout,
+    ProcessorOverrides,
+};
 use crate::http::{self, MetricsSnapshot, ResetReport};
 use crate::settings::{GlobalArgs, registry};
 
@@ -194,6 +197,18 @@ impl http::Engine for Engine {
         opts: EncodeOptions,
     ) -> impl Future<Output = Result<Vec<ImageResult>, EngineError>> + Send {
         Engine::encode_admitted(self, permit, images, opts)
+    }
+
+    fn plan(
+        &self,
+        images: &[ImageInput],
+        overrides: &ProcessorOverrides,
+    ) -> impl Future<Output = Result<Vec<ImagePlan>, EngineError>> + Send {
+        Engine::plan(self, images, overrides)
+    }
+
+    fn output_layout(&self) -> OutputLayout {
+        Engine::output_layout(self)
     }
 
     fn health(&self) -> Result<(), EngineError> {

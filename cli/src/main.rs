@@ -12,6 +12,7 @@ mod bench;
 mod devices;
 mod encode;
 mod engine;
+mod epd;
 mod http;
 mod plugin_check;
 mod profile;

@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Args;
 
 use crate::engine::{EngineArgs, startup_line};
+use crate::epd::EpdArgs;
 use crate::http::{self, ServeArgs};
 use crate::settings::GlobalArgs;
 
@@ -18,13 +19,31 @@ pub struct ServeCmd {
     engine: EngineArgs,
     #[command(flatten)]
     server: ServeArgs,
+    #[command(flatten)]
+    epd: EpdArgs,
 }
 
 /// Runs `iris serve`: starts the engine (start-up profiling included), binds, prints
 /// `listening on http://ADDR` and serves until Ctrl-C, then drains in-flight requests.
 pub fn run(global: &GlobalArgs, args: &ServeCmd) -> anyhow::Result<ExitCode> {
+    // Checked before the engine loads anything: a bad store path fails in a second, not after
+    // start-up profiling.
+    let epd = Arc::new(args.epd.resolve(
+        &args.engine.model.model_id(),
+        global.config()?.ec_transfer_config.as_ref(),
+    )?);
+    let server_config = args.server.server_config(Some(Arc::clone(&epd)))?;
     let engine = Arc::new(args.engine.start(global)?);
     eprintln!("{}", startup_line(&engine));
+    if let Some(producer) = &epd.producer {
+        eprintln!(
+            "EC producer: {} (identifiers: {} over model id {:?}; serving model {:?})",
+            producer.info_json(),
+            epd.algorithm,
+            epd.model_id,
+            epd.served_model_name
+        );
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -34,7 +53,7 @@ pub fn run(global: &GlobalArgs, args: &ServeCmd) -> anyhow::Result<ExitCode> {
             format!("cannot listen on {}:{}", args.server.host, args.server.port)
         })?;
         let addr = listener.local_addr()?;
-        let app = http::router(Arc::clone(&engine), args.server.server_config())?;
+        let app = http::router(Arc::clone(&engine), server_config)?;
         // The line scripts wait for (and learn the port from, with --port 0).
         let mut out = std::io::stdout().lock();
         writeln!(out, "iris serve: listening on http://{addr}")?;

@@ -15,7 +15,15 @@
 //!
 //! [scheduler]
 //! policy = "vllm"            # "vllm" (vLLM 0.33.0 step for step) or "progress"; --scheduler-policy
+//!
+//! [ec_transfer_config]       # vLLM's EC transfer configuration; --ec-transfer-config overrides it
+//! ec_connector = "ECExampleConnector"
+//! ec_role = "ec_producer"
+//! ec_connector_extra_config = { shared_storage_path = "/mnt/ec_cache" }
 //! ```
+//!
+//! `[ec_transfer_config]` is kept as JSON and checked by the encoder-instance layer (iris-ec),
+//! which owns its meaning.
 //!
 //! Environment: `IRIS_DEVICE` overrides `device`; `IRIS_PLUGIN_PATH` (folders separated by `:`)
 //! is searched before `plugin_dirs` (see [`iris_plugin::SearchPath`]).
@@ -98,6 +106,9 @@ pub struct Config {
     pub scheduler_policy: Option<crate::budget::Policy>,
     /// `[admission]`: the engine's backpressure bounds when no flag gives them.
     pub admission: crate::engine::admission::AdmissionConfig,
+    /// `[ec_transfer_config]`: vLLM's EC transfer configuration as JSON, when no
+    /// `--ec-transfer-config` gives it (checked where it is used).
+    pub ec_transfer_config: Option<serde_json::Value>,
 }
 
 impl Default for Config {
@@ -109,6 +120,7 @@ impl Default for Config {
             plugins: BTreeMap::new(),
             scheduler_policy: None,
             admission: crate::engine::admission::AdmissionConfig::default(),
+            ec_transfer_config: None,
         }
     }
 }
@@ -192,6 +204,7 @@ impl Config {
             "plugins",
             "scheduler",
             "admission",
+            "ec_transfer_config",
         ];
         let mut config = Config::default();
         for (key, value) in table {
@@ -207,6 +220,17 @@ impl Config {
                         section::<SchedulerSection>(origin, "scheduler", value)?.policy;
                 }
                 "admission" => config.admission = section(origin, "admission", value)?,
+                "ec_transfer_config" => {
+                    let table: Table = section(origin, "ec_transfer_config", value)?;
+                    let json = serde_json::to_value(table).map_err(|err| {
+                        ConfigError::InvalidValue {
+                            origin: origin.to_owned(),
+                            key: key.clone(),
+                            message: err.to_string(),
+                        }
+                    })?;
+                    config.ec_transfer_config = Some(json);
+                }
                 _ => return Err(unknown_key(origin, &key, KNOWN)),
             }
         }

@@ -152,6 +152,11 @@ pub struct BenchCmd {
     engine: crate::engine::EngineArgs,
     #[command(flatten)]
     bench: BenchArgs,
+    /// The in-process engine as vLLM's encoder instance: with `--ec-transfer-config`, every
+    /// prompt goes through the EC producer (identifiers, store look-ups, writes) as
+    /// `/v1/chat/completions` does.
+    #[command(flatten)]
+    epd: crate::epd::EpdArgs,
 }
 
 /// Runs `iris bench`: against `--url` when given, otherwise against an engine started in this
@@ -168,19 +173,55 @@ pub fn run(
         .build()
         .context("cannot start the async runtime")?;
     let code = match &args.bench.url {
+        Some(_) if args.epd.ec_transfer_config.is_some() => anyhow::bail!(
+            "--ec-transfer-config configures the in-process engine; the server at --url has its own"
+        ),
         Some(url) => runtime.block_on(run_against_url(url, &args.bench))?,
         None => {
+            let epd = std::sync::Arc::new(args.epd.resolve(
+        &args.engine.model.model_id(),
+        global.config()?.ec_transfer_config.as_ref(),
+    )?);
             let engine = if args.bench.inject_faults {
                 std::sync::Arc::new(args.engine.start_with(global, inject_cpu_faults)?)
             } else {
                 std::sync::Arc::new(args.engine.start(global)?)
             };
             eprintln!("{}", crate::engine::startup_line(&engine));
-            let target = std::sync::Arc::new(runner::InProcessTarget::new(engine));
-            runtime.block_on(run_against(target, &args.bench))?
+            let producer = epd.producer.clone();
+            let target = runner::InProcessTarget::new(engine);
+            let target = std::sync::Arc::new(match producer {
+                Some(_) => target.with_epd(std::sync::Arc::clone(&epd)),
+                None => target,
+            });
+            let code = runtime.block_on(run_against(target, &args.bench))?;
+            if let Some(producer) = &epd.producer {
+                crate::settings::print_stdout(&store_summary(&producer.stats()))?;
+            }
+            code
         }
     };
     Ok(std::process::ExitCode::from(code))
+}
+
+/// The EC store's line of the report: entries, bytes and write throughput.
+fn store_summary(stats: &iris_ec::storage::StoreStats) -> String {
+    let mib = stats.bytes_written as f64 / f64::from(1u32 << 20);
+    let seconds = stats.write_time_ns as f64 / 1e9;
+    let throughput = if seconds > 0.0 { mib / seconds } else { 0.0 };
+    format!(
+        "EC store:   {} entries written ({mib:.1} MiB, {throughput:.0} MiB/s while writing, {:.2} ms per entry), {} hits, {} write errors, {} evictions, {:.1} MiB resident\n",
+        stats.writes,
+        if stats.writes > 0 {
+            seconds * 1e3 / stats.writes as f64
+        } else {
+            0.0
+        },
+        stats.hits,
+        stats.write_errors,
+        stats.evictions,
+        stats.resident_bytes as f64 / f64::from(1u32 << 20),
+    )
 }
 
 /// Adds the CPU device's out-of-memory fault option (see [`faults`]) unless the config sets

@@ -32,6 +32,7 @@ use super::report::{
 use super::stats::{RequestOutcome, summarize};
 use super::workload::{EncodedImage, RequestRate, Workload, arrival_offsets};
 use crate::http::MetricsSnapshot;
+use crate::epd::{Epd, EpdRequest, Item, ProduceError, Stored};
 use crate::http::engine_api::{EncodeOptions, Engine, EngineError, ImageInput};
 
 /// Default interval between memory samples during the load.
@@ -566,12 +567,22 @@ impl BenchTarget for HttpTarget {
 /// A bench target over an engine in this process (the default of `iris bench`).
 pub struct InProcessTarget<E> {
     engine: Arc<E>,
+    epd: Option<Arc<Epd>>,
 }
 
 impl<E: Engine> InProcessTarget<E> {
     /// A target over `engine`.
     pub fn new(engine: Arc<E>) -> Self {
-        Self { engine }
+        Self { engine, epd: None }
+    }
+
+    /// The same target sending every prompt through the EC producer of `epd`.
+    #[must_use]
+    pub fn with_epd(self, epd: Arc<Epd>) -> Self {
+        Self {
+            epd: Some(epd),
+            ..self
+        }
     }
 }
 
@@ -584,14 +595,41 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
         &self,
         images: Vec<Arc<EncodedImage>>,
     ) -> Result<Vec<EncodedItem>, TargetError> {
+        let engine_error = |e: EngineError| TargetError::Engine(e.to_string());
+        let permit = self.engine.admit().map_err(engine_error)?;
+        if let Some(epd) = &self.epd {
+            let request = EpdRequest {
+                items: images
+                    .iter()
+                    .map(|img| Item {
+                        bytes: img.bytes.to_vec(),
+                        uuid: None,
+                    })
+                    .collect(),
+                ..EpdRequest::default()
+            };
+            let published = epd
+                .produce(self.engine.as_ref(), permit, request)
+                .await
+                .map_err(|e| match e {
+                    ProduceError::Engine(e) => engine_error(e),
+                    other => TargetError::Engine(other.to_string()),
+                })?;
+            return Ok(published
+                .into_iter()
+                .map(|p| EncodedItem {
+                    cached: p.stored == Stored::Hit,
+                    mm_hash: p.identifier,
+                    num_tokens: p.num_tokens,
+                })
+                .collect());
+        }
         let inputs = images
             .iter()
             .map(|img| ImageInput {
                 bytes: img.bytes.to_vec(),
             })
             .collect();
-        let engine_error = |e: EngineError| TargetError::Engine(e.to_string());
-        let permit = self.engine.admit().map_err(engine_error)?;
         let results = self
             .engine
             .encode(permit, inputs, EncodeOptions::default())

@@ -7,8 +7,8 @@
 use std::future::Future;
 
 pub use iris_core::engine::api::{
-    EncodeOptions, EngineError, HostTensor, ImageInput, ImageResult, MemoryGauges, MetricsSnapshot,
-    ResetReport,
+    EncodeOptions, EngineError, HostTensor, ImageInput, ImagePlan, ImageResult, MemoryGauges,
+    MetricsSnapshot, OutputLayout, ProcessorOverrides, ResetReport,
 };
 
 /// The engine as the HTTP server sees it.
@@ -25,6 +25,15 @@ pub trait Engine: Send + Sync + 'static {
         images: Vec<ImageInput>,
         opts: EncodeOptions,
     ) -> impl Future<Output = Result<Vec<ImageResult>, EngineError>> + Send;
+    /// Preprocesses `images` (through the processor cache) and reports each one's grid and
+    /// tokens, without encoding.
+    fn plan(
+        &self,
+        images: &[ImageInput],
+        overrides: &ProcessorOverrides,
+    ) -> impl Future<Output = Result<Vec<ImagePlan>, EngineError>> + Send;
+    /// The shape and dtype of the engine's outputs.
+    fn output_layout(&self) -> OutputLayout;
     /// `Ok` while the engine can serve; `Err(Dead)` or `Err(DeviceLost)` otherwise.
     fn health(&self) -> Result<(), EngineError>;
     /// Clears the processor cache.

@@ -3,7 +3,9 @@
 //! HTTP metrics (requests by route, method and status; latency by route; images encoded) are
 //! recorded by a middleware as requests finish. Cache and memory figures belong to the engine:
 //! they are read from [`Engine::metrics_snapshot`] at scrape time by [`EngineCollector`], so the
-//! exported values are always the engine's own cumulative counters, never a second copy.
+//! exported values are always the engine's own cumulative counters, never a second copy. The EC
+//! store's counters (`iris_ec_store_*`) are read from the store the same way, and its write
+//! latency histogram (`iris_ec_store_write_seconds`) is observed at each write.
 
 use std::sync::{Arc, Mutex};
 
@@ -13,7 +15,10 @@ use prometheus::{
     TextEncoder, proto,
 };
 
+use iris_ec::storage::StoreStats;
+
 use super::engine_api::{Engine, MetricsSnapshot};
+use crate::epd::Producer;
 
 /// Latency histogram buckets in seconds: 1 ms to about 65 s, doubling.
 const LATENCY_BUCKETS: [f64; 17] = [
@@ -46,7 +51,10 @@ impl HttpMetrics {
     ///
     /// # Errors
     /// [`MetricsError::Prometheus`] if a metric cannot be defined or registered.
-    pub fn new<E: Engine>(engine: Arc<E>) -> Result<Self, MetricsError> {
+    pub fn new<E: Engine>(
+        engine: Arc<E>,
+        producer: Option<Arc<Producer>>,
+    ) -> Result<Self, MetricsError> {
         let registry = Registry::new();
         let requests = IntCounterVec::new(
             Opts::new(
@@ -73,7 +81,15 @@ impl HttpMetrics {
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(latency.clone()))?;
         registry.register(Box::new(images.clone()))?;
-        registry.register(Box::new(EngineCollector::new(engine)?))?;
+        registry.register(Box::new(EngineCollector::over_engine(engine)?))?;
+        if let Some(producer) = producer {
+            registry.register(Box::new(producer.write_seconds().clone()))?;
+            registry.register(Box::new(SnapshotCollector::new(
+                move || producer.stats(),
+                &STORE_COUNTERS,
+                &STORE_GAUGES,
+            )?))?;
+        }
         Ok(Self {
             registry,
             requests,
@@ -107,15 +123,20 @@ impl HttpMetrics {
     }
 }
 
-/// Cache counters and memory gauges read from the engine at scrape time.
-pub struct EngineCollector<E> {
-    engine: Arc<E>,
-    counters: Vec<(IntCounter, Field)>,
-    gauges: Vec<(IntGauge, Field)>,
+/// Counters and gauges read from a snapshot at scrape time: the engine's [`MetricsSnapshot`]
+/// or the EC store's [`StoreStats`], so the exported values are always their owners' own
+/// cumulative counters, never a second copy.
+pub struct SnapshotCollector<T> {
+    snapshot: Box<dyn Fn() -> T + Send + Sync>,
+    counters: Vec<(IntCounter, fn(&T) -> u64)>,
+    gauges: Vec<(IntGauge, fn(&T) -> u64)>,
     descs: Vec<Desc>,
     /// Setting the reusable metrics and collecting them must not interleave between scrapes.
     collecting: Mutex<()>,
 }
+
+/// The engine's cache counters and memory gauges.
+pub type EngineCollector = SnapshotCollector<MetricsSnapshot>;
 
 type Field = fn(&MetricsSnapshot) -> u64;
 
@@ -248,17 +269,71 @@ const GAUGES: [(&str, &str, Field); 15] = [
     ),
 ];
 
-impl<E: Engine> EngineCollector<E> {
+impl EngineCollector {
     /// A collector over `engine`'s snapshot.
     ///
     /// # Errors
     /// [`MetricsError::Prometheus`] if a metric definition is invalid.
-    pub fn new(engine: Arc<E>) -> Result<Self, MetricsError> {
-        let counters = COUNTERS
+    pub fn over_engine<E: Engine>(engine: Arc<E>) -> Result<Self, MetricsError> {
+        SnapshotCollector::new(move || engine.metrics_snapshot(), &COUNTERS, &GAUGES)
+    }
+}
+
+/// The EC store's counters (`iris_ec_store_*`).
+const STORE_COUNTERS: [(&str, &str, fn(&StoreStats) -> u64); 6] = [
+    (
+        "iris_ec_store_writes_total",
+        "EC store entries written",
+        |s| s.writes,
+    ),
+    (
+        "iris_ec_store_bytes_written_total",
+        "Bytes of EC store entries written",
+        |s| s.bytes_written,
+    ),
+    (
+        "iris_ec_store_hits_total",
+        "Items found in the EC store and not encoded again",
+        |s| s.hits,
+    ),
+    (
+        "iris_ec_store_write_errors_total",
+        "EC store writes that failed",
+        |s| s.write_errors,
+    ),
+    (
+        "iris_ec_store_invalid_replaced_total",
+        "EC store files that were not valid entries and were replaced",
+        |s| s.invalid_replaced,
+    ),
+    (
+        "iris_ec_store_evictions_total",
+        "EC store entries deleted for --ec-storage-max-bytes",
+        |s| s.evictions,
+    ),
+];
+
+const STORE_GAUGES: [(&str, &str, fn(&StoreStats) -> u64); 1] = [(
+    "iris_ec_store_resident_bytes",
+    "Bytes of the EC store entries this process wrote that are still there",
+    |s| s.resident_bytes,
+)];
+
+impl<T> SnapshotCollector<T> {
+    /// A collector of `counters` and `gauges` over what `snapshot` returns at each scrape.
+    ///
+    /// # Errors
+    /// [`MetricsError::Prometheus`] if a metric definition is invalid.
+    pub fn new(
+        snapshot: impl Fn() -> T + Send + Sync + 'static,
+        counters: &[(&str, &str, fn(&T) -> u64)],
+        gauges: &[(&str, &str, fn(&T) -> u64)],
+    ) -> Result<Self, MetricsError> {
+        let counters = counters
             .iter()
             .map(|(name, help, f)| Ok((IntCounter::new(*name, *help)?, *f)))
             .collect::<Result<Vec<_>, prometheus::Error>>()?;
-        let gauges = GAUGES
+        let gauges = gauges
             .iter()
             .map(|(name, help, f)| Ok((IntGauge::new(*name, *help)?, *f)))
             .collect::<Result<Vec<_>, prometheus::Error>>()?;
@@ -272,7 +347,7 @@ impl<E: Engine> EngineCollector<E> {
             )
             .collect();
         Ok(Self {
-            engine,
+            snapshot: Box::new(snapshot),
             counters,
             gauges,
             descs,
@@ -281,13 +356,13 @@ impl<E: Engine> EngineCollector<E> {
     }
 }
 
-impl<E: Engine> Collector for EngineCollector<E> {
+impl<T> Collector for SnapshotCollector<T> {
     fn desc(&self) -> Vec<&Desc> {
         self.descs.iter().collect()
     }
 
     fn collect(&self) -> Vec<proto::MetricFamily> {
-        let snapshot = self.engine.metrics_snapshot();
+        let snapshot = (self.snapshot)();
         // A poisoned lock only means another scrape panicked; the metrics are reset below anyway.
         let _guard = self
             .collecting

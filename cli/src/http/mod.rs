@@ -5,6 +5,8 @@
 //! | method | path                   | answer                                                   |
 //! |--------|------------------------|----------------------------------------------------------|
 //! | POST   | `/v1/encode`           | per image `mm_hash`, `grid_thw`, `num_tokens`, `cached` (+ embeddings) |
+//! | POST   | `/v1/chat/completions` | vLLM's encoder instance: a `chat.completion` with `ec_transfer_params` ([`chat`]) |
+//! | GET    | `/v1/models`           | the served model name                                    |
 //! | POST   | `/reset_mm_cache`      | processor cache cleared; what it released                |
 //! | POST   | `/reset_encoder_cache` | encoder cache (manager + device buffers) cleared         |
 //! | POST   | `/reset_allocator`     | allocator trimmed                                        |
@@ -30,6 +32,7 @@
 //! panicked) or its device lost, `/health` and every other route answer 503 (`engine_dead`,
 //! `device_lost`): a client never reads zeros from a dead engine.
 
+pub mod chat;
 pub mod engine_api;
 pub mod error;
 pub mod metrics;
@@ -55,7 +58,10 @@ use serde_json::{Value, json};
 pub use engine_api::{Engine, MemoryGauges, MetricsSnapshot, ResetReport};
 pub use error::ApiError;
 pub use metrics::{HttpMetrics, MetricsError};
+pub use chat::MediaAccess;
 pub use request::Limits;
+
+use crate::epd::{Epd, ProduceError, Stored};
 
 /// Environment variable read for the API key when `--api-key` is not given.
 pub const API_KEY_ENV: &str = "IRIS_API_KEY";
@@ -65,12 +71,17 @@ pub const DEFAULT_HOST: &str = "127.0.0.1";
 pub const DEFAULT_PORT: u16 = 8000;
 
 /// Server settings that are not the engine's.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct ServerConfig {
     /// Input limits.
     pub limits: Limits,
     /// When set, every route but `/health` requires `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
+    /// iris as vLLM's encoder instance: identifiers, served model name and the EC producer.
+    /// Without it `/v1/chat/completions` and `/v1/models` answer 404.
+    pub epd: Option<Arc<Epd>>,
+    /// Where `file://` image URLs may be read from.
+    pub media: MediaAccess,
 }
 
 /// Flags of `iris serve` that belong to the HTTP layer (the engine's own flags live elsewhere).
@@ -94,19 +105,48 @@ pub struct ServeArgs {
     /// Most pixels (width x height, read from the image header) in one image.
     #[arg(long, default_value_t = request::DEFAULT_MAX_IMAGE_PIXELS)]
     pub max_image_pixels: u64,
+    /// Folder from which `file://` image URLs in chat requests may be read (vLLM's flag);
+    /// without it they are refused.
+    #[arg(long, value_name = "DIR")]
+    pub allowed_local_media_path: Option<std::path::PathBuf>,
 }
 
 impl ServeArgs {
-    /// The server settings these flags describe.
-    pub fn server_config(&self) -> ServerConfig {
-        ServerConfig {
+    /// The server settings these flags describe, with the encoder-instance settings `epd`.
+    ///
+    /// # Errors
+    /// An `--allowed-local-media-path` that is not an existing folder.
+    pub fn server_config(&self, epd: Option<Arc<Epd>>) -> std::io::Result<ServerConfig> {
+        let allowed_local_media_path = match &self.allowed_local_media_path {
+            None => None,
+            Some(dir) => {
+                let canonical = dir.canonicalize().map_err(|err| {
+                    std::io::Error::new(
+                        err.kind(),
+                        format!("--allowed-local-media-path {}: {err}", dir.display()),
+                    )
+                })?;
+                if !canonical.is_dir() {
+                    return Err(std::io::Error::other(format!(
+                        "--allowed-local-media-path {} is not a folder",
+                        dir.display()
+                    )));
+                }
+                Some(canonical)
+            }
+        };
+        Ok(ServerConfig {
             limits: Limits {
                 max_body_bytes: self.max_body_bytes,
                 max_images_per_request: self.max_images_per_request,
                 max_image_pixels: self.max_image_pixels,
             },
             api_key: self.api_key.clone().filter(|k| !k.is_empty()),
-        }
+            epd,
+            media: MediaAccess {
+                allowed_local_media_path,
+            },
+        })
     }
 
     /// Binds the listening socket.
@@ -130,6 +170,8 @@ pub async fn ctrl_c() {
 pub struct ServerState<E> {
     engine: Arc<E>,
     limits: Limits,
+    epd: Option<Arc<Epd>>,
+    media: MediaAccess,
     /// The key's blake3 hash: comparing hashes (constant-time `PartialEq`) hides the key's length.
     api_key_hash: Option<blake3::Hash>,
     metrics: HttpMetrics,
@@ -140,10 +182,13 @@ pub struct ServerState<E> {
 /// # Errors
 /// [`MetricsError`] if the metrics registry cannot be built.
 pub fn router<E: Engine>(engine: Arc<E>, config: ServerConfig) -> Result<Router, MetricsError> {
-    let metrics = HttpMetrics::new(Arc::clone(&engine))?;
+    let producer = config.epd.as_ref().and_then(|e| e.producer.clone());
+    let metrics = HttpMetrics::new(Arc::clone(&engine), producer)?;
     let state = Arc::new(ServerState {
         engine,
         limits: config.limits,
+        epd: config.epd,
+        media: config.media,
         api_key_hash: config
             .api_key
             .as_deref()
@@ -152,6 +197,8 @@ pub fn router<E: Engine>(engine: Arc<E>, config: ServerConfig) -> Result<Router,
     });
     let protected = Router::new()
         .route("/v1/encode", post(encode::<E>))
+        .route("/v1/chat/completions", post(chat_completions::<E>))
+        .route("/v1/models", get(models::<E>))
         .route("/reset_mm_cache", post(reset_mm_cache::<E>))
         .route("/reset_encoder_cache", post(reset_encoder_cache::<E>))
         .route("/reset_allocator", post(reset_allocator::<E>))
@@ -226,6 +273,91 @@ async fn encode<E: Engine>(
     let total = u64::try_from(results.len()).unwrap_or(u64::MAX);
     state.metrics.observe_images(cached, total - cached);
     Ok(Json(request::encode_response(&results)))
+}
+
+async fn chat_completions<E: Engine>(
+    State(state): Shared<E>,
+    headers: HeaderMap,
+    request: Request,
+) -> Result<Json<Value>, ApiError> {
+    let Some(epd) = state.epd.clone() else {
+        return Err(refuse(request, epd_not_configured(), state.limits.max_body_bytes).await);
+    };
+    // Refused before the body is read, as /v1/encode.
+    let permit = match state.engine.admit() {
+        Ok(permit) => permit,
+        Err(err) => return Err(refuse(request, err.into(), state.limits.max_body_bytes).await),
+    };
+    let body = Bytes::from_request(request, &state)
+        .await
+        .map_err(|rejection| body_rejection(&rejection, state.limits.max_body_bytes))?;
+    let request_id = chat::request_id(
+        headers
+            .get("x-request-id")
+            .and_then(|value| value.to_str().ok()),
+    );
+    let limits = state.limits;
+    let media = state.media.clone();
+    let parsed = tokio::task::spawn_blocking(move || chat::parse_chat_request(&body, &limits, &media))
+        .await
+        .map_err(|err| ApiError::internal(format!("request parsing task failed: {err}")))??;
+    if let Some(model) = &parsed.model
+        && *model != epd.served_model_name
+    {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            "model_not_found",
+            format!(
+                "the model `{model}` does not exist; this server serves `{}`",
+                epd.served_model_name
+            ),
+        ));
+    }
+    let published = epd
+        .produce(state.engine.as_ref(), permit, parsed.epd)
+        .await
+        .map_err(produce_error)?;
+    let hits = published
+        .iter()
+        .filter(|p| p.stored == Stored::Hit)
+        .count();
+    let hits = u64::try_from(hits).unwrap_or(u64::MAX);
+    let total = u64::try_from(published.len()).unwrap_or(u64::MAX);
+    state.metrics.observe_images(hits, total - hits);
+    Ok(Json(chat::chat_response(
+        &request_id,
+        &epd.served_model_name,
+        &published,
+    )))
+}
+
+async fn models<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiError> {
+    let epd = state.epd.as_ref().ok_or_else(epd_not_configured)?;
+    Ok(Json(chat::models_response(&epd.served_model_name)))
+}
+
+fn epd_not_configured() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found_error",
+        "not_found",
+        "this server has no chat endpoint (it was built without a served model)",
+    )
+}
+
+fn produce_error(err: ProduceError) -> ApiError {
+    match err {
+        ProduceError::BadRequest { code, message } => ApiError::bad_request(code, message),
+        ProduceError::Engine(err) => err.into(),
+        ProduceError::Store(err) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "ec_store_error",
+            err.to_string(),
+        ),
+        other => ApiError::internal(other.to_string()),
+    }
 }
 
 async fn reset_mm_cache<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiError> {

@@ -9,13 +9,15 @@
 use std::collections::HashMap;
 use std::io::Cursor;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use serde_json::{Value, json};
 
+use iris_plugin::DType;
+
 use super::engine_api::{
-    EncodeOptions, Engine, EngineError, ImageInput, ImageResult, MemoryGauges, MetricsSnapshot,
-    ResetReport,
+    EncodeOptions, Engine, EngineError, ImageInput, ImagePlan, ImageResult, MemoryGauges,
+    MetricsSnapshot, OutputLayout, ProcessorOverrides, ResetReport,
 };
 
 /// Hidden size of the fake encoder outputs.
@@ -43,6 +45,7 @@ pub(crate) struct FakeEngine {
     dead: AtomicBool,
     overloaded: AtomicBool,
     leak_on_reset: bool,
+    encode_calls: AtomicU64,
 }
 
 impl FakeEngine {
@@ -53,6 +56,7 @@ impl FakeEngine {
             dead: AtomicBool::new(false),
             overloaded: AtomicBool::new(false),
             leak_on_reset,
+            encode_calls: AtomicU64::new(0),
         };
         {
             let mut s = engine.state.lock().unwrap();
@@ -75,11 +79,12 @@ impl FakeEngine {
         self.overloaded.store(overloaded, Ordering::SeqCst);
     }
 
-    fn encode_one(
-        s: &mut State,
-        image: &ImageInput,
-        opts: EncodeOptions,
-    ) -> Result<ImageResult, EngineError> {
+    /// Encode calls so far (each may carry several images).
+    pub(crate) fn encode_calls(&self) -> u64 {
+        self.encode_calls.load(Ordering::SeqCst)
+    }
+
+    fn plan_one(image: &ImageInput) -> Result<ImagePlan, EngineError> {
         let (w, h) = image::ImageReader::new(Cursor::new(&image.bytes))
             .with_guessed_format()
             .map_err(|e| EngineError::Internal(e.to_string()))?
@@ -88,9 +93,24 @@ impl FakeEngine {
                 message: format!("corrupt image: {e}"),
                 code: "corrupt_image",
             })?;
-        let mm_hash = blake3::hash(&image.bytes).to_hex()[..32].to_owned();
         let grid_thw = [1, 2 * h.div_ceil(28), 2 * w.div_ceil(28)];
         let num_tokens = u64::from(grid_thw[1]) * u64::from(grid_thw[2]) / 4;
+        Ok(ImagePlan {
+            grid_thw,
+            num_tokens,
+        })
+    }
+
+    fn encode_one(
+        s: &mut State,
+        image: &ImageInput,
+        opts: EncodeOptions,
+    ) -> Result<ImageResult, EngineError> {
+        let ImagePlan {
+            grid_thw,
+            num_tokens,
+        } = Self::plan_one(image)?;
+        let mm_hash = blake3::hash(&image.bytes).to_hex()[..32].to_owned();
         let payload = u64::try_from(image.bytes.len()).unwrap();
         if s.processor.insert(mm_hash.clone(), payload).is_some() {
             s.counters.processor_cache_hits += 1;
@@ -210,12 +230,30 @@ impl Engine for FakeEngine {
         if self.is_sleeping() {
             return Err(EngineError::Sleeping);
         }
-        tokio::task::yield_now().await;
+        self.encode_calls.fetch_add(1, Ordering::SeqCst);
+        // A pause like a real step's, so that concurrent requests overlap in tests.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         let mut s = self.state.lock().unwrap();
         images
             .iter()
             .map(|img| Self::encode_one(&mut s, img, opts))
             .collect()
+    }
+
+    async fn plan(
+        &self,
+        images: &[ImageInput],
+        _overrides: &ProcessorOverrides,
+    ) -> Result<Vec<ImagePlan>, EngineError> {
+        images.iter().map(Self::plan_one).collect()
+    }
+
+    fn output_layout(&self) -> OutputLayout {
+        OutputLayout {
+            hidden: HIDDEN,
+            deepstack_levels: 0,
+            dtype: DType::F32,
+        }
     }
 
     async fn reset_mm_cache(&self) -> Result<ResetReport, EngineError> {

@@ -120,7 +120,7 @@ async fn bad_inputs_are_4xx_json() {
     };
     let (app, engine) = app(ServerConfig {
         limits,
-        api_key: None,
+        ..ServerConfig::default()
     });
     let small = url(&png(8, 8, 0));
     let cases = [
@@ -370,7 +370,7 @@ async fn serve_args_bind_and_serve() {
     .unwrap()
     .serve;
     assert_eq!(args.host, "127.0.0.1");
-    let config = args.server_config();
+    let config = args.server_config(None).unwrap();
     assert_eq!(config.limits.max_images_per_request, 3);
     assert_eq!(
         config.limits.max_body_bytes,

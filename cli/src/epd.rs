@@ -1,0 +1,588 @@
+//! iris as vLLM's encoder instance (encoder disaggregation, "EPD"): the EC producer behind
+//! `POST /v1/chat/completions` and `iris bench --ec-transfer-config`.
+//!
+//! For each request: every image gets vLLM's identifier (its hasher over the original bytes,
+//! or the client's uuid); the engine preprocesses the images (grids, through the processor
+//! cache); items whose entry is already in the store are not encoded again; the others are
+//! encoded in one engine request and written to the store off the engine step, on the blocking
+//! pool. Concurrent requests for one identifier encode and write once: the first claims it and
+//! the others wait for its entry. A claim is never held while waiting for another, so requests
+//! that share several items cannot deadlock.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::Args;
+use iris_core::engine::api::{
+    EncodeOptions, EngineError, ImageInput, ImagePlan, ImageResult, OutputLayout,
+    ProcessorOverrides,
+};
+use iris_ec::config::{ConnectorConfig, EcRole, EcTransferConfig};
+use iris_ec::identifier::{
+    HashAlgorithm, HashFactors, IdentifierError, ItemSource, OrderedJson, item_identifier,
+    merge_media_io_kwargs,
+};
+use iris_ec::storage::{
+    Claim, EcDtype, EntryShape, Lookup, SharedStorage, StoreError, StoreStats, check_identifier,
+    pack_rows, wait_for_owner,
+};
+use iris_plugin::DType;
+
+use crate::http::Engine;
+
+/// Write latency buckets in seconds: 50 us to about 3.3 s, doubling.
+const WRITE_BUCKETS: [f64; 17] = [
+    5e-5, 1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3, 3.2e-3, 6.4e-3, 1.28e-2, 2.56e-2, 5.12e-2, 0.1024,
+    0.2048, 0.4096, 0.8192, 1.6384, 3.2768,
+];
+
+/// Flags of iris as vLLM's encoder instance (names as vLLM's where the meaning is the same).
+#[derive(Debug, Clone, Default, Args)]
+pub struct EpdArgs {
+    /// vLLM's EC transfer configuration, as JSON: `{"ec_connector": "ECExampleConnector",
+    /// "ec_role": "ec_producer", "ec_connector_extra_config": {"shared_storage_path": DIR}}`.
+    /// With it, `/v1/chat/completions` writes every image's embeddings where vLLM's consumers
+    /// read them.
+    #[arg(long, value_name = "JSON")]
+    pub ec_transfer_config: Option<String>,
+    /// Bound of the bytes of entries this process keeps in the shared store; the oldest entries
+    /// it wrote are deleted beyond it (vLLM never deletes entries). Default: no bound.
+    #[arg(long, value_name = "BYTES")]
+    pub ec_storage_max_bytes: Option<u64>,
+    /// Hash of item identifiers: blake3 (vLLM's default), sha256 or sha512. Must equal the
+    /// consumers' `--mm-hasher-algorithm`.
+    #[arg(long, default_value = "blake3", value_name = "ALGORITHM")]
+    pub mm_hasher_algorithm: HashAlgorithm,
+    /// The model id hashed into identifiers: the consumers' `--model` string exactly as they
+    /// were started with it (e.g. `Qwen/Qwen2.5-VL-3B-Instruct`). Default: `--model`, or the
+    /// `--model-dir` path as given.
+    #[arg(long, value_name = "ID")]
+    pub model_id: Option<String>,
+    /// The model name `/v1/models` lists and requests must name. Default: the model id.
+    #[arg(long, value_name = "NAME")]
+    pub served_model_name: Option<String>,
+    /// Server-wide media I/O options per modality, as vLLM's `--media-io-kwargs` (JSON, e.g.
+    /// `{"image": {"rgba_background_color": [0, 0, 0]}}`); a request's `media_io_kwargs` are
+    /// merged over them.
+    #[arg(long, value_name = "JSON")]
+    pub media_io_kwargs: Option<String>,
+}
+
+/// The parsed EPD settings of a server.
+#[derive(Debug)]
+pub struct Epd {
+    /// The producer, when `--ec-transfer-config` is set.
+    pub producer: Option<Arc<Producer>>,
+    /// The id hashed into identifiers.
+    pub model_id: String,
+    /// The name served in `/v1/models`.
+    pub served_model_name: String,
+    /// Identifier hash.
+    pub algorithm: HashAlgorithm,
+    /// `--media-io-kwargs`.
+    pub server_media_io: Option<OrderedJson>,
+}
+
+impl EpdArgs {
+    /// Checks the flags; `default_model_id` is the `--model` (or `--model-dir`) string, and
+    /// `file_config` the config file's `[ec_transfer_config]`, used when the flag is absent.
+    ///
+    /// # Errors
+    /// A bad `--ec-transfer-config` or `--media-io-kwargs`, or a store folder that cannot be
+    /// used, with what is supported.
+    pub fn resolve(
+        &self,
+        default_model_id: &str,
+        file_config: Option<&serde_json::Value>,
+    ) -> anyhow::Result<Epd> {
+        let model_id = self
+            .model_id
+            .clone()
+            .unwrap_or_else(|| default_model_id.to_owned());
+        let server_media_io = self
+            .media_io_kwargs
+            .as_deref()
+            .map(|text| OrderedJson::parse("--media-io-kwargs", text))
+            .transpose()?;
+        // The server-wide options are checked at start, not in the first request.
+        HashFactors {
+            mm_processor_kwargs: None,
+            media_io_kwargs: server_media_io.clone(),
+        }
+        .background_color()
+        .context("--media-io-kwargs")?;
+        let config = match (&self.ec_transfer_config, file_config) {
+            (Some(json), _) => Some(EcTransferConfig::parse(json)?),
+            (None, Some(serde_json::Value::Object(map))) => Some(
+                EcTransferConfig::from_map(map).context("config file, [ec_transfer_config]")?,
+            ),
+            (None, Some(_)) => anyhow::bail!("config file: [ec_transfer_config] must be a table"),
+            (None, None) => None,
+        };
+        if config.is_none() && self.ec_storage_max_bytes.is_some() {
+            anyhow::bail!("--ec-storage-max-bytes needs an EC transfer configuration");
+        }
+        let producer = match config {
+            None => None,
+            Some(config) => {
+                let ConnectorConfig::SharedStorage { path } = &config.connector else {
+                    anyhow::bail!("--ec-transfer-config: connector {} is not supported", config.connector.name());
+                };
+                let store = SharedStorage::open(path.clone(), self.ec_storage_max_bytes)?;
+                let write_seconds = prometheus::Histogram::with_opts(
+                    prometheus::HistogramOpts::new(
+                        "iris_ec_store_write_seconds",
+                        "Latency of one EC store entry's write (first byte to rename), in seconds",
+                    )
+                    .buckets(WRITE_BUCKETS.to_vec()),
+                )?;
+                Some(Arc::new(Producer {
+                    store,
+                    write_seconds,
+                    role: config.role,
+                    engine_id: config.engine_id,
+                    path: path.clone(),
+                }))
+            }
+        };
+        Ok(Epd {
+            producer,
+            served_model_name: self
+                .served_model_name
+                .clone()
+                .unwrap_or_else(|| model_id.clone()),
+            model_id,
+            algorithm: self.mm_hasher_algorithm,
+            server_media_io,
+        })
+    }
+}
+
+/// The shared-storage producer: the store and its settings.
+#[derive(Debug)]
+pub struct Producer {
+    store: SharedStorage,
+    role: EcRole,
+    engine_id: Option<String>,
+    path: PathBuf,
+    /// Latency of each entry's write, from its first byte to the rename.
+    write_seconds: prometheus::Histogram,
+}
+
+impl Producer {
+    /// The histogram of write latencies, for the server's registry.
+    #[must_use]
+    pub fn write_seconds(&self) -> &prometheus::Histogram {
+        &self.write_seconds
+    }
+
+    /// The store's counters.
+    #[must_use]
+    pub fn stats(&self) -> StoreStats {
+        self.store.stats()
+    }
+
+    /// The settings as JSON, for `/server_info` and reports.
+    #[must_use]
+    pub fn info_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "ec_connector": iris_ec::config::SHARED_STORAGE_CONNECTOR,
+            "ec_role": self.role.as_str(),
+            "engine_id": self.engine_id,
+            "shared_storage_path": self.path,
+            "max_bytes": self.store.max_bytes(),
+        })
+    }
+}
+
+/// One image of a request, as the client sent it.
+#[derive(Debug, Clone)]
+pub struct Item {
+    /// The original encoded bytes.
+    pub bytes: Vec<u8>,
+    /// The part's `uuid`, when given.
+    pub uuid: Option<String>,
+}
+
+/// What a request asks of the encoder instance.
+#[derive(Debug, Clone, Default)]
+pub struct EpdRequest {
+    /// The images, in request order.
+    pub items: Vec<Item>,
+    /// The request's `mm_processor_kwargs`.
+    pub mm_processor_kwargs: Option<OrderedJson>,
+    /// The request's `media_io_kwargs`.
+    pub media_io_kwargs: Option<OrderedJson>,
+}
+
+/// How an item's entry came to be in the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    /// Encoded and written by this request.
+    Written,
+    /// Already in the store (or written meanwhile by a concurrent request): not encoded.
+    Hit,
+    /// No store configured: encoded, not published.
+    NotPublished,
+}
+
+/// One image's outcome, in request order.
+#[derive(Debug, Clone)]
+pub struct Published {
+    /// vLLM's identifier of the item.
+    pub identifier: String,
+    /// Grid `[t, h, w]` in patches.
+    pub grid_thw: [u32; 3],
+    /// Embedding tokens (rows of the entry).
+    pub num_tokens: u64,
+    /// What happened to its entry.
+    pub stored: Stored,
+}
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProduceError {
+    /// The request is unusable: a 400 with `code`.
+    #[error("{message}")]
+    BadRequest {
+        /// Stable code.
+        code: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+    /// The engine refused or failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// Writing to the store failed: a 500 naming the path and the reason.
+    #[error("{0}")]
+    Store(#[from] StoreError),
+    /// A fault inside iris.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<IdentifierError> for ProduceError {
+    fn from(err: IdentifierError) -> Self {
+        Self::BadRequest {
+            code: "invalid_mm_kwargs",
+            message: err.to_string(),
+        }
+    }
+}
+
+/// The store's element type for an engine dtype.
+fn store_dtype(dtype: DType) -> Result<EcDtype, ProduceError> {
+    match dtype {
+        DType::F32 => Ok(EcDtype::F32),
+        DType::F16 => Ok(EcDtype::F16),
+        DType::BF16 => Ok(EcDtype::Bf16),
+        other => Err(ProduceError::Internal(format!(
+            "the engine runs in {other}, which has no EC store dtype"
+        ))),
+    }
+}
+
+/// The processor settings of `mm_processor_kwargs` and the background colour of the effective
+/// `media_io_kwargs`. Keys iris does not implement are refused by name.
+///
+/// # Errors
+/// [`ProduceError::BadRequest`] naming the key.
+pub fn processor_overrides(factors: &HashFactors) -> Result<ProcessorOverrides, ProduceError> {
+    let mut overrides = ProcessorOverrides::default();
+    let bad = |message: String| ProduceError::BadRequest {
+        code: "invalid_mm_processor_kwargs",
+        message,
+    };
+    for (key, value) in factors
+        .mm_processor_kwargs
+        .as_ref()
+        .map(OrderedJson::members)
+        .unwrap_or_default()
+    {
+        let pixels = || {
+            value
+                .as_u64()
+                .filter(|v| *v > 0)
+                .ok_or_else(|| bad(format!("mm_processor_kwargs.{key} must be a positive integer")))
+        };
+        match key.as_str() {
+            "min_pixels" => overrides.min_pixels = Some(pixels()?),
+            "max_pixels" => overrides.max_pixels = Some(pixels()?),
+            other => {
+                return Err(bad(format!(
+                    "mm_processor_kwargs key `{other}` is not supported by iris (supported: min_pixels, max_pixels)"
+                )));
+            }
+        }
+    }
+    let background = factors.background_color()?;
+    overrides.background = Some(background);
+    Ok(overrides)
+}
+
+impl Epd {
+    /// The hash factors of a request: its `mm_processor_kwargs`, and its `media_io_kwargs`
+    /// merged over the server's.
+    ///
+    /// # Errors
+    /// [`ProduceError::BadRequest`] for kwargs that are not objects of objects.
+    pub fn factors(&self, request: &EpdRequest) -> Result<HashFactors, ProduceError> {
+        Ok(HashFactors {
+            mm_processor_kwargs: request.mm_processor_kwargs.clone(),
+            media_io_kwargs: merge_media_io_kwargs(
+                self.server_media_io.as_ref(),
+                request.media_io_kwargs.as_ref(),
+            )?,
+        })
+    }
+
+    /// vLLM's identifier of every item of `request`, in order.
+    ///
+    /// # Errors
+    /// [`ProduceError::BadRequest`] for an image whose header cannot be read, or a uuid that
+    /// cannot name one entry of the store.
+    pub fn identifiers(
+        &self,
+        request: &EpdRequest,
+        factors: &HashFactors,
+    ) -> Result<Vec<String>, ProduceError> {
+        let background = factors.background_color()?;
+        request
+            .items
+            .iter()
+            .enumerate()
+            .map(|(index, item)| {
+                let converted = iris_core::preprocess::needs_rgb_conversion(&item.bytes)
+                    .map_err(|err| ProduceError::BadRequest {
+                        code: iris_core::engine::preprocess_error_code(&err),
+                        message: format!("image {index}: {err}"),
+                    })?
+                    .then_some(background);
+                let source = ItemSource {
+                    uuid: item.uuid.as_deref(),
+                    bytes: &item.bytes,
+                    converted,
+                };
+                let identifier = item_identifier(self.algorithm, &self.model_id, &source, factors);
+                check_identifier(&identifier).map_err(|reason| ProduceError::BadRequest {
+                    code: "invalid_uuid",
+                    message: format!(
+                        "image {index}: uuid {:?} cannot name an EC store entry: {reason}",
+                        item.uuid.as_deref().unwrap_or_default()
+                    ),
+                })?;
+                Ok(identifier)
+            })
+            .collect()
+    }
+
+    /// Runs one request: identifiers, grids, store look-ups, one engine request for what is
+    /// missing, and the writes. Consumes `permit` (the request's admission slot).
+    ///
+    /// # Errors
+    /// [`ProduceError`]: bad input (400), the engine's refusal or failure, a store write that
+    /// failed (500, naming the path; nothing partial is left).
+    pub async fn produce<E: Engine>(
+        &self,
+        engine: &E,
+        permit: E::Permit,
+        request: EpdRequest,
+    ) -> Result<Vec<Published>, ProduceError> {
+        let factors = self.factors(&request)?;
+        let overrides = processor_overrides(&factors)?;
+        let identifiers = self.identifiers(&request, &factors)?;
+        let images: Vec<ImageInput> = request
+            .items
+            .into_iter()
+            .map(|item| ImageInput { bytes: item.bytes })
+            .collect();
+        let plans = engine.plan(&images, &overrides).await?;
+        let Some(producer) = &self.producer else {
+            let results = engine
+                .encode(permit, images, options(overrides, false))
+                .await?;
+            return Ok(identifiers
+                .into_iter()
+                .zip(results)
+                .map(|(identifier, r)| Published {
+                    identifier,
+                    grid_thw: r.grid_thw,
+                    num_tokens: r.num_tokens,
+                    stored: Stored::NotPublished,
+                })
+                .collect());
+        };
+        let layout = engine.output_layout();
+        let dtype = store_dtype(layout.dtype)?;
+        // The first index of each distinct identifier: a repeated image is one entry.
+        let mut first: HashMap<&str, usize> = HashMap::new();
+        for (index, id) in identifiers.iter().enumerate() {
+            first.entry(id.as_str()).or_insert(index);
+        }
+        let mut unique: Vec<usize> = first.values().copied().collect();
+        unique.sort_unstable();
+        let shape_of = |index: usize| entry_shape(&plans[index], &layout, dtype);
+
+        let mut stored = vec![Stored::Hit; identifiers.len()];
+        let mut owned = Vec::new();
+        let mut waiting = Vec::new();
+        for &index in &unique {
+            match producer.store.claim(&identifiers[index]) {
+                Claim::Owner(guard) => owned.push((index, guard)),
+                Claim::Wait(receiver) => waiting.push((index, receiver)),
+            }
+        }
+        // Our own items first, so that no claim is held while waiting for another's.
+        let mut missing = Vec::new();
+        for (index, guard) in owned {
+            let lookup = self.lookup(producer, &identifiers[index], shape_of(index)).await?;
+            if lookup != Lookup::Hit {
+                missing.push((index, Some(guard)));
+            }
+        }
+        let mut permit = Some(permit);
+        self.encode_and_write(engine, producer, &mut permit, &images, &identifiers, &plans, overrides, &layout, dtype, &missing, &mut stored)
+            .await?;
+        drop(missing);
+        // Then the items another request was producing: its entry, or (if it failed) our own.
+        let mut missing = Vec::new();
+        for (index, receiver) in waiting {
+            wait_for_owner(receiver).await;
+            let lookup = self.lookup(producer, &identifiers[index], shape_of(index)).await?;
+            if lookup != Lookup::Hit {
+                missing.push((index, None));
+            }
+        }
+        self.encode_and_write(engine, producer, &mut permit, &images, &identifiers, &plans, overrides, &layout, dtype, &missing, &mut stored)
+            .await?;
+        // Repeats share their first occurrence's outcome.
+        for (index, id) in identifiers.iter().enumerate() {
+            stored[index] = stored[first[id.as_str()]];
+        }
+        Ok(identifiers
+            .into_iter()
+            .zip(plans)
+            .zip(stored)
+            .map(|((identifier, plan), stored)| Published {
+                identifier,
+                grid_thw: plan.grid_thw,
+                num_tokens: plan.num_tokens,
+                stored,
+            })
+            .collect())
+    }
+
+    async fn lookup(
+        &self,
+        producer: &Arc<Producer>,
+        identifier: &str,
+        shape: EntryShape,
+    ) -> Result<Lookup, ProduceError> {
+        let producer = Arc::clone(producer);
+        let identifier = identifier.to_owned();
+        tokio::task::spawn_blocking(move || producer.store.lookup(&identifier, &shape))
+            .await
+            .map_err(|err| ProduceError::Internal(format!("EC store look-up task failed: {err}")))?
+            .map_err(ProduceError::from)
+    }
+
+    /// Encodes the `missing` items in one engine request and writes each entry.
+    #[allow(clippy::too_many_arguments)]
+    async fn encode_and_write<E: Engine, G: Send + 'static>(
+        &self,
+        engine: &E,
+        producer: &Arc<Producer>,
+        permit: &mut Option<E::Permit>,
+        images: &[ImageInput],
+        identifiers: &[String],
+        plans: &[ImagePlan],
+        overrides: ProcessorOverrides,
+        layout: &OutputLayout,
+        dtype: EcDtype,
+        missing: &[(usize, Option<G>)],
+        stored: &mut [Stored],
+    ) -> Result<(), ProduceError> {
+        if missing.is_empty() {
+            return Ok(());
+        }
+        // The request's own slot serves its first engine request; a second (items another
+        // request failed to produce) takes a slot of its own.
+        let slot = match permit.take() {
+            Some(permit) => permit,
+            None => engine.admit()?,
+        };
+        let batch = missing
+            .iter()
+            .map(|(index, _)| images[*index].clone())
+            .collect();
+        let results = engine
+            .encode(slot, batch, options(overrides, true))
+            .await?;
+        let mut writes = Vec::with_capacity(missing.len());
+        for ((index, _), result) in missing.iter().zip(results) {
+            let shape = entry_shape(&plans[*index], layout, dtype);
+            writes.push((identifiers[*index].clone(), shape, result));
+        }
+        let producer = Arc::clone(producer);
+        tokio::task::spawn_blocking(move || -> Result<(), ProduceError> {
+            for (identifier, shape, result) in writes {
+                let rows = entry_rows(&result, &shape)?;
+                let report = producer.store.write(&identifier, &shape, &rows)?;
+                producer
+                    .write_seconds
+                    .observe(report.elapsed.as_secs_f64());
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|err| ProduceError::Internal(format!("EC store write task failed: {err}")))??;
+        for (index, _) in missing {
+            stored[*index] = Stored::Written;
+        }
+        Ok(())
+    }
+}
+
+fn options(processor: ProcessorOverrides, return_embeddings: bool) -> EncodeOptions {
+    EncodeOptions {
+        return_embeddings,
+        processor,
+    }
+}
+
+fn entry_shape(plan: &ImagePlan, layout: &OutputLayout, dtype: EcDtype) -> EntryShape {
+    EntryShape {
+        rows: plan.num_tokens,
+        width: layout.hidden * (1 + layout.deepstack_levels),
+        dtype,
+    }
+}
+
+/// An item's rows in the store's layout, from the engine's result.
+fn entry_rows(result: &ImageResult, shape: &EntryShape) -> Result<Vec<u8>, ProduceError> {
+    let internal = ProduceError::Internal;
+    let (main, main_shape) = result
+        .embeddings
+        .as_ref()
+        .ok_or_else(|| internal("the engine returned no embeddings".to_owned()))?;
+    if main_shape[0] != shape.rows {
+        return Err(internal(format!(
+            "the engine returned {} rows for an item of {} tokens",
+            main_shape[0], shape.rows
+        )));
+    }
+    let levels: Vec<&[f32]> = result.deepstack.iter().map(|(d, _)| d.as_slice()).collect();
+    let rows = usize::try_from(shape.rows).map_err(|e| internal(e.to_string()))?;
+    let bytes = pack_rows(main, &levels, rows, shape.dtype).map_err(internal)?;
+    if u64::try_from(bytes.len()).ok() != Some(shape.data_bytes()) {
+        return Err(internal(format!(
+            "{} bytes of rows for an entry of {} bytes",
+            bytes.len(),
+            shape.data_bytes()
+        )));
+    }
+    Ok(bytes)
+}

@@ -1,0 +1,481 @@
+//! `POST /v1/chat/completions` and `GET /v1/models`: iris as vLLM's encoder instance.
+//!
+//! The request is what vLLM 0.33's disaggregation proxy sends an encoder (media parts with
+//! uuids, `stream: false`, `mm_processor_kwargs`, `media_io_kwargs`, `x-request-id`) or what a
+//! person sends directly (text parts are accepted and not used; image parts without a uuid get
+//! hashed identifiers). The reply is a `chat.completion` object as vLLM's encoder instance
+//! returns it: no generated text (`finish_reason` `stop`, as vLLM stops an encoder-only request
+//! once its prompt is consumed), and `ec_transfer_params` keyed by identifier, which is all the
+//! proxy reads. `usage.prompt_tokens` counts the images' embedding tokens only: iris has no
+//! tokenizer.
+//!
+//! Refused with a 400 that names the field: video, audio and embedding parts, `stream: true`,
+//! `n` other than 1, `ec_transfer_params` (pushes to Mooncake consumers), processor or media
+//! options iris does not implement, and any other field iris does not know. Accepted with no
+//! effect (iris generates no text): `max_tokens`, `max_completion_tokens`, `temperature`,
+//! `top_p`, `user`, `priority` (iris schedules first come, first served), `session_id`.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::{Map, Value, json};
+
+use super::error::ApiError;
+use super::request::{self, Limits};
+use crate::epd::{EpdRequest, Item, Published};
+use iris_ec::identifier::OrderedJson;
+
+/// Fields accepted with no effect: sampling controls of a model iris does not run, and
+/// scheduling hints it does not use.
+const NO_OP_FIELDS: [&str; 7] = [
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "user",
+    "priority",
+    "session_id",
+];
+
+/// Where `file://` image URLs may be read from (vLLM's `--allowed-local-media-path`); `None`
+/// refuses them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MediaAccess {
+    /// The folder (canonical) under which files may be read.
+    pub allowed_local_media_path: Option<PathBuf>,
+}
+
+/// A parsed chat request.
+#[derive(Debug, Clone)]
+pub struct ChatRequest {
+    /// The `model` field, when given.
+    pub model: Option<String>,
+    /// The images and options.
+    pub epd: EpdRequest,
+}
+
+/// Parses and checks a chat request body.
+///
+/// # Errors
+/// A 400 [`ApiError`] naming the field.
+pub fn parse_chat_request(
+    body: &[u8],
+    limits: &Limits,
+    media: &MediaAccess,
+) -> Result<ChatRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|err| {
+        ApiError::bad_request(
+            "invalid_json",
+            format!("request body is not valid JSON: {err}"),
+        )
+    })?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::bad_request(
+            "invalid_request",
+            "request body must be a JSON object",
+        ));
+    };
+    for key in obj.keys() {
+        let known = matches!(
+            key.as_str(),
+            "model"
+                | "messages"
+                | "stream"
+                | "n"
+                | "mm_processor_kwargs"
+                | "media_io_kwargs"
+                | "ec_transfer_params"
+        ) || NO_OP_FIELDS.contains(&key.as_str());
+        if !known {
+            return Err(ApiError::bad_request(
+                "unsupported_field",
+                format!(
+                    "field `{key}` is not supported by iris's encoder endpoint (it encodes images and generates no text)"
+                ),
+            ));
+        }
+    }
+    let model = match obj.get("model") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(other) => return Err(wrong_type("model", "a string", other)),
+    };
+    match obj.get("stream") {
+        None | Some(Value::Null | Value::Bool(false)) => {}
+        Some(Value::Bool(true)) => {
+            return Err(ApiError::bad_request(
+                "stream_not_supported",
+                "stream: true is not supported: an encoder instance generates no text to stream; send stream: false",
+            ));
+        }
+        Some(other) => return Err(wrong_type("stream", "a boolean", other)),
+    }
+    match obj.get("n") {
+        None | Some(Value::Null) => {}
+        Some(v) if v.as_u64() == Some(1) => {}
+        Some(other) => {
+            return Err(ApiError::bad_request(
+                "unsupported_field",
+                format!("n must be 1, got {other}"),
+            ));
+        }
+    }
+    if obj.get("ec_transfer_params").is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::bad_request(
+            "unsupported_field",
+            "ec_transfer_params (pushes to ECMooncakeConnector consumers) is not supported yet; run the proxy without --ec-consumer-zmq-addrs and iris with the shared-storage connector",
+        ));
+    }
+    let kwargs = |field: &'static str| -> Result<Option<OrderedJson>, ApiError> {
+        match obj.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Object(_)) => {
+                let text = obj[field].to_string();
+                OrderedJson::parse(field, &text)
+                    .map(Some)
+                    .map_err(|err| ApiError::bad_request("invalid_mm_kwargs", err.to_string()))
+            }
+            Some(other) => Err(wrong_type(field, "an object", other)),
+        }
+    };
+    let mm_processor_kwargs = kwargs("mm_processor_kwargs")?;
+    let media_io_kwargs = kwargs("media_io_kwargs")?;
+    let messages = match obj.get("messages") {
+        Some(Value::Array(list)) if !list.is_empty() => list,
+        Some(Value::Array(_)) => {
+            return Err(ApiError::bad_request(
+                "missing_field",
+                "messages must not be empty",
+            ));
+        }
+        Some(other) => return Err(wrong_type("messages", "an array", other)),
+        None => return Err(ApiError::bad_request("missing_field", "messages is missing")),
+    };
+    let mut items = Vec::new();
+    for (m, message) in messages.iter().enumerate() {
+        let field = format!("messages[{m}]");
+        let Value::Object(message) = message else {
+            return Err(wrong_type(&field, "an object", message));
+        };
+        match message.get("content") {
+            None | Some(Value::Null | Value::String(_)) => {}
+            Some(Value::Array(parts)) => {
+                for (p, part) in parts.iter().enumerate() {
+                    let pfield = format!("{field}.content[{p}]");
+                    if let Some(item) = parse_part(&pfield, part, limits, media)? {
+                        items.push(item);
+                    }
+                }
+            }
+            Some(other) => {
+                return Err(wrong_type(
+                    &format!("{field}.content"),
+                    "a string or an array of parts",
+                    other,
+                ));
+            }
+        }
+    }
+    if items.is_empty() {
+        return Err(ApiError::bad_request(
+            "no_images",
+            "the request contains no images: an encoder instance encodes image parts",
+        ));
+    }
+    if items.len() > limits.max_images_per_request {
+        return Err(ApiError::bad_request(
+            "too_many_images",
+            format!(
+                "the request has {} images; the limit is {} per request",
+                items.len(),
+                limits.max_images_per_request
+            ),
+        ));
+    }
+    Ok(ChatRequest {
+        model,
+        epd: EpdRequest {
+            items,
+            mm_processor_kwargs,
+            media_io_kwargs,
+        },
+    })
+}
+
+/// One content part: `Some(item)` for an image, `None` for text.
+fn parse_part(
+    field: &str,
+    part: &Value,
+    limits: &Limits,
+    media: &MediaAccess,
+) -> Result<Option<Item>, ApiError> {
+    let Value::Object(part) = part else {
+        return Err(wrong_type(field, "a content part object", part));
+    };
+    // vLLM stringifies a uuid of any JSON type (`str(uuid)`); iris takes strings and integers.
+    let uuid = match part.get("uuid") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Number(n)) if n.is_i64() || n.is_u64() => Some(n.to_string()),
+        Some(other) => return Err(wrong_type(&format!("{field}.uuid"), "a string", other)),
+    };
+    let kind = match part.get("type") {
+        Some(Value::String(s)) => s.as_str(),
+        // vLLM infers the type of an untyped part from its payload key.
+        None if part.contains_key("image_url") => "image_url",
+        None if part.contains_key("text") => "text",
+        _ => {
+            return Err(ApiError::bad_request(
+                "invalid_content_part",
+                format!("{field}.type must be a string such as \"text\" or \"image_url\""),
+            ));
+        }
+    };
+    match kind {
+        "text" | "input_text" => Ok(None),
+        "image_url" | "input_image" => {
+            let key = if kind == "input_image" && part.contains_key("image_url") {
+                "image_url"
+            } else if kind == "input_image" {
+                "input_image"
+            } else {
+                "image_url"
+            };
+            let ufield = format!("{field}.{key}");
+            let url = match part.get(key) {
+                Some(Value::String(s)) => s.as_str(),
+                Some(Value::Object(o)) => match o.get("url") {
+                    Some(Value::String(s)) => s.as_str(),
+                    _ => {
+                        return Err(ApiError::bad_request(
+                            "missing_field",
+                            format!("{ufield}.url must be a string"),
+                        ));
+                    }
+                },
+                None | Some(Value::Null) if uuid.is_some() => {
+                    return Err(ApiError::bad_request(
+                        "missing_image",
+                        format!(
+                            "{field} has a uuid but no image: iris encodes what it is sent, so every part needs its image"
+                        ),
+                    ));
+                }
+                _ => {
+                    return Err(ApiError::bad_request(
+                        "missing_field",
+                        format!("{ufield} must be a URL string or an object with a `url`"),
+                    ));
+                }
+            };
+            let bytes = load_image(&format!("{ufield}.url"), url, limits, media)?;
+            Ok(Some(Item { bytes, uuid }))
+        }
+        "video_url" | "video" | "video_embeds" | "input_audio" | "audio_url" | "audio_embeds" => {
+            Err(ApiError::bad_request(
+                "unsupported_modality",
+                format!("{field}.type is {kind:?}: iris encodes images only (no video or audio yet)"),
+            ))
+        }
+        "image_embeds" | "image_pil" | "prompt_embeds" => Err(ApiError::bad_request(
+            "unsupported_content_part",
+            format!(
+                "{field}.type is {kind:?}: an encoder instance takes images, not precomputed embeddings"
+            ),
+        )),
+        other => Err(ApiError::bad_request(
+            "unsupported_content_part",
+            format!("{field}.type {other:?} is not supported (\"text\" and \"image_url\" are)"),
+        )),
+    }
+}
+
+/// Loads an image URL: a `data:` URL, or a `file://` URL under the allowed folder.
+fn load_image(
+    field: &str,
+    url: &str,
+    limits: &Limits,
+    media: &MediaAccess,
+) -> Result<Vec<u8>, ApiError> {
+    let scheme = url.split_once(':').map(|(s, _)| s.to_ascii_lowercase());
+    match scheme.as_deref() {
+        Some("file") => {
+            let bytes = read_local_file(field, url, limits, media)?;
+            request::check_image_bytes(field, &bytes, limits)?;
+            Ok(bytes)
+        }
+        Some("http" | "https") => Err(ApiError::bad_request(
+            "remote_url_not_supported",
+            format!(
+                "{field}: iris does not fetch http(s) URLs; send the image as a data: URL, or as a file:// URL under --allowed-local-media-path"
+            ),
+        )),
+        _ => request::decode_image_url(field, url, limits).map(|image| image.bytes),
+    }
+}
+
+fn read_local_file(
+    field: &str,
+    url: &str,
+    limits: &Limits,
+    media: &MediaAccess,
+) -> Result<Vec<u8>, ApiError> {
+    let Some(allowed) = &media.allowed_local_media_path else {
+        return Err(ApiError::bad_request(
+            "local_media_disabled",
+            format!("{field}: file:// URLs are refused unless iris serve runs with --allowed-local-media-path DIR"),
+        ));
+    };
+    let path = url
+        .get(7..)
+        .filter(|_| url[..7].eq_ignore_ascii_case("file://"))
+        .map(percent_decode)
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_image_url",
+                format!("{field}: a file URL is file:///absolute/path"),
+            )
+        })?;
+    let forbidden = || {
+        ApiError::new(
+            axum::http::StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            "local_media_forbidden",
+            format!(
+                "{field}: {path} is not a readable file under the allowed folder {}",
+                allowed.display()
+            ),
+        )
+    };
+    // Canonical paths, so that `..` and links cannot leave the allowed folder.
+    let canonical = Path::new(&path).canonicalize().map_err(|_| forbidden())?;
+    if !canonical.starts_with(allowed) || !canonical.is_file() {
+        return Err(forbidden());
+    }
+    let size = std::fs::metadata(&canonical).map_err(|_| forbidden())?.len();
+    if size > limits.max_body_bytes as u64 {
+        return Err(ApiError::bad_request(
+            "image_too_large",
+            format!(
+                "{field}: the file has {size} bytes; the limit is {} bytes (--max-body-bytes)",
+                limits.max_body_bytes
+            ),
+        ));
+    }
+    std::fs::read(&canonical).map_err(|_| forbidden())
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && let Some(hex) = text.get(i + 1..i + 3)
+            && let Ok(b) = u8::from_str_radix(hex, 16)
+        {
+            out.push(b);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn wrong_type(field: &str, expected: &str, got: &Value) -> ApiError {
+    let kind = match got {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    };
+    ApiError::bad_request(
+        "invalid_field",
+        format!("{field} must be {expected}, got {kind}"),
+    )
+}
+
+/// The `chat.completion` reply, as vLLM's encoder instance returns it.
+#[must_use]
+pub fn chat_response(request_id: &str, model: &str, published: &[Published]) -> Value {
+    let mut params = Map::new();
+    for (index, item) in published.iter().enumerate() {
+        let entry = params.entry(item.identifier.clone()).or_insert_with(|| {
+            json!({
+                "modality": "image",
+                "item_indices": [],
+                "metadata": { "image_grid_thw": item.grid_thw },
+            })
+        });
+        if let Some(Value::Array(indices)) = entry.get_mut("item_indices") {
+            indices.push(json!(index));
+        }
+    }
+    let prompt_tokens: u64 = published.iter().map(|p| p.num_tokens).sum();
+    json!({
+        "id": format!("chatcmpl-{request_id}"),
+        "object": "chat.completion",
+        "created": unix_seconds(),
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": { "role": "assistant", "content": "", "tool_calls": [] },
+            "logprobs": null,
+            "finish_reason": "stop",
+            "stop_reason": null,
+        }],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "total_tokens": prompt_tokens,
+        },
+        "ec_transfer_params": params,
+    })
+}
+
+/// `GET /v1/models`: the one served model.
+#[must_use]
+pub fn models_response(name: &str) -> Value {
+    json!({
+        "object": "list",
+        "data": [{
+            "id": name,
+            "object": "model",
+            "created": unix_seconds(),
+            "owned_by": "iris",
+            "root": name,
+            "parent": null,
+        }],
+    })
+}
+
+/// A request id: the client's `x-request-id`, or a fresh one.
+#[must_use]
+pub fn request_id(header: Option<&str>) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    if let Some(id) = header.map(str::trim).filter(|id| !id.is_empty()) {
+        return id.to_owned();
+    }
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let hash = blake3::hash(format!("{}:{now}:{n}", std::process::id()).as_bytes());
+    let mut id = String::with_capacity(32);
+    for byte in &hash.as_bytes()[..16] {
+        let _ = write!(id, "{byte:02x}");
+    }
+    id
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
