@@ -12,3 +12,9 @@
 //! Connectors never see a device: they take host rows and run off the engine's step. The HTTP
 //! side (`/v1/chat/completions` as vLLM's proxy calls it) lives in the `iris` binary and only
 //! translates requests. Dependencies point one way: `cli -> ec -> core -> plugins`.
+
+pub mod identifier;
+
+pub use identifier::{
+    HashAlgorithm, HashFactors, ItemSource, OrderedJson, item_identifier, merge_media_io_kwargs,
+};
