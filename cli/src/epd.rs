@@ -21,8 +21,8 @@ use iris_core::engine::api::{
 };
 use iris_ec::config::{ConnectorConfig, EcRole, EcTransferConfig};
 use iris_ec::identifier::{
-    HashAlgorithm, HashFactors, IdentifierError, ItemSource, JsonValue, OrderedJson,
-    item_identifier, merge_media_io_kwargs,
+    DEFAULT_BACKGROUND, HashAlgorithm, HashFactors, IdentifierError, ItemSource, JsonValue,
+    OrderedJson, item_identifier, merge_media_io_kwargs,
 };
 use iris_ec::storage::{
     Claim, ClaimGuard, EcDtype, EntryShape, Lookup, SharedStorage, StoreError, StoreStats,
@@ -327,8 +327,12 @@ pub fn processor_overrides(factors: &HashFactors) -> Result<ProcessorOverrides, 
             }
         }
     }
+    // Only a colour other than vLLM's default changes what the engine does: the model's own
+    // alpha handling already pastes on white.
     let background = factors.background_color()?;
-    overrides.background = Some(background);
+    if background != DEFAULT_BACKGROUND {
+        overrides.background = Some(background);
+    }
     Ok(overrides)
 }
 

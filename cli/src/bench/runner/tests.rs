@@ -231,6 +231,7 @@ async fn start_server(
     let config = ServerConfig {
         limits: Limits::default(),
         api_key: api_key.map(str::to_owned),
+        ..ServerConfig::default()
     };
     let app = crate::http::router(engine, config).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
