@@ -91,7 +91,7 @@ impl Encoder {
 fn rgba_png() -> Vec<u8> {
     let img = image::RgbaImage::from_fn(84, 56, |x, y| {
         let alpha = if x < 42 { 255 } else { 96 };
-        image::Rgba([(x * 3) as u8, (y * 4) as u8, 200, alpha])
+        image::Rgba([low_byte(x * 3), low_byte(y * 4), 200, alpha])
     });
     encode(
         image::DynamicImage::ImageRgba8(img),
@@ -101,12 +101,17 @@ fn rgba_png() -> Vec<u8> {
 
 fn jpeg() -> Vec<u8> {
     let img = image::RgbImage::from_fn(112, 84, |x, y| {
-        image::Rgb([(x * 2) as u8, (y * 3) as u8, 40])
+        image::Rgb([low_byte(x * 2), low_byte(y * 3), 40])
     });
     encode(
         image::DynamicImage::ImageRgb8(img),
         image::ImageFormat::Jpeg,
     )
+}
+
+/// A pattern value: the low byte of `v`.
+fn low_byte(v: u32) -> u8 {
+    v.to_le_bytes()[0]
 }
 
 fn encode(img: image::DynamicImage, format: image::ImageFormat) -> Vec<u8> {

@@ -13,6 +13,8 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use iris_ec::storage::{EcDtype, EntryShape, SharedStorage, pack_rows};
 
 const TOKENS: u64 = 256;
+/// [`TOKENS`] as a row count.
+const ROWS: usize = 256;
 const WIDTH: u64 = 1536;
 
 fn bench_store(c: &mut Criterion) {
@@ -24,7 +26,7 @@ fn bench_store(c: &mut Criterion) {
     let values: Vec<f32> = (0..TOKENS * WIDTH)
         .map(|i| (i % 977) as f32 * 0.01)
         .collect();
-    let rows = pack_rows(&values, &[], TOKENS as usize, EcDtype::Bf16).expect("rows");
+    let rows = pack_rows(&values, &[], ROWS, EcDtype::Bf16).expect("rows");
     let mut group = c.benchmark_group("ec_store_write");
     group.throughput(Throughput::Bytes(shape.data_bytes()));
     let shm = Path::new("/dev/shm");
@@ -49,9 +51,8 @@ fn bench_store(c: &mut Criterion) {
         });
     }
     group.finish();
-    let packing = TOKENS as usize;
     c.bench_function("pack_rows 448x448 bf16", |b| {
-        b.iter(|| pack_rows(&values, &[], packing, EcDtype::Bf16).expect("rows"));
+        b.iter(|| pack_rows(&values, &[], ROWS, EcDtype::Bf16).expect("rows"));
     });
 }
 

@@ -128,8 +128,8 @@ impl HttpMetrics {
 /// cumulative counters, never a second copy.
 pub struct SnapshotCollector<T> {
     snapshot: Box<dyn Fn() -> T + Send + Sync>,
-    counters: Vec<(IntCounter, fn(&T) -> u64)>,
-    gauges: Vec<(IntGauge, fn(&T) -> u64)>,
+    counters: Vec<(IntCounter, Field<T>)>,
+    gauges: Vec<(IntGauge, Field<T>)>,
     descs: Vec<Desc>,
     /// Setting the reusable metrics and collecting them must not interleave between scrapes.
     collecting: Mutex<()>,
@@ -138,9 +138,12 @@ pub struct SnapshotCollector<T> {
 /// The engine's cache counters and memory gauges.
 pub type EngineCollector = SnapshotCollector<MetricsSnapshot>;
 
-type Field = fn(&MetricsSnapshot) -> u64;
+/// Reads one figure from a snapshot.
+type Field<T> = fn(&T) -> u64;
+/// A metric's name, help text and the figure it exports.
+type MetricDef<T> = (&'static str, &'static str, Field<T>);
 
-const COUNTERS: [(&str, &str, Field); 11] = [
+const COUNTERS: [MetricDef<MetricsSnapshot>; 11] = [
     (
         "iris_processor_cache_hits_total",
         "Processor cache hits",
@@ -196,7 +199,7 @@ const COUNTERS: [(&str, &str, Field); 11] = [
     ),
 ];
 
-const GAUGES: [(&str, &str, Field); 15] = [
+const GAUGES: [MetricDef<MetricsSnapshot>; 15] = [
     (
         "iris_device_used_bytes",
         "Device memory used (total - free)",
@@ -280,7 +283,7 @@ impl EngineCollector {
 }
 
 /// The EC store's counters (`iris_ec_store_*`).
-const STORE_COUNTERS: [(&str, &str, fn(&StoreStats) -> u64); 6] = [
+const STORE_COUNTERS: [MetricDef<StoreStats>; 6] = [
     (
         "iris_ec_store_writes_total",
         "EC store entries written",
@@ -313,7 +316,7 @@ const STORE_COUNTERS: [(&str, &str, fn(&StoreStats) -> u64); 6] = [
     ),
 ];
 
-const STORE_GAUGES: [(&str, &str, fn(&StoreStats) -> u64); 1] = [(
+const STORE_GAUGES: [MetricDef<StoreStats>; 1] = [(
     "iris_ec_store_resident_bytes",
     "Bytes of the EC store entries this process wrote that are still there",
     |s| s.resident_bytes,
@@ -326,8 +329,8 @@ impl<T> SnapshotCollector<T> {
     /// [`MetricsError::Prometheus`] if a metric definition is invalid.
     pub fn new(
         snapshot: impl Fn() -> T + Send + Sync + 'static,
-        counters: &[(&str, &str, fn(&T) -> u64)],
-        gauges: &[(&str, &str, fn(&T) -> u64)],
+        counters: &[MetricDef<T>],
+        gauges: &[MetricDef<T>],
     ) -> Result<Self, MetricsError> {
         let counters = counters
             .iter()
