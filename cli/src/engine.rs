@@ -115,6 +115,21 @@ impl EngineArgs {
         global: &GlobalArgs,
         adjust: impl FnOnce(&mut iris_core::config::Config),
     ) -> anyhow::Result<Engine> {
+        self.start_with_admission(global, adjust, AdmissionConfig::default())
+    }
+
+    /// [`EngineArgs::start_with`], with `fallback`'s bounds in place of the engine's defaults
+    /// wherever neither a flag nor the config file sets one (`iris bench` sizes them for its
+    /// workload). A bound the user set is always kept.
+    ///
+    /// # Errors
+    /// Those of [`EngineArgs::start`].
+    pub fn start_with_admission(
+        &self,
+        global: &GlobalArgs,
+        adjust: impl FnOnce(&mut iris_core::config::Config),
+        fallback: AdmissionConfig,
+    ) -> anyhow::Result<Engine> {
         let mut engine_config = self.engine_config()?;
         let mut config = global.config()?;
         adjust(&mut config);
@@ -124,10 +139,12 @@ impl EngineArgs {
         let admission = &mut engine_config.admission;
         admission.max_queued_requests = admission
             .max_queued_requests
-            .or(config.admission.max_queued_requests);
+            .or(config.admission.max_queued_requests)
+            .or(fallback.max_queued_requests);
         admission.max_pending_tokens = admission
             .max_pending_tokens
-            .or(config.admission.max_pending_tokens);
+            .or(config.admission.max_pending_tokens)
+            .or(fallback.max_pending_tokens);
         let device = registry(&config).open_selected(&config)?;
         Engine::start(engine_config, device).context("the engine did not start")
     }

@@ -38,11 +38,15 @@ fn folder(name: &str) -> PathBuf {
 }
 
 fn bench(dir: &Path, extra: &[&str]) -> (Output, Value) {
+    bench_workload(dir, extra, &WORKLOAD)
+}
+
+fn bench_workload(dir: &Path, extra: &[&str], workload: &[&str]) -> (Output, Value) {
     let json = dir.join("result.json");
     let output = iris(dir)
         .arg("bench")
         .args(extra)
-        .args(WORKLOAD)
+        .args(workload)
         .arg("--result-json")
         .arg(&json)
         .arg("--plot")
@@ -131,6 +135,67 @@ fn in_process_and_url_runs_agree_and_return_memory_to_the_baseline() {
         assert!(svg.contains("after reset"));
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// Every prompt at once, with no client-side limit: an engine running one request at a time
+/// would refuse most of them under its default bounds (2 x `--max-num-seqs` requests).
+const BURST: [&str; 9] = [
+    "--num-prompts",
+    "16",
+    "--images-per-prompt",
+    "1",
+    "--image-size",
+    "56x56",
+    "--request-rate",
+    "inf",
+    "--no-progress",
+];
+
+#[test]
+fn the_bench_queues_its_own_load_and_reports_refusals_under_bounds_set_on_purpose() {
+    let engine: Vec<&str> = ENGINE
+        .iter()
+        .copied()
+        .chain(["--max-num-seqs", "1"])
+        .collect();
+    let dir = folder("queued");
+    let (output, v) = bench_workload(&dir, &engine, &BURST);
+    let text = stdout(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{text}{stderr}");
+    assert!(stderr.contains("sized for this workload"), "{stderr}");
+    assert_eq!(v["requests"]["completed"], 16, "{v}");
+    assert_eq!(v["requests"]["refused"], 0, "{v}");
+    assert!(
+        text.contains("capacity:   every request offered at once"),
+        "{text}"
+    );
+
+    let bounded: Vec<&str> = engine
+        .iter()
+        .copied()
+        .chain(["--max-queued-requests", "2"])
+        .collect();
+    let (output, v) = bench_workload(&dir, &bounded, &BURST);
+    let text = stdout(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "refusals are not a failure: {text}{stderr}"
+    );
+    assert!(stderr.contains("set by --max-queued-requests"), "{stderr}");
+    let count = |key: &str| v["requests"][key].as_u64().unwrap_or(u64::MAX);
+    assert!(count("refused") > 0, "{v}");
+    assert!(count("completed") >= 2, "{v}");
+    assert_eq!(count("completed") + count("refused"), 16, "{v}");
+    assert_eq!((count("failed"), count("aborted")), (0, 0), "{v}");
+    assert!(
+        text.contains(&format!("\n  refused:  {} (", count("refused"))),
+        "{text}"
+    );
+    assert!(text.contains("\n  failed:   0\n"), "{text}");
+    assert_eq!(v["memory_returned_to_baseline"], true, "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

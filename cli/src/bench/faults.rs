@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::stats::RequestOutcome;
+use super::stats::{ErrorKind, RequestOutcome};
 use super::workload::SplitMix64;
 
 /// One request in this many is abandoned by its client.
@@ -93,12 +93,17 @@ impl FaultReport {
     pub fn new(outcomes: &[RequestOutcome], resets: &[Result<(), String>]) -> FaultReport {
         let mut report = FaultReport::default();
         for outcome in outcomes {
-            match outcome.error.as_deref() {
-                None => report.answered += 1,
-                Some(e) if e.contains(ABORTED) => report.aborted += 1,
-                Some(e) if e.contains("overloaded") => report.overloaded += 1,
-                Some(e) if e.contains("injected fault") => report.injected += 1,
-                Some(e) => report.unexpected(e),
+            let Some(error) = &outcome.error else {
+                report.answered += 1;
+                continue;
+            };
+            match error.kind {
+                ErrorKind::Aborted => report.aborted += 1,
+                ErrorKind::Refused => report.overloaded += 1,
+                ErrorKind::Failed if error.message.contains("injected fault") => {
+                    report.injected += 1;
+                }
+                ErrorKind::Failed => report.unexpected(&error.message),
             }
         }
         report.resets = u64::try_from(resets.len()).unwrap_or(u64::MAX);
@@ -153,15 +158,23 @@ impl FaultReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::stats::RequestError;
 
-    fn failed(error: &str) -> RequestOutcome {
+    fn ended(kind: ErrorKind, message: &str) -> RequestOutcome {
         RequestOutcome {
             latency: Duration::ZERO,
             images: 1,
             tokens: 0,
             cached_images: 0,
-            error: Some(error.to_owned()),
+            error: Some(RequestError {
+                kind,
+                message: message.to_owned(),
+            }),
         }
+    }
+
+    fn failed(message: &str) -> RequestOutcome {
+        ended(ErrorKind::Failed, message)
     }
 
     #[test]
@@ -188,8 +201,11 @@ mod tests {
         };
         let outcomes = [
             ok,
-            failed(ABORTED),
-            failed("HTTP 503 from /v1/encode: the engine is overloaded; retry later"),
+            ended(ErrorKind::Aborted, ABORTED),
+            ended(
+                ErrorKind::Refused,
+                "HTTP 503 from /v1/encode: the engine is overloaded; retry later",
+            ),
             failed("engine: internal error: gemm: injected fault (call #3 of gemm)"),
             failed("HTTP 500 from /v1/encode: internal error: scheduling failed"),
         ];

@@ -21,6 +21,7 @@ pub mod workload;
 use std::path::PathBuf;
 
 use anyhow::Context as _;
+use iris_core::engine::admission::AdmissionConfig;
 
 use report::BenchReport;
 use runner::RunOptions;
@@ -182,12 +183,17 @@ pub fn run(
                 &args.engine.model.model_id(),
                 global.config()?.ec_transfer_config.as_ref(),
             )?);
-            let engine = if args.bench.inject_faults {
-                std::sync::Arc::new(args.engine.start_with(global, inject_cpu_faults)?)
-            } else {
-                std::sync::Arc::new(args.engine.start(global)?)
+            let inject = args.bench.inject_faults;
+            let adjust = |config: &mut iris_core::config::Config| {
+                if inject {
+                    inject_cpu_faults(config);
+                }
             };
+            let sized = workload_admission(&args.bench, &args.engine)?;
+            let engine = args.engine.start_with_admission(global, adjust, sized)?;
+            let engine = std::sync::Arc::new(engine);
             eprintln!("{}", crate::engine::startup_line(&engine));
+            eprintln!("{}", admission_line(&engine, &sized));
             let producer = epd.producer.clone();
             let target = runner::InProcessTarget::new(engine);
             let target = std::sync::Arc::new(match producer {
@@ -221,6 +227,48 @@ fn store_summary(stats: &iris_ec::storage::StoreStats) -> String {
         stats.write_errors,
         stats.evictions,
         stats.resident_bytes as f64 / f64::from(1u32 << 20),
+    )
+}
+
+/// Admission bounds under which every prompt of the workload may queue in the in-process
+/// engine: the bench measures the engine under the load it offers, and the engine's own default
+/// bounds (sized for a server's bursts) would turn that load into refusals as soon as the
+/// machine serves less than the offered rate. The token bound counts every image at the
+/// processor's largest size. Bounds set by flag or config file take precedence.
+///
+/// # Errors
+/// An unusable model flag.
+fn workload_admission(
+    bench: &BenchArgs,
+    engine: &crate::engine::EngineArgs,
+) -> anyhow::Result<AdmissionConfig> {
+    let processor = engine.model.spec()?.processor;
+    let factor = u64::from(processor.factor().max(1));
+    let tokens_per_image = (processor.max_pixels / (factor * factor)).max(1);
+    let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX).max(1);
+    let requests = count(bench.num_prompts);
+    let images = requests.saturating_mul(count(bench.images_per_prompt));
+    Ok(AdmissionConfig {
+        max_queued_requests: Some(requests),
+        max_pending_tokens: Some(images.saturating_mul(tokens_per_image)),
+    })
+}
+
+/// What the in-process engine admits, and whether the bounds are the workload's or the user's.
+fn admission_line(engine: &iris_core::engine::Engine, sized: &AdmissionConfig) -> String {
+    let info = engine.info_json();
+    let bound = |key: &str| info["admission"][key].as_u64();
+    let (requests, tokens) = (bound("max_queued_requests"), bound("max_pending_tokens"));
+    let origin = if requests == sized.max_queued_requests && tokens == sized.max_pending_tokens {
+        "sized for this workload, so every prompt may queue"
+    } else {
+        "set by --max-queued-requests, --max-pending-tokens or the config file; requests beyond them are refused and reported"
+    };
+    let show = |v: Option<u64>| v.map_or_else(|| "?".to_owned(), |v| v.to_string());
+    format!(
+        "admission: at most {} requests and {} embedding tokens pending ({origin})",
+        show(requests),
+        show(tokens)
     )
 }
 

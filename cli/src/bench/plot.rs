@@ -1,12 +1,14 @@
 //! `--plot FILE.svg|png`: the memory timeline of a bench run.
 //!
 //! Four series over time (device used, allocator reserved, allocator allocated, encoder cache
-//! bytes, in MiB) with the four checkpoints marked by vertical lines. SVG output carries axis
-//! labels, a legend and checkpoint names as `<text>` elements. PNG output has the same lines
-//! and markers but no text: plotters would need a font backend (fontconfig or a shipped font
-//! file) to rasterise glyphs, and iris does not depend on either.
+//! bytes, in MiB) with the four checkpoints marked by vertical lines, a title, axis labels with
+//! tick values, a legend and the checkpoint names. SVG output carries the text as `<text>`
+//! elements; PNG output rasterises it with DejaVu Sans, embedded in the binary
+//! (`cli/assets/fonts`, with its licence), so that a bitmap reads the same on a machine without
+//! fonts.
 
 use std::path::Path;
+use std::sync::OnceLock;
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -17,6 +19,12 @@ use super::report::TimedPoint;
 /// Plot size in pixels.
 pub const PLOT_SIZE: (u32, u32) = (1000, 600);
 const MIB: f64 = 1024.0 * 1024.0;
+
+/// DejaVu Sans 2.37 (Bitstream Vera licence, `cli/assets/fonts/LICENSE-DejaVu.txt`): plotters
+/// measures and draws every text with the font registered under the family a style names.
+const FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans.ttf");
+/// The family every text of the plot uses.
+const FAMILY: &str = "sans-serif";
 
 /// Why the plot could not be written.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +53,9 @@ pub enum PlotError {
     /// PNG encoding failed.
     #[error("encoding the PNG: {0}")]
     Png(#[from] image::ImageError),
+    /// The embedded font could not be parsed.
+    #[error("the plot's embedded font (DejaVu Sans) is not a usable TrueType font")]
+    Font,
 }
 
 /// Draws `timeline` with `checkpoints` (`(name, seconds)`) to `path`, as SVG or PNG by extension.
@@ -71,6 +82,7 @@ pub fn write_plot(
         Some("svg") => {
             let mut svg = String::new();
             {
+                register_font()?;
                 let root = SVGBackend::with_string(&mut svg, PLOT_SIZE).into_drawing_area();
                 draw(&root, timeline, checkpoints, true)?;
                 root.present().map_err(|e| PlotError::Draw(e.to_string()))?;
@@ -78,13 +90,8 @@ pub fn write_plot(
             std::fs::write(path, svg).map_err(io)
         }
         Some("png") => {
+            let rgb = render_rgb(timeline, checkpoints, true)?;
             let (w, h) = PLOT_SIZE;
-            let mut rgb = vec![0u8; usize::try_from(w * h * 3).unwrap_or(0)];
-            {
-                let root = BitMapBackend::with_buffer(&mut rgb, PLOT_SIZE).into_drawing_area();
-                draw(&root, timeline, checkpoints, false)?;
-                root.present().map_err(|e| PlotError::Draw(e.to_string()))?;
-            }
             let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
             image::ImageEncoder::write_image(
                 image::codecs::png::PngEncoder::new(&mut file),
@@ -99,6 +106,32 @@ pub fn write_plot(
             path: path.display().to_string(),
         }),
     }
+}
+
+/// The plot as RGB pixels, row by row, [`PLOT_SIZE`]; `with_text` false draws every text in
+/// the background colour (the tests compare both to find the text's pixels).
+fn render_rgb(
+    timeline: &[TimedPoint],
+    checkpoints: &[(&str, f64)],
+    with_text: bool,
+) -> Result<Vec<u8>, PlotError> {
+    register_font()?;
+    let (w, h) = PLOT_SIZE;
+    let mut rgb = vec![0u8; usize::try_from(u64::from(w) * u64::from(h) * 3).unwrap_or(0)];
+    {
+        let root = BitMapBackend::with_buffer(&mut rgb, PLOT_SIZE).into_drawing_area();
+        draw(&root, timeline, checkpoints, with_text)?;
+        root.present().map_err(|e| PlotError::Draw(e.to_string()))?;
+    }
+    Ok(rgb)
+}
+
+/// Registers [`FONT`] under [`FAMILY`] once per process.
+fn register_font() -> Result<(), PlotError> {
+    static REGISTERED: OnceLock<bool> = OnceLock::new();
+    let ok = *REGISTERED
+        .get_or_init(|| plotters::style::register_font(FAMILY, FontStyle::Normal, FONT).is_ok());
+    if ok { Ok(()) } else { Err(PlotError::Font) }
 }
 
 type Series = (&'static str, RGBColor, fn(&TimedPoint) -> u64);
@@ -125,6 +158,10 @@ fn draw<DB: DrawingBackend>(
     with_text: bool,
 ) -> Result<(), PlotError> {
     let err = |e: &dyn std::fmt::Display| PlotError::Draw(e.to_string());
+    // Without text, every text is drawn in the background colour: the layout stays the same,
+    // so the two renderings differ only where text is.
+    let ink = if with_text { BLACK } else { WHITE };
+    let font = |size: u32| (FAMILY, size).into_font().color(&ink);
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let times = timeline
         .iter()
@@ -144,30 +181,21 @@ fn draw<DB: DrawingBackend>(
     // Headroom above the highest line for the checkpoint labels and the legend.
     let y1 = (y_max * 1.35).max(1.0);
 
-    let mut builder = ChartBuilder::on(root);
-    builder.margin(20);
-    if with_text {
-        builder
-            .caption("iris bench: device memory over time", ("sans-serif", 22))
-            .x_label_area_size(40)
-            .y_label_area_size(70);
-    }
-    let mut chart = builder
+    let mut chart = ChartBuilder::on(root)
+        .margin(20)
+        .caption("iris bench: device memory over time", font(22))
+        .x_label_area_size(40)
+        .y_label_area_size(70)
         .build_cartesian_2d(x0..x1, 0.0..y1)
         .map_err(|e| err(&e))?;
-    if with_text {
-        chart
-            .configure_mesh()
-            .x_desc("seconds since the load started")
-            .y_desc("MiB")
-            .draw()
-            .map_err(|e| err(&e))?;
-    } else {
-        let frame = Rectangle::new([(x0, 0.0), (x1, y1)], BLACK.stroke_width(1));
-        chart
-            .draw_series(std::iter::once(frame))
-            .map_err(|e| err(&e))?;
-    }
+    chart
+        .configure_mesh()
+        .x_desc("seconds since the load started")
+        .y_desc("MiB")
+        .label_style(font(13))
+        .axis_desc_style(font(14))
+        .draw()
+        .map_err(|e| err(&e))?;
     let mid = (x0 + x1) / 2.0;
     for (i, (name, t)) in checkpoints.iter().enumerate() {
         let line = PathElement::new(
@@ -177,46 +205,39 @@ fn draw<DB: DrawingBackend>(
         chart
             .draw_series(std::iter::once(line))
             .map_err(|e| err(&e))?;
-        if with_text {
-            // Checkpoints often share a time (both start-up ones sit at 0): stagger the labels
-            // downwards, and anchor them inwards so that none runs off the plot.
-            let y = y1 * (0.98 - 0.05 * i as f64);
-            let hpos = if *t > mid { HPos::Right } else { HPos::Left };
-            let style = ("sans-serif", 13)
-                .into_font()
-                .color(&BLACK)
-                .pos(Pos::new(hpos, VPos::Top));
-            let label = Text::new(format!(" {name} "), (*t, y), style);
-            chart
-                .draw_series(std::iter::once(label))
-                .map_err(|e| err(&e))?;
-        }
+        // Checkpoints often share a time (both start-up ones sit at 0): stagger the labels
+        // downwards, and anchor them inwards so that none runs off the plot.
+        let y = y1 * (0.98 - 0.05 * i as f64);
+        let hpos = if *t > mid { HPos::Right } else { HPos::Left };
+        let style = font(13).pos(Pos::new(hpos, VPos::Top));
+        let label = Text::new(format!(" {name} "), (*t, y), style);
+        chart
+            .draw_series(std::iter::once(label))
+            .map_err(|e| err(&e))?;
     }
     for (name, color, field) in SERIES {
         let points = timeline.iter().map(|p| (p.t_s, field(p) as f64 / MIB));
-        let series = chart
+        chart
             .draw_series(LineSeries::new(points, color.stroke_width(2)))
-            .map_err(|e| err(&e))?;
-        if with_text {
-            series.label(name).legend(move |(x, y)| {
+            .map_err(|e| err(&e))?
+            .label(name)
+            .legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
             });
-        }
         let markers = timeline
             .iter()
             .filter(|p| checkpoints.iter().any(|c| c.1 == p.t_s))
             .map(|p| Circle::new((p.t_s, field(p) as f64 / MIB), 4, color.filled()));
         chart.draw_series(markers).map_err(|e| err(&e))?;
     }
-    if with_text {
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperMiddle)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| err(&e))?;
-    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperMiddle)
+        .label_font(font(13))
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
     Ok(())
 }
 
@@ -275,14 +296,46 @@ mod tests {
     }
 
     #[test]
-    fn png_is_drawn_without_text() {
+    fn png_holds_the_title_labels_and_legend() {
         let path = std::env::temp_dir().join(format!("iris-plot-{}.png", std::process::id()));
         write_plot(&path, &timeline(), &CHECKPOINTS).unwrap();
         let img = image::open(&path).unwrap().to_rgb8();
         std::fs::remove_file(&path).unwrap();
         assert_eq!(img.dimensions(), PLOT_SIZE);
+        let with = render_rgb(&timeline(), &CHECKPOINTS, true).unwrap();
+        assert_eq!(img.as_raw(), &with, "the file is the plot with its text");
         // The device-used series colour must appear: the lines were drawn.
         assert!(img.pixels().any(|p| p.0 == [31, 119, 180]));
+
+        // The text's pixels: grey (black text antialiased on white) with the text, not
+        // without it. Each place that holds text must have a good number of them.
+        let without = render_rgb(&timeline(), &CHECKPOINTS, false).unwrap();
+        let (w, h) = (PLOT_SIZE.0 as usize, PLOT_SIZE.1 as usize);
+        let grey =
+            |rgb: &[u8], i: usize| rgb[i] < 160 && rgb[i] == rgb[i + 1] && rgb[i + 1] == rgb[i + 2];
+        let text_pixels = |xs: std::ops::Range<usize>, ys: std::ops::Range<usize>| {
+            ys.flat_map(|y| xs.clone().map(move |x| (y * w + x) * 3))
+                .filter(|&i| grey(&with, i) && !grey(&without, i))
+                .count()
+        };
+        let places = [
+            ("title", 0..w, 0..40),
+            ("y axis label and tick values", 0..95, 50..h - 60),
+            ("x axis label and tick values", 95..w, h - 60..h),
+            ("legend and checkpoint names", 95..w, 50..200),
+        ];
+        for (name, xs, ys) in places {
+            let n = text_pixels(xs, ys);
+            assert!(n >= 150, "{name}: {n} text pixels");
+        }
+        let first_ink = (0..w * 40 * 3)
+            .step_by(3)
+            .find(|&i| without[i..i + 3] != [255; 3]);
+        assert_eq!(
+            first_ink.map(|i| (i / 3 % w, i / 3 / w)),
+            None,
+            "without text the title band is blank"
+        );
     }
 
     #[test]

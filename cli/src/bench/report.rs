@@ -230,6 +230,62 @@ pub struct RunInfo {
     pub max_concurrency: Option<usize>,
     /// `--seed`.
     pub seed: u64,
+    /// Requests per second the arrival times offered; `None` when every request was sent at
+    /// once (`--request-rate inf`).
+    pub offered_requests_per_s: Option<f64>,
+}
+
+/// Served below this share of the offered rate, the engine fell behind the load: requests
+/// queued faster than they completed. (A run within capacity serves a little below the offered
+/// rate only because its last requests still take their own latency.)
+pub const SUSTAINED_SHARE: f64 = 0.9;
+
+/// The offered load against what the engine served.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Capacity {
+    /// Requests per second offered; `None` for `--request-rate inf`.
+    pub offered_requests_per_s: Option<f64>,
+    /// Completed requests per second over the load phase.
+    pub served_requests_per_s: f64,
+    /// Whether requests arrived faster than the engine completed them (always, when every
+    /// request is sent at once), so that latency is mostly time spent queueing.
+    pub over_capacity: bool,
+}
+
+impl Capacity {
+    /// The figures of a run that offered `offered` requests per second and produced `stats`.
+    pub fn new(offered: Option<f64>, stats: &RunStats) -> Self {
+        let served = stats.throughput.requests_per_s;
+        Self {
+            offered_requests_per_s: offered,
+            served_requests_per_s: served,
+            over_capacity: offered.is_none_or(|o| served < o * SUSTAINED_SHARE),
+        }
+    }
+
+    /// The one-line verdict on the load, `mean_step_ms` standing for the time a request needs
+    /// without a queue (0 when unknown).
+    pub fn line(&self, p50_ms: f64, mean_step_ms: f64) -> String {
+        let served = self.served_requests_per_s;
+        let queueing = if mean_step_ms > 0.0 {
+            format!(
+                "latency is dominated by queueing (p50 {p50_ms:.1} ms, a step takes {mean_step_ms:.1} ms)"
+            )
+        } else {
+            format!("latency is dominated by queueing (p50 {p50_ms:.1} ms)")
+        };
+        match self.offered_requests_per_s {
+            None => format!(
+                "capacity:   every request offered at once; served {served:.2} requests/s, {queueing}"
+            ),
+            Some(offered) if self.over_capacity => format!(
+                "capacity:   offered {offered:.2} requests/s, served {served:.2}: more than the engine sustains here, so requests queue and {queueing}; a lower --request-rate measures latency within capacity"
+            ),
+            Some(offered) => format!(
+                "capacity:   offered {offered:.2} requests/s, served {served:.2}: within what the engine sustains"
+            ),
+        }
+    }
 }
 
 /// Everything a bench run produced.
@@ -263,6 +319,11 @@ impl BenchReport {
         u8::from(!self.verdict.returned || !faults_handled)
     }
 
+    /// The offered load against the served one.
+    pub fn capacity(&self) -> Capacity {
+        Capacity::new(self.info.offered_requests_per_s, &self.stats)
+    }
+
     /// The `--result-json` document.
     pub fn to_json(&self) -> Value {
         let mut memory = serde_json::Map::new();
@@ -280,7 +341,14 @@ impl BenchReport {
         let s = &self.stats;
         json!({
             "config": self.info,
-            "requests": { "completed": s.completed, "failed": s.failed, "errors": s.errors },
+            "requests": {
+                "completed": s.completed,
+                "refused": s.refused,
+                "aborted": s.aborted,
+                "failed": s.failed,
+                "errors": s.errors,
+            },
+            "capacity": self.capacity(),
             "images": { "completed": s.images, "cached": s.cached_images },
             "tokens": s.tokens,
             "duration_s": s.duration.as_secs_f64(),
@@ -333,13 +401,23 @@ impl BenchReport {
         );
         let _ = writeln!(
             out,
-            "requests:   {} completed, {} failed in {:.2} s",
+            "requests:   {} completed in {:.2} s",
             s.completed,
-            s.failed,
             s.duration.as_secs_f64()
         );
+        let refusal = s
+            .refusal
+            .as_ref()
+            .map_or_else(String::new, |r| format!(": {r}"));
+        let _ = writeln!(
+            out,
+            "  refused:  {} (beyond the engine's admission bounds{refusal})",
+            s.refused
+        );
+        let _ = writeln!(out, "  aborted:  {} (abandoned by their client)", s.aborted);
+        let _ = writeln!(out, "  failed:   {}", s.failed);
         for e in &s.errors {
-            let _ = writeln!(out, "  error: {e}");
+            let _ = writeln!(out, "    error: {e}");
         }
         let t = &s.throughput;
         let _ = writeln!(
@@ -363,6 +441,12 @@ impl BenchReport {
             c.encoder_evictions
         );
         let st = &self.steps;
+        let mean_step_ms = if st.steps == 0 {
+            0.0
+        } else {
+            st.step_time_s * 1e3 / st.steps as f64
+        };
+        let _ = writeln!(out, "{}", self.capacity().line(l.p50, mean_step_ms));
         let _ = writeln!(
             out,
             "engine:     {} steps, {:.2} s in steps, {:.2} s of it in the encoder; engine overhead {:.1}% of step time",
@@ -546,6 +630,7 @@ mod tests {
                 request_rate: "inf".into(),
                 max_concurrency: None,
                 seed: 0,
+                offered_requests_per_s: Some(1.0),
             },
             stats: summarize(&outcomes, Duration::from_secs(1)),
             faults: None,
@@ -607,6 +692,35 @@ mod tests {
         let back: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(back, v);
         std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn capacity_says_when_the_engine_falls_behind() {
+        let mut r = report(point(57_766, 50_000, 40_000));
+        r.stats.throughput.requests_per_s = 12.24;
+        r.info.offered_requests_per_s = Some(20.0);
+        let over = r.capacity();
+        assert!(over.over_capacity);
+        let line = over.line(4576.7, 52.4);
+        assert!(
+            line.starts_with("capacity:   offered 20.00 requests/s, served 12.24:"),
+            "{line}"
+        );
+        assert!(
+            line.contains("latency is dominated by queueing (p50 4576.7 ms, a step takes 52.4 ms)"),
+            "{line}"
+        );
+        r.stats.throughput.requests_per_s = 19.5;
+        let within = r.capacity();
+        assert!(!within.over_capacity);
+        assert!(
+            within
+                .line(100.0, 50.0)
+                .ends_with("within what the engine sustains")
+        );
+        assert_eq!(r.to_json()["capacity"]["over_capacity"], false);
+        r.info.offered_requests_per_s = None;
+        assert!(r.capacity().over_capacity, "all at once always queues");
     }
 
     #[test]

@@ -29,7 +29,7 @@ use super::report::{
     BenchReport, CacheStats, EngineCounters, MemoryCheckpoints, MemoryPoint, RunInfo, StepStats,
     TimedPoint, verdict,
 };
-use super::stats::{RequestOutcome, summarize};
+use super::stats::{ErrorKind, RequestError, RequestOutcome, summarize};
 use super::workload::{EncodedImage, RequestRate, Workload, arrival_offsets};
 use crate::epd::{Epd, EpdRequest, Item, ProduceError, Stored};
 use crate::http::MetricsSnapshot;
@@ -40,6 +40,9 @@ pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Default limit on one HTTP call of the bench client, response body included.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The error code of a 503 that refuses a request beyond the server's admission bounds.
+const OVERLOADED_CODE: &str = "overloaded";
 
 /// What the bench needs from one encoded image.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -99,7 +102,11 @@ pub enum TargetError {
         /// What is wrong.
         message: String,
     },
-    /// The engine refused or failed (in-process targets).
+    /// The engine refused the request at admission, beyond its bounds (503 `overloaded`): the
+    /// load exceeded what it queues, nothing went wrong.
+    #[error("refused: {0}")]
+    Refused(String),
+    /// The engine failed (in-process targets).
     #[error("engine: {0}")]
     Engine(String),
     /// The client gave up on the request (`--inject-faults`).
@@ -237,6 +244,7 @@ pub async fn run_bench<T: BenchTarget>(
             .clamp(1, Semaphore::MAX_PERMITS),
     ));
     let offsets = arrival_offsets(num_prompts, opts.request_rate, opts.seed);
+    let offered_requests_per_s = offered_rate(&offsets);
     let mut tasks = Vec::with_capacity(num_prompts);
     let mut resets = Vec::new();
     for (index, offset) in offsets.into_iter().enumerate() {
@@ -280,7 +288,7 @@ pub async fn run_bench<T: BenchTarget>(
             images: 0,
             tokens: 0,
             cached_images: 0,
-            error: Some(format!("request task failed: {err}")),
+            error: Some(RequestError::failed(format!("request task failed: {err}"))),
         }));
     }
     let mut reset_results = Vec::with_capacity(resets.len());
@@ -350,6 +358,7 @@ pub async fn run_bench<T: BenchTarget>(
             request_rate: opts.request_rate.to_string(),
             max_concurrency: opts.max_concurrency,
             seed: opts.seed,
+            offered_requests_per_s,
         },
         stats: summarize(&outcomes, load_duration),
         faults: opts
@@ -449,14 +458,24 @@ impl HttpTarget {
             .map_err(|_| transport(format!("no complete response within {:?}", self.timeout)))??;
         let value: Result<Value, _> = serde_json::from_slice(&bytes);
         if !status.is_success() {
-            let message = value
-                .ok()
-                .and_then(|v| {
-                    v.pointer("/error/message")
-                        .and_then(Value::as_str)
-                        .map(str::to_owned)
-                })
-                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+            let error = value.ok();
+            let field = |name: &str| {
+                error
+                    .as_ref()
+                    .and_then(|v| v.pointer(&format!("/error/{name}")))
+                    .and_then(Value::as_str)
+            };
+            let message = field("message").map_or_else(
+                || String::from_utf8_lossy(&bytes).into_owned(),
+                str::to_owned,
+            );
+            if status == hyper::StatusCode::SERVICE_UNAVAILABLE
+                && field("code") == Some(OVERLOADED_CODE)
+            {
+                return Err(TargetError::Refused(format!(
+                    "HTTP 503 {OVERLOADED_CODE} from {path}: {message}"
+                )));
+            }
             return Err(TargetError::Http {
                 path: path.to_owned(),
                 status: status.as_u16(),
@@ -595,7 +614,10 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
         &self,
         images: Vec<Arc<EncodedImage>>,
     ) -> Result<Vec<EncodedItem>, TargetError> {
-        let engine_error = |e: EngineError| TargetError::Engine(e.to_string());
+        let engine_error = |e: EngineError| match e {
+            EngineError::Overloaded => TargetError::Refused(e.to_string()),
+            _ => TargetError::Engine(e.to_string()),
+        };
         let permit = self.engine.admit().map_err(engine_error)?;
         if let Some(epd) = &self.epd {
             let request = EpdRequest {
@@ -709,6 +731,16 @@ async fn sample_memory<T: BenchTarget>(
     }
 }
 
+/// Requests per second the arrival times offer: intervals over the span from the first
+/// arrival to the last; `None` when they all arrive at once (or there is only one).
+fn offered_rate(offsets: &[Duration]) -> Option<f64> {
+    let span = offsets
+        .last()?
+        .saturating_sub(*offsets.first()?)
+        .as_secs_f64();
+    (span > 0.0).then(|| (offsets.len() - 1) as f64 / span)
+}
+
 fn outcome(
     latency: Duration,
     images: u64,
@@ -728,7 +760,14 @@ fn outcome(
             images,
             tokens: 0,
             cached_images: 0,
-            error: Some(err.to_string()),
+            error: Some(RequestError {
+                kind: match err {
+                    TargetError::Refused(_) => ErrorKind::Refused,
+                    TargetError::Aborted => ErrorKind::Aborted,
+                    _ => ErrorKind::Failed,
+                },
+                message: err.to_string(),
+            }),
         },
     }
 }

@@ -3,7 +3,9 @@
 //! Percentiles use linear interpolation between closest ranks (NumPy's default `linear`
 //! method, Hyndman and Fan's definition 7): for `n` sorted samples and quantile `q`, the rank is
 //! `h = (n - 1) q`, and the value `x[floor h] + (h - floor h) (x[floor h + 1] - x[floor h])`.
-//! Only completed requests count towards latency and throughput; failed ones are counted apart.
+//! Only completed requests count towards latency and throughput. The others are counted apart,
+//! by what happened to them ([`ErrorKind`]): refused by the engine's admission bounds (503
+//! `overloaded`), abandoned by their client, or failed (something went wrong).
 //! Throughput divides by the wall time of the load phase (first send to last completion).
 
 use std::time::Duration;
@@ -19,8 +21,39 @@ pub struct RequestOutcome {
     pub tokens: u64,
     /// Images the response marked as served from the encoder cache.
     pub cached_images: u64,
-    /// The error, when the request failed.
-    pub error: Option<String>,
+    /// Why the request did not complete; `None` when it did.
+    pub error: Option<RequestError>,
+}
+
+/// What kept a request from completing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The engine refused it at admission (503 `overloaded`): load, not a fault.
+    Refused,
+    /// Its client gave up on it (`--inject-faults`).
+    Aborted,
+    /// Anything else: something went wrong.
+    Failed,
+}
+
+/// A request that did not complete: why, and the error's text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestError {
+    /// Which count it goes to.
+    pub kind: ErrorKind,
+    /// The error as the target reported it.
+    pub message: String,
+}
+
+impl RequestError {
+    /// A failure (the [`ErrorKind::Failed`] kind) with `message`.
+    pub fn failed(message: impl Into<String>) -> Self {
+        Self {
+            kind: ErrorKind::Failed,
+            message: message.into(),
+        }
+    }
 }
 
 /// Latency percentiles in milliseconds.
@@ -56,7 +89,11 @@ pub struct Throughput {
 pub struct RunStats {
     /// Requests that completed.
     pub completed: u64,
-    /// Requests that failed.
+    /// Requests the engine refused at admission (503 `overloaded`).
+    pub refused: u64,
+    /// Requests their client abandoned.
+    pub aborted: u64,
+    /// Requests that failed: something went wrong.
     pub failed: u64,
     /// Images in completed requests.
     pub images: u64,
@@ -70,8 +107,10 @@ pub struct RunStats {
     pub latency_ms: LatencySummary,
     /// Rates.
     pub throughput: Throughput,
-    /// Up to the first few distinct error messages, for the report.
+    /// Up to the first few distinct messages of failed requests, for the report.
     pub errors: Vec<String>,
+    /// The first refusal's message, if any request was refused.
+    pub refusal: Option<String>,
 }
 
 /// Distinct error messages kept for the report.
@@ -118,12 +157,28 @@ pub fn latency_summary(samples_ms: &[f64]) -> LatencySummary {
 /// Summarises the outcomes of a load phase that took `duration`.
 pub fn summarize(outcomes: &[RequestOutcome], duration: Duration) -> RunStats {
     let ok: Vec<&RequestOutcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
+    let count = |kind: ErrorKind| {
+        let n = outcomes
+            .iter()
+            .filter(|o| o.error.as_ref().is_some_and(|e| e.kind == kind))
+            .count();
+        u64::try_from(n).unwrap_or(u64::MAX)
+    };
     let mut errors: Vec<String> = Vec::new();
-    for e in outcomes.iter().filter_map(|o| o.error.as_ref()) {
-        if errors.len() < MAX_ERRORS_KEPT && !errors.contains(e) {
-            errors.push(e.clone());
+    let failures = outcomes
+        .iter()
+        .filter_map(|o| o.error.as_ref())
+        .filter(|e| e.kind == ErrorKind::Failed);
+    for e in failures {
+        if errors.len() < MAX_ERRORS_KEPT && !errors.contains(&e.message) {
+            errors.push(e.message.clone());
         }
     }
+    let refusal = outcomes
+        .iter()
+        .filter_map(|o| o.error.as_ref())
+        .find(|e| e.kind == ErrorKind::Refused)
+        .map(|e| e.message.clone());
     let completed = u64::try_from(ok.len()).unwrap_or(u64::MAX);
     let images: u64 = ok.iter().map(|o| o.images).sum();
     let tokens: u64 = ok.iter().map(|o| o.tokens).sum();
@@ -132,7 +187,9 @@ pub fn summarize(outcomes: &[RequestOutcome], duration: Duration) -> RunStats {
     let latencies: Vec<f64> = ok.iter().map(|o| o.latency.as_secs_f64() * 1e3).collect();
     RunStats {
         completed,
-        failed: u64::try_from(outcomes.len() - ok.len()).unwrap_or(u64::MAX),
+        refused: count(ErrorKind::Refused),
+        aborted: count(ErrorKind::Aborted),
+        failed: count(ErrorKind::Failed),
         images,
         tokens,
         cached_images: ok.iter().map(|o| o.cached_images).sum(),
@@ -144,6 +201,7 @@ pub fn summarize(outcomes: &[RequestOutcome], duration: Duration) -> RunStats {
             tokens_per_s: rate(tokens),
         },
         errors,
+        refusal,
     }
 }
 
@@ -177,17 +235,29 @@ mod tests {
     #[test]
     fn summary_counts_only_completed_requests() {
         let mut outcomes = vec![ok(10, 2, 100), ok(30, 2, 50), ok(20, 1, 10)];
-        outcomes.push(RequestOutcome {
-            error: Some("HTTP 500".into()),
-            ..ok(1, 4, 0)
-        });
-        outcomes.push(RequestOutcome {
-            error: Some("HTTP 500".into()),
-            ..ok(1, 4, 0)
-        });
+        for _ in 0..2 {
+            outcomes.push(RequestOutcome {
+                error: Some(RequestError::failed("HTTP 500")),
+                ..ok(1, 4, 0)
+            });
+        }
+        for (kind, message) in [
+            (ErrorKind::Refused, "overloaded"),
+            (ErrorKind::Aborted, "hung up"),
+        ] {
+            outcomes.push(RequestOutcome {
+                error: Some(RequestError {
+                    kind,
+                    message: message.into(),
+                }),
+                ..ok(1, 4, 0)
+            });
+        }
         let s = summarize(&outcomes, Duration::from_secs(2));
         assert_eq!((s.completed, s.failed, s.images, s.tokens), (3, 2, 5, 160));
+        assert_eq!((s.refused, s.aborted), (1, 1));
         assert_eq!(s.errors, vec!["HTTP 500".to_owned()]);
+        assert_eq!(s.refusal.as_deref(), Some("overloaded"));
         assert_eq!(
             s.throughput,
             Throughput {

@@ -375,3 +375,76 @@ async fn in_process_target_over_an_engine() {
         .unwrap();
     assert_eq!(report.exit_code(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_their_own_row_over_http_and_in_process() {
+    // Over HTTP: the server answers 503 `overloaded`; the bench counts refusals, not failures.
+    let engine = Arc::new(FakeEngine::new(false));
+    let (url, shutdown, server) = start_server(Arc::clone(&engine), None).await;
+    engine.set_overloaded(true);
+    let target = Arc::new(HttpTarget::new(&url, None).unwrap());
+    let report = run_bench(target, &workload(4, 1, 0.0), &opts(Some(2)))
+        .await
+        .unwrap();
+    let s = &report.stats;
+    assert_eq!((s.completed, s.refused, s.aborted, s.failed), (0, 4, 0, 0));
+    assert!(s.errors.is_empty(), "{:?}", s.errors);
+    assert!(
+        s.refusal.as_deref().is_some_and(|r| r.contains("503")),
+        "{:?}",
+        s.refusal
+    );
+    let text = report.render_text();
+    assert!(text.contains("\n  refused:  4 ("), "{text}");
+    assert!(text.contains("\n  failed:   0\n"), "{text}");
+    assert_eq!(report.to_json()["requests"]["refused"], 4);
+    shutdown.send(()).unwrap();
+    server.await.unwrap().unwrap();
+
+    // In process: the engine's admission refuses, with the same count.
+    let engine = Arc::new(FakeEngine::new(false));
+    engine.set_overloaded(true);
+    let target = Arc::new(InProcessTarget::new(Arc::clone(&engine)));
+    let report = run_bench(target, &workload(3, 1, 0.0), &opts(None))
+        .await
+        .unwrap();
+    assert_eq!((report.stats.refused, report.stats.failed), (3, 0));
+    assert_eq!(report.exit_code(), 0, "refusals are load, not a fault");
+}
+
+#[tokio::test]
+async fn offered_and_served_rates_give_the_capacity_line() {
+    let target = Arc::new(MemTarget::default());
+    let report = run_bench(
+        target,
+        &workload(20, 1, 0.0),
+        &RunOptions {
+            request_rate: RequestRate::PerSecond(200.0),
+            ..opts(None)
+        },
+    )
+    .await
+    .unwrap();
+    let offered = report.info.offered_requests_per_s.unwrap();
+    // 19 Poisson intervals at 200/s: the realised rate is near, not at, the asked one.
+    assert!((50.0..800.0).contains(&offered), "{offered}");
+    let capacity = report.capacity();
+    assert_eq!(capacity.offered_requests_per_s, Some(offered));
+    assert!(report.render_text().contains("capacity:   offered"));
+    let all_at_once = run_bench(
+        Arc::new(MemTarget::default()),
+        &workload(5, 1, 0.0),
+        &opts(None),
+    )
+    .await
+    .unwrap();
+    assert_eq!(all_at_once.info.offered_requests_per_s, None);
+    assert!(all_at_once.capacity().over_capacity);
+    assert!(
+        all_at_once
+            .render_text()
+            .contains("capacity:   every request offered at once"),
+        "{}",
+        all_at_once.render_text()
+    );
+}
