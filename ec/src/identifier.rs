@@ -95,14 +95,6 @@ pub enum IdentifierError {
         /// The JSON kind found.
         got: &'static str,
     },
-    /// A number vLLM's hasher cannot take (an integer outside the 64-bit range).
-    #[error("{field}: the number {value} is outside the 64-bit integer range vLLM can hash")]
-    NumberOutOfRange {
-        /// Which kwargs.
-        field: &'static str,
-        /// The number as written.
-        value: String,
-    },
     /// `media_io_kwargs.image.rgba_background_color` that vLLM's `ImageMediaIO` refuses.
     #[error(
         "media_io_kwargs.image.rgba_background_color must be a list of 3 integers in [0, 255], got {0}"
@@ -187,8 +179,9 @@ impl OrderedJson {
     /// Parses a JSON object from text.
     ///
     /// # Errors
-    /// [`IdentifierError::Json`] for invalid JSON (including integers beyond 64 bits),
-    /// [`IdentifierError::NotAnObject`] for any other top-level value.
+    /// [`IdentifierError::Json`] for invalid JSON, [`IdentifierError::NotAnObject`] for any
+    /// other top-level value. (An integer beyond 64 bits is read as a float by serde_json;
+    /// vLLM's hasher could not hash it at all.)
     ///
     /// ```
     /// use iris_ec::identifier::OrderedJson;
