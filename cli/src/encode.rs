@@ -55,7 +55,7 @@ pub struct EncodeArgs {
     /// of the reported times. For measurements; it costs one extra forward pass.
     #[arg(long)]
     pub warmup: bool,
-    /// Images (PNG, JPEG or WebP).
+    /// Images (PNG, JPEG, WebP, GIF, BMP or TIFF).
     #[arg(required = true, value_name = "IMAGE")]
     pub images: Vec<PathBuf>,
 }

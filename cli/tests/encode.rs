@@ -118,20 +118,20 @@ fn tiny_model_encodes_a_png_and_a_jpeg() {
 #[test]
 fn unsupported_and_missing_images_are_clear_errors() {
     let dir = scratch("errors");
-    let gif = dir.join("x.gif");
-    // A minimal GIF header: recognised, and refused by name.
-    std::fs::write(&gif, b"GIF89a\x01\x00\x01\x00\x00\x00\x00;").unwrap();
+    let qoi = dir.join("x.qoi");
+    // A minimal QOI header: recognised, and refused by name.
+    std::fs::write(&qoi, b"qoif\x00\x00\x00\x01\x00\x00\x00\x01\x03\x00").unwrap();
     let out = dir.join("x.safetensors");
     let result = iris(&[
         "encode",
         "--out",
         out.to_str().unwrap(),
-        gif.to_str().unwrap(),
+        qoi.to_str().unwrap(),
     ]);
     assert!(!result.status.success());
     let stderr = String::from_utf8_lossy(&result.stderr);
-    assert!(stderr.contains("x.gif"), "{stderr}");
-    assert!(stderr.to_lowercase().contains("gif"), "{stderr}");
+    assert!(stderr.contains("x.qoi"), "{stderr}");
+    assert!(stderr.contains("QOI"), "{stderr}");
     assert!(!out.exists(), "no output is written when an input is bad");
 
     let missing = dir.join("missing.png");
@@ -151,7 +151,7 @@ fn unsupported_and_missing_images_are_clear_errors() {
         "qwen9-vl",
         "--out",
         out.to_str().unwrap(),
-        gif.to_str().unwrap(),
+        qoi.to_str().unwrap(),
     ]);
     let stderr = String::from_utf8_lossy(&result.stderr);
     assert!(

@@ -692,9 +692,9 @@ async fn bad_inputs_get_4xx_json_errors_and_leave_nothing_behind() {
     let tiny = data_url(&png(8, 8, 53));
     let half = data_url(&good_png[..good_png.len() / 2]);
     let header_only = data_url(&good_png[..12]);
-    let gif = format!(
+    let qoi = format!(
         "data:image/png;base64,{}",
-        STANDARD.encode(b"GIF89a\x01\x00\x01\x00\x00\x00\x00;")
+        STANDARD.encode(b"qoif\x00\x00\x00\x01\x00\x00\x00\x01\x03\x00")
     );
     let random = format!(
         "data:image/png;base64,{}",
@@ -735,8 +735,8 @@ async fn bad_inputs_get_4xx_json_errors_and_leave_nothing_behind() {
             None,
         ),
         (
-            "GIF bytes",
-            json!({"images": [gif]}).to_string().into_bytes(),
+            "QOI bytes",
+            json!({"images": [qoi]}).to_string().into_bytes(),
             Some("unknown_image_format"),
         ),
         (
@@ -745,8 +745,8 @@ async fn bad_inputs_get_4xx_json_errors_and_leave_nothing_behind() {
             Some("unknown_image_format"),
         ),
         (
-            "GIF media type",
-            json!({"images": ["data:image/gif;base64,R0lGODlh"]})
+            "AVIF media type",
+            json!({"images": ["data:image/avif;base64,AAAAIGZ0eXBhdmlm"]})
                 .to_string()
                 .into_bytes(),
             Some("unsupported_media_type"),

@@ -95,14 +95,6 @@ pub enum IdentifierError {
         /// The JSON kind found.
         got: &'static str,
     },
-    /// A number vLLM's hasher cannot take (an integer outside the 64-bit range).
-    #[error("{field}: the number {value} is outside the 64-bit integer range vLLM can hash")]
-    NumberOutOfRange {
-        /// Which kwargs.
-        field: &'static str,
-        /// The number as written.
-        value: String,
-    },
     /// `media_io_kwargs.image.rgba_background_color` that vLLM's `ImageMediaIO` refuses.
     #[error(
         "media_io_kwargs.image.rgba_background_color must be a list of 3 integers in [0, 255], got {0}"
@@ -187,8 +179,9 @@ impl OrderedJson {
     /// Parses a JSON object from text.
     ///
     /// # Errors
-    /// [`IdentifierError::Json`] for invalid JSON (including integers beyond 64 bits),
-    /// [`IdentifierError::NotAnObject`] for any other top-level value.
+    /// [`IdentifierError::Json`] for invalid JSON, [`IdentifierError::NotAnObject`] for any
+    /// other top-level value. (An integer beyond 64 bits is read as a float by serde_json;
+    /// vLLM's hasher could not hash it at all.)
     ///
     /// ```
     /// use iris_ec::identifier::OrderedJson;
@@ -697,8 +690,8 @@ impl<'de> Visitor<'de> for JsonVisitor {
 mod tests {
     use super::*;
 
-    /// Records the stream instead of hashing it, by hashing with a known digest and comparing
-    /// against the digest of bytes laid out by hand.
+    /// The layout tests hash bytes laid out by hand with SHA-256 and compare with the stream's
+    /// digest: equal digests mean an equal stream.
     fn sha256_hex(bytes: &[u8]) -> String {
         use sha2::Digest as _;
         sha2::Sha256::digest(bytes)
@@ -710,6 +703,19 @@ mod tests {
     fn framed(out: &mut Vec<u8>, bytes: &[u8]) {
         out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
         out.extend_from_slice(bytes);
+    }
+
+    fn container(out: &mut Vec<u8>, tag: u8, n: u64) {
+        out.push(tag);
+        out.extend_from_slice(&n.to_le_bytes());
+    }
+
+    fn int_leaves(out: &mut Vec<u8>, values: &[i64]) {
+        container(out, TAG_SEQUENCE, values.len() as u64);
+        for v in values {
+            out.push(TAG_LEAF);
+            framed(out, &v.to_le_bytes());
+        }
     }
 
     fn kw(text: &str) -> Option<OrderedJson> {
@@ -761,42 +767,27 @@ mod tests {
         framed(&mut expected, b"image");
         expected.push(TAG_LEAF);
         framed(&mut expected, b"image");
-        expected.push(TAG_MAPPING);
-        expected.extend_from_slice(&2u64.to_le_bytes());
+        container(&mut expected, TAG_MAPPING, 2);
         framed(&mut expected, b"io_config");
-        expected.push(TAG_MAPPING);
-        expected.extend_from_slice(&2u64.to_le_bytes());
+        container(&mut expected, TAG_MAPPING, 2);
         framed(&mut expected, b"image_mode");
         expected.push(TAG_LEAF);
         framed(&mut expected, b"RGB");
         framed(&mut expected, b"rgba_background_color");
-        expected.push(TAG_SEQUENCE);
-        expected.extend_from_slice(&3u64.to_le_bytes());
-        for c in [1i64, 2, 3] {
-            expected.push(TAG_LEAF);
-            framed(&mut expected, &c.to_le_bytes());
-        }
+        int_leaves(&mut expected, &[1, 2, 3]);
         framed(&mut expected, b"data");
         expected.push(TAG_LEAF);
         framed(&mut expected, b"xy");
         // media_io_kwargs: only the image entry, wrapped in {"image": ...}.
         framed(&mut expected, b"media_io_kwargs");
-        expected.push(TAG_MAPPING);
-        expected.extend_from_slice(&1u64.to_le_bytes());
+        container(&mut expected, TAG_MAPPING, 1);
         framed(&mut expected, b"image");
-        expected.push(TAG_MAPPING);
-        expected.extend_from_slice(&1u64.to_le_bytes());
+        container(&mut expected, TAG_MAPPING, 1);
         framed(&mut expected, b"rgba_background_color");
-        expected.push(TAG_SEQUENCE);
-        expected.extend_from_slice(&3u64.to_le_bytes());
-        for c in [1i64, 2, 3] {
-            expected.push(TAG_LEAF);
-            framed(&mut expected, &c.to_le_bytes());
-        }
+        int_leaves(&mut expected, &[1, 2, 3]);
         // mm_processor_kwargs in document order, videos_kwargs left out; float, bool, null.
         framed(&mut expected, b"mm_processor_kwargs");
-        expected.push(TAG_MAPPING);
-        expected.extend_from_slice(&3u64.to_le_bytes());
+        container(&mut expected, TAG_MAPPING, 3);
         framed(&mut expected, b"z");
         expected.push(TAG_LEAF);
         framed(&mut expected, &1.5f64.to_le_bytes());

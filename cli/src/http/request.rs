@@ -25,7 +25,17 @@ pub const DEFAULT_MAX_IMAGES_PER_REQUEST: usize = 16;
 pub const DEFAULT_MAX_IMAGE_PIXELS: u64 = 4096 * 4096;
 
 /// Media types accepted in data URLs.
-pub const ACCEPTED_MEDIA_TYPES: [&str; 4] = ["image/png", "image/jpeg", "image/jpg", "image/webp"];
+pub const ACCEPTED_MEDIA_TYPES: [&str; 9] = [
+    "image/png",
+    "image/jpeg",
+    "image/jpg",
+    "image/webp",
+    "image/gif",
+    "image/bmp",
+    "image/x-ms-bmp",
+    "image/tiff",
+    "image/x-tiff",
+];
 
 /// Input limits of the HTTP server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -388,7 +398,7 @@ pub(crate) fn check_image_bytes(
     if sniff_format(bytes).is_none() {
         return Err(ApiError::bad_request(
             "unknown_image_format",
-            format!("{field}: the data is not a PNG, JPEG or WebP file"),
+            format!("{field}: the data is not a PNG, JPEG, WebP, GIF, BMP or TIFF file"),
         ));
     }
     check_dimensions(field, bytes, limits)
@@ -402,6 +412,12 @@ pub fn sniff_format(bytes: &[u8]) -> Option<image::ImageFormat> {
         Some(image::ImageFormat::Jpeg)
     } else if bytes.len() >= 12 && &bytes[..4] == b"RIFF" && &bytes[8..12] == b"WEBP" {
         Some(image::ImageFormat::WebP)
+    } else if bytes.starts_with(b"GIF87a") || bytes.starts_with(b"GIF89a") {
+        Some(image::ImageFormat::Gif)
+    } else if bytes.starts_with(b"BM") {
+        Some(image::ImageFormat::Bmp)
+    } else if bytes.starts_with(b"II*\0") || bytes.starts_with(b"MM\0*") {
+        Some(image::ImageFormat::Tiff)
     } else {
         None
     }
@@ -563,9 +579,9 @@ mod tests {
                 "`,`",
             ),
             (
-                json!({"images": ["data:image/gif;base64,R0lG"]}),
+                json!({"images": ["data:image/avif;base64,AAAA"]}),
                 "unsupported_media_type",
-                "image/gif",
+                "image/avif",
             ),
             (
                 json!({"images": ["data:image/png,abc"]}),

@@ -399,7 +399,7 @@ async fn bad_input_is_refused_by_name_and_leaves_nothing_behind() {
     let cases: Vec<(Vec<ImageInput>, &str)> = vec![
         (vec![input(good.clone()), input(corrupt)], "corrupt_image"),
         (
-            vec![input(b"GIF89a not an image".to_vec())],
+            vec![input(b"qoif not an image iris decodes".to_vec())],
             "unknown_image_format",
         ),
         (vec![], "no_images"),
