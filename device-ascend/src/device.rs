@@ -19,7 +19,7 @@ use iris_plugin::abi::{
 use iris_plugin::validate::{self, Checker, Mat};
 
 use crate::error::AscendError;
-use crate::memory::{DeviceBlock, MemKind, Memory, mem_info};
+use crate::memory::{DeviceBlock, DeviceMalloc, MemKind, Memory, mem_info};
 use crate::ops::attention::Path;
 use crate::ops::{self, Exec, Requirement, elementwise};
 use crate::runtime::{Runtime, VISIBLE_DEVICES_ENV, aclnn};
@@ -194,14 +194,20 @@ impl AscendDevice {
                 bytes: held_sizing,
             },
         ];
-        let properties = properties(rt, &soc, kind, &options);
+        let properties = properties(rt, &soc, kind, memory.device_malloc(), &options);
         log.info(format!(
-            "opened NPU {ordinal} ({soc}): {} of {} bytes of {} free; runtime {}; context and stream hold {held_context} bytes",
+            "opened NPU {ordinal} ({soc}): {} of {} bytes of {} free; runtime {}; context and stream hold {held_context} bytes; device blocks from {}",
             after.free,
             after.total,
             kind.name(),
-            rt.acl_path().display()
+            rt.acl_path().display(),
+            memory.device_malloc().name()
         ));
+        if memory.device_malloc() == DeviceMalloc::Padded {
+            log.warn(
+                "the runtime has no aclrtMallocAlign32: aclrtMalloc pads every block with 32 bytes, so each allocator segment of whole huge pages takes one more huge page (reported as held memory)",
+            );
+        }
         for (op, reason) in &unsupported {
             log.debug(format!("{op} unsupported: {reason}"));
         }
@@ -445,10 +451,22 @@ impl iris_plugin::Backend for AscendDevice {
         let mut state = self.lock()?;
         state.memory.reap()?;
         let (allocated, buffers) = state.memory.usage();
+        let mut held = self.held.clone();
+        // Beyond the bytes `alloc` counts, the device charges huge-page rounding and, with
+        // `aclrtMalloc`, 32 bytes of padding per buffer: device used minus allocator reserved
+        // includes it.
+        held.push(HeldMemory {
+            what: format!(
+                "{} padding and page rounding of buffers",
+                state.memory.device_malloc().name()
+            )
+            .into(),
+            bytes: state.memory.overhead(),
+        });
         Ok(MemoryReport {
             allocated,
             buffers,
-            held: self.held.clone().into(),
+            held: held.into(),
         })
     }
 
@@ -1171,11 +1189,18 @@ fn supported_ops(rt: &Runtime, family: Family) -> (Vec<OpKind>, HashMap<OpKind, 
 
 /// Facts for `iris devices` and bug reports: the part, the libraries, and where each aclnn
 /// op came from.
-fn properties(rt: &Runtime, soc: &str, kind: MemKind, options: &AscendOptions) -> Vec<Property> {
+fn properties(
+    rt: &Runtime,
+    soc: &str,
+    kind: MemKind,
+    malloc: DeviceMalloc,
+    options: &AscendOptions,
+) -> Vec<Property> {
     let mut props = vec![
         Property::new(property::SOC, soc),
         Property::new(property::QUEUE, "async"),
         Property::new("memory_kind", kind.name()),
+        Property::new("device_malloc", malloc.name()),
         Property::new("runtime_library", rt.acl_path().display()),
         Property::new(
             "nnopbase_library",

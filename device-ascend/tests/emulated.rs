@@ -136,8 +136,8 @@ fn conformance_suite_passes_and_everything_is_released() {
                 assert_eq!(report.unsupported(), 0, "{:?}", report.checks);
                 let held = device.memory_report().expect("memory_report");
                 // An explicit context (32 MiB) and a stream (2 MiB) in the emulation, and the
-                // 512-byte block workspace queries point at (544 bytes as aclrtMalloc charges).
-                assert_eq!(held.held_bytes(), (34 << 20) + 544, "{held:?}");
+                // 512-byte block workspace queries point at (aclrtMallocAlign32: no padding).
+                assert_eq!(held.held_bytes(), (34 << 20) + 512, "{held:?}");
             }
             assert_released(emulator_stats(0));
         },
@@ -322,6 +322,58 @@ fn visible_devices_renumber_and_hide_npus() {
             );
         },
     );
+}
+
+#[test]
+fn segments_of_whole_huge_pages_take_their_size_and_padding_is_reported() {
+    const MIB: u64 = 1 << 20;
+    // Without aclrtMallocAlign32, aclrtMalloc's 32 bytes of padding make each segment take one
+    // more huge page: 4 MiB for the 2 MiB one, 22 MiB for the 20 MiB one.
+    for (refused, malloc, extra) in [
+        ("0", "aclrtMallocAlign32", 0),
+        ("1", "aclrtMalloc", 4 * MIB),
+    ] {
+        isolated(
+            "segments_of_whole_huge_pages_take_their_size_and_padding_is_reported",
+            &[
+                ("ASCEND_EMU_HBM", "1GiB"),
+                ("ASCEND_EMU_NO_MALLOC_ALIGN32", refused),
+            ],
+            || {
+                use_install(Layout::Split);
+                let device = open(&plugin(), 0, &[]);
+                device.synchronize().expect("synchronize");
+                let before = device.mem_info().expect("mem_info");
+                let held_before = device.memory_report().expect("report").held_bytes();
+                let segments = [2 * MIB, 20 * MIB];
+                let bufs: Vec<BufferHandle> = segments
+                    .iter()
+                    .map(|&bytes| device.alloc(bytes).expect("alloc"))
+                    .collect();
+                let during = device.mem_info().expect("mem_info");
+                let report = device.memory_report().expect("report");
+                let requested: u64 = segments.iter().sum();
+                assert_eq!(report.allocated, requested);
+                assert_eq!(
+                    before.free - during.free,
+                    requested + extra,
+                    "device memory taken by {requested} bytes of segments"
+                );
+                // The report explains every byte of the difference.
+                assert_eq!(report.held_bytes() - held_before, extra, "{report:?}");
+                for buf in bufs {
+                    device.free(buf).expect("free");
+                }
+                device.synchronize().expect("synchronize");
+                assert_eq!(device.mem_info().expect("mem_info").free, before.free);
+                assert_eq!(
+                    device.memory_report().expect("report").held_bytes(),
+                    held_before
+                );
+                assert_eq!(device.description().property("device_malloc"), Some(malloc));
+            },
+        );
+    }
 }
 
 #[test]

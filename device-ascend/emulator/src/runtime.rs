@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::config;
 use crate::error::{EmuError, codes, report};
-use crate::memory::Heap;
+use crate::memory::{self, Heap};
 use crate::stream::{Job, StreamInner};
 
 /// Memory the default context of `aclrtSetDevice` holds on its NPU.
@@ -422,43 +422,75 @@ pub fn synchronize_stream(stream: *mut c_void) -> i32 {
     })
 }
 
-/// `aclrtMalloc`.
+/// `aclrtMalloc`: 32-byte aligned and padded with 32 bytes.
 pub fn malloc(dev_ptr: *mut *mut c_void, size: usize, policy: u32) -> i32 {
     entry("aclrtMalloc", true, || {
-        let ctx = current()?;
-        if size == 0 || policy > 7 {
-            return Err(EmuError::new(
-                codes::INVALID_PARAM,
-                format!("aclrtMalloc: size {size}, policy {policy}"),
-            ));
-        }
-        let n = MALLOCS.fetch_add(1, Ordering::SeqCst) + 1;
-        let size = size as u64;
-        if config::get().fail_malloc_at == Some(n) {
-            return Err(EmuError::new(
-                codes::RT_MEMORY_ALLOCATION,
-                format!("out of memory allocating {size} bytes (injected at aclrtMalloc #{n})"),
-            ));
-        }
-        let dev = &ctx.device;
-        let limit = {
-            let heap = lock(&dev.heap);
-            heap.capacity()
-                .saturating_sub(dev.reserved.load(Ordering::SeqCst))
-        };
-        let placed = lock(&dev.heap).alloc(size, limit);
-        let ptr = placed.ok_or_else(|| {
-            let (free, total) = dev.mem_info();
-            EmuError::new(
-                codes::RT_MEMORY_ALLOCATION,
-                format!(
-                    "out of memory allocating {size} bytes on NPU {}: {free} of {total} bytes free",
-                    dev.physical
-                ),
-            )
-        })?;
-        out(dev_ptr, ptr.cast::<c_void>())
+        allocate("aclrtMalloc", dev_ptr, size, policy, memory::Entry::Malloc)
     })
+}
+
+/// `aclrtMallocAlign32`: 32-byte aligned, no padding. With `ASCEND_EMU_NO_MALLOC_ALIGN32` it
+/// answers 207000 (feature not supported), as a runtime without it would be met.
+pub fn malloc_align32(dev_ptr: *mut *mut c_void, size: usize, policy: u32) -> i32 {
+    entry("aclrtMallocAlign32", true, || {
+        if config::get().no_malloc_align32 {
+            return Err(EmuError::new(
+                codes::RT_FEATURE_NOT_SUPPORT,
+                "aclrtMallocAlign32 is not supported by this runtime (ASCEND_EMU_NO_MALLOC_ALIGN32)",
+            ));
+        }
+        allocate(
+            "aclrtMallocAlign32",
+            dev_ptr,
+            size,
+            policy,
+            memory::Entry::MallocAlign32,
+        )
+    })
+}
+
+fn allocate(
+    name: &str,
+    dev_ptr: *mut *mut c_void,
+    size: usize,
+    policy: u32,
+    kind: memory::Entry,
+) -> Result<(), EmuError> {
+    let ctx = current()?;
+    if size == 0 || policy > 5 {
+        return Err(EmuError::new(
+            codes::INVALID_PARAM,
+            format!("{name}: size {size}, policy {policy}"),
+        ));
+    }
+    let n = MALLOCS.fetch_add(1, Ordering::SeqCst) + 1;
+    let size = size as u64;
+    if config::get().fail_malloc_at == Some(n) {
+        return Err(EmuError::new(
+            codes::RT_MEMORY_ALLOCATION,
+            format!(
+                "out of memory allocating {size} bytes (injected at device allocation #{n}, {name})"
+            ),
+        ));
+    }
+    let dev = &ctx.device;
+    let limit = {
+        let heap = lock(&dev.heap);
+        heap.capacity()
+            .saturating_sub(dev.reserved.load(Ordering::SeqCst))
+    };
+    let placed = lock(&dev.heap).alloc(memory::charged(size, policy, kind), limit);
+    let ptr = placed.ok_or_else(|| {
+        let (free, total) = dev.mem_info();
+        EmuError::new(
+            codes::RT_MEMORY_ALLOCATION,
+            format!(
+                "out of memory allocating {size} bytes on NPU {}: {free} of {total} bytes free",
+                dev.physical
+            ),
+        )
+    })?;
+    out(dev_ptr, ptr.cast::<c_void>())
 }
 
 /// `aclrtFree`: immediate, as on hardware (it does not wait for queued work).
