@@ -127,6 +127,9 @@ struct State {
     /// allocation), reported by the next `synchronize` or `read`.
     deferred: Option<AscendError>,
     requirements: HashMap<String, (Requirement, Path)>,
+    /// Why the device cannot be used any more (its stream could not be rebuilt after a task
+    /// fault); every later call fails with it.
+    lost: Option<String>,
 }
 
 /// One opened NPU.
@@ -231,6 +234,7 @@ impl AscendDevice {
                 next_fence: 1,
                 deferred: None,
                 requirements: HashMap::new(),
+                lost: None,
             }),
             stream,
             context,
@@ -243,14 +247,67 @@ impl AscendDevice {
         self.family
     }
 
-    /// Takes the device's lock and makes its context current on this thread.
+    /// Takes the device's lock and makes its context current on this thread. A task fault
+    /// met since the last call is recovered from first (see [`AscendDevice::recover`]) and
+    /// kept for the next `synchronize`, which reports it once.
     fn lock(&self) -> Result<MutexGuard<'_, State>, PluginError> {
-        let state = self
+        let mut state = self
             .state
             .lock()
             .map_err(|_| PluginError::internal("the device's lock is poisoned"))?;
+        if let Some(reason) = &state.lost {
+            return Err(PluginError::unavailable(reason.clone()));
+        }
         self.context.make_current()?;
+        if let Some(fault) = self.stream.take_fault() {
+            self.recover(&mut state, &fault)?;
+            state.deferred.get_or_insert(fault);
+        }
         Ok(state)
+    }
+
+    /// The outcome of a wait on the stream: a task fault met by it (or noted since the last
+    /// call) is recovered from at once and is this call's error, reported once.
+    fn settle(
+        &self,
+        state: &mut State,
+        waited: Result<(), AscendError>,
+    ) -> Result<(), PluginError> {
+        if let Some(fault) = self.stream.take_fault() {
+            self.recover(state, &fault)?;
+            if state.deferred.as_ref() == Some(&fault) {
+                state.deferred = None;
+            }
+            return Err(fault.into());
+        }
+        Ok(waited?)
+    }
+
+    /// After a task fault: the stream stays in error on the NPU, so it is replaced, which
+    /// drops the work queued on it; the blocks waiting for that work are released and the
+    /// fences recorded on it are done. When no new stream can be made, the device is marked
+    /// lost and every later call fails with the reason.
+    fn recover(&self, state: &mut State, fault: &AscendError) -> Result<(), PluginError> {
+        state.fences.clear();
+        match self.stream.rebuild(&self.context) {
+            Ok(()) => {
+                state.memory.reap_all();
+                self.log.warn(format!(
+                    "NPU {}: a kernel fault left the stream in error ({fault}); the stream was rebuilt and the work queued on it dropped",
+                    self.ordinal
+                ));
+                Ok(())
+            }
+            Err(err) => {
+                let reason = format!(
+                    "NPU {} is unusable: after a kernel fault ({fault}) its stream could not be rebuilt: {err}",
+                    self.ordinal
+                );
+                self.log.warn(&reason);
+                state.lost = Some(reason.clone());
+                Err(PluginError::unavailable(reason))
+            }
+        }
     }
 
     fn require(&self, op: OpKind) -> Result<(), PluginError> {
@@ -509,7 +566,8 @@ impl iris_plugin::Backend for AscendDevice {
     fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), PluginError> {
         let mut state = self.lock()?;
         self.device_range(&state, "read", "src", src, offset, dst.len() as u64)?;
-        self.stream.synchronize()?;
+        let synced = self.stream.synchronize();
+        self.settle(&mut state, synced)?;
         state.memory.reap_all();
         if let Some(err) = state.deferred.take() {
             return Err(err.into());
@@ -581,8 +639,8 @@ impl iris_plugin::Backend for AscendDevice {
     fn synchronize(&self) -> Result<(), PluginError> {
         let mut state = self.lock()?;
         let synced = self.stream.synchronize();
+        self.settle(&mut state, synced)?;
         state.memory.reap_all();
-        synced?;
         match state.deferred.take() {
             Some(err) => Err(err.into()),
             None => Ok(()),
@@ -751,15 +809,16 @@ impl iris_plugin::Backend for AscendDevice {
                 state.next_fence - 1
             )));
         }
-        // A fence no longer held was waited for already, or an earlier wait covered it.
+        // A fence no longer held was waited for already, or an earlier wait covered it, or a
+        // task fault dropped its work (then kept in `deferred`, and reported here).
         let waited = match state.fences.get(&value) {
             Some(event) => event.synchronize(),
-            None => Ok(()),
+            None => state.deferred.take().map_or(Ok(()), Err),
         };
         let later = state.fences.split_off(&(value + 1));
         state.fences = later;
-        state.memory.reap()?;
-        Ok(waited?)
+        self.settle(&mut state, waited)?;
+        Ok(state.memory.reap()?)
     }
 }
 

@@ -408,7 +408,18 @@ impl Memory {
 
     /// Releases the blocks whose work is done, oldest first (events complete in order on
     /// the one stream).
+    ///
+    /// A task fault met here is not this call's failure: the stream noted it, and the device
+    /// recovers and reports it at its next entry (see `device.rs`); until then nothing more
+    /// is released.
     pub fn reap(&mut self) -> Result<(), AscendError> {
+        match self.try_reap() {
+            Err(err) if err.is_task_fault() => Ok(()),
+            other => other,
+        }
+    }
+
+    fn try_reap(&mut self) -> Result<(), AscendError> {
         while let Some(front) = self.pending.front() {
             if !front.event.is_complete()? {
                 break;
@@ -427,7 +438,7 @@ impl Memory {
         Ok(())
     }
 
-    /// Releases everything pending; the caller synchronised the stream.
+    /// Releases everything pending; the caller synchronised the stream (or destroyed it).
     pub fn reap_all(&mut self) {
         while let Some(done) = self.pending.pop_front() {
             self.release(done);

@@ -6,7 +6,8 @@
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::error::AscendError;
 use crate::runtime::Runtime;
@@ -129,10 +130,19 @@ impl Drop for Context {
 }
 
 /// A stream (`aclrtCreateStream`): the device's one in-order queue.
+///
+/// A task fault (see [`crate::result::AclError::is_task_fault`]) leaves a stream in error for
+/// good. Whichever call meets one (a synchronisation, an event of the stream) notes it here;
+/// the device then rebuilds the stream ([`Stream::rebuild`]) and reports the fault once.
 pub struct Stream {
     rt: &'static Runtime,
-    raw: sys::aclrtStream,
+    /// The handle; replaced by `rebuild` under the device's lock.
+    raw: AtomicPtr<c_void>,
+    fault: Fault,
 }
+
+/// The first task fault met on a stream, shared with the stream's events.
+type Fault = Arc<Mutex<Option<AscendError>>>;
 
 // SAFETY: stream handles may be used from any thread whose current context is the stream's;
 // the device sets its context at every entry and serialises enqueueing.
@@ -143,25 +153,16 @@ unsafe impl Sync for Stream {}
 impl Stream {
     /// Creates a stream in the calling thread's current context.
     pub fn create(rt: &'static Runtime, _context: &Context) -> Result<Stream, AscendError> {
-        let create = rt
-            .acl()
-            .aclrtCreateStream
-            .as_ref()
-            .map_err(|_| rt.missing("aclrtCreateStream"))?;
-        let mut raw: sys::aclrtStream = std::ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer; the context is current (caller's contract).
-        rt.check("aclrtCreateStream", unsafe { create(&mut raw) })?;
-        if raw.is_null() {
-            return Err(AscendError::Internal(
-                "aclrtCreateStream succeeded but returned no stream".into(),
-            ));
-        }
-        Ok(Stream { rt, raw })
+        Ok(Stream {
+            rt,
+            raw: AtomicPtr::new(create_stream(rt)?),
+            fault: Arc::new(Mutex::new(None)),
+        })
     }
 
     /// The raw handle, for enqueueing calls.
     pub fn raw(&self) -> sys::aclrtStream {
-        self.raw
+        self.raw.load(Ordering::SeqCst)
     }
 
     /// Waits for all work on the stream; reports its failure.
@@ -173,18 +174,69 @@ impl Stream {
             .as_ref()
             .map_err(|_| self.rt.missing("aclrtSynchronizeStream"))?;
         // SAFETY: the stream is live.
-        self.rt
-            .check("aclrtSynchronizeStream", unsafe { sync(self.raw) })
+        let result = self
+            .rt
+            .check("aclrtSynchronizeStream", unsafe { sync(self.raw()) });
+        note_fault(&self.fault, result)
     }
+
+    /// Takes the task fault met on this stream since the last call, if any.
+    pub fn take_fault(&self) -> Option<AscendError> {
+        self.fault.lock().ok().and_then(|mut fault| fault.take())
+    }
+
+    /// Replaces a stream in error with a new one in the current context (the caller's
+    /// context, made current). The old stream is destroyed with the work still queued on it:
+    /// after this, no queued work uses any block.
+    pub fn rebuild(&self, _context: &Context) -> Result<(), AscendError> {
+        let fresh = create_stream(self.rt)?;
+        let old = self.raw.swap(fresh, Ordering::SeqCst);
+        destroy_stream(self.rt, old)
+    }
+}
+
+fn create_stream(rt: &'static Runtime) -> Result<sys::aclrtStream, AscendError> {
+    let create = rt
+        .acl()
+        .aclrtCreateStream
+        .as_ref()
+        .map_err(|_| rt.missing("aclrtCreateStream"))?;
+    let mut raw: sys::aclrtStream = std::ptr::null_mut();
+    // SAFETY: `raw` is a valid out-pointer; the context is current (caller's contract).
+    rt.check("aclrtCreateStream", unsafe { create(&mut raw) })?;
+    if raw.is_null() {
+        return Err(AscendError::Internal(
+            "aclrtCreateStream succeeded but returned no stream".into(),
+        ));
+    }
+    Ok(raw)
+}
+
+fn destroy_stream(rt: &'static Runtime, raw: sys::aclrtStream) -> Result<(), AscendError> {
+    let destroy = rt
+        .acl()
+        .aclrtDestroyStream
+        .as_ref()
+        .map_err(|_| rt.missing("aclrtDestroyStream"))?;
+    // SAFETY: a live stream, destroyed once, with its context current (caller's contract).
+    rt.check("aclrtDestroyStream", unsafe { destroy(raw) })
+}
+
+/// Notes a task fault in `result` for the device to recover from; passes `result` on.
+fn note_fault(fault: &Fault, result: Result<(), AscendError>) -> Result<(), AscendError> {
+    if let Err(err) = &result
+        && err.is_task_fault()
+        && let Ok(mut slot) = fault.lock()
+    {
+        slot.get_or_insert_with(|| err.clone());
+    }
+    result
 }
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        if let Ok(destroy) = self.rt.acl().aclrtDestroyStream.as_ref() {
-            // SAFETY: the stream is live; the device synchronised it and made its context
-            // current before dropping it.
-            let _ = unsafe { destroy(self.raw) };
-        }
+        // The device synchronised the stream and made its context current before dropping it.
+        let _ = destroy_stream(self.rt, self.raw());
     }
 }
 
@@ -193,6 +245,8 @@ impl Drop for Stream {
 pub struct Event {
     rt: &'static Runtime,
     raw: sys::aclrtEvent,
+    /// Its stream's fault note.
+    fault: Fault,
 }
 
 // SAFETY: as for streams.
@@ -216,9 +270,16 @@ impl Event {
         let mut raw: sys::aclrtEvent = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer.
         rt.check("aclrtCreateEvent", unsafe { create(&mut raw) })?;
-        let event = Event { rt, raw };
+        let event = Event {
+            rt,
+            raw,
+            fault: Arc::clone(&stream.fault),
+        };
         // SAFETY: both handles are live and belong to the current context.
-        rt.check("aclrtRecordEvent", unsafe { record(event.raw, stream.raw) })?;
+        let recorded = rt.check("aclrtRecordEvent", unsafe {
+            record(event.raw, stream.raw())
+        });
+        note_fault(&event.fault, recorded)?;
         Ok(event)
     }
 
@@ -233,9 +294,10 @@ impl Event {
         let mut status: sys::aclrtEventRecordedStatus::Type =
             sys::aclrtEventRecordedStatus::ACL_EVENT_RECORDED_STATUS_NOT_READY;
         // SAFETY: the event is live; `status` is a valid out-pointer.
-        self.rt.check("aclrtQueryEventStatus", unsafe {
+        let queried = self.rt.check("aclrtQueryEventStatus", unsafe {
             query(self.raw, &mut status)
-        })?;
+        });
+        note_fault(&self.fault, queried)?;
         Ok(status == sys::aclrtEventRecordedStatus::ACL_EVENT_RECORDED_STATUS_COMPLETE)
     }
 
@@ -248,8 +310,10 @@ impl Event {
             .as_ref()
             .map_err(|_| self.rt.missing("aclrtSynchronizeEvent"))?;
         // SAFETY: the event is live.
-        self.rt
-            .check("aclrtSynchronizeEvent", unsafe { sync(self.raw) })
+        let result = self
+            .rt
+            .check("aclrtSynchronizeEvent", unsafe { sync(self.raw) });
+        note_fault(&self.fault, result)
     }
 }
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use common::{Layout, emulator_stats, isolated, open, plugin, use_install};
 use iris_plugin::abi::{
-    Activation, ActivationArgs, AttentionArgs, BufferHandle, BufferSlice, DType, ErrorCode, MatRef,
-    NormArgs, OpKind, RotaryArgs,
+    Activation, ActivationArgs, AttentionArgs, BufferHandle, BufferSlice, DType, ErrorCode,
+    GatherArgs, MatRef, NormArgs, OpKind, RotaryArgs,
 };
 use iris_plugin::conformance;
 use iris_plugin::{Device, DeviceError};
@@ -482,6 +482,66 @@ fn a_failing_kernel_is_reported_at_synchronize_and_the_device_goes_on() {
                 "{err}"
             );
             assert!(gelu_tanh(&device, &[1.0]).is_ok());
+        },
+    );
+}
+
+/// Gathers rows `indices` of a 2x2 f32 matrix `[[1, 2], [3, 4]]`; the device's answer after
+/// `synchronize`.
+fn gather_2x2(device: &Device, indices: [i32; 2]) -> Result<Vec<f32>, DeviceError> {
+    let src = upload_f32(device, &[1.0, 2.0, 3.0, 4.0]);
+    let index_bytes: Vec<u8> = indices.iter().flat_map(|i| i.to_le_bytes()).collect();
+    let idx = device.alloc(8).expect("alloc");
+    device.write(idx, 0, &index_bytes).expect("write");
+    let out = device.alloc(16).expect("alloc");
+    let mut args = GatherArgs {
+        src: MatRef::contiguous(src, 0, DType::F32, 2, 2),
+        out: MatRef::contiguous(out, 0, DType::F32, 2, 2),
+        indices: MatRef::contiguous(idx, 0, DType::I32, 1, 2),
+        workspace: BufferSlice::EMPTY,
+    };
+    let bytes = device.gather_rows_workspace(&args)?;
+    let ws = device.alloc(bytes.max(1)).expect("alloc workspace");
+    args.workspace = BufferSlice {
+        buf: ws,
+        offset: 0,
+        bytes,
+    };
+    device.gather_rows(&args)?;
+    // Healthy calls between the fault and the synchronisation that reports it.
+    for buf in [ws, idx, src] {
+        device.free(buf).expect("free after a queued fault");
+    }
+    let result = device.synchronize().map(|()| download_f32(device, out, 4));
+    device.free(out).expect("free");
+    result
+}
+
+#[test]
+fn a_kernel_fault_is_reported_once_and_later_work_succeeds() {
+    isolated(
+        "a_kernel_fault_is_reported_once_and_later_work_succeeds",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            device.synchronize().expect("synchronize");
+            let baseline = device.mem_info().expect("mem_info").free;
+            // An index outside the source is an AI core exception on the NPU; the stream
+            // stays in error until it is rebuilt.
+            let err = gather_2x2(&device, [0, 7]).expect_err("the out-of-range index faults");
+            assert!(
+                err.message
+                    .contains("ACL_ERROR_RT_AICORE_EXCEPTION (507015)"),
+                "{err}"
+            );
+            device
+                .synchronize()
+                .expect("the fault is reported once, by the synchronisation that covers it");
+            let got = gather_2x2(&device, [1, 0]).expect("work after the fault succeeds");
+            assert_eq!(got, vec![3.0, 4.0, 1.0, 2.0]);
+            device.synchronize().expect("synchronize");
+            assert_eq!(device.mem_info().expect("mem_info").free, baseline);
         },
     );
 }

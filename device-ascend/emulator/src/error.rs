@@ -42,6 +42,13 @@ pub mod codes {
     pub const ACLNN_PARAM_INVALID: i32 = 161_002;
     /// `ACLNN_ERR_INNER`.
     pub const ACLNN_INNER: i32 = 561_000;
+
+    /// Whether `code` is a task fault of the 507xxx range (`rt_error_codes.h`: AI core and
+    /// vector core exceptions, memory and DMA faults, timeouts), which leaves its stream in
+    /// error.
+    pub fn is_task_fault(code: i32) -> bool {
+        (507_000..508_000).contains(&code)
+    }
 }
 
 /// A failure: a status code and what `aclGetRecentErrMsg()` then says.

@@ -1183,7 +1183,8 @@ pub unsafe fn softmax(
 }
 
 /// `aclnnIndexSelectGetWorkspaceSize(self, dim, index, out, ...)`. An index outside `self`
-/// reads nothing: its rows are zero and the kernel reports an error.
+/// is an AI core exception (507015), as an out-of-bounds read is on hardware: the output is
+/// left as it was and the stream stays in error (see [`crate::stream`]).
 ///
 /// # Safety
 /// As for [`matmul`].
@@ -1237,15 +1238,15 @@ pub unsafe fn index_select(
                     result[to..to + inner].copy_from_slice(&values[from..from + inner]);
                 }
             }
-            // SAFETY: as above.
-            unsafe { out.write(&result) };
-            match bad {
-                Some(p) => Err(EmuError::new(
+            if let Some(p) = bad {
+                return Err(EmuError::new(
                     codes::RT_AICORE_EXCEPTION,
                     format!("aclnnIndexSelect: index {p} outside [0, {len})"),
-                )),
-                None => Ok(()),
+                ));
             }
+            // SAFETY: as above.
+            unsafe { out.write(&result) };
+            Ok(())
         });
         Ok((0, kernel))
     })

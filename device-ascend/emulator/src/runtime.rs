@@ -734,12 +734,17 @@ pub fn record_event(event: *mut c_void, stream: *mut c_void) -> i32 {
     })
 }
 
-/// `aclrtQueryEventStatus`: 1 when complete, 0 when not yet.
+/// `aclrtQueryEventStatus`: 1 when complete, 0 when not yet; the fault of a stream in error.
 pub fn query_event_status(event: *mut c_void, status: *mut u32) -> i32 {
     entry("aclrtQueryEventStatus", true, || {
         let e = event_ref(event)?;
         let done = match &*lock(&e.recorded) {
-            Some((stream, seq)) => stream.completed() >= *seq,
+            Some((stream, seq)) => {
+                if let Some(fault) = stream.sticky() {
+                    return Err(fault);
+                }
+                stream.completed() >= *seq
+            }
             None => true,
         };
         out(status, u32::from(done))
