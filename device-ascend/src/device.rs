@@ -21,6 +21,7 @@ use iris_plugin::validate::{self, Checker, Mat};
 use crate::error::AscendError;
 use crate::memory::{DeviceBlock, DeviceMalloc, MemKind, Memory, mem_info};
 use crate::ops::attention::Path;
+use crate::ops::elementwise::ByteCopy;
 use crate::ops::{self, Exec, Requirement, elementwise};
 use crate::runtime::{Runtime, VISIBLE_DEVICES_ENV, aclnn};
 use crate::stream::{Context, DeviceBinding, Event, Stream, offset_ptr};
@@ -30,6 +31,8 @@ use crate::sys;
 const REQUIREMENT_MEMO: usize = 4096;
 /// Size of the block descriptors point at while a workspace is sized.
 const SIZING_BYTES: u64 = 512;
+/// `aclrtMemcpyAsync` between device addresses wants both 64-byte aligned (`acl_rt.h`).
+const D2D_ALIGN: usize = 64;
 
 /// How attention runs (option `attention`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -431,6 +434,34 @@ impl AscendDevice {
         Ok(0)
     }
 
+    /// Runs an op outside the caller's workspace (copies, fills): its workspace, if any, is
+    /// a transient block released once the op is done.
+    fn scratch_op(
+        &self,
+        state: &mut State,
+        body: &dyn Fn(&mut Exec<'_>) -> Result<(), AscendError>,
+    ) -> Result<(), PluginError> {
+        let mut measure = Exec::measure(self.rt, self.sizing.ptr());
+        body(&mut measure)?;
+        let req = measure.requirement();
+        let scratch = if req.total() > 0 {
+            Some(state.memory.transient(req.total())?)
+        } else {
+            None
+        };
+        let base = scratch
+            .as_ref()
+            .map_or(std::ptr::null_mut(), DeviceBlock::ptr);
+        let result = {
+            let mut exec = Exec::run(self.rt, &state.memory, self.stream.raw(), base, req);
+            body(&mut exec)
+        };
+        if let Some(block) = scratch {
+            state.memory.retire(block, &self.stream)?;
+        }
+        Ok(result?)
+    }
+
     fn attention_paths(&self, a: &validate::Attention) -> Vec<Path> {
         let fused_ok = matches!(self.family, Family::A2 | Family::Other)
             && matches!(a.q.dtype, DType::F16 | DType::BF16);
@@ -576,19 +607,28 @@ impl iris_plugin::Backend for AscendDevice {
     }
 
     fn copy_batch(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
-        let state = self.lock()?;
-        let lens = |b: BufferHandle| state.memory.len_of(b);
-        validate::copy_batch(&Checker::new("copy_batch", &lens), regions)?;
-        for region in regions.iter().filter(|r| r.bytes > 0) {
-            let src = offset_ptr(state.memory.base(region.src), region.src_offset);
-            let dst = offset_ptr(state.memory.base(region.dst), region.dst_offset);
-            state.memory.copy_async(
-                dst,
-                src,
-                region.bytes,
-                sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE,
-                &self.stream,
-            )?;
+        let mut state = self.lock()?;
+        {
+            let lens = |b: BufferHandle| state.memory.len_of(b);
+            validate::copy_batch(&Checker::new("copy_batch", &lens), regions)?;
+        }
+        // No destination overlaps a source or another destination (validated), so regions
+        // may be merged and run in any order.
+        for run in byte_copies(regions) {
+            let src = offset_ptr(state.memory.base(run.src.0), run.src.1);
+            let dst = offset_ptr(state.memory.base(run.dst.0), run.dst.1);
+            let aligned = |p: *mut c_void| (p as usize).is_multiple_of(D2D_ALIGN);
+            if run.rows == 1 && aligned(src) && aligned(dst) {
+                state.memory.copy_async(
+                    dst,
+                    src,
+                    run.width,
+                    sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE,
+                    &self.stream,
+                )?;
+            } else {
+                self.scratch_op(&mut state, &|x| elementwise::copy_bytes(x, &run))?;
+            }
         }
         Ok(())
     }
@@ -615,25 +655,9 @@ impl iris_plugin::Backend for AscendDevice {
             dst.offset / u64::from(args.width),
             dst.bytes / u64::from(args.width),
         );
-        let mut measure = Exec::measure(self.rt, self.sizing.ptr());
-        elementwise::fill_pattern(&mut measure, dst.buf, offset, count, args.value, args.width)?;
-        let req = measure.requirement();
-        let scratch = if req.total() > 0 {
-            Some(state.memory.transient(req.total())?)
-        } else {
-            None
-        };
-        let base = scratch
-            .as_ref()
-            .map_or(std::ptr::null_mut(), crate::memory::DeviceBlock::ptr);
-        let result = {
-            let mut exec = Exec::run(self.rt, &state.memory, self.stream.raw(), base, req);
-            elementwise::fill_pattern(&mut exec, dst.buf, offset, count, args.value, args.width)
-        };
-        if let Some(block) = scratch {
-            state.memory.retire(block, &self.stream)?;
-        }
-        Ok(result?)
+        self.scratch_op(&mut state, &|x| {
+            elementwise::fill_pattern(x, dst.buf, offset, count, args.value, args.width)
+        })
     }
 
     fn synchronize(&self) -> Result<(), PluginError> {
@@ -1130,6 +1154,49 @@ impl Handles for CastArgs {
 }
 
 /// `aclrtGetSocName()`, e.g. `Ascend910B3`.
+/// Groups copy regions into strided copies: regions between the same two buffers (taken in
+/// their order), of the same length, whose offsets advance by the same strides (the engine's
+/// per-row copies) become one copy of many rows. The caller's regions are independent.
+fn byte_copies(regions: &[CopyRegion]) -> Vec<ByteCopy> {
+    let mut sorted: Vec<&CopyRegion> = regions.iter().filter(|r| r.bytes > 0).collect();
+    sorted.sort_by_key(|r| (r.src.0, r.dst.0));
+    let mut runs: Vec<ByteCopy> = Vec::new();
+    for r in sorted {
+        if let Some(run) = runs.last_mut()
+            && run.src.0 == r.src
+            && run.dst.0 == r.dst
+            && run.width == r.bytes
+            && let Some(src_step) = r.src_offset.checked_sub(run.src.1)
+            && let Some(dst_step) = r.dst_offset.checked_sub(run.dst.1)
+        {
+            // The next row of a run starts one stride after the previous one; the second row
+            // sets the strides. Rows apart by less than their width would overlap.
+            let (src_stride, dst_stride) = if run.rows == 1 {
+                (src_step, dst_step)
+            } else {
+                (run.src.2, run.dst.2)
+            };
+            if src_stride >= r.bytes
+                && dst_stride >= r.bytes
+                && src_step == src_stride * run.rows
+                && dst_step == dst_stride * run.rows
+            {
+                run.src.2 = src_stride;
+                run.dst.2 = dst_stride;
+                run.rows += 1;
+                continue;
+            }
+        }
+        runs.push(ByteCopy {
+            src: (r.src, r.src_offset, r.bytes),
+            dst: (r.dst, r.dst_offset, r.bytes),
+            rows: 1,
+            width: r.bytes,
+        });
+    }
+    runs
+}
+
 fn soc_name(rt: &Runtime) -> Option<String> {
     let get = rt.acl().aclrtGetSocName.as_ref().ok()?;
     // SAFETY: returns a static C string owned by the runtime, or null.

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use common::{Layout, emulator_stats, isolated, open, plugin, use_install};
 use iris_plugin::abi::{
-    Activation, ActivationArgs, AttentionArgs, BufferHandle, BufferSlice, DType, ErrorCode,
-    GatherArgs, MatRef, NormArgs, OpKind, RotaryArgs,
+    Activation, ActivationArgs, AttentionArgs, BufferHandle, BufferSlice, CopyRegion, DType,
+    ErrorCode, GatherArgs, MatRef, NormArgs, OpKind, RotaryArgs,
 };
 use iris_plugin::conformance;
 use iris_plugin::{Device, DeviceError};
@@ -542,6 +542,51 @@ fn a_kernel_fault_is_reported_once_and_later_work_succeeds() {
             assert_eq!(got, vec![3.0, 4.0, 1.0, 2.0]);
             device.synchronize().expect("synchronize");
             assert_eq!(device.mem_info().expect("mem_info").free, baseline);
+        },
+    );
+}
+
+#[test]
+fn copies_at_any_offset_and_per_row_copies_merged() {
+    isolated(
+        "copies_at_any_offset_and_per_row_copies_merged",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let source: Vec<u8> = (0..=255).collect();
+            let src = device.alloc(256).expect("alloc");
+            device.write(src, 0, &source).expect("write");
+            let dst = device.alloc(512).expect("alloc");
+            device.zero(dst, 0, 512).expect("zero");
+            let region = |src_offset, dst_offset, bytes| CopyRegion {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                bytes,
+            };
+            // Per-row copies of 12 bytes, 16 apart in the source and 20 in the destination
+            // (one strided copy), then single copies: unaligned, aligned (a plain
+            // aclrtMemcpyAsync), and unaligned again.
+            let mut regions: Vec<CopyRegion> = (0..6)
+                .map(|row| region(4 + 16 * row, 200 + 20 * row, 12))
+                .collect();
+            regions.push(region(3, 5, 40));
+            regions.push(region(128, 384, 64));
+            regions.push(region(250, 340, 6));
+            device.copy_batch(&regions).expect("copy_batch");
+            let mut got = vec![0u8; 512];
+            device.read(dst, 0, &mut got).expect("read");
+            let mut want = vec![0u8; 512];
+            for r in &regions {
+                let at = |v: u64| usize::try_from(v).expect("a small offset");
+                let (s, d, n) = (at(r.src_offset), at(r.dst_offset), at(r.bytes));
+                want[d..d + n].copy_from_slice(&source[s..s + n]);
+            }
+            assert_eq!(got, want);
+            device.free(src).expect("free");
+            device.free(dst).expect("free");
         },
     );
 }

@@ -24,6 +24,8 @@ pub mod codes {
     pub const RT_CONTEXT_NULL: i32 = 107_002;
     /// `ACL_ERROR_RT_STREAM_CONTEXT`.
     pub const RT_STREAM_CONTEXT: i32 = 107_003;
+    /// `ACL_ERROR_RT_ADDR_UNALIGNED`.
+    pub const RT_ADDR_UNALIGNED: i32 = 107_008;
     /// `ACL_ERROR_RT_FEATURE_NOT_SUPPORT`.
     pub const RT_FEATURE_NOT_SUPPORT: i32 = 207_000;
     /// `ACL_ERROR_RT_MEMORY_ALLOCATION`.

@@ -634,7 +634,12 @@ pub fn memcpy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usiz
     })
 }
 
-/// `aclrtMemcpyAsync`: checked and performed when the stream reaches it.
+/// Alignment `aclrtMemcpyAsync` wants of both addresses of a device-to-device copy.
+pub const D2D_ALIGN: usize = 64;
+
+/// `aclrtMemcpyAsync`: checked and performed when the stream reaches it. A device-to-device
+/// copy between addresses not both 64-byte aligned is refused (107008), as `acl_rt.h`
+/// restricts it.
 pub fn memcpy_async(
     dst: *mut c_void,
     dest_max: usize,
@@ -647,6 +652,16 @@ pub fn memcpy_async(
         let s = stream_in_context(stream)?;
         let k = kind(k)?;
         let (dst, src) = (dst as usize, src as usize);
+        if k == Kind::DeviceToDevice
+            && !(dst.is_multiple_of(D2D_ALIGN) && src.is_multiple_of(D2D_ALIGN))
+        {
+            return Err(EmuError::new(
+                codes::RT_ADDR_UNALIGNED,
+                format!(
+                    "aclrtMemcpyAsync: device-to-device copy from {src:#x} to {dst:#x}: both addresses must be {D2D_ALIGN}-byte aligned"
+                ),
+            ));
+        }
         let job: Job = Box::new(move |dev: &Device| {
             check_copy(dev, dst, dest_max, src, count, k)?;
             // SAFETY: device ranges checked against live blocks; host ranges are the caller's
