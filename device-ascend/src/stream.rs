@@ -4,7 +4,6 @@
 //! streams and events must run on a thread whose current context is theirs; the device sets
 //! its context before dropping them (see `device.rs`).
 
-use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,33 +12,26 @@ use crate::error::AscendError;
 use crate::runtime::Runtime;
 use crate::sys;
 
-/// Opens of each device in this process: `aclrtSetDevice` on the first, `aclrtResetDevice`
-/// after the last. A reset releases everything the process holds on the device, so a second
-/// open of the same NPU must not lose its resources when the first closes.
-static DEVICE_USERS: Mutex<BTreeMap<i32, usize>> = Mutex::new(BTreeMap::new());
-
-/// One open of a device in this process (`aclrtSetDevice`, released with `aclrtResetDevice`
-/// when the last open is dropped).
+/// One open of a device in this process: one `aclrtSetDevice`, undone by one
+/// `aclrtResetDevice` when dropped. The runtime counts sets per device and releases the
+/// device's default context at the last reset, so each open resets exactly once: a second
+/// open of the same NPU keeps its resources when the first closes, and nothing stays behind
+/// after the last.
 pub struct DeviceBinding {
     rt: &'static Runtime,
     id: i32,
 }
 
 impl DeviceBinding {
-    /// Binds device `id` to the calling thread and counts this open.
+    /// Binds device `id` to the calling thread (`aclrtSetDevice`).
     pub fn acquire(rt: &'static Runtime, id: i32) -> Result<DeviceBinding, AscendError> {
-        let mut counts = DEVICE_USERS
-            .lock()
-            .map_err(|_| AscendError::Internal("the device table lock is poisoned".into()))?;
         let set = rt
             .acl()
             .aclrtSetDevice
             .as_ref()
             .map_err(|_| rt.missing("aclrtSetDevice"))?;
-        // SAFETY: a plain call with a device index; the runtime checks the index. Also needed
-        // when the device is already counted, to bind it to this thread.
+        // SAFETY: a plain call with a device index; the runtime checks the index.
         rt.check("aclrtSetDevice", unsafe { set(id) })?;
-        *counts.entry(id).or_insert(0) += 1;
         Ok(DeviceBinding { rt, id })
     }
 
@@ -51,22 +43,9 @@ impl DeviceBinding {
 
 impl Drop for DeviceBinding {
     fn drop(&mut self) {
-        let Ok(mut counts) = DEVICE_USERS.lock() else {
-            return;
-        };
-        let last = match counts.get_mut(&self.id) {
-            Some(count) if *count > 1 => {
-                *count -= 1;
-                false
-            }
-            _ => {
-                counts.remove(&self.id);
-                true
-            }
-        };
-        if last && let Ok(reset) = self.rt.acl().aclrtResetDevice.as_ref() {
+        if let Ok(reset) = self.rt.acl().aclrtResetDevice.as_ref() {
             // SAFETY: every context, stream and event of this open was destroyed before the
-            // binding (field order of the device); no other open of this device remains.
+            // binding (field order of the device); this undoes this open's one set.
             let _ = unsafe { reset(self.id) };
         }
     }

@@ -592,6 +592,31 @@ fn copies_at_any_offset_and_per_row_copies_merged() {
 }
 
 #[test]
+fn overlapping_opens_of_one_npu_release_everything_after_the_last() {
+    isolated(
+        "overlapping_opens_of_one_npu_release_everything_after_the_last",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let plugin = plugin();
+            let first = open(&plugin, 0, &[]);
+            let second = open(&plugin, 0, &[]);
+            drop(first);
+            // The second open keeps its context: the first close undid only its own set.
+            let buf = upload_f32(&second, &[1.5, -2.0]);
+            assert_eq!(download_f32(&second, buf, 2), vec![1.5, -2.0]);
+            second.free(buf).expect("free");
+            drop(second);
+            let stats = emulator_stats(0);
+            assert_eq!(
+                stats.reserved_bytes, 0,
+                "every aclrtSetDevice undone: the default context is released ({stats:?})"
+            );
+        },
+    );
+}
+
+#[test]
 fn a_panic_inside_the_emulated_op_is_an_error_not_a_crash() {
     for when in ["kernel", "phase1"] {
         isolated(

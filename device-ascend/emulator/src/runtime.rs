@@ -48,7 +48,9 @@ pub struct Device {
     /// Bytes held by contexts and streams.
     pub reserved: AtomicU64,
     default_context: OnceLock<usize>,
-    default_open: AtomicBool,
+    /// `aclrtSetDevice` calls not yet matched by `aclrtResetDevice`: the default context is
+    /// held while it is above 0.
+    sets: AtomicU64,
 }
 
 impl Device {
@@ -135,7 +137,7 @@ fn emu() -> Result<&'static Emu, EmuError> {
                 heap: Mutex::new(Heap::new(cfg.hbm)?),
                 reserved: AtomicU64::new(0),
                 default_context: OnceLock::new(),
-                default_open: AtomicBool::new(false),
+                sets: AtomicU64::new(0),
             }));
         }
         let visible = match std::env::var("ASCEND_RT_VISIBLE_DEVICES") {
@@ -262,11 +264,12 @@ pub fn get_device_count(count: *mut u32) -> i32 {
     })
 }
 
-/// `aclrtSetDevice`: opens the device's default context (once) and makes it current.
+/// `aclrtSetDevice`: opens the device's default context (at the first set) and makes it
+/// current. Sets are counted, as on hardware: each needs its own `aclrtResetDevice`.
 pub fn set_device(id: i32) -> i32 {
     entry("aclrtSetDevice", true, || {
         let dev = device(id)?;
-        if !dev.default_open.swap(true, Ordering::SeqCst) {
+        if dev.sets.fetch_add(1, Ordering::SeqCst) == 0 {
             dev.reserve(DEFAULT_CONTEXT_BYTES);
         }
         let ctx = *dev.default_context.get_or_init(|| {
@@ -281,11 +284,16 @@ pub fn set_device(id: i32) -> i32 {
     })
 }
 
-/// `aclrtResetDevice`: releases the default context's memory.
+/// `aclrtResetDevice`: undoes one `aclrtSetDevice`; the last releases the default context's
+/// memory. A reset without a set is a no-op.
 pub fn reset_device(id: i32) -> i32 {
     entry("aclrtResetDevice", true, || {
         let dev = device(id)?;
-        if dev.default_open.swap(false, Ordering::SeqCst) {
+        let before = dev
+            .sets
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .unwrap_or(0);
+        if before == 1 {
             dev.unreserve(DEFAULT_CONTEXT_BYTES);
         }
         CURRENT.with(|c| {
