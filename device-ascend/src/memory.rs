@@ -376,13 +376,7 @@ impl Memory {
                 buf.0
             )));
         };
-        let event = Event::record(self.rt, stream)?;
-        self.pending.push_back(Pending {
-            event,
-            device: vec![block],
-            host: Vec::new(),
-            counted: true,
-        });
+        self.release_after(stream, vec![block], Vec::new(), true)?;
         self.reap()
     }
 
@@ -396,14 +390,36 @@ impl Memory {
 
     /// Releases a transient block once the work enqueued so far is done.
     pub fn retire(&mut self, block: DeviceBlock, stream: &Stream) -> Result<(), AscendError> {
-        let event = Event::record(self.rt, stream)?;
-        self.pending.push_back(Pending {
-            event,
-            device: vec![block],
-            host: Vec::new(),
-            counted: false,
-        });
-        Ok(())
+        self.release_after(stream, vec![block], Vec::new(), false)
+    }
+
+    /// Releases blocks once the work enqueued so far is done: behind an event, or, when no
+    /// event can be recorded (out of event resources), after waiting for the stream, so that
+    /// no queued work is left using them. An error of that wait is returned (the blocks are
+    /// released all the same).
+    fn release_after(
+        &mut self,
+        stream: &Stream,
+        device: Vec<DeviceBlock>,
+        host: Vec<HostBlock>,
+        counted: bool,
+    ) -> Result<(), AscendError> {
+        match Event::record(self.rt, stream) {
+            Ok(event) => {
+                self.pending.push_back(Pending {
+                    event,
+                    device,
+                    host,
+                    counted,
+                });
+                Ok(())
+            }
+            Err(_) => {
+                let waited = stream.synchronize();
+                self.release(device, host, counted);
+                waited
+            }
+        }
     }
 
     /// Releases the blocks whose work is done, oldest first (events complete in order on
@@ -425,7 +441,7 @@ impl Memory {
                 break;
             }
             if let Some(done) = self.pending.pop_front() {
-                self.release(done);
+                self.release(done.device, done.host, done.counted);
             }
         }
         for staging in &mut self.staging {
@@ -441,7 +457,7 @@ impl Memory {
     /// Releases everything pending; the caller synchronised the stream (or destroyed it).
     pub fn reap_all(&mut self) {
         while let Some(done) = self.pending.pop_front() {
-            self.release(done);
+            self.release(done.device, done.host, done.counted);
         }
         for staging in &mut self.staging {
             staging.busy = None;
@@ -490,7 +506,15 @@ impl Memory {
                 )
             };
             self.rt.check("aclrtMemcpyAsync", code)?;
-            self.staging[slot].busy = Some(Event::record(self.rt, stream)?);
+            self.staging[slot].busy = match Event::record(self.rt, stream) {
+                Ok(event) => Some(event),
+                // Without an event to say when the copy has read the staging block, wait
+                // for it before the block can be reused.
+                Err(_) => {
+                    stream.synchronize()?;
+                    None
+                }
+            };
         }
         Ok(())
     }
@@ -596,13 +620,7 @@ impl Memory {
         let Some(block) = self.host.remove(&id.0) else {
             return Ok(false);
         };
-        let event = Event::record(self.rt, stream)?;
-        self.pending.push_back(Pending {
-            event,
-            device: Vec::new(),
-            host: vec![block],
-            counted: false,
-        });
+        self.release_after(stream, Vec::new(), vec![block], false)?;
         self.reap()?;
         Ok(true)
     }
@@ -620,15 +638,15 @@ impl Memory {
         self.overhead = 0;
     }
 
-    fn release(&mut self, done: Pending) {
-        for block in done.device.iter().filter(|_| done.counted) {
+    fn release(&mut self, device: Vec<DeviceBlock>, host: Vec<HostBlock>, counted: bool) {
+        for block in device.iter().filter(|_| counted) {
             self.allocated = self.allocated.saturating_sub(block.bytes());
             self.buffer_count = self.buffer_count.saturating_sub(1);
             self.overhead = self.overhead.saturating_sub(block.overhead());
         }
         // The blocks go back to the runtime here: aclrtFree and aclrtFreeHost on drop.
-        drop(done.host);
-        drop(done.device);
+        drop(host);
+        drop(device);
     }
 
     /// One device block. `aclrtMallocAlign32` where the runtime has it; a runtime that

@@ -617,6 +617,35 @@ fn overlapping_opens_of_one_npu_release_everything_after_the_last() {
 }
 
 #[test]
+fn a_free_without_an_event_waits_for_the_queue_first() {
+    isolated(
+        "a_free_without_an_event_waits_for_the_queue_first",
+        &[
+            ("ASCEND_EMU_HBM", HBM),
+            ("ASCEND_EMU_MAX_EVENTS", "0"),
+            ("ASCEND_EMU_QUEUE_DELAY_US", "20000"),
+        ],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let buf = device.alloc(1 << 20).expect("alloc");
+            device
+                .zero(buf, 0, 1 << 20)
+                .expect("queue work on the block");
+            // No event can be recorded behind the fill: the free must not release the block
+            // under the queued fill.
+            device.free(buf).expect("free");
+            device.synchronize().expect("the fill ran on live memory");
+            assert_eq!(
+                emulator_stats(0).device_blocks,
+                1,
+                "only the sizing block is left"
+            );
+        },
+    );
+}
+
+#[test]
 fn a_panic_inside_the_emulated_op_is_an_error_not_a_crash() {
     for when in ["kernel", "phase1"] {
         isolated(

@@ -11,6 +11,7 @@
 //! | `ASCEND_EMU_NO_MALLOC_ALIGN32` | `1`: `aclrtMallocAlign32` answers 207000 (not supported), as on a runtime without it | off |
 //! | `ASCEND_EMU_FAIL_OP` | an aclnn op (`aclnnSoftmax`) fails: its N-th kernel (`ASCEND_EMU_FAIL_OP_AT`, default 1) reports 507015 at the next synchronisation, or with `ASCEND_EMU_FAIL_OP_WHEN=launch` its N-th launch returns 561000 | off |
 //! | `ASCEND_EMU_PANIC_OP` | an aclnn op panics inside the emulation: its N-th kernel (`ASCEND_EMU_PANIC_OP_AT`, default 1) or, with `ASCEND_EMU_PANIC_OP_WHEN=phase1`, its N-th first phase; the emulation catches it and reports an error, as a C library must | off |
+//! | `ASCEND_EMU_MAX_EVENTS` | at most this many events live; `aclrtCreateEvent` beyond it fails with 207007 (no event resource) | unbounded |
 //! | `ASCEND_EMU_QUEUE_DELAY_US` | a pause before each queued task, to make missing synchronisation show | 0 |
 //!
 //! `ASCEND_RT_VISIBLE_DEVICES` is applied as the real runtime applies it.
@@ -56,6 +57,8 @@ pub struct Config {
     pub panic_op: Option<(String, u64, When)>,
     /// Pause before each queued task, in microseconds.
     pub queue_delay_us: u64,
+    /// Most events live at once.
+    pub max_events: Option<u64>,
 }
 
 impl Config {
@@ -105,6 +108,7 @@ pub fn get() -> &'static Config {
                 )
             }),
             queue_delay_us: number("ASCEND_EMU_QUEUE_DELAY_US").unwrap_or(0),
+            max_events: var("ASCEND_EMU_MAX_EVENTS").and_then(|v| v.trim().parse().ok()),
         }
     })
 }

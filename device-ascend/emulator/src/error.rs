@@ -30,6 +30,8 @@ pub mod codes {
     pub const RT_FEATURE_NOT_SUPPORT: i32 = 207_000;
     /// `ACL_ERROR_RT_MEMORY_ALLOCATION`.
     pub const RT_MEMORY_ALLOCATION: i32 = 207_001;
+    /// `ACL_ERROR_RT_NO_EVENT_RESOURCE`.
+    pub const RT_NO_EVENT_RESOURCE: i32 = 207_007;
     /// `ACL_ERROR_RT_MEMORY_FREE`.
     pub const RT_MEMORY_FREE: i32 = 207_002;
     /// `ACL_ERROR_RT_INTERNAL_ERROR`.

@@ -120,6 +120,8 @@ struct Emu {
 
 static EMU: OnceLock<Result<Emu, String>> = OnceLock::new();
 static INITIALISED: AtomicBool = AtomicBool::new(false);
+/// Events created and not destroyed.
+static LIVE_EVENTS: AtomicU64 = AtomicU64::new(0);
 static MALLOCS: AtomicU64 = AtomicU64::new(0);
 static PINNED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 
@@ -715,6 +717,15 @@ pub fn memset_async(
 pub fn create_event(event: *mut *mut c_void) -> i32 {
     entry("aclrtCreateEvent", true, || {
         current()?;
+        if let Some(max) = config::get().max_events
+            && LIVE_EVENTS.load(Ordering::SeqCst) >= max
+        {
+            return Err(EmuError::new(
+                codes::RT_NO_EVENT_RESOURCE,
+                format!("no event resource: {max} events live (ASCEND_EMU_MAX_EVENTS)"),
+            ));
+        }
+        LIVE_EVENTS.fetch_add(1, Ordering::SeqCst);
         let handle = Box::into_raw(Box::new(Event {
             magic: EVENT_MAGIC,
             recorded: Mutex::new(None),
@@ -742,6 +753,7 @@ pub fn destroy_event(event: *mut c_void) -> i32 {
         // SAFETY: a live event from `create_event`, destroyed once.
         let mut boxed = unsafe { Box::from_raw(event.cast::<Event>()) };
         boxed.magic = 0;
+        LIVE_EVENTS.fetch_sub(1, Ordering::SeqCst);
         Ok(())
     })
 }
