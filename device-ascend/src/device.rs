@@ -1027,15 +1027,21 @@ impl AscendDevice {
 impl Drop for AscendDevice {
     fn drop(&mut self) {
         // Teardown needs the context current on this thread and the queue idle; buffers the
-        // host did not free are released here (a safety net: the host frees first).
-        if let Ok(mut state) = self.state.lock() {
-            let _ = self.context.make_current();
-            if let Err(err) = self.stream.synchronize() {
-                self.log.warn(format!("closing: queued work failed: {err}"));
-            }
-            state.fences.clear();
-            state.memory.clear();
+        // host did not free are released here (a safety net: the host frees first). A panic
+        // while the lock was held poisons it but leaves the state whole (every change to it
+        // completes before anything that can panic), so the same shutdown runs on it.
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Err(err) = self.context.make_current() {
+            self.log.warn(format!("closing: {err}"));
         }
+        if let Err(err) = self.stream.synchronize() {
+            self.log.warn(format!("closing: queued work failed: {err}"));
+        }
+        state.fences.clear();
+        state.memory.clear();
         self.log.debug(format!(
             "closing NPU {} (device {})",
             self.ordinal,
