@@ -343,19 +343,23 @@ impl AscendDevice {
         paths: &dyn Fn(&C) -> Vec<Path>,
         body: &dyn Fn(&mut Exec<'_>, &C, Path) -> Result<(), AscendError>,
     ) -> Result<(Requirement, Path), PluginError> {
-        let key = format!("{name}:{:?}", args.map_handles(&mut |h| h.0.min(1)));
+        let key = requirement_key(name, args);
         if let Some(found) = state.requirements.get(&key) {
             return Ok(*found);
         }
         let shapes = Checker::shapes_only(name);
         let given = check(&shapes, args)?;
         let mut next = 0u64;
-        let distinct_args = args.map_handles(&mut |h| {
-            if h.0 == 0 {
+        let distinct_args = args.map_mats(&mut |m| {
+            let buf = if m.buf.0 == 0 {
                 0
             } else {
                 next += 1;
                 next
+            };
+            MatRef {
+                buf: BufferHandle(buf),
+                ..*m
             }
         });
         let distinct = check(&shapes, &distinct_args)?;
@@ -1050,26 +1054,19 @@ impl Drop for AscendDevice {
     }
 }
 
-/// Operand handles of an op's arguments, rewritten: for the workspace memo's key (every
-/// non-null handle the same) and for measuring without aliasing (every one distinct).
+/// Operands of an op's arguments, rewritten: for the workspace memo's key (see
+/// [`requirement_key`]) and for measuring without aliasing (every handle distinct).
 trait Handles: Sized + std::fmt::Debug {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self;
-}
-
-fn remap(m: &MatRef, f: &mut dyn FnMut(BufferHandle) -> u64) -> MatRef {
-    MatRef {
-        buf: BufferHandle(f(m.buf)),
-        ..*m
-    }
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self;
 }
 
 impl Handles for GemmArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         GemmArgs {
-            a: remap(&self.a, f),
-            w: remap(&self.w, f),
-            bias: remap(&self.bias, f),
-            out: remap(&self.out, f),
+            a: f(&self.a),
+            w: f(&self.w),
+            bias: f(&self.bias),
+            out: f(&self.out),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -1077,12 +1074,12 @@ impl Handles for GemmArgs {
 }
 
 impl Handles for NormArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         NormArgs {
-            x: remap(&self.x, f),
-            weight: remap(&self.weight, f),
-            bias: remap(&self.bias, f),
-            out: remap(&self.out, f),
+            x: f(&self.x),
+            weight: f(&self.weight),
+            bias: f(&self.bias),
+            out: f(&self.out),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -1090,10 +1087,10 @@ impl Handles for NormArgs {
 }
 
 impl Handles for ActivationArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         ActivationArgs {
-            x: remap(&self.x, f),
-            out: remap(&self.out, f),
+            x: f(&self.x),
+            out: f(&self.out),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -1101,11 +1098,11 @@ impl Handles for ActivationArgs {
 }
 
 impl Handles for BinaryArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         BinaryArgs {
-            a: remap(&self.a, f),
-            b: remap(&self.b, f),
-            out: remap(&self.out, f),
+            a: f(&self.a),
+            b: f(&self.b),
+            out: f(&self.out),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -1113,11 +1110,11 @@ impl Handles for BinaryArgs {
 }
 
 impl Handles for RotaryArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         RotaryArgs {
-            x: remap(&self.x, f),
-            cos: remap(&self.cos, f),
-            sin: remap(&self.sin, f),
+            x: f(&self.x),
+            cos: f(&self.cos),
+            sin: f(&self.sin),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -1125,13 +1122,13 @@ impl Handles for RotaryArgs {
 }
 
 impl<'a> Handles for AttentionArgs<'a> {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         AttentionArgs {
-            q: remap(&self.q, f),
-            k: remap(&self.k, f),
-            v: remap(&self.v, f),
-            out: remap(&self.out, f),
-            cu_seqlens_device: remap(&self.cu_seqlens_device, f),
+            q: f(&self.q),
+            k: f(&self.k),
+            v: f(&self.v),
+            out: f(&self.out),
+            cu_seqlens_device: f(&self.cu_seqlens_device),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -1139,27 +1136,49 @@ impl<'a> Handles for AttentionArgs<'a> {
 }
 
 impl Handles for GatherArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         GatherArgs {
-            src: remap(&self.src, f),
-            out: remap(&self.out, f),
-            indices: remap(&self.indices, f),
+            src: f(&self.src),
+            out: f(&self.out),
+            indices: f(&self.indices),
             workspace: BufferSlice::EMPTY,
         }
     }
 }
 
 impl Handles for CastArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         CastArgs {
-            src: remap(&self.src, f),
-            out: remap(&self.out, f),
+            src: f(&self.src),
+            out: f(&self.out),
             workspace: BufferSlice::EMPTY,
         }
     }
 }
 
-/// `aclrtGetSocName()`, e.g. `Ascend910B3`.
+/// The workspace memo's key of a call: its shapes, strides, dtypes and other arguments, and
+/// which operands share a buffer, but not the buffers themselves nor the offsets in them, on
+/// which no workspace depends; so a call at a new offset reuses the measurement.
+fn requirement_key<A: Handles>(name: &str, args: &A) -> String {
+    let mut seen: Vec<BufferHandle> = Vec::new();
+    let keyed = args.map_mats(&mut |m| {
+        let label = if m.buf.0 == 0 {
+            0
+        } else if let Some(at) = seen.iter().position(|b| *b == m.buf) {
+            at as u64 + 1
+        } else {
+            seen.push(m.buf);
+            seen.len() as u64
+        };
+        MatRef {
+            buf: BufferHandle(label),
+            offset: 0,
+            ..*m
+        }
+    });
+    format!("{name}:{keyed:?}")
+}
+
 /// Groups copy regions into strided copies: regions between the same two buffers (taken in
 /// their order), of the same length, whose offsets advance by the same strides (the engine's
 /// per-row copies) become one copy of many rows. The caller's regions are independent.
@@ -1203,6 +1222,7 @@ fn byte_copies(regions: &[CopyRegion]) -> Vec<ByteCopy> {
     runs
 }
 
+/// `aclrtGetSocName()`, e.g. `Ascend910B3`.
 fn soc_name(rt: &Runtime) -> Option<String> {
     let get = rt.acl().aclrtGetSocName.as_ref().ok()?;
     // SAFETY: returns a static C string owned by the runtime, or null.

@@ -118,7 +118,23 @@ pub struct Stream {
     /// The handle; replaced by `rebuild` under the device's lock.
     raw: AtomicPtr<c_void>,
     fault: Fault,
+    /// Events done with, kept for the next record.
+    pool: EventPool,
 }
+
+/// An event handle.
+struct RawEvent(sys::aclrtEvent);
+
+// SAFETY: an event handle may be used from any thread whose current context is its own; the
+// device serialises its use.
+unsafe impl Send for RawEvent {}
+
+/// Idle events, recorded again instead of creating one per free, scratch release, staging
+/// copy and fence. Bounded by [`EVENT_POOL`]; destroyed with the stream.
+type EventPool = Arc<Mutex<Vec<RawEvent>>>;
+
+/// Most idle events kept.
+const EVENT_POOL: usize = 256;
 
 /// The first task fault met on a stream, shared with the stream's events.
 type Fault = Arc<Mutex<Option<AscendError>>>;
@@ -136,6 +152,7 @@ impl Stream {
             rt,
             raw: AtomicPtr::new(create_stream(rt)?),
             fault: Arc::new(Mutex::new(None)),
+            pool: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
@@ -214,6 +231,16 @@ fn note_fault(fault: &Fault, result: Result<(), AscendError>) -> Result<(), Asce
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        // Events go before their stream (CANN's teardown order); every event of the device was
+        // dropped into the pool before the stream (field order of the device).
+        if let Ok(mut pool) = self.pool.lock()
+            && let Ok(destroy) = self.rt.acl().aclrtDestroyEvent.as_ref()
+        {
+            for event in pool.drain(..) {
+                // SAFETY: an idle event of this stream, destroyed once.
+                let _ = unsafe { destroy(event.0) };
+            }
+        }
         // The device synchronised the stream and made its context current before dropping it.
         let _ = destroy_stream(self.rt, self.raw());
     }
@@ -226,6 +253,8 @@ pub struct Event {
     raw: sys::aclrtEvent,
     /// Its stream's fault note.
     fault: Fault,
+    /// Where it goes back when dropped.
+    pool: EventPool,
 }
 
 // SAFETY: as for streams.
@@ -234,7 +263,8 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 impl Event {
-    /// Creates an event and records it on `stream` after the work enqueued so far.
+    /// Takes an idle event of `stream` (or creates one) and records it on `stream` after the
+    /// work enqueued so far.
     pub fn record(rt: &'static Runtime, stream: &Stream) -> Result<Event, AscendError> {
         let create = rt
             .acl()
@@ -246,13 +276,21 @@ impl Event {
             .aclrtRecordEvent
             .as_ref()
             .map_err(|_| rt.missing("aclrtRecordEvent"))?;
-        let mut raw: sys::aclrtEvent = std::ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer.
-        rt.check("aclrtCreateEvent", unsafe { create(&mut raw) })?;
+        let pooled = stream.pool.lock().ok().and_then(|mut pool| pool.pop());
+        let raw = match pooled {
+            Some(event) => event.0,
+            None => {
+                let mut raw: sys::aclrtEvent = std::ptr::null_mut();
+                // SAFETY: `raw` is a valid out-pointer.
+                rt.check("aclrtCreateEvent", unsafe { create(&mut raw) })?;
+                raw
+            }
+        };
         let event = Event {
             rt,
             raw,
             fault: Arc::clone(&stream.fault),
+            pool: Arc::clone(&stream.pool),
         };
         // SAFETY: both handles are live and belong to the current context.
         let recorded = rt.check("aclrtRecordEvent", unsafe {
@@ -298,6 +336,13 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
+        // Back to the pool: recording it again is allowed once nothing waits on it.
+        if let Ok(mut pool) = self.pool.lock()
+            && pool.len() < EVENT_POOL
+        {
+            pool.push(RawEvent(self.raw));
+            return;
+        }
         if let Ok(destroy) = self.rt.acl().aclrtDestroyEvent.as_ref() {
             // SAFETY: the event is live; destroying a recorded event is allowed once the
             // caller no longer waits on it.

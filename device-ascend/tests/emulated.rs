@@ -646,6 +646,83 @@ fn a_free_without_an_event_waits_for_the_queue_first() {
 }
 
 #[test]
+fn a_call_at_a_new_offset_reuses_the_workspace_measurement() {
+    isolated(
+        "a_call_at_a_new_offset_reuses_the_workspace_measurement",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let buf = upload_f32(&device, &[0.5; 64]);
+            let ws = device.alloc(1 << 20).expect("alloc workspace");
+            // First phases a gelu over 16 values at element `offset` makes, workspace query
+            // and run.
+            let gelu_at = |offset: u64| {
+                let before = emulator_stats(0).first_phases;
+                let x = MatRef::contiguous(buf, offset * 4, DType::F32, 1, 16);
+                let mut args = ActivationArgs {
+                    x,
+                    out: x,
+                    activation: Activation::GELU_TANH,
+                    workspace: BufferSlice::EMPTY,
+                };
+                let bytes = device.activation_workspace(&args).expect("workspace");
+                args.workspace = BufferSlice {
+                    buf: ws,
+                    offset: 0,
+                    bytes,
+                };
+                device.activation(&args).expect("activation");
+                emulator_stats(0).first_phases - before
+            };
+            let first = gelu_at(0);
+            // A second call at the same offset reuses the measurement: only the run's own
+            // first phases.
+            let run = gelu_at(0);
+            assert!(
+                first > run,
+                "the first call measures its workspace: {first} vs {run}"
+            );
+            // The same shapes at other offsets: the same.
+            for offset in [16, 32, 48] {
+                assert_eq!(
+                    gelu_at(offset),
+                    run,
+                    "first phases of a call at offset {offset}"
+                );
+            }
+            device.synchronize().expect("synchronize");
+            device.free(ws).expect("free");
+            device.free(buf).expect("free");
+        },
+    );
+}
+
+#[test]
+fn frees_and_uploads_reuse_events() {
+    isolated(
+        "frees_and_uploads_reuse_events",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let before = emulator_stats(0).events_created;
+            for _ in 0..20 {
+                let buf = device.alloc(4096).expect("alloc");
+                device.write(buf, 0, &[7u8; 4096]).expect("write");
+                device.free(buf).expect("free");
+                device.synchronize().expect("synchronize");
+            }
+            let created = emulator_stats(0).events_created - before;
+            assert!(
+                created <= 2,
+                "{created} events created for 20 uploads and 20 frees"
+            );
+        },
+    );
+}
+
+#[test]
 fn a_panic_inside_the_emulated_op_is_an_error_not_a_crash() {
     for when in ["kernel", "phase1"] {
         isolated(

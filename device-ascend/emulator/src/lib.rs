@@ -52,6 +52,10 @@ pub struct EmuStats {
     pub reserved_bytes: u64,
     /// Live `aclrtMallocHost` bytes.
     pub pinned_bytes: u64,
+    /// First phases (`aclnnXxxGetWorkspaceSize`) of this library copy so far.
+    pub first_phases: u64,
+    /// Events created so far.
+    pub events_created: u64,
 }
 
 /// The emulation's counters, for physical NPU `device`.
@@ -67,6 +71,8 @@ pub fn stats(device: usize) -> EmuStats {
         device_bytes: bytes,
         reserved_bytes: reserved,
         pinned_bytes: runtime::pinned_bytes(),
+        first_phases: ops::first_phases(),
+        events_created: runtime::events_created(),
     }
 }
 

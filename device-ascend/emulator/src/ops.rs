@@ -119,12 +119,20 @@ pub unsafe fn phase1(
 }
 
 /// [`phase1`] for callers whose own contract covers the out-pointers.
+/// First phases (`aclnnXxxGetWorkspaceSize` calls) of this library copy so far.
+pub fn first_phases() -> u64 {
+    FIRST_PHASES.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+static FIRST_PHASES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 fn first_phase(
     name: &'static str,
     workspace_size: *mut u64,
     executor: *mut *mut Executor,
     build: impl FnOnce() -> Result<(u64, Kernel), EmuError>,
 ) -> i32 {
+    FIRST_PHASES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     // SAFETY: every exported first phase documents writable out-pointers as its contract.
     unsafe { phase1(name, workspace_size, executor, build) }
 }

@@ -122,6 +122,13 @@ static EMU: OnceLock<Result<Emu, String>> = OnceLock::new();
 static INITIALISED: AtomicBool = AtomicBool::new(false);
 /// Events created and not destroyed.
 static LIVE_EVENTS: AtomicU64 = AtomicU64::new(0);
+/// Events created so far.
+static EVENTS_CREATED: AtomicU64 = AtomicU64::new(0);
+
+/// `aclrtCreateEvent` calls that succeeded so far.
+pub fn events_created() -> u64 {
+    EVENTS_CREATED.load(Ordering::SeqCst)
+}
 static MALLOCS: AtomicU64 = AtomicU64::new(0);
 static PINNED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 
@@ -726,6 +733,7 @@ pub fn create_event(event: *mut *mut c_void) -> i32 {
             ));
         }
         LIVE_EVENTS.fetch_add(1, Ordering::SeqCst);
+        EVENTS_CREATED.fetch_add(1, Ordering::SeqCst);
         let handle = Box::into_raw(Box::new(Event {
             magic: EVENT_MAGIC,
             recorded: Mutex::new(None),
