@@ -12,6 +12,7 @@
 //! | `ASCEND_EMU_FAIL_OP` | an aclnn op (`aclnnSoftmax`) fails: its N-th kernel (`ASCEND_EMU_FAIL_OP_AT`, default 1) reports 507015 at the next synchronisation, or with `ASCEND_EMU_FAIL_OP_WHEN=launch` its N-th launch returns 561000 | off |
 //! | `ASCEND_EMU_PANIC_OP` | an aclnn op panics inside the emulation: its N-th kernel (`ASCEND_EMU_PANIC_OP_AT`, default 1) or, with `ASCEND_EMU_PANIC_OP_WHEN=phase1`, its N-th first phase; the emulation catches it and reports an error, as a C library must | off |
 //! | `ASCEND_EMU_MAX_EVENTS` | at most this many events live; `aclrtCreateEvent` beyond it fails with 207007 (no event resource) | unbounded |
+//! | `ASCEND_EMU_STATS_AT_EXIT` | `1`: print the first phases and events created at process exit, to stderr | off |
 //! | `ASCEND_EMU_QUEUE_DELAY_US` | a pause before each queued task, to make missing synchronisation show | 0 |
 //!
 //! `ASCEND_RT_VISIBLE_DEVICES` is applied as the real runtime applies it.
@@ -59,6 +60,8 @@ pub struct Config {
     pub queue_delay_us: u64,
     /// Most events live at once.
     pub max_events: Option<u64>,
+    /// Print counters at exit.
+    pub stats_at_exit: bool,
 }
 
 impl Config {
@@ -109,6 +112,7 @@ pub fn get() -> &'static Config {
             }),
             queue_delay_us: number("ASCEND_EMU_QUEUE_DELAY_US").unwrap_or(0),
             max_events: var("ASCEND_EMU_MAX_EVENTS").and_then(|v| v.trim().parse().ok()),
+            stats_at_exit: var("ASCEND_EMU_STATS_AT_EXIT").is_some_and(|v| v.trim() == "1"),
         }
     })
 }

@@ -257,7 +257,21 @@ pub fn init() -> i32 {
             "aclInit was already called in this process",
         ));
     }
+    if config::get().stats_at_exit {
+        // SAFETY: registers a plain function without arguments, run once at exit.
+        unsafe { libc::atexit(print_stats) };
+    }
     codes::SUCCESS
+}
+
+/// Prints the process's counters to stderr (`ASCEND_EMU_STATS_AT_EXIT`), for measuring a
+/// whole run of a program that loads the emulation.
+extern "C" fn print_stats() {
+    eprintln!(
+        "emulated CANN: {} first phases, {} events created",
+        crate::ops::first_phases(),
+        events_created()
+    );
 }
 
 /// `aclFinalize`: the emulation keeps its state (the process may initialise again).
