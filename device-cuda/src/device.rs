@@ -25,11 +25,21 @@ use crate::loader::{self, Library};
 use crate::memory::{DeviceView, Fences, HostBuffers, Memory};
 use crate::ops::Compute;
 
-/// The oldest driver API version the plugin runs on (CUDA 12.0, as `cuDriverGetVersion` writes
-/// it): the entry points it calls are those of CUDA 12.x.
-pub const MIN_DRIVER_VERSION: i32 = 12000;
-/// The oldest compute capability the kernels and cuBLASLt paths are written for (Volta).
-pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (7, 0);
+/// The oldest driver API version the plugin runs on (as `cuDriverGetVersion` writes it): the
+/// first release of the build's CUDA major, whose entry points its bindings call (CUDA 13's
+/// bindings call `_v2` entry points that 12.x drivers lack).
+pub const MIN_DRIVER_VERSION: i32 = if loader::cuda_major() == 13 {
+    13000
+} else {
+    12000
+};
+/// The oldest compute capability the kernels and cuBLASLt paths are written for: Volta with
+/// CUDA 12; CUDA 13's libraries and NVRTC start at Turing.
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = if loader::cuda_major() == 13 {
+    (7, 5)
+} else {
+    (7, 0)
+};
 /// The compute capability from which bf16 is offered (cuBLASLt has no bf16 GEMM before Ampere).
 pub const BF16_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
 
@@ -277,7 +287,7 @@ impl CudaDevice {
             ),
             Property::new(property::COMPUTE_UNITS, self.info.sms),
             Property::new(property::QUEUE, "async"),
-            Property::new("cuda_api_version", "12.4"),
+            Property::new("cuda_api_version", version_text(loader::cuda_api_version())),
         ];
         if self.info.bandwidth > 0 {
             properties.push(Property::new(

@@ -124,12 +124,26 @@ fn open() -> Device {
     // Children share the folder: the cache writes a temporary file and renames it.
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ops-kernel-cache");
     let cache = Cache::new(Some(dir.clone()));
-    // The stand-in is compute capability 8.0 with driver 12.4.
-    cache.store(Target::Cubin(80), 12040, b"emulated").unwrap();
+    // The stand-in is compute capability 8.0 with the driver version of the build's CUDA major.
+    cache
+        .store(
+            Target::Cubin(80),
+            common::standin_driver_version(),
+            b"emulated",
+        )
+        .unwrap();
     let plugin = load_library(&plugin_library()).unwrap();
     let options = vec![("kernel_cache".to_owned(), dir.display().to_string())];
     let device = plugin.open(0, &options).expect("opens with ops");
-    assert_eq!(device.description().ops.len(), 9, "every op is listed");
+    let desc = device.description();
+    assert_eq!(desc.ops.len(), 9, "every op is listed");
+    // `iris devices` shows which CUDA libraries were loaded.
+    let major = common::cuda_major();
+    let libraries = desc.property("cuda_libraries").unwrap_or_default();
+    assert!(
+        libraries.starts_with(&format!("CUDA {major} (cuBLAS {major}.0.0")),
+        "{libraries}"
+    );
     let report = device.memory_report().unwrap();
     let held: Vec<&str> = report.held.iter().map(|(what, _)| what.as_str()).collect();
     assert!(

@@ -109,6 +109,21 @@ fn opening_for_ops_without_cublas_is_a_clear_error() {
 }
 
 #[test]
+fn a_host_with_only_the_other_cuda_majors_libraries_is_told_which_build_loads_them() {
+    run("other_major", &[], Libraries::OtherMajor);
+}
+
+#[test]
+fn a_cublas_of_another_major_under_this_builds_name_is_refused() {
+    let other = (common::other_major() * 10_000).to_string();
+    run(
+        "mismatched_blas",
+        &[("IRIS_STANDIN_CUBLAS_VERSION", &other)],
+        Libraries::Full,
+    );
+}
+
+#[test]
 fn staging_buffers_are_pinned_and_round_trip() {
     run("staging", &[], Libraries::Driver);
 }
@@ -184,8 +199,13 @@ fn scenario() {
         "hidden" => refused(&plugin, "CUDA_VISIBLE_DEVICES is set and empty"),
         "old_driver" => refused(
             &plugin,
-            "the driver supports CUDA 11.8, this plugin needs 12.0",
+            &format!(
+                "the driver supports CUDA 11.8, this plugin needs {}.0",
+                common::cuda_major()
+            ),
         ),
+        "other_major" => other_major(&plugin),
+        "mismatched_blas" => mismatched_blas(&plugin),
         "memory" => memory(&plugin),
         "oom" => oom(&plugin),
         "copy_failure" => copy_failure(&plugin),
@@ -236,7 +256,11 @@ fn memory(plugin: &Plugin) {
     );
     assert!(desc.dtypes.contains(&DType::BF16) && desc.dtypes.contains(&DType::I32));
     assert_eq!(desc.property(property::COMPUTE_CAPABILITY), Some("8.0"));
-    assert_eq!(desc.property(property::DRIVER_VERSION), Some("12.4"));
+    let driver = iris_device_cuda::device::version_text(common::standin_driver_version());
+    assert_eq!(
+        desc.property(property::DRIVER_VERSION),
+        Some(driver.as_str())
+    );
     assert_eq!(desc.property(property::COMPUTE_UNITS), Some("4"));
     assert_eq!(desc.property(property::QUEUE), Some("async"));
     // 1 GHz memory clock, DDR, 256-bit bus.
@@ -382,6 +406,32 @@ fn no_blas(plugin: &Plugin) {
         err.code == ErrorCode::UNAVAILABLE || err.code == ErrorCode::INTERNAL,
         "{err}"
     );
+}
+
+fn other_major(plugin: &Plugin) {
+    assert_eq!(plugin.probe().device_count, 1);
+    let err = plugin.open(0, &[]).unwrap_err();
+    let (major, other) = (common::cuda_major(), common::other_major());
+    // cudarc's candidates end with `.so.12` in every build: the CUDA 13 build opens CUDA 12's
+    // library and refuses it by its version; the CUDA 12 build finds no library of its name.
+    let why = [
+        format!("libcublasLt.so.{major} not found"),
+        format!("cuBLAS {other}.x was loaded"),
+    ];
+    assert!(why.iter().any(|part| err.message.contains(part)), "{err}");
+    let hint = format!("the CUDA {other} build (`--features cuda-{other}`");
+    assert!(err.message.contains(&hint), "`{hint}` in: {err}");
+    // Memory-only needs neither library.
+    plugin.open(0, &memory_only()).expect("memory-only opens");
+}
+
+fn mismatched_blas(plugin: &Plugin) {
+    let err = plugin.open(0, &[]).unwrap_err();
+    let (major, other) = (common::cuda_major(), common::other_major());
+    let expected =
+        format!("cuBLAS {other}.x was loaded, but this is the plugin's CUDA {major} build");
+    assert!(err.message.contains(&expected), "{err}");
+    assert_eq!(err.code, ErrorCode::UNSUPPORTED, "{err}");
 }
 
 fn staging(plugin: &Plugin) {

@@ -64,6 +64,8 @@ pub struct Compute {
     kernel_origin: String,
     cublas_version: i32,
     cublaslt_version: usize,
+    /// NVRTC's `(major, minor)`, when it was loaded (not when the kernels came from the cache).
+    nvrtc_version: Option<(i32, i32)>,
 }
 
 // SAFETY: the library handles, module and device addresses are driver objects usable from any
@@ -103,9 +105,19 @@ impl Compute {
             .map_err(|e| CudaError::blas("cublasGetVersion", e))?;
         // SAFETY: a plain query without arguments.
         let cublaslt_version = unsafe { cublaslt_sys::cublasLtGetVersion() };
+        // cudarc tries an unversioned `libcublas.so` first, which may be any release.
+        check_major(Library::Cublas, library_major(i64::from(cublas_version)))?;
+        check_major(
+            Library::CublasLt,
+            library_major(i64::try_from(cublaslt_version).unwrap_or(i64::MAX)),
+        )?;
 
         let before = used()?;
-        let (module, kernel_origin) = load_kernels(info, options, log)?;
+        let LoadedKernels {
+            module,
+            origin: kernel_origin,
+            nvrtc_version,
+        } = load_kernels(info, options, log)?;
         let growth = used()?.saturating_sub(before);
         held.push(HeldMemory {
             what: "kernels".into(),
@@ -128,17 +140,33 @@ impl Compute {
             kernel_origin,
             cublas_version,
             cublaslt_version,
+            nvrtc_version,
         })
     }
 
     /// Plugin-specific description properties.
     pub(crate) fn properties(&self) -> Vec<Property> {
         vec![
+            Property::new("cuda_libraries", self.libraries_text()),
             Property::new("cublas_version", self.cublas_version),
             Property::new("cublaslt_version", self.cublaslt_version),
             Property::new("kernels", &self.kernel_origin),
             Property::new("f32_gemm", if self.tf32 { "tf32" } else { "f32" }),
         ]
+    }
+
+    /// Which CUDA user-space libraries were loaded: `CUDA 13 (cuBLAS 13.0.2, NVRTC 13.0)`.
+    fn libraries_text(&self) -> String {
+        let mut text = format!(
+            "CUDA {} (cuBLAS {}",
+            loader::cuda_major(),
+            release_text(i64::from(self.cublas_version))
+        );
+        match self.nvrtc_version {
+            Some((major, minor)) => text.push_str(&format!(", NVRTC {major}.{minor})")),
+            None => text.push_str(", kernels from the cache without NVRTC)"),
+        }
+        text
     }
 
     /// Device bytes of the copy descriptor buffer.
@@ -531,17 +559,61 @@ impl CudaDevice {
     }
 }
 
-/// Compiles or loads from the cache the kernel module for the device; returns it and where it
-/// came from, for the description.
+/// The major of a cuBLAS(Lt) version number (`130002` is 13.0.2).
+fn library_major(version: i64) -> i64 {
+    version / 10_000
+}
+
+/// `130002` as `13.0.2`.
+fn release_text(version: i64) -> String {
+    format!(
+        "{}.{}.{}",
+        version / 10_000,
+        (version % 10_000) / 100,
+        version % 100
+    )
+}
+
+/// Refuses a library of another CUDA major than the build's (its ABI may differ).
+fn check_major(library: Library, major: i64) -> Result<(), CudaError> {
+    if major == i64::from(loader::cuda_major()) {
+        return Ok(());
+    }
+    Err(CudaError::Unsupported(format!(
+        "{} {major}.x was loaded, but this is the plugin's CUDA {} build: it needs {} \
+         (the CUDA {major} build (`--features cuda-{major}`) loads CUDA {major}'s libraries; \
+         docs/CUDA.md)",
+        library.title(),
+        loader::cuda_major(),
+        library.file_name()
+    )))
+}
+
+/// The kernel module of a device, where it came from (for the description) and the NVRTC that
+/// was loaded, if one was.
+struct LoadedKernels {
+    module: Module,
+    origin: String,
+    nvrtc_version: Option<(i32, i32)>,
+}
+
+/// Compiles or loads from the cache the kernel module for the device.
 fn load_kernels(
     info: &Info,
     options: &CudaOptions,
     log: &Logger,
-) -> Result<(Module, String), CudaError> {
+) -> Result<LoadedKernels, CudaError> {
     let cache = Cache::locate(options.kernel_cache.as_deref());
     let cc = u32::try_from(info.cc.0 * 10 + info.cc.1)
         .map_err(|_| CudaError::Unsupported(format!("compute capability {:?}", info.cc)))?;
     let nvrtc = loader::present(Library::Nvrtc);
+    let nvrtc_version = if nvrtc {
+        let version = kernels::nvrtc_version()?;
+        check_major(Library::Nvrtc, i64::from(version.0))?;
+        Some(version)
+    } else {
+        None
+    };
     let target = if nvrtc {
         kernels::target_for(cc, &kernels::supported_archs()?)
     } else {
@@ -556,7 +628,11 @@ fn load_kernels(
                     target.arch(),
                     path.display()
                 ));
-                return Ok((module, format!("cached {}", target.arch())));
+                return Ok(LoadedKernels {
+                    module,
+                    origin: format!("cached {}", target.arch()),
+                    nvrtc_version,
+                });
             }
             Err(err) => log.warn(format!(
                 "cached kernels {} do not load ({err}); compiling again",
@@ -576,7 +652,7 @@ fn load_kernels(
         }
         return Err(missing);
     }
-    let (major, minor) = kernels::nvrtc_version()?;
+    let (major, minor) = nvrtc_version.unwrap_or_default();
     let compiled = kernels::compile(target, &[])?;
     log.info(format!(
         "compiled {} kernels for {} with NVRTC {major}.{minor} in {} ms ({} KiB)",
@@ -592,10 +668,11 @@ fn load_kernels(
         }
     }
     let module = Module::load(&compiled.image)?;
-    Ok((
+    Ok(LoadedKernels {
         module,
-        format!("compiled {} in {} ms", target.arch(), compiled.millis),
-    ))
+        origin: format!("compiled {} in {} ms", target.arch(), compiled.millis),
+        nvrtc_version,
+    })
 }
 
 /// A cuBLASLt handle, destroyed on drop.

@@ -1,5 +1,5 @@
 /*
- * A stand-in for cuBLAS and cuBLASLt (libcublas.so.12, libcublasLt.so.12) beside the stand-in
+ * A stand-in for cuBLAS and cuBLASLt (libcublas.so.N, libcublasLt.so.N) beside the stand-in
  * driver: the entry points the plugin calls, computing on the host (device memory is host
  * memory there) with the libraries' column-major conventions, in double precision.
  *
@@ -8,11 +8,24 @@
  * (GELU is the tanh form). Anything else is CUBLAS_STATUS_NOT_SUPPORTED. With
  * IRIS_STANDIN_LT_NO_ALGO=1 set, cuBLASLt's heuristic finds no algorithm for any problem (as it
  * does for layouts or alignments it does not take).
+ *
+ * Both report version IRIS_STANDIN_CUBLAS_VERSION (a compile-time define, 120400 unless given,
+ * so that it matches the plugin build's CUDA major), or the value of the environment variable
+ * of the same name.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifndef IRIS_STANDIN_CUBLAS_VERSION
+#define IRIS_STANDIN_CUBLAS_VERSION 120400
+#endif
+
+static int standin_version(void) {
+    const char *value = getenv("IRIS_STANDIN_CUBLAS_VERSION");
+    return value && *value ? atoi(value) : IRIS_STANDIN_CUBLAS_VERSION;
+}
 
 typedef int cublasStatus_t;
 enum { OK = 0, NOT_INITIALIZED = 1, INVALID_VALUE = 7, NOT_SUPPORTED = 15 };
@@ -131,7 +144,7 @@ cublasStatus_t cublasSetStream_v2(void *handle, void *stream) {
 
 cublasStatus_t cublasGetVersion_v2(void *handle, int *version) {
     (void)handle;
-    *version = 120400;
+    *version = standin_version();
     return OK;
 }
 
@@ -162,7 +175,7 @@ struct layout { int type; uint64_t rows, cols; int64_t ld; };
 
 cublasStatus_t cublasLtCreate(void **handle) { return cublasCreate_v2(handle); }
 cublasStatus_t cublasLtDestroy(void *handle) { return cublasDestroy_v2(handle); }
-size_t cublasLtGetVersion(void) { return 120400; }
+size_t cublasLtGetVersion(void) { return (size_t)standin_version(); }
 
 cublasStatus_t cublasLtMatmulDescCreate(void **out, int compute, int scale) {
     (void)compute;

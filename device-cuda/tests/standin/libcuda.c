@@ -13,7 +13,8 @@
  *   IRIS_STANDIN_DEVICES   device count (default 1)
  *   IRIS_STANDIN_MEMORY    bytes of device memory (default 1 GiB)
  *   IRIS_STANDIN_OOM_AT    the Nth device allocation fails with CUDA_ERROR_OUT_OF_MEMORY
- *   IRIS_STANDIN_DRIVER    the driver version cuDriverGetVersion reports (default 12040)
+ *   IRIS_STANDIN_DRIVER    the driver version cuDriverGetVersion reports (default
+ *                          IRIS_STANDIN_DRIVER_DEFAULT, set at build time: 12040 or 13000)
  *   IRIS_STANDIN_POOLS     0: the device has no memory pools (default 1)
  *   IRIS_STANDIN_FAIL_COPY a CUresult every memcpy returns (e.g. 719, launch failed)
  */
@@ -50,7 +51,11 @@ static unsigned long long total_memory = 1ull << 30;
 static unsigned long long used_memory;
 static unsigned long long oom_at;
 static unsigned long long allocations;
-static int driver_version = 12040;
+/* The default driver version: the first release of the plugin build's CUDA major or later. */
+#ifndef IRIS_STANDIN_DRIVER_DEFAULT
+#define IRIS_STANDIN_DRIVER_DEFAULT 12040
+#endif
+static int driver_version = IRIS_STANDIN_DRIVER_DEFAULT;
 static int pools = 1;
 static int fail_copy;
 static char primary_context;
@@ -86,7 +91,7 @@ CUresult cuInit(unsigned int flags) {
     devices = (int)env_number("IRIS_STANDIN_DEVICES", 1);
     total_memory = env_number("IRIS_STANDIN_MEMORY", 1ull << 30);
     oom_at = env_number("IRIS_STANDIN_OOM_AT", 0);
-    driver_version = (int)env_number("IRIS_STANDIN_DRIVER", 12040);
+    driver_version = (int)env_number("IRIS_STANDIN_DRIVER", IRIS_STANDIN_DRIVER_DEFAULT);
     pools = (int)env_number("IRIS_STANDIN_POOLS", 1);
     fail_copy = (int)env_number("IRIS_STANDIN_FAIL_COPY", 0);
     initialised = 1;
