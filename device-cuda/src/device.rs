@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::result;
-use cudarc::driver::sys::{self, CUresult, CUstream};
+use cudarc::driver::sys::{self, CUstream};
 use cudarc::driver::{CudaContext, CudaStream};
 use iris_plugin::abi::{
     ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, CastArgs, CopyRegion, DType,
@@ -91,7 +91,7 @@ pub struct Info {
     pub total_memory: u64,
     /// Compute capability.
     pub cc: (i32, i32),
-    /// Streaming multiprocessors.
+    /// Streaming multiprocessors (0 when the driver does not say).
     pub sms: i32,
     /// Peak memory bandwidth in bytes per second (0 when the driver does not say).
     pub bandwidth: u64,
@@ -167,15 +167,25 @@ impl CudaDevice {
                 cc.0, cc.1, MIN_COMPUTE_CAPABILITY.0, MIN_COMPUTE_CAPABILITY.1
             )));
         }
+        // Informational only: a driver that does not answer leaves them out of the description.
+        let sms = attribute(
+            &ctx,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .unwrap_or_else(|err| {
+            log.warn(format!("open: SM count unknown: {err}"));
+            0
+        });
+        let bandwidth = bandwidth(&ctx).unwrap_or_else(|err| {
+            log.warn(format!("open: memory bandwidth unknown: {err}"));
+            0
+        });
         let info = Info {
             name: ctx.name().call("cuDeviceGetName")?,
             total_memory: total as u64,
             cc,
-            sms: attribute(
-                &ctx,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )?,
-            bandwidth: bandwidth(&ctx)?,
+            sms,
+            bandwidth,
             driver_version,
         };
         let before = used()?;
@@ -196,7 +206,16 @@ impl CudaDevice {
         let compute = if options.memory_only {
             None
         } else {
-            Some(Compute::open(&stream, &info, &options, &log, &mut held)?)
+            match Compute::open(&stream, &info, &options, &log, &mut held) {
+                Ok(compute) => Some(compute),
+                Err(err) => {
+                    // The pool is the device's own: destroy it, or every failed open leaks one.
+                    if let Err(release) = memory.release_all(stream.cu_stream()) {
+                        log.warn(format!("open: {release}"));
+                    }
+                    return Err(err);
+                }
+            }
         };
         log.info(format!(
             "opened CUDA device {ordinal}: {} (compute capability {}.{}, {} SMs, {} MiB, driver {}){}",
@@ -285,10 +304,12 @@ impl CudaDevice {
                 property::DRIVER_VERSION,
                 version_text(self.info.driver_version),
             ),
-            Property::new(property::COMPUTE_UNITS, self.info.sms),
             Property::new(property::QUEUE, "async"),
             Property::new("cuda_api_version", version_text(loader::cuda_api_version())),
         ];
+        if self.info.sms > 0 {
+            properties.push(Property::new(property::COMPUTE_UNITS, self.info.sms));
+        }
         if self.info.bandwidth > 0 {
             properties.push(Property::new(
                 property::MEMORY_BANDWIDTH,
@@ -826,16 +847,10 @@ pub fn probe_devices() -> Result<u32, String> {
         ));
     }
     if let Err(err) = result::init() {
-        let hint = match err.0 {
-            CUresult::CUDA_ERROR_STUB_LIBRARY => {
-                " (the libcuda found is the toolkit's link stub, not the driver)"
-            }
-            CUresult::CUDA_ERROR_NO_DEVICE => " (no CUDA device)",
-            _ => "",
-        };
         return Err(format!(
-            "cuInit failed: {}{hint}{}",
+            "cuInit failed: {}{}{}",
             crate::error::driver_name(err.0),
+            crate::error::driver_hint(err.0),
             visible_devices_note()
         ));
     }

@@ -125,10 +125,13 @@ fn open() -> Device {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ops-kernel-cache");
     let cache = Cache::new(Some(dir.clone()));
     // The stand-in is compute capability 8.0 with the driver version of the build's CUDA major.
+    // Without NVRTC the plugin takes the entry of any NVRTC version.
+    let nvrtc = (i32::try_from(common::cuda_major()).unwrap(), 0);
     cache
         .store(
             Target::Cubin(80),
             common::standin_driver_version(),
+            nvrtc,
             b"emulated",
         )
         .unwrap();

@@ -43,6 +43,27 @@ fn the_toolkit_stub_is_reported_as_such() {
 }
 
 #[test]
+fn a_system_whose_fabric_manager_is_down_is_unavailable_with_a_hint() {
+    run(
+        "not_ready",
+        &[("IRIS_STANDIN_MODE", "not_ready")],
+        Libraries::Driver,
+    );
+}
+
+#[test]
+fn informational_attributes_that_fail_do_not_fail_open() {
+    // 16: the SM count; 36: the memory clock (bandwidth).
+    for attribute in ["16", "36"] {
+        run(
+            "attribute_fails",
+            &[("IRIS_STANDIN_FAIL_ATTRIBUTE", attribute)],
+            Libraries::Driver,
+        );
+    }
+}
+
+#[test]
 fn no_device_and_hidden_devices_give_reasons() {
     run(
         "no_device",
@@ -205,6 +226,8 @@ fn scenario() {
             ),
         ),
         "other_major" => other_major(&plugin),
+        "not_ready" => not_ready(&plugin),
+        "attribute_fails" => attribute_fails(&plugin),
         "mismatched_blas" => mismatched_blas(&plugin),
         "memory" => memory(&plugin),
         "oom" => oom(&plugin),
@@ -395,9 +418,40 @@ fn copy_failure(plugin: &Plugin) {
     device.free(buf).unwrap();
 }
 
+fn not_ready(plugin: &Plugin) {
+    let probe = plugin.probe();
+    assert_eq!(probe.device_count, 0);
+    for part in ["CUDA_ERROR_SYSTEM_NOT_READY", "fabric manager"] {
+        assert!(probe.reason.contains(part), "{}", probe.reason);
+    }
+    let err = plugin.open(0, &memory_only()).unwrap_err();
+    assert_eq!(err.code, ErrorCode::UNAVAILABLE, "{err}");
+    assert!(err.message.contains("fabric manager"), "{err}");
+}
+
+fn attribute_fails(plugin: &Plugin) {
+    let device = plugin
+        .open(0, &memory_only())
+        .expect("opens without the attribute");
+    let desc = device.description();
+    let failed = std::env::var("IRIS_STANDIN_FAIL_ATTRIBUTE").unwrap();
+    let absent = if failed == "16" {
+        property::COMPUTE_UNITS
+    } else {
+        property::MEMORY_BANDWIDTH
+    };
+    assert_eq!(desc.property(absent), None, "{absent} is left out");
+    assert_eq!(desc.property(property::COMPUTE_CAPABILITY), Some("8.0"));
+}
+
 fn no_blas(plugin: &Plugin) {
     // cuBLAS cannot run on any stand-in: either it is not installed (CI) or it fails to start.
     let err = plugin.open(0, &[]).unwrap_err();
+    assert_eq!(
+        common::standin_live_pools(),
+        0,
+        "the failed open destroyed its memory pool"
+    );
     assert!(
         err.message.contains("cublasLt") || err.message.contains("cublas"),
         "the error names the library: {err}"

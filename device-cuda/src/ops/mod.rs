@@ -619,8 +619,7 @@ fn load_kernels(
     } else {
         Target::Cubin(cc)
     };
-    if let Some(image) = cache.load(target, info.driver_version) {
-        let path = cache.path(target, info.driver_version).unwrap_or_default();
+    if let Some((path, image)) = cache.load(target, info.driver_version, nvrtc_version) {
         match Module::load(&image) {
             Ok(module) => {
                 log.info(format!(
@@ -643,10 +642,12 @@ fn load_kernels(
     if !nvrtc {
         let mut missing = loader::missing(Library::Nvrtc);
         if let CudaError::LibraryMissing { tried, .. } = &mut missing {
-            match cache.path(target, info.driver_version) {
-                Some(path) => {
-                    tried.push_str(&format!("; and no cached kernels at {}", path.display()))
-                }
+            match cache.dir() {
+                Some(dir) => tried.push_str(&format!(
+                    "; and no cached kernels for {} in {}",
+                    target.arch(),
+                    dir.display()
+                )),
                 None => tried.push_str("; and the kernel cache is off"),
             }
         }
@@ -662,7 +663,7 @@ fn load_kernels(
         compiled.image.len() >> 10
     ));
     if cache.dir().is_some() {
-        match cache.store(target, info.driver_version, &compiled.image) {
+        match cache.store(target, info.driver_version, (major, minor), &compiled.image) {
             Ok(path) => log.debug(format!("kernels cached at {}", path.display())),
             Err(err) => log.warn(format!("kernel cache not written: {err}")),
         }

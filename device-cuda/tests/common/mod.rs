@@ -94,6 +94,19 @@ pub fn system_driver() -> Option<String> {
     })
 }
 
+/// Memory pools the stand-in driver (already loaded by the plugin) has not seen destroyed.
+pub fn standin_live_pools() -> i32 {
+    // SAFETY: the stand-in driver is loaded (the plugin opened it); the symbol is its
+    // `int iris_standin_live_pools(void)`.
+    unsafe {
+        let driver = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
+        let live: libloading::Symbol<unsafe extern "C" fn() -> i32> = driver
+            .get(b"iris_standin_live_pools")
+            .expect("the stand-in driver's pool count");
+        live()
+    }
+}
+
 /// The plugin library cargo built beside the test binary.
 pub fn plugin_library() -> PathBuf {
     let exe = std::env::current_exe().unwrap();

@@ -7,9 +7,14 @@
  * emu.cpp, it runs the plugin's own kernels (kernels/iris.cu) on the CPU, one fiber per CUDA
  * thread. It returns only codes that exist in cudarc's CUresult enum.
  *
+ * For tests to look inside: iris_standin_live_pools() counts memory pools not destroyed.
+ *
  * Switches, read at cuInit:
  *   IRIS_STANDIN_MODE      ok (default) | no_device (cuInit: CUDA_ERROR_NO_DEVICE)
  *                          | stub (every call: CUDA_ERROR_STUB_LIBRARY, like the toolkit's stub)
+ *                          | not_ready (cuInit: CUDA_ERROR_SYSTEM_NOT_READY, an NVSwitch system
+ *                          whose fabric manager is not running)
+ *   IRIS_STANDIN_FAIL_ATTRIBUTE  a device attribute (number) whose query fails (INVALID_VALUE)
  *   IRIS_STANDIN_DEVICES   device count (default 1)
  *   IRIS_STANDIN_MEMORY    bytes of device memory (default 1 GiB)
  *   IRIS_STANDIN_OOM_AT    the Nth device allocation fails with CUDA_ERROR_OUT_OF_MEMORY
@@ -39,6 +44,7 @@ enum {
     NOT_INITIALIZED = 3,
     STUB_LIBRARY = 34,
     NO_DEVICE = 100,
+    SYSTEM_NOT_READY = 802,
     INVALID_DEVICE = 101,
     NOT_FOUND = 500,
     NOT_SUPPORTED = 801,
@@ -58,6 +64,8 @@ static unsigned long long allocations;
 static int driver_version = IRIS_STANDIN_DRIVER_DEFAULT;
 static int pools = 1;
 static int fail_copy;
+static int fail_attribute = -1;
+static int live_pools;
 static char primary_context;
 static __thread CUcontext current;
 
@@ -88,6 +96,8 @@ CUresult cuInit(unsigned int flags) {
         return STUB_LIBRARY;
     }
     if (mode && strcmp(mode, "no_device") == 0) return NO_DEVICE;
+    if (mode && strcmp(mode, "not_ready") == 0) return SYSTEM_NOT_READY;
+    fail_attribute = (int)env_number("IRIS_STANDIN_FAIL_ATTRIBUTE", (unsigned long long)-1);
     devices = (int)env_number("IRIS_STANDIN_DEVICES", 1);
     total_memory = env_number("IRIS_STANDIN_MEMORY", 1ull << 30);
     oom_at = env_number("IRIS_STANDIN_OOM_AT", 0);
@@ -135,6 +145,7 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice device) {
 CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
     GUARD();
     (void)device;
+    if (attribute == fail_attribute) return INVALID_VALUE;
     switch (attribute) {
         case 16: *value = 4; break;          /* multiprocessors */
         case 36: *value = 1000000; break;    /* memory clock, kHz */
@@ -261,14 +272,18 @@ CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props) {
     (void)props;
     if (!pools) return NOT_SUPPORTED;
     *pool = malloc(1);
+    live_pools++;
     return SUCCESS;
 }
 
 CUresult cuMemPoolDestroy(CUmemoryPool pool) {
     GUARD();
     free(pool);
+    live_pools--;
     return SUCCESS;
 }
+
+int iris_standin_live_pools(void) { return live_pools; }
 
 CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attribute, void *value) {
     GUARD();
