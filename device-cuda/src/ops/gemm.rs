@@ -33,6 +33,10 @@ const WORKSPACE_HOPPER: u64 = 32 << 20;
 const WORKSPACE_DEFAULT: u64 = 4 << 20;
 /// Alignment cuBLASLt is told at most, as a power of two (its default assumption, 256 bytes).
 const MAX_ALIGNMENT_LOG2: u32 = 8;
+/// Alignment cuBLAS and cuBLASLt require of their workspace (`cublasSetWorkspace` refuses less).
+/// The host's workspace may start at any offset, so the plugin asks for this much minus one
+/// more and rounds the start up.
+const WORKSPACE_ALIGNMENT: u64 = 256;
 /// Bias addresses cuBLASLt's bias epilogue is given only when aligned this much; others get
 /// the bias from the epilogue kernel.
 const BIAS_ALIGNMENT: u64 = 16;
@@ -72,8 +76,7 @@ impl CudaDevice {
     pub(crate) fn gemm_workspace_impl(&self, args: &GemmArgs) -> Result<u64, PluginError> {
         let gemm = validate::gemm(&Checker::shapes_only("gemm_workspace"), args)?;
         let compute = self.compute("gemm_workspace")?;
-        let plan = compute.plan(&gemm, args)?;
-        Ok(plan.library_workspace + plan.scratch_bytes)
+        Ok(compute.plan(&gemm, args)?.workspace_bytes())
     }
 
     pub(crate) fn gemm_impl(&self, args: &GemmArgs) -> Result<(), PluginError> {
@@ -81,7 +84,7 @@ impl CudaDevice {
         let gemm = self.with_checker(op, |check| validate::gemm(check, args))?;
         let compute = self.compute(op)?;
         let plan = compute.plan(&gemm, args)?;
-        let needed = plan.library_workspace + plan.scratch_bytes;
+        let needed = plan.workspace_bytes();
         let mut operands = vec![("a", &gemm.a), ("w", &gemm.w), ("out", &gemm.out)];
         if let Some(bias) = &gemm.bias {
             operands.push(("bias", bias));
@@ -115,6 +118,7 @@ impl CudaDevice {
         } else {
             self.view(op, args.workspace.buf)?.at(args.workspace.offset)
         };
+        let workspace = align_workspace(workspace);
         let operands = Operands {
             a: addr(self, op, &gemm.a)?,
             w: addr(self, op, &gemm.w)?,
@@ -168,6 +172,24 @@ impl CudaDevice {
         };
         outcome.map_err(|err| err.into_plugin(op))
     }
+}
+
+impl Plan {
+    /// What `gemm_workspace` asks the host for: both scratches, and the slack to align them.
+    fn workspace_bytes(&self) -> u64 {
+        let used = self.library_workspace + self.scratch_bytes;
+        if used == 0 {
+            0
+        } else {
+            used + WORKSPACE_ALIGNMENT - 1
+        }
+    }
+}
+
+/// The workspace's start rounded up to [`WORKSPACE_ALIGNMENT`]; [`Plan::workspace_bytes`]
+/// holds the slack. The f32 product scratch after the library's share is aligned too.
+fn align_workspace(start: u64) -> u64 {
+    start.next_multiple_of(WORKSPACE_ALIGNMENT)
 }
 
 /// What the library applied of what a [`Product`] asked for.
@@ -624,6 +646,22 @@ impl Drop for Layout {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn workspaces_are_rounded_up_to_256_bytes_within_the_slack() {
+        assert_eq!(align_workspace(0x1000), 0x1000);
+        assert_eq!(align_workspace(0x1001), 0x1100);
+        assert_eq!(align_workspace(0x10ff), 0x1100);
+        let plan = Plan {
+            lt: true,
+            via_scratch: true,
+            library_workspace: WORKSPACE_DEFAULT,
+            scratch_bytes: 12,
+        };
+        let start = 0x1001;
+        let end = align_workspace(start) + plan.library_workspace + plan.scratch_bytes;
+        assert!(end <= start + plan.workspace_bytes());
+    }
 
     #[test]
     fn alignment_is_the_largest_power_of_two_up_to_256() {

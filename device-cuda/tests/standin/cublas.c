@@ -148,11 +148,15 @@ cublasStatus_t cublasGetVersion_v2(void *handle, int *version) {
     return OK;
 }
 
+/* Both libraries refuse a workspace that is not 256-byte aligned (cuBLAS documents
+ * CUBLAS_STATUS_INVALID_VALUE for cublasSetWorkspace). */
+static int misaligned_workspace(const void *workspace, size_t bytes) {
+    return bytes > 0 && ((uintptr_t)workspace & 255u) != 0;
+}
+
 cublasStatus_t cublasSetWorkspace_v2(void *handle, void *workspace, size_t bytes) {
     (void)handle;
-    (void)workspace;
-    (void)bytes;
-    return OK;
+    return misaligned_workspace(workspace, bytes) ? INVALID_VALUE : OK;
 }
 
 cublasStatus_t cublasGemmEx(void *handle, int ta, int tb, int m, int n, int k, const void *alpha,
@@ -255,7 +259,8 @@ cublasStatus_t cublasLtMatmul(void *handle, void *desc, const void *alpha, const
                               const void *b, void *bd, const void *beta, const void *c, void *cd,
                               void *d, void *dd, const struct heuristic *algo, void *workspace,
                               size_t workspace_bytes, void *stream) {
-    (void)handle; (void)workspace; (void)workspace_bytes; (void)stream;
+    (void)handle; (void)stream;
+    if (misaligned_workspace(workspace, workspace_bytes)) return INVALID_VALUE;
     const struct desc *op = desc;
     const struct layout *la = ad, *lb = bd, *lc = cd, *ld = dd;
     if (!algo || algo->algo[0] != 42) return INVALID_VALUE;
