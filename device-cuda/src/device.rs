@@ -497,10 +497,7 @@ impl Backend for CudaDevice {
             return Ok(());
         }
         let ptr = self.view("write", dst)?.at(offset);
-        // SAFETY: the range was checked. From pageable memory the driver copies `src` into its
-        // staging memory before returning, so the slice may be reused at once (the ABI's rule).
-        unsafe { result::memcpy_htod_async(ptr, src, self.cu_stream()) }
-            .call("cuMemcpyHtoDAsync")
+        crate::memory::write_from_host(ptr, src, self.cu_stream())
             .map_err(|err| err.into_plugin("write"))
     }
 

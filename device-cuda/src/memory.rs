@@ -264,6 +264,51 @@ impl Memory {
     }
 }
 
+/// Whether `ptr` points into page-locked host memory (ours from `alloc_host`, or any the
+/// process registered with the driver). The driver does not know pageable memory: it answers
+/// `CUDA_ERROR_INVALID_VALUE`, which means "no" here.
+pub(crate) fn is_page_locked(ptr: *const u8) -> bool {
+    let mut kind: u32 = 0;
+    // SAFETY: the attribute writes one `CUmemorytype` (a u32) into `kind`; the address is only
+    // looked up, never dereferenced.
+    let code = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut kind as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            ptr as CUdeviceptr,
+        )
+    };
+    code == CUresult::CUDA_SUCCESS && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
+}
+
+/// Copies `src` to device address `dst` in `stream`'s order and returns once `src` may be
+/// reused, as the ABI's `write` promises: from pageable memory the driver stages the bytes
+/// before `cuMemcpyHtoDAsync` returns, but from page-locked memory the copy runs later, so the
+/// call then waits for it on an event.
+pub(crate) fn write_from_host(
+    dst: CUdeviceptr,
+    src: &[u8],
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    let page_locked = is_page_locked(src.as_ptr());
+    // SAFETY: the caller checked `dst .. dst + src.len()` against a live buffer; `src` stays
+    // borrowed until the copy has read it (below, for page-locked memory).
+    unsafe { result::memcpy_htod_async(dst, src, stream) }.call("cuMemcpyHtoDAsync")?;
+    if page_locked {
+        let event = Event(
+            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .call("cuEventCreate")?,
+        );
+        // SAFETY: event and stream belong to the current context; the event lives until after
+        // the wait.
+        unsafe {
+            result::event::record(event.0, stream).call("cuEventRecord")?;
+            result::event::synchronize(event.0).call("cuEventSynchronize")?;
+        }
+    }
+    Ok(())
+}
+
 /// Pinned (page-locked) host buffers for `alloc_host`.
 pub struct HostBuffers {
     table: Mutex<HashMap<u64, (usize, usize)>>,
@@ -353,7 +398,8 @@ unsafe impl Sync for Event {}
 
 impl Drop for Event {
     fn drop(&mut self) {
-        // SAFETY: the event was created by `Fences::record` and this is its only destruction.
+        // SAFETY: the event was created by `Fences::record` or `write_from_host` and this is its
+        // only destruction.
         let _ = unsafe { result::event::destroy(self.0) };
     }
 }

@@ -145,6 +145,17 @@ fn a_cublas_of_another_major_under_this_builds_name_is_refused() {
 }
 
 #[test]
+fn a_write_from_page_locked_memory_returns_after_reading_it() {
+    // With deferred work the stand-in copies from page-locked memory only when the queue runs,
+    // as a GPU does.
+    run(
+        "pinned_write",
+        &[("IRIS_STANDIN_DEFER", "1")],
+        Libraries::Driver,
+    );
+}
+
+#[test]
 fn staging_buffers_are_pinned_and_round_trip() {
     run("staging", &[], Libraries::Driver);
 }
@@ -227,6 +238,7 @@ fn scenario() {
         ),
         "other_major" => other_major(&plugin),
         "not_ready" => not_ready(&plugin),
+        "pinned_write" => pinned_write(&plugin),
         "attribute_fails" => attribute_fails(&plugin),
         "mismatched_blas" => mismatched_blas(&plugin),
         "memory" => memory(&plugin),
@@ -415,6 +427,28 @@ fn copy_failure(plugin: &Plugin) {
     );
     let err = device.read(buf, 0, &mut [0u8; 4]).unwrap_err();
     assert!(err.message.contains("CUDA_ERROR_LAUNCH_FAILED"), "{err}");
+    device.free(buf).unwrap();
+}
+
+fn pinned_write(plugin: &Plugin) {
+    let device = std::sync::Arc::new(plugin.open(0, &memory_only()).unwrap());
+    let buf = device.alloc(256).unwrap();
+    let mut host = device.host_buffer(256).unwrap();
+    let written: Vec<u8> = (0..=255).collect();
+    host.as_mut_slice().unwrap().copy_from_slice(&written);
+    device.write(buf, 0, host.as_slice().unwrap()).unwrap();
+    // The ABI lets the caller reuse the slice as soon as `write` returns.
+    host.as_mut_slice().unwrap().fill(0xEE);
+    let mut back = vec![0u8; 256];
+    device.read(buf, 0, &mut back).unwrap();
+    assert_eq!(
+        back, written,
+        "the device holds what the slice held during write"
+    );
+    // From pageable memory as well.
+    device.write(buf, 0, &[7u8; 256]).unwrap();
+    device.read(buf, 0, &mut back).unwrap();
+    assert_eq!(back, [7u8; 256]);
     device.free(buf).unwrap();
 }
 

@@ -22,6 +22,9 @@
 #include <utility>
 #include <vector>
 
+// The stand-in driver's queue of deferred work (libcuda.c).
+extern "C" void iris_standin_flush(void);
+
 struct uint3 {
     unsigned x, y, z;
 };
@@ -289,6 +292,8 @@ int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsign
                    unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
     (void)stream;
     (void)extra;
+    // Work queued before the launch runs first (the stand-in driver's deferred mode).
+    iris_standin_flush();
     if (by != 1 || bz != 1 || shared != 0 || bx == 0 || bx % 32 != 0) return 1;  // INVALID_VALUE
     emu::kernel = *static_cast<const Launcher *>(function);
     emu::kernel_params = params;
