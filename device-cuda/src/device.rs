@@ -349,11 +349,13 @@ impl CudaDevice {
     }
 
     fn synchronize_impl(&self) -> Result<(), PluginError> {
+        // Only the frees enqueued before the wait are known to have run after it.
+        let waited = self.memory.pending();
         // SAFETY: the stream belongs to the bound context.
         unsafe { result::stream::synchronize(self.cu_stream()) }
             .call("cuStreamSynchronize")
             .map_err(|err| err.into_plugin("synchronize"))?;
-        self.memory.released();
+        self.memory.released(waited);
         if let Some(compute) = &self.compute {
             compute.check_status(self.cu_stream())?;
         }

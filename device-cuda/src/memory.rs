@@ -57,6 +57,13 @@ struct Table {
     pending_buffers: u64,
 }
 
+/// Stream-ordered frees counted at one moment, to be retired after a wait for the stream.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Pending {
+    bytes: u64,
+    buffers: u64,
+}
+
 /// The buffer table of one device and the pool behind it.
 pub struct Memory {
     allocator: Allocator,
@@ -94,9 +101,10 @@ impl Memory {
             Ok(ptr) => ptr,
             Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY) if self.pending_frees() => {
                 // Frees still queued hold memory the pool cannot hand out yet: let them run.
+                let waited = self.pending();
                 // SAFETY: the stream belongs to the current context.
                 unsafe { result::stream::synchronize(stream) }.call("cuStreamSynchronize")?;
-                self.released();
+                self.released(waited);
                 self.raw_alloc(stream, len)
                     .map_err(|code| out_of_memory(bytes, code))?
             }
@@ -165,12 +173,23 @@ impl Memory {
         self.lock().pending_buffers > 0
     }
 
-    /// Records that every free enqueued so far has taken effect (the stream was synchronised
-    /// after them).
-    pub(crate) fn released(&self) {
+    /// The frees enqueued so far whose release may not have happened: take it before waiting
+    /// for the stream, and hand it to [`Memory::released`] after.
+    pub(crate) fn pending(&self) -> Pending {
+        let table = self.lock();
+        Pending {
+            bytes: table.pending_bytes,
+            buffers: table.pending_buffers,
+        }
+    }
+
+    /// Records that the frees counted in `waited` (taken before a wait for the stream) have
+    /// taken effect. Frees another thread enqueued during the wait stay pending: the wait may
+    /// have returned before the stream reached them.
+    pub(crate) fn released(&self, waited: Pending) {
         let mut table = self.lock();
-        table.pending_bytes = 0;
-        table.pending_buffers = 0;
+        table.pending_bytes = table.pending_bytes.saturating_sub(waited.bytes);
+        table.pending_buffers = table.pending_buffers.saturating_sub(waited.buffers);
     }
 
     /// Clears pending frees if `stream` has no work left (`cuStreamQuery`).
@@ -234,9 +253,10 @@ impl Memory {
                 Allocator::Plain => unsafe { result::free_sync(view.ptr) }.call("cuMemFree"),
             });
         }
+        let waited = self.pending();
         // SAFETY: the stream belongs to the current context.
         note(unsafe { result::stream::synchronize(stream) }.call("cuStreamSynchronize"));
-        self.released();
+        self.released(waited);
         if let Allocator::Pool(pool) = self.allocator {
             // SAFETY: every allocation of the pool was freed and the stream has drained.
             note(unsafe { result::mem_pool::destroy(pool) }.call("cuMemPoolDestroy"));

@@ -156,6 +156,31 @@ fn a_write_from_page_locked_memory_returns_after_reading_it() {
 }
 
 #[test]
+fn a_free_during_another_threads_synchronize_stays_accounted() {
+    run(
+        "free_during_synchronize",
+        &[
+            ("IRIS_STANDIN_DEFER", "1"),
+            ("IRIS_STANDIN_SYNC_DELAY_MS", "400"),
+            ("IRIS_STANDIN_MEMORY", &(64u64 << 20).to_string()),
+        ],
+        Libraries::Driver,
+    );
+}
+
+#[test]
+fn several_threads_share_one_device() {
+    run(
+        "threads",
+        &[
+            ("IRIS_STANDIN_DEFER", "1"),
+            ("IRIS_STANDIN_MEMORY", &(64u64 << 20).to_string()),
+        ],
+        Libraries::Driver,
+    );
+}
+
+#[test]
 fn staging_buffers_are_pinned_and_round_trip() {
     run("staging", &[], Libraries::Driver);
 }
@@ -239,6 +264,8 @@ fn scenario() {
         "other_major" => other_major(&plugin),
         "not_ready" => not_ready(&plugin),
         "pinned_write" => pinned_write(&plugin),
+        "free_during_synchronize" => free_during_synchronize(&plugin),
+        "threads" => threads(&plugin),
         "attribute_fails" => attribute_fails(&plugin),
         "mismatched_blas" => mismatched_blas(&plugin),
         "memory" => memory(&plugin),
@@ -450,6 +477,72 @@ fn pinned_write(plugin: &Plugin) {
     device.read(buf, 0, &mut back).unwrap();
     assert_eq!(back, [7u8; 256]);
     device.free(buf).unwrap();
+}
+
+fn free_during_synchronize(plugin: &Plugin) {
+    use std::sync::Arc;
+    use std::time::Duration;
+    let device = Arc::new(plugin.open(0, &memory_only()).unwrap());
+    let big = 40u64 << 20;
+    let first = device.alloc(big).unwrap();
+    // The stand-in's synchronize runs the queue, then takes 400 ms to return: the free below
+    // lands after the wait and before the synchronize's bookkeeping.
+    let syncer = {
+        let device = Arc::clone(&device);
+        std::thread::spawn(move || device.synchronize().unwrap())
+    };
+    std::thread::sleep(Duration::from_millis(150));
+    device.free(first).unwrap();
+    syncer.join().unwrap();
+    // The free is still queued (the stand-in holds its memory): it counts as allocated ...
+    let report = device.memory_report().unwrap();
+    assert!(
+        report.allocated >= big,
+        "a queued free dropped out of the accounting: {report:?}"
+    );
+    // ... and an allocation that needs its memory waits for it instead of giving up.
+    let second = device
+        .alloc(big)
+        .expect("the out-of-memory retry waits for the queued free");
+    device.free(second).unwrap();
+    device.synchronize().unwrap();
+    assert_eq!(device.memory_report().unwrap().allocated, 0);
+}
+
+fn threads(plugin: &Plugin) {
+    use std::sync::Arc;
+    const THREADS: usize = 4;
+    const ROUNDS: usize = 40;
+    let device = Arc::new(plugin.open(0, &memory_only()).unwrap());
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let device = Arc::clone(&device);
+            std::thread::spawn(move || {
+                for round in 0..ROUNDS {
+                    let bytes = 4096 * (1 + (t + round) % 7);
+                    let buf = device.alloc(bytes as u64).unwrap();
+                    let pattern: Vec<u8> = (0..bytes).map(|i| (i * 31 + t + round) as u8).collect();
+                    device.write(buf, 0, &pattern).unwrap();
+                    let mut back = vec![0u8; bytes];
+                    device.read(buf, 0, &mut back).unwrap();
+                    assert!(
+                        back == pattern,
+                        "thread {t} round {round}: wrong bytes back"
+                    );
+                    device.free(buf).unwrap();
+                    if round % 5 == 0 {
+                        device.synchronize().unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.join().expect("a worker thread failed");
+    }
+    device.synchronize().unwrap();
+    let report = device.memory_report().unwrap();
+    assert_eq!((report.allocated, report.buffers), (0, 0), "{report:?}");
 }
 
 fn not_ready(plugin: &Plugin) {
