@@ -349,17 +349,20 @@ impl CudaDevice {
     }
 
     fn synchronize_impl(&self) -> Result<(), PluginError> {
-        // Only the frees enqueued before the wait are known to have run after it.
-        let waited = self.memory.pending();
-        // SAFETY: the stream belongs to the bound context.
-        unsafe { result::stream::synchronize(self.cu_stream()) }
-            .call("cuStreamSynchronize")
-            .map_err(|err| err.into_plugin("synchronize"))?;
-        self.memory.released(waited);
-        if let Some(compute) = &self.compute {
-            compute.check_status(self.cu_stream())?;
+        let wait = || {
+            // Only the frees enqueued before the wait are known to have run after it.
+            let waited = self.memory.pending();
+            // SAFETY: the stream belongs to the bound context.
+            unsafe { result::stream::synchronize(self.cu_stream()) }
+                .call("cuStreamSynchronize")
+                .map_err(|err| err.into_plugin("synchronize"))?;
+            self.memory.released(waited);
+            Ok(())
+        };
+        match &self.compute {
+            Some(compute) => compute.synchronize_with_status(self.cu_stream(), wait),
+            None => wait(),
         }
-        Ok(())
     }
 
     fn copy_batch_impl(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {

@@ -52,6 +52,18 @@ fn rotary_gather_cast_and_batched_copies_match_the_reference() {
 }
 
 #[test]
+fn gathers_report_bad_indices_when_the_driver_runs_copies_later() {
+    // The stand-in's deferred mode: copies into page-locked memory run at the next wait, as on
+    // a GPU, so a status read before the wait would miss the flag.
+    run("movement", &[("IRIS_STANDIN_DEFER", "1")], Libraries::Full);
+}
+
+#[test]
+fn synchronize_reads_the_gather_status_without_blocking_copies() {
+    run("status", &[("IRIS_STANDIN_DEFER", "1")], Libraries::Full);
+}
+
+#[test]
 fn attention_matches_the_reference_for_every_head_dim() {
     run("attention", &[], Libraries::Full);
 }
@@ -103,6 +115,7 @@ fn scenario() {
         "elementwise" => elementwise(&device),
         "movement" => movement(&device),
         "attention" => attention(&device),
+        "status" => status(&device),
         other => panic!("unknown scenario {other}"),
     }
     device.synchronize().unwrap();
@@ -159,6 +172,46 @@ fn open() -> Device {
 // ---------------------------------------------------------------------------------------------
 // Scenarios
 // ---------------------------------------------------------------------------------------------
+
+/// `synchronize` and `read` make no blocking copy of the gather status word: none without a
+/// gather since the last check, and an asynchronous one after a gather.
+fn status(device: &Device) {
+    let blocking = common::standin_blocking_reads;
+    let before = blocking();
+    let buf = device.alloc(64).unwrap();
+    device.write(buf, 0, &[3u8; 64]).unwrap();
+    let mut back = [0u8; 64];
+    for _ in 0..3 {
+        device.synchronize().unwrap();
+        device.read(buf, 0, &mut back).unwrap();
+    }
+    assert_eq!(back, [3u8; 64]);
+    device.free(buf).unwrap();
+    let src = Tensor::upload(device, DType::F32, 4, 8, 8, 0, &Rng(3).values(32, 1.0));
+    let out = Tensor::upload(device, DType::F32, 3, 8, 8, 0, &[0.0; 24]);
+    for (indices, bad) in [([0i32, 9, 1], true), ([3, 2, 1], false), ([1, 1, 1], false)] {
+        let idx = upload_i32(device, &indices);
+        device
+            .gather_rows(&GatherArgs {
+                src: src.view,
+                out: out.view,
+                indices: MatRef::vector(idx, 0, DType::I32, 3),
+                workspace: BufferSlice::EMPTY,
+            })
+            .unwrap();
+        let outcome = device.synchronize();
+        assert_eq!(outcome.is_err(), bad, "indices {indices:?}: {outcome:?}");
+        device.free(idx).unwrap();
+    }
+    src.free(device);
+    out.free(device);
+    device.synchronize().unwrap();
+    assert_eq!(
+        blocking(),
+        before,
+        "blocking device-to-host copies were made"
+    );
+}
 
 fn gemm(device: &Device) {
     for dtype in [DType::F32, DType::F16, DType::BF16] {

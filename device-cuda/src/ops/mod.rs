@@ -10,6 +10,7 @@
 mod gemm;
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use cudarc::cublas::result as cublas;
@@ -56,7 +57,12 @@ pub struct Compute {
     lt: LtHandle,
     blas: BlasHandle,
     module: Module,
+    /// Flags kernels set (a bad gather index), its page-locked copy, whether a gather was
+    /// enqueued since the last check, and the lock of one check at a time.
     status: DeviceWord,
+    status_host: HostWord,
+    gathered: AtomicBool,
+    status_read: Mutex<()>,
     descriptors: Mutex<Descriptors>,
     gemm: Mutex<GemmState>,
     tf32: bool,
@@ -128,11 +134,15 @@ impl Compute {
             what: "kernel status word".into(),
             bytes: DeviceWord::BYTES as u64,
         });
+        let status_host = HostWord::new()?;
         Ok(Compute {
             lt,
             blas,
             module,
             status,
+            status_host,
+            gathered: AtomicBool::new(false),
+            status_read: Mutex::new(()),
             descriptors: Mutex::new(Descriptors::default()),
             gemm: Mutex::new(GemmState::default()),
             tf32: options.tf32,
@@ -174,19 +184,27 @@ impl Compute {
         lock(&self.descriptors).bytes
     }
 
-    /// Reports (and clears) a bad gather index recorded by kernels enqueued before the last
-    /// synchronisation.
-    pub(crate) fn check_status(&self, stream: CUstream) -> Result<(), PluginError> {
-        let flags = self
-            .status
-            .read()
+    /// Waits for `stream` with `wait` and reports a bad gather index recorded by kernels
+    /// enqueued before it. The status word is read only when a gather was enqueued since the
+    /// last check, and then without a blocking copy: its copy into page-locked memory (and its
+    /// reset) are enqueued on `stream` before the wait, and the host reads the copy after it.
+    pub(crate) fn synchronize_with_status(
+        &self,
+        stream: CUstream,
+        wait: impl FnOnce() -> Result<(), PluginError>,
+    ) -> Result<(), PluginError> {
+        if !self.gathered.swap(false, Ordering::AcqRel) {
+            return wait();
+        }
+        // One reader at a time: the page-locked word is shared.
+        let _reading = lock(&self.status_read);
+        self.status
+            .enqueue_read(stream, &self.status_host)
             .map_err(|err| err.into_plugin("synchronize"))?;
-        if flags == 0 {
+        wait()?;
+        if self.status_host.take() == 0 {
             return Ok(());
         }
-        self.status
-            .clear(stream)
-            .map_err(|err| err.into_plugin("synchronize"))?;
         Err(PluginError::invalid_argument(
             "synchronize: a gather_rows enqueued earlier had an index outside its source rows; \
              those rows were written as zeros",
@@ -529,7 +547,9 @@ impl CudaDevice {
                 THREADS,
                 launch,
             )
-            .map_err(|err| err.into_plugin(op))
+            .map_err(|err| err.into_plugin(op))?;
+        compute.gathered.store(true, Ordering::Release);
+        Ok(())
     }
 
     pub(crate) fn cast_impl(&self, args: &CastArgs) -> Result<(), PluginError> {
@@ -713,16 +733,53 @@ impl DeviceWord {
         Ok(word)
     }
 
-    fn read(&self) -> Result<u32, CudaError> {
-        let mut value = [0u32; 1];
-        // SAFETY: the word is 4 live bytes; the queue was synchronised by the caller.
-        unsafe { result::memcpy_dtoh_sync(&mut value, self.ptr) }.call("cuMemcpyDtoH")?;
-        Ok(value[0])
+    /// Enqueues on `stream` a copy of the word into `host`, then its reset to zero.
+    fn enqueue_read(&self, stream: CUstream, host: &HostWord) -> Result<(), CudaError> {
+        // SAFETY: the word is 4 live bytes and `host` 4 page-locked bytes that live as long as
+        // the device; the host reads them only after waiting for the stream.
+        unsafe {
+            result::memcpy_dtoh_async(
+                std::slice::from_raw_parts_mut(host.ptr, 1),
+                self.ptr,
+                stream,
+            )
+            .call("cuMemcpyDtoHAsync")?;
+            result::memset_d8_async(self.ptr, 0, Self::BYTES, stream).call("cuMemsetD8Async")
+        }
+    }
+}
+
+/// 4 bytes of page-locked host memory, the copy of a [`DeviceWord`].
+struct HostWord {
+    ptr: *mut u32,
+}
+
+impl HostWord {
+    fn new() -> Result<HostWord, CudaError> {
+        // SAFETY: a plain page-locked allocation (cached, flags 0), zeroed before use.
+        let ptr = unsafe { result::malloc_host(DeviceWord::BYTES, 0) }.call("cuMemHostAlloc")?;
+        let word = HostWord { ptr: ptr.cast() };
+        // SAFETY: 4 live, aligned bytes no device work uses yet.
+        unsafe { word.ptr.write_volatile(0) };
+        Ok(word)
     }
 
-    fn clear(&self, stream: CUstream) -> Result<(), CudaError> {
-        // SAFETY: the word is 4 live bytes.
-        unsafe { result::memset_d8_async(self.ptr, 0, Self::BYTES, stream) }.call("cuMemsetD8Async")
+    /// The value copied in, reset to zero for the next copy (the caller waited for the copy).
+    fn take(&self) -> u32 {
+        // SAFETY: 4 live, aligned bytes; the copy into them has completed (the caller waited
+        // for the stream) and no other copy is enqueued (one check at a time).
+        unsafe {
+            let value = self.ptr.read_volatile();
+            self.ptr.write_volatile(0);
+            value
+        }
+    }
+}
+
+impl Drop for HostWord {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `new`, freed once, after the queue drained (device close).
+        let _ = unsafe { result::free_host(self.ptr.cast()) };
     }
 }
 

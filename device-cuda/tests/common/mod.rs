@@ -107,6 +107,19 @@ pub fn standin_live_pools() -> i32 {
     }
 }
 
+/// Synchronous device-to-host copies (`cuMemcpyDtoH`) the stand-in driver has made.
+pub fn standin_blocking_reads() -> u64 {
+    // SAFETY: as in `standin_live_pools`; the symbol is
+    // `unsigned long long iris_standin_blocking_reads(void)`.
+    unsafe {
+        let driver = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
+        let reads: libloading::Symbol<unsafe extern "C" fn() -> u64> = driver
+            .get(b"iris_standin_blocking_reads")
+            .expect("the stand-in driver's read count");
+        reads()
+    }
+}
+
 /// The plugin library cargo built beside the test binary.
 pub fn plugin_library() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
