@@ -377,14 +377,17 @@ impl CudaDevice {
                 region.bytes,
             ));
         }
-        if let Some(compute) = &self.compute
-            && moves.len() > crate::ops::COPY_KERNEL_MIN_REGIONS
-        {
-            return compute
-                .copy_regions(self.cu_stream(), &moves)
-                .map_err(|err| err.into_plugin("copy_batch"));
+        // Large regions go to the copy engine; many small ones to one kernel.
+        let (mut driver, small): (Vec<_>, Vec<_>) = moves
+            .into_iter()
+            .partition(|&(_, _, bytes)| bytes >= crate::ops::COPY_ENGINE_MIN_BYTES);
+        match &self.compute {
+            Some(compute) if small.len() > crate::ops::COPY_KERNEL_MIN_REGIONS => compute
+                .copy_regions(self.cu_stream(), &small)
+                .map_err(|err| err.into_plugin("copy_batch"))?,
+            _ => driver.extend(small),
         }
-        for (src, dst, bytes) in moves {
+        for (src, dst, bytes) in driver {
             // SAFETY: both ranges were checked against live buffers and do not overlap.
             unsafe {
                 result::memcpy_dtod_async(dst, src, crate::usize_of(bytes), self.cu_stream())

@@ -124,6 +124,11 @@ fn scenario() {
 /// Set in children that run on a real GPU.
 const GPU_ENV: &str = "IRIS_TEST_REAL_GPU";
 
+/// Whether this child runs on a real GPU (not the stand-in, whose counters tests may read).
+fn on_gpu() -> bool {
+    std::env::var_os(GPU_ENV).is_some()
+}
+
 /// Opens the device with all ops. On the stand-in, the kernels come from a cache entry (the
 /// stand-in driver accepts any image and finds kernels by name), so no NVRTC is needed; on a
 /// real GPU they are compiled (or taken from the user's kernel cache).
@@ -650,21 +655,34 @@ fn movement(device: &Device) {
     }
 
     // A batched copy of more regions than the driver path takes, across three buffers, with
-    // sizes and offsets of every alignment.
-    let buffers: Vec<BufferHandle> = (0..3).map(|_| device.alloc(4096).unwrap()).collect();
+    // sizes and offsets of every alignment: small regions, regions of several kernel chunks,
+    // and regions for the copy engine (64 KiB and more).
+    const BYTES: usize = 256 << 10;
+    let buffers: Vec<BufferHandle> = (0..3)
+        .map(|_| device.alloc(BYTES as u64).unwrap())
+        .collect();
     let mut images: Vec<Vec<u8>> = Vec::new();
     for (i, buf) in buffers.iter().enumerate() {
-        let bytes: Vec<u8> = (0..4096).map(|j| ((j * 31 + i * 7) % 256) as u8).collect();
+        let bytes: Vec<u8> = (0..BYTES).map(|j| ((j * 31 + i * 7) % 251) as u8).collect();
         device.write(*buf, 0, &bytes).unwrap();
         images.push(bytes);
     }
     let mut regions = Vec::new();
     let mut expected = images.clone();
-    for r in 0..12u64 {
+    let sizes = (0..12u64).map(|r| (r, 16 * (r % 5) + (r % 3) + 1)).chain([
+        (12, 9000),
+        (13, 12288),
+        (14, 65536),
+        (15, 70001),
+    ]);
+    for (r, bytes) in sizes {
         let (src, dst) = ((r % 3) as usize, ((r + 1) % 3) as usize);
-        let src_offset = r * 40 + (r % 4);
-        let dst_offset = 2048 + r * 150 + (r % 4) * 4;
-        let bytes = 16 * (r % 5) + (r % 3) + 1;
+        // Sources and destinations of one batch never overlap.
+        let (src_offset, dst_offset) = if bytes < 4096 {
+            (r * 40 + (r % 4), 2048 + r * 150 + (r % 4) * 4)
+        } else {
+            (8192 + r * 40 + (r % 4), r * 12288 + (r % 2) * 16)
+        };
         regions.push(CopyRegion {
             src: buffers[src],
             src_offset,
@@ -676,9 +694,16 @@ fn movement(device: &Device) {
         let chunk = images[src][s..s + n].to_vec();
         expected[dst][d..d + n].copy_from_slice(&chunk);
     }
+    let copies_before = (!on_gpu()).then(common::standin_device_copies);
     device.copy_batch(&regions).unwrap();
+    if let Some(before) = copies_before {
+        // The two regions of 64 KiB and more went to the copy engine; the fourteen others to
+        // one kernel whose grid has a row per region and a column per 4 KiB chunk.
+        assert_eq!(common::standin_device_copies() - before, 2);
+        assert_eq!(common::standin_last_grid(), [3, 14, 1]);
+    }
     for (buf, want) in buffers.iter().zip(&expected) {
-        let mut got = vec![0u8; 4096];
+        let mut got = vec![0u8; BYTES];
         device.read(*buf, 0, &mut got).unwrap();
         assert!(got == *want, "batched copy");
     }

@@ -36,8 +36,14 @@ pub use gemm::GemmState;
 /// The ops this device implements.
 pub const SUPPORTED: [OpKind; 9] = OpKind::ALL;
 
-/// A batched copy of more regions than this runs as one kernel; fewer run as driver copies.
+/// A batched copy of more small regions than this runs them as one kernel; fewer run as driver
+/// copies.
 pub const COPY_KERNEL_MIN_REGIONS: usize = 8;
+/// Regions of this many bytes and more go to the copy engine (`cuMemcpyDtoDAsync`), which moves
+/// them at full bandwidth without taking SMs; smaller ones are cheaper in one kernel.
+pub const COPY_ENGINE_MIN_BYTES: u64 = 64 << 10;
+/// Bytes of a region one block of the copy kernel moves (16 bytes per thread).
+const COPY_CHUNK: u64 = THREADS as u64 * 16;
 
 /// Threads per block of the elementwise, norm and gather kernels.
 const THREADS: u32 = 256;
@@ -211,7 +217,8 @@ impl Compute {
         ))
     }
 
-    /// Enqueues one kernel copying every `(src, dst, bytes)` region.
+    /// Enqueues one kernel copying every `(src, dst, bytes)` region, each spread over
+    /// `bytes / COPY_CHUNK` blocks.
     pub(crate) fn copy_regions(
         &self,
         stream: CUstream,
@@ -226,14 +233,15 @@ impl Compute {
         unsafe { result::memcpy_htod_async(descriptors.ptr, &words, stream) }
             .call("cuMemcpyHtoDAsync")?;
         let count = moves.len() as u64;
-        let args = Args::new().ptr(descriptors.ptr).i64(count);
-        self.launch(
-            stream,
-            "copy_regions",
-            (grid(count, i32::MAX as u64), 1, 1),
-            THREADS,
-            args,
-        )
+        let longest = moves.iter().map(|&(_, _, n)| n).max().unwrap_or(0);
+        let args = Args::new().ptr(descriptors.ptr).i64(count).i64(COPY_CHUNK);
+        // Chunks along x, regions along y (the kernel strides over regions beyond the grid).
+        let dims = (
+            grid(longest.div_ceil(COPY_CHUNK), i32::MAX as u64),
+            grid(count, GRID_YZ),
+            1,
+        );
+        self.launch(stream, "copy_regions", dims, THREADS, args)
     }
 
     /// Releases everything (closing the device, after the queue drained).

@@ -120,6 +120,34 @@ pub fn standin_blocking_reads() -> u64 {
     }
 }
 
+/// Device-to-device copies (`cuMemcpyDtoDAsync`) the stand-in driver has made.
+pub fn standin_device_copies() -> u64 {
+    // SAFETY: as in `standin_live_pools`; the symbol is
+    // `unsigned long long iris_standin_device_copies(void)`.
+    unsafe {
+        let driver = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
+        let copies: libloading::Symbol<unsafe extern "C" fn() -> u64> = driver
+            .get(b"iris_standin_device_copies")
+            .expect("the stand-in driver's copy count");
+        copies()
+    }
+}
+
+/// The grid of the last kernel the stand-in driver's emulator ran.
+pub fn standin_last_grid() -> [u32; 3] {
+    let mut grid = [0u32; 3];
+    // SAFETY: as in `standin_live_pools`; the symbol is
+    // `void iris_standin_last_grid(unsigned *out)`, which writes three values.
+    unsafe {
+        let driver = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
+        let last: libloading::Symbol<unsafe extern "C" fn(*mut u32)> = driver
+            .get(b"iris_standin_last_grid")
+            .expect("the stand-in emulator's last grid");
+        last(grid.as_mut_ptr());
+    }
+    grid
+}
+
 /// The plugin library cargo built beside the test binary.
 pub fn plugin_library() -> PathBuf {
     let exe = std::env::current_exe().unwrap();

@@ -8,7 +8,8 @@
  * thread. It returns only codes that exist in cudarc's CUresult enum.
  *
  * For tests to look inside: iris_standin_live_pools() counts memory pools not destroyed,
- * iris_standin_blocking_reads() the synchronous device-to-host copies (cuMemcpyDtoH).
+ * iris_standin_blocking_reads() the synchronous device-to-host copies (cuMemcpyDtoH),
+ * iris_standin_device_copies() the device-to-device copies (cuMemcpyDtoDAsync).
  *
  * Deferred work (IRIS_STANDIN_DEFER=1) models what a GPU does asynchronously: stream-ordered
  * frees, and copies from or to page-locked host memory (cuMemHostAlloc), stay queued until a
@@ -83,6 +84,7 @@ static int live_pools;
 static int defer;
 static unsigned long long sync_delay_ms;
 static unsigned long long blocking_reads;
+static unsigned long long device_copies;
 /* Guards every table and the queue: the plugin is called from several threads. */
 static pthread_mutex_t state_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -321,6 +323,7 @@ static int pinned_locked(const void *ptr) {
 
 int iris_standin_live_pools(void) { return live_pools; }
 unsigned long long iris_standin_blocking_reads(void) { return blocking_reads; }
+unsigned long long iris_standin_device_copies(void) { return device_copies; }
 
 CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
     GUARD();
@@ -482,6 +485,7 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream
 
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
     (void)stream;
+    __atomic_add_fetch(&device_copies, 1, __ATOMIC_RELAXED);
     return copy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes, NULL);
 }
 
