@@ -6,9 +6,11 @@
 //! `outᵀ = W · aᵀ` with `W` transposed unless `w` is stored `[k, n]`.
 //!
 //! What the library cannot fuse runs in one small kernel after it (`gemm_epilogue_*`):
-//! cuBLASLt applies the bias and, for `gelu_tanh` (its GELU epilogue is the tanh form), the
-//! activation; cuBLAS applies neither. An accumulating GEMM with an activation computes the
-//! product into an f32 scratch in the workspace, then `out = act(t + bias) + out` in f32.
+//! cuBLASLt applies the bias (from an aligned copy in the workspace when the bias is not
+//! aligned for it) and, for `gelu_tanh` (its GELU epilogue is the tanh form), the activation;
+//! cuBLAS applies neither. An output is rounded to its type once: an accumulating GEMM with an
+//! activation, and an f16/bf16 GEMM with an activation cuBLASLt does not fuse, compute the
+//! product into an f32 scratch in the workspace, then `out = act(t + bias) (+ out)` in f32.
 //! Scratch for the libraries (and that f32 product) comes from the host's workspace, sized by
 //! `gemm_workspace`, so the host accounts every byte.
 
@@ -37,8 +39,8 @@ const MAX_ALIGNMENT_LOG2: u32 = 8;
 /// The host's workspace may start at any offset, so the plugin asks for this much minus one
 /// more and rounds the start up.
 const WORKSPACE_ALIGNMENT: u64 = 256;
-/// Bias addresses cuBLASLt's bias epilogue is given only when aligned this much; others get
-/// the bias from the epilogue kernel.
+/// Bias addresses cuBLASLt's bias epilogue is given only when aligned this much; others are
+/// copied to an aligned place in the workspace first.
 const BIAS_ALIGNMENT: u64 = 16;
 
 /// cuBLASLt heuristics already asked, by problem.
@@ -64,12 +66,17 @@ struct AlgoKey {
 struct Plan {
     /// Through cuBLASLt (else cuBLAS).
     lt: bool,
-    /// The product goes into an f32 scratch first (accumulating with an activation).
+    /// The product goes into an f32 scratch first, and the epilogue kernel computes bias,
+    /// activation and accumulation from it with one rounding: an accumulating GEMM with an
+    /// activation, or an f16/bf16 output with an activation cuBLASLt does not fuse.
     via_scratch: bool,
     /// Library scratch bytes.
     library_workspace: u64,
     /// Bytes of the f32 product scratch.
     scratch_bytes: u64,
+    /// Bytes of an aligned copy of the bias, for cuBLASLt's bias epilogue when the bias itself
+    /// is not aligned for it.
+    bias_stage_bytes: u64,
 }
 
 impl CudaDevice {
@@ -135,16 +142,39 @@ impl CudaDevice {
                     &operands,
                     Product::scratch(scratch, gemm.n as u64),
                 )
-                .and_then(|_| epilogue(scratch, true, gemm.n as u64, bias, args.activation, true))
+                .and_then(|_| {
+                    epilogue(
+                        scratch,
+                        true,
+                        gemm.n as u64,
+                        bias,
+                        args.activation,
+                        args.accumulate,
+                    )
+                })
         } else {
-            let bias_fused = plan.lt && bias != 0 && bias % BIAS_ALIGNMENT == 0;
+            // cuBLASLt takes the bias (from an aligned copy when the bias is not aligned for
+            // it) and the tanh GELU, so the output is rounded once.
+            let lt_bias = if plan.lt && bias != 0 {
+                if bias % BIAS_ALIGNMENT == 0 {
+                    bias
+                } else {
+                    let stage = workspace + plan.bias_stage_offset();
+                    compute
+                        .stage_bias(stream, stage, bias, plan.bias_stage_bytes)
+                        .map_err(|err| err.into_plugin(op))?;
+                    stage
+                }
+            } else {
+                0
+            };
             let act_fused = plan.lt && args.activation == Activation::GELU_TANH && !args.accumulate;
             let product = Product {
                 ptr: out,
                 ld: gemm.out.stride as u64,
                 f32: false,
                 beta: if args.accumulate { 1.0 } else { 0.0 },
-                bias: if bias_fused { bias } else { 0 },
+                bias: lt_bias,
                 gelu: act_fused,
             };
             compute
@@ -175,13 +205,25 @@ impl CudaDevice {
 }
 
 impl Plan {
-    /// What `gemm_workspace` asks the host for: both scratches, and the slack to align them.
+    /// What `gemm_workspace` asks the host for: the scratches, the bias copy, and the slack to
+    /// align them.
     fn workspace_bytes(&self) -> u64 {
-        let used = self.library_workspace + self.scratch_bytes;
+        let used = self.bias_stage_offset() + self.bias_stage_bytes;
         if used == 0 {
             0
         } else {
             used + WORKSPACE_ALIGNMENT - 1
+        }
+    }
+
+    /// Where the bias copy starts, from the aligned start of the workspace (after the library's
+    /// share and the f32 product, rounded up to the alignment).
+    fn bias_stage_offset(&self) -> u64 {
+        let end = self.library_workspace + self.scratch_bytes;
+        if self.bias_stage_bytes == 0 {
+            end
+        } else {
+            end.next_multiple_of(WORKSPACE_ALIGNMENT)
         }
     }
 }
@@ -230,6 +272,23 @@ impl Product {
 }
 
 impl Compute {
+    /// Copies `bytes` of bias from `bias` to the aligned `stage` in the workspace, in stream
+    /// order before the product that reads it.
+    fn stage_bias(
+        &self,
+        stream: CUstream,
+        stage: u64,
+        bias: u64,
+        bytes: u64,
+    ) -> Result<(), CudaError> {
+        // SAFETY: `bias` is a checked view of `bytes` bytes; `stage` lies in the host's
+        // workspace, which `Plan::workspace_bytes` sized to hold it.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(stage, bias, crate::usize_of(bytes), stream)
+        }
+        .map_err(|err| CudaError::driver("cuMemcpyDtoDAsync", err))
+    }
+
     fn plan(&self, gemm: &Gemm, args: &GemmArgs) -> Result<Plan, PluginError> {
         let dtype = gemm.a.dtype;
         if dtype == DType::BF16 && self.cc < crate::device::BF16_COMPUTE_CAPABILITY {
@@ -256,7 +315,10 @@ impl Compute {
             )));
         }
         let lt = dtype != DType::F32 || self.tf32;
-        let via_scratch = args.accumulate && args.activation != Activation::NONE;
+        let activated = args.activation != Activation::NONE;
+        let gelu_fused = lt && args.activation == Activation::GELU_TANH && !args.accumulate;
+        // A half-precision output rounded before an unfused activation would be rounded twice.
+        let via_scratch = activated && (args.accumulate || (dtype != DType::F32 && !gelu_fused));
         let library_workspace = if gemm.k == 0 || gemm.m == 0 || gemm.n == 0 {
             0
         } else if self.cc.0 >= 9 {
@@ -269,11 +331,18 @@ impl Compute {
         } else {
             0
         };
+        let bias_stage_bytes = match &gemm.bias {
+            Some(bias) if lt && !via_scratch && gemm.k > 0 => {
+                (gemm.n as u64) * bias.dtype.size().unwrap_or(4)
+            }
+            _ => 0,
+        };
         Ok(Plan {
             lt,
             via_scratch,
             library_workspace,
             scratch_bytes,
+            bias_stage_bytes,
         })
     }
 
@@ -657,10 +726,13 @@ mod tests {
             via_scratch: true,
             library_workspace: WORKSPACE_DEFAULT,
             scratch_bytes: 12,
+            bias_stage_bytes: 40,
         };
         let start = 0x1001;
-        let end = align_workspace(start) + plan.library_workspace + plan.scratch_bytes;
-        assert!(end <= start + plan.workspace_bytes());
+        let stage = align_workspace(start) + plan.bias_stage_offset();
+        assert_eq!(stage % WORKSPACE_ALIGNMENT, 0);
+        assert!(stage >= align_workspace(start) + plan.library_workspace + plan.scratch_bytes);
+        assert!(stage + plan.bias_stage_bytes <= start + plan.workspace_bytes());
     }
 
     #[test]
