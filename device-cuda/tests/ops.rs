@@ -303,6 +303,17 @@ fn gemm(device: &Device) {
                 };
             }
             device.gemm(&args).unwrap();
+            if !on_gpu() && !accumulate {
+                // The same problem again reuses cuBLASLt's descriptors and algorithm (or its
+                // answer that cuBLAS computes it).
+                let setups = common::standin_lt_setups();
+                device.gemm(&args).unwrap();
+                assert_eq!(
+                    common::standin_lt_setups(),
+                    setups,
+                    "gemm {dtype} case {i}: cuBLASLt was set up again"
+                );
+            }
             let got = out.download(device);
             let mut expected = vec![0.0; m * n];
             for r in 0..m {

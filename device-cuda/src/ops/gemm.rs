@@ -43,11 +43,35 @@ const WORKSPACE_ALIGNMENT: u64 = 256;
 /// copied to an aligned place in the workspace first.
 const BIAS_ALIGNMENT: u64 = 16;
 
-/// cuBLASLt heuristics already asked, by problem.
+/// cuBLASLt set-ups already made, by problem: its descriptors, layouts and algorithm, or that
+/// cuBLASLt has no algorithm for it and cuBLAS computes it. Building them costs several library
+/// calls and a heuristic search; a tower runs the same few problems thousands of times.
 #[derive(Default)]
 pub struct GemmState {
-    algos: HashMap<AlgoKey, lt_sys::cublasLtMatmulAlgo_t>,
+    plans: HashMap<AlgoKey, LtPlan>,
 }
+
+/// What cuBLASLt was found to do for one problem.
+enum LtPlan {
+    /// Its descriptors and the algorithm the heuristic chose for them.
+    Ready(Box<LtSetup>),
+    /// The heuristic had no algorithm: cuBLAS computes the product.
+    UseCublas,
+}
+
+/// A matmul descriptor (whose bias pointer is set per call, under the state's lock), the
+/// layouts of W, a and the output, and the chosen algorithm.
+struct LtSetup {
+    desc: MatmulDesc,
+    a_layout: Layout,
+    b_layout: Layout,
+    d_layout: Layout,
+    algo: lt_sys::cublasLtMatmulAlgo_t,
+}
+
+// SAFETY: cuBLASLt descriptors are plain host objects the library does not tie to a thread;
+// they are used only under the `GemmState` mutex.
+unsafe impl Send for LtSetup {}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct AlgoKey {
@@ -479,56 +503,132 @@ impl Compute {
         product: &Product,
     ) -> Result<(), CudaError> {
         let lt_err = |call: &'static str| move |e| CudaError::blas_lt(call, e);
-        let data_type = match gemm.a.dtype {
-            DType::F16 => lt_sys::cudaDataType::CUDA_R_16F,
-            DType::BF16 => lt_sys::cudaDataType::CUDA_R_16BF,
-            _ => lt_sys::cudaDataType::CUDA_R_32F,
-        };
-        let out_type = if product.f32 {
-            lt_sys::cudaDataType::CUDA_R_32F
-        } else {
-            data_type
-        };
-        let compute_type = if gemm.a.dtype == DType::F32 && self.tf32 {
-            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
-        } else {
-            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
-        };
-        let (m, n, k) = (gemm.m as u64, gemm.n as u64, gemm.k as u64);
-        let desc = MatmulDesc(
-            cublaslt::create_matmul_desc(compute_type, lt_sys::cudaDataType::CUDA_R_32F)
-                .map_err(lt_err("cublasLtMatmulDescCreate"))?,
-        );
-        let transa: i32 = if args.w_transposed {
-            cublas_sys::cublasOperation_t::CUBLAS_OP_N as i32
-        } else {
-            cublas_sys::cublasOperation_t::CUBLAS_OP_T as i32
-        };
         let epilogue = match (product.bias != 0, product.gelu) {
             (false, false) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
             (true, false) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
             (false, true) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU,
             (true, true) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
         };
-        let epilogue_value = epilogue as u32;
-        let bias_ptr = product.bias as *const c_void;
+        let (ws, ws_bytes) = operands.library_workspace;
+        let key = AlgoKey {
+            dtype: gemm.a.dtype.0,
+            f32_out: product.f32,
+            transa: args.w_transposed,
+            dims: [
+                gemm.m as u64,
+                gemm.n as u64,
+                gemm.k as u64,
+                gemm.w.stride as u64,
+                gemm.a.stride as u64,
+                product.ld,
+            ],
+            epilogue: epilogue as u32,
+            alignments: [
+                alignment(operands.w),
+                alignment(operands.a),
+                alignment(product.ptr),
+                alignment(product.ptr),
+            ],
+            workspace: ws_bytes,
+            tf32: self.tf32,
+        };
+        // The bias pointer is set on the shared descriptor and read by the matmul enqueued
+        // right after: both under the lock.
+        let mut state = lock(&self.gemm);
+        let plan = match state.plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
+            std::collections::hash_map::Entry::Vacant(entry) => entry.insert(self.set_up_lt(&key)?),
+        };
+        let setup = match plan {
+            LtPlan::Ready(setup) => setup,
+            LtPlan::UseCublas => {
+                return Err(CudaError::Blas {
+                    call: "cublasLtMatmulAlgoGetHeuristic",
+                    status: "no algorithm (cached)".into(),
+                    alloc_failed: false,
+                });
+            }
+        };
+        if product.bias != 0 {
+            let bias_ptr = product.bias as *const c_void;
+            // SAFETY: the attribute takes a device pointer; the value outlives the call.
+            unsafe {
+                cublaslt::set_matmul_desc_attribute(
+                    setup.desc.0,
+                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    (&bias_ptr as *const *const c_void).cast(),
+                    std::mem::size_of::<*const c_void>(),
+                )
+            }
+            .map_err(lt_err("cublasLtMatmulDescSetAttribute"))?;
+        }
+        let (alpha, beta) = (1.0f32, product.beta);
+        // SAFETY: descriptors are alive; A, B, C = D and the bias are checked views of live
+        // buffers (C is D, read when beta is 1); the workspace is the host's, `ws_bytes` long;
+        // the algorithm was chosen for exactly these descriptors.
+        unsafe {
+            cublaslt::matmul(
+                self.lt.0,
+                setup.desc.0,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                operands.w as *const c_void,
+                setup.a_layout.0,
+                operands.a as *const c_void,
+                setup.b_layout.0,
+                product.ptr as *const c_void,
+                setup.d_layout.0,
+                product.ptr as *mut c_void,
+                setup.d_layout.0,
+                &setup.algo,
+                ws as *mut c_void,
+                crate::usize_of(ws_bytes),
+                stream as _,
+            )
+        }
+        .map_err(lt_err("cublasLtMatmul"))
+    }
+
+    /// Builds cuBLASLt's descriptors for the problem `key` and asks its heuristic for an
+    /// algorithm; an empty answer is [`LtPlan::UseCublas`].
+    fn set_up_lt(&self, key: &AlgoKey) -> Result<LtPlan, CudaError> {
+        let lt_err = |call: &'static str| move |e| CudaError::blas_lt(call, e);
+        let dtype = DType(key.dtype);
+        let data_type = match dtype {
+            DType::F16 => lt_sys::cudaDataType::CUDA_R_16F,
+            DType::BF16 => lt_sys::cudaDataType::CUDA_R_16BF,
+            _ => lt_sys::cudaDataType::CUDA_R_32F,
+        };
+        let out_type = if key.f32_out {
+            lt_sys::cudaDataType::CUDA_R_32F
+        } else {
+            data_type
+        };
+        let compute_type = if dtype == DType::F32 && key.tf32 {
+            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let [m, n, k, w_ld, a_ld, out_ld] = key.dims;
+        let desc = MatmulDesc(
+            cublaslt::create_matmul_desc(compute_type, lt_sys::cudaDataType::CUDA_R_32F)
+                .map_err(lt_err("cublasLtMatmulDescCreate"))?,
+        );
+        let transa: i32 = if key.transa {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N as i32
+        } else {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_T as i32
+        };
         // A stored [k, n] when not transposed (read transposed), [n, k] when it is.
-        let (a_rows, a_cols) = if args.w_transposed { (n, k) } else { (k, n) };
-        let a_layout = Layout::new(data_type, a_rows, a_cols, gemm.w.stride as u64)?;
-        let b_layout = Layout::new(data_type, k, m, gemm.a.stride as u64)?;
-        let d_layout = Layout::new(out_type, n, m, product.ld)?;
+        let (a_rows, a_cols) = if key.transa { (n, k) } else { (k, n) };
+        let a_layout = Layout::new(data_type, a_rows, a_cols, w_ld)?;
+        let b_layout = Layout::new(data_type, k, m, a_ld)?;
+        let d_layout = Layout::new(out_type, n, m, out_ld)?;
         let pref = Preference(
             cublaslt::create_matmul_pref().map_err(lt_err("cublasLtMatmulPreferenceCreate"))?,
         );
-        let (ws, ws_bytes) = operands.library_workspace;
-        let alignments = [
-            alignment(operands.w),
-            alignment(operands.a),
-            alignment(product.ptr),
-            alignment(product.ptr),
-        ];
         // SAFETY: each attribute value is the type the attribute takes (i32 operation, u32
-        // epilogue, a device pointer, u64 and u32 preferences) and outlives the call.
+        // epilogue, u64 and u32 preferences) and outlives the call.
         unsafe {
             let set_desc = |attr, value: *const c_void, size| {
                 cublaslt::set_matmul_desc_attribute(desc.0, attr, value, size)
@@ -541,23 +641,16 @@ impl Compute {
             )?;
             set_desc(
                 lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                (&epilogue_value as *const u32).cast(),
+                (&key.epilogue as *const u32).cast(),
                 4,
             )?;
-            if product.bias != 0 {
-                set_desc(
-                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    (&bias_ptr as *const *const c_void).cast(),
-                    std::mem::size_of::<*const c_void>(),
-                )?;
-            }
             let set_pref = |attr, value: *const c_void, size| {
                 cublaslt::set_matmul_pref_attribute(pref.0, attr, value, size)
                     .map_err(lt_err("cublasLtMatmulPreferenceSetAttribute"))
             };
             set_pref(
                 lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&ws_bytes as *const u64).cast(),
+                (&key.workspace as *const u64).cast(),
                 8,
             )?;
             let prefs = [
@@ -566,67 +659,26 @@ impl Compute {
                 lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
                 lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
             ];
-            for (attr, value) in prefs.into_iter().zip(alignments.iter()) {
+            for (attr, value) in prefs.into_iter().zip(key.alignments.iter()) {
                 set_pref(attr, (value as *const u32).cast(), 4)?;
             }
         }
-        let key = AlgoKey {
-            dtype: gemm.a.dtype.0,
-            f32_out: product.f32,
-            transa: args.w_transposed,
-            dims: [
-                m,
-                n,
-                k,
-                gemm.w.stride as u64,
-                gemm.a.stride as u64,
-                product.ld,
-            ],
-            epilogue: epilogue_value,
-            alignments,
-            workspace: ws_bytes,
-            tf32: self.tf32,
-        };
-        let cached = lock(&self.gemm).algos.get(&key).copied();
-        let algo = match cached {
-            Some(algo) => algo,
-            None => {
-                // SAFETY: every descriptor is alive and describes the operands.
-                let heuristic = unsafe {
-                    cublaslt::get_matmul_algo_heuristic(
-                        self.lt.0, desc.0, a_layout.0, b_layout.0, d_layout.0, d_layout.0, pref.0,
-                    )
-                }
-                .map_err(lt_err("cublasLtMatmulAlgoGetHeuristic"))?;
-                lock(&self.gemm).algos.insert(key, heuristic.algo);
-                heuristic.algo
-            }
-        };
-        let (alpha, beta) = (1.0f32, product.beta);
-        // SAFETY: descriptors are alive; A, B, C = D and the bias are checked views of live
-        // buffers (C is D, read when beta is 1); the workspace is the host's, `ws_bytes` long;
-        // the algorithm was chosen for exactly these descriptors.
-        unsafe {
-            cublaslt::matmul(
-                self.lt.0,
-                desc.0,
-                (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                operands.w as *const c_void,
-                a_layout.0,
-                operands.a as *const c_void,
-                b_layout.0,
-                product.ptr as *const c_void,
-                d_layout.0,
-                product.ptr as *mut c_void,
-                d_layout.0,
-                &algo,
-                ws as *mut c_void,
-                crate::usize_of(ws_bytes),
-                stream as _,
+        // SAFETY: every descriptor is alive and describes the operands.
+        let heuristic = unsafe {
+            cublaslt::get_matmul_algo_heuristic(
+                self.lt.0, desc.0, a_layout.0, b_layout.0, d_layout.0, d_layout.0, pref.0,
             )
+        };
+        match heuristic {
+            Ok(heuristic) => Ok(LtPlan::Ready(Box::new(LtSetup {
+                desc,
+                a_layout,
+                b_layout,
+                d_layout,
+                algo: heuristic.algo,
+            }))),
+            Err(_) => Ok(LtPlan::UseCublas),
         }
-        .map_err(lt_err("cublasLtMatmul"))
     }
 
     /// `out = act(src + bias) (+ out)` over the gemm's output.

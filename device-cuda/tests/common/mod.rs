@@ -148,6 +148,20 @@ pub fn standin_last_grid() -> [u32; 3] {
     grid
 }
 
+/// cuBLASLt set-up calls (descriptors, layouts, preferences, heuristics) the stand-in made.
+pub fn standin_lt_setups() -> u64 {
+    let name = format!("libcublasLt.so.{}", cuda_major());
+    // SAFETY: the stand-in cuBLASLt is loaded (the plugin opened it); the symbol is its
+    // `unsigned long long iris_standin_lt_setups(void)`.
+    unsafe {
+        let lt = libloading::Library::new(&name).expect("the stand-in cuBLASLt");
+        let setups: libloading::Symbol<unsafe extern "C" fn() -> u64> = lt
+            .get(b"iris_standin_lt_setups")
+            .expect("the stand-in cuBLASLt's set-up count");
+        setups()
+    }
+}
+
 /// The plugin library cargo built beside the test binary.
 pub fn plugin_library() -> PathBuf {
     let exe = std::env::current_exe().unwrap();

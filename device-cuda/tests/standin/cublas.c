@@ -9,6 +9,9 @@
  * IRIS_STANDIN_LT_NO_ALGO=1 set, cuBLASLt's heuristic finds no algorithm for any problem (as it
  * does for layouts or alignments it does not take).
  *
+ * iris_standin_lt_setups() counts cuBLASLt's set-up calls (descriptor, layout and preference
+ * creation, heuristic queries), for tests of the plugin's cache of them.
+ *
  * Both report version IRIS_STANDIN_CUBLAS_VERSION (a compile-time define, 120400 unless given,
  * so that it matches the plugin build's CUDA major), or the value of the environment variable
  * of the same name.
@@ -26,6 +29,10 @@ static int standin_version(void) {
     const char *value = getenv("IRIS_STANDIN_CUBLAS_VERSION");
     return value && *value ? atoi(value) : IRIS_STANDIN_CUBLAS_VERSION;
 }
+
+static unsigned long long lt_setups;
+
+unsigned long long iris_standin_lt_setups(void) { return lt_setups; }
 
 typedef int cublasStatus_t;
 enum { OK = 0, NOT_INITIALIZED = 1, INVALID_VALUE = 7, NOT_SUPPORTED = 15 };
@@ -182,6 +189,7 @@ cublasStatus_t cublasLtDestroy(void *handle) { return cublasDestroy_v2(handle); 
 size_t cublasLtGetVersion(void) { return (size_t)standin_version(); }
 
 cublasStatus_t cublasLtMatmulDescCreate(void **out, int compute, int scale) {
+    __atomic_add_fetch(&lt_setups, 1, __ATOMIC_RELAXED);
     (void)compute;
     if (scale != R_32F) return NOT_SUPPORTED;
     struct desc *d = calloc(1, sizeof *d);
@@ -207,6 +215,7 @@ cublasStatus_t cublasLtMatmulDescDestroy(void *desc) {
 }
 
 cublasStatus_t cublasLtMatrixLayoutCreate(void **out, int type, uint64_t rows, uint64_t cols, int64_t ld) {
+    __atomic_add_fetch(&lt_setups, 1, __ATOMIC_RELAXED);
     if (!known_type(type)) return NOT_SUPPORTED;
     if (ld < (int64_t)(rows > 1 ? rows : 1)) return INVALID_VALUE;
     struct layout *l = calloc(1, sizeof *l);
@@ -221,6 +230,7 @@ cublasStatus_t cublasLtMatrixLayoutDestroy(void *layout) {
 }
 
 cublasStatus_t cublasLtMatmulPreferenceCreate(void **out) {
+    __atomic_add_fetch(&lt_setups, 1, __ATOMIC_RELAXED);
     *out = calloc(1, 8);
     return OK;
 }
@@ -244,6 +254,7 @@ struct heuristic { uint64_t algo[8]; size_t workspace; int state; float waves; i
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(void *handle, void *desc, void *a, void *b, void *c,
                                               void *d, void *pref, int requested,
                                               struct heuristic *results, int *count) {
+    __atomic_add_fetch(&lt_setups, 1, __ATOMIC_RELAXED);
     (void)handle; (void)desc; (void)a; (void)b; (void)c; (void)d; (void)pref;
     if (requested < 1) return INVALID_VALUE;
     const char *no_algo = getenv("IRIS_STANDIN_LT_NO_ALGO");
