@@ -81,6 +81,20 @@ fn every_op_matches_the_reference_on_this_machines_gpu() {
     for scenario in ["gemm", "elementwise", "movement", "attention"] {
         run(scenario, &[(GPU_ENV, "1")], Libraries::System);
     }
+    if probe.device_count >= 2 {
+        run("ordinals", &[(GPU_ENV, "1")], Libraries::System);
+    } else {
+        eprintln!("two ordinals in one process: skipped, this machine has one GPU");
+    }
+}
+
+#[test]
+fn every_ordinal_opens_at_once_in_one_process() {
+    run(
+        "ordinals",
+        &[("IRIS_STANDIN_DEVICES", "2")],
+        Libraries::Full,
+    );
 }
 
 /// The whole conformance suite (`iris plugin check`) over the emulated device. Its tower-sized
@@ -106,6 +120,9 @@ fn conformance_suite_passes_over_the_emulated_device() {
 fn scenario() {
     let name = std::env::var(common::SCENARIO_ENV)
         .expect("run by the parent tests of tests/ops.rs, which set IRIS_STANDIN_SCENARIO");
+    if name == "ordinals" {
+        return ordinals();
+    }
     let device = open();
     if name == "conformance" {
         return conformance(device);
@@ -133,9 +150,14 @@ fn on_gpu() -> bool {
 /// stand-in driver accepts any image and finds kernels by name), so no NVRTC is needed; on a
 /// real GPU they are compiled (or taken from the user's kernel cache).
 fn open() -> Device {
+    open_ordinal(0)
+}
+
+/// [`open`] for device `ordinal`.
+fn open_ordinal(ordinal: u32) -> Device {
     if std::env::var_os(GPU_ENV).is_some() {
         let plugin = load_library(&plugin_library()).unwrap();
-        let device = plugin.open(0, &[]).expect("opens the GPU with ops");
+        let device = plugin.open(ordinal, &[]).expect("opens the GPU with ops");
         assert_eq!(device.description().ops.len(), 9, "every op is listed");
         return device;
     }
@@ -155,7 +177,7 @@ fn open() -> Device {
         .unwrap();
     let plugin = load_library(&plugin_library()).unwrap();
     let options = vec![("kernel_cache".to_owned(), dir.display().to_string())];
-    let device = plugin.open(0, &options).expect("opens with ops");
+    let device = plugin.open(ordinal, &options).expect("opens with ops");
     let desc = device.description();
     assert_eq!(desc.ops.len(), 9, "every op is listed");
     // `iris devices` shows which CUDA libraries were loaded.
@@ -177,6 +199,48 @@ fn open() -> Device {
 // ---------------------------------------------------------------------------------------------
 // Scenarios
 // ---------------------------------------------------------------------------------------------
+
+/// Every ordinal open at once in one process, each casting its own data while the others are
+/// open, then closed in turn.
+fn ordinals() {
+    let count = load_library(&plugin_library())
+        .unwrap()
+        .probe()
+        .device_count;
+    assert!(
+        count >= 2,
+        "the scenario needs two devices, the plugin sees {count}"
+    );
+    let devices: Vec<Device> = (0..count).map(open_ordinal).collect();
+    let mut tensors = Vec::new();
+    for (i, device) in devices.iter().enumerate() {
+        let values: Vec<f64> = (0..64)
+            .map(|j| (j as f64 + i as f64 * 100.0) / 8.0)
+            .collect();
+        let src = Tensor::upload(device, DType::F32, 8, 8, 8, 0, &values);
+        let out = Tensor::upload(device, DType::BF16, 8, 8, 8, 0, &[0.0; 64]);
+        device
+            .cast(&CastArgs {
+                src: src.view,
+                out: out.view,
+                workspace: BufferSlice::EMPTY,
+            })
+            .unwrap();
+        tensors.push((src, out, values));
+    }
+    for (device, (src, out, values)) in devices.iter().zip(tensors) {
+        let expected: Vec<f64> = values.iter().map(|v| round(DType::BF16, *v)).collect();
+        assert_eq!(
+            out.download(device),
+            expected,
+            "ordinal {}",
+            device.ordinal()
+        );
+        src.free(device);
+        out.free(device);
+        device.synchronize().unwrap();
+    }
+}
 
 /// `synchronize` and `read` make no blocking copy of the gather status word: none without a
 /// gather since the last check, and an asynchronous one after a gather.
