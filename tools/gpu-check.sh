@@ -35,7 +35,7 @@
 #   attention    attention_bench: bf16 attention, 16 heads, head dims 64/72/80/96/128, one
 #                segment of 256 to 16384 tokens; with torch, PyTorch's SDPA on the same shapes
 #                (tools/gpu-check/attention_vs_sdpa.py). Expected on an H100 with today's f32
-#                CUDA-core kernel: 10 to 20 TFLOPS at 4096 tokens and more, 20 to 40 times
+#                CUDA-core kernel: 15 to 25 TFLOPS at 4096 tokens and more, 10 to 25 times
 #                SDPA's time (docs/PERFORMANCE.md has the model)
 #   transformers where Python has torch and transformers: the Qwen2-VL-2B and Qwen2.5-VL-7B
 #                towers in bf16 against transformers with its best attention on the same GPU
