@@ -22,7 +22,7 @@ use iris_plugin::{Backend, Logger};
 
 use crate::error::{CudaError, DriverResultExt};
 use crate::loader::{self, Library};
-use crate::memory::{DeviceView, Fences, HostBuffers, Memory};
+use crate::memory::{self, DeviceView, Fences, HostBuffers, Memory};
 use crate::ops::Compute;
 
 /// The oldest driver API version the plugin runs on (as `cuDriverGetVersion` writes it): the
@@ -348,19 +348,18 @@ impl CudaDevice {
         })
     }
 
-    fn synchronize_impl(&self) -> Result<(), PluginError> {
+    /// Waits for the queue and reports a bad gather index; errors name `op`, the ABI call that
+    /// waited (`synchronize` or `read`).
+    fn synchronize_impl(&self, op: &str) -> Result<(), PluginError> {
         let wait = || {
             // Only the frees enqueued before the wait are known to have run after it.
             let waited = self.memory.pending();
-            // SAFETY: the stream belongs to the bound context.
-            unsafe { result::stream::synchronize(self.cu_stream()) }
-                .call("cuStreamSynchronize")
-                .map_err(|err| err.into_plugin("synchronize"))?;
+            memory::wait(self.cu_stream()).map_err(|err| err.into_plugin(op))?;
             self.memory.released(waited);
             Ok(())
         };
         match &self.compute {
-            Some(compute) => compute.synchronize_with_status(self.cu_stream(), wait),
+            Some(compute) => compute.synchronize_with_status(op, self.cu_stream(), wait),
             None => wait(),
         }
     }
@@ -389,11 +388,8 @@ impl CudaDevice {
         }
         for (src, dst, bytes) in driver {
             // SAFETY: both ranges were checked against live buffers and do not overlap.
-            unsafe {
-                result::memcpy_dtod_async(dst, src, crate::usize_of(bytes), self.cu_stream())
-            }
-            .call("cuMemcpyDtoDAsync")
-            .map_err(|err| err.into_plugin("copy_batch"))?;
+            unsafe { memory::copy_device(dst, src, bytes, self.cu_stream()) }
+                .map_err(|err| err.into_plugin("copy_batch"))?;
         }
         Ok(())
     }
@@ -404,30 +400,18 @@ impl CudaDevice {
             return Ok(());
         }
         let ptr = self.view("fill", args.dst.buf)?.at(args.dst.offset);
-        let stream = self.cu_stream();
-        let bytes = crate::usize_of(args.dst.bytes);
-        let [b0, b1, _, _] = args.value.to_le_bytes();
         // SAFETY: the range was checked against a live buffer; offset and length are multiples
         // of the width, so the element-wide memsets are aligned.
-        let (call, code) = unsafe {
-            match args.width {
-                1 => (
-                    "cuMemsetD8Async",
-                    sys::cuMemsetD8Async(ptr, b0, bytes, stream),
-                ),
-                2 => (
-                    "cuMemsetD16Async",
-                    sys::cuMemsetD16Async(ptr, u16::from_le_bytes([b0, b1]), bytes / 2, stream),
-                ),
-                _ => (
-                    "cuMemsetD32Async",
-                    sys::cuMemsetD32Async(ptr, args.value, bytes / 4, stream),
-                ),
-            }
-        };
-        code.result()
-            .call(call)
-            .map_err(|err| err.into_plugin("fill"))
+        unsafe {
+            memory::fill(
+                ptr,
+                args.width,
+                args.value,
+                args.dst.bytes,
+                self.cu_stream(),
+            )
+        }
+        .map_err(|err| err.into_plugin("fill"))
     }
 
     fn staged(&self, op: &str, copy: &StagedCopy) -> Result<(u64, *mut u8), PluginError> {
@@ -505,8 +489,7 @@ impl Backend for CudaDevice {
             return Ok(());
         }
         let ptr = self.view("write", dst)?.at(offset);
-        crate::memory::write_from_host(ptr, src, self.cu_stream())
-            .map_err(|err| err.into_plugin("write"))
+        memory::write_from_host(ptr, src, self.cu_stream()).map_err(|err| err.into_plugin("write"))
     }
 
     fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), PluginError> {
@@ -518,12 +501,10 @@ impl Backend for CudaDevice {
             let ptr = self.view("read", src)?.at(offset);
             // SAFETY: the range was checked; `dst` stays borrowed until the stream has been
             // synchronised below.
-            unsafe { result::memcpy_dtoh_async(dst, ptr, self.cu_stream()) }
-                .call("cuMemcpyDtoHAsync")
+            unsafe { memory::read_to_host(dst, ptr, self.cu_stream()) }
                 .map_err(|err| err.into_plugin("read"))?;
         }
-        self.synchronize_impl()
-            .map_err(|err| PluginError::new(err.code, format!("read: {}", err.message)))
+        self.synchronize_impl("read")
     }
 
     fn copy_batch(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
@@ -538,7 +519,7 @@ impl Backend for CudaDevice {
 
     fn synchronize(&self) -> Result<(), PluginError> {
         self.enter("synchronize")?;
-        self.synchronize_impl()
+        self.synchronize_impl("synchronize")
     }
 
     fn gemm_workspace(&self, args: &GemmArgs) -> Result<u64, PluginError> {
@@ -644,9 +625,7 @@ impl Backend for CudaDevice {
             )));
         };
         // Queue-ordered: uploads and downloads already enqueued may still use the buffer.
-        // SAFETY: the stream belongs to the bound context.
-        let drained =
-            unsafe { result::stream::synchronize(self.cu_stream()) }.call("cuStreamSynchronize");
+        let drained = memory::wait(self.cu_stream());
         // SAFETY: the buffer was taken from the table (freed once) and the queue has drained.
         let freed = unsafe { HostBuffers::free(ptr) };
         drained
@@ -662,16 +641,7 @@ impl Backend for CudaDevice {
         }
         // SAFETY: both ranges were checked; the host keeps the pinned range unchanged until a
         // later fence completes (the ABI's rule for `upload`).
-        let code = unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                device,
-                host.cast(),
-                crate::usize_of(copy.bytes),
-                self.cu_stream(),
-            )
-        };
-        code.result()
-            .call("cuMemcpyHtoDAsync")
+        unsafe { memory::upload(device, host, copy.bytes, self.cu_stream()) }
             .map_err(|err| err.into_plugin("upload"))
     }
 
@@ -683,16 +653,7 @@ impl Backend for CudaDevice {
         }
         // SAFETY: both ranges were checked; the host reads the pinned range only after a later
         // fence completes.
-        let code = unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                host.cast(),
-                device,
-                crate::usize_of(copy.bytes),
-                self.cu_stream(),
-            )
-        };
-        code.result()
-            .call("cuMemcpyDtoHAsync")
+        unsafe { memory::download(host, device, copy.bytes, self.cu_stream()) }
             .map_err(|err| err.into_plugin("download"))
     }
 
@@ -718,10 +679,8 @@ impl Drop for CudaDevice {
                 .warn(format!("close: cannot bind the context: {err:?}"));
         }
         let stream = self.cu_stream();
-        // SAFETY: the stream belongs to the bound context.
-        if let Err(err) = unsafe { result::stream::synchronize(stream) } {
-            self.log
-                .warn(format!("close: queued work failed: {:?}", err.0));
+        if let Err(err) = memory::wait(stream) {
+            self.log.warn(format!("close: queued work failed: {err}"));
         }
         if let Some(compute) = self.compute.take() {
             compute.close(stream, &self.log);

@@ -13,9 +13,11 @@
 //!   such as `CUDA_HOME` and pip's `nvidia/*/lib` are loaded by absolute path first) and names
 //!   what it tried when one is missing;
 //! - safe types: `memory` (stream-ordered pool allocations behind opaque handles, the
-//!   non-owning `DeviceView` ops hand to kernels and cuBLAS, pinned host buffers, fences),
-//!   [`kernels`] (NVRTC compilation, the on-disk kernel cache, the loaded module), `ops`
-//!   (cuBLASLt/cuBLAS GEMM and kernel launches);
+//!   non-owning `DeviceView` ops hand to kernels and cuBLAS, pinned host buffers, fences, and
+//!   every driver call on memory and transfers), [`kernels`] (NVRTC compilation, the on-disk
+//!   kernel cache, the loaded module), `ops` (cuBLASLt/cuBLAS GEMM, and one file per kernel
+//!   family as in the other devices: `norm`, `elementwise`, `rotary`, `attention`, each kernel
+//!   with a typed parameter struct);
 //! - [`device::CudaDevice`], the [`iris_plugin::Backend`] the ABI shims call, and [`error`],
 //!   which maps CUDA failures onto the ABI's error codes (out of memory with sizes; everything
 //!   else carries the CUDA name of the failure).

@@ -329,6 +329,109 @@ pub(crate) fn write_from_host(
     Ok(())
 }
 
+/// Waits until every operation enqueued on `stream` has completed.
+pub(crate) fn wait(stream: CUstream) -> Result<(), CudaError> {
+    // SAFETY: the stream belongs to the current context.
+    unsafe { result::stream::synchronize(stream) }.call("cuStreamSynchronize")
+}
+
+/// Enqueues a copy of `bytes` between device addresses.
+///
+/// # Safety
+/// Both ranges must lie in live device memory of the current context and must not overlap.
+pub(crate) unsafe fn copy_device(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: u64,
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: by the caller's contract.
+    unsafe { result::memcpy_dtod_async(dst, src, crate::usize_of(bytes), stream) }
+        .call("cuMemcpyDtoDAsync")
+}
+
+/// Enqueues a fill of `bytes` at `ptr` with `value` repeated at `width` bytes (1, 2 or 4).
+///
+/// # Safety
+/// The range must lie in live device memory of the current context; `ptr` and `bytes` must be
+/// multiples of `width`.
+pub(crate) unsafe fn fill(
+    ptr: CUdeviceptr,
+    width: u32,
+    value: u32,
+    bytes: u64,
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    let count = crate::usize_of(bytes);
+    let [b0, b1, _, _] = value.to_le_bytes();
+    // SAFETY: by the caller's contract; each memset writes `count / width` elements.
+    let (call, code) = unsafe {
+        match width {
+            1 => (
+                "cuMemsetD8Async",
+                sys::cuMemsetD8Async(ptr, b0, count, stream),
+            ),
+            2 => (
+                "cuMemsetD16Async",
+                sys::cuMemsetD16Async(ptr, u16::from_le_bytes([b0, b1]), count / 2, stream),
+            ),
+            _ => (
+                "cuMemsetD32Async",
+                sys::cuMemsetD32Async(ptr, value, count / 4, stream),
+            ),
+        }
+    };
+    code.result().call(call)
+}
+
+/// Enqueues a copy from device memory into a host slice.
+///
+/// # Safety
+/// `src .. src + dst.len()` must lie in live device memory of the current context; `dst` must
+/// stay valid and unread until the stream has been waited for.
+pub(crate) unsafe fn read_to_host(
+    dst: &mut [u8],
+    src: CUdeviceptr,
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: by the caller's contract.
+    unsafe { result::memcpy_dtoh_async(dst, src, stream) }.call("cuMemcpyDtoHAsync")
+}
+
+/// Enqueues a copy of `bytes` from page-locked host memory at `host` to device memory.
+///
+/// # Safety
+/// Both ranges must be live (the host range page-locked) and the host range unchanged until a
+/// later wait covers the copy.
+pub(crate) unsafe fn upload(
+    device: CUdeviceptr,
+    host: *const u8,
+    bytes: u64,
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: by the caller's contract.
+    unsafe { sys::cuMemcpyHtoDAsync_v2(device, host.cast(), crate::usize_of(bytes), stream) }
+        .result()
+        .call("cuMemcpyHtoDAsync")
+}
+
+/// Enqueues a copy of `bytes` from device memory to page-locked host memory at `host`.
+///
+/// # Safety
+/// Both ranges must be live (the host range page-locked) and the host range unread until a
+/// later wait covers the copy.
+pub(crate) unsafe fn download(
+    host: *mut u8,
+    device: CUdeviceptr,
+    bytes: u64,
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: by the caller's contract.
+    unsafe { sys::cuMemcpyDtoHAsync_v2(host.cast(), device, crate::usize_of(bytes), stream) }
+        .result()
+        .call("cuMemcpyDtoHAsync")
+}
+
 /// Pinned (page-locked) host buffers for `alloc_host`.
 pub struct HostBuffers {
     table: Mutex<HashMap<u64, (usize, usize)>>,

@@ -272,6 +272,24 @@ fn status(device: &Device) {
         assert_eq!(outcome.is_err(), bad, "indices {indices:?}: {outcome:?}");
         device.free(idx).unwrap();
     }
+    // `read` waits too, and reports the bad index in its own name.
+    let idx = upload_i32(device, &[0, 7, 1]);
+    device
+        .gather_rows(&GatherArgs {
+            src: src.view,
+            out: out.view,
+            indices: MatRef::vector(idx, 0, DType::I32, 3),
+            workspace: BufferSlice::EMPTY,
+        })
+        .unwrap();
+    let mut row = [0u8; 32];
+    let err = device.read(out.view.buf, 0, &mut row).unwrap_err();
+    assert!(
+        err.message
+            .starts_with("read: a gather_rows enqueued earlier"),
+        "{err}"
+    );
+    device.free(idx).unwrap();
     src.free(device);
     out.free(device);
     device.synchronize().unwrap();

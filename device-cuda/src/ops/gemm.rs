@@ -25,7 +25,9 @@ use cudarc::driver::sys::CUstream;
 use iris_plugin::abi::{Activation, DType, GemmArgs, PluginError};
 use iris_plugin::validate::{self, Checker, Gemm};
 
-use super::{Args, Compute, THREADS, addr, dtype_name, grid_2d, lock, optional_addr};
+use super::{
+    Compute, THREADS, addr, dim, dtype_name, grid_2d, i64_of, kernel_args, lock, optional_addr,
+};
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 
@@ -42,6 +44,15 @@ const WORKSPACE_ALIGNMENT: u64 = 256;
 /// Bias addresses cuBLASLt's bias epilogue is given only when aligned this much; others are
 /// copied to an aligned place in the workspace first.
 const BIAS_ALIGNMENT: u64 = 16;
+
+kernel_args! {
+    /// `gemm_epilogue_<dtype>(src, src_f32, ss, out, os, bias, rows, cols, kind, accumulate)`:
+    /// `out = act(src + bias) (+ out)`; `src` 0 is a zero product, `bias` 0 none.
+    struct EpilogueKernel {
+        src: u64, src_f32: i32, ss: i64, out: u64, os: i64, bias: u64, rows: i64, cols: i64,
+        kind: i32, accumulate: i32,
+    }
+}
 
 /// cuBLASLt set-ups already made, by problem: its descriptors, layouts and algorithm, or that
 /// cuBLASLt has no algorithm for it and cuBLAS computes it. Building them costs several library
@@ -695,24 +706,25 @@ impl Compute {
         kind: Activation,
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        let launch = Args::new()
-            .ptr(src)
-            .i32(i32::from(src_f32))
-            .i64(src_stride)
-            .ptr(out)
-            .i64(gemm.out.stride as u64)
-            .ptr(bias)
-            .i64(gemm.m as u64)
-            .i64(gemm.n as u64)
-            .i32(i32::try_from(kind.0).unwrap_or(0))
-            .i32(i32::from(accumulate));
+        let mut launch = EpilogueKernel {
+            src,
+            src_f32: i32::from(src_f32),
+            ss: i64_of(src_stride),
+            out,
+            os: dim(gemm.out.stride),
+            bias,
+            rows: dim(gemm.m),
+            cols: dim(gemm.n),
+            kind: i32::try_from(kind.0).unwrap_or(0),
+            accumulate: i32::from(accumulate),
+        };
         let name = format!("gemm_epilogue_{}", dtype_name(gemm.out.dtype));
         self.launch(
             stream,
             &name,
             grid_2d(gemm.m as u64, gemm.n as u64),
             THREADS,
-            launch,
+            &mut launch,
         )
     }
 }

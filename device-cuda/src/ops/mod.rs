@@ -1,5 +1,8 @@
-//! The ops: GEMM through cuBLASLt and cuBLAS ([`gemm`]), everything else through the NVRTC
-//! kernels of [`crate::kernels`].
+//! The ops: GEMM through cuBLASLt and cuBLAS (`gemm`), everything else through the NVRTC
+//! kernels of [`crate::kernels`]: `norm` (layer and RMS norm), `elementwise` (activations,
+//! binary ops, casts, row gathers), `rotary`, `attention`; the batched copy is here. Each
+//! kernel's parameters are a struct of its own ([`kernel_args!`]), typed as the kernel's
+//! signature reads them.
 //!
 //! [`Compute`] is what a device needs to run ops, created at `open` unless the device is opened
 //! memory-only: the cuBLAS and cuBLASLt handles (bound to the device's stream), the loaded
@@ -7,7 +10,11 @@
 //! growable buffer of copy descriptors for batched copies. Every op validates its arguments
 //! with [`iris_plugin::validate`] before it enqueues anything.
 
+mod attention;
+mod elementwise;
 mod gemm;
+mod norm;
+mod rotary;
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,15 +27,12 @@ use cudarc::cublaslt::sys as cublaslt_sys;
 use cudarc::driver::result;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use iris_plugin::Logger;
-use iris_plugin::abi::{
-    ActivationArgs, AttentionArgs, BinaryArgs, CastArgs, DType, GatherArgs, HeldMemory, NormArgs,
-    OpKind, PluginError, Property, RotaryArgs,
-};
-use iris_plugin::validate::{self, Mat};
+use iris_plugin::abi::{DType, HeldMemory, OpKind, PluginError, Property};
+use iris_plugin::validate::Mat;
 
 use crate::device::{CudaDevice, CudaOptions, Info, push_growth, used};
 use crate::error::{CudaError, DriverResultExt};
-use crate::kernels::{self, ATTENTION_SIZES, Cache, Module, Target};
+use crate::kernels::{self, Cache, Module, Target};
 use crate::loader::{self, Library};
 
 pub use gemm::GemmState;
@@ -46,17 +50,17 @@ pub const COPY_ENGINE_MIN_BYTES: u64 = 64 << 10;
 const COPY_CHUNK: u64 = THREADS as u64 * 16;
 
 /// Threads per block of the elementwise, norm and gather kernels.
-const THREADS: u32 = 256;
+pub(crate) const THREADS: u32 = 256;
 /// Threads per block of the attention kernel (4 warps).
-const ATTENTION_THREADS: u32 = 128;
+pub(crate) const ATTENTION_THREADS: u32 = 128;
 /// Queries per attention block.
-const ATTENTION_QUERIES: u64 = 32;
+pub(crate) const ATTENTION_QUERIES: u64 = 32;
 /// Largest grid y and z dimension.
-const GRID_YZ: u64 = 65_535;
+pub(crate) const GRID_YZ: u64 = 65_535;
 /// Column blocks of an elementwise grid at most (the kernels stride over the rest).
-const GRID_X_ELEMENTWISE: u64 = 1024;
+pub(crate) const GRID_X_ELEMENTWISE: u64 = 1024;
 /// Row blocks of a norm grid at most (the kernel strides over the rest).
-const GRID_X_NORM: u64 = 1 << 20;
+pub(crate) const GRID_X_NORM: u64 = 1 << 20;
 
 /// Library handles, kernels and scratch of one device.
 pub struct Compute {
@@ -191,11 +195,12 @@ impl Compute {
     }
 
     /// Waits for `stream` with `wait` and reports a bad gather index recorded by kernels
-    /// enqueued before it. The status word is read only when a gather was enqueued since the
+    /// enqueued before it, naming `op`, the ABI call that waited. The status word is read only when a gather was enqueued since the
     /// last check, and then without a blocking copy: its copy into page-locked memory (and its
     /// reset) are enqueued on `stream` before the wait, and the host reads the copy after it.
     pub(crate) fn synchronize_with_status(
         &self,
+        op: &str,
         stream: CUstream,
         wait: impl FnOnce() -> Result<(), PluginError>,
     ) -> Result<(), PluginError> {
@@ -206,15 +211,15 @@ impl Compute {
         let _reading = lock(&self.status_read);
         self.status
             .enqueue_read(stream, &self.status_host)
-            .map_err(|err| err.into_plugin("synchronize"))?;
+            .map_err(|err| err.into_plugin(op))?;
         wait()?;
         if self.status_host.take() == 0 {
             return Ok(());
         }
-        Err(PluginError::invalid_argument(
-            "synchronize: a gather_rows enqueued earlier had an index outside its source rows; \
-             those rows were written as zeros",
-        ))
+        Err(PluginError::invalid_argument(format!(
+            "{op}: a gather_rows enqueued earlier had an index outside its source rows; those \
+             rows were written as zeros"
+        )))
     }
 
     /// Enqueues one kernel copying every `(src, dst, bytes)` region, each spread over
@@ -234,14 +239,18 @@ impl Compute {
             .call("cuMemcpyHtoDAsync")?;
         let count = moves.len() as u64;
         let longest = moves.iter().map(|&(_, _, n)| n).max().unwrap_or(0);
-        let args = Args::new().ptr(descriptors.ptr).i64(count).i64(COPY_CHUNK);
+        let mut args = CopyRegionsArgs {
+            regions: descriptors.ptr,
+            count: i64_of(count),
+            chunk: i64_of(COPY_CHUNK),
+        };
         // Chunks along x, regions along y (the kernel strides over regions beyond the grid).
         let dims = (
             grid(longest.div_ceil(COPY_CHUNK), i32::MAX as u64),
             grid(count, GRID_YZ),
             1,
         );
-        self.launch(stream, "copy_regions", dims, THREADS, args)
+        self.launch(stream, "copy_regions", dims, THREADS, &mut args)
     }
 
     /// Releases everything (closing the device, after the queue drained).
@@ -254,69 +263,73 @@ impl Compute {
         // device is closing either way).
     }
 
-    fn launch(
+    pub(crate) fn launch(
         &self,
         stream: CUstream,
         name: &str,
         grid: (u32, u32, u32),
         block: u32,
-        mut args: Args,
+        args: &mut impl KernelArgs,
     ) -> Result<(), CudaError> {
         let function = self.module.function(name)?;
-        let mut params: Vec<*mut c_void> = args
-            .slots
-            .iter_mut()
-            .map(|slot| (slot as *mut u64).cast::<c_void>())
-            .collect();
-        // SAFETY: the function comes from the loaded module; `params` points at one 8-byte slot
-        // per kernel parameter, in order, holding each value in its low bytes (little-endian),
-        // which is what the kernel's signature reads; every address was checked against a live
-        // buffer by the caller.
+        let mut params = args.params();
+        // SAFETY: the function comes from the loaded module; `params` points at each field of
+        // `args`, which lives until the call returns (the driver copies the values), one per
+        // kernel parameter in order with the type the kernel's signature reads; every address
+        // was checked against a live buffer by the caller.
         unsafe { result::launch_kernel(function, grid, (block, 1, 1), 0, stream, &mut params) }
             .call("cuLaunchKernel")
     }
 }
 
-/// Kernel arguments, one 8-byte slot each.
-#[derive(Default)]
-struct Args {
-    slots: Vec<u64>,
+/// A kernel's parameters, each passed to `cuLaunchKernel` by address with its own type and size,
+/// in the order of the kernel's signature. Written with [`kernel_args!`].
+pub(crate) trait KernelArgs {
+    /// The address of each parameter, in order.
+    fn params(&mut self) -> Vec<*mut c_void>;
 }
 
-impl Args {
-    fn new() -> Args {
-        Args::default()
-    }
+/// Declares a kernel's parameter struct: one field per parameter of the CUDA signature, in
+/// order, typed as the kernel reads it (`u64` for a device pointer, `i64`, `i32`, `f32`).
+macro_rules! kernel_args {
+    ($(#[$meta:meta])* struct $name:ident { $($field:ident: $ty:ty),* $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy)]
+        pub(crate) struct $name {
+            $(pub(crate) $field: $ty),*
+        }
 
-    fn ptr(mut self, value: u64) -> Args {
-        self.slots.push(value);
-        self
-    }
+        impl $crate::ops::KernelArgs for $name {
+            fn params(&mut self) -> Vec<*mut std::ffi::c_void> {
+                vec![$((&mut self.$field as *mut $ty).cast::<std::ffi::c_void>()),*]
+            }
+        }
+    };
+}
+pub(crate) use kernel_args;
 
-    fn i64(mut self, value: u64) -> Args {
-        // Sizes and strides were checked to fit in memory, far below i64::MAX.
-        self.slots.push(value);
-        self
-    }
+kernel_args! {
+    /// `copy_regions(const u64* regions, i64 count, i64 chunk)`.
+    struct CopyRegionsArgs { regions: u64, count: i64, chunk: i64 }
+}
 
-    fn i32(mut self, value: i32) -> Args {
-        self.slots.push(u64::from(value.cast_unsigned()));
-        self
-    }
+/// A size or stride as the kernels' `i64` (validated sizes lie far below `i64::MAX`).
+pub(crate) fn i64_of(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
 
-    fn f32(mut self, value: f32) -> Args {
-        self.slots.push(u64::from(value.to_bits()));
-        self
-    }
+/// A dimension or stride of a checked view as the kernels' `i64`.
+pub(crate) fn dim(value: usize) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 /// A grid dimension of `n` blocks, clamped to `[1, cap]`.
-fn grid(n: u64, cap: u64) -> u32 {
+pub(crate) fn grid(n: u64, cap: u64) -> u32 {
     u32::try_from(n.clamp(1, cap)).unwrap_or(u32::MAX)
 }
 
 /// A grid for a `[rows, cols]` elementwise kernel: column blocks in x, rows in y.
-fn grid_2d(rows: u64, cols: u64) -> (u32, u32, u32) {
+pub(crate) fn grid_2d(rows: u64, cols: u64) -> (u32, u32, u32) {
     (
         grid(cols.div_ceil(u64::from(THREADS)), GRID_X_ELEMENTWISE),
         grid(rows, GRID_YZ),
@@ -324,266 +337,23 @@ fn grid_2d(rows: u64, cols: u64) -> (u32, u32, u32) {
     )
 }
 
-fn dtype_name(dtype: DType) -> &'static str {
+pub(crate) fn dtype_name(dtype: DType) -> &'static str {
     dtype.name().unwrap_or("f32")
 }
 
 /// Device address of a checked view's first element.
-fn addr(device: &CudaDevice, op: &str, mat: &Mat) -> Result<u64, PluginError> {
+pub(crate) fn addr(device: &CudaDevice, op: &str, mat: &Mat) -> Result<u64, PluginError> {
     Ok(device.view(op, mat.buf)?.at(mat.offset))
 }
 
-fn optional_addr(device: &CudaDevice, op: &str, mat: &Option<Mat>) -> Result<u64, PluginError> {
+pub(crate) fn optional_addr(
+    device: &CudaDevice,
+    op: &str,
+    mat: &Option<Mat>,
+) -> Result<u64, PluginError> {
     match mat {
         Some(mat) => addr(device, op, mat),
         None => Ok(0),
-    }
-}
-
-impl CudaDevice {
-    pub(crate) fn norm_impl(
-        &self,
-        op: &str,
-        args: &NormArgs,
-        rms: bool,
-    ) -> Result<(), PluginError> {
-        let norm = self.with_checker(op, |check| validate::norm(check, args, rms))?;
-        let compute = self.compute(op)?;
-        if norm.x.is_empty() {
-            return Ok(());
-        }
-        let launch = Args::new()
-            .ptr(addr(self, op, &norm.x)?)
-            .i64(norm.x.stride as u64)
-            .ptr(addr(self, op, &norm.out)?)
-            .i64(norm.out.stride as u64)
-            .ptr(addr(self, op, &norm.weight)?)
-            .ptr(optional_addr(self, op, &norm.bias)?)
-            .i64(norm.x.rows as u64)
-            .i64(norm.x.cols as u64)
-            .f32(args.eps)
-            .i32(i32::from(rms));
-        let name = format!("norm_{}", dtype_name(norm.x.dtype));
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                (grid(norm.x.rows as u64, GRID_X_NORM), 1, 1),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
-
-    pub(crate) fn activation_impl(&self, args: &ActivationArgs) -> Result<(), PluginError> {
-        let op = "activation";
-        let (x, out) = self.with_checker(op, |check| validate::activation(check, args))?;
-        let compute = self.compute(op)?;
-        if x.is_empty() {
-            return Ok(());
-        }
-        let kind = i32::try_from(args.activation.0).unwrap_or(0);
-        let launch = Args::new()
-            .ptr(addr(self, op, &x)?)
-            .i64(x.stride as u64)
-            .ptr(addr(self, op, &out)?)
-            .i64(out.stride as u64)
-            .i64(x.rows as u64)
-            .i64(x.cols as u64)
-            .i32(kind);
-        let name = format!("activation_{}", dtype_name(x.dtype));
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                grid_2d(x.rows as u64, x.cols as u64),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
-
-    pub(crate) fn binary_impl(&self, args: &BinaryArgs) -> Result<(), PluginError> {
-        let op = "binary";
-        let checked = self.with_checker(op, |check| validate::binary(check, args))?;
-        let compute = self.compute(op)?;
-        let (a, b, out) = (checked.a, checked.b, checked.out);
-        if a.is_empty() {
-            return Ok(());
-        }
-        let b_stride = if checked.broadcast {
-            0
-        } else {
-            b.stride as u64
-        };
-        let kind = i32::try_from(args.op.0).unwrap_or(0);
-        let launch = Args::new()
-            .ptr(addr(self, op, &a)?)
-            .i64(a.stride as u64)
-            .ptr(addr(self, op, &b)?)
-            .i64(b_stride)
-            .ptr(addr(self, op, &out)?)
-            .i64(out.stride as u64)
-            .i64(a.rows as u64)
-            .i64(a.cols as u64)
-            .i32(kind);
-        let name = format!("binary_{}", dtype_name(a.dtype));
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                grid_2d(a.rows as u64, a.cols as u64),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
-
-    pub(crate) fn rotary_impl(&self, args: &RotaryArgs) -> Result<(), PluginError> {
-        let op = "rotary";
-        let rotary = self.with_checker(op, |check| validate::rotary(check, args))?;
-        let compute = self.compute(op)?;
-        if rotary.x.is_empty() {
-            return Ok(());
-        }
-        let pairs = (rotary.heads * rotary.head_dim / 2) as u64;
-        let launch = Args::new()
-            .ptr(addr(self, op, &rotary.x)?)
-            .i64(rotary.x.stride as u64)
-            .ptr(addr(self, op, &rotary.cos)?)
-            .i64(rotary.cos.stride as u64)
-            .ptr(addr(self, op, &rotary.sin)?)
-            .i64(rotary.sin.stride as u64)
-            .i64(rotary.x.rows as u64)
-            .i64(rotary.heads as u64)
-            .i64(rotary.head_dim as u64);
-        let name = format!("rotary_{}", dtype_name(rotary.x.dtype));
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                grid_2d(rotary.x.rows as u64, pairs),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
-
-    pub(crate) fn attention_impl(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
-        let op = "attention";
-        let att = self.with_checker(op, |check| validate::attention(check, args))?;
-        let compute = self.compute(op)?;
-        let head_dim = att.head_dim as u64;
-        let Some(size) = ATTENTION_SIZES
-            .iter()
-            .copied()
-            .find(|size| *size >= head_dim)
-        else {
-            return Err(PluginError::unsupported(format!(
-                "attention: head_dim {head_dim} is larger than the largest kernel ({})",
-                ATTENTION_SIZES[ATTENTION_SIZES.len() - 1]
-            )));
-        };
-        let segments = att.segments.len() as u64;
-        let heads = att.heads as u64;
-        if heads > GRID_YZ || segments > GRID_YZ {
-            return Err(PluginError::unsupported(format!(
-                "attention: {heads} heads and {segments} segments; at most {GRID_YZ} of each"
-            )));
-        }
-        if att.tokens == 0 || segments == 0 || args.max_seqlen == 0 {
-            return Ok(());
-        }
-        let launch = Args::new()
-            .ptr(addr(self, op, &att.q)?)
-            .i64(att.q.stride as u64)
-            .ptr(addr(self, op, &att.k)?)
-            .i64(att.k.stride as u64)
-            .ptr(addr(self, op, &att.v)?)
-            .i64(att.v.stride as u64)
-            .ptr(addr(self, op, &att.out)?)
-            .i64(att.out.stride as u64)
-            .ptr(addr(self, op, &att.cu_seqlens_device)?)
-            .i32(i32::try_from(head_dim).unwrap_or(0))
-            .f32(args.scale);
-        let name = format!("attention_{}_{size}", dtype_name(att.q.dtype));
-        let tiles = args.max_seqlen.div_ceil(ATTENTION_QUERIES);
-        let grid_dims = (
-            grid(tiles, i32::MAX as u64),
-            grid(heads, GRID_YZ),
-            grid(segments, GRID_YZ),
-        );
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                grid_dims,
-                ATTENTION_THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
-
-    pub(crate) fn gather_impl(&self, args: &GatherArgs) -> Result<(), PluginError> {
-        let op = "gather_rows";
-        let (src, out, indices) =
-            self.with_checker(op, |check| validate::gather_rows(check, args))?;
-        let compute = self.compute(op)?;
-        if out.is_empty() {
-            return Ok(());
-        }
-        let width = match src.dtype.size() {
-            Some(1) => "b1",
-            Some(2) => "b2",
-            _ => "b4",
-        };
-        let launch = Args::new()
-            .ptr(addr(self, op, &src)?)
-            .i64(src.stride as u64)
-            .i64(src.rows as u64)
-            .ptr(addr(self, op, &out)?)
-            .i64(out.stride as u64)
-            .ptr(addr(self, op, &indices)?)
-            .i64(out.rows as u64)
-            .i64(out.cols as u64)
-            .ptr(compute.status.ptr);
-        compute
-            .launch(
-                self.cu_stream(),
-                &format!("gather_{width}"),
-                grid_2d(out.rows as u64, out.cols as u64),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))?;
-        compute.gathered.store(true, Ordering::Release);
-        Ok(())
-    }
-
-    pub(crate) fn cast_impl(&self, args: &CastArgs) -> Result<(), PluginError> {
-        let op = "cast";
-        let (src, out) = self.with_checker(op, |check| validate::cast(check, args))?;
-        let compute = self.compute(op)?;
-        if src.is_empty() || out.same_as(&src) {
-            return Ok(());
-        }
-        let launch = Args::new()
-            .ptr(addr(self, op, &src)?)
-            .i64(src.stride as u64)
-            .ptr(addr(self, op, &out)?)
-            .i64(out.stride as u64)
-            .i64(src.rows as u64)
-            .i64(src.cols as u64);
-        let name = format!("cast_{}_{}", dtype_name(src.dtype), dtype_name(out.dtype));
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                grid_2d(src.rows as u64, src.cols as u64),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
     }
 }
 
@@ -836,7 +606,7 @@ impl Descriptors {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // The guarded values stay consistent across a panic (plain fields written at once).
     mutex
         .lock()
