@@ -92,7 +92,7 @@ make_bundle() {
     [ "$major" = 13 ] && features+=(--no-default-features --features cuda-13)
     target="$root/target/cuda$major/$profile"
     mkdir -p "$dir/cuda$major"
-    (cd "$root" && cargo build "${flags[@]}" "${features[@]}" -p iris-device-cuda --example attention_bench) || return 1
+    (cd "$root" && cargo build "${flags[@]}" "${features[@]}" -p iris-device-cuda --lib --example attention_bench) || return 1
     # The test binary's path, from cargo's JSON messages.
     exe=$(cd "$root" && cargo test "${flags[@]}" "${features[@]}" -p iris-device-cuda --test ops --no-run \
       --message-format=json 2> /dev/null | "$python" -c '
