@@ -258,8 +258,8 @@ fn status(device: &Device) {
     device.free(buf).unwrap();
     let src = Tensor::upload(device, DType::F32, 4, 8, 8, 0, &Rng(3).values(32, 1.0));
     let out = Tensor::upload(device, DType::F32, 3, 8, 8, 0, &[0.0; 24]);
-    for (indices, bad) in [([0i32, 9, 1], true), ([3, 2, 1], false), ([1, 1, 1], false)] {
-        let idx = upload_i32(device, &indices);
+    let gather = |indices: &[i32; 3]| {
+        let idx = upload_i32(device, indices);
         device
             .gather_rows(&GatherArgs {
                 src: src.view,
@@ -268,20 +268,16 @@ fn status(device: &Device) {
                 workspace: BufferSlice::EMPTY,
             })
             .unwrap();
+        idx
+    };
+    for (indices, bad) in [([0i32, 9, 1], true), ([3, 2, 1], false), ([1, 1, 1], false)] {
+        let idx = gather(&indices);
         let outcome = device.synchronize();
         assert_eq!(outcome.is_err(), bad, "indices {indices:?}: {outcome:?}");
         device.free(idx).unwrap();
     }
     // `read` waits too, and reports the bad index in its own name.
-    let idx = upload_i32(device, &[0, 7, 1]);
-    device
-        .gather_rows(&GatherArgs {
-            src: src.view,
-            out: out.view,
-            indices: MatRef::vector(idx, 0, DType::I32, 3),
-            workspace: BufferSlice::EMPTY,
-        })
-        .unwrap();
+    let idx = gather(&[0, 7, 1]);
     let mut row = [0u8; 32];
     let err = device.read(out.view.buf, 0, &mut row).unwrap_err();
     assert!(

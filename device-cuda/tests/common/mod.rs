@@ -94,49 +94,48 @@ pub fn system_driver() -> Option<String> {
     })
 }
 
-/// Memory pools the stand-in driver (already loaded by the plugin) has not seen destroyed.
-pub fn standin_live_pools() -> i32 {
-    // SAFETY: the stand-in driver is loaded (the plugin opened it); the symbol is its
-    // `int iris_standin_live_pools(void)`.
+/// A counter of a stand-in library the plugin has loaded (`library`, by its name), read through
+/// its `unsigned long long symbol(void)`.
+fn standin_counter(library: &str, symbol: &str) -> u64 {
+    // SAFETY: the library is a stand-in the plugin already opened; each counter symbol is an
+    // `unsigned long long (void)` function without side effects.
     unsafe {
-        let driver = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
-        let live: libloading::Symbol<unsafe extern "C" fn() -> i32> = driver
-            .get(b"iris_standin_live_pools")
-            .expect("the stand-in driver's pool count");
-        live()
+        let loaded = libloading::Library::new(library)
+            .unwrap_or_else(|err| panic!("the stand-in {library}: {err}"));
+        let counter: libloading::Symbol<unsafe extern "C" fn() -> u64> = loaded
+            .get(symbol.as_bytes())
+            .unwrap_or_else(|err| panic!("{symbol} in {library}: {err}"));
+        counter()
     }
+}
+
+/// Memory pools the stand-in driver has not seen destroyed.
+pub fn standin_live_pools() -> u64 {
+    standin_counter("libcuda.so.1", "iris_standin_live_pools")
 }
 
 /// Synchronous device-to-host copies (`cuMemcpyDtoH`) the stand-in driver has made.
 pub fn standin_blocking_reads() -> u64 {
-    // SAFETY: as in `standin_live_pools`; the symbol is
-    // `unsigned long long iris_standin_blocking_reads(void)`.
-    unsafe {
-        let driver = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
-        let reads: libloading::Symbol<unsafe extern "C" fn() -> u64> = driver
-            .get(b"iris_standin_blocking_reads")
-            .expect("the stand-in driver's read count");
-        reads()
-    }
+    standin_counter("libcuda.so.1", "iris_standin_blocking_reads")
 }
 
 /// Device-to-device copies (`cuMemcpyDtoDAsync`) the stand-in driver has made.
 pub fn standin_device_copies() -> u64 {
-    // SAFETY: as in `standin_live_pools`; the symbol is
-    // `unsigned long long iris_standin_device_copies(void)`.
-    unsafe {
-        let driver = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
-        let copies: libloading::Symbol<unsafe extern "C" fn() -> u64> = driver
-            .get(b"iris_standin_device_copies")
-            .expect("the stand-in driver's copy count");
-        copies()
-    }
+    standin_counter("libcuda.so.1", "iris_standin_device_copies")
+}
+
+/// cuBLASLt set-up calls (descriptors, layouts, preferences, heuristics) the stand-in made.
+pub fn standin_lt_setups() -> u64 {
+    standin_counter(
+        &format!("libcublasLt.so.{}", cuda_major()),
+        "iris_standin_lt_setups",
+    )
 }
 
 /// The grid of the last kernel the stand-in driver's emulator ran.
 pub fn standin_last_grid() -> [u32; 3] {
     let mut grid = [0u32; 3];
-    // SAFETY: as in `standin_live_pools`; the symbol is
+    // SAFETY: the stand-in driver is loaded (the plugin opened it); the symbol is its
     // `void iris_standin_last_grid(unsigned *out)`, which writes three values.
     unsafe {
         let driver = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
@@ -146,20 +145,6 @@ pub fn standin_last_grid() -> [u32; 3] {
         last(grid.as_mut_ptr());
     }
     grid
-}
-
-/// cuBLASLt set-up calls (descriptors, layouts, preferences, heuristics) the stand-in made.
-pub fn standin_lt_setups() -> u64 {
-    let name = format!("libcublasLt.so.{}", cuda_major());
-    // SAFETY: the stand-in cuBLASLt is loaded (the plugin opened it); the symbol is its
-    // `unsigned long long iris_standin_lt_setups(void)`.
-    unsafe {
-        let lt = libloading::Library::new(&name).expect("the stand-in cuBLASLt");
-        let setups: libloading::Symbol<unsafe extern "C" fn() -> u64> = lt
-            .get(b"iris_standin_lt_setups")
-            .expect("the stand-in cuBLASLt's set-up count");
-        setups()
-    }
 }
 
 /// The plugin library cargo built beside the test binary.

@@ -321,7 +321,7 @@ static int pinned_locked(const void *ptr) {
     return 0;
 }
 
-int iris_standin_live_pools(void) { return live_pools; }
+unsigned long long iris_standin_live_pools(void) { return (unsigned long long)live_pools; }
 unsigned long long iris_standin_blocking_reads(void) { return blocking_reads; }
 unsigned long long iris_standin_device_copies(void) { return device_copies; }
 
