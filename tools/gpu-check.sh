@@ -2,59 +2,146 @@
 # One command on a machine with an NVIDIA GPU: everything about the CUDA plugin that CI, which
 # has no GPU, cannot check. From the repository root:
 #
-#   tools/gpu-check.sh [--out DIR] [--quick] [--debug]
+#   tools/gpu-check.sh [--out DIR] [--quick] [--debug]       build here, then check
+#   tools/gpu-check.sh --archive FILE [--debug]               build the prebuilt archive only
+#   ./gpu-check.sh --prebuilt DIR [--out DIR] [--quick]       check from an unpacked archive
+#
+# A GPU node often has neither a Rust toolchain nor a network. `--archive FILE` builds, on any
+# x86-64 Linux machine with cargo, everything the checks need into one .tar.gz (well under
+# 64 MiB, stripped): the iris binary; the CUDA plugin for CUDA 12 and for CUDA 13 user-space
+# libraries, each with the plugin's GPU test binary (tests/ops.rs) and the attention timing
+# (examples/attention_bench.rs) beside it; the golden fixtures; this script and its Python
+# helpers. On the GPU node: `tar xzf iris-gpu-check.tar.gz && iris-gpu-check/gpu-check.sh
+# --prebuilt iris-gpu-check`. Without --prebuilt the same bundle is built from this checkout
+# (target/gpu-check-bundle) and checked.
 #
 # Steps, each recorded as pass, fail or skip with its time and a detail:
-#   build        cargo build --release of iris and the CUDA plugin
+#   build        (not with --prebuilt) the bundle: cargo build of iris, the CUDA plugin for
+#                CUDA 12 and CUDA 13, its GPU tests and the attention timing
 #   gpu          the GPU as nvidia-smi sees it (name, driver, memory)
+#   libraries    cuBLAS and NVRTC where the host's Python keeps them (pip's nvidia/*/lib in
+#                its site-packages), named to the plugin in IRIS_CUDA_LIB_PATH
+#   plugin       which build loads here: the CUDA 12 one, else the CUDA 13 one (`iris devices`
+#                with each); its `cuda_libraries` property says what was loaded
 #   devices      `iris devices --json` lists the cuda plugin with at least one device
 #   plugin-check `iris plugin check cuda --json` on every ordinal (the conformance suite)
+#   ops-gpu      the plugin's GPU test scenarios (tests/ops.rs: every op against an f64 host
+#                reference; with two GPUs or more, every ordinal open at once in one process)
 #   encode       `iris encode --device cuda` against the CPU device on the golden fixtures of
 #                the three towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), in f32 and bf16
 #   bench        the seed experiment, `iris bench --device cuda`: its verdict (device memory back
 #                to the post-start baseline), 0 bytes leaked, and device memory compared with
 #                nvidia-smi before, during and after the run
+#   attention    attention_bench: bf16 attention, 16 heads, head dims 64/72/80/96/128, one
+#                segment of 256 to 16384 tokens; with torch, PyTorch's SDPA on the same shapes
+#                (tools/gpu-check/attention_vs_sdpa.py). Expected on an H100 with today's f32
+#                CUDA-core kernel: 15 to 25 TFLOPS at 4096 tokens and more, 10 to 25 times
+#                SDPA's time (docs/PERFORMANCE.md has the model)
 #   transformers where Python has torch and transformers: the Qwen2-VL-2B and Qwen2.5-VL-7B
 #                towers in bf16 against transformers with its best attention on the same GPU
 #                (tools/gpu-check/towers_vs_transformers.py)
 #
 # It prints one summary table and writes it as JSON to DIR/summary.json (default DIR:
-# target/gpu-check), next to every command's output. Exit status: 0 when every step that ran
-# passed, 1 when one failed, 2 when there is no usable GPU (the GPU steps are then skipped,
-# with the plugin's reason).
+# target/gpu-check, or gpu-check-results beside the bundle with --prebuilt), next to every
+# command's output. Exit status: 0 when every step that ran passed, 1 when one failed, 2 when
+# there is no usable GPU (the GPU steps are then skipped, with the plugin's reason).
+# The whole check takes under ten minutes on one GPU; --quick under five.
 #
-# --quick shortens the bench (200 prompts) and the transformers comparison (2 repeats).
+# --quick shortens the bench (200 prompts), the attention timing (1024 and 4096 tokens) and the
+# transformers comparison (2 repeats).
 # --debug uses a debug build instead of release: for trying the script's own steps on a machine
 # without a GPU, where the release build's time buys nothing.
-# Environment: SKIP (steps not to run, comma-separated: plugin-check, encode, bench,
-# transformers), BENCH_ARGS (extra `iris bench` flags), ENCODE_TOLERANCE_F32 and
+# Environment: SKIP (steps not to run, comma-separated: plugin-check, ops-gpu, encode, bench,
+# attention, transformers), BENCH_ARGS (extra `iris bench` flags), ENCODE_TOLERANCE_F32 and
 # ENCODE_TOLERANCE_BF16 (relative L2 error allowed against the CPU device; defaults 1e-4 and
 # 2e-2), PYTHON (default python3).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-root=$(pwd)
+script_dir=$(cd "$(dirname "$0")" && pwd)
 
-out="target/gpu-check"
+out=""
 quick=0
 profile=release
+prebuilt=""
+archive=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
     --quick) quick=1; shift ;;
     --debug) profile=debug; shift ;;
-    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
+    --prebuilt) prebuilt="$2"; shift 2 ;;
+    --archive) archive="$2"; shift 2 ;;
+    -h|--help) sed -n '2,58p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 64 ;;
   esac
 done
+python="${PYTHON:-python3}"
+
+# make_bundle DIR STRIP: builds iris, both plugin builds with their GPU test binary and the
+# attention timing, and copies them with the fixtures and helpers into DIR. Needs the checkout.
+make_bundle() {
+  local dir="$1" strip="$2" root flags=() major target exe
+  root=$(cd "$script_dir/.." && pwd)
+  [ "$profile" = release ] && flags+=(--release)
+  rm -rf "$dir"
+  mkdir -p "$dir/bin" "$dir/gpu-check" || return 1
+  (cd "$root" && cargo build "${flags[@]}" -p iris) || return 1
+  cp "$root/target/$profile/iris" "$dir/bin/" || return 1
+  for major in 12 13; do
+    # Each major in its own target folder: the plugin's file names carry no feature hash.
+    local features=(--target-dir "$root/target/cuda$major")
+    [ "$major" = 13 ] && features+=(--no-default-features --features cuda-13)
+    target="$root/target/cuda$major/$profile"
+    mkdir -p "$dir/cuda$major"
+    (cd "$root" && cargo build "${flags[@]}" "${features[@]}" -p iris-device-cuda --lib --example attention_bench) || return 1
+    # The test binary's path, from cargo's JSON messages.
+    exe=$(cd "$root" && cargo test "${flags[@]}" "${features[@]}" -p iris-device-cuda --test ops --no-run \
+      --message-format=json 2> /dev/null | "$python" -c '
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg.get("reason") == "compiler-artifact" and msg.get("executable") and msg["target"]["name"] == "ops":
+        print(msg["executable"])')
+    [ -n "$exe" ] || return 1
+    cp "$target/libiris_device_cuda.so" "$target/examples/attention_bench" "$dir/cuda$major/" || return 1
+    cp "$exe" "$dir/cuda$major/ops" || return 1
+  done
+  cp -r "$root/tests/data/golden" "$dir/golden" || return 1
+  cp "$script_dir/gpu-check.sh" "$dir/" || return 1
+  cp "$script_dir"/gpu-check/*.py "$dir/gpu-check/" || return 1
+  if [ "$strip" = 1 ]; then
+    strip "$dir/bin/iris" "$dir"/cuda*/libiris_device_cuda.so "$dir"/cuda*/ops "$dir"/cuda*/attention_bench || return 1
+  fi
+}
+
+if [ -n "$archive" ]; then
+  stage=$(mktemp -d)
+  trap 'rm -rf "$stage"' EXIT
+  if ! make_bundle "$stage/iris-gpu-check" 1; then
+    echo "building the bundle failed" >&2
+    exit 1
+  fi
+  tar -C "$stage" -czf "$archive" iris-gpu-check || exit 1
+  echo "wrote $archive ($(du -h "$archive" | cut -f1)); on the GPU node:"
+  echo "  tar xzf $(basename "$archive") && iris-gpu-check/gpu-check.sh --prebuilt iris-gpu-check"
+  exit 0
+fi
+
+if [ -n "$prebuilt" ]; then
+  bundle=$(cd "$prebuilt" && pwd) || exit 64
+  [ -n "$out" ] || out="$bundle/../gpu-check-results"
+else
+  cd "$script_dir/.." || exit 1
+  bundle="$(pwd)/target/gpu-check-bundle"
+  [ -n "$out" ] || out="target/gpu-check"
+fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-python="${PYTHON:-python3}"
 tol_f32="${ENCODE_TOLERANCE_F32:-1e-4}"
 tol_bf16="${ENCODE_TOLERANCE_BF16:-2e-2}"
-iris="$root/target/$profile/iris"
+iris="$bundle/bin/iris"
+golden="$bundle/golden"
 steps="$out/steps.tsv"
 : > "$steps"
-export IRIS_PLUGIN_PATH="$root/target/$profile"
 export NO_COLOR=1
 
 # record NAME STATUS SECONDS DETAIL
@@ -90,10 +177,10 @@ wanted() { case ",${SKIP:-}," in *",$1,"*) return 1 ;; *) return 0 ;; esac; }
 echo "== iris GPU check, results in $out"
 
 # --- build ------------------------------------------------------------------------------------
-build_flags=(-p iris -p iris-device-cuda)
-[ "$profile" = release ] && build_flags+=(--release)
-if ! run build "$out/build.log" cargo build "${build_flags[@]}"; then
-  echo "the build failed; see $out/build.log" >&2
+if [ -z "$prebuilt" ]; then
+  if ! run build "$out/build.log" make_bundle "$bundle" 0; then
+    echo "the build failed; see $out/build.log" >&2
+  fi
 fi
 
 # --- the GPU ----------------------------------------------------------------------------------
@@ -106,20 +193,60 @@ else
   skip gpu "nvidia-smi not found or failed"
 fi
 
-# --- iris devices -----------------------------------------------------------------------------
-devices=0
-if [ -x "$iris" ] && run devices "$out/devices.json" "$iris" devices --json; then
-  read -r devices reason < <("$python" - "$out/devices.json" <<'EOF'
+# --- cuBLAS and NVRTC from the host's Python ------------------------------------------------------
+pip_libs=$("$python" - <<'EOF' 2> /dev/null
+import glob, os, site
+roots = list(site.getsitepackages()) + [site.getusersitepackages()]
+dirs = []
+for root in roots:
+    for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib"))):
+        if lib not in dirs:
+            dirs.append(lib)
+print(":".join(dirs))
+EOF
+)
+if [ -n "$pip_libs" ]; then
+  export IRIS_CUDA_LIB_PATH="${IRIS_CUDA_LIB_PATH:+$IRIS_CUDA_LIB_PATH:}$pip_libs"
+  record libraries pass 0 "IRIS_CUDA_LIB_PATH=$IRIS_CUDA_LIB_PATH"
+else
+  skip libraries "no nvidia/*/lib in $python's site-packages; the loader path and CUDA_HOME are used"
+fi
+
+# --- which plugin build loads here ------------------------------------------------------------
+# count_devices JSON: the cuda plugin's device count, then its reason or what it loaded.
+count_devices() {
+  "$python" - "$1" <<'EOF'
 import json, sys
 listing = json.load(open(sys.argv[1]))
 cuda = [p for p in listing["plugins"] if p["name"] == "cuda" and not p.get("error")]
 if not cuda:
-    print(0, "the cuda plugin is not listed (was libiris_device_cuda.so built?)")
+    print(0, "the cuda plugin is not listed")
 else:
     p = cuda[0]
-    print(len(p["devices"]), (p.get("reason") or "").replace("\n", " "))
+    loaded = [d.get("properties", {}).get("cuda_libraries", "") for d in p["devices"]]
+    print(len(p["devices"]), (p.get("reason") or "; ".join(l for l in loaded if l)).replace("\n", " "))
 EOF
-)
+}
+plugin_dir="$bundle/cuda12"
+if [ -x "$iris" ]; then
+  choice="neither build has a device here; the CUDA 12 build is used"
+  for major in 12 13; do
+    IRIS_PLUGIN_PATH="$bundle/cuda$major" "$iris" devices --json > "$out/devices.cuda$major.json" 2>&1 || continue
+    read -r found why < <(count_devices "$out/devices.cuda$major.json")
+    if [ "${found:-0}" -gt 0 ]; then
+      plugin_dir="$bundle/cuda$major"
+      choice="the CUDA $major build: $why"
+      break
+    fi
+  done
+  record plugin pass 0 "$choice"
+fi
+export IRIS_PLUGIN_PATH="$plugin_dir"
+
+# --- iris devices -----------------------------------------------------------------------------
+devices=0
+if [ -x "$iris" ] && run devices "$out/devices.json" "$iris" devices --json; then
+  read -r devices reason < <(count_devices "$out/devices.json")
   if [ "${devices:-0}" -gt 0 ]; then
     record devices.cuda pass 0 "$devices device(s)"
   else
@@ -137,14 +264,22 @@ if [ "${devices:-0}" -gt 0 ]; then
     skip plugin-check "in SKIP"
   fi
 
+  # --- the plugin's GPU test scenarios ---------------------------------------------------------
+  if wanted ops-gpu; then
+    run ops-gpu "$out/ops-gpu.log" "$plugin_dir/ops" --exact --nocapture \
+      every_op_matches_the_reference_on_this_machines_gpu
+  else
+    skip ops-gpu "in SKIP"
+  fi
+
   # --- encode: CUDA against the CPU device on the golden fixtures -------------------------------
   models=(qwen2_vl qwen2_5_vl qwen3_vl)
   wanted encode || { skip encode "in SKIP"; models=(); }
   for model in "${models[@]}"; do
     for dtype in f32 bf16; do
       name="encode.$model.$dtype"
-      dir="tests/data/golden/$model"
-      images=(tests/data/golden/images/tower_a.png tests/data/golden/images/tower_b.jpg tests/data/golden/images/tower_c.png)
+      dir="$golden/$model"
+      images=("$golden/images/tower_a.png" "$golden/images/tower_b.jpg" "$golden/images/tower_c.png")
       if ! run "$name.cpu" "$out/$name.cpu.log" "$iris" encode --device cpu --model-dir "$dir" --dtype "$dtype" \
           --batch --out "$out/$name.cpu.safetensors" "${images[@]}"; then
         continue
@@ -239,19 +374,35 @@ EOF
     skip bench "in SKIP"
   fi
 
+  # --- attention against PyTorch's SDPA ---------------------------------------------------------
+  if wanted attention; then
+    attention_args=("$plugin_dir/libiris_device_cuda.so")
+    [ "$quick" -eq 1 ] && attention_args+=(--quick)
+    if run attention "$out/attention.jsonl" "$plugin_dir/attention_bench" "${attention_args[@]}"; then
+      if "$python" -c "import torch; assert torch.cuda.is_available()" > /dev/null 2>&1; then
+        run attention.sdpa "$out/attention-vs-sdpa.log" "$python" "$bundle/gpu-check/attention_vs_sdpa.py" \
+          "$out/attention.jsonl" --json "$out/attention-vs-sdpa.json"
+      else
+        skip attention.sdpa "Python with torch (CUDA) is not available"
+      fi
+    fi
+  else
+    skip attention "in SKIP"
+  fi
+
   # --- transformers on the same GPU -----------------------------------------------------------
   if ! wanted transformers; then
     skip transformers "in SKIP"
   elif "$python" -c "import torch, transformers; assert torch.cuda.is_available()" > /dev/null 2>&1; then
     repeats=5
     [ "$quick" -eq 1 ] && repeats=2
-    run transformers "$out/transformers.log" "$python" tools/gpu-check/towers_vs_transformers.py \
+    run transformers "$out/transformers.log" "$python" "$bundle/gpu-check/towers_vs_transformers.py" \
       --iris "$iris" --repeats "$repeats" --json "$out/transformers.json"
   else
     skip transformers "Python with torch (CUDA) and transformers is not available"
   fi
 else
-  for step in plugin-check encode bench transformers; do
+  for step in plugin-check ops-gpu encode bench attention transformers; do
     skip "$step" "no CUDA device"
   done
 fi

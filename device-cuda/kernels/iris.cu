@@ -424,21 +424,29 @@ __device__ __forceinline__ void attention_impl(const void* q, i64 qs, const void
 // `regions` holds (src, dst, bytes) triples of device addresses.
 // ---------------------------------------------------------------------------------------------
 
-extern "C" __global__ void __launch_bounds__(256) copy_regions(const u64* regions, i64 count) {
-    for (i64 r = blockIdx.x; r < count; r += gridDim.x) {
+// Copies many small regions ({src, dst, bytes} triples) at once: regions along the grid's y,
+// chunks of `chunk` bytes (a multiple of 16) of each region along its x, so a region is spread
+// over several SMs instead of one. Large regions go to the copy engine instead (the host side).
+extern "C" __global__ void __launch_bounds__(256) copy_regions(const u64* regions, i64 count,
+                                                               i64 chunk) {
+    for (i64 r = blockIdx.y; r < count; r += gridDim.y) {
         const u64 src = regions[3 * r], dst = regions[3 * r + 1], bytes = regions[3 * r + 2];
-        if (((src | dst | bytes) & 15u) == 0u) {
-            const uint4* s = (const uint4*)src;
-            uint4* d = (uint4*)dst;
-            for (u64 i = threadIdx.x; i < bytes / 16u; i += blockDim.x) d[i] = s[i];
-        } else if (((src | dst | bytes) & 3u) == 0u) {
-            const u32* s = (const u32*)src;
-            u32* d = (u32*)dst;
-            for (u64 i = threadIdx.x; i < bytes / 4u; i += blockDim.x) d[i] = s[i];
-        } else {
-            const u8* s = (const u8*)src;
-            u8* d = (u8*)dst;
-            for (u64 i = threadIdx.x; i < bytes; i += blockDim.x) d[i] = s[i];
+        for (u64 begin = (u64)blockIdx.x * (u64)chunk; begin < bytes;
+             begin += (u64)gridDim.x * (u64)chunk) {
+            const u64 end = begin + (u64)chunk < bytes ? begin + (u64)chunk : bytes;
+            if (((src | dst | bytes) & 15u) == 0u) {
+                const uint4* s = (const uint4*)src;
+                uint4* d = (uint4*)dst;
+                for (u64 i = begin / 16u + threadIdx.x; i < end / 16u; i += blockDim.x) d[i] = s[i];
+            } else if (((src | dst | bytes) & 3u) == 0u) {
+                const u32* s = (const u32*)src;
+                u32* d = (u32*)dst;
+                for (u64 i = begin / 4u + threadIdx.x; i < end / 4u; i += blockDim.x) d[i] = s[i];
+            } else {
+                const u8* s = (const u8*)src;
+                u8* d = (u8*)dst;
+                for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) d[i] = s[i];
+            }
         }
     }
 }

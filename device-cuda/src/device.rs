@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::result;
-use cudarc::driver::sys::{self, CUresult, CUstream};
+use cudarc::driver::sys::{self, CUstream};
 use cudarc::driver::{CudaContext, CudaStream};
 use iris_plugin::abi::{
     ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, CastArgs, CopyRegion, DType,
@@ -22,14 +22,24 @@ use iris_plugin::{Backend, Logger};
 
 use crate::error::{CudaError, DriverResultExt};
 use crate::loader::{self, Library};
-use crate::memory::{DeviceView, Fences, HostBuffers, Memory};
+use crate::memory::{self, DeviceView, Fences, HostBuffers, Memory};
 use crate::ops::Compute;
 
-/// The oldest driver API version the plugin runs on (CUDA 12.0, as `cuDriverGetVersion` writes
-/// it): the entry points it calls are those of CUDA 12.x.
-pub const MIN_DRIVER_VERSION: i32 = 12000;
-/// The oldest compute capability the kernels and cuBLASLt paths are written for (Volta).
-pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (7, 0);
+/// The oldest driver API version the plugin runs on (as `cuDriverGetVersion` writes it): the
+/// first release of the build's CUDA major, whose entry points its bindings call (CUDA 13's
+/// bindings call `_v2` entry points that 12.x drivers lack).
+pub const MIN_DRIVER_VERSION: i32 = if loader::cuda_major() == 13 {
+    13000
+} else {
+    12000
+};
+/// The oldest compute capability the kernels and cuBLASLt paths are written for: Volta with
+/// CUDA 12; CUDA 13's libraries and NVRTC start at Turing.
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = if loader::cuda_major() == 13 {
+    (7, 5)
+} else {
+    (7, 0)
+};
 /// The compute capability from which bf16 is offered (cuBLASLt has no bf16 GEMM before Ampere).
 pub const BF16_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
 
@@ -81,7 +91,7 @@ pub struct Info {
     pub total_memory: u64,
     /// Compute capability.
     pub cc: (i32, i32),
-    /// Streaming multiprocessors.
+    /// Streaming multiprocessors (0 when the driver does not say).
     pub sms: i32,
     /// Peak memory bandwidth in bytes per second (0 when the driver does not say).
     pub bandwidth: u64,
@@ -157,15 +167,25 @@ impl CudaDevice {
                 cc.0, cc.1, MIN_COMPUTE_CAPABILITY.0, MIN_COMPUTE_CAPABILITY.1
             )));
         }
+        // Informational only: a driver that does not answer leaves them out of the description.
+        let sms = attribute(
+            &ctx,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .unwrap_or_else(|err| {
+            log.warn(format!("open: SM count unknown: {err}"));
+            0
+        });
+        let bandwidth = bandwidth(&ctx).unwrap_or_else(|err| {
+            log.warn(format!("open: memory bandwidth unknown: {err}"));
+            0
+        });
         let info = Info {
             name: ctx.name().call("cuDeviceGetName")?,
             total_memory: total as u64,
             cc,
-            sms: attribute(
-                &ctx,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )?,
-            bandwidth: bandwidth(&ctx)?,
+            sms,
+            bandwidth,
             driver_version,
         };
         let before = used()?;
@@ -186,7 +206,16 @@ impl CudaDevice {
         let compute = if options.memory_only {
             None
         } else {
-            Some(Compute::open(&stream, &info, &options, &log, &mut held)?)
+            match Compute::open(&stream, &info, &options, &log, &mut held) {
+                Ok(compute) => Some(compute),
+                Err(err) => {
+                    // The pool is the device's own: destroy it, or every failed open leaks one.
+                    if let Err(release) = memory.release_all(stream.cu_stream()) {
+                        log.warn(format!("open: {release}"));
+                    }
+                    return Err(err);
+                }
+            }
         };
         log.info(format!(
             "opened CUDA device {ordinal}: {} (compute capability {}.{}, {} SMs, {} MiB, driver {}){}",
@@ -275,10 +304,12 @@ impl CudaDevice {
                 property::DRIVER_VERSION,
                 version_text(self.info.driver_version),
             ),
-            Property::new(property::COMPUTE_UNITS, self.info.sms),
             Property::new(property::QUEUE, "async"),
-            Property::new("cuda_api_version", "12.4"),
+            Property::new("cuda_api_version", version_text(loader::cuda_api_version())),
         ];
+        if self.info.sms > 0 {
+            properties.push(Property::new(property::COMPUTE_UNITS, self.info.sms));
+        }
         if self.info.bandwidth > 0 {
             properties.push(Property::new(
                 property::MEMORY_BANDWIDTH,
@@ -317,16 +348,20 @@ impl CudaDevice {
         })
     }
 
-    fn synchronize_impl(&self) -> Result<(), PluginError> {
-        // SAFETY: the stream belongs to the bound context.
-        unsafe { result::stream::synchronize(self.cu_stream()) }
-            .call("cuStreamSynchronize")
-            .map_err(|err| err.into_plugin("synchronize"))?;
-        self.memory.released();
-        if let Some(compute) = &self.compute {
-            compute.check_status(self.cu_stream())?;
+    /// Waits for the queue and reports a bad gather index; errors name `op`, the ABI call that
+    /// waited (`synchronize` or `read`).
+    fn synchronize_impl(&self, op: &str) -> Result<(), PluginError> {
+        let wait = || {
+            // Only the frees enqueued before the wait are known to have run after it.
+            let waited = self.memory.pending();
+            memory::wait(self.cu_stream()).map_err(|err| err.into_plugin(op))?;
+            self.memory.released(waited);
+            Ok(())
+        };
+        match &self.compute {
+            Some(compute) => compute.synchronize_with_status(op, self.cu_stream(), wait),
+            None => wait(),
         }
-        Ok(())
     }
 
     fn copy_batch_impl(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
@@ -341,20 +376,20 @@ impl CudaDevice {
                 region.bytes,
             ));
         }
-        if let Some(compute) = &self.compute
-            && moves.len() > crate::ops::COPY_KERNEL_MIN_REGIONS
-        {
-            return compute
-                .copy_regions(self.cu_stream(), &moves)
-                .map_err(|err| err.into_plugin("copy_batch"));
+        // Large regions go to the copy engine; many small ones to one kernel.
+        let (mut driver, small): (Vec<_>, Vec<_>) = moves
+            .into_iter()
+            .partition(|&(_, _, bytes)| bytes >= crate::ops::COPY_ENGINE_MIN_BYTES);
+        match &self.compute {
+            Some(compute) if small.len() > crate::ops::COPY_KERNEL_MIN_REGIONS => compute
+                .copy_regions(self.cu_stream(), &small)
+                .map_err(|err| err.into_plugin("copy_batch"))?,
+            _ => driver.extend(small),
         }
-        for (src, dst, bytes) in moves {
+        for (src, dst, bytes) in driver {
             // SAFETY: both ranges were checked against live buffers and do not overlap.
-            unsafe {
-                result::memcpy_dtod_async(dst, src, crate::usize_of(bytes), self.cu_stream())
-            }
-            .call("cuMemcpyDtoDAsync")
-            .map_err(|err| err.into_plugin("copy_batch"))?;
+            unsafe { memory::copy_device(dst, src, bytes, self.cu_stream()) }
+                .map_err(|err| err.into_plugin("copy_batch"))?;
         }
         Ok(())
     }
@@ -365,30 +400,18 @@ impl CudaDevice {
             return Ok(());
         }
         let ptr = self.view("fill", args.dst.buf)?.at(args.dst.offset);
-        let stream = self.cu_stream();
-        let bytes = crate::usize_of(args.dst.bytes);
-        let [b0, b1, _, _] = args.value.to_le_bytes();
         // SAFETY: the range was checked against a live buffer; offset and length are multiples
         // of the width, so the element-wide memsets are aligned.
-        let (call, code) = unsafe {
-            match args.width {
-                1 => (
-                    "cuMemsetD8Async",
-                    sys::cuMemsetD8Async(ptr, b0, bytes, stream),
-                ),
-                2 => (
-                    "cuMemsetD16Async",
-                    sys::cuMemsetD16Async(ptr, u16::from_le_bytes([b0, b1]), bytes / 2, stream),
-                ),
-                _ => (
-                    "cuMemsetD32Async",
-                    sys::cuMemsetD32Async(ptr, args.value, bytes / 4, stream),
-                ),
-            }
-        };
-        code.result()
-            .call(call)
-            .map_err(|err| err.into_plugin("fill"))
+        unsafe {
+            memory::fill(
+                ptr,
+                args.width,
+                args.value,
+                args.dst.bytes,
+                self.cu_stream(),
+            )
+        }
+        .map_err(|err| err.into_plugin("fill"))
     }
 
     fn staged(&self, op: &str, copy: &StagedCopy) -> Result<(u64, *mut u8), PluginError> {
@@ -466,11 +489,7 @@ impl Backend for CudaDevice {
             return Ok(());
         }
         let ptr = self.view("write", dst)?.at(offset);
-        // SAFETY: the range was checked. From pageable memory the driver copies `src` into its
-        // staging memory before returning, so the slice may be reused at once (the ABI's rule).
-        unsafe { result::memcpy_htod_async(ptr, src, self.cu_stream()) }
-            .call("cuMemcpyHtoDAsync")
-            .map_err(|err| err.into_plugin("write"))
+        memory::write_from_host(ptr, src, self.cu_stream()).map_err(|err| err.into_plugin("write"))
     }
 
     fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), PluginError> {
@@ -482,12 +501,10 @@ impl Backend for CudaDevice {
             let ptr = self.view("read", src)?.at(offset);
             // SAFETY: the range was checked; `dst` stays borrowed until the stream has been
             // synchronised below.
-            unsafe { result::memcpy_dtoh_async(dst, ptr, self.cu_stream()) }
-                .call("cuMemcpyDtoHAsync")
+            unsafe { memory::read_to_host(dst, ptr, self.cu_stream()) }
                 .map_err(|err| err.into_plugin("read"))?;
         }
-        self.synchronize_impl()
-            .map_err(|err| PluginError::new(err.code, format!("read: {}", err.message)))
+        self.synchronize_impl("read")
     }
 
     fn copy_batch(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
@@ -502,7 +519,7 @@ impl Backend for CudaDevice {
 
     fn synchronize(&self) -> Result<(), PluginError> {
         self.enter("synchronize")?;
-        self.synchronize_impl()
+        self.synchronize_impl("synchronize")
     }
 
     fn gemm_workspace(&self, args: &GemmArgs) -> Result<u64, PluginError> {
@@ -608,9 +625,7 @@ impl Backend for CudaDevice {
             )));
         };
         // Queue-ordered: uploads and downloads already enqueued may still use the buffer.
-        // SAFETY: the stream belongs to the bound context.
-        let drained =
-            unsafe { result::stream::synchronize(self.cu_stream()) }.call("cuStreamSynchronize");
+        let drained = memory::wait(self.cu_stream());
         // SAFETY: the buffer was taken from the table (freed once) and the queue has drained.
         let freed = unsafe { HostBuffers::free(ptr) };
         drained
@@ -626,16 +641,7 @@ impl Backend for CudaDevice {
         }
         // SAFETY: both ranges were checked; the host keeps the pinned range unchanged until a
         // later fence completes (the ABI's rule for `upload`).
-        let code = unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                device,
-                host.cast(),
-                crate::usize_of(copy.bytes),
-                self.cu_stream(),
-            )
-        };
-        code.result()
-            .call("cuMemcpyHtoDAsync")
+        unsafe { memory::upload(device, host, copy.bytes, self.cu_stream()) }
             .map_err(|err| err.into_plugin("upload"))
     }
 
@@ -647,16 +653,7 @@ impl Backend for CudaDevice {
         }
         // SAFETY: both ranges were checked; the host reads the pinned range only after a later
         // fence completes.
-        let code = unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                host.cast(),
-                device,
-                crate::usize_of(copy.bytes),
-                self.cu_stream(),
-            )
-        };
-        code.result()
-            .call("cuMemcpyDtoHAsync")
+        unsafe { memory::download(host, device, copy.bytes, self.cu_stream()) }
             .map_err(|err| err.into_plugin("download"))
     }
 
@@ -682,10 +679,8 @@ impl Drop for CudaDevice {
                 .warn(format!("close: cannot bind the context: {err:?}"));
         }
         let stream = self.cu_stream();
-        // SAFETY: the stream belongs to the bound context.
-        if let Err(err) = unsafe { result::stream::synchronize(stream) } {
-            self.log
-                .warn(format!("close: queued work failed: {:?}", err.0));
+        if let Err(err) = memory::wait(stream) {
+            self.log.warn(format!("close: queued work failed: {err}"));
         }
         if let Some(compute) = self.compute.take() {
             compute.close(stream, &self.log);
@@ -816,16 +811,10 @@ pub fn probe_devices() -> Result<u32, String> {
         ));
     }
     if let Err(err) = result::init() {
-        let hint = match err.0 {
-            CUresult::CUDA_ERROR_STUB_LIBRARY => {
-                " (the libcuda found is the toolkit's link stub, not the driver)"
-            }
-            CUresult::CUDA_ERROR_NO_DEVICE => " (no CUDA device)",
-            _ => "",
-        };
         return Err(format!(
-            "cuInit failed: {}{hint}{}",
+            "cuInit failed: {}{}{}",
             crate::error::driver_name(err.0),
+            crate::error::driver_hint(err.0),
             visible_devices_note()
         ));
     }

@@ -18,7 +18,7 @@ use thiserror::Error;
 #[non_exhaustive]
 pub enum CudaError {
     /// A driver call returned an error code.
-    #[error("{call} failed: {}", driver_name(*code))]
+    #[error("{call} failed: {}{}", driver_name(*code), driver_hint(*code))]
     Driver {
         /// The driver function.
         call: &'static str,
@@ -164,12 +164,30 @@ pub fn driver_name(code: CUresult) -> String {
     format!("{code:?}")
 }
 
+/// Why a driver status stops the device from being used, where a hint helps: an HGX or DGX
+/// whose NVSwitch fabric manager is not running answers `cuInit` with `SYSTEM_NOT_READY`.
+pub fn driver_hint(code: CUresult) -> &'static str {
+    match code {
+        CUresult::CUDA_ERROR_STUB_LIBRARY => {
+            " (the libcuda found is the toolkit's link stub, not the driver)"
+        }
+        CUresult::CUDA_ERROR_NO_DEVICE => " (no CUDA device)",
+        CUresult::CUDA_ERROR_SYSTEM_NOT_READY => {
+            " (the system is not ready: on NVSwitch systems (HGX, DGX) start the fabric manager, \
+             `systemctl start nvidia-fabricmanager`, matching the driver's version)"
+        }
+        _ => "",
+    }
+}
+
 /// Driver codes that mean the driver or device cannot be used (as opposed to a fault of this
-/// plugin): no device, no driver, a stub library, a driver too old, a lost device.
+/// plugin): no device, no driver, a stub library, a driver too old, a lost device, a system
+/// whose fabric manager is not running.
 fn unavailable(code: CUresult) -> bool {
     matches!(
         code,
         CUresult::CUDA_ERROR_NO_DEVICE
+            | CUresult::CUDA_ERROR_SYSTEM_NOT_READY
             | CUresult::CUDA_ERROR_NOT_INITIALIZED
             | CUresult::CUDA_ERROR_DEINITIALIZED
             | CUresult::CUDA_ERROR_STUB_LIBRARY
@@ -244,10 +262,17 @@ mod tests {
         for code in [
             CUresult::CUDA_ERROR_NO_DEVICE,
             CUresult::CUDA_ERROR_STUB_LIBRARY,
+            CUresult::CUDA_ERROR_SYSTEM_NOT_READY,
         ] {
             let err = CudaError::driver("cuInit", DriverError(code));
             assert_eq!(err.into_plugin("open").code, ErrorCode::UNAVAILABLE);
         }
+        let not_ready =
+            CudaError::driver("cuInit", DriverError(CUresult::CUDA_ERROR_SYSTEM_NOT_READY));
+        assert!(
+            not_ready.to_string().contains("fabric manager"),
+            "{not_ready}"
+        );
         let missing = CudaError::LibraryMissing {
             library: "libnvrtc.so.12".into(),
             tried: "the loader path".into(),

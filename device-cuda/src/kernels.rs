@@ -4,8 +4,8 @@
 //! pip ships none). A device compiles it once at `open` for its own architecture (`sm_XY`: the
 //! assembler runs and the result is a cubin, which any 12.x driver loads, unlike PTX from a newer
 //! NVRTC), measures the time and logs it. The cubin is cached on disk, keyed by the source and
-//! options (a blake3 hash), the architecture and the driver version, so a restart loads it
-//! without NVRTC. When NVRTC does not know the device's architecture, the source is compiled to
+//! options (a blake3 hash), the architecture, the driver version and NVRTC's version, so a
+//! restart loads it without NVRTC (then the newest entry of any NVRTC version is taken). When NVRTC does not know the device's architecture, the source is compiled to
 //! PTX for the newest architecture it knows and the driver finishes it.
 //!
 //! The cache folder is, in order: the `kernel_cache` option of `[plugins.cuda]`,
@@ -69,6 +69,14 @@ pub enum Target {
 }
 
 impl Target {
+    /// The cache file's extension.
+    fn ext(self) -> &'static str {
+        match self {
+            Target::Cubin(_) => "cubin",
+            Target::Ptx(_) => "ptx",
+        }
+    }
+
     /// The `--gpu-architecture` value.
     pub fn arch(self) -> String {
         match self {
@@ -251,33 +259,64 @@ impl Cache {
         self.dir.as_deref()
     }
 
-    /// The file a module for `target` on a driver of version `driver` is cached in.
-    pub fn path(&self, target: Target, driver: i32) -> Option<PathBuf> {
-        let mut hasher = blake3::Hasher::new();
-        hasher.update(SOURCE.as_bytes());
-        for option in OPTIONS {
-            hasher.update(b"\0");
-            hasher.update(option.as_bytes());
-        }
-        let hash = hasher.finalize().to_hex();
-        let (arch, ext) = match target {
-            Target::Cubin(cc) => (format!("sm{cc}"), "cubin"),
-            Target::Ptx(cc) => (format!("compute{cc}"), "ptx"),
-        };
-        let name = format!("iris-{}-{arch}-driver{driver}.{ext}", &hash.as_str()[..32]);
+    /// The file a module for `target`, compiled by NVRTC `nvrtc` (`(major, minor)`), for a
+    /// driver of version `driver`, is cached in. NVRTC's version is part of the key: another
+    /// NVRTC makes other code from the same source (and a fixed NVRTC bug must not stay cached).
+    pub fn path(&self, target: Target, driver: i32, nvrtc: (i32, i32)) -> Option<PathBuf> {
+        let (major, minor) = nvrtc;
+        let name = format!(
+            "{}{major}.{minor}.{}",
+            self.prefix(target, driver),
+            target.ext()
+        );
         self.dir.as_ref().map(|dir| dir.join(name))
     }
 
-    /// The cached image, if present.
-    pub fn load(&self, target: Target, driver: i32) -> Option<Vec<u8>> {
-        let path = self.path(target, driver)?;
-        std::fs::read(path).ok().filter(|image| !image.is_empty())
+    /// The cached image for `target` and `driver` and where it was: the one NVRTC `nvrtc` made,
+    /// or, when NVRTC is not loadable (`None`), the newest one any NVRTC made.
+    pub fn load(
+        &self,
+        target: Target,
+        driver: i32,
+        nvrtc: Option<(i32, i32)>,
+    ) -> Option<(PathBuf, Vec<u8>)> {
+        let path = match nvrtc {
+            Some(version) => self.path(target, driver, version)?,
+            None => {
+                let prefix = self.prefix(target, driver);
+                let suffix = format!(".{}", target.ext());
+                std::fs::read_dir(self.dir.as_ref()?)
+                    .ok()?
+                    .flatten()
+                    .filter(|entry| {
+                        entry.file_name().to_str().is_some_and(|name| {
+                            name.starts_with(&prefix) && name.ends_with(&suffix)
+                        })
+                    })
+                    .filter_map(|entry| {
+                        let modified = entry.metadata().ok()?.modified().ok()?;
+                        Some((modified, entry.path()))
+                    })
+                    .max()?
+                    .1
+            }
+        };
+        let image = std::fs::read(&path)
+            .ok()
+            .filter(|image| !image.is_empty())?;
+        Some((path, image))
     }
 
     /// Stores an image (written to a temporary file, then renamed, so readers never see half
     /// a file).
-    pub fn store(&self, target: Target, driver: i32, image: &[u8]) -> std::io::Result<PathBuf> {
-        let Some(path) = self.path(target, driver) else {
+    pub fn store(
+        &self,
+        target: Target,
+        driver: i32,
+        nvrtc: (i32, i32),
+        image: &[u8],
+    ) -> std::io::Result<PathBuf> {
+        let Some(path) = self.path(target, driver, nvrtc) else {
             return Err(std::io::Error::other("the kernel cache is off"));
         };
         if let Some(dir) = path.parent() {
@@ -287,6 +326,22 @@ impl Cache {
         std::fs::write(&temp, image)?;
         std::fs::rename(&temp, &path)?;
         Ok(path)
+    }
+
+    /// The file name up to NVRTC's version: source and options hash, architecture, driver.
+    fn prefix(&self, target: Target, driver: i32) -> String {
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(SOURCE.as_bytes());
+        for option in OPTIONS {
+            hasher.update(b"\0");
+            hasher.update(option.as_bytes());
+        }
+        let hash = hasher.finalize().to_hex();
+        let arch = match target {
+            Target::Cubin(cc) => format!("sm{cc}"),
+            Target::Ptx(cc) => format!("compute{cc}"),
+        };
+        format!("iris-{}-{arch}-driver{driver}-nvrtc", &hash.as_str()[..32])
     }
 }
 
@@ -422,28 +477,48 @@ mod tests {
     }
 
     #[test]
-    fn cache_keys_name_the_architecture_and_driver() {
+    fn cache_keys_name_the_architecture_driver_and_nvrtc() {
         let cache = Cache::new(Some(PathBuf::from("/cache")));
-        let path = cache.path(Target::Cubin(90), 12040).unwrap();
+        let path = cache.path(Target::Cubin(90), 12040, (12, 9)).unwrap();
         let name = path.file_name().unwrap().to_str().unwrap();
         assert!(
-            name.starts_with("iris-") && name.ends_with("-sm90-driver12040.cubin"),
+            name.starts_with("iris-") && name.ends_with("-sm90-driver12040-nvrtc12.9.cubin"),
             "{name}"
         );
-        assert_ne!(cache.path(Target::Cubin(90), 12050), Some(path));
-        assert_eq!(Cache::new(None).path(Target::Cubin(90), 12040), None);
+        assert_ne!(
+            cache.path(Target::Cubin(90), 12050, (12, 9)),
+            Some(path.clone())
+        );
+        assert_ne!(cache.path(Target::Cubin(90), 12040, (12, 8)), Some(path));
+        assert_eq!(
+            Cache::new(None).path(Target::Cubin(90), 12040, (12, 9)),
+            None
+        );
     }
 
     #[test]
-    fn cache_round_trips_an_image() {
+    fn cache_round_trips_and_without_nvrtc_takes_the_newest_entry() {
         let dir = std::env::temp_dir().join(format!("iris-kernel-cache-{}", std::process::id()));
         let cache = Cache::new(Some(dir.clone()));
-        assert_eq!(cache.load(Target::Cubin(80), 1), None);
-        cache.store(Target::Cubin(80), 1, b"image").unwrap();
-        assert_eq!(
-            cache.load(Target::Cubin(80), 1).as_deref(),
-            Some(&b"image"[..])
-        );
+        assert_eq!(cache.load(Target::Cubin(80), 1, Some((12, 9))), None);
+        assert_eq!(cache.load(Target::Cubin(80), 1, None), None);
+        cache
+            .store(Target::Cubin(80), 1, (12, 8), b"older")
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        cache
+            .store(Target::Cubin(80), 1, (12, 9), b"image")
+            .unwrap();
+        let image = |nvrtc| {
+            cache
+                .load(Target::Cubin(80), 1, nvrtc)
+                .map(|(_, image)| image)
+        };
+        assert_eq!(image(Some((12, 9))).as_deref(), Some(&b"image"[..]));
+        assert_eq!(image(Some((12, 8))).as_deref(), Some(&b"older"[..]));
+        assert_eq!(image(Some((13, 0))), None, "another NVRTC compiles again");
+        assert_eq!(image(None).as_deref(), Some(&b"image"[..]));
+        assert_eq!(cache.load(Target::Cubin(86), 1, None), None);
         std::fs::remove_dir_all(dir).unwrap();
     }
 

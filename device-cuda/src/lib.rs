@@ -1,8 +1,11 @@
 //! iris-device-cuda: the CUDA device plugin, `libiris_device_cuda.so`.
 //!
-//! Built on cudarc with dynamic loading and a fixed CUDA 12.4 API, so the plugin builds with no
-//! toolkit, driver or nvcc on the machine and links only libc: every vendor library is opened at
-//! run time. The layers, as in every iris device crate:
+//! Built on cudarc with dynamic loading and a fixed CUDA API version, so the plugin builds with
+//! no toolkit, driver or nvcc on the machine and links only libc: every vendor library is opened
+//! at run time. One build loads one CUDA major's user-space libraries (cuBLAS, cuBLASLt, NVRTC),
+//! chosen by a feature: `cuda-12` (the default, cudarc's 12.4 API, `libcublas.so.12`...) or
+//! `cuda-13` (13.0, `libcublas.so.13`...); a host with only one of them runs that build. The
+//! layers, as in every iris device crate:
 //!
 //! - vendor bindings: cudarc's `sys` (raw, lazily resolved symbols) and `result` (every call
 //!   returns a `Result`) layers for the driver, cuBLAS, cuBLASLt and NVRTC;
@@ -10,9 +13,11 @@
 //!   such as `CUDA_HOME` and pip's `nvidia/*/lib` are loaded by absolute path first) and names
 //!   what it tried when one is missing;
 //! - safe types: `memory` (stream-ordered pool allocations behind opaque handles, the
-//!   non-owning `DeviceView` ops hand to kernels and cuBLAS, pinned host buffers, fences),
-//!   [`kernels`] (NVRTC compilation, the on-disk kernel cache, the loaded module), `ops`
-//!   (cuBLASLt/cuBLAS GEMM and kernel launches);
+//!   non-owning `DeviceView` ops hand to kernels and cuBLAS, pinned host buffers, fences, and
+//!   every driver call on memory and transfers), [`kernels`] (NVRTC compilation, the on-disk
+//!   kernel cache, the loaded module), `ops` (cuBLASLt/cuBLAS GEMM, and one file per kernel
+//!   family as in the other devices: `norm`, `elementwise`, `rotary`, `attention`, each kernel
+//!   with a typed parameter struct);
 //! - [`device::CudaDevice`], the [`iris_plugin::Backend`] the ABI shims call, and [`error`],
 //!   which maps CUDA failures onto the ABI's error codes (out of memory with sizes; everything
 //!   else carries the CUDA name of the failure).
@@ -35,6 +40,13 @@ pub(crate) mod memory;
 pub(crate) mod ops;
 
 pub use device::{CudaDevice, CudaOptions};
+
+#[cfg(all(feature = "cuda-12", feature = "cuda-13"))]
+compile_error!(
+    "features `cuda-12` and `cuda-13` exclude each other: build with `--no-default-features --features cuda-13` for CUDA 13"
+);
+#[cfg(not(any(feature = "cuda-12", feature = "cuda-13")))]
+compile_error!("enable one of the features `cuda-12` (the default) or `cuda-13`");
 
 #[cfg(not(target_pointer_width = "64"))]
 compile_error!("the CUDA plugin needs a 64-bit target: CUDA 12 has no 32-bit host platform");

@@ -10,15 +10,20 @@
 //!   on the dynamic loader's path, by absolute path, and keeps them open: the loader then finds
 //!   them under their SONAME when cudarc asks by name. The roots, in order: the folders of
 //!   `IRIS_CUDA_LIB_PATH` (`:`-separated), `$CUDA_HOME` and `$CUDA_PATH` (`lib64`, `lib`,
-//!   `targets/<arch>-linux/lib`), and the `nvidia/*/lib` folders of pip's site-packages under
-//!   `$VIRTUAL_ENV`, `$CONDA_PREFIX` and `~/.local` (where the `nvidia-cublas-cu12` and
-//!   `nvidia-cuda-nvrtc-cu12` wheels put them).
+//!   `targets/<arch>-linux/lib`), and the `nvidia/*/lib` folders of pip's `site-packages` and
+//!   `dist-packages` under `$VIRTUAL_ENV`, `$CONDA_PREFIX`, `~/.local` and the system's Python
+//!   prefixes (`/usr/local/lib`, `/usr/lib`, `/usr/lib64`). CUDA 12's wheels
+//!   (`nvidia-cublas-cu12`, `nvidia-cuda-nvrtc-cu12`) put each library in a folder of its own,
+//!   `nvidia/cublas/lib`, `nvidia/cuda_nvrtc/lib`; CUDA 13's (`nvidia-cublas`, PyTorch's cu130
+//!   wheels) put them all in `nvidia/cu13/lib`. Both match `nvidia/*/lib`.
 //! - The driver (`libcuda.so.1`) is never preloaded: it belongs to the installed kernel driver
 //!   and is found on the loader path only. The toolkit's `lib64/stubs/libcuda.so` is a link-time
 //!   stub whose every call fails; it is never searched.
 //!
-//! When a library is missing, [`missing`] builds an error naming the library, the candidate
-//! names cudarc tried and the folders searched.
+//! One build loads the libraries of one CUDA major ([`cuda_major`], the `cuda-12` or `cuda-13`
+//! feature): cudarc names them by the major of its API version. When a library is missing,
+//! [`missing`] builds an error naming the library, the candidate names cudarc tried, the folders
+//! searched, and, when the other major's library is there instead, the build that loads it.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -33,11 +38,11 @@ pub const LIB_PATH_ENV: &str = "IRIS_CUDA_LIB_PATH";
 pub enum Library {
     /// The driver API, `libcuda.so.1`.
     Driver,
-    /// cuBLAS, `libcublas.so.12`.
+    /// cuBLAS, `libcublas.so.<major>`.
     Cublas,
-    /// cuBLASLt, `libcublasLt.so.12`.
+    /// cuBLASLt, `libcublasLt.so.<major>`.
     CublasLt,
-    /// NVRTC, `libnvrtc.so.12`.
+    /// NVRTC, `libnvrtc.so.<major>`.
     Nvrtc,
 }
 
@@ -54,9 +59,24 @@ impl Library {
 
     /// The file name people know it by, for messages.
     pub fn file_name(self) -> String {
+        self.file_name_for(cuda_major())
+    }
+
+    /// The file name of this library in CUDA `major`'s user-space libraries.
+    pub fn file_name_for(self, major: u32) -> String {
         match self {
             Library::Driver => "libcuda.so.1".to_owned(),
-            _ => format!("lib{}.so.{}", self.stem(), cuda_major()),
+            _ => format!("lib{}.so.{major}", self.stem()),
+        }
+    }
+
+    /// Its name in messages: `cuBLAS`, `NVRTC`...
+    pub fn title(self) -> &'static str {
+        match self {
+            Library::Driver => "the CUDA driver",
+            Library::Cublas => "cuBLAS",
+            Library::CublasLt => "cuBLASLt",
+            Library::Nvrtc => "NVRTC",
         }
     }
 
@@ -112,6 +132,16 @@ pub fn missing(library: Library) -> CudaError {
                 .collect();
             tried.push_str(&format!("; folders {}", shown.join(", ")));
         }
+        if let Some(found) = other_major(library) {
+            tried.push_str(&format!(
+                "; {} is there instead: this is the plugin's CUDA {} build, the CUDA {} build \
+                 (`--features cuda-{}`) loads it (docs/CUDA.md)",
+                found.display(),
+                cuda_major(),
+                OTHER_MAJOR,
+                OTHER_MAJOR
+            ));
+        }
     }
     CudaError::LibraryMissing {
         library: library.file_name(),
@@ -126,11 +156,10 @@ pub fn preload() -> &'static [PathBuf] {
     LOADED.get_or_init(|| {
         let mut loaded = Vec::new();
         // cuBLAS needs cuBLASLt: open it first so cuBLAS's dependency resolves to it.
+        let roots = search_roots();
         for library in [Library::CublasLt, Library::Cublas, Library::Nvrtc] {
-            if let Some(path) = find_in_roots(library, &search_roots())
-                && open_forever(&path)
-            {
-                loaded.push(path);
+            if let Some(path) = find_in_roots(library, &roots) {
+                loaded.extend(open_with_companions(library, &path));
             }
         }
         loaded
@@ -144,9 +173,56 @@ pub fn preload_from(dir: &Path) -> Vec<PathBuf> {
     let roots = [dir.to_path_buf()];
     [Library::CublasLt, Library::Cublas, Library::Nvrtc]
         .into_iter()
-        .filter_map(|library| find_in_roots(library, &roots))
-        .filter(|path| open_forever(path))
+        .filter_map(|library| find_in_roots(library, &roots).map(|path| (library, path)))
+        .flat_map(|(library, path)| open_with_companions(library, &path))
         .collect()
+}
+
+/// Opens `path` (a `library` found in an install root) and keeps it open, after the libraries
+/// it opens by name at run time from its own folder: NVRTC 13 opens
+/// `libnvrtc-builtins.so.13.<minor>` through the loader's path only, so when NVRTC itself was
+/// found in an install root its builtins must be loaded first. Returns the files opened.
+fn open_with_companions(library: Library, path: &Path) -> Vec<PathBuf> {
+    let mut opened = Vec::new();
+    if library == Library::Nvrtc
+        && let Some(dir) = path.parent()
+    {
+        let prefix = format!("libnvrtc-builtins.so.{}.", cuda_major());
+        let mut builtins: Vec<PathBuf> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|entry| entry.path())
+            .filter(|file| {
+                file.file_name()
+                    .and_then(|name| name.to_str())
+                    .is_some_and(|name| name.starts_with(&prefix))
+            })
+            .collect();
+        builtins.sort();
+        opened.extend(builtins.into_iter().filter(|file| open_forever(file)));
+    }
+    if open_forever(path) {
+        opened.push(path.to_path_buf());
+    }
+    opened
+}
+
+/// Where `library` of the other CUDA major is, if it is in an install root or on the loader's
+/// path, for the hint of [`missing`].
+pub fn other_major(library: Library) -> Option<PathBuf> {
+    let name = library.file_name_for(OTHER_MAJOR);
+    if let Some(path) = search_roots()
+        .iter()
+        .map(|root| root.join(&name))
+        .find(|path| path.is_file())
+    {
+        return Some(path);
+    }
+    // SAFETY: opening a CUDA library runs only its initialisers; it is closed again at once.
+    unsafe { libloading::Library::new(&name) }
+        .ok()
+        .map(|_| PathBuf::from(name))
 }
 
 /// The folders searched for cuBLAS, cuBLASLt and NVRTC beside the loader path, in order.
@@ -173,6 +249,8 @@ pub fn search_roots() -> Vec<PathBuf> {
     if let Some(home) = env("HOME") {
         prefixes.push(PathBuf::from(home).join(".local/lib"));
     }
+    // The system's Python: pip run as root, or a distribution's python3-* packages.
+    prefixes.extend(SYSTEM_PYTHON_PREFIXES.iter().map(PathBuf::from));
     for prefix in prefixes {
         roots.extend(pip_nvidia_lib_dirs(&prefix));
     }
@@ -181,7 +259,11 @@ pub fn search_roots() -> Vec<PathBuf> {
     roots
 }
 
-/// The `nvidia/*/lib` folders of every `python3*/site-packages` under `prefix`.
+/// The `lib` folders of the system's Python installations, searched after the user's.
+pub const SYSTEM_PYTHON_PREFIXES: [&str; 3] = ["/usr/local/lib", "/usr/lib", "/usr/lib64"];
+
+/// The `nvidia/*/lib` folders of every `python3*/site-packages` and `python3*/dist-packages`
+/// (Debian's name) under `prefix`.
 fn pip_nvidia_lib_dirs(prefix: &Path) -> Vec<PathBuf> {
     let mut dirs = Vec::new();
     let Ok(entries) = std::fs::read_dir(prefix) else {
@@ -198,17 +280,19 @@ fn pip_nvidia_lib_dirs(prefix: &Path) -> Vec<PathBuf> {
         .collect();
     pythons.sort();
     for python in pythons {
-        let nvidia = python.join("site-packages/nvidia");
-        let Ok(packages) = std::fs::read_dir(&nvidia) else {
-            continue;
-        };
-        let mut libs: Vec<PathBuf> = packages
-            .flatten()
-            .map(|entry| entry.path().join("lib"))
-            .filter(|lib| lib.is_dir())
-            .collect();
-        libs.sort();
-        dirs.extend(libs);
+        for packages in ["site-packages", "dist-packages"] {
+            let nvidia = python.join(packages).join("nvidia");
+            let Ok(packages) = std::fs::read_dir(&nvidia) else {
+                continue;
+            };
+            let mut libs: Vec<PathBuf> = packages
+                .flatten()
+                .map(|entry| entry.path().join("lib"))
+                .filter(|lib| lib.is_dir())
+                .collect();
+            libs.sort();
+            dirs.extend(libs);
+        }
     }
     dirs
 }
@@ -237,11 +321,24 @@ fn open_forever(path: &Path) -> bool {
     }
 }
 
-/// The CUDA major version this build's API feature names (12 for `cuda-12040`).
-pub fn cuda_major() -> u32 {
-    // The candidate list's `lib<name>.so.<major>` entry carries cudarc's compile-time major.
-    12
+/// The CUDA major whose user-space libraries this build loads: 12 with the `cuda-12` feature
+/// (cudarc's CUDA 12.4 API), 13 with `cuda-13` (CUDA 13.0). cudarc builds its candidate names
+/// (`libcublas.so.<major>`) from it.
+pub const fn cuda_major() -> u32 {
+    CUDA_MAJOR
 }
+
+/// The CUDA API version of this build's bindings, as `cuDriverGetVersion` writes versions.
+pub const fn cuda_api_version() -> i32 {
+    if CUDA_MAJOR == 13 { 13000 } else { 12040 }
+}
+
+#[cfg(feature = "cuda-13")]
+const CUDA_MAJOR: u32 = 13;
+#[cfg(not(feature = "cuda-13"))]
+const CUDA_MAJOR: u32 = 12;
+/// The major of the plugin's other build, named in hints.
+const OTHER_MAJOR: u32 = if CUDA_MAJOR == 13 { 12 } else { 13 };
 
 #[cfg(test)]
 mod tests {
@@ -284,10 +381,34 @@ mod tests {
     }
 
     #[test]
+    fn debian_and_cu13_wheel_layouts_are_found() {
+        let dir = std::env::temp_dir().join(format!("iris-cuda-layouts-{}", std::process::id()));
+        // CUDA 13's wheels: every library in one `nvidia/cu13/lib`, here in Debian's
+        // dist-packages.
+        let lib = dir.join("lib/python3.12/dist-packages/nvidia/cu13/lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        for library in [Library::Cublas, Library::CublasLt, Library::Nvrtc] {
+            std::fs::write(lib.join(library.file_name_for(13)), b"").unwrap();
+        }
+        let roots = pip_nvidia_lib_dirs(&dir.join("lib"));
+        assert_eq!(roots, vec![lib.clone()]);
+        let found = find_in_roots(Library::Nvrtc, &roots);
+        if cuda_major() == 13 {
+            assert_eq!(found, Some(lib.join("libnvrtc.so.13")));
+        } else {
+            assert_eq!(found, None, "a CUDA 12 build does not take CUDA 13's NVRTC");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn a_missing_library_names_itself_and_what_was_tried() {
         let message = missing(Library::Nvrtc).to_string();
-        assert!(message.starts_with("libnvrtc.so.12 not found"), "{message}");
-        assert!(message.contains("libnvrtc.so.12"), "{message}");
+        let name = format!("libnvrtc.so.{}", cuda_major());
+        assert!(
+            message.starts_with(&format!("{name} not found")),
+            "{message}"
+        );
         assert!(message.contains("LD_LIBRARY_PATH"), "{message}");
     }
 }

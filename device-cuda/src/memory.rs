@@ -57,6 +57,13 @@ struct Table {
     pending_buffers: u64,
 }
 
+/// Stream-ordered frees counted at one moment, to be retired after a wait for the stream.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Pending {
+    bytes: u64,
+    buffers: u64,
+}
+
 /// The buffer table of one device and the pool behind it.
 pub struct Memory {
     allocator: Allocator,
@@ -94,9 +101,10 @@ impl Memory {
             Ok(ptr) => ptr,
             Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY) if self.pending_frees() => {
                 // Frees still queued hold memory the pool cannot hand out yet: let them run.
+                let waited = self.pending();
                 // SAFETY: the stream belongs to the current context.
                 unsafe { result::stream::synchronize(stream) }.call("cuStreamSynchronize")?;
-                self.released();
+                self.released(waited);
                 self.raw_alloc(stream, len)
                     .map_err(|code| out_of_memory(bytes, code))?
             }
@@ -165,12 +173,23 @@ impl Memory {
         self.lock().pending_buffers > 0
     }
 
-    /// Records that every free enqueued so far has taken effect (the stream was synchronised
-    /// after them).
-    pub(crate) fn released(&self) {
+    /// The frees enqueued so far whose release may not have happened: take it before waiting
+    /// for the stream, and hand it to [`Memory::released`] after.
+    pub(crate) fn pending(&self) -> Pending {
+        let table = self.lock();
+        Pending {
+            bytes: table.pending_bytes,
+            buffers: table.pending_buffers,
+        }
+    }
+
+    /// Records that the frees counted in `waited` (taken before a wait for the stream) have
+    /// taken effect. Frees another thread enqueued during the wait stay pending: the wait may
+    /// have returned before the stream reached them.
+    pub(crate) fn released(&self, waited: Pending) {
         let mut table = self.lock();
-        table.pending_bytes = 0;
-        table.pending_buffers = 0;
+        table.pending_bytes = table.pending_bytes.saturating_sub(waited.bytes);
+        table.pending_buffers = table.pending_buffers.saturating_sub(waited.buffers);
     }
 
     /// Clears pending frees if `stream` has no work left (`cuStreamQuery`).
@@ -234,9 +253,10 @@ impl Memory {
                 Allocator::Plain => unsafe { result::free_sync(view.ptr) }.call("cuMemFree"),
             });
         }
+        let waited = self.pending();
         // SAFETY: the stream belongs to the current context.
         note(unsafe { result::stream::synchronize(stream) }.call("cuStreamSynchronize"));
-        self.released();
+        self.released(waited);
         if let Allocator::Pool(pool) = self.allocator {
             // SAFETY: every allocation of the pool was freed and the stream has drained.
             note(unsafe { result::mem_pool::destroy(pool) }.call("cuMemPoolDestroy"));
@@ -262,6 +282,154 @@ impl Memory {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+}
+
+/// Whether `ptr` points into page-locked host memory (ours from `alloc_host`, or any the
+/// process registered with the driver). The driver does not know pageable memory: it answers
+/// `CUDA_ERROR_INVALID_VALUE`, which means "no" here.
+pub(crate) fn is_page_locked(ptr: *const u8) -> bool {
+    let mut kind: u32 = 0;
+    // SAFETY: the attribute writes one `CUmemorytype` (a u32) into `kind`; the address is only
+    // looked up, never dereferenced.
+    let code = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut kind as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            ptr as CUdeviceptr,
+        )
+    };
+    code == CUresult::CUDA_SUCCESS && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
+}
+
+/// Copies `src` to device address `dst` in `stream`'s order and returns once `src` may be
+/// reused, as the ABI's `write` promises: from pageable memory the driver stages the bytes
+/// before `cuMemcpyHtoDAsync` returns, but from page-locked memory the copy runs later, so the
+/// call then waits for it on an event.
+pub(crate) fn write_from_host(
+    dst: CUdeviceptr,
+    src: &[u8],
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    let page_locked = is_page_locked(src.as_ptr());
+    // SAFETY: the caller checked `dst .. dst + src.len()` against a live buffer; `src` stays
+    // borrowed until the copy has read it (below, for page-locked memory).
+    unsafe { result::memcpy_htod_async(dst, src, stream) }.call("cuMemcpyHtoDAsync")?;
+    if page_locked {
+        let event = Event(
+            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .call("cuEventCreate")?,
+        );
+        // SAFETY: event and stream belong to the current context; the event lives until after
+        // the wait.
+        unsafe {
+            result::event::record(event.0, stream).call("cuEventRecord")?;
+            result::event::synchronize(event.0).call("cuEventSynchronize")?;
+        }
+    }
+    Ok(())
+}
+
+/// Waits until every operation enqueued on `stream` has completed.
+pub(crate) fn wait(stream: CUstream) -> Result<(), CudaError> {
+    // SAFETY: the stream belongs to the current context.
+    unsafe { result::stream::synchronize(stream) }.call("cuStreamSynchronize")
+}
+
+/// Enqueues a copy of `bytes` between device addresses.
+///
+/// # Safety
+/// Both ranges must lie in live device memory of the current context and must not overlap.
+pub(crate) unsafe fn copy_device(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: u64,
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: by the caller's contract.
+    unsafe { result::memcpy_dtod_async(dst, src, crate::usize_of(bytes), stream) }
+        .call("cuMemcpyDtoDAsync")
+}
+
+/// Enqueues a fill of `bytes` at `ptr` with `value` repeated at `width` bytes (1, 2 or 4).
+///
+/// # Safety
+/// The range must lie in live device memory of the current context; `ptr` and `bytes` must be
+/// multiples of `width`.
+pub(crate) unsafe fn fill(
+    ptr: CUdeviceptr,
+    width: u32,
+    value: u32,
+    bytes: u64,
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    let count = crate::usize_of(bytes);
+    let [b0, b1, _, _] = value.to_le_bytes();
+    // SAFETY: by the caller's contract; each memset writes `count / width` elements.
+    let (call, code) = unsafe {
+        match width {
+            1 => (
+                "cuMemsetD8Async",
+                sys::cuMemsetD8Async(ptr, b0, count, stream),
+            ),
+            2 => (
+                "cuMemsetD16Async",
+                sys::cuMemsetD16Async(ptr, u16::from_le_bytes([b0, b1]), count / 2, stream),
+            ),
+            _ => (
+                "cuMemsetD32Async",
+                sys::cuMemsetD32Async(ptr, value, count / 4, stream),
+            ),
+        }
+    };
+    code.result().call(call)
+}
+
+/// Enqueues a copy from device memory into a host slice.
+///
+/// # Safety
+/// `src .. src + dst.len()` must lie in live device memory of the current context; `dst` must
+/// stay valid and unread until the stream has been waited for.
+pub(crate) unsafe fn read_to_host(
+    dst: &mut [u8],
+    src: CUdeviceptr,
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: by the caller's contract.
+    unsafe { result::memcpy_dtoh_async(dst, src, stream) }.call("cuMemcpyDtoHAsync")
+}
+
+/// Enqueues a copy of `bytes` from page-locked host memory at `host` to device memory.
+///
+/// # Safety
+/// Both ranges must be live (the host range page-locked) and the host range unchanged until a
+/// later wait covers the copy.
+pub(crate) unsafe fn upload(
+    device: CUdeviceptr,
+    host: *const u8,
+    bytes: u64,
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: by the caller's contract.
+    unsafe { sys::cuMemcpyHtoDAsync_v2(device, host.cast(), crate::usize_of(bytes), stream) }
+        .result()
+        .call("cuMemcpyHtoDAsync")
+}
+
+/// Enqueues a copy of `bytes` from device memory to page-locked host memory at `host`.
+///
+/// # Safety
+/// Both ranges must be live (the host range page-locked) and the host range unread until a
+/// later wait covers the copy.
+pub(crate) unsafe fn download(
+    host: *mut u8,
+    device: CUdeviceptr,
+    bytes: u64,
+    stream: CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: by the caller's contract.
+    unsafe { sys::cuMemcpyDtoHAsync_v2(host.cast(), device, crate::usize_of(bytes), stream) }
+        .result()
+        .call("cuMemcpyDtoHAsync")
 }
 
 /// Pinned (page-locked) host buffers for `alloc_host`.
@@ -353,7 +521,8 @@ unsafe impl Sync for Event {}
 
 impl Drop for Event {
     fn drop(&mut self) {
-        // SAFETY: the event was created by `Fences::record` and this is its only destruction.
+        // SAFETY: the event was created by `Fences::record` or `write_from_host` and this is its
+        // only destruction.
         let _ = unsafe { result::event::destroy(self.0) };
     }
 }

@@ -1,8 +1,9 @@
 //! Every kernel compiles with NVRTC for the architectures iris targets, without register
 //! spills. Needs no GPU: NVRTC runs the assembler itself when given a real architecture.
 //!
-//! NVRTC comes from the PyPI wheel `nvidia-cuda-nvrtc-cu12`, which `.ci/run` installs outside
-//! the repository and names in `IRIS_TEST_NVRTC_DIR` (the folder holding `libnvrtc.so.12`).
+//! NVRTC comes from the PyPI wheels `nvidia-cuda-nvrtc-cu12` (12.9) and `nvidia-cuda-nvrtc`
+//! (13.0), which `.ci/run` installs outside the repository and names in `IRIS_TEST_NVRTC_DIR`
+//! (folders separated by `:`; the build takes the `libnvrtc.so.<major>` of its CUDA major).
 //! Without that variable the test says why it skips.
 
 use std::path::PathBuf;
@@ -10,7 +11,7 @@ use std::path::PathBuf;
 use iris_device_cuda::kernels::{self, Target};
 use iris_device_cuda::loader::{self, Library};
 
-/// The folder with `libnvrtc.so.12`.
+/// The folders with `libnvrtc.so.12` and `libnvrtc.so.13`.
 const NVRTC_DIR_ENV: &str = "IRIS_TEST_NVRTC_DIR";
 
 /// Ampere (A100, A10/RTX 30), Ada (L4, L40, RTX 40) and Hopper (H100, H200).
@@ -18,19 +19,27 @@ const ARCHITECTURES: [u32; 4] = [80, 86, 89, 90];
 
 #[test]
 fn every_kernel_compiles_for_every_architecture_without_spills() {
-    let Some(dir) = std::env::var_os(NVRTC_DIR_ENV).map(PathBuf::from) else {
+    let Some(dirs) = std::env::var_os(NVRTC_DIR_ENV) else {
         eprintln!(
-            "skipped: {NVRTC_DIR_ENV} is not set (.ci/run installs nvidia-cuda-nvrtc-cu12 and sets it)"
+            "skipped: {NVRTC_DIR_ENV} is not set (.ci/run installs NVRTC from PyPI and sets it)"
         );
         return;
     };
-    let opened = loader::preload_from(&dir);
+    let opened: Vec<PathBuf> = std::env::split_paths(&dirs)
+        .flat_map(|dir| loader::preload_from(&dir))
+        .collect();
     assert!(
         loader::present(Library::Nvrtc),
-        "{NVRTC_DIR_ENV}={} holds no loadable libnvrtc.so.12 (opened: {opened:?})",
-        dir.display()
+        "{NVRTC_DIR_ENV}={} holds no loadable {} (opened: {opened:?})",
+        dirs.display(),
+        Library::Nvrtc.file_name()
     );
     let (major, minor) = kernels::nvrtc_version().unwrap();
+    assert_eq!(
+        u32::try_from(major).ok(),
+        Some(loader::cuda_major()),
+        "the build loads its own CUDA major's NVRTC"
+    );
     let supported = kernels::supported_archs().unwrap();
     let names = kernels::kernel_names();
     let mut table =

@@ -52,6 +52,18 @@ fn rotary_gather_cast_and_batched_copies_match_the_reference() {
 }
 
 #[test]
+fn gathers_report_bad_indices_when_the_driver_runs_copies_later() {
+    // The stand-in's deferred mode: copies into page-locked memory run at the next wait, as on
+    // a GPU, so a status read before the wait would miss the flag.
+    run("movement", &[("IRIS_STANDIN_DEFER", "1")], Libraries::Full);
+}
+
+#[test]
+fn synchronize_reads_the_gather_status_without_blocking_copies() {
+    run("status", &[("IRIS_STANDIN_DEFER", "1")], Libraries::Full);
+}
+
+#[test]
 fn attention_matches_the_reference_for_every_head_dim() {
     run("attention", &[], Libraries::Full);
 }
@@ -69,6 +81,20 @@ fn every_op_matches_the_reference_on_this_machines_gpu() {
     for scenario in ["gemm", "elementwise", "movement", "attention"] {
         run(scenario, &[(GPU_ENV, "1")], Libraries::System);
     }
+    if probe.device_count >= 2 {
+        run("ordinals", &[(GPU_ENV, "1")], Libraries::System);
+    } else {
+        eprintln!("two ordinals in one process: skipped, this machine has one GPU");
+    }
+}
+
+#[test]
+fn every_ordinal_opens_at_once_in_one_process() {
+    run(
+        "ordinals",
+        &[("IRIS_STANDIN_DEVICES", "2")],
+        Libraries::Full,
+    );
 }
 
 /// The whole conformance suite (`iris plugin check`) over the emulated device. Its tower-sized
@@ -94,6 +120,9 @@ fn conformance_suite_passes_over_the_emulated_device() {
 fn scenario() {
     let name = std::env::var(common::SCENARIO_ENV)
         .expect("run by the parent tests of tests/ops.rs, which set IRIS_STANDIN_SCENARIO");
+    if name == "ordinals" {
+        return ordinals();
+    }
     let device = open();
     if name == "conformance" {
         return conformance(device);
@@ -103,6 +132,7 @@ fn scenario() {
         "elementwise" => elementwise(&device),
         "movement" => movement(&device),
         "attention" => attention(&device),
+        "status" => status(&device),
         other => panic!("unknown scenario {other}"),
     }
     device.synchronize().unwrap();
@@ -111,25 +141,52 @@ fn scenario() {
 /// Set in children that run on a real GPU.
 const GPU_ENV: &str = "IRIS_TEST_REAL_GPU";
 
+/// Whether this child runs on a real GPU (not the stand-in, whose counters tests may read).
+fn on_gpu() -> bool {
+    std::env::var_os(GPU_ENV).is_some()
+}
+
 /// Opens the device with all ops. On the stand-in, the kernels come from a cache entry (the
 /// stand-in driver accepts any image and finds kernels by name), so no NVRTC is needed; on a
 /// real GPU they are compiled (or taken from the user's kernel cache).
 fn open() -> Device {
+    open_ordinal(0)
+}
+
+/// [`open`] for device `ordinal`.
+fn open_ordinal(ordinal: u32) -> Device {
     if std::env::var_os(GPU_ENV).is_some() {
         let plugin = load_library(&plugin_library()).unwrap();
-        let device = plugin.open(0, &[]).expect("opens the GPU with ops");
+        let device = plugin.open(ordinal, &[]).expect("opens the GPU with ops");
         assert_eq!(device.description().ops.len(), 9, "every op is listed");
         return device;
     }
     // Children share the folder: the cache writes a temporary file and renames it.
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ops-kernel-cache");
     let cache = Cache::new(Some(dir.clone()));
-    // The stand-in is compute capability 8.0 with driver 12.4.
-    cache.store(Target::Cubin(80), 12040, b"emulated").unwrap();
+    // The stand-in is compute capability 8.0 with the driver version of the build's CUDA major.
+    // Without NVRTC the plugin takes the entry of any NVRTC version.
+    let nvrtc = (i32::try_from(common::cuda_major()).unwrap(), 0);
+    cache
+        .store(
+            Target::Cubin(80),
+            common::standin_driver_version(),
+            nvrtc,
+            b"emulated",
+        )
+        .unwrap();
     let plugin = load_library(&plugin_library()).unwrap();
     let options = vec![("kernel_cache".to_owned(), dir.display().to_string())];
-    let device = plugin.open(0, &options).expect("opens with ops");
-    assert_eq!(device.description().ops.len(), 9, "every op is listed");
+    let device = plugin.open(ordinal, &options).expect("opens with ops");
+    let desc = device.description();
+    assert_eq!(desc.ops.len(), 9, "every op is listed");
+    // `iris devices` shows which CUDA libraries were loaded.
+    let major = common::cuda_major();
+    let libraries = desc.property("cuda_libraries").unwrap_or_default();
+    assert!(
+        libraries.starts_with(&format!("CUDA {major} (cuBLAS {major}.0.0")),
+        "{libraries}"
+    );
     let report = device.memory_report().unwrap();
     let held: Vec<&str> = report.held.iter().map(|(what, _)| what.as_str()).collect();
     assert!(
@@ -143,6 +200,102 @@ fn open() -> Device {
 // Scenarios
 // ---------------------------------------------------------------------------------------------
 
+/// Every ordinal open at once in one process, each casting its own data while the others are
+/// open, then closed in turn.
+fn ordinals() {
+    let count = load_library(&plugin_library())
+        .unwrap()
+        .probe()
+        .device_count;
+    assert!(
+        count >= 2,
+        "the scenario needs two devices, the plugin sees {count}"
+    );
+    let devices: Vec<Device> = (0..count).map(open_ordinal).collect();
+    let mut tensors = Vec::new();
+    for (i, device) in devices.iter().enumerate() {
+        let values: Vec<f64> = (0..64)
+            .map(|j| (j as f64 + i as f64 * 100.0) / 8.0)
+            .collect();
+        let src = Tensor::upload(device, DType::F32, 8, 8, 8, 0, &values);
+        let out = Tensor::upload(device, DType::BF16, 8, 8, 8, 0, &[0.0; 64]);
+        device
+            .cast(&CastArgs {
+                src: src.view,
+                out: out.view,
+                workspace: BufferSlice::EMPTY,
+            })
+            .unwrap();
+        tensors.push((src, out, values));
+    }
+    for (device, (src, out, values)) in devices.iter().zip(tensors) {
+        let expected: Vec<f64> = values.iter().map(|v| round(DType::BF16, *v)).collect();
+        assert_eq!(
+            out.download(device),
+            expected,
+            "ordinal {}",
+            device.ordinal()
+        );
+        src.free(device);
+        out.free(device);
+        device.synchronize().unwrap();
+    }
+}
+
+/// `synchronize` and `read` make no blocking copy of the gather status word: none without a
+/// gather since the last check, and an asynchronous one after a gather.
+fn status(device: &Device) {
+    let blocking = common::standin_blocking_reads;
+    let before = blocking();
+    let buf = device.alloc(64).unwrap();
+    device.write(buf, 0, &[3u8; 64]).unwrap();
+    let mut back = [0u8; 64];
+    for _ in 0..3 {
+        device.synchronize().unwrap();
+        device.read(buf, 0, &mut back).unwrap();
+    }
+    assert_eq!(back, [3u8; 64]);
+    device.free(buf).unwrap();
+    let src = Tensor::upload(device, DType::F32, 4, 8, 8, 0, &Rng(3).values(32, 1.0));
+    let out = Tensor::upload(device, DType::F32, 3, 8, 8, 0, &[0.0; 24]);
+    let gather = |indices: &[i32; 3]| {
+        let idx = upload_i32(device, indices);
+        device
+            .gather_rows(&GatherArgs {
+                src: src.view,
+                out: out.view,
+                indices: MatRef::vector(idx, 0, DType::I32, 3),
+                workspace: BufferSlice::EMPTY,
+            })
+            .unwrap();
+        idx
+    };
+    for (indices, bad) in [([0i32, 9, 1], true), ([3, 2, 1], false), ([1, 1, 1], false)] {
+        let idx = gather(&indices);
+        let outcome = device.synchronize();
+        assert_eq!(outcome.is_err(), bad, "indices {indices:?}: {outcome:?}");
+        device.free(idx).unwrap();
+    }
+    // `read` waits too, and reports the bad index in its own name.
+    let idx = gather(&[0, 7, 1]);
+    let mut row = [0u8; 32];
+    let err = device.read(out.view.buf, 0, &mut row).unwrap_err();
+    assert!(
+        err.message
+            .starts_with("read: a gather_rows enqueued earlier"),
+        "{err}"
+    );
+    device.free(idx).unwrap();
+    src.free(device);
+    out.free(device);
+    device.synchronize().unwrap();
+    assert_eq!(
+        blocking(),
+        before,
+        "blocking device-to-host copies were made"
+    );
+}
+
 fn gemm(device: &Device) {
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         // (m, k, n, activation, bias, accumulate, w_transposed, strided)
@@ -153,6 +306,8 @@ fn gemm(device: &Device) {
             (9, 31, 12, Activation::SILU, true, true, false, true),
             (9, 31, 12, Activation::NONE, true, true, true, false),
             (5, 16, 8, Activation::QUICK_GELU, false, true, false, false),
+            (21, 40, 24, Activation::GELU_TANH, true, false, false, true),
+            (21, 40, 24, Activation::SILU, true, false, true, false),
             (6, 0, 10, Activation::SILU, true, true, false, false),
         ];
         for (i, &(m, k, n, activation, with_bias, accumulate, w_transposed, strided)) in
@@ -214,15 +369,29 @@ fn gemm(device: &Device) {
                 workspace: BufferSlice::EMPTY,
             };
             let bytes = device.gemm_workspace(&args).unwrap();
-            let workspace = (bytes > 0).then(|| device.alloc(bytes).unwrap());
+            // Every other case lends the workspace at an odd offset: the libraries need 256-byte
+            // alignment, which the plugin makes within what it asked for.
+            let ws_offset = (i % 2) as u64;
+            let workspace = (bytes > 0).then(|| device.alloc(bytes + ws_offset).unwrap());
             if let Some(buf) = workspace {
                 args.workspace = BufferSlice {
                     buf,
-                    offset: 0,
+                    offset: ws_offset,
                     bytes,
                 };
             }
             device.gemm(&args).unwrap();
+            if !on_gpu() && !accumulate {
+                // The same problem again reuses cuBLASLt's descriptors and algorithm (or its
+                // answer that cuBLAS computes it).
+                let setups = common::standin_lt_setups();
+                device.gemm(&args).unwrap();
+                assert_eq!(
+                    common::standin_lt_setups(),
+                    setups,
+                    "gemm {dtype} case {i}: cuBLASLt was set up again"
+                );
+            }
             let got = out.download(device);
             let mut expected = vec![0.0; m * n];
             for r in 0..m {
@@ -249,6 +418,23 @@ fn gemm(device: &Device) {
                 &expected,
                 k as f64,
             );
+            // Bias, activation and accumulation round an f16/bf16 output once: a product
+            // rounded before them would differ from the once-rounded result in many elements.
+            // (Not checked when cuBLASLt has no algorithm: cuBLAS then writes the product before
+            // the tanh GELU, which has no f32 scratch reserved.)
+            let lt_has_algo = std::env::var_os("IRIS_STANDIN_LT_NO_ALGO").is_none();
+            if dtype != DType::F32 && lt_has_algo {
+                let twice = got
+                    .iter()
+                    .zip(&expected)
+                    .filter(|(g, e)| **g != round(dtype, **e))
+                    .count();
+                assert!(
+                    twice * 100 <= got.len(),
+                    "gemm {dtype} case {i}: {twice} of {} elements are not the once-rounded result",
+                    got.len()
+                );
+            }
             if let Some(buf) = workspace {
                 device.free(buf).unwrap();
             }
@@ -577,21 +763,34 @@ fn movement(device: &Device) {
     }
 
     // A batched copy of more regions than the driver path takes, across three buffers, with
-    // sizes and offsets of every alignment.
-    let buffers: Vec<BufferHandle> = (0..3).map(|_| device.alloc(4096).unwrap()).collect();
+    // sizes and offsets of every alignment: small regions, regions of several kernel chunks,
+    // and regions for the copy engine (64 KiB and more).
+    const BYTES: usize = 256 << 10;
+    let buffers: Vec<BufferHandle> = (0..3)
+        .map(|_| device.alloc(BYTES as u64).unwrap())
+        .collect();
     let mut images: Vec<Vec<u8>> = Vec::new();
     for (i, buf) in buffers.iter().enumerate() {
-        let bytes: Vec<u8> = (0..4096).map(|j| ((j * 31 + i * 7) % 256) as u8).collect();
+        let bytes: Vec<u8> = (0..BYTES).map(|j| ((j * 31 + i * 7) % 251) as u8).collect();
         device.write(*buf, 0, &bytes).unwrap();
         images.push(bytes);
     }
     let mut regions = Vec::new();
     let mut expected = images.clone();
-    for r in 0..12u64 {
+    let sizes = (0..12u64).map(|r| (r, 16 * (r % 5) + (r % 3) + 1)).chain([
+        (12, 9000),
+        (13, 12288),
+        (14, 65536),
+        (15, 70001),
+    ]);
+    for (r, bytes) in sizes {
         let (src, dst) = ((r % 3) as usize, ((r + 1) % 3) as usize);
-        let src_offset = r * 40 + (r % 4);
-        let dst_offset = 2048 + r * 150 + (r % 4) * 4;
-        let bytes = 16 * (r % 5) + (r % 3) + 1;
+        // Sources and destinations of one batch never overlap.
+        let (src_offset, dst_offset) = if bytes < 4096 {
+            (r * 40 + (r % 4), 2048 + r * 150 + (r % 4) * 4)
+        } else {
+            (8192 + r * 40 + (r % 4), r * 12288 + (r % 2) * 16)
+        };
         regions.push(CopyRegion {
             src: buffers[src],
             src_offset,
@@ -603,9 +802,16 @@ fn movement(device: &Device) {
         let chunk = images[src][s..s + n].to_vec();
         expected[dst][d..d + n].copy_from_slice(&chunk);
     }
+    let copies_before = (!on_gpu()).then(common::standin_device_copies);
     device.copy_batch(&regions).unwrap();
+    if let Some(before) = copies_before {
+        // The two regions of 64 KiB and more went to the copy engine; the fourteen others to
+        // one kernel whose grid has a row per region and a column per 4 KiB chunk.
+        assert_eq!(common::standin_device_copies() - before, 2);
+        assert_eq!(common::standin_last_grid(), [3, 14, 1]);
+    }
     for (buf, want) in buffers.iter().zip(&expected) {
-        let mut got = vec![0u8; 4096];
+        let mut got = vec![0u8; BYTES];
         device.read(*buf, 0, &mut got).unwrap();
         assert!(got == *want, "batched copy");
     }

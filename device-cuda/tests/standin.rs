@@ -43,6 +43,27 @@ fn the_toolkit_stub_is_reported_as_such() {
 }
 
 #[test]
+fn a_system_whose_fabric_manager_is_down_is_unavailable_with_a_hint() {
+    run(
+        "not_ready",
+        &[("IRIS_STANDIN_MODE", "not_ready")],
+        Libraries::Driver,
+    );
+}
+
+#[test]
+fn informational_attributes_that_fail_do_not_fail_open() {
+    // 16: the SM count; 36: the memory clock (bandwidth).
+    for attribute in ["16", "36"] {
+        run(
+            "attribute_fails",
+            &[("IRIS_STANDIN_FAIL_ATTRIBUTE", attribute)],
+            Libraries::Driver,
+        );
+    }
+}
+
+#[test]
 fn no_device_and_hidden_devices_give_reasons() {
     run(
         "no_device",
@@ -106,6 +127,57 @@ fn driver_failures_carry_the_call_and_the_cuda_name() {
 #[test]
 fn opening_for_ops_without_cublas_is_a_clear_error() {
     run("no_blas", &[], Libraries::Driver);
+}
+
+#[test]
+fn a_host_with_only_the_other_cuda_majors_libraries_is_told_which_build_loads_them() {
+    run("other_major", &[], Libraries::OtherMajor);
+}
+
+#[test]
+fn a_cublas_of_another_major_under_this_builds_name_is_refused() {
+    let other = (common::other_major() * 10_000).to_string();
+    run(
+        "mismatched_blas",
+        &[("IRIS_STANDIN_CUBLAS_VERSION", &other)],
+        Libraries::Full,
+    );
+}
+
+#[test]
+fn a_write_from_page_locked_memory_returns_after_reading_it() {
+    // With deferred work the stand-in copies from page-locked memory only when the queue runs,
+    // as a GPU does.
+    run(
+        "pinned_write",
+        &[("IRIS_STANDIN_DEFER", "1")],
+        Libraries::Driver,
+    );
+}
+
+#[test]
+fn a_free_during_another_threads_synchronize_stays_accounted() {
+    run(
+        "free_during_synchronize",
+        &[
+            ("IRIS_STANDIN_DEFER", "1"),
+            ("IRIS_STANDIN_SYNC_DELAY_MS", "400"),
+            ("IRIS_STANDIN_MEMORY", &(64u64 << 20).to_string()),
+        ],
+        Libraries::Driver,
+    );
+}
+
+#[test]
+fn several_threads_share_one_device() {
+    run(
+        "threads",
+        &[
+            ("IRIS_STANDIN_DEFER", "1"),
+            ("IRIS_STANDIN_MEMORY", &(64u64 << 20).to_string()),
+        ],
+        Libraries::Driver,
+    );
 }
 
 #[test]
@@ -184,8 +256,18 @@ fn scenario() {
         "hidden" => refused(&plugin, "CUDA_VISIBLE_DEVICES is set and empty"),
         "old_driver" => refused(
             &plugin,
-            "the driver supports CUDA 11.8, this plugin needs 12.0",
+            &format!(
+                "the driver supports CUDA 11.8, this plugin needs {}.0",
+                common::cuda_major()
+            ),
         ),
+        "other_major" => other_major(&plugin),
+        "not_ready" => not_ready(&plugin),
+        "pinned_write" => pinned_write(&plugin),
+        "free_during_synchronize" => free_during_synchronize(&plugin),
+        "threads" => threads(&plugin),
+        "attribute_fails" => attribute_fails(&plugin),
+        "mismatched_blas" => mismatched_blas(&plugin),
         "memory" => memory(&plugin),
         "oom" => oom(&plugin),
         "copy_failure" => copy_failure(&plugin),
@@ -236,7 +318,11 @@ fn memory(plugin: &Plugin) {
     );
     assert!(desc.dtypes.contains(&DType::BF16) && desc.dtypes.contains(&DType::I32));
     assert_eq!(desc.property(property::COMPUTE_CAPABILITY), Some("8.0"));
-    assert_eq!(desc.property(property::DRIVER_VERSION), Some("12.4"));
+    let driver = iris_device_cuda::device::version_text(common::standin_driver_version());
+    assert_eq!(
+        desc.property(property::DRIVER_VERSION),
+        Some(driver.as_str())
+    );
     assert_eq!(desc.property(property::COMPUTE_UNITS), Some("4"));
     assert_eq!(desc.property(property::QUEUE), Some("async"));
     // 1 GHz memory clock, DDR, 256-bit bus.
@@ -371,9 +457,128 @@ fn copy_failure(plugin: &Plugin) {
     device.free(buf).unwrap();
 }
 
+fn pinned_write(plugin: &Plugin) {
+    let device = std::sync::Arc::new(plugin.open(0, &memory_only()).unwrap());
+    let buf = device.alloc(256).unwrap();
+    let mut host = device.host_buffer(256).unwrap();
+    let written: Vec<u8> = (0..=255).collect();
+    host.as_mut_slice().unwrap().copy_from_slice(&written);
+    device.write(buf, 0, host.as_slice().unwrap()).unwrap();
+    // The ABI lets the caller reuse the slice as soon as `write` returns.
+    host.as_mut_slice().unwrap().fill(0xEE);
+    let mut back = vec![0u8; 256];
+    device.read(buf, 0, &mut back).unwrap();
+    assert_eq!(
+        back, written,
+        "the device holds what the slice held during write"
+    );
+    // From pageable memory as well.
+    device.write(buf, 0, &[7u8; 256]).unwrap();
+    device.read(buf, 0, &mut back).unwrap();
+    assert_eq!(back, [7u8; 256]);
+    device.free(buf).unwrap();
+}
+
+fn free_during_synchronize(plugin: &Plugin) {
+    use std::sync::Arc;
+    use std::time::Duration;
+    let device = Arc::new(plugin.open(0, &memory_only()).unwrap());
+    let big = 40u64 << 20;
+    let first = device.alloc(big).unwrap();
+    // The stand-in's synchronize runs the queue, then takes 400 ms to return: the free below
+    // lands after the wait and before the synchronize's bookkeeping.
+    let syncer = {
+        let device = Arc::clone(&device);
+        std::thread::spawn(move || device.synchronize().unwrap())
+    };
+    std::thread::sleep(Duration::from_millis(150));
+    device.free(first).unwrap();
+    syncer.join().unwrap();
+    // The free is still queued (the stand-in holds its memory): it counts as allocated ...
+    let report = device.memory_report().unwrap();
+    assert!(
+        report.allocated >= big,
+        "a queued free dropped out of the accounting: {report:?}"
+    );
+    // ... and an allocation that needs its memory waits for it instead of giving up.
+    let second = device
+        .alloc(big)
+        .expect("the out-of-memory retry waits for the queued free");
+    device.free(second).unwrap();
+    device.synchronize().unwrap();
+    assert_eq!(device.memory_report().unwrap().allocated, 0);
+}
+
+fn threads(plugin: &Plugin) {
+    use std::sync::Arc;
+    const THREADS: usize = 4;
+    const ROUNDS: usize = 40;
+    let device = Arc::new(plugin.open(0, &memory_only()).unwrap());
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let device = Arc::clone(&device);
+            std::thread::spawn(move || {
+                for round in 0..ROUNDS {
+                    let bytes = 4096 * (1 + (t + round) % 7);
+                    let buf = device.alloc(bytes as u64).unwrap();
+                    let pattern: Vec<u8> = (0..bytes).map(|i| (i * 31 + t + round) as u8).collect();
+                    device.write(buf, 0, &pattern).unwrap();
+                    let mut back = vec![0u8; bytes];
+                    device.read(buf, 0, &mut back).unwrap();
+                    assert!(
+                        back == pattern,
+                        "thread {t} round {round}: wrong bytes back"
+                    );
+                    device.free(buf).unwrap();
+                    if round % 5 == 0 {
+                        device.synchronize().unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.join().expect("a worker thread failed");
+    }
+    device.synchronize().unwrap();
+    let report = device.memory_report().unwrap();
+    assert_eq!((report.allocated, report.buffers), (0, 0), "{report:?}");
+}
+
+fn not_ready(plugin: &Plugin) {
+    let probe = plugin.probe();
+    assert_eq!(probe.device_count, 0);
+    for part in ["CUDA_ERROR_SYSTEM_NOT_READY", "fabric manager"] {
+        assert!(probe.reason.contains(part), "{}", probe.reason);
+    }
+    let err = plugin.open(0, &memory_only()).unwrap_err();
+    assert_eq!(err.code, ErrorCode::UNAVAILABLE, "{err}");
+    assert!(err.message.contains("fabric manager"), "{err}");
+}
+
+fn attribute_fails(plugin: &Plugin) {
+    let device = plugin
+        .open(0, &memory_only())
+        .expect("opens without the attribute");
+    let desc = device.description();
+    let failed = std::env::var("IRIS_STANDIN_FAIL_ATTRIBUTE").unwrap();
+    let absent = if failed == "16" {
+        property::COMPUTE_UNITS
+    } else {
+        property::MEMORY_BANDWIDTH
+    };
+    assert_eq!(desc.property(absent), None, "{absent} is left out");
+    assert_eq!(desc.property(property::COMPUTE_CAPABILITY), Some("8.0"));
+}
+
 fn no_blas(plugin: &Plugin) {
     // cuBLAS cannot run on any stand-in: either it is not installed (CI) or it fails to start.
     let err = plugin.open(0, &[]).unwrap_err();
+    assert_eq!(
+        common::standin_live_pools(),
+        0,
+        "the failed open destroyed its memory pool"
+    );
     assert!(
         err.message.contains("cublasLt") || err.message.contains("cublas"),
         "the error names the library: {err}"
@@ -382,6 +587,32 @@ fn no_blas(plugin: &Plugin) {
         err.code == ErrorCode::UNAVAILABLE || err.code == ErrorCode::INTERNAL,
         "{err}"
     );
+}
+
+fn other_major(plugin: &Plugin) {
+    assert_eq!(plugin.probe().device_count, 1);
+    let err = plugin.open(0, &[]).unwrap_err();
+    let (major, other) = (common::cuda_major(), common::other_major());
+    // cudarc's candidates end with `.so.12` in every build: the CUDA 13 build opens CUDA 12's
+    // library and refuses it by its version; the CUDA 12 build finds no library of its name.
+    let why = [
+        format!("libcublasLt.so.{major} not found"),
+        format!("cuBLAS {other}.x was loaded"),
+    ];
+    assert!(why.iter().any(|part| err.message.contains(part)), "{err}");
+    let hint = format!("the CUDA {other} build (`--features cuda-{other}`");
+    assert!(err.message.contains(&hint), "`{hint}` in: {err}");
+    // Memory-only needs neither library.
+    plugin.open(0, &memory_only()).expect("memory-only opens");
+}
+
+fn mismatched_blas(plugin: &Plugin) {
+    let err = plugin.open(0, &[]).unwrap_err();
+    let (major, other) = (common::cuda_major(), common::other_major());
+    let expected =
+        format!("cuBLAS {other}.x was loaded, but this is the plugin's CUDA {major} build");
+    assert!(err.message.contains(&expected), "{err}");
+    assert_eq!(err.code, ErrorCode::UNSUPPORTED, "{err}");
 }
 
 fn staging(plugin: &Plugin) {

@@ -6,9 +6,11 @@
 //! `outᵀ = W · aᵀ` with `W` transposed unless `w` is stored `[k, n]`.
 //!
 //! What the library cannot fuse runs in one small kernel after it (`gemm_epilogue_*`):
-//! cuBLASLt applies the bias and, for `gelu_tanh` (its GELU epilogue is the tanh form), the
-//! activation; cuBLAS applies neither. An accumulating GEMM with an activation computes the
-//! product into an f32 scratch in the workspace, then `out = act(t + bias) + out` in f32.
+//! cuBLASLt applies the bias (from an aligned copy in the workspace when the bias is not
+//! aligned for it) and, for `gelu_tanh` (its GELU epilogue is the tanh form), the activation;
+//! cuBLAS applies neither. An output is rounded to its type once: an accumulating GEMM with an
+//! activation, and an f16/bf16 GEMM with an activation cuBLASLt does not fuse, compute the
+//! product into an f32 scratch in the workspace, then `out = act(t + bias) (+ out)` in f32.
 //! Scratch for the libraries (and that f32 product) comes from the host's workspace, sized by
 //! `gemm_workspace`, so the host accounts every byte.
 
@@ -23,7 +25,9 @@ use cudarc::driver::sys::CUstream;
 use iris_plugin::abi::{Activation, DType, GemmArgs, PluginError};
 use iris_plugin::validate::{self, Checker, Gemm};
 
-use super::{Args, Compute, THREADS, addr, dtype_name, grid_2d, lock, optional_addr};
+use super::{
+    Compute, THREADS, addr, dim, dtype_name, grid_2d, i64_of, kernel_args, lock, optional_addr,
+};
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 
@@ -33,15 +37,52 @@ const WORKSPACE_HOPPER: u64 = 32 << 20;
 const WORKSPACE_DEFAULT: u64 = 4 << 20;
 /// Alignment cuBLASLt is told at most, as a power of two (its default assumption, 256 bytes).
 const MAX_ALIGNMENT_LOG2: u32 = 8;
-/// Bias addresses cuBLASLt's bias epilogue is given only when aligned this much; others get
-/// the bias from the epilogue kernel.
+/// Alignment cuBLAS and cuBLASLt require of their workspace (`cublasSetWorkspace` refuses less).
+/// The host's workspace may start at any offset, so the plugin asks for this much minus one
+/// more and rounds the start up.
+const WORKSPACE_ALIGNMENT: u64 = 256;
+/// Bias addresses cuBLASLt's bias epilogue is given only when aligned this much; others are
+/// copied to an aligned place in the workspace first.
 const BIAS_ALIGNMENT: u64 = 16;
 
-/// cuBLASLt heuristics already asked, by problem.
+kernel_args! {
+    /// `gemm_epilogue_<dtype>(src, src_f32, ss, out, os, bias, rows, cols, kind, accumulate)`:
+    /// `out = act(src + bias) (+ out)`; `src` 0 is a zero product, `bias` 0 none.
+    struct EpilogueKernel {
+        src: u64, src_f32: i32, ss: i64, out: u64, os: i64, bias: u64, rows: i64, cols: i64,
+        kind: i32, accumulate: i32,
+    }
+}
+
+/// cuBLASLt set-ups already made, by problem: its descriptors, layouts and algorithm, or that
+/// cuBLASLt has no algorithm for it and cuBLAS computes it. Building them costs several library
+/// calls and a heuristic search; a tower runs the same few problems thousands of times.
 #[derive(Default)]
 pub struct GemmState {
-    algos: HashMap<AlgoKey, lt_sys::cublasLtMatmulAlgo_t>,
+    plans: HashMap<AlgoKey, LtPlan>,
 }
+
+/// What cuBLASLt was found to do for one problem.
+enum LtPlan {
+    /// Its descriptors and the algorithm the heuristic chose for them.
+    Ready(Box<LtSetup>),
+    /// The heuristic had no algorithm: cuBLAS computes the product.
+    UseCublas,
+}
+
+/// A matmul descriptor (whose bias pointer is set per call, under the state's lock), the
+/// layouts of W, a and the output, and the chosen algorithm.
+struct LtSetup {
+    desc: MatmulDesc,
+    a_layout: Layout,
+    b_layout: Layout,
+    d_layout: Layout,
+    algo: lt_sys::cublasLtMatmulAlgo_t,
+}
+
+// SAFETY: cuBLASLt descriptors are plain host objects the library does not tie to a thread;
+// they are used only under the `GemmState` mutex.
+unsafe impl Send for LtSetup {}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct AlgoKey {
@@ -60,20 +101,24 @@ struct AlgoKey {
 struct Plan {
     /// Through cuBLASLt (else cuBLAS).
     lt: bool,
-    /// The product goes into an f32 scratch first (accumulating with an activation).
+    /// The product goes into an f32 scratch first, and the epilogue kernel computes bias,
+    /// activation and accumulation from it with one rounding: an accumulating GEMM with an
+    /// activation, or an f16/bf16 output with an activation cuBLASLt does not fuse.
     via_scratch: bool,
     /// Library scratch bytes.
     library_workspace: u64,
     /// Bytes of the f32 product scratch.
     scratch_bytes: u64,
+    /// Bytes of an aligned copy of the bias, for cuBLASLt's bias epilogue when the bias itself
+    /// is not aligned for it.
+    bias_stage_bytes: u64,
 }
 
 impl CudaDevice {
     pub(crate) fn gemm_workspace_impl(&self, args: &GemmArgs) -> Result<u64, PluginError> {
         let gemm = validate::gemm(&Checker::shapes_only("gemm_workspace"), args)?;
         let compute = self.compute("gemm_workspace")?;
-        let plan = compute.plan(&gemm, args)?;
-        Ok(plan.library_workspace + plan.scratch_bytes)
+        Ok(compute.plan(&gemm, args)?.workspace_bytes())
     }
 
     pub(crate) fn gemm_impl(&self, args: &GemmArgs) -> Result<(), PluginError> {
@@ -81,7 +126,7 @@ impl CudaDevice {
         let gemm = self.with_checker(op, |check| validate::gemm(check, args))?;
         let compute = self.compute(op)?;
         let plan = compute.plan(&gemm, args)?;
-        let needed = plan.library_workspace + plan.scratch_bytes;
+        let needed = plan.workspace_bytes();
         let mut operands = vec![("a", &gemm.a), ("w", &gemm.w), ("out", &gemm.out)];
         if let Some(bias) = &gemm.bias {
             operands.push(("bias", bias));
@@ -115,6 +160,7 @@ impl CudaDevice {
         } else {
             self.view(op, args.workspace.buf)?.at(args.workspace.offset)
         };
+        let workspace = align_workspace(workspace);
         let operands = Operands {
             a: addr(self, op, &gemm.a)?,
             w: addr(self, op, &gemm.w)?,
@@ -131,16 +177,39 @@ impl CudaDevice {
                     &operands,
                     Product::scratch(scratch, gemm.n as u64),
                 )
-                .and_then(|_| epilogue(scratch, true, gemm.n as u64, bias, args.activation, true))
+                .and_then(|_| {
+                    epilogue(
+                        scratch,
+                        true,
+                        gemm.n as u64,
+                        bias,
+                        args.activation,
+                        args.accumulate,
+                    )
+                })
         } else {
-            let bias_fused = plan.lt && bias != 0 && bias % BIAS_ALIGNMENT == 0;
+            // cuBLASLt takes the bias (from an aligned copy when the bias is not aligned for
+            // it) and the tanh GELU, so the output is rounded once.
+            let lt_bias = if plan.lt && bias != 0 {
+                if bias % BIAS_ALIGNMENT == 0 {
+                    bias
+                } else {
+                    let stage = workspace + plan.bias_stage_offset();
+                    compute
+                        .stage_bias(stream, stage, bias, plan.bias_stage_bytes)
+                        .map_err(|err| err.into_plugin(op))?;
+                    stage
+                }
+            } else {
+                0
+            };
             let act_fused = plan.lt && args.activation == Activation::GELU_TANH && !args.accumulate;
             let product = Product {
                 ptr: out,
                 ld: gemm.out.stride as u64,
                 f32: false,
                 beta: if args.accumulate { 1.0 } else { 0.0 },
-                bias: if bias_fused { bias } else { 0 },
+                bias: lt_bias,
                 gelu: act_fused,
             };
             compute
@@ -168,6 +237,36 @@ impl CudaDevice {
         };
         outcome.map_err(|err| err.into_plugin(op))
     }
+}
+
+impl Plan {
+    /// What `gemm_workspace` asks the host for: the scratches, the bias copy, and the slack to
+    /// align them.
+    fn workspace_bytes(&self) -> u64 {
+        let used = self.bias_stage_offset() + self.bias_stage_bytes;
+        if used == 0 {
+            0
+        } else {
+            used + WORKSPACE_ALIGNMENT - 1
+        }
+    }
+
+    /// Where the bias copy starts, from the aligned start of the workspace (after the library's
+    /// share and the f32 product, rounded up to the alignment).
+    fn bias_stage_offset(&self) -> u64 {
+        let end = self.library_workspace + self.scratch_bytes;
+        if self.bias_stage_bytes == 0 {
+            end
+        } else {
+            end.next_multiple_of(WORKSPACE_ALIGNMENT)
+        }
+    }
+}
+
+/// The workspace's start rounded up to [`WORKSPACE_ALIGNMENT`]; [`Plan::workspace_bytes`]
+/// holds the slack. The f32 product scratch after the library's share is aligned too.
+fn align_workspace(start: u64) -> u64 {
+    start.next_multiple_of(WORKSPACE_ALIGNMENT)
 }
 
 /// What the library applied of what a [`Product`] asked for.
@@ -208,6 +307,23 @@ impl Product {
 }
 
 impl Compute {
+    /// Copies `bytes` of bias from `bias` to the aligned `stage` in the workspace, in stream
+    /// order before the product that reads it.
+    fn stage_bias(
+        &self,
+        stream: CUstream,
+        stage: u64,
+        bias: u64,
+        bytes: u64,
+    ) -> Result<(), CudaError> {
+        // SAFETY: `bias` is a checked view of `bytes` bytes; `stage` lies in the host's
+        // workspace, which `Plan::workspace_bytes` sized to hold it.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(stage, bias, crate::usize_of(bytes), stream)
+        }
+        .map_err(|err| CudaError::driver("cuMemcpyDtoDAsync", err))
+    }
+
     fn plan(&self, gemm: &Gemm, args: &GemmArgs) -> Result<Plan, PluginError> {
         let dtype = gemm.a.dtype;
         if dtype == DType::BF16 && self.cc < crate::device::BF16_COMPUTE_CAPABILITY {
@@ -234,7 +350,10 @@ impl Compute {
             )));
         }
         let lt = dtype != DType::F32 || self.tf32;
-        let via_scratch = args.accumulate && args.activation != Activation::NONE;
+        let activated = args.activation != Activation::NONE;
+        let gelu_fused = lt && args.activation == Activation::GELU_TANH && !args.accumulate;
+        // A half-precision output rounded before an unfused activation would be rounded twice.
+        let via_scratch = activated && (args.accumulate || (dtype != DType::F32 && !gelu_fused));
         let library_workspace = if gemm.k == 0 || gemm.m == 0 || gemm.n == 0 {
             0
         } else if self.cc.0 >= 9 {
@@ -247,11 +366,18 @@ impl Compute {
         } else {
             0
         };
+        let bias_stage_bytes = match &gemm.bias {
+            Some(bias) if lt && !via_scratch && gemm.k > 0 => {
+                (gemm.n as u64) * bias.dtype.size().unwrap_or(4)
+            }
+            _ => 0,
+        };
         Ok(Plan {
             lt,
             via_scratch,
             library_workspace,
             scratch_bytes,
+            bias_stage_bytes,
         })
     }
 
@@ -388,56 +514,132 @@ impl Compute {
         product: &Product,
     ) -> Result<(), CudaError> {
         let lt_err = |call: &'static str| move |e| CudaError::blas_lt(call, e);
-        let data_type = match gemm.a.dtype {
-            DType::F16 => lt_sys::cudaDataType::CUDA_R_16F,
-            DType::BF16 => lt_sys::cudaDataType::CUDA_R_16BF,
-            _ => lt_sys::cudaDataType::CUDA_R_32F,
-        };
-        let out_type = if product.f32 {
-            lt_sys::cudaDataType::CUDA_R_32F
-        } else {
-            data_type
-        };
-        let compute_type = if gemm.a.dtype == DType::F32 && self.tf32 {
-            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
-        } else {
-            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
-        };
-        let (m, n, k) = (gemm.m as u64, gemm.n as u64, gemm.k as u64);
-        let desc = MatmulDesc(
-            cublaslt::create_matmul_desc(compute_type, lt_sys::cudaDataType::CUDA_R_32F)
-                .map_err(lt_err("cublasLtMatmulDescCreate"))?,
-        );
-        let transa: i32 = if args.w_transposed {
-            cublas_sys::cublasOperation_t::CUBLAS_OP_N as i32
-        } else {
-            cublas_sys::cublasOperation_t::CUBLAS_OP_T as i32
-        };
         let epilogue = match (product.bias != 0, product.gelu) {
             (false, false) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
             (true, false) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
             (false, true) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU,
             (true, true) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
         };
-        let epilogue_value = epilogue as u32;
-        let bias_ptr = product.bias as *const c_void;
+        let (ws, ws_bytes) = operands.library_workspace;
+        let key = AlgoKey {
+            dtype: gemm.a.dtype.0,
+            f32_out: product.f32,
+            transa: args.w_transposed,
+            dims: [
+                gemm.m as u64,
+                gemm.n as u64,
+                gemm.k as u64,
+                gemm.w.stride as u64,
+                gemm.a.stride as u64,
+                product.ld,
+            ],
+            epilogue: epilogue as u32,
+            alignments: [
+                alignment(operands.w),
+                alignment(operands.a),
+                alignment(product.ptr),
+                alignment(product.ptr),
+            ],
+            workspace: ws_bytes,
+            tf32: self.tf32,
+        };
+        // The bias pointer is set on the shared descriptor and read by the matmul enqueued
+        // right after: both under the lock.
+        let mut state = lock(&self.gemm);
+        let plan = match state.plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
+            std::collections::hash_map::Entry::Vacant(entry) => entry.insert(self.set_up_lt(&key)?),
+        };
+        let setup = match plan {
+            LtPlan::Ready(setup) => setup,
+            LtPlan::UseCublas => {
+                return Err(CudaError::Blas {
+                    call: "cublasLtMatmulAlgoGetHeuristic",
+                    status: "no algorithm (cached)".into(),
+                    alloc_failed: false,
+                });
+            }
+        };
+        if product.bias != 0 {
+            let bias_ptr = product.bias as *const c_void;
+            // SAFETY: the attribute takes a device pointer; the value outlives the call.
+            unsafe {
+                cublaslt::set_matmul_desc_attribute(
+                    setup.desc.0,
+                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    (&bias_ptr as *const *const c_void).cast(),
+                    std::mem::size_of::<*const c_void>(),
+                )
+            }
+            .map_err(lt_err("cublasLtMatmulDescSetAttribute"))?;
+        }
+        let (alpha, beta) = (1.0f32, product.beta);
+        // SAFETY: descriptors are alive; A, B, C = D and the bias are checked views of live
+        // buffers (C is D, read when beta is 1); the workspace is the host's, `ws_bytes` long;
+        // the algorithm was chosen for exactly these descriptors.
+        unsafe {
+            cublaslt::matmul(
+                self.lt.0,
+                setup.desc.0,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                operands.w as *const c_void,
+                setup.a_layout.0,
+                operands.a as *const c_void,
+                setup.b_layout.0,
+                product.ptr as *const c_void,
+                setup.d_layout.0,
+                product.ptr as *mut c_void,
+                setup.d_layout.0,
+                &setup.algo,
+                ws as *mut c_void,
+                crate::usize_of(ws_bytes),
+                stream as _,
+            )
+        }
+        .map_err(lt_err("cublasLtMatmul"))
+    }
+
+    /// Builds cuBLASLt's descriptors for the problem `key` and asks its heuristic for an
+    /// algorithm; an empty answer is [`LtPlan::UseCublas`].
+    fn set_up_lt(&self, key: &AlgoKey) -> Result<LtPlan, CudaError> {
+        let lt_err = |call: &'static str| move |e| CudaError::blas_lt(call, e);
+        let dtype = DType(key.dtype);
+        let data_type = match dtype {
+            DType::F16 => lt_sys::cudaDataType::CUDA_R_16F,
+            DType::BF16 => lt_sys::cudaDataType::CUDA_R_16BF,
+            _ => lt_sys::cudaDataType::CUDA_R_32F,
+        };
+        let out_type = if key.f32_out {
+            lt_sys::cudaDataType::CUDA_R_32F
+        } else {
+            data_type
+        };
+        let compute_type = if dtype == DType::F32 && key.tf32 {
+            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let [m, n, k, w_ld, a_ld, out_ld] = key.dims;
+        let desc = MatmulDesc(
+            cublaslt::create_matmul_desc(compute_type, lt_sys::cudaDataType::CUDA_R_32F)
+                .map_err(lt_err("cublasLtMatmulDescCreate"))?,
+        );
+        let transa: i32 = if key.transa {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N as i32
+        } else {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_T as i32
+        };
         // A stored [k, n] when not transposed (read transposed), [n, k] when it is.
-        let (a_rows, a_cols) = if args.w_transposed { (n, k) } else { (k, n) };
-        let a_layout = Layout::new(data_type, a_rows, a_cols, gemm.w.stride as u64)?;
-        let b_layout = Layout::new(data_type, k, m, gemm.a.stride as u64)?;
-        let d_layout = Layout::new(out_type, n, m, product.ld)?;
+        let (a_rows, a_cols) = if key.transa { (n, k) } else { (k, n) };
+        let a_layout = Layout::new(data_type, a_rows, a_cols, w_ld)?;
+        let b_layout = Layout::new(data_type, k, m, a_ld)?;
+        let d_layout = Layout::new(out_type, n, m, out_ld)?;
         let pref = Preference(
             cublaslt::create_matmul_pref().map_err(lt_err("cublasLtMatmulPreferenceCreate"))?,
         );
-        let (ws, ws_bytes) = operands.library_workspace;
-        let alignments = [
-            alignment(operands.w),
-            alignment(operands.a),
-            alignment(product.ptr),
-            alignment(product.ptr),
-        ];
         // SAFETY: each attribute value is the type the attribute takes (i32 operation, u32
-        // epilogue, a device pointer, u64 and u32 preferences) and outlives the call.
+        // epilogue, u64 and u32 preferences) and outlives the call.
         unsafe {
             let set_desc = |attr, value: *const c_void, size| {
                 cublaslt::set_matmul_desc_attribute(desc.0, attr, value, size)
@@ -450,23 +652,16 @@ impl Compute {
             )?;
             set_desc(
                 lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                (&epilogue_value as *const u32).cast(),
+                (&key.epilogue as *const u32).cast(),
                 4,
             )?;
-            if product.bias != 0 {
-                set_desc(
-                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    (&bias_ptr as *const *const c_void).cast(),
-                    std::mem::size_of::<*const c_void>(),
-                )?;
-            }
             let set_pref = |attr, value: *const c_void, size| {
                 cublaslt::set_matmul_pref_attribute(pref.0, attr, value, size)
                     .map_err(lt_err("cublasLtMatmulPreferenceSetAttribute"))
             };
             set_pref(
                 lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&ws_bytes as *const u64).cast(),
+                (&key.workspace as *const u64).cast(),
                 8,
             )?;
             let prefs = [
@@ -475,67 +670,26 @@ impl Compute {
                 lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
                 lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
             ];
-            for (attr, value) in prefs.into_iter().zip(alignments.iter()) {
+            for (attr, value) in prefs.into_iter().zip(key.alignments.iter()) {
                 set_pref(attr, (value as *const u32).cast(), 4)?;
             }
         }
-        let key = AlgoKey {
-            dtype: gemm.a.dtype.0,
-            f32_out: product.f32,
-            transa: args.w_transposed,
-            dims: [
-                m,
-                n,
-                k,
-                gemm.w.stride as u64,
-                gemm.a.stride as u64,
-                product.ld,
-            ],
-            epilogue: epilogue_value,
-            alignments,
-            workspace: ws_bytes,
-            tf32: self.tf32,
-        };
-        let cached = lock(&self.gemm).algos.get(&key).copied();
-        let algo = match cached {
-            Some(algo) => algo,
-            None => {
-                // SAFETY: every descriptor is alive and describes the operands.
-                let heuristic = unsafe {
-                    cublaslt::get_matmul_algo_heuristic(
-                        self.lt.0, desc.0, a_layout.0, b_layout.0, d_layout.0, d_layout.0, pref.0,
-                    )
-                }
-                .map_err(lt_err("cublasLtMatmulAlgoGetHeuristic"))?;
-                lock(&self.gemm).algos.insert(key, heuristic.algo);
-                heuristic.algo
-            }
-        };
-        let (alpha, beta) = (1.0f32, product.beta);
-        // SAFETY: descriptors are alive; A, B, C = D and the bias are checked views of live
-        // buffers (C is D, read when beta is 1); the workspace is the host's, `ws_bytes` long;
-        // the algorithm was chosen for exactly these descriptors.
-        unsafe {
-            cublaslt::matmul(
-                self.lt.0,
-                desc.0,
-                (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                operands.w as *const c_void,
-                a_layout.0,
-                operands.a as *const c_void,
-                b_layout.0,
-                product.ptr as *const c_void,
-                d_layout.0,
-                product.ptr as *mut c_void,
-                d_layout.0,
-                &algo,
-                ws as *mut c_void,
-                crate::usize_of(ws_bytes),
-                stream as _,
+        // SAFETY: every descriptor is alive and describes the operands.
+        let heuristic = unsafe {
+            cublaslt::get_matmul_algo_heuristic(
+                self.lt.0, desc.0, a_layout.0, b_layout.0, d_layout.0, d_layout.0, pref.0,
             )
+        };
+        match heuristic {
+            Ok(heuristic) => Ok(LtPlan::Ready(Box::new(LtSetup {
+                desc,
+                a_layout,
+                b_layout,
+                d_layout,
+                algo: heuristic.algo,
+            }))),
+            Err(_) => Ok(LtPlan::UseCublas),
         }
-        .map_err(lt_err("cublasLtMatmul"))
     }
 
     /// `out = act(src + bias) (+ out)` over the gemm's output.
@@ -552,24 +706,25 @@ impl Compute {
         kind: Activation,
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        let launch = Args::new()
-            .ptr(src)
-            .i32(i32::from(src_f32))
-            .i64(src_stride)
-            .ptr(out)
-            .i64(gemm.out.stride as u64)
-            .ptr(bias)
-            .i64(gemm.m as u64)
-            .i64(gemm.n as u64)
-            .i32(i32::try_from(kind.0).unwrap_or(0))
-            .i32(i32::from(accumulate));
+        let mut launch = EpilogueKernel {
+            src,
+            src_f32: i32::from(src_f32),
+            ss: i64_of(src_stride),
+            out,
+            os: dim(gemm.out.stride),
+            bias,
+            rows: dim(gemm.m),
+            cols: dim(gemm.n),
+            kind: i32::try_from(kind.0).unwrap_or(0),
+            accumulate: i32::from(accumulate),
+        };
         let name = format!("gemm_epilogue_{}", dtype_name(gemm.out.dtype));
         self.launch(
             stream,
             &name,
             grid_2d(gemm.m as u64, gemm.n as u64),
             THREADS,
-            launch,
+            &mut launch,
         )
     }
 }
@@ -624,6 +779,25 @@ impl Drop for Layout {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn workspaces_are_rounded_up_to_256_bytes_within_the_slack() {
+        assert_eq!(align_workspace(0x1000), 0x1000);
+        assert_eq!(align_workspace(0x1001), 0x1100);
+        assert_eq!(align_workspace(0x10ff), 0x1100);
+        let plan = Plan {
+            lt: true,
+            via_scratch: true,
+            library_workspace: WORKSPACE_DEFAULT,
+            scratch_bytes: 12,
+            bias_stage_bytes: 40,
+        };
+        let start = 0x1001;
+        let stage = align_workspace(start) + plan.bias_stage_offset();
+        assert_eq!(stage % WORKSPACE_ALIGNMENT, 0);
+        assert!(stage >= align_workspace(start) + plan.library_workspace + plan.scratch_bytes);
+        assert!(stage + plan.bias_stage_bytes <= start + plan.workspace_bytes());
+    }
 
     #[test]
     fn alignment_is_the_largest_power_of_two_up_to_256() {

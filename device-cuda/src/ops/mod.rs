@@ -1,5 +1,8 @@
-//! The ops: GEMM through cuBLASLt and cuBLAS ([`gemm`]), everything else through the NVRTC
-//! kernels of [`crate::kernels`].
+//! The ops: GEMM through cuBLASLt and cuBLAS (`gemm`), everything else through the NVRTC
+//! kernels of [`crate::kernels`]: `norm` (layer and RMS norm), `elementwise` (activations,
+//! binary ops, casts, row gathers), `rotary`, `attention`; the batched copy is here. Each
+//! kernel's parameters are a struct of its own ([`kernel_args!`]), typed as the kernel's
+//! signature reads them.
 //!
 //! [`Compute`] is what a device needs to run ops, created at `open` unless the device is opened
 //! memory-only: the cuBLAS and cuBLASLt handles (bound to the device's stream), the loaded
@@ -7,9 +10,14 @@
 //! growable buffer of copy descriptors for batched copies. Every op validates its arguments
 //! with [`iris_plugin::validate`] before it enqueues anything.
 
+mod attention;
+mod elementwise;
 mod gemm;
+mod norm;
+mod rotary;
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use cudarc::cublas::result as cublas;
@@ -19,15 +27,12 @@ use cudarc::cublaslt::sys as cublaslt_sys;
 use cudarc::driver::result;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use iris_plugin::Logger;
-use iris_plugin::abi::{
-    ActivationArgs, AttentionArgs, BinaryArgs, CastArgs, DType, GatherArgs, HeldMemory, NormArgs,
-    OpKind, PluginError, Property, RotaryArgs,
-};
-use iris_plugin::validate::{self, Mat};
+use iris_plugin::abi::{DType, HeldMemory, OpKind, PluginError, Property};
+use iris_plugin::validate::Mat;
 
 use crate::device::{CudaDevice, CudaOptions, Info, push_growth, used};
 use crate::error::{CudaError, DriverResultExt};
-use crate::kernels::{self, ATTENTION_SIZES, Cache, Module, Target};
+use crate::kernels::{self, Cache, Module, Target};
 use crate::loader::{self, Library};
 
 pub use gemm::GemmState;
@@ -35,28 +40,39 @@ pub use gemm::GemmState;
 /// The ops this device implements.
 pub const SUPPORTED: [OpKind; 9] = OpKind::ALL;
 
-/// A batched copy of more regions than this runs as one kernel; fewer run as driver copies.
+/// A batched copy of more small regions than this runs them as one kernel; fewer run as driver
+/// copies.
 pub const COPY_KERNEL_MIN_REGIONS: usize = 8;
+/// Regions of this many bytes and more go to the copy engine (`cuMemcpyDtoDAsync`), which moves
+/// them at full bandwidth without taking SMs; smaller ones are cheaper in one kernel.
+pub const COPY_ENGINE_MIN_BYTES: u64 = 64 << 10;
+/// Bytes of a region one block of the copy kernel moves (16 bytes per thread).
+const COPY_CHUNK: u64 = THREADS as u64 * 16;
 
 /// Threads per block of the elementwise, norm and gather kernels.
-const THREADS: u32 = 256;
+pub(crate) const THREADS: u32 = 256;
 /// Threads per block of the attention kernel (4 warps).
-const ATTENTION_THREADS: u32 = 128;
+pub(crate) const ATTENTION_THREADS: u32 = 128;
 /// Queries per attention block.
-const ATTENTION_QUERIES: u64 = 32;
+pub(crate) const ATTENTION_QUERIES: u64 = 32;
 /// Largest grid y and z dimension.
-const GRID_YZ: u64 = 65_535;
+pub(crate) const GRID_YZ: u64 = 65_535;
 /// Column blocks of an elementwise grid at most (the kernels stride over the rest).
-const GRID_X_ELEMENTWISE: u64 = 1024;
+pub(crate) const GRID_X_ELEMENTWISE: u64 = 1024;
 /// Row blocks of a norm grid at most (the kernel strides over the rest).
-const GRID_X_NORM: u64 = 1 << 20;
+pub(crate) const GRID_X_NORM: u64 = 1 << 20;
 
 /// Library handles, kernels and scratch of one device.
 pub struct Compute {
     lt: LtHandle,
     blas: BlasHandle,
     module: Module,
+    /// Flags kernels set (a bad gather index), its page-locked copy, whether a gather was
+    /// enqueued since the last check, and the lock of one check at a time.
     status: DeviceWord,
+    status_host: HostWord,
+    gathered: AtomicBool,
+    status_read: Mutex<()>,
     descriptors: Mutex<Descriptors>,
     gemm: Mutex<GemmState>,
     tf32: bool,
@@ -64,6 +80,8 @@ pub struct Compute {
     kernel_origin: String,
     cublas_version: i32,
     cublaslt_version: usize,
+    /// NVRTC's `(major, minor)`, when it was loaded (not when the kernels came from the cache).
+    nvrtc_version: Option<(i32, i32)>,
 }
 
 // SAFETY: the library handles, module and device addresses are driver objects usable from any
@@ -103,9 +121,19 @@ impl Compute {
             .map_err(|e| CudaError::blas("cublasGetVersion", e))?;
         // SAFETY: a plain query without arguments.
         let cublaslt_version = unsafe { cublaslt_sys::cublasLtGetVersion() };
+        // cudarc tries an unversioned `libcublas.so` first, which may be any release.
+        check_major(Library::Cublas, library_major(i64::from(cublas_version)))?;
+        check_major(
+            Library::CublasLt,
+            library_major(i64::try_from(cublaslt_version).unwrap_or(i64::MAX)),
+        )?;
 
         let before = used()?;
-        let (module, kernel_origin) = load_kernels(info, options, log)?;
+        let LoadedKernels {
+            module,
+            origin: kernel_origin,
+            nvrtc_version,
+        } = load_kernels(info, options, log)?;
         let growth = used()?.saturating_sub(before);
         held.push(HeldMemory {
             what: "kernels".into(),
@@ -116,11 +144,15 @@ impl Compute {
             what: "kernel status word".into(),
             bytes: DeviceWord::BYTES as u64,
         });
+        let status_host = HostWord::new()?;
         Ok(Compute {
             lt,
             blas,
             module,
             status,
+            status_host,
+            gathered: AtomicBool::new(false),
+            status_read: Mutex::new(()),
             descriptors: Mutex::new(Descriptors::default()),
             gemm: Mutex::new(GemmState::default()),
             tf32: options.tf32,
@@ -128,12 +160,14 @@ impl Compute {
             kernel_origin,
             cublas_version,
             cublaslt_version,
+            nvrtc_version,
         })
     }
 
     /// Plugin-specific description properties.
     pub(crate) fn properties(&self) -> Vec<Property> {
         vec![
+            Property::new("cuda_libraries", self.libraries_text()),
             Property::new("cublas_version", self.cublas_version),
             Property::new("cublaslt_version", self.cublaslt_version),
             Property::new("kernels", &self.kernel_origin),
@@ -141,31 +175,55 @@ impl Compute {
         ]
     }
 
+    /// Which CUDA user-space libraries were loaded: `CUDA 13 (cuBLAS 13.0.2, NVRTC 13.0)`.
+    fn libraries_text(&self) -> String {
+        let mut text = format!(
+            "CUDA {} (cuBLAS {}",
+            loader::cuda_major(),
+            release_text(i64::from(self.cublas_version))
+        );
+        match self.nvrtc_version {
+            Some((major, minor)) => text.push_str(&format!(", NVRTC {major}.{minor})")),
+            None => text.push_str(", kernels from the cache without NVRTC)"),
+        }
+        text
+    }
+
     /// Device bytes of the copy descriptor buffer.
     pub(crate) fn descriptor_bytes(&self) -> u64 {
         lock(&self.descriptors).bytes
     }
 
-    /// Reports (and clears) a bad gather index recorded by kernels enqueued before the last
-    /// synchronisation.
-    pub(crate) fn check_status(&self, stream: CUstream) -> Result<(), PluginError> {
-        let flags = self
-            .status
-            .read()
-            .map_err(|err| err.into_plugin("synchronize"))?;
-        if flags == 0 {
+    /// Waits for `stream` with `wait` and reports a bad gather index recorded by kernels
+    /// enqueued before it, naming `op`, the ABI call that waited. The status word is read only when a gather was enqueued since the
+    /// last check, and then without a blocking copy: its copy into page-locked memory (and its
+    /// reset) are enqueued on `stream` before the wait, and the host reads the copy after it.
+    pub(crate) fn synchronize_with_status(
+        &self,
+        op: &str,
+        stream: CUstream,
+        wait: impl FnOnce() -> Result<(), PluginError>,
+    ) -> Result<(), PluginError> {
+        if !self.gathered.swap(false, Ordering::AcqRel) {
+            return wait();
+        }
+        // One reader at a time: the page-locked word is shared.
+        let _reading = lock(&self.status_read);
+        self.status
+            .enqueue_read(stream, &self.status_host)
+            .map_err(|err| err.into_plugin(op))?;
+        wait()?;
+        if self.status_host.take() == 0 {
             return Ok(());
         }
-        self.status
-            .clear(stream)
-            .map_err(|err| err.into_plugin("synchronize"))?;
-        Err(PluginError::invalid_argument(
-            "synchronize: a gather_rows enqueued earlier had an index outside its source rows; \
-             those rows were written as zeros",
-        ))
+        Err(PluginError::invalid_argument(format!(
+            "{op}: a gather_rows enqueued earlier had an index outside its source rows; those \
+             rows were written as zeros"
+        )))
     }
 
-    /// Enqueues one kernel copying every `(src, dst, bytes)` region.
+    /// Enqueues one kernel copying every `(src, dst, bytes)` region, each spread over
+    /// `bytes / COPY_CHUNK` blocks.
     pub(crate) fn copy_regions(
         &self,
         stream: CUstream,
@@ -180,14 +238,19 @@ impl Compute {
         unsafe { result::memcpy_htod_async(descriptors.ptr, &words, stream) }
             .call("cuMemcpyHtoDAsync")?;
         let count = moves.len() as u64;
-        let args = Args::new().ptr(descriptors.ptr).i64(count);
-        self.launch(
-            stream,
-            "copy_regions",
-            (grid(count, i32::MAX as u64), 1, 1),
-            THREADS,
-            args,
-        )
+        let longest = moves.iter().map(|&(_, _, n)| n).max().unwrap_or(0);
+        let mut args = CopyRegionsArgs {
+            regions: descriptors.ptr,
+            count: i64_of(count),
+            chunk: i64_of(COPY_CHUNK),
+        };
+        // Chunks along x, regions along y (the kernel strides over regions beyond the grid).
+        let dims = (
+            grid(longest.div_ceil(COPY_CHUNK), i32::MAX as u64),
+            grid(count, GRID_YZ),
+            1,
+        );
+        self.launch(stream, "copy_regions", dims, THREADS, &mut args)
     }
 
     /// Releases everything (closing the device, after the queue drained).
@@ -200,69 +263,73 @@ impl Compute {
         // device is closing either way).
     }
 
-    fn launch(
+    pub(crate) fn launch(
         &self,
         stream: CUstream,
         name: &str,
         grid: (u32, u32, u32),
         block: u32,
-        mut args: Args,
+        args: &mut impl KernelArgs,
     ) -> Result<(), CudaError> {
         let function = self.module.function(name)?;
-        let mut params: Vec<*mut c_void> = args
-            .slots
-            .iter_mut()
-            .map(|slot| (slot as *mut u64).cast::<c_void>())
-            .collect();
-        // SAFETY: the function comes from the loaded module; `params` points at one 8-byte slot
-        // per kernel parameter, in order, holding each value in its low bytes (little-endian),
-        // which is what the kernel's signature reads; every address was checked against a live
-        // buffer by the caller.
+        let mut params = args.params();
+        // SAFETY: the function comes from the loaded module; `params` points at each field of
+        // `args`, which lives until the call returns (the driver copies the values), one per
+        // kernel parameter in order with the type the kernel's signature reads; every address
+        // was checked against a live buffer by the caller.
         unsafe { result::launch_kernel(function, grid, (block, 1, 1), 0, stream, &mut params) }
             .call("cuLaunchKernel")
     }
 }
 
-/// Kernel arguments, one 8-byte slot each.
-#[derive(Default)]
-struct Args {
-    slots: Vec<u64>,
+/// A kernel's parameters, each passed to `cuLaunchKernel` by address with its own type and size,
+/// in the order of the kernel's signature. Written with [`kernel_args!`].
+pub(crate) trait KernelArgs {
+    /// The address of each parameter, in order.
+    fn params(&mut self) -> Vec<*mut c_void>;
 }
 
-impl Args {
-    fn new() -> Args {
-        Args::default()
-    }
+/// Declares a kernel's parameter struct: one field per parameter of the CUDA signature, in
+/// order, typed as the kernel reads it (`u64` for a device pointer, `i64`, `i32`, `f32`).
+macro_rules! kernel_args {
+    ($(#[$meta:meta])* struct $name:ident { $($field:ident: $ty:ty),* $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy)]
+        pub(crate) struct $name {
+            $(pub(crate) $field: $ty),*
+        }
 
-    fn ptr(mut self, value: u64) -> Args {
-        self.slots.push(value);
-        self
-    }
+        impl $crate::ops::KernelArgs for $name {
+            fn params(&mut self) -> Vec<*mut std::ffi::c_void> {
+                vec![$((&mut self.$field as *mut $ty).cast::<std::ffi::c_void>()),*]
+            }
+        }
+    };
+}
+pub(crate) use kernel_args;
 
-    fn i64(mut self, value: u64) -> Args {
-        // Sizes and strides were checked to fit in memory, far below i64::MAX.
-        self.slots.push(value);
-        self
-    }
+kernel_args! {
+    /// `copy_regions(const u64* regions, i64 count, i64 chunk)`.
+    struct CopyRegionsArgs { regions: u64, count: i64, chunk: i64 }
+}
 
-    fn i32(mut self, value: i32) -> Args {
-        self.slots.push(u64::from(value.cast_unsigned()));
-        self
-    }
+/// A size or stride as the kernels' `i64` (validated sizes lie far below `i64::MAX`).
+pub(crate) fn i64_of(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
 
-    fn f32(mut self, value: f32) -> Args {
-        self.slots.push(u64::from(value.to_bits()));
-        self
-    }
+/// A dimension or stride of a checked view as the kernels' `i64`.
+pub(crate) fn dim(value: usize) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 /// A grid dimension of `n` blocks, clamped to `[1, cap]`.
-fn grid(n: u64, cap: u64) -> u32 {
+pub(crate) fn grid(n: u64, cap: u64) -> u32 {
     u32::try_from(n.clamp(1, cap)).unwrap_or(u32::MAX)
 }
 
 /// A grid for a `[rows, cols]` elementwise kernel: column blocks in x, rows in y.
-fn grid_2d(rows: u64, cols: u64) -> (u32, u32, u32) {
+pub(crate) fn grid_2d(rows: u64, cols: u64) -> (u32, u32, u32) {
     (
         grid(cols.div_ceil(u64::from(THREADS)), GRID_X_ELEMENTWISE),
         grid(rows, GRID_YZ),
@@ -270,285 +337,87 @@ fn grid_2d(rows: u64, cols: u64) -> (u32, u32, u32) {
     )
 }
 
-fn dtype_name(dtype: DType) -> &'static str {
+pub(crate) fn dtype_name(dtype: DType) -> &'static str {
     dtype.name().unwrap_or("f32")
 }
 
 /// Device address of a checked view's first element.
-fn addr(device: &CudaDevice, op: &str, mat: &Mat) -> Result<u64, PluginError> {
+pub(crate) fn addr(device: &CudaDevice, op: &str, mat: &Mat) -> Result<u64, PluginError> {
     Ok(device.view(op, mat.buf)?.at(mat.offset))
 }
 
-fn optional_addr(device: &CudaDevice, op: &str, mat: &Option<Mat>) -> Result<u64, PluginError> {
+pub(crate) fn optional_addr(
+    device: &CudaDevice,
+    op: &str,
+    mat: &Option<Mat>,
+) -> Result<u64, PluginError> {
     match mat {
         Some(mat) => addr(device, op, mat),
         None => Ok(0),
     }
 }
 
-impl CudaDevice {
-    pub(crate) fn norm_impl(
-        &self,
-        op: &str,
-        args: &NormArgs,
-        rms: bool,
-    ) -> Result<(), PluginError> {
-        let norm = self.with_checker(op, |check| validate::norm(check, args, rms))?;
-        let compute = self.compute(op)?;
-        if norm.x.is_empty() {
-            return Ok(());
-        }
-        let launch = Args::new()
-            .ptr(addr(self, op, &norm.x)?)
-            .i64(norm.x.stride as u64)
-            .ptr(addr(self, op, &norm.out)?)
-            .i64(norm.out.stride as u64)
-            .ptr(addr(self, op, &norm.weight)?)
-            .ptr(optional_addr(self, op, &norm.bias)?)
-            .i64(norm.x.rows as u64)
-            .i64(norm.x.cols as u64)
-            .f32(args.eps)
-            .i32(i32::from(rms));
-        let name = format!("norm_{}", dtype_name(norm.x.dtype));
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                (grid(norm.x.rows as u64, GRID_X_NORM), 1, 1),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
-
-    pub(crate) fn activation_impl(&self, args: &ActivationArgs) -> Result<(), PluginError> {
-        let op = "activation";
-        let (x, out) = self.with_checker(op, |check| validate::activation(check, args))?;
-        let compute = self.compute(op)?;
-        if x.is_empty() {
-            return Ok(());
-        }
-        let kind = i32::try_from(args.activation.0).unwrap_or(0);
-        let launch = Args::new()
-            .ptr(addr(self, op, &x)?)
-            .i64(x.stride as u64)
-            .ptr(addr(self, op, &out)?)
-            .i64(out.stride as u64)
-            .i64(x.rows as u64)
-            .i64(x.cols as u64)
-            .i32(kind);
-        let name = format!("activation_{}", dtype_name(x.dtype));
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                grid_2d(x.rows as u64, x.cols as u64),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
-
-    pub(crate) fn binary_impl(&self, args: &BinaryArgs) -> Result<(), PluginError> {
-        let op = "binary";
-        let checked = self.with_checker(op, |check| validate::binary(check, args))?;
-        let compute = self.compute(op)?;
-        let (a, b, out) = (checked.a, checked.b, checked.out);
-        if a.is_empty() {
-            return Ok(());
-        }
-        let b_stride = if checked.broadcast {
-            0
-        } else {
-            b.stride as u64
-        };
-        let kind = i32::try_from(args.op.0).unwrap_or(0);
-        let launch = Args::new()
-            .ptr(addr(self, op, &a)?)
-            .i64(a.stride as u64)
-            .ptr(addr(self, op, &b)?)
-            .i64(b_stride)
-            .ptr(addr(self, op, &out)?)
-            .i64(out.stride as u64)
-            .i64(a.rows as u64)
-            .i64(a.cols as u64)
-            .i32(kind);
-        let name = format!("binary_{}", dtype_name(a.dtype));
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                grid_2d(a.rows as u64, a.cols as u64),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
-
-    pub(crate) fn rotary_impl(&self, args: &RotaryArgs) -> Result<(), PluginError> {
-        let op = "rotary";
-        let rotary = self.with_checker(op, |check| validate::rotary(check, args))?;
-        let compute = self.compute(op)?;
-        if rotary.x.is_empty() {
-            return Ok(());
-        }
-        let pairs = (rotary.heads * rotary.head_dim / 2) as u64;
-        let launch = Args::new()
-            .ptr(addr(self, op, &rotary.x)?)
-            .i64(rotary.x.stride as u64)
-            .ptr(addr(self, op, &rotary.cos)?)
-            .i64(rotary.cos.stride as u64)
-            .ptr(addr(self, op, &rotary.sin)?)
-            .i64(rotary.sin.stride as u64)
-            .i64(rotary.x.rows as u64)
-            .i64(rotary.heads as u64)
-            .i64(rotary.head_dim as u64);
-        let name = format!("rotary_{}", dtype_name(rotary.x.dtype));
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                grid_2d(rotary.x.rows as u64, pairs),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
-
-    pub(crate) fn attention_impl(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
-        let op = "attention";
-        let att = self.with_checker(op, |check| validate::attention(check, args))?;
-        let compute = self.compute(op)?;
-        let head_dim = att.head_dim as u64;
-        let Some(size) = ATTENTION_SIZES
-            .iter()
-            .copied()
-            .find(|size| *size >= head_dim)
-        else {
-            return Err(PluginError::unsupported(format!(
-                "attention: head_dim {head_dim} is larger than the largest kernel ({})",
-                ATTENTION_SIZES[ATTENTION_SIZES.len() - 1]
-            )));
-        };
-        let segments = att.segments.len() as u64;
-        let heads = att.heads as u64;
-        if heads > GRID_YZ || segments > GRID_YZ {
-            return Err(PluginError::unsupported(format!(
-                "attention: {heads} heads and {segments} segments; at most {GRID_YZ} of each"
-            )));
-        }
-        if att.tokens == 0 || segments == 0 || args.max_seqlen == 0 {
-            return Ok(());
-        }
-        let launch = Args::new()
-            .ptr(addr(self, op, &att.q)?)
-            .i64(att.q.stride as u64)
-            .ptr(addr(self, op, &att.k)?)
-            .i64(att.k.stride as u64)
-            .ptr(addr(self, op, &att.v)?)
-            .i64(att.v.stride as u64)
-            .ptr(addr(self, op, &att.out)?)
-            .i64(att.out.stride as u64)
-            .ptr(addr(self, op, &att.cu_seqlens_device)?)
-            .i32(i32::try_from(head_dim).unwrap_or(0))
-            .f32(args.scale);
-        let name = format!("attention_{}_{size}", dtype_name(att.q.dtype));
-        let tiles = args.max_seqlen.div_ceil(ATTENTION_QUERIES);
-        let grid_dims = (
-            grid(tiles, i32::MAX as u64),
-            grid(heads, GRID_YZ),
-            grid(segments, GRID_YZ),
-        );
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                grid_dims,
-                ATTENTION_THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
-
-    pub(crate) fn gather_impl(&self, args: &GatherArgs) -> Result<(), PluginError> {
-        let op = "gather_rows";
-        let (src, out, indices) =
-            self.with_checker(op, |check| validate::gather_rows(check, args))?;
-        let compute = self.compute(op)?;
-        if out.is_empty() {
-            return Ok(());
-        }
-        let width = match src.dtype.size() {
-            Some(1) => "b1",
-            Some(2) => "b2",
-            _ => "b4",
-        };
-        let launch = Args::new()
-            .ptr(addr(self, op, &src)?)
-            .i64(src.stride as u64)
-            .i64(src.rows as u64)
-            .ptr(addr(self, op, &out)?)
-            .i64(out.stride as u64)
-            .ptr(addr(self, op, &indices)?)
-            .i64(out.rows as u64)
-            .i64(out.cols as u64)
-            .ptr(compute.status.ptr);
-        compute
-            .launch(
-                self.cu_stream(),
-                &format!("gather_{width}"),
-                grid_2d(out.rows as u64, out.cols as u64),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
-
-    pub(crate) fn cast_impl(&self, args: &CastArgs) -> Result<(), PluginError> {
-        let op = "cast";
-        let (src, out) = self.with_checker(op, |check| validate::cast(check, args))?;
-        let compute = self.compute(op)?;
-        if src.is_empty() || out.same_as(&src) {
-            return Ok(());
-        }
-        let launch = Args::new()
-            .ptr(addr(self, op, &src)?)
-            .i64(src.stride as u64)
-            .ptr(addr(self, op, &out)?)
-            .i64(out.stride as u64)
-            .i64(src.rows as u64)
-            .i64(src.cols as u64);
-        let name = format!("cast_{}_{}", dtype_name(src.dtype), dtype_name(out.dtype));
-        compute
-            .launch(
-                self.cu_stream(),
-                &name,
-                grid_2d(src.rows as u64, src.cols as u64),
-                THREADS,
-                launch,
-            )
-            .map_err(|err| err.into_plugin(op))
-    }
+/// The major of a cuBLAS(Lt) version number (`130002` is 13.0.2).
+fn library_major(version: i64) -> i64 {
+    version / 10_000
 }
 
-/// Compiles or loads from the cache the kernel module for the device; returns it and where it
-/// came from, for the description.
+/// `130002` as `13.0.2`.
+fn release_text(version: i64) -> String {
+    format!(
+        "{}.{}.{}",
+        version / 10_000,
+        (version % 10_000) / 100,
+        version % 100
+    )
+}
+
+/// Refuses a library of another CUDA major than the build's (its ABI may differ).
+fn check_major(library: Library, major: i64) -> Result<(), CudaError> {
+    if major == i64::from(loader::cuda_major()) {
+        return Ok(());
+    }
+    Err(CudaError::Unsupported(format!(
+        "{} {major}.x was loaded, but this is the plugin's CUDA {} build: it needs {} \
+         (the CUDA {major} build (`--features cuda-{major}`) loads CUDA {major}'s libraries; \
+         docs/CUDA.md)",
+        library.title(),
+        loader::cuda_major(),
+        library.file_name()
+    )))
+}
+
+/// The kernel module of a device, where it came from (for the description) and the NVRTC that
+/// was loaded, if one was.
+struct LoadedKernels {
+    module: Module,
+    origin: String,
+    nvrtc_version: Option<(i32, i32)>,
+}
+
+/// Compiles or loads from the cache the kernel module for the device.
 fn load_kernels(
     info: &Info,
     options: &CudaOptions,
     log: &Logger,
-) -> Result<(Module, String), CudaError> {
+) -> Result<LoadedKernels, CudaError> {
     let cache = Cache::locate(options.kernel_cache.as_deref());
     let cc = u32::try_from(info.cc.0 * 10 + info.cc.1)
         .map_err(|_| CudaError::Unsupported(format!("compute capability {:?}", info.cc)))?;
     let nvrtc = loader::present(Library::Nvrtc);
+    let nvrtc_version = if nvrtc {
+        let version = kernels::nvrtc_version()?;
+        check_major(Library::Nvrtc, i64::from(version.0))?;
+        Some(version)
+    } else {
+        None
+    };
     let target = if nvrtc {
         kernels::target_for(cc, &kernels::supported_archs()?)
     } else {
         Target::Cubin(cc)
     };
-    if let Some(image) = cache.load(target, info.driver_version) {
-        let path = cache.path(target, info.driver_version).unwrap_or_default();
+    if let Some((path, image)) = cache.load(target, info.driver_version, nvrtc_version) {
         match Module::load(&image) {
             Ok(module) => {
                 log.info(format!(
@@ -556,7 +425,11 @@ fn load_kernels(
                     target.arch(),
                     path.display()
                 ));
-                return Ok((module, format!("cached {}", target.arch())));
+                return Ok(LoadedKernels {
+                    module,
+                    origin: format!("cached {}", target.arch()),
+                    nvrtc_version,
+                });
             }
             Err(err) => log.warn(format!(
                 "cached kernels {} do not load ({err}); compiling again",
@@ -567,16 +440,18 @@ fn load_kernels(
     if !nvrtc {
         let mut missing = loader::missing(Library::Nvrtc);
         if let CudaError::LibraryMissing { tried, .. } = &mut missing {
-            match cache.path(target, info.driver_version) {
-                Some(path) => {
-                    tried.push_str(&format!("; and no cached kernels at {}", path.display()))
-                }
+            match cache.dir() {
+                Some(dir) => tried.push_str(&format!(
+                    "; and no cached kernels for {} in {}",
+                    target.arch(),
+                    dir.display()
+                )),
                 None => tried.push_str("; and the kernel cache is off"),
             }
         }
         return Err(missing);
     }
-    let (major, minor) = kernels::nvrtc_version()?;
+    let (major, minor) = nvrtc_version.unwrap_or_default();
     let compiled = kernels::compile(target, &[])?;
     log.info(format!(
         "compiled {} kernels for {} with NVRTC {major}.{minor} in {} ms ({} KiB)",
@@ -586,16 +461,17 @@ fn load_kernels(
         compiled.image.len() >> 10
     ));
     if cache.dir().is_some() {
-        match cache.store(target, info.driver_version, &compiled.image) {
+        match cache.store(target, info.driver_version, (major, minor), &compiled.image) {
             Ok(path) => log.debug(format!("kernels cached at {}", path.display())),
             Err(err) => log.warn(format!("kernel cache not written: {err}")),
         }
     }
     let module = Module::load(&compiled.image)?;
-    Ok((
+    Ok(LoadedKernels {
         module,
-        format!("compiled {} in {} ms", target.arch(), compiled.millis),
-    ))
+        origin: format!("compiled {} in {} ms", target.arch(), compiled.millis),
+        nvrtc_version,
+    })
 }
 
 /// A cuBLASLt handle, destroyed on drop.
@@ -635,16 +511,53 @@ impl DeviceWord {
         Ok(word)
     }
 
-    fn read(&self) -> Result<u32, CudaError> {
-        let mut value = [0u32; 1];
-        // SAFETY: the word is 4 live bytes; the queue was synchronised by the caller.
-        unsafe { result::memcpy_dtoh_sync(&mut value, self.ptr) }.call("cuMemcpyDtoH")?;
-        Ok(value[0])
+    /// Enqueues on `stream` a copy of the word into `host`, then its reset to zero.
+    fn enqueue_read(&self, stream: CUstream, host: &HostWord) -> Result<(), CudaError> {
+        // SAFETY: the word is 4 live bytes and `host` 4 page-locked bytes that live as long as
+        // the device; the host reads them only after waiting for the stream.
+        unsafe {
+            result::memcpy_dtoh_async(
+                std::slice::from_raw_parts_mut(host.ptr, 1),
+                self.ptr,
+                stream,
+            )
+            .call("cuMemcpyDtoHAsync")?;
+            result::memset_d8_async(self.ptr, 0, Self::BYTES, stream).call("cuMemsetD8Async")
+        }
+    }
+}
+
+/// 4 bytes of page-locked host memory, the copy of a [`DeviceWord`].
+struct HostWord {
+    ptr: *mut u32,
+}
+
+impl HostWord {
+    fn new() -> Result<HostWord, CudaError> {
+        // SAFETY: a plain page-locked allocation (cached, flags 0), zeroed before use.
+        let ptr = unsafe { result::malloc_host(DeviceWord::BYTES, 0) }.call("cuMemHostAlloc")?;
+        let word = HostWord { ptr: ptr.cast() };
+        // SAFETY: 4 live, aligned bytes no device work uses yet.
+        unsafe { word.ptr.write_volatile(0) };
+        Ok(word)
     }
 
-    fn clear(&self, stream: CUstream) -> Result<(), CudaError> {
-        // SAFETY: the word is 4 live bytes.
-        unsafe { result::memset_d8_async(self.ptr, 0, Self::BYTES, stream) }.call("cuMemsetD8Async")
+    /// The value copied in, reset to zero for the next copy (the caller waited for the copy).
+    fn take(&self) -> u32 {
+        // SAFETY: 4 live, aligned bytes; the copy into them has completed (the caller waited
+        // for the stream) and no other copy is enqueued (one check at a time).
+        unsafe {
+            let value = self.ptr.read_volatile();
+            self.ptr.write_volatile(0);
+            value
+        }
+    }
+}
+
+impl Drop for HostWord {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `new`, freed once, after the queue drained (device close).
+        let _ = unsafe { result::free_host(self.ptr.cast()) };
     }
 }
 
@@ -693,7 +606,7 @@ impl Descriptors {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // The guarded values stay consistent across a panic (plain fields written at once).
     mutex
         .lock()

@@ -22,6 +22,8 @@ pub enum Libraries {
     Full,
     /// This machine's own CUDA installation, with the environment unchanged (GPU tests).
     System,
+    /// The stand-in driver with cuBLAS and cuBLASLt of the other CUDA major only.
+    OtherMajor,
 }
 
 /// Runs `scenario` of the current test binary in a child and fails with its output unless it
@@ -52,6 +54,7 @@ pub fn child(scenario: &str, env: &[(&str, &str)], libraries: Libraries) -> Outp
         Libraries::None => Some(empty_dir()),
         Libraries::Driver => Some(driver_dir().to_path_buf()),
         Libraries::Full => Some(full_dir().to_path_buf()),
+        Libraries::OtherMajor => Some(other_major_dir().to_path_buf()),
     };
     if let Some(lib_dir) = lib_dir {
         command
@@ -89,6 +92,59 @@ pub fn system_driver() -> Option<String> {
             format!("this machine has a CUDA driver ({name}); the no-driver case needs one without")
         })
     })
+}
+
+/// A counter of a stand-in library the plugin has loaded (`library`, by its name), read through
+/// its `unsigned long long symbol(void)`.
+fn standin_counter(library: &str, symbol: &str) -> u64 {
+    // SAFETY: the library is a stand-in the plugin already opened; each counter symbol is an
+    // `unsigned long long (void)` function without side effects.
+    unsafe {
+        let loaded = libloading::Library::new(library)
+            .unwrap_or_else(|err| panic!("the stand-in {library}: {err}"));
+        let counter: libloading::Symbol<unsafe extern "C" fn() -> u64> = loaded
+            .get(symbol.as_bytes())
+            .unwrap_or_else(|err| panic!("{symbol} in {library}: {err}"));
+        counter()
+    }
+}
+
+/// Memory pools the stand-in driver has not seen destroyed.
+pub fn standin_live_pools() -> u64 {
+    standin_counter("libcuda.so.1", "iris_standin_live_pools")
+}
+
+/// Synchronous device-to-host copies (`cuMemcpyDtoH`) the stand-in driver has made.
+pub fn standin_blocking_reads() -> u64 {
+    standin_counter("libcuda.so.1", "iris_standin_blocking_reads")
+}
+
+/// Device-to-device copies (`cuMemcpyDtoDAsync`) the stand-in driver has made.
+pub fn standin_device_copies() -> u64 {
+    standin_counter("libcuda.so.1", "iris_standin_device_copies")
+}
+
+/// cuBLASLt set-up calls (descriptors, layouts, preferences, heuristics) the stand-in made.
+pub fn standin_lt_setups() -> u64 {
+    standin_counter(
+        &format!("libcublasLt.so.{}", cuda_major()),
+        "iris_standin_lt_setups",
+    )
+}
+
+/// The grid of the last kernel the stand-in driver's emulator ran.
+pub fn standin_last_grid() -> [u32; 3] {
+    let mut grid = [0u32; 3];
+    // SAFETY: the stand-in driver is loaded (the plugin opened it); the symbol is its
+    // `void iris_standin_last_grid(unsigned *out)`, which writes three values.
+    unsafe {
+        let driver = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
+        let last: libloading::Symbol<unsafe extern "C" fn(*mut u32)> = driver
+            .get(b"iris_standin_last_grid")
+            .expect("the stand-in emulator's last grid");
+        last(grid.as_mut_ptr());
+    }
+    grid
 }
 
 /// The plugin library cargo built beside the test binary.
@@ -134,6 +190,17 @@ fn install_copy(from: &Path, to: &Path) {
     std::fs::rename(&partial, to).unwrap();
 }
 
+/// The driver version the stand-in reports by default: the plugin build's CUDA API version
+/// (12.4, or 13.0 for the CUDA 13 build), which that build accepts.
+pub fn standin_driver_version() -> i32 {
+    iris_device_cuda::loader::cuda_api_version()
+}
+
+/// The `-D` define giving the stand-in driver its default version.
+fn driver_define() -> String {
+    format!("-DIRIS_STANDIN_DRIVER_DEFAULT={}", standin_driver_version())
+}
+
 fn cc() -> String {
     std::env::var("CC").unwrap_or_else(|_| "cc".to_owned())
 }
@@ -157,6 +224,7 @@ fn driver_dir() -> &'static Path {
                 "-O1",
                 "-Wall",
                 "-Werror",
+                &driver_define(),
                 "-Wl,-soname,libcuda.so.1",
             ],
             &[standin("libcuda.c")],
@@ -182,6 +250,7 @@ fn full_dir() -> &'static Path {
                 "-Wall",
                 "-Werror",
                 "-DIRIS_STANDIN_KERNELS",
+                &driver_define(),
             ],
             &[standin("libcuda.c")],
             &driver_object,
@@ -212,20 +281,53 @@ fn full_dir() -> &'static Path {
             &library,
         );
         install_copy(&library, &dir.join("libcuda.so"));
-        for (name, soname) in [
-            ("libcublas.so.12", "libcublas.so.12"),
-            ("libcublasLt.so.12", "libcublasLt.so.12"),
-        ] {
-            let soname = format!("-Wl,-soname,{soname}");
-            compile(
-                &cc(),
-                &["-shared", "-fPIC", "-O2", "-Wall", "-Werror", &soname],
-                &[standin("cublas.c"), PathBuf::from("-lm")],
-                &dir.join(name),
-            );
-        }
+        build_cublas(&dir, cuda_major(), cuda_major());
         dir
     })
+}
+
+/// The stand-in driver alone, beside stand-in cuBLAS and cuBLASLt named for the other CUDA
+/// major than this build's: a host with only the other major's libraries.
+pub fn other_major_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = target_dir("other-major");
+        install_copy(
+            &driver_dir().join("libcuda.so.1"),
+            &dir.join("libcuda.so.1"),
+        );
+        install_copy(&driver_dir().join("libcuda.so.1"), &dir.join("libcuda.so"));
+        build_cublas(&dir, other_major(), other_major());
+        dir
+    })
+}
+
+/// This build's CUDA major (12 or 13).
+pub fn cuda_major() -> u32 {
+    iris_device_cuda::loader::cuda_major()
+}
+
+/// The major of the plugin's other build.
+pub fn other_major() -> u32 {
+    if cuda_major() == 13 { 12 } else { 13 }
+}
+
+/// Stand-in cuBLAS and cuBLASLt in `dir`, named `lib*.so.<name_major>`, reporting version
+/// `<version_major>.0.0`.
+fn build_cublas(dir: &Path, name_major: u32, version_major: u32) {
+    let version = format!("-DIRIS_STANDIN_CUBLAS_VERSION={}", version_major * 10_000);
+    for stem in ["libcublas", "libcublasLt"] {
+        let name = format!("{stem}.so.{name_major}");
+        let soname = format!("-Wl,-soname,{name}");
+        compile(
+            &cc(),
+            &[
+                "-shared", "-fPIC", "-O2", "-Wall", "-Werror", &soname, &version,
+            ],
+            &[standin("cublas.c"), PathBuf::from("-lm")],
+            &dir.join(name),
+        );
+    }
 }
 
 fn empty_dir() -> PathBuf {

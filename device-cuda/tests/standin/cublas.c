@@ -1,5 +1,5 @@
 /*
- * A stand-in for cuBLAS and cuBLASLt (libcublas.so.12, libcublasLt.so.12) beside the stand-in
+ * A stand-in for cuBLAS and cuBLASLt (libcublas.so.N, libcublasLt.so.N) beside the stand-in
  * driver: the entry points the plugin calls, computing on the host (device memory is host
  * memory there) with the libraries' column-major conventions, in double precision.
  *
@@ -8,11 +8,31 @@
  * (GELU is the tanh form). Anything else is CUBLAS_STATUS_NOT_SUPPORTED. With
  * IRIS_STANDIN_LT_NO_ALGO=1 set, cuBLASLt's heuristic finds no algorithm for any problem (as it
  * does for layouts or alignments it does not take).
+ *
+ * iris_standin_lt_setups() counts cuBLASLt's set-up calls (descriptor, layout and preference
+ * creation, heuristic queries), for tests of the plugin's cache of them.
+ *
+ * Both report version IRIS_STANDIN_CUBLAS_VERSION (a compile-time define, 120400 unless given,
+ * so that it matches the plugin build's CUDA major), or the value of the environment variable
+ * of the same name.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifndef IRIS_STANDIN_CUBLAS_VERSION
+#define IRIS_STANDIN_CUBLAS_VERSION 120400
+#endif
+
+static int standin_version(void) {
+    const char *value = getenv("IRIS_STANDIN_CUBLAS_VERSION");
+    return value && *value ? atoi(value) : IRIS_STANDIN_CUBLAS_VERSION;
+}
+
+static unsigned long long lt_setups;
+
+unsigned long long iris_standin_lt_setups(void) { return lt_setups; }
 
 typedef int cublasStatus_t;
 enum { OK = 0, NOT_INITIALIZED = 1, INVALID_VALUE = 7, NOT_SUPPORTED = 15 };
@@ -131,15 +151,19 @@ cublasStatus_t cublasSetStream_v2(void *handle, void *stream) {
 
 cublasStatus_t cublasGetVersion_v2(void *handle, int *version) {
     (void)handle;
-    *version = 120400;
+    *version = standin_version();
     return OK;
+}
+
+/* Both libraries refuse a workspace that is not 256-byte aligned (cuBLAS documents
+ * CUBLAS_STATUS_INVALID_VALUE for cublasSetWorkspace). */
+static int misaligned_workspace(const void *workspace, size_t bytes) {
+    return bytes > 0 && ((uintptr_t)workspace & 255u) != 0;
 }
 
 cublasStatus_t cublasSetWorkspace_v2(void *handle, void *workspace, size_t bytes) {
     (void)handle;
-    (void)workspace;
-    (void)bytes;
-    return OK;
+    return misaligned_workspace(workspace, bytes) ? INVALID_VALUE : OK;
 }
 
 cublasStatus_t cublasGemmEx(void *handle, int ta, int tb, int m, int n, int k, const void *alpha,
@@ -162,9 +186,10 @@ struct layout { int type; uint64_t rows, cols; int64_t ld; };
 
 cublasStatus_t cublasLtCreate(void **handle) { return cublasCreate_v2(handle); }
 cublasStatus_t cublasLtDestroy(void *handle) { return cublasDestroy_v2(handle); }
-size_t cublasLtGetVersion(void) { return 120400; }
+size_t cublasLtGetVersion(void) { return (size_t)standin_version(); }
 
 cublasStatus_t cublasLtMatmulDescCreate(void **out, int compute, int scale) {
+    __atomic_add_fetch(&lt_setups, 1, __ATOMIC_RELAXED);
     (void)compute;
     if (scale != R_32F) return NOT_SUPPORTED;
     struct desc *d = calloc(1, sizeof *d);
@@ -190,6 +215,7 @@ cublasStatus_t cublasLtMatmulDescDestroy(void *desc) {
 }
 
 cublasStatus_t cublasLtMatrixLayoutCreate(void **out, int type, uint64_t rows, uint64_t cols, int64_t ld) {
+    __atomic_add_fetch(&lt_setups, 1, __ATOMIC_RELAXED);
     if (!known_type(type)) return NOT_SUPPORTED;
     if (ld < (int64_t)(rows > 1 ? rows : 1)) return INVALID_VALUE;
     struct layout *l = calloc(1, sizeof *l);
@@ -204,6 +230,7 @@ cublasStatus_t cublasLtMatrixLayoutDestroy(void *layout) {
 }
 
 cublasStatus_t cublasLtMatmulPreferenceCreate(void **out) {
+    __atomic_add_fetch(&lt_setups, 1, __ATOMIC_RELAXED);
     *out = calloc(1, 8);
     return OK;
 }
@@ -227,6 +254,7 @@ struct heuristic { uint64_t algo[8]; size_t workspace; int state; float waves; i
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(void *handle, void *desc, void *a, void *b, void *c,
                                               void *d, void *pref, int requested,
                                               struct heuristic *results, int *count) {
+    __atomic_add_fetch(&lt_setups, 1, __ATOMIC_RELAXED);
     (void)handle; (void)desc; (void)a; (void)b; (void)c; (void)d; (void)pref;
     if (requested < 1) return INVALID_VALUE;
     const char *no_algo = getenv("IRIS_STANDIN_LT_NO_ALGO");
@@ -242,7 +270,8 @@ cublasStatus_t cublasLtMatmul(void *handle, void *desc, const void *alpha, const
                               const void *b, void *bd, const void *beta, const void *c, void *cd,
                               void *d, void *dd, const struct heuristic *algo, void *workspace,
                               size_t workspace_bytes, void *stream) {
-    (void)handle; (void)workspace; (void)workspace_bytes; (void)stream;
+    (void)handle; (void)stream;
+    if (misaligned_workspace(workspace, workspace_bytes)) return INVALID_VALUE;
     const struct desc *op = desc;
     const struct layout *la = ad, *lb = bd, *lc = cd, *ld = dd;
     if (!algo || algo->algo[0] != 42) return INVALID_VALUE;

@@ -22,6 +22,9 @@
 #include <utility>
 #include <vector>
 
+// The stand-in driver's queue of deferred work (libcuda.c).
+extern "C" void iris_standin_flush(void);
+
 struct uint3 {
     unsigned x, y, z;
 };
@@ -285,11 +288,25 @@ int cuModuleUnload(void *module) {
     return 0;
 }
 
+// The grid of the last launch, for tests that check how the plugin shapes grids.
+static unsigned last_grid[3];
+
+void iris_standin_last_grid(unsigned *out) {
+    out[0] = last_grid[0];
+    out[1] = last_grid[1];
+    out[2] = last_grid[2];
+}
+
 int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                    unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
     (void)stream;
     (void)extra;
+    // Work queued before the launch runs first (the stand-in driver's deferred mode).
+    iris_standin_flush();
     if (by != 1 || bz != 1 || shared != 0 || bx == 0 || bx % 32 != 0) return 1;  // INVALID_VALUE
+    last_grid[0] = gx;
+    last_grid[1] = gy;
+    last_grid[2] = gz;
     emu::kernel = *static_cast<const Launcher *>(function);
     emu::kernel_params = params;
     gridDim = {gx, gy, gz};

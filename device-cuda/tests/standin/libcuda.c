@@ -7,19 +7,39 @@
  * emu.cpp, it runs the plugin's own kernels (kernels/iris.cu) on the CPU, one fiber per CUDA
  * thread. It returns only codes that exist in cudarc's CUresult enum.
  *
+ * For tests to look inside: iris_standin_live_pools() counts memory pools not destroyed,
+ * iris_standin_blocking_reads() the synchronous device-to-host copies (cuMemcpyDtoH),
+ * iris_standin_device_copies() the device-to-device copies (cuMemcpyDtoDAsync).
+ *
+ * Deferred work (IRIS_STANDIN_DEFER=1) models what a GPU does asynchronously: stream-ordered
+ * frees, and copies from or to page-locked host memory (cuMemHostAlloc), stay queued until a
+ * synchronisation (stream, context, event) or the next operation that runs at once (a launch,
+ * a fill, a device copy, a copy from or to pageable memory, which the driver stages
+ * synchronously). cuStreamQuery answers CUDA_ERROR_NOT_READY while work is queued.
+ * cuPointerGetAttribute tells page-locked host memory (CU_MEMORYTYPE_HOST) from pageable
+ * (CUDA_ERROR_INVALID_VALUE), as the driver does. Entry points are thread-safe.
+ *
  * Switches, read at cuInit:
  *   IRIS_STANDIN_MODE      ok (default) | no_device (cuInit: CUDA_ERROR_NO_DEVICE)
  *                          | stub (every call: CUDA_ERROR_STUB_LIBRARY, like the toolkit's stub)
+ *                          | not_ready (cuInit: CUDA_ERROR_SYSTEM_NOT_READY, an NVSwitch system
+ *                          whose fabric manager is not running)
+ *   IRIS_STANDIN_FAIL_ATTRIBUTE  a device attribute (number) whose query fails (INVALID_VALUE)
  *   IRIS_STANDIN_DEVICES   device count (default 1)
  *   IRIS_STANDIN_MEMORY    bytes of device memory (default 1 GiB)
  *   IRIS_STANDIN_OOM_AT    the Nth device allocation fails with CUDA_ERROR_OUT_OF_MEMORY
- *   IRIS_STANDIN_DRIVER    the driver version cuDriverGetVersion reports (default 12040)
+ *   IRIS_STANDIN_DRIVER    the driver version cuDriverGetVersion reports (default
+ *                          IRIS_STANDIN_DRIVER_DEFAULT, set at build time: 12040 or 13000)
  *   IRIS_STANDIN_POOLS     0: the device has no memory pools (default 1)
  *   IRIS_STANDIN_FAIL_COPY a CUresult every memcpy returns (e.g. 719, launch failed)
+ *   IRIS_STANDIN_DEFER     1: queue asynchronous work as described above (default 0)
+ *   IRIS_STANDIN_SYNC_DELAY_MS  cuStreamSynchronize returns this long after the queue ran
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -38,6 +58,8 @@ enum {
     NOT_INITIALIZED = 3,
     STUB_LIBRARY = 34,
     NO_DEVICE = 100,
+    NOT_READY = 600,
+    SYSTEM_NOT_READY = 802,
     INVALID_DEVICE = 101,
     NOT_FOUND = 500,
     NOT_SUPPORTED = 801,
@@ -50,9 +72,40 @@ static unsigned long long total_memory = 1ull << 30;
 static unsigned long long used_memory;
 static unsigned long long oom_at;
 static unsigned long long allocations;
-static int driver_version = 12040;
+/* The default driver version: the first release of the plugin build's CUDA major or later. */
+#ifndef IRIS_STANDIN_DRIVER_DEFAULT
+#define IRIS_STANDIN_DRIVER_DEFAULT 12040
+#endif
+static int driver_version = IRIS_STANDIN_DRIVER_DEFAULT;
 static int pools = 1;
 static int fail_copy;
+static int fail_attribute = -1;
+static int live_pools;
+static int defer;
+static unsigned long long sync_delay_ms;
+static unsigned long long blocking_reads;
+static unsigned long long device_copies;
+/* Guards every table and the queue: the plugin is called from several threads. */
+static pthread_mutex_t state_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Page-locked host allocations, to tell them from pageable memory. */
+struct host_block {
+    char *ptr;
+    size_t bytes;
+    struct host_block *next;
+};
+static struct host_block *host_blocks;
+
+/* Queued asynchronous work (IRIS_STANDIN_DEFER=1), in enqueue order. */
+struct deferred {
+    void *dst;
+    const void *src;
+    size_t bytes;
+    CUdeviceptr free_ptr; /* nonzero: a stream-ordered free */
+    struct deferred *next;
+};
+static struct deferred *queue_head, *queue_tail;
+void iris_standin_flush(void);
 static char primary_context;
 static __thread CUcontext current;
 
@@ -83,10 +136,14 @@ CUresult cuInit(unsigned int flags) {
         return STUB_LIBRARY;
     }
     if (mode && strcmp(mode, "no_device") == 0) return NO_DEVICE;
+    if (mode && strcmp(mode, "not_ready") == 0) return SYSTEM_NOT_READY;
+    fail_attribute = (int)env_number("IRIS_STANDIN_FAIL_ATTRIBUTE", (unsigned long long)-1);
+    defer = (int)env_number("IRIS_STANDIN_DEFER", 0);
+    sync_delay_ms = env_number("IRIS_STANDIN_SYNC_DELAY_MS", 0);
     devices = (int)env_number("IRIS_STANDIN_DEVICES", 1);
     total_memory = env_number("IRIS_STANDIN_MEMORY", 1ull << 30);
     oom_at = env_number("IRIS_STANDIN_OOM_AT", 0);
-    driver_version = (int)env_number("IRIS_STANDIN_DRIVER", 12040);
+    driver_version = (int)env_number("IRIS_STANDIN_DRIVER", IRIS_STANDIN_DRIVER_DEFAULT);
     pools = (int)env_number("IRIS_STANDIN_POOLS", 1);
     fail_copy = (int)env_number("IRIS_STANDIN_FAIL_COPY", 0);
     initialised = 1;
@@ -130,6 +187,7 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice device) {
 CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
     GUARD();
     (void)device;
+    if (attribute == fail_attribute) return INVALID_VALUE;
     switch (attribute) {
         case 16: *value = 4; break;          /* multiprocessors */
         case 36: *value = 1000000; break;    /* memory clock, kHz */
@@ -177,6 +235,7 @@ CUresult cuCtxSetCurrent(CUcontext ctx) {
 
 CUresult cuCtxSynchronize(void) {
     GUARD();
+    iris_standin_flush();
     return SUCCESS;
 }
 
@@ -221,20 +280,71 @@ static CUresult device_free(CUdeviceptr ptr) {
     return INVALID_VALUE;
 }
 
+/* Runs the queued work in order; the caller holds state_lock. */
+static void flush_locked(void) {
+    while (queue_head) {
+        struct deferred *op = queue_head;
+        queue_head = op->next;
+        if (op->free_ptr) {
+            device_free(op->free_ptr);
+        } else {
+            memmove(op->dst, op->src, op->bytes);
+        }
+        free(op);
+    }
+    queue_tail = NULL;
+}
+
+/* Runs the queued work: everything enqueued so far has completed afterwards. */
+void iris_standin_flush(void) {
+    pthread_mutex_lock(&state_lock);
+    flush_locked();
+    pthread_mutex_unlock(&state_lock);
+}
+
+static void enqueue_locked(void *dst, const void *src, size_t bytes, CUdeviceptr free_ptr) {
+    struct deferred *op = calloc(1, sizeof *op);
+    op->dst = dst;
+    op->src = src;
+    op->bytes = bytes;
+    op->free_ptr = free_ptr;
+    if (queue_tail) queue_tail->next = op; else queue_head = op;
+    queue_tail = op;
+}
+
+static int pinned_locked(const void *ptr) {
+    for (struct host_block *block = host_blocks; block; block = block->next) {
+        if ((const char *)ptr >= block->ptr && (const char *)ptr < block->ptr + block->bytes) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+unsigned long long iris_standin_live_pools(void) { return (unsigned long long)live_pools; }
+unsigned long long iris_standin_blocking_reads(void) { return blocking_reads; }
+unsigned long long iris_standin_device_copies(void) { return device_copies; }
+
 CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
     GUARD();
-    return device_alloc(ptr, bytes);
+    pthread_mutex_lock(&state_lock);
+    CUresult result = device_alloc(ptr, bytes);
+    pthread_mutex_unlock(&state_lock);
+    return result;
 }
 
 CUresult cuMemFree_v2(CUdeviceptr ptr) {
     GUARD();
-    return device_free(ptr);
+    pthread_mutex_lock(&state_lock);
+    flush_locked();
+    CUresult result = device_free(ptr);
+    pthread_mutex_unlock(&state_lock);
+    return result;
 }
 
 CUresult cuMemAllocAsync(CUdeviceptr *ptr, size_t bytes, CUstream stream) {
-    GUARD();
     (void)stream;
-    return device_alloc(ptr, bytes);
+    return cuMemAlloc_v2(ptr, bytes);
 }
 
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *ptr, size_t bytes, CUmemoryPool pool, CUstream stream) {
@@ -242,13 +352,22 @@ CUresult cuMemAllocFromPoolAsync(CUdeviceptr *ptr, size_t bytes, CUmemoryPool po
     (void)pool;
     (void)stream;
     if (!pools) return NOT_SUPPORTED;
-    return device_alloc(ptr, bytes);
+    /* Queued frees still hold their memory: allocating does not run them. */
+    return cuMemAlloc_v2(ptr, bytes);
 }
 
 CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream stream) {
     GUARD();
     (void)stream;
-    return device_free(ptr);
+    pthread_mutex_lock(&state_lock);
+    CUresult result = SUCCESS;
+    if (defer) {
+        enqueue_locked(NULL, NULL, 0, ptr);
+    } else {
+        result = device_free(ptr);
+    }
+    pthread_mutex_unlock(&state_lock);
+    return result;
 }
 
 CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props) {
@@ -256,14 +375,18 @@ CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props) {
     (void)props;
     if (!pools) return NOT_SUPPORTED;
     *pool = malloc(1);
+    live_pools++;
     return SUCCESS;
 }
 
 CUresult cuMemPoolDestroy(CUmemoryPool pool) {
     GUARD();
+    iris_standin_flush();
     free(pool);
+    live_pools--;
     return SUCCESS;
 }
+
 
 CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attribute, void *value) {
     GUARD();
@@ -285,48 +408,99 @@ CUresult cuMemHostAlloc(void **ptr, size_t bytes, unsigned int flags) {
     GUARD();
     (void)flags;
     *ptr = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    return *ptr ? SUCCESS : OUT_OF_MEMORY;
+    struct host_block *block = malloc(sizeof *block);
+    if (!*ptr || !block) {
+        free(*ptr);
+        free(block);
+        return OUT_OF_MEMORY;
+    }
+    pthread_mutex_lock(&state_lock);
+    block->ptr = *ptr;
+    block->bytes = bytes;
+    block->next = host_blocks;
+    host_blocks = block;
+    pthread_mutex_unlock(&state_lock);
+    return SUCCESS;
 }
 
 CUresult cuMemFreeHost(void *ptr) {
     GUARD();
+    pthread_mutex_lock(&state_lock);
+    flush_locked();
+    for (struct host_block **at = &host_blocks; *at; at = &(*at)->next) {
+        if ((*at)->ptr == ptr) {
+            struct host_block *block = *at;
+            *at = block->next;
+            free(block);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&state_lock);
     free(ptr);
     return SUCCESS;
 }
 
-#define COPY(dst, src, bytes)                  \
-    do {                                       \
-        GUARD();                               \
-        if (fail_copy) return fail_copy;       \
-        memmove((dst), (src), (bytes));        \
-        return SUCCESS;                        \
-    } while (0)
+/* CU_POINTER_ATTRIBUTE_MEMORY_TYPE (2) only: host for page-locked memory, device for device
+ * allocations; pageable memory is unknown to the driver (INVALID_VALUE). */
+CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
+    GUARD();
+    if (attribute != 2) return INVALID_VALUE;
+    pthread_mutex_lock(&state_lock);
+    unsigned int type = 0;
+    if (pinned_locked((const void *)(uintptr_t)ptr)) type = 1; /* CU_MEMORYTYPE_HOST */
+    for (struct allocation *entry = live; entry && !type; entry = entry->next) {
+        if (ptr >= entry->ptr && ptr < entry->ptr + entry->bytes) type = 2; /* DEVICE */
+    }
+    pthread_mutex_unlock(&state_lock);
+    if (!type) return INVALID_VALUE;
+    *(unsigned int *)data = type;
+    return SUCCESS;
+}
+
+/* A copy: queued when deferring and `host` (the host side of the copy, if any) is page-locked,
+ * else done at once after the queue. */
+static CUresult copy(void *dst, const void *src, size_t bytes, const void *host) {
+    GUARD();
+    if (fail_copy) return fail_copy;
+    pthread_mutex_lock(&state_lock);
+    if (defer && host && pinned_locked(host)) {
+        enqueue_locked(dst, src, bytes, 0);
+    } else {
+        flush_locked();
+        memmove(dst, src, bytes);
+    }
+    pthread_mutex_unlock(&state_lock);
+    return SUCCESS;
+}
 
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CUstream stream) {
     (void)stream;
-    COPY((void *)(uintptr_t)dst, src, bytes);
+    return copy((void *)(uintptr_t)dst, src, bytes, src);
 }
 
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream stream) {
     (void)stream;
-    COPY(dst, (const void *)(uintptr_t)src, bytes);
+    return copy(dst, (const void *)(uintptr_t)src, bytes, dst);
 }
 
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
     (void)stream;
-    COPY((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes);
+    __atomic_add_fetch(&device_copies, 1, __ATOMIC_RELAXED);
+    return copy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes, NULL);
 }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t bytes) {
-    COPY((void *)(uintptr_t)dst, src, bytes);
+    return copy((void *)(uintptr_t)dst, src, bytes, NULL);
 }
 
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t bytes) {
-    COPY(dst, (const void *)(uintptr_t)src, bytes);
+    __atomic_add_fetch(&blocking_reads, 1, __ATOMIC_RELAXED);
+    return copy(dst, (const void *)(uintptr_t)src, bytes, NULL);
 }
 
 CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t count) {
     GUARD();
+    iris_standin_flush();
     memset((void *)(uintptr_t)dst, value, count);
     return SUCCESS;
 }
@@ -339,6 +513,7 @@ CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t count, CUs
 CUresult cuMemsetD16Async(CUdeviceptr dst, unsigned short value, size_t count, CUstream stream) {
     GUARD();
     (void)stream;
+    iris_standin_flush();
     unsigned short *p = (unsigned short *)(uintptr_t)dst;
     for (size_t i = 0; i < count; i++) p[i] = value;
     return SUCCESS;
@@ -347,6 +522,7 @@ CUresult cuMemsetD16Async(CUdeviceptr dst, unsigned short value, size_t count, C
 CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t count, CUstream stream) {
     GUARD();
     (void)stream;
+    iris_standin_flush();
     unsigned int *p = (unsigned int *)(uintptr_t)dst;
     for (size_t i = 0; i < count; i++) p[i] = value;
     return SUCCESS;
@@ -361,6 +537,7 @@ CUresult cuStreamCreate(CUstream *stream, unsigned int flags) {
 
 CUresult cuStreamDestroy_v2(CUstream stream) {
     GUARD();
+    iris_standin_flush();
     free(stream);
     return SUCCESS;
 }
@@ -368,13 +545,21 @@ CUresult cuStreamDestroy_v2(CUstream stream) {
 CUresult cuStreamSynchronize(CUstream stream) {
     GUARD();
     (void)stream;
+    iris_standin_flush();
+    if (sync_delay_ms) {
+        struct timespec pause = {(time_t)(sync_delay_ms / 1000), (long)(sync_delay_ms % 1000) * 1000000L};
+        nanosleep(&pause, NULL);
+    }
     return SUCCESS;
 }
 
 CUresult cuStreamQuery(CUstream stream) {
     GUARD();
     (void)stream;
-    return SUCCESS;
+    pthread_mutex_lock(&state_lock);
+    int busy = queue_head != NULL;
+    pthread_mutex_unlock(&state_lock);
+    return busy ? NOT_READY : SUCCESS;
 }
 
 CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags) {
@@ -399,15 +584,18 @@ CUresult cuEventRecord(CUevent event, CUstream stream) {
     return SUCCESS;
 }
 
+/* Events complete with the whole queue (the stand-in does not track where one was recorded). */
 CUresult cuEventQuery(CUevent event) {
     GUARD();
     (void)event;
+    iris_standin_flush();
     return SUCCESS;
 }
 
 CUresult cuEventSynchronize(CUevent event) {
     GUARD();
     (void)event;
+    iris_standin_flush();
     return SUCCESS;
 }
 

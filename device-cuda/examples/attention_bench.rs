@@ -1,0 +1,135 @@
+//! Times the plugin's variable-length attention on one GPU for the head dims and lengths of the
+//! vision towers, and prints one JSON object per shape (for `tools/gpu-check.sh`, which compares
+//! the figures with PyTorch's scaled-dot-product attention on the same shapes).
+//!
+//! ```text
+//! attention_bench PLUGIN.so [--ordinal N] [--quick]
+//! ```
+//!
+//! Each shape is one segment of `tokens` tokens with 16 heads, bf16, timed over repeated calls
+//! after a warm-up call, with the queue drained before and after; FLOPs count the two matrix
+//! products, `4 · tokens² · head_dim · heads`.
+
+// Timing arithmetic: token counts and call counts far below 2^52, so the casts are exact.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_precision_loss
+)]
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use iris_plugin::abi::{AttentionArgs, BufferHandle, BufferSlice, DType, MatRef};
+use iris_plugin::{Device, load_library};
+
+const HEADS: u64 = 16;
+const HEAD_DIMS: [u64; 5] = [64, 72, 80, 96, 128];
+
+fn main() {
+    if let Err(err) = run() {
+        eprintln!("attention_bench: {err}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), String> {
+    let mut args = std::env::args().skip(1);
+    let mut plugin = None;
+    let mut ordinal = 0u32;
+    let mut quick = false;
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--ordinal" => {
+                let value = args.next().ok_or("--ordinal needs a value")?;
+                ordinal = value
+                    .parse()
+                    .map_err(|_| format!("bad ordinal `{value}`"))?;
+            }
+            "--quick" => quick = true,
+            path if plugin.is_none() => plugin = Some(PathBuf::from(path)),
+            other => return Err(format!("unknown argument `{other}`")),
+        }
+    }
+    let plugin = plugin.ok_or("usage: attention_bench PLUGIN.so [--ordinal N] [--quick]")?;
+    let plugin = load_library(&plugin).map_err(|err| err.to_string())?;
+    let device = plugin.open(ordinal, &[]).map_err(|err| err.to_string())?;
+    let lengths: &[u64] = if quick {
+        &[1024, 4096]
+    } else {
+        &[256, 1024, 4096, 16384]
+    };
+    for &head_dim in &HEAD_DIMS {
+        for &tokens in lengths {
+            let seconds = time(&device, tokens, head_dim)?;
+            let flops = 4.0 * (tokens * tokens * head_dim * HEADS) as f64;
+            println!(
+                "{{\"dtype\": \"bf16\", \"heads\": {HEADS}, \"head_dim\": {head_dim}, \"tokens\": {tokens}, \
+                 \"ms\": {:.4}, \"tflops\": {:.2}}}",
+                seconds * 1e3,
+                flops / seconds / 1e12
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Median seconds of one attention call over one segment of `tokens` tokens.
+fn time(device: &Device, tokens: u64, head_dim: u64) -> Result<f64, String> {
+    let err = |e: iris_plugin::DeviceError| e.to_string();
+    let width = HEADS * head_dim;
+    let bytes = tokens * width * 2;
+    let buffers: Vec<BufferHandle> = (0..4)
+        .map(|_| device.alloc(bytes))
+        .collect::<Result<_, _>>()
+        .map_err(err)?;
+    // Small values keep the softmax away from overflow; the timing does not depend on them.
+    let fill: Vec<u8> = (0..bytes / 2)
+        .flat_map(|i| half::bf16::from_f32(((i % 17) as f32 - 8.0) / 64.0).to_le_bytes())
+        .collect();
+    for buf in &buffers[..3] {
+        device.write(*buf, 0, &fill).map_err(err)?;
+    }
+    let cu = [0u32, u32::try_from(tokens).map_err(|_| "too many tokens")?];
+    let cu_device = device.alloc(8).map_err(err)?;
+    let cu_bytes: Vec<u8> = cu.iter().flat_map(|v| v.to_le_bytes()).collect();
+    device.write(cu_device, 0, &cu_bytes).map_err(err)?;
+    let mat = |buf| MatRef::contiguous(buf, 0, DType::BF16, tokens, width);
+    let args = AttentionArgs {
+        q: mat(buffers[0]),
+        k: mat(buffers[1]),
+        v: mat(buffers[2]),
+        out: mat(buffers[3]),
+        heads: HEADS,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+        cu_seqlens: cu.as_slice().into(),
+        cu_seqlens_device: MatRef::vector(cu_device, 0, DType::I32, 2),
+        max_seqlen: tokens,
+        workspace: BufferSlice::EMPTY,
+    };
+    device.attention(&args).map_err(err)?;
+    device.synchronize().map_err(err)?;
+    // About 50 ms of work per sample, at least 3 calls.
+    let first = {
+        let start = Instant::now();
+        device.attention(&args).map_err(err)?;
+        device.synchronize().map_err(err)?;
+        start.elapsed().as_secs_f64()
+    };
+    let calls = ((0.05 / first.max(1e-6)) as usize).clamp(3, 200);
+    let mut samples = Vec::new();
+    for _ in 0..5 {
+        let start = Instant::now();
+        for _ in 0..calls {
+            device.attention(&args).map_err(err)?;
+        }
+        device.synchronize().map_err(err)?;
+        samples.push(start.elapsed().as_secs_f64() / calls as f64);
+    }
+    samples.sort_by(f64::total_cmp);
+    for buf in buffers.into_iter().chain([cu_device]) {
+        device.free(buf).map_err(err)?;
+    }
+    Ok(samples[samples.len() / 2])
+}

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Times PyTorch's scaled_dot_product_attention on the shapes attention_bench timed for iris,
+on the same GPU, and prints both side by side.
+
+    attention_vs_sdpa.py IRIS_RESULTS.jsonl [--json OUT]
+
+IRIS_RESULTS.jsonl holds attention_bench's lines (one JSON object per shape: dtype, heads,
+head_dim, tokens, ms, tflops). SDPA gets q, k and v as [1, heads, tokens, head_dim] bf16 tensors,
+which is how vision towers call it per segment; PyTorch picks its fastest backend (flash or
+cuDNN attention on Ampere and later). Median of five samples of repeated calls, timed with CUDA
+events. Exit status 0 when every shape ran.
+"""
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def time_sdpa(heads, head_dim, tokens):
+    shape = (1, heads, tokens, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) / 8 for _ in range(3))
+    F.scaled_dot_product_attention(q, k, v)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    F.scaled_dot_product_attention(q, k, v)
+    end.record()
+    torch.cuda.synchronize()
+    calls = max(3, min(200, int(50.0 / max(start.elapsed_time(end), 1e-3))))
+    samples = []
+    for _ in range(5):
+        start.record()
+        for _ in range(calls):
+            F.scaled_dot_product_attention(q, k, v)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = [json.loads(line) for line in open(args.results) if line.strip()]
+    if not rows:
+        print("no iris results", file=sys.stderr)
+        return 1
+    print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    print(f"{'head_dim':>8} {'tokens':>7} {'iris ms':>9} {'sdpa ms':>9} {'iris TFLOPS':>12} "
+          f"{'sdpa TFLOPS':>12} {'sdpa/iris time':>15}")
+    for row in rows:
+        ms = time_sdpa(row["heads"], row["head_dim"], row["tokens"])
+        flops = 4.0 * row["tokens"] ** 2 * row["head_dim"] * row["heads"]
+        row["sdpa_ms"] = ms
+        row["sdpa_tflops"] = flops / (ms * 1e-3) / 1e12
+        row["iris_over_sdpa_time"] = row["ms"] / ms
+        print(f"{row['head_dim']:>8} {row['tokens']:>7} {row['ms']:>9.3f} {ms:>9.3f} "
+              f"{row['tflops']:>12.1f} {row['sdpa_tflops']:>12.1f} {row['iris_over_sdpa_time']:>15.1f}")
+    if args.json:
+        json.dump(rows, open(args.json, "w"), indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
