@@ -88,8 +88,7 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
     let weights = source
         .load(&spec.vision, dtype)
         .context("cannot load weights")?;
-    let tower = VisionTower::new(&runner, spec.vision.clone(), &weights, dtype)?;
-    drop(weights);
+    let tower = VisionTower::from_host(&runner, spec.vision.clone(), weights, dtype)?;
     print_stdout(&format!(
         "model {} ({:?}), {} weights in {dtype} ({} bytes) on {device_name}, loaded in {:.2} s\n",
         spec.name,

@@ -50,6 +50,7 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
     let config = global.config()?;
     let device = registry(&config).open_selected(&config)?;
     let device_name = format!("{} ({})", device.description().name, device.plugin().name());
+    let on_host = device.plugin().name() == iris_device_cpu::NAME;
     let allocator = CachingAllocator::new(Arc::new(device));
     let request = ProfileRequest {
         spec: spec.clone(),
@@ -66,12 +67,13 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
         value["model"] = serde_json::Value::from(spec.name.clone());
         value["device"] = serde_json::Value::from(device_name);
         value["dtype"] = serde_json::Value::from(dtype.to_string());
+        value["process_peak_resident_bytes"] = serde_json::Value::from(peak_resident());
         print_stdout(&format!("{}\n", serde_json::to_string_pretty(&value)?))?;
         return Ok(ExitCode::SUCCESS);
     }
     let mib = |bytes: u64| format!("{bytes} B ({:.1} MiB)", bytes as f64 / 1_048_576.0);
     let grid = report.max_item_grid;
-    let lines = [
+    let mut lines = vec![
         format!(
             "model                      {} in {dtype} on {device_name}",
             spec.name
@@ -121,6 +123,25 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
         ),
         format!("available                  {}", mib(report.available_bytes)),
     ];
+    if let Some(peak) = peak_resident() {
+        lines.push(format!("process peak resident      {}", mib(peak)));
+    }
+    if on_host {
+        lines.push(
+            "note: the CPU device's memory is this process's memory: the weights above are all \
+             of their copies (host copies go as they upload, packed weights replace their \
+             buffers' pages)"
+                .to_owned(),
+        );
+    }
     print_stdout(&(lines.join("\n") + "\n"))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The process's peak resident memory (`VmHWM` in /proc/self/status), where the OS reports it.
+fn peak_resident() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|line| line.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }

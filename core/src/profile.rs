@@ -120,8 +120,7 @@ pub fn profile_startup(
     let vision = &request.spec.vision;
     let host = request.weights.load(vision, request.dtype)?;
     let runner = Runner::new(Arc::clone(allocator));
-    let tower = VisionTower::new(&runner, vision.clone(), &host, request.dtype)?;
-    drop(host);
+    let tower = VisionTower::from_host(&runner, vision.clone(), host, request.dtype)?;
     let weights_bytes = allocator.stats().allocated - before_start.allocator_allocated;
 
     let processor = &request.spec.processor;

@@ -16,6 +16,7 @@ use crate::error::invalid;
 use crate::faults::{self, Faults};
 use crate::isa::{ISA_ENV, Tier};
 use crate::memory::{Memory, Region, check_range};
+use crate::ops::Touches;
 use crate::ops::native::PackCache;
 use crate::queue::{Exec, Queue, QueueMode};
 
@@ -184,9 +185,16 @@ impl CpuDevice {
         self.tier
     }
 
-    /// Bytes of packed weight copies held (counted in the memory report).
+    /// Bytes the packed weight copies add to the buffers they come from (counted in the
+    /// memory report): the panels' padding, and the whole copy of a weight whose bytes could
+    /// not be given back.
     pub fn packed_bytes(&self) -> u64 {
         self.packs.bytes()
+    }
+
+    /// Bytes of weight buffers whose pages the packed copies replaced.
+    pub fn replaced_bytes(&self) -> u64 {
+        self.packs.released_bytes()
     }
 
     /// Buffer lengths for [`iris_plugin::validate`].
@@ -194,19 +202,27 @@ impl CpuDevice {
         |buf| self.memory.len_of(buf)
     }
 
-    /// Queues an op's work, failing it when it runs if a fault is injected for this call.
-    fn submit_op(
+    /// Queues a prepared op, failing it when it runs if a fault is injected for this call.
+    /// Before it runs, packed weights over the bytes it touches are put back in place.
+    fn submit_op<J: Touches + Send + 'static>(
         &self,
         op: OpKind,
         name: &'static str,
-        work: impl FnOnce(&Exec) -> Result<(), PluginError> + Send + 'static,
+        job: J,
+        run: fn(&J, &Exec) -> Result<(), PluginError>,
     ) -> Result<(), PluginError> {
         let fault = self.options.faults.on_op(op);
+        let packs = Arc::clone(&self.packs);
         self.queue.submit(
             name,
             Box::new(move |exec| match fault {
                 Some(err) => Err(err),
-                None => work(exec),
+                None => {
+                    for touch in job.touches() {
+                        packs.touch(touch.buf, touch.start, touch.end);
+                    }
+                    run(&job, exec)
+                }
             }),
         )
     }
@@ -235,14 +251,17 @@ impl CpuDevice {
         let (device, device_start) =
             self.device_range(op, "device", copy.device, copy.device_offset, copy.bytes)?;
         let len = usize::try_from(copy.bytes).unwrap_or(0);
-        let (packs, written) = (Arc::clone(&self.packs), copy.device);
+        let packs = Arc::clone(&self.packs);
+        let (buf, first, end) = (
+            copy.device,
+            copy.device_offset,
+            copy.device_offset + copy.bytes,
+        );
         self.queue.submit(
             op,
             Box::new(move |_| {
-                if to_device {
-                    // In queue order: a product queued earlier still sees the old copy.
-                    packs.evict(written);
-                }
+                // In queue order: a product queued earlier still reads the packed copy.
+                packs.touch(buf, first, end);
                 // SAFETY: ranges inside their regions (checked); host and device regions are
                 // distinct allocations; the host leaves the range alone until a fence after
                 // this work completes (ABI contract).
@@ -305,7 +324,13 @@ impl iris_plugin::Backend for CpuDevice {
     }
 
     fn mem_info(&self) -> Result<MemInfo, PluginError> {
-        Ok(self.memory.mem_info())
+        // What packed copies add is device memory as much as buffers are: a host budgeting by
+        // `free` sees it (as the non-allocator memory the memory report names).
+        let info = self.memory.mem_info();
+        Ok(MemInfo {
+            free: info.free.saturating_sub(self.packs.bytes()),
+            ..info
+        })
     }
 
     fn memory_report(&self) -> Result<MemoryReport, PluginError> {
@@ -326,7 +351,8 @@ impl iris_plugin::Backend for CpuDevice {
         // Queued work holds the region: the memory goes when that work is done.
         self.memory.free(buf)?;
         // After the table forgets the buffer, so a product still queued cannot re-add a copy
-        // (see `PackCache::get_or_pack`).
+        // (see `PackCache::get_or_pack`); the copies' bytes go now, the buffer's with its
+        // region.
         self.packs.evict(buf);
         Ok(())
     }
@@ -334,12 +360,12 @@ impl iris_plugin::Backend for CpuDevice {
     fn write(&self, dst: BufferHandle, offset: u64, src: &[u8]) -> Result<(), PluginError> {
         let (region, start) = self.device_range("write", "dst", dst, offset, src.len() as u64)?;
         if self.queue.mode() == QueueMode::Sync {
+            self.packs.touch(dst, offset, offset + src.len() as u64);
             // SAFETY: the range is inside the region (checked); `src` is host memory the
             // caller lent us, which cannot overlap a device region.
             unsafe {
                 std::ptr::copy_nonoverlapping(src.as_ptr(), region.ptr().add(start), src.len());
             }
-            self.packs.evict(dst);
             return Ok(());
         }
         // Asynchronous: the bytes travel with the work, so `src` is free on return.
@@ -348,7 +374,7 @@ impl iris_plugin::Backend for CpuDevice {
         self.queue.submit(
             "write",
             Box::new(move |_| {
-                packs.evict(dst);
+                packs.touch(dst, offset, offset + data.len() as u64);
                 // SAFETY: as above; the region lives in this closure.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
@@ -365,6 +391,8 @@ impl iris_plugin::Backend for CpuDevice {
     fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), PluginError> {
         let (region, start) = self.device_range("read", "src", src, offset, dst.len() as u64)?;
         self.queue.synchronize()?;
+        // A packed weight is unpacked into place: the bytes read are the ones written.
+        self.packs.touch(src, offset, offset + dst.len() as u64);
         // SAFETY: the range is inside the region (checked) and the work before this call is
         // done; `dst` is host memory.
         unsafe {
@@ -385,14 +413,21 @@ impl iris_plugin::Backend for CpuDevice {
             let dst_start = check_range(OP, "dst", &dst, region.dst_offset, region.bytes)?;
             // The length is inside a region, so it fits in usize.
             let len = usize::try_from(region.bytes).unwrap_or(0);
-            copies.push((src, src_start, dst, dst_start, len, region.dst));
+            let touched = [
+                (region.src, region.src_offset),
+                (region.dst, region.dst_offset),
+            ]
+            .map(|(buf, offset)| (buf, offset, offset + region.bytes));
+            copies.push((src, src_start, dst, dst_start, len, touched));
         }
         let packs = Arc::clone(&self.packs);
         self.queue.submit(
             OP,
             Box::new(move |_| {
-                for (src, src_start, dst, dst_start, len, handle) in &copies {
-                    packs.evict(*handle);
+                for (src, src_start, dst, dst_start, len, touched) in &copies {
+                    for (buf, first, end) in touched {
+                        packs.touch(*buf, *first, *end);
+                    }
                     // SAFETY: ranges inside their regions (checked); no destination overlaps
                     // another region's destination or any source (validated).
                     unsafe { copy_between(src, *src_start, dst, *dst_start, *len) };
@@ -413,11 +448,16 @@ impl iris_plugin::Backend for CpuDevice {
             self.device_range(OP, "dst", args.dst.buf, args.dst.offset, args.dst.bytes)?;
         let len = usize::try_from(args.dst.bytes).unwrap_or(0);
         let (value, width) = (args.value, args.width);
-        let (packs, filled) = (Arc::clone(&self.packs), args.dst.buf);
+        let packs = Arc::clone(&self.packs);
+        let (filled, first, end) = (
+            args.dst.buf,
+            args.dst.offset,
+            args.dst.offset + args.dst.bytes,
+        );
         self.queue.submit(
             OP,
             Box::new(move |_| {
-                packs.evict(filled);
+                packs.touch(filled, first, end);
                 // SAFETY: the range is inside the region (checked), which this work holds.
                 let bytes = unsafe { std::slice::from_raw_parts_mut(region.ptr().add(start), len) };
                 let pattern = value.to_le_bytes();
@@ -440,32 +480,36 @@ impl iris_plugin::Backend for CpuDevice {
 
     fn gemm(&self, args: &GemmArgs) -> Result<(), PluginError> {
         let job = self.prepare_gemm(args)?;
-        self.submit_op(OpKind::GEMM, "gemm", move |exec| job.run(exec))
+        self.submit_op(OpKind::GEMM, "gemm", job, |job, exec| job.run(exec))
     }
 
     fn layer_norm(&self, args: &NormArgs) -> Result<(), PluginError> {
         let job = self.prepare_norm(args, false)?;
-        self.submit_op(OpKind::LAYER_NORM, "layer_norm", move |exec| job.run(exec))
+        self.submit_op(OpKind::LAYER_NORM, "layer_norm", job, |job, exec| {
+            job.run(exec)
+        })
     }
 
     fn rms_norm(&self, args: &NormArgs) -> Result<(), PluginError> {
         let job = self.prepare_norm(args, true)?;
-        self.submit_op(OpKind::RMS_NORM, "rms_norm", move |exec| job.run(exec))
+        self.submit_op(OpKind::RMS_NORM, "rms_norm", job, |job, exec| job.run(exec))
     }
 
     fn activation(&self, args: &ActivationArgs) -> Result<(), PluginError> {
         let job = self.prepare_activation(args)?;
-        self.submit_op(OpKind::ACTIVATION, "activation", move |exec| job.run(exec))
+        self.submit_op(OpKind::ACTIVATION, "activation", job, |job, exec| {
+            job.run(exec)
+        })
     }
 
     fn binary(&self, args: &BinaryArgs) -> Result<(), PluginError> {
         let job = self.prepare_binary(args)?;
-        self.submit_op(OpKind::BINARY, "binary", move |exec| job.run(exec))
+        self.submit_op(OpKind::BINARY, "binary", job, |job, exec| job.run(exec))
     }
 
     fn rotary(&self, args: &RotaryArgs) -> Result<(), PluginError> {
         let job = self.prepare_rotary(args)?;
-        self.submit_op(OpKind::ROTARY, "rotary", move |exec| job.run(exec))
+        self.submit_op(OpKind::ROTARY, "rotary", job, |job, exec| job.run(exec))
     }
 
     fn attention_workspace(&self, args: &AttentionArgs<'_>) -> Result<u64, PluginError> {
@@ -474,19 +518,21 @@ impl iris_plugin::Backend for CpuDevice {
 
     fn attention(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
         let job = self.prepare_attention(args)?;
-        self.submit_op(OpKind::ATTENTION, "attention", move |exec| job.run(exec))
+        self.submit_op(OpKind::ATTENTION, "attention", job, |job, exec| {
+            job.run(exec)
+        })
     }
 
     fn gather_rows(&self, args: &GatherArgs) -> Result<(), PluginError> {
         let job = self.prepare_gather(args)?;
-        self.submit_op(OpKind::GATHER_ROWS, "gather_rows", move |exec| {
+        self.submit_op(OpKind::GATHER_ROWS, "gather_rows", job, |job, exec| {
             job.run(exec)
         })
     }
 
     fn cast(&self, args: &CastArgs) -> Result<(), PluginError> {
         let job = self.prepare_cast(args)?;
-        self.submit_op(OpKind::CAST, "cast", move |exec| job.run(exec))
+        self.submit_op(OpKind::CAST, "cast", job, |job, exec| job.run(exec))
     }
 
     fn alloc_host(&self, bytes: u64) -> Result<HostAlloc, PluginError> {
@@ -548,7 +594,7 @@ fn held_memory(packed: u64) -> Vec<HeldMemory> {
         return Vec::new();
     }
     vec![HeldMemory {
-        what: "packed weights".into(),
+        what: "packed weights (beyond the bytes they replace)".into(),
         bytes: packed,
     }]
 }

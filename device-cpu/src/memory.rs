@@ -52,7 +52,51 @@ impl Region {
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
+
+    /// Gives the whole pages inside bytes `[start, start + len)` back to the OS, keeping the
+    /// addresses: they read as zeros until written, when the OS maps fresh pages. Returns the
+    /// bytes given back (0 when the range holds no whole page or the OS refused).
+    ///
+    /// # Safety
+    /// The range lies inside the region, and nothing reads it until it has been written again.
+    pub(crate) unsafe fn release_pages(&self, start: usize, len: usize) -> usize {
+        let page = page_size();
+        let begin = self.ptr() as usize + start;
+        let first = begin.next_multiple_of(page);
+        let last = (begin + len) / page * page;
+        if last <= first {
+            return 0;
+        }
+        // SAFETY: `[first, last)` is whole pages inside this region's private anonymous
+        // allocation (caller's contract), which the allocator's bookkeeping never lies in (it
+        // keeps its headers before the pointer it returned); `MADV_DONTNEED` on such memory
+        // leaves the mapping in place and zero-fills it on the next touch.
+        let done = unsafe {
+            libc::madvise(
+                first as *mut libc::c_void,
+                last - first,
+                libc::MADV_DONTNEED,
+            )
+        };
+        if done == 0 { last - first } else { 0 }
+    }
 }
+
+/// The OS page size, read once.
+fn page_size() -> usize {
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: `sysconf` has no preconditions.
+        let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        usize::try_from(size)
+            .ok()
+            .filter(|size| size.is_power_of_two())
+            .unwrap_or(FALLBACK_PAGE)
+    })
+}
+
+/// Page size assumed when the OS does not say: the x86-64 and most arm64 size.
+const FALLBACK_PAGE: usize = 4096;
 
 impl Drop for Region {
     fn drop(&mut self) {

@@ -52,44 +52,80 @@ pub struct ImageOutput {
 }
 
 impl VisionTower {
-    /// Uploads host weights (already in the run dtype) through the runner's allocator.
+    /// Uploads host weights (already in the run dtype) through the runner's allocator; the
+    /// host copy stays with the caller.
     pub fn new(
         runner: &Runner,
         config: VisionConfig,
         weights: &HostWeights,
         dtype: DType,
     ) -> Result<VisionTower, EncoderError> {
-        let mut uploaded = HashMap::new();
-        let mut shapes = HashMap::new();
-        let mut weight_bytes = 0;
-        let mut pos_table = None;
+        let mut tower = VisionTower::empty(config, dtype);
         for (name, tensor) in weights.iter() {
-            shapes.insert(name.to_owned(), tensor.shape.clone());
-            if name == "pos_embed.weight" {
-                pos_table = Some(tensor.to_f32());
-                continue;
-            }
-            let first = tensor.shape.first().copied().unwrap_or(1) as u64;
-            let rest: u64 = tensor.shape.iter().skip(1).map(|&d| d as u64).product();
-            // Vectors (norm weights, biases) become single rows so they broadcast; higher ranks
-            // (the Conv3d patch embedding) flatten to [out, in].
-            let (rows, cols) = if tensor.shape.len() == 1 {
-                (1, first)
-            } else {
-                (first, rest)
-            };
-            let device_tensor = runner.upload_bytes(&tensor.bytes, tensor.dtype, rows, cols)?;
-            weight_bytes += device_tensor.bytes();
-            uploaded.insert(name.to_owned(), device_tensor);
+            tower.upload(runner, name, tensor)?;
         }
-        Ok(VisionTower {
+        Ok(tower)
+    }
+
+    /// Uploads host weights like [`VisionTower::new`], dropping each host tensor once its bytes
+    /// are on the device: the process holds the weights about once while it loads, not twice
+    /// (on a CPU device the device's memory is the process's).
+    pub fn from_host(
+        runner: &Runner,
+        config: VisionConfig,
+        mut weights: HostWeights,
+        dtype: DType,
+    ) -> Result<VisionTower, EncoderError> {
+        let mut tower = VisionTower::empty(config, dtype);
+        let names: Vec<String> = weights.iter().map(|(name, _)| name.to_owned()).collect();
+        for name in names {
+            let tensor = weights
+                .take(&name)
+                .map_err(|_| EncoderError::MissingWeight(name.clone()))?;
+            tower.upload(runner, &name, &tensor)?;
+            // An asynchronous device keeps its own copy of the bytes until the write runs:
+            // waiting here bounds the copies in flight to one tensor's.
+            runner.allocator().synchronize()?;
+        }
+        Ok(tower)
+    }
+
+    fn empty(config: VisionConfig, dtype: DType) -> VisionTower {
+        VisionTower {
             config,
             dtype,
-            weights: uploaded,
-            shapes,
-            pos_table,
-            weight_bytes,
-        })
+            weights: HashMap::new(),
+            shapes: HashMap::new(),
+            pos_table: None,
+            weight_bytes: 0,
+        }
+    }
+
+    /// Uploads one host tensor (Qwen3-VL's position table stays on the host).
+    fn upload(
+        &mut self,
+        runner: &Runner,
+        name: &str,
+        tensor: &HostTensor,
+    ) -> Result<(), EncoderError> {
+        self.shapes.insert(name.to_owned(), tensor.shape.clone());
+        if name == "pos_embed.weight" {
+            self.pos_table = Some(tensor.to_f32());
+            return Ok(());
+        }
+        let first = tensor.shape.first().copied().unwrap_or(1) as u64;
+        let rest: u64 = tensor.shape.iter().skip(1).map(|&d| d as u64).product();
+        // Vectors (norm weights, biases) become single rows so they broadcast; higher ranks
+        // (the Conv3d patch embedding) flatten to [out, in].
+        let (rows, cols) = if tensor.shape.len() == 1 {
+            (1, first)
+        } else {
+            (first, rest)
+        };
+        let device_tensor = runner.upload_bytes(&tensor.bytes, tensor.dtype, rows, cols)?;
+        self.weight_bytes += device_tensor.bytes();
+        self.weights.insert(name.to_owned(), device_tensor);
+        Ok(())
     }
 
     /// Copies the weights back to the host, as [`VisionTower::new`] received them: what a

@@ -904,7 +904,7 @@ impl Worker {
                 .load(&self.vision, self.dtype)
                 .map_err(|e| e.to_string())
                 .and_then(|host| {
-                    VisionTower::new(&self.runner, self.vision.clone(), &host, self.dtype)
+                    VisionTower::from_host(&self.runner, self.vision.clone(), host, self.dtype)
                         .map_err(|e| e.to_string())
                 }),
         };

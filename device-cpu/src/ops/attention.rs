@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use super::gemm::{Dst, Operand, matrix, run_gemm};
 use super::native::{self as native, Bf16Mat, Epilogue, Kernel, OutMat, PackedB};
-use super::{Elem, View, math, with_elem};
+use super::{Elem, Touch, Touches, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
 use crate::memory::BUFFER_ALIGN;
@@ -214,6 +214,21 @@ pub(crate) struct AttentionJob {
     cu_seqlens_device: View,
     scale: f32,
     workspace: Option<View>,
+}
+
+impl Touches for AttentionJob {
+    fn touches(&self) -> Vec<Touch> {
+        let plan = &self.plan;
+        let mut touched = vec![
+            plan.q.touch(),
+            plan.k.touch(),
+            plan.v.touch(),
+            plan.out.touch(),
+            self.cu_seqlens_device.touch(),
+        ];
+        touched.extend(self.workspace.as_ref().map(View::touch));
+        touched
+    }
 }
 
 impl AttentionJob {

@@ -6,7 +6,7 @@ use iris_plugin::abi::{
 };
 use iris_plugin::validate::{self, Checker};
 
-use super::{Elem, View, math, with_elem};
+use super::{Elem, Touch, Touches, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
 use crate::queue::Exec;
@@ -105,6 +105,19 @@ impl CpuDevice {
             src: View::new(self, OP, "src", &src)?,
             out: View::new(self, OP, "out", &out)?,
         })
+    }
+}
+
+impl Touches for ElementwiseJob {
+    fn touches(&self) -> Vec<Touch> {
+        match self {
+            ElementwiseJob::Activation { x, out, .. } => vec![x.touch(), out.touch()],
+            ElementwiseJob::Binary { a, b, out, .. } => vec![a.touch(), b.touch(), out.touch()],
+            ElementwiseJob::Gather { src, out, indices } => {
+                vec![src.touch(), out.touch(), indices.touch()]
+            }
+            ElementwiseJob::Cast { src, out } => vec![src.touch(), out.touch()],
+        }
     }
 }
 

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 use super::native::{
     self as native, Bf16Mat, Epilogue, Kernel, OutMat, PackCache, PackKey, PackedB,
 };
-use super::{Elem, View, math, with_elem};
+use super::{Elem, Touch, Touches, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
 use crate::memory::Memory;
@@ -67,7 +67,11 @@ impl CpuDevice {
         const OP: &str = "gemm";
         let lens = self.lens();
         let checked = validate::gemm(&Checker::new(OP, &lens), args)?;
-        let cache = args.w_constant.then(|| WeightCache {
+        // Only the native bf16 kernels read a packed copy; other paths read the weight itself.
+        let packed = args.w_constant
+            && checked.w.dtype == iris_plugin::abi::DType::BF16
+            && Kernel::for_tier(self.tier()).is_some_and(Kernel::available);
+        let cache = packed.then(|| WeightCache {
             packs: Arc::clone(&self.packs),
             memory: Arc::clone(&self.memory),
             key: PackKey {
@@ -220,11 +224,16 @@ impl Exec {
         // it while the op runs (it is disjoint from `out`).
         let pack = || unsafe { PackedB::pack(w, n, k, job.transposed, true, kernel) };
         let packed = self.pool.install(|| match &job.cache {
-            Some(cache) => cache.packs.get_or_pack(
-                cache.key,
-                || cache.memory.len_of(cache.key.buf).is_some(),
-                pack,
-            ),
+            // SAFETY: in queue order; the key is the validated bf16 weight view of `job.w`'s
+            // region, which other work reaches only after `PackCache::touch` (see `touches`).
+            Some(cache) => unsafe {
+                cache.packs.get_or_pack(
+                    cache.key,
+                    job.w.region(),
+                    || cache.memory.len_of(cache.key.buf).is_some(),
+                    pack,
+                )
+            },
             None => Arc::new(pack()),
         });
         let mut bias = vec![0.0f32; if job.bias.is_some() { n } else { 0 }];
@@ -377,6 +386,17 @@ pub(crate) struct GemmJob {
     accumulate: bool,
     /// Where a constant weight's packed copy is kept.
     cache: Option<WeightCache>,
+}
+
+impl Touches for GemmJob {
+    fn touches(&self) -> Vec<Touch> {
+        let mut touched = vec![self.a.touch(), self.out.touch()];
+        touched.extend(self.bias.as_ref().map(View::touch));
+        if self.cache.is_none() {
+            touched.push(self.w.touch());
+        }
+        touched
+    }
 }
 
 /// The device's cache of packed weights and what to look a weight up by.

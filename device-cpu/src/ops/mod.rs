@@ -105,11 +105,25 @@ macro_rules! with_elem {
 }
 pub(crate) use with_elem;
 
+/// Bytes of a buffer an op's work reads or writes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Touch {
+    pub(crate) buf: BufferHandle,
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+}
+
+/// A prepared op: the bytes it touches, so that packed weights over them are put back first.
+pub(crate) trait Touches {
+    /// Every view the op reads or writes, except a weight it reads through its packed copy.
+    fn touches(&self) -> Vec<Touch>;
+}
+
 /// A checked operand ([`Mat`]) resolved to memory: its buffer is alive for as long as the view, and every element of
 /// every row lies inside the buffer and is aligned for the dtype.
 pub(crate) struct View {
     /// Keeps the buffer alive while an op runs, even if it is freed concurrently.
-    _region: Arc<Region>,
+    region: Arc<Region>,
     /// Address of element (0, 0).
     base: *mut u8,
     /// The buffer.
@@ -122,6 +136,10 @@ pub(crate) struct View {
     pub cols: usize,
     /// Elements between row starts.
     pub stride: usize,
+    /// Bytes `[start, end)` of the buffer the view covers.
+    pub start: u64,
+    /// See `start`.
+    pub end: u64,
 }
 
 // SAFETY: a view is an address inside a region it keeps alive; which rows a thread reads or
@@ -159,14 +177,31 @@ impl View {
         // SAFETY: `start <= end <= len` (checked above), so the address is inside the region.
         let base = unsafe { region.ptr().add(start) };
         Ok(View {
-            _region: region,
+            region,
             base,
             buf: m.buf,
             dtype: m.dtype,
             rows: m.rows,
             cols: m.cols,
             stride: m.stride,
+            start: m.offset,
+            end: m.end,
         })
+    }
+
+    /// The buffer's region.
+    pub(crate) fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    /// What [`crate::ops::native::PackCache::touch`] needs before an op reads or writes the
+    /// view's bytes.
+    pub(crate) fn touch(&self) -> Touch {
+        Touch {
+            buf: self.buf,
+            start: self.start,
+            end: self.end,
+        }
     }
 
     /// The view of an optional checked operand.

@@ -31,6 +31,7 @@ use rayon::prelude::*;
 
 use super::{amx, math, pack};
 use crate::isa::Tier;
+use crate::memory::Region;
 
 /// Output columns per packed panel: two 16-lane f32 vectors.
 pub const NR: usize = 32;
@@ -284,6 +285,34 @@ impl PackedB {
     /// Pairs per panel row: `⌈k/2⌉` rounded up to [`Kernel::pair_align`].
     pub fn pairs(&self) -> usize {
         self.pairs
+    }
+
+    /// Writes the weight back in its stored layout: `[n, k]` bf16 rows `stride` apart, or
+    /// `[k, n]` when `transposed`.
+    ///
+    /// # Safety
+    /// `w` covers that shape in live memory that nothing else touches during the call.
+    pub(crate) unsafe fn unpack_into(&self, w: *mut u16, stride: usize, transposed: bool) {
+        for p in 0..self.n.div_ceil(NR) {
+            let panel = self.panel(p);
+            let j0 = p * NR;
+            for jj in 0..NR.min(self.n - j0) {
+                for c in 0..self.k {
+                    let word = panel[(c / 2) * NR + jj];
+                    // The low half holds the even position along `k` (see `pack`).
+                    let bytes = word.to_le_bytes();
+                    let half = 2 * (c % 2);
+                    let bits = u16::from_le_bytes([bytes[half], bytes[half + 1]]);
+                    let (row, col) = if transposed {
+                        (c, j0 + jj)
+                    } else {
+                        (j0 + jj, c)
+                    };
+                    // SAFETY: `(row, col)` is inside the stored shape (caller's contract).
+                    unsafe { *w.add(row * stride + col) = bits };
+                }
+            }
+        }
     }
 
     fn panel(&self, p: usize) -> &[u32] {
@@ -759,62 +788,174 @@ pub(crate) struct PackKey {
     pub(crate) transposed: bool,
 }
 
-/// Packed copies of constant weights, keyed by where they came from; dropped when their buffer
-/// is freed or written.
+impl PackKey {
+    /// Bytes from the first element to one past the last (bf16 elements).
+    fn span(&self) -> usize {
+        if self.rows == 0 || self.cols == 0 {
+            return 0;
+        }
+        ((self.rows - 1) * self.stride + self.cols) * size_of::<u16>()
+    }
+
+    /// Whether the weight's bytes overlap bytes `[start, end)` of its buffer.
+    fn overlaps(&self, start: u64, end: u64) -> bool {
+        let first = self.offset;
+        let last = first.saturating_add(self.span() as u64);
+        first < end && start < last
+    }
+}
+
+/// The packed copies of constant weights, keyed by where they came from, each standing in for
+/// its weight's bytes.
+///
+/// A weight stored densely (no gaps between rows) is held once: once packed, the pages of its
+/// buffer range go back to the OS ([`Region::release_pages`]) and the packed copy is the only
+/// one. Anything that then touches those bytes other than a product on the packed copy (a read,
+/// a copy, a write, another op) first unpacks them back into place and drops the copy
+/// ([`PackCache::touch`]), so the buffer's contents never change behind a caller's back. A
+/// weight with gaps keeps its bytes and the copy sits beside them. [`PackCache::bytes`] counts
+/// what the copies add to the buffers they belong to: the padding of the panels and the page
+/// ends that stay mapped, or the whole copy where it sits beside.
 #[derive(Default)]
 pub struct PackCache {
-    entries: Mutex<HashMap<PackKey, Arc<PackedB>>>,
+    entries: Mutex<HashMap<BufferHandle, Vec<Entry>>>,
     bytes: AtomicU64,
+}
+
+/// One packed weight.
+struct Entry {
+    key: PackKey,
+    packed: Arc<PackedB>,
+    /// The buffer whose pages the copy replaced, and how many bytes went back to the OS.
+    released: Option<(Arc<Region>, usize)>,
+}
+
+impl Entry {
+    /// Bytes the copy adds to its buffer.
+    fn extra(&self) -> u64 {
+        let released = self.released.as_ref().map_or(0, |(_, bytes)| *bytes);
+        self.packed.bytes().saturating_sub(released as u64)
+    }
+
+    /// Unpacks the weight back into its buffer when its pages were given back.
+    fn restore(&self) {
+        if let Some((region, _)) = &self.released {
+            let key = &self.key;
+            // Invariant: the key's offset was validated inside this region when it was packed.
+            let start = usize::try_from(key.offset).expect("offset inside a live region");
+            // SAFETY: the weight lies inside the region (validated when packed) and is dense;
+            // the caller holds the cache lock, so no product is reading the copy's pages while
+            // nothing else may read the range until this returns (see `PackCache::touch`).
+            unsafe {
+                self.packed.unpack_into(
+                    region.ptr().add(start).cast::<u16>(),
+                    key.stride,
+                    key.transposed,
+                );
+            }
+        }
+    }
 }
 
 impl PackCache {
     /// The packed copy for `key`, packing it with `pack` on a miss. The copy is kept only when
     /// `live()` (asked under the cache's lock) says the buffer still exists, so a buffer freed
-    /// while its product was queued leaves nothing behind.
-    pub(crate) fn get_or_pack(
+    /// while its product was queued leaves nothing behind. A kept copy of a dense weight
+    /// replaces the weight's pages in `region`, the buffer `key` names.
+    ///
+    /// # Safety
+    /// Runs in queue order; `key` describes a validated bf16 range of `region`, and the range
+    /// is not read again except through this cache (every other access goes through
+    /// [`PackCache::touch`] first).
+    pub(crate) unsafe fn get_or_pack(
         &self,
         key: PackKey,
+        region: &Arc<Region>,
         live: impl Fn() -> bool,
         pack: impl FnOnce() -> PackedB,
     ) -> Arc<PackedB> {
-        if let Some(found) = self.lock().get(&key) {
-            return Arc::clone(found);
+        if let Some(found) = self.find(&key) {
+            return found;
         }
+        // The same bytes read with another shape: put them back before reading them.
+        self.touch(key.buf, key.offset, key.offset + key.span() as u64);
         let packed = Arc::new(pack());
         let mut entries = self.lock();
-        if let Some(found) = entries.get(&key) {
-            return Arc::clone(found);
+        let list = entries.entry(key.buf).or_default();
+        if let Some(found) = list.iter().find(|entry| entry.key == key) {
+            return Arc::clone(&found.packed);
         }
-        if live() {
-            self.bytes.fetch_add(packed.bytes(), Ordering::AcqRel);
-            entries.insert(key, Arc::clone(&packed));
+        if !live() {
+            return packed;
         }
+        let dense = key.stride == key.cols;
+        let released = dense
+            .then(|| {
+                let start = usize::try_from(key.offset).ok()?;
+                // SAFETY: the range is inside the region (caller's contract) and only read
+                // through the copy from now on.
+                let bytes = unsafe { region.release_pages(start, key.span()) };
+                (bytes > 0).then(|| (Arc::clone(region), bytes))
+            })
+            .flatten();
+        let entry = Entry {
+            key,
+            packed: Arc::clone(&packed),
+            released,
+        };
+        self.bytes.fetch_add(entry.extra(), Ordering::AcqRel);
+        list.push(entry);
         packed
     }
 
-    /// Drops every packed copy taken from `buf`.
-    pub(crate) fn evict(&self, buf: BufferHandle) {
+    /// Makes bytes `[start, end)` of `buf` plain memory again before something other than a
+    /// product on a packed copy touches them: every copy over them is unpacked into place if it
+    /// replaced the bytes, and dropped (a write would make it stale). Runs in queue order.
+    pub(crate) fn touch(&self, buf: BufferHandle, start: u64, end: u64) {
         let mut entries = self.lock();
-        if entries.is_empty() {
+        let Some(list) = entries.get_mut(&buf) else {
             return;
-        }
-        entries.retain(|key, packed| {
-            let keep = key.buf != buf;
-            if !keep {
-                self.bytes.fetch_sub(packed.bytes(), Ordering::AcqRel);
+        };
+        list.retain(|entry| {
+            if !entry.key.overlaps(start, end) {
+                return true;
             }
-            keep
+            entry.restore();
+            self.bytes.fetch_sub(entry.extra(), Ordering::AcqRel);
+            false
         });
+        if list.is_empty() {
+            entries.remove(&buf);
+        }
     }
 
-    /// Bytes of packed copies held.
+    /// Drops every packed copy taken from `buf`, which was just freed. Work queued before the
+    /// free may still read the buffer, so a copy that replaced bytes of a buffer such work holds
+    /// is unpacked first.
+    pub(crate) fn evict(&self, buf: BufferHandle) {
+        let Some(list) = self.lock().remove(&buf) else {
+            return;
+        };
+        for entry in list {
+            // The entry holds one reference; any other is queued work's (the table forgot the
+            // handle before this call).
+            if let Some((region, _)) = &entry.released
+                && Arc::strong_count(region) > 1
+            {
+                entry.restore();
+            }
+            self.bytes.fetch_sub(entry.extra(), Ordering::AcqRel);
+        }
+    }
+
+    /// Bytes the packed copies add to the buffers they come from.
     pub fn bytes(&self) -> u64 {
         self.bytes.load(Ordering::Acquire)
     }
 
     /// Number of packed copies held.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().values().map(Vec::len).sum()
     }
 
     /// Whether no packed copy is held.
@@ -822,7 +963,25 @@ impl PackCache {
         self.len() == 0
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<PackKey, Arc<PackedB>>> {
+    /// Bytes of buffers the packed copies have given back to the OS.
+    pub fn released_bytes(&self) -> u64 {
+        self.lock()
+            .values()
+            .flatten()
+            .filter_map(|entry| entry.released.as_ref())
+            .map(|(_, bytes)| *bytes as u64)
+            .sum()
+    }
+
+    fn find(&self, key: &PackKey) -> Option<Arc<PackedB>> {
+        self.lock()
+            .get(&key.buf)?
+            .iter()
+            .find(|entry| entry.key == *key)
+            .map(|entry| Arc::clone(&entry.packed))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<BufferHandle, Vec<Entry>>> {
         // A poisoned lock only means a panic elsewhere; the map itself stays consistent.
         self.entries
             .lock()
@@ -1119,43 +1278,144 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_cache_keeps_live_buffers_only_and_counts_bytes() {
-        let cache = PackCache::default();
-        let key = |buf| PackKey {
-            buf: BufferHandle(buf),
+    /// A `[rows, cols]` bf16 weight at the start of a fresh buffer of `memory`, its bits and its
+    /// handle.
+    fn weight_buffer(
+        memory: &crate::memory::Memory,
+        rows: usize,
+        cols: usize,
+        extra: usize,
+    ) -> (BufferHandle, Arc<Region>, Vec<u16>) {
+        let values: Vec<f32> = (0..rows * cols).map(|i| value(i * 7 + 3)).collect();
+        let w = bits(&values);
+        let buf = memory.alloc((w.len() * 2 + extra) as u64).unwrap();
+        let region = memory.region("test", buf).unwrap();
+        // SAFETY: the region holds at least `w.len()` bf16 and nothing else uses it yet.
+        unsafe { std::ptr::copy_nonoverlapping(w.as_ptr(), region.ptr().cast::<u16>(), w.len()) };
+        (buf, region, w)
+    }
+
+    /// The buffer's first `len` bf16, as stored now.
+    fn stored(region: &Region, len: usize) -> Vec<u16> {
+        // SAFETY: the region holds at least `len` bf16, and the test is its only user.
+        unsafe { std::slice::from_raw_parts(region.ptr().cast::<u16>(), len) }.to_vec()
+    }
+
+    fn key(buf: BufferHandle, rows: usize, cols: usize, transposed: bool) -> PackKey {
+        PackKey {
+            buf,
             offset: 0,
-            rows: 2,
-            cols: 2,
-            stride: 2,
-            transposed: false,
+            rows,
+            cols,
+            stride: cols,
+            transposed,
+        }
+    }
+
+    fn pack_of(region: &Region, key: PackKey) -> PackedB {
+        let (n, k) = if key.transposed {
+            (key.cols, key.rows)
+        } else {
+            (key.rows, key.cols)
         };
-        let w = bits(&[1.0, 2.0, 3.0, 4.0]);
-        let pack = || {
-            // SAFETY: `w` is `[2, 2]`.
-            unsafe {
-                PackedB::pack(
-                    Bf16Mat {
-                        ptr: w.as_ptr(),
-                        stride: 2,
-                    },
-                    2,
-                    2,
-                    false,
-                    false,
-                    Kernel::DotProduct,
-                )
-            }
+        let w = Bf16Mat {
+            ptr: region.ptr().cast::<u16>(),
+            stride: key.stride,
         };
-        let first = cache.get_or_pack(key(1), || true, pack);
-        assert_eq!(cache.len(), 1);
-        assert_eq!(cache.bytes(), first.bytes());
-        let again = cache.get_or_pack(key(1), || true, || unreachable!("cached"));
+        // SAFETY: the key describes the weight written at the start of the region.
+        unsafe { PackedB::pack(w, n, k, key.transposed, false, Kernel::DotProduct) }
+    }
+
+    #[test]
+    fn unpacking_gives_back_the_weight_in_either_layout() {
+        for (n, k, transposed) in [(70, 33, false), (33, 70, true), (32, 64, false)] {
+            let (rows, cols) = if transposed { (k, n) } else { (n, k) };
+            let values: Vec<f32> = (0..rows * cols).map(value).collect();
+            let w = bits(&values);
+            let mat = Bf16Mat {
+                ptr: w.as_ptr(),
+                stride: cols,
+            };
+            // SAFETY: `w` is `[rows, cols]`.
+            let packed = unsafe { PackedB::pack(mat, n, k, transposed, false, Kernel::Amx) };
+            let mut back = vec![0u16; w.len()];
+            // SAFETY: `back` is `[rows, cols]`.
+            unsafe { packed.unpack_into(back.as_mut_ptr(), cols, transposed) };
+            assert_eq!(back, w, "n {n} k {k} transposed {transposed}");
+        }
+    }
+
+    #[test]
+    fn a_dense_weight_is_held_once_and_put_back_when_touched() {
+        let memory = crate::memory::Memory::new(1 << 24, false);
+        let cache = PackCache::default();
+        let (rows, cols) = (256, 96);
+        let (buf, region, w) = weight_buffer(&memory, rows, cols, 1024);
+        let key = key(buf, rows, cols, false);
+        // SAFETY: the test is in queue order by construction (one thread), and reaches the
+        // weight's bytes only through `touch` below.
+        let first = unsafe { cache.get_or_pack(key, &region, || true, || pack_of(&region, key)) };
+        let released = cache.released_bytes();
+        // 48 KiB of weight: all but the partial pages at its ends go back to the OS.
+        assert!(released + 8192 >= (w.len() * 2) as u64, "{released}");
+        assert_eq!(cache.bytes(), first.bytes() - released);
+        // SAFETY: as above.
+        let again = unsafe { cache.get_or_pack(key, &region, || true, || unreachable!("cached")) };
         assert!(Arc::ptr_eq(&first, &again));
-        cache.get_or_pack(key(2), || false, pack);
-        assert_eq!(cache.len(), 1, "a freed buffer's copy is not kept");
-        cache.evict(BufferHandle(1));
+
+        // Bytes past the weight are not the weight's: touching them keeps the copy.
+        let end = (w.len() * 2) as u64;
+        cache.touch(buf, end, end + 1024);
+        assert_eq!(cache.len(), 1);
+        // A read of the weight's bytes gets them back exactly, and the copy goes.
+        cache.touch(buf, 10, 12);
+        assert!(cache.is_empty());
+        assert_eq!((cache.bytes(), cache.released_bytes()), (0, 0));
+        assert_eq!(stored(&region, w.len()), w);
+    }
+
+    #[test]
+    fn a_freed_buffer_leaves_nothing_and_queued_readers_still_see_the_weight() {
+        let memory = crate::memory::Memory::new(1 << 24, false);
+        let cache = PackCache::default();
+        let (rows, cols) = (96, 256);
+        let (buf, region, w) = weight_buffer(&memory, rows, cols, 0);
+        let key = key(buf, rows, cols, true);
+        // SAFETY: as in the test above.
+        unsafe { cache.get_or_pack(key, &region, || true, || pack_of(&region, key)) };
+        assert!(cache.released_bytes() > 0);
+        // `region` stands for queued work that still holds the freed buffer.
+        memory.free(buf).unwrap();
+        cache.evict(buf);
         assert!(cache.is_empty());
         assert_eq!(cache.bytes(), 0);
+        assert_eq!(stored(&region, w.len()), w);
+
+        // A product queued before the free packs after it: nothing is kept.
+        let (buf, region, _) = weight_buffer(&memory, rows, cols, 0);
+        memory.free(buf).unwrap();
+        let key = super::tests::key(buf, rows, cols, false);
+        // SAFETY: as above.
+        unsafe { cache.get_or_pack(key, &region, || false, || pack_of(&region, key)) };
+        assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn a_weight_with_gaps_keeps_its_bytes_and_the_copy_sits_beside() {
+        let memory = crate::memory::Memory::new(1 << 24, false);
+        let cache = PackCache::default();
+        let (buf, region, w) = weight_buffer(&memory, 128, 128, 0);
+        // The left half of each row: rows 256 bytes apart with gaps between them.
+        let key = PackKey {
+            stride: 128,
+            ..key(buf, 128, 64, false)
+        };
+        // SAFETY: as above.
+        let packed = unsafe { cache.get_or_pack(key, &region, || true, || pack_of(&region, key)) };
+        assert_eq!(cache.released_bytes(), 0);
+        assert_eq!(cache.bytes(), packed.bytes());
+        assert_eq!(stored(&region, w.len()), w);
+        cache.touch(buf, 0, 2);
+        assert_eq!((cache.len(), cache.bytes()), (0, 0));
     }
 }

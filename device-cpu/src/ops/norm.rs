@@ -3,7 +3,7 @@
 use iris_plugin::abi::{NormArgs, PluginError};
 use iris_plugin::validate::{self, Checker};
 
-use super::{View, math, with_elem};
+use super::{Touch, Touches, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::queue::Exec;
 
@@ -40,6 +40,14 @@ pub(crate) struct NormJob {
     bias: Option<View>,
     out: View,
     eps: f32,
+}
+
+impl Touches for NormJob {
+    fn touches(&self) -> Vec<Touch> {
+        let mut touched = vec![self.x.touch(), self.weight.touch(), self.out.touch()];
+        touched.extend(self.bias.as_ref().map(View::touch));
+        touched
+    }
 }
 
 impl NormJob {

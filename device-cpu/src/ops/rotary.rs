@@ -7,7 +7,7 @@
 use iris_plugin::abi::{PluginError, RotaryArgs};
 use iris_plugin::validate::{self, Checker};
 
-use super::{View, with_elem};
+use super::{Touch, Touches, View, with_elem};
 use crate::device::CpuDevice;
 use crate::queue::Exec;
 
@@ -32,6 +32,12 @@ pub(crate) struct RotaryJob {
     cos: View,
     sin: View,
     head_dim: usize,
+}
+
+impl Touches for RotaryJob {
+    fn touches(&self) -> Vec<Touch> {
+        vec![self.x.touch(), self.cos.touch(), self.sin.touch()]
+    }
 }
 
 impl RotaryJob {
