@@ -59,14 +59,29 @@ impl VisionTower {
         weights: &HostWeights,
         dtype: DType,
     ) -> Result<VisionTower, EncoderError> {
+        VisionTower::new_with_progress(runner, config, weights, dtype, &mut |_| {})
+    }
+
+    /// [`VisionTower::new`], calling `uploaded_bytes` with the bytes uploaded so far after each
+    /// tensor (for a progress display: a large tower takes seconds).
+    pub fn new_with_progress(
+        runner: &Runner,
+        config: VisionConfig,
+        weights: &HostWeights,
+        dtype: DType,
+        uploaded_bytes: &mut dyn FnMut(u64),
+    ) -> Result<VisionTower, EncoderError> {
+        let mut done = 0u64;
         let mut uploaded = HashMap::new();
         let mut shapes = HashMap::new();
         let mut weight_bytes = 0;
         let mut pos_table = None;
         for (name, tensor) in weights.iter() {
             shapes.insert(name.to_owned(), tensor.shape.clone());
+            done += tensor.bytes.len() as u64;
             if name == "pos_embed.weight" {
                 pos_table = Some(tensor.to_f32());
+                uploaded_bytes(done);
                 continue;
             }
             let first = tensor.shape.first().copied().unwrap_or(1) as u64;
@@ -81,6 +96,7 @@ impl VisionTower {
             let device_tensor = runner.upload_bytes(&tensor.bytes, tensor.dtype, rows, cols)?;
             weight_bytes += device_tensor.bytes();
             uploaded.insert(name.to_owned(), device_tensor);
+            uploaded_bytes(done);
         }
         Ok(VisionTower {
             config,
@@ -159,6 +175,18 @@ impl VisionTower {
         runner: &Runner,
         pixels: &Tensor,
         grids: &[Grid],
+    ) -> Result<Vec<ImageOutput>, EncoderError> {
+        self.forward_with_progress(runner, pixels, grids, &mut |_| Ok(()))
+    }
+
+    /// [`VisionTower::forward`], calling `layers_done` with the number of blocks submitted
+    /// after each one (of [`VisionConfig::depth`]); an error it returns stops the run.
+    pub fn forward_with_progress(
+        &self,
+        runner: &Runner,
+        pixels: &Tensor,
+        grids: &[Grid],
+        layers_done: &mut dyn FnMut(usize) -> Result<(), EncoderError>,
     ) -> Result<Vec<ImageOutput>, EncoderError> {
         let cfg = &self.config;
         let merge = u32::try_from(cfg.spatial_merge_size).map_err(|_| shape("merge size"))?;
@@ -249,6 +277,7 @@ impl VisionTower {
                     true,
                 )?);
             }
+            layers_done(layer + 1)?;
         }
         drop((rotary, full, window));
         let merged = self.merger(runner, "merger", &hidden, false)?;
