@@ -15,6 +15,7 @@ mod engine;
 mod http;
 mod plugin_check;
 mod profile;
+mod progress;
 mod serve;
 mod settings;
 mod simulate;
