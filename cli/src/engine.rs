@@ -9,7 +9,7 @@ use iris_core::budget::{Policy, SchedulerConfig};
 use iris_core::engine::admission::{AdmissionConfig, Permit};
 use iris_core::engine::liveness::PANIC_AT_STEP_ENV;
 use iris_core::engine::{DEFAULT_PROCESSOR_CACHE_BYTES, Engine, EngineConfig};
-use iris_core::profile::DEFAULT_DEVICE_MEMORY_UTILIZATION;
+use iris_core::profile::{DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileMode};
 
 use crate::encode::ModelArgs;
 use crate::http::engine_api::{
@@ -45,6 +45,11 @@ pub struct EngineArgs {
     /// less than that is free.
     #[arg(long, default_value_t = DEFAULT_DEVICE_MEMORY_UTILIZATION)]
     pub device_memory_utilization: f64,
+    /// How start-up sizes the largest step: `dry` walks the tower's ops at that size with
+    /// compute skipped, allocating as a real run does (seconds on any device); `real` runs it
+    /// on the device and measures it (seconds on an accelerator, far longer on a CPU).
+    #[arg(long = "profile", value_name = "MODE", default_value_t = ProfileMode::Dry)]
+    pub profile_mode: ProfileMode,
     /// Processor cache size in GiB of preprocessed pixels (0 disables it).
     #[arg(long, default_value_t = DEFAULT_PROCESSOR_CACHE_BYTES as f64 / f64::from(1u32 << 30))]
     pub mm_processor_cache_gb: f64,
@@ -85,6 +90,8 @@ impl EngineArgs {
         config.dtype = self.model.dtype()?;
         config.scheduler = self.scheduler();
         config.device_memory_utilization = self.device_memory_utilization;
+        config.profile_mode = self.profile_mode;
+        config.progress = crate::progress::startup_progress();
         // Rounded down to whole bytes; the bound is a budget, not an exact figure.
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let bytes = (gib * f64::from(1u32 << 30)) as u64;
@@ -172,18 +179,23 @@ pub fn startup_line(engine: &Engine) -> String {
     let info = engine.info_json();
     let p = engine.startup();
     let mib = |b: u64| b as f64 / 1_048_576.0;
+    let t = p.timings;
     format!(
-        "engine: model {} ({}) on {} [{}], weights {:.1} MiB, peak activation {:.1} MiB, encoder cache {} tokens ({:.1} MiB), device used {:.1} MiB before start, {:.1} MiB after",
+        "engine: model {} ({}) on {} [{}], weights {:.1} MiB, peak activation {:.1} MiB ({} profile), encoder cache {} tokens ({:.1} MiB), device used {:.1} MiB before start, {:.1} MiB after; started in {:.1} s (weights {:.1} s, profile {:.1} s)",
         info["model"].as_str().unwrap_or("?"),
         info["dtype"].as_str().unwrap_or("?"),
         info["device"].as_str().unwrap_or("?"),
         info["plugin"].as_str().unwrap_or("?"),
         mib(p.weights_bytes),
         mib(p.peak_activation_bytes),
+        p.mode,
         p.encoder_cache_tokens,
         mib(p.encoder_cache_bytes),
         mib(p.before_start.device_used),
         mib(p.after_start.device_used),
+        t.read_weights_s + t.upload_weights_s + t.profile_s,
+        t.read_weights_s + t.upload_weights_s,
+        t.profile_s,
     )
 }
 

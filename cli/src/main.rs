@@ -16,6 +16,7 @@ mod epd;
 mod http;
 mod plugin_check;
 mod profile;
+mod progress;
 mod serve;
 mod settings;
 mod simulate;

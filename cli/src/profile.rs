@@ -1,5 +1,6 @@
 //! `iris profile`: the start-up memory report (weights, peak activation, non-allocator growth,
-//! encoder cache size, memory available under `--device-memory-utilization`).
+//! encoder cache size, memory available under `--device-memory-utilization`), with how the
+//! peak was found (`--profile dry` or `real`) and how long each phase took.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -8,7 +9,9 @@ use anyhow::Context;
 use clap::Args;
 use iris_core::budget::SchedulerConfig;
 use iris_core::memory::CachingAllocator;
-use iris_core::profile::{DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileRequest, profile_startup};
+use iris_core::profile::{
+    DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileMode, ProfileRequest, profile_startup,
+};
 
 use crate::encode::ModelArgs;
 use crate::settings::{GlobalArgs, print_stdout, registry};
@@ -31,6 +34,11 @@ pub struct ProfileArgs {
     /// Share of the device's total memory iris may use, in (0, 1].
     #[arg(long, default_value_t = DEFAULT_DEVICE_MEMORY_UTILIZATION)]
     device_memory_utilization: f64,
+    /// How the largest step is sized: `dry` walks the tower's ops at that size with compute
+    /// skipped, allocating as a real run does (seconds on any device); `real` runs it on the
+    /// device and measures it (seconds on an accelerator, far longer on a CPU).
+    #[arg(long = "profile", value_name = "MODE", default_value_t = ProfileMode::Dry)]
+    profile_mode: ProfileMode,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -58,6 +66,8 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
         dtype,
         scheduler,
         device_memory_utilization: args.device_memory_utilization,
+        mode: args.profile_mode,
+        progress: crate::progress::startup_progress(),
     };
     let (tower, report) =
         profile_startup(&allocator, &request).context("start-up profiling failed")?;
@@ -96,8 +106,9 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
             report.max_item_tokens, report.items_per_batch
         ),
         format!(
-            "peak activation            {}",
-            mib(report.peak_activation_bytes)
+            "peak activation            {} ({} profile)",
+            mib(report.peak_activation_bytes),
+            report.mode
         ),
         format!(
             "peak activation (planned)  {}",
@@ -122,6 +133,12 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
             args.device_memory_utilization
         ),
         format!("available                  {}", mib(report.available_bytes)),
+        format!(
+            "start-up time              weights {:.1} s loaded + {:.1} s uploaded, profile {:.1} s",
+            report.timings.read_weights_s,
+            report.timings.upload_weights_s,
+            report.timings.profile_s
+        ),
     ];
     if let Some(peak) = peak_resident() {
         lines.push(format!("process peak resident      {}", mib(peak)));

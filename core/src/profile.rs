@@ -1,6 +1,21 @@
 //! Start-up memory profiling, as vLLM's `determine_available_memory` does it: snapshot the
-//! device, load the weights, run the encoder on the largest item the model accepts times the
-//! most items a batch may hold, and report what that cost and what is left.
+//! device, load the weights, size a step of the largest item the model accepts times the most
+//! items a batch may hold, and report what that cost and what is left.
+//!
+//! Two ways to size that step ([`ProfileMode`]):
+//!
+//! - **dry** (the default): the tower walks its real op sequence at the largest size with the
+//!   device's compute skipped, allocating and freeing every tensor and workspace in the order a
+//!   real run does through a [`CachingAllocator::dry_run`] copy of the allocator, which takes
+//!   the real allocator's decisions on virtual memory. Its peak (allocated or reserved, the
+//!   larger rise) is the real step's, block rounding and segment sizes included, in the time
+//!   the host needs to walk the graph. One real step on the smallest item then runs the device
+//!   for what it holds outside the allocator (contexts, library handles, packed weights).
+//! - **real**: the largest step runs on the device and is measured, as vLLM does it; seconds
+//!   on an accelerator, minutes to hours on a CPU.
+//!
+//! Each phase that can take long reports its progress to a [`StartupProgress`] and its time
+//! in [`StartupTimings`].
 //!
 //! The report separates weights, peak activation memory (the rise of the allocator's peak
 //! during the run), memory the driver holds outside the allocator (non-allocator growth), the
@@ -8,7 +23,10 @@
 //! `device_memory_utilization`. Start-up is refused, with the numbers, when the device has less
 //! free memory than that share of its total.
 
+use std::fmt;
+use std::str::FromStr;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use iris_plugin::DType;
 use serde::Serialize;
@@ -35,6 +53,126 @@ pub const HUGE_IMAGE_SIDE: u32 = 9_999_999;
 /// vLLM's default share of device memory (`gpu_memory_utilization`).
 pub const DEFAULT_DEVICE_MEMORY_UTILIZATION: f64 = 0.9;
 
+/// How start-up sizes the largest step (see the module's overview).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProfileMode {
+    /// Walk the op sequence through a dry-run allocator, compute skipped; run one smallest
+    /// item for real.
+    #[default]
+    Dry,
+    /// Run the largest batch on the device and measure it.
+    Real,
+}
+
+impl ProfileMode {
+    /// The name flags and reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            ProfileMode::Dry => "dry",
+            ProfileMode::Real => "real",
+        }
+    }
+}
+
+impl fmt::Display for ProfileMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ProfileMode {
+    type Err = String;
+
+    /// ```
+    /// use iris_core::profile::ProfileMode;
+    /// assert_eq!("real".parse::<ProfileMode>(), Ok(ProfileMode::Real));
+    /// assert!("fast".parse::<ProfileMode>().is_err());
+    /// ```
+    fn from_str(s: &str) -> Result<ProfileMode, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "dry" => Ok(ProfileMode::Dry),
+            "real" => Ok(ProfileMode::Real),
+            other => Err(format!(
+                "unknown profile mode `{other}`: expected `dry` or `real`"
+            )),
+        }
+    }
+}
+
+/// A start-up phase that can take long enough to be shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StartupPhase {
+    /// Reading (or, for dummy weights, making) the weights on the host; counted in bytes.
+    ReadWeights,
+    /// Uploading them to the device; counted in bytes.
+    UploadWeights,
+    /// Sizing the largest step; counted in tower layers.
+    Profile,
+}
+
+impl StartupPhase {
+    /// What the phase's counts are: `bytes` or `layers`.
+    pub fn unit(self) -> &'static str {
+        match self {
+            StartupPhase::ReadWeights | StartupPhase::UploadWeights => "bytes",
+            StartupPhase::Profile => "layers",
+        }
+    }
+}
+
+/// Receives start-up progress (a progress bar, log lines). Called from the thread that starts
+/// up; every method has a default that does nothing.
+pub trait StartupProgress: Send + Sync {
+    /// `phase` begins: `what` says what it does (the item size, the profile mode), `total` is
+    /// its size in the phase's [`StartupPhase::unit`].
+    fn begin(&self, phase: StartupPhase, what: &str, total: u64) {
+        let _ = (phase, what, total);
+    }
+    /// `done` of the phase's total are complete.
+    fn advance(&self, phase: StartupPhase, done: u64) {
+        let _ = (phase, done);
+    }
+    /// `phase` ended after `elapsed`.
+    fn finish(&self, phase: StartupPhase, elapsed: Duration) {
+        let _ = (phase, elapsed);
+    }
+}
+
+/// Progress that goes nowhere (the default).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoProgress;
+
+impl StartupProgress for NoProgress {}
+
+/// A shared [`StartupProgress`], for configurations that are cloned and printed.
+#[derive(Clone)]
+pub struct ProgressSink(pub Arc<dyn StartupProgress>);
+
+impl Default for ProgressSink {
+    fn default() -> ProgressSink {
+        ProgressSink(Arc::new(NoProgress))
+    }
+}
+
+impl fmt::Debug for ProgressSink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ProgressSink")
+    }
+}
+
+/// Seconds each start-up phase took.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StartupTimings {
+    /// Reading or making the weights on the host.
+    pub read_weights_s: f64,
+    /// Uploading them to the device.
+    pub upload_weights_s: f64,
+    /// Sizing the largest step (the dry run and the smallest real step, or the real run).
+    pub profile_s: f64,
+}
+
 /// What to profile.
 #[derive(Debug, Clone)]
 pub struct ProfileRequest {
@@ -48,6 +186,10 @@ pub struct ProfileRequest {
     pub scheduler: SchedulerConfig,
     /// Share of the device's total memory iris may use, in `(0, 1]`.
     pub device_memory_utilization: f64,
+    /// How the largest step is sized.
+    pub mode: ProfileMode,
+    /// Where progress goes.
+    pub progress: ProgressSink,
 }
 
 /// The start-up report.
@@ -57,13 +199,18 @@ pub struct StartupProfile {
     pub before_start: MemorySnapshot,
     /// After the weights were loaded and the profiling run's memory was returned.
     pub after_start: MemorySnapshot,
-    /// The profiling run's figures.
+    /// How the largest step was sized.
+    pub mode: ProfileMode,
+    /// The profiling run's figures (in a dry run, `peak_increase` is the dry run's peak).
     pub profile: MemoryProfile,
     /// Bytes of weights on the device (allocator blocks).
     pub weights_bytes: u64,
-    /// Peak activation bytes of the profiling run, as measured.
+    /// Peak activation bytes of the largest step: measured (`real`), or the larger rise of the
+    /// dry-run allocator's allocated and reserved peaks (`dry`), which is what the real step
+    /// would take.
     pub peak_activation_bytes: u64,
-    /// The same peak, computed by planning the run before executing it.
+    /// The sum of live tensors' rounded sizes at their peak, from planning the step; it
+    /// leaves out what the allocator adds by reusing larger blocks and by segment sizes.
     pub planned_peak_activation_bytes: u64,
     /// Growth of memory held outside the allocator since the first snapshot.
     pub non_allocator_growth_bytes: u64,
@@ -84,6 +231,8 @@ pub struct StartupProfile {
     pub requested_bytes: u64,
     /// What is left of the requested memory for the encoder cache and downstream use.
     pub available_bytes: u64,
+    /// Seconds each phase took.
+    pub timings: StartupTimings,
 }
 
 /// Why profiling failed.
@@ -112,27 +261,48 @@ pub fn profile_startup(
     allocator: &Arc<CachingAllocator>,
     request: &ProfileRequest,
 ) -> Result<(VisionTower, StartupProfile), ProfileError> {
+    let progress = request.progress.0.as_ref();
+    let mut timings = StartupTimings::default();
     let before_start = MemorySnapshot::take(allocator)?;
     let requested_bytes =
         requested_memory(before_start.device_total, request.device_memory_utilization)?;
     check_free_at_start(&before_start, requested_bytes)?;
 
     let vision = &request.spec.vision;
-    let host = request.weights.load(vision, request.dtype)?;
+    let total_weights = vision.weight_bytes(request.dtype)?;
+    let phase = Phase::begin(
+        progress,
+        StartupPhase::ReadWeights,
+        &format!("{} weights in {}", vision.family, request.dtype),
+        total_weights,
+    );
+    let host = request
+        .weights
+        .load_with_progress(vision, request.dtype, &mut |done| {
+            progress.advance(StartupPhase::ReadWeights, done);
+        })?;
+    timings.read_weights_s = phase.finish();
     let runner = Runner::new(Arc::clone(allocator));
-    let tower = VisionTower::from_host(&runner, vision.clone(), host, request.dtype)?;
+    let phase = Phase::begin(
+        progress,
+        StartupPhase::UploadWeights,
+        "weights to the device",
+        host.total_bytes(),
+    );
+    let tower = VisionTower::from_host_with_progress(
+        &runner,
+        vision.clone(),
+        host,
+        request.dtype,
+        &mut |done| progress.advance(StartupPhase::UploadWeights, done),
+    )?;
+    allocator.synchronize().map_err(EncoderError::from)?;
+    timings.upload_weights_s = phase.finish();
     let weights_bytes = allocator.stats().allocated - before_start.allocator_allocated;
 
     let processor = &request.spec.processor;
-    let huge = ImageSize::new(HUGE_IMAGE_SIDE, HUGE_IMAGE_SIDE);
-    let largest = smart_resize(
-        huge,
-        processor.factor(),
-        processor.min_pixels,
-        processor.max_pixels,
-    )?;
-    let patch = processor.patch_size;
-    let grid: Grid = [1, largest.height / patch, largest.width / patch];
+    let largest = item_grid(request, HUGE_IMAGE_SIDE)?;
+    let grid = largest;
     let max_item_tokens = tower.tokens(grid);
     let budget = EncoderBudget::new(
         &request.scheduler,
@@ -153,14 +323,63 @@ pub fn profile_startup(
     }
     let planned_peak_activation_bytes = planner.planned_peak();
 
+    let depth = vision.depth as u64;
+    let phase = Phase::begin(
+        progress,
+        StartupPhase::Profile,
+        &format!(
+            "{} run of the largest step: grid {grid:?} ({max_item_tokens} tokens) x {items_per_batch}",
+            request.mode
+        ),
+        depth,
+    );
     let profiler = MemoryProfiler::start(allocator, before_start, weights_bytes)?;
-    {
-        // A mid-grey image after normalisation: the values do not change the memory used.
-        let input = runner.tensor(request.dtype, rows, row_len)?;
-        let outputs = tower.forward(&runner, &input, &grids)?;
-        drop(outputs);
-    }
-    let profile = profiler.finish()?;
+    let dry_peak = match request.mode {
+        ProfileMode::Dry => {
+            let dry = Runner::dry_run(allocator)?;
+            let start = dry.allocator().stats();
+            {
+                let input = dry.tensor(request.dtype, rows, row_len)?;
+                let outputs = tower.forward_with_progress(&dry, &input, &grids, &mut |done| {
+                    progress.advance(StartupPhase::Profile, done as u64);
+                    Ok(())
+                })?;
+                drop(outputs);
+            }
+            let end = dry.allocator().stats();
+            let allocated = end.peak_allocated - start.allocated;
+            let reserved = end.peak_reserved - start.reserved;
+            // What the device holds outside the allocator appears only when ops run: one
+            // step of the smallest item runs them all, on every weight.
+            let smallest = item_grid(request, processor.factor())?;
+            let rows = u64::from(smallest[1]) * u64::from(smallest[2]);
+            let input = runner.tensor(request.dtype, rows, row_len)?;
+            drop(tower.forward(&runner, &input, &[smallest])?);
+            drop(input);
+            allocator.synchronize().map_err(EncoderError::from)?;
+            Some(allocated.max(reserved))
+        }
+        ProfileMode::Real => {
+            // A mid-grey image after normalisation: the values do not change the memory used.
+            let input = runner.tensor(request.dtype, rows, row_len)?;
+            let outputs = tower.forward_with_progress(&runner, &input, &grids, &mut |done| {
+                // Waiting for each layer makes the progress the device's, not the queue's.
+                allocator.synchronize()?;
+                progress.advance(StartupPhase::Profile, done as u64);
+                Ok(())
+            })?;
+            drop(outputs);
+            drop(input);
+            allocator.synchronize().map_err(EncoderError::from)?;
+            None
+        }
+    };
+    let measured = profiler.finish()?;
+    let profile = match dry_peak {
+        Some(peak) => measured.with_peak_increase(peak.max(measured.peak_increase)),
+        None => measured,
+    };
+    timings.profile_s = phase.finish();
     let after_start = MemorySnapshot::take(allocator)?;
 
     let encoder_cache_tokens = budget.cache_size();
@@ -173,6 +392,7 @@ pub fn profile_startup(
     let report = StartupProfile {
         before_start,
         after_start,
+        mode: request.mode,
         weights_bytes,
         peak_activation_bytes: profile.peak_increase,
         planned_peak_activation_bytes,
@@ -186,6 +406,50 @@ pub fn profile_startup(
         encoder_cache_bytes,
         requested_bytes,
         available_bytes,
+        timings,
     };
     Ok((tower, report))
+}
+
+/// The grid `(1, h, w)` in patches of an image of `side x side` after the processor's resize.
+fn item_grid(request: &ProfileRequest, side: u32) -> Result<Grid, ProfileError> {
+    let processor = &request.spec.processor;
+    let size = smart_resize(
+        ImageSize::new(side, side),
+        processor.factor(),
+        processor.min_pixels,
+        processor.max_pixels,
+    )?;
+    let patch = processor.patch_size;
+    Ok([1, size.height / patch, size.width / patch])
+}
+
+/// A phase in progress: reported to the sink when it begins and ends, timed.
+struct Phase<'a> {
+    progress: &'a dyn StartupProgress,
+    phase: StartupPhase,
+    started: Instant,
+}
+
+impl<'a> Phase<'a> {
+    fn begin(
+        progress: &'a dyn StartupProgress,
+        phase: StartupPhase,
+        what: &str,
+        total: u64,
+    ) -> Phase<'a> {
+        progress.begin(phase, what, total);
+        Phase {
+            progress,
+            phase,
+            started: Instant::now(),
+        }
+    }
+
+    /// Ends the phase; its duration in seconds.
+    fn finish(self) -> f64 {
+        let elapsed = self.started.elapsed();
+        self.progress.finish(self.phase, elapsed);
+        elapsed.as_secs_f64()
+    }
 }

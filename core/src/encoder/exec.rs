@@ -7,6 +7,11 @@
 //! sized and rounded as the allocator rounds requests, which yields the peak activation memory of
 //! a batch before running it. The measured peak can exceed the plan only by the remainders the
 //! allocator leaves unsplit when it reuses a larger cached block (under 1 MiB per block).
+//!
+//! A *dry run* ([`Runner::dry_run`]) closes that gap: ops are skipped as when planning, but
+//! every tensor is allocated and freed through a [`CachingAllocator::dry_run`] copy of the
+//! allocator, which takes the real allocator's decisions on virtual memory, so its peaks
+//! (allocated and reserved) are exactly those of the same run executed.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -39,6 +44,8 @@ pub struct Tensor {
 
 enum Storage {
     Device(DeviceBuffer),
+    /// A block of a dry-run allocator: accounted, with no memory behind it.
+    Dry(#[allow(dead_code)] DeviceBuffer),
     /// Held only for its `Drop`, which returns the planned bytes.
     Planned(#[allow(dead_code)] PlannedBlock),
 }
@@ -83,7 +90,7 @@ impl Tensor {
     pub fn mat(&self) -> MatRef {
         let (buf, base) = match self.storage.as_ref() {
             Storage::Device(buffer) => (buffer.handle(), buffer.offset()),
-            Storage::Planned(_) => (iris_plugin::BufferHandle::NULL, 0),
+            Storage::Planned(_) | Storage::Dry(_) => (iris_plugin::BufferHandle::NULL, 0),
         };
         MatRef {
             buf,
@@ -180,6 +187,8 @@ pub struct Runner {
     device: Arc<Device>,
     allocator: Arc<CachingAllocator>,
     plan: Option<Arc<Mutex<PlanState>>>,
+    /// Ops are skipped and tensors come from a dry-run allocator.
+    dry: bool,
     staging: Arc<Mutex<StagingRing>>,
 }
 
@@ -208,6 +217,7 @@ impl Runner {
             device: Arc::clone(allocator.device()),
             allocator,
             plan: None,
+            dry: false,
             staging: Arc::default(),
         }
     }
@@ -218,8 +228,27 @@ impl Runner {
             device: Arc::clone(allocator.device()),
             allocator,
             plan: Some(Arc::new(Mutex::new(PlanState::default()))),
+            dry: false,
             staging: Arc::default(),
         }
+    }
+
+    /// A runner that executes nothing but allocates and frees every tensor, in the order a
+    /// real run would, through a [`CachingAllocator::dry_run`] copy of `allocator` taken now.
+    /// The copy's [`CachingAllocator::stats`] then hold the peaks the run would reach on
+    /// `allocator`, block rounding, unsplit remainders and segment sizes included.
+    ///
+    /// # Errors
+    /// The device's error when it cannot report its free memory.
+    pub fn dry_run(allocator: &CachingAllocator) -> Result<Runner, EncoderError> {
+        let copy = allocator.dry_run()?;
+        Ok(Runner {
+            device: Arc::clone(copy.device()),
+            allocator: copy,
+            plan: None,
+            dry: true,
+            staging: Arc::default(),
+        })
     }
 
     /// Peak live bytes seen so far in planning mode (0 when executing).
@@ -229,9 +258,9 @@ impl Runner {
         })
     }
 
-    /// Whether ops execute.
+    /// Whether ops are skipped (planning or a dry run).
     pub fn is_planning(&self) -> bool {
-        self.plan.is_some()
+        self.plan.is_some() || self.dry
     }
 
     /// The device.
@@ -258,6 +287,7 @@ impl Runner {
                     state: Arc::clone(state),
                 })
             }
+            None if self.dry => Storage::Dry(self.allocator.alloc(bytes)?),
             None => Storage::Device(self.allocator.alloc(bytes)?),
         };
         Ok(Tensor {

@@ -73,11 +73,24 @@ impl VisionTower {
     pub fn from_host(
         runner: &Runner,
         config: VisionConfig,
+        weights: HostWeights,
+        dtype: DType,
+    ) -> Result<VisionTower, EncoderError> {
+        VisionTower::from_host_with_progress(runner, config, weights, dtype, &mut |_| {})
+    }
+
+    /// [`VisionTower::from_host`], calling `uploaded_bytes` with the bytes uploaded so far after
+    /// each tensor (for a progress display: a large tower takes seconds).
+    pub fn from_host_with_progress(
+        runner: &Runner,
+        config: VisionConfig,
         mut weights: HostWeights,
         dtype: DType,
+        uploaded_bytes: &mut dyn FnMut(u64),
     ) -> Result<VisionTower, EncoderError> {
         let mut tower = VisionTower::empty(config, dtype);
         let names: Vec<String> = weights.iter().map(|(name, _)| name.to_owned()).collect();
+        let mut done = 0u64;
         for name in names {
             let tensor = weights
                 .take(&name)
@@ -86,6 +99,8 @@ impl VisionTower {
             // An asynchronous device keeps its own copy of the bytes until the write runs:
             // waiting here bounds the copies in flight to one tensor's.
             runner.allocator().synchronize()?;
+            done += tensor.bytes.len() as u64;
+            uploaded_bytes(done);
         }
         Ok(tower)
     }
@@ -196,6 +211,18 @@ impl VisionTower {
         pixels: &Tensor,
         grids: &[Grid],
     ) -> Result<Vec<ImageOutput>, EncoderError> {
+        self.forward_with_progress(runner, pixels, grids, &mut |_| Ok(()))
+    }
+
+    /// [`VisionTower::forward`], calling `layers_done` with the number of blocks submitted
+    /// after each one (of [`VisionConfig::depth`]); an error it returns stops the run.
+    pub fn forward_with_progress(
+        &self,
+        runner: &Runner,
+        pixels: &Tensor,
+        grids: &[Grid],
+        layers_done: &mut dyn FnMut(usize) -> Result<(), EncoderError>,
+    ) -> Result<Vec<ImageOutput>, EncoderError> {
         let cfg = &self.config;
         let merge = u32::try_from(cfg.spatial_merge_size).map_err(|_| shape("merge size"))?;
         let merge_unit = merge * merge;
@@ -285,6 +312,7 @@ impl VisionTower {
                     true,
                 )?);
             }
+            layers_done(layer + 1)?;
         }
         drop((rotary, full, window));
         let merged = self.merger(runner, "merger", &hidden, false)?;

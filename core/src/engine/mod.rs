@@ -12,8 +12,9 @@
 //!    ◄── Event::Chunk … Event::Finished (per request, unbounded channel)
 //! ```
 //!
-//! - **Start-up** ([`Engine::start`]) is [`profile_startup`]: snapshot, weights, a run of the
-//!   largest item times the most items per batch, and the refusal, with the numbers, when the
+//! - **Start-up** ([`Engine::start`]) is [`profile_startup`]: snapshot, weights, sizing a step
+//!   of the largest item times the most items per batch (a dry run by default, a measured run
+//!   with [`ProfileMode::Real`]), and the refusal, with the numbers, when the
 //!   device has less free memory than `device_memory_utilization` asks for. Its before- and
 //!   after-start snapshots are the baselines the resets are measured against.
 //! - **Resets** each report what they released: [`Engine::reset_mm_cache`] (processor cache),
@@ -59,7 +60,9 @@ use crate::preprocess::{
     AlphaMode, DecodeLimits, PreprocessError, PreprocessedImage, ProcessorConfig, decode_rgb,
     item_hash, preprocess_rgb,
 };
-use crate::profile::{ProfileError, ProfileRequest, StartupProfile, profile_startup};
+use crate::profile::{
+    ProfileError, ProfileMode, ProfileRequest, ProgressSink, StartupProfile, profile_startup,
+};
 use crate::scheduler::Scheduler;
 use admission::{Admission, AdmissionConfig, Permit, estimate_tokens};
 use api::{
@@ -86,6 +89,10 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Share of the device's total memory iris may use, in `(0, 1]`.
     pub device_memory_utilization: f64,
+    /// How start-up sizes the largest step (a dry run by default).
+    pub profile_mode: ProfileMode,
+    /// Where start-up reports its progress (nowhere by default).
+    pub progress: ProgressSink,
     /// Bound of the processor cache in bytes of preprocessed payload (0 disables it).
     pub processor_cache_bytes: u64,
     /// Decoder limits (a second line of defence behind the server's header check).
@@ -106,6 +113,8 @@ impl EngineConfig {
             dtype: DType::F32,
             scheduler: SchedulerConfig::default(),
             device_memory_utilization: crate::profile::DEFAULT_DEVICE_MEMORY_UTILIZATION,
+            profile_mode: ProfileMode::default(),
+            progress: ProgressSink::default(),
             processor_cache_bytes: DEFAULT_PROCESSOR_CACHE_BYTES,
             decode_limits: DecodeLimits::default(),
             admission: AdmissionConfig::default(),
@@ -823,6 +832,8 @@ fn start_worker(
         dtype: config.dtype,
         scheduler: config.scheduler.clone(),
         device_memory_utilization: config.device_memory_utilization,
+        mode: config.profile_mode,
+        progress: config.progress.clone(),
     };
     let (tower, profile) = profile_startup(&allocator, &request)?;
     let budget = EncoderBudget::new(

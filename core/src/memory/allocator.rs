@@ -30,6 +30,13 @@
 //! When the device reports out of memory, the allocator empties its cache and retries once
 //! (counted in [`AllocatorStats::oom_retries`]); if that fails too, it reports
 //! [`AllocError::OutOfMemory`] with the request, its own figures and the device's.
+//!
+//! [`CachingAllocator::dry_run`] copies the books (segments, blocks, free lists, counters) into
+//! an allocator over *virtual* memory of the device's free size: the same code takes the same
+//! decisions for the same requests (rounding, best fit, splitting, segment sizes, the
+//! empty-and-retry and the fallback to an exact segment), but a new segment is a number, not
+//! device memory. Its peaks are what the real allocator would reach for the same sequence of
+//! allocations and frees, which is how start-up sizes a step without running it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -224,11 +231,19 @@ pub struct CachingAllocator {
     state: Mutex<State>,
 }
 
+/// Device memory a dry-run allocator draws its segments from: a count of free bytes.
+#[derive(Debug, Clone, Copy)]
+struct VirtualMemory {
+    free: u64,
+    total: u64,
+}
+
 impl fmt::Debug for CachingAllocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CachingAllocator")
             .field("device", &self.device)
             .field("stats", &self.stats())
+            .field("dry_run", &self.is_dry_run())
             .finish()
     }
 }
@@ -245,6 +260,55 @@ impl CachingAllocator {
     /// The device the memory comes from.
     pub fn device(&self) -> &Arc<Device> {
         &self.device
+    }
+
+    /// A copy of this allocator's books over virtual memory of the device's current free size,
+    /// with the peaks reset: allocating from it decides exactly as this allocator would from
+    /// its present state (the same blocks reused, split and merged, the same segments created
+    /// and, under pressure, emptied), but no device memory is touched, so its peaks are those a
+    /// real run of the same allocations would reach. Its buffers have no memory: reading or
+    /// writing them is an error, and their handles are null.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use iris_core::memory::CachingAllocator;
+    /// let plugin = iris_plugin::Plugin::builtin(iris_device_cpu::plugin_root());
+    /// let device = Arc::new(plugin.open(0, &[("capacity".into(), "64MiB".into())])?);
+    /// let allocator = CachingAllocator::new(device);
+    /// let dry = allocator.dry_run()?;
+    /// let buffer = dry.alloc(3 << 20)?;
+    /// // A 20 MiB segment, as the real allocator would create for 3 MiB, on paper only.
+    /// assert_eq!(dry.stats().peak_reserved, 20 << 20);
+    /// assert_eq!(allocator.stats().reserved, 0);
+    /// assert!(buffer.write(0, &[1]).is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// The device's error when it cannot report its free memory.
+    pub fn dry_run(&self) -> Result<Arc<CachingAllocator>, AllocError> {
+        let info = self.device.mem_info()?;
+        let state = self.lock();
+        let mut copy = state.copy_books();
+        copy.stats.peak_allocated = copy.stats.allocated;
+        copy.stats.peak_reserved = copy.stats.reserved;
+        copy.virtual_memory = Some(match state.virtual_memory {
+            Some(memory) => memory,
+            None => VirtualMemory {
+                free: info.free,
+                total: info.total,
+            },
+        });
+        drop(state);
+        Ok(Arc::new(CachingAllocator {
+            device: Arc::clone(&self.device),
+            state: Mutex::new(copy),
+        }))
+    }
+
+    /// Whether this allocator is a [`CachingAllocator::dry_run`] copy (its memory is virtual).
+    pub fn is_dry_run(&self) -> bool {
+        self.lock().virtual_memory.is_some()
     }
 
     /// Allocates at least `bytes` bytes: rounds to the size class, reuses the best-fitting
@@ -400,7 +464,7 @@ impl CachingAllocator {
         match state.new_segment(&self.device, pool, size, rounded) {
             Ok(segment) => return Ok(segment),
             Err(err) if err.is_out_of_memory() => {}
-            Err(err) => return Err(err.into()),
+            Err(err) => return Err(err.into_alloc_error()),
         }
         state.stats.oom_retries += 1;
         if let Err(err) = state.release_cached(&self.device) {
@@ -411,18 +475,21 @@ impl CachingAllocator {
         match state.new_segment(&self.device, pool, size, rounded) {
             Ok(segment) => Ok(segment),
             Err(err) if err.is_out_of_memory() => {
-                let info = self.device.mem_info().ok();
+                let info = match state.virtual_memory {
+                    Some(memory) => Some((memory.free, memory.total)),
+                    None => self.device.mem_info().ok().map(|i| (i.free, i.total)),
+                };
                 Err(AllocError::OutOfMemory {
                     requested,
                     rounded,
                     allocated: state.stats.allocated,
                     reserved: state.stats.reserved,
-                    device_free: info.map(|info| info.free),
-                    device_total: info.map(|info| info.total),
-                    message: err.message,
+                    device_free: info.map(|info| info.0),
+                    device_total: info.map(|info| info.1),
+                    message: err.message(),
                 })
             }
-            Err(err) => Err(err.into()),
+            Err(err) => Err(err.into_alloc_error()),
         }
     }
 
@@ -601,6 +668,12 @@ impl DeviceBuffer {
 
     /// The segment offset of `[offset, offset + bytes)` after checking it lies in the buffer.
     fn check_range(&self, op: &'static str, offset: u64, bytes: usize) -> Result<u64, AllocError> {
+        if self.allocator.is_dry_run() {
+            return Err(AllocError::InvalidArgument {
+                argument: "buffer",
+                message: format!("{op} of a dry-run buffer, which has no memory"),
+            });
+        }
         let bytes = u64::try_from(bytes).unwrap_or(u64::MAX);
         match offset.checked_add(bytes) {
             Some(end) if end <= self.len => Ok(self.offset + offset),
@@ -654,9 +727,106 @@ struct State {
     /// A failure of queued device work that a reader on another thread (a memory snapshot)
     /// ran into first; [`CachingAllocator::synchronize`] hands it to the owner of the work.
     deferred_failure: Option<DeviceError>,
+    /// Set in a dry-run copy: segments come from this count instead of the device.
+    virtual_memory: Option<VirtualMemory>,
+}
+
+/// Why a segment could not be created.
+enum SegmentError {
+    /// The device's error.
+    Device(DeviceError),
+    /// A dry run's virtual memory is exhausted.
+    VirtualOutOfMemory { size: u64, free: u64 },
+}
+
+impl SegmentError {
+    fn is_out_of_memory(&self) -> bool {
+        match self {
+            SegmentError::Device(err) => err.is_out_of_memory(),
+            SegmentError::VirtualOutOfMemory { .. } => true,
+        }
+    }
+
+    fn message(self) -> String {
+        match self {
+            SegmentError::Device(err) => err.message,
+            SegmentError::VirtualOutOfMemory { size, free } => {
+                format!("dry run: a segment of {size} bytes does not fit in {free} free bytes")
+            }
+        }
+    }
+
+    fn into_alloc_error(self) -> AllocError {
+        match self {
+            SegmentError::Device(err) => err.into(),
+            virtual_oom @ SegmentError::VirtualOutOfMemory { .. } => AllocError::InvalidArgument {
+                argument: "bytes",
+                message: virtual_oom.message(),
+            },
+        }
+    }
 }
 
 impl State {
+    /// The books without the device's deferred failure, every segment's handle null (a copy's
+    /// segments are not the device's to touch).
+    fn copy_books(&self) -> State {
+        State {
+            segments: self
+                .segments
+                .iter()
+                .map(|(&id, seg)| {
+                    let copy = Segment {
+                        handle: BufferHandle::NULL,
+                        size: seg.size,
+                        pool: seg.pool,
+                        blocks: seg.blocks.clone(),
+                    };
+                    (id, copy)
+                })
+                .collect(),
+            small_free: self.small_free.clone(),
+            large_free: self.large_free.clone(),
+            next_segment: self.next_segment,
+            stats: self.stats,
+            deferred_failure: None,
+            virtual_memory: self.virtual_memory,
+        }
+    }
+
+    /// A raw allocation from the device, or from the virtual memory of a dry run.
+    fn raw_alloc(&mut self, device: &Device, size: u64) -> Result<BufferHandle, SegmentError> {
+        match &mut self.virtual_memory {
+            Some(memory) => {
+                if size > memory.free {
+                    return Err(SegmentError::VirtualOutOfMemory {
+                        size,
+                        free: memory.free,
+                    });
+                }
+                memory.free -= size;
+                Ok(BufferHandle::NULL)
+            }
+            None => device.alloc(size).map_err(SegmentError::Device),
+        }
+    }
+
+    /// Returns a segment's raw allocation to the device, or to a dry run's virtual memory.
+    fn raw_free(
+        &mut self,
+        device: &Device,
+        handle: BufferHandle,
+        size: u64,
+    ) -> Result<(), DeviceError> {
+        match &mut self.virtual_memory {
+            Some(memory) => {
+                memory.free += size;
+                Ok(())
+            }
+            None => device.free(handle),
+        }
+    }
+
     fn free_set(&mut self, pool: PoolKind) -> &mut BTreeSet<FreeKey> {
         match pool {
             PoolKind::Small => &mut self.small_free,
@@ -784,11 +954,11 @@ impl State {
         pool: PoolKind,
         size: u64,
         rounded: u64,
-    ) -> Result<(u64, u64), DeviceError> {
-        let (handle, size) = match device.alloc(size) {
+    ) -> Result<(u64, u64), SegmentError> {
+        let (handle, size) = match self.raw_alloc(device, size) {
             Ok(handle) => (handle, size),
             Err(err) if err.is_out_of_memory() && rounded < size => {
-                (device.alloc(rounded)?, rounded)
+                (self.raw_alloc(device, rounded)?, rounded)
             }
             Err(err) => return Err(err),
         };
@@ -842,7 +1012,7 @@ impl State {
                 continue;
             };
             let (handle, size, pool) = (seg.handle, seg.size, seg.pool);
-            match device.free(handle) {
+            match self.raw_free(device, handle, size) {
                 Ok(()) => {
                     self.segments.remove(&id);
                     self.free_set(pool).remove(&(size, id, 0));

@@ -160,3 +160,81 @@ proptest! {
         prop_assert_eq!(stats.reserved, 0);
     }
 }
+
+/// Segments as layouts (size, pool, blocks), without the handles a dry-run copy leaves null.
+fn layout(allocator: &CachingAllocator) -> Vec<(u64, super::PoolKind, Vec<super::BlockInfo>)> {
+    allocator
+        .segments()
+        .into_iter()
+        .map(|segment| (segment.size, segment.pool, segment.blocks))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A dry-run copy taken at any point takes the same decisions as the allocator it was taken
+    /// from, step for step: the same blocks, segments, counters and peaks, and out-of-memory
+    /// at the same requests (after the same empty-and-retry).
+    #[test]
+    fn a_dry_run_copy_decides_as_the_allocator_does(before in ops(), after in ops()) {
+        let allocator = crate::test_support::cpu_allocator(CAPACITY);
+        let mut held: Vec<DeviceBuffer> = Vec::new();
+        for op in before {
+            match op {
+                Op::Alloc(bytes) if held.len() < MAX_LIVE => {
+                    if let Ok(buffer) = allocator.alloc(bytes) {
+                        held.push(buffer);
+                    }
+                }
+                Op::Alloc(_) | Op::Free(_) => {
+                    if !held.is_empty() {
+                        held.swap_remove(0);
+                    }
+                }
+                Op::EmptyCache => {
+                    allocator.empty_cache().unwrap();
+                }
+            }
+        }
+        allocator.reset_peaks();
+        let dry = allocator.dry_run().unwrap();
+        prop_assert!(dry.is_dry_run() && !allocator.is_dry_run());
+        prop_assert_eq!(dry.stats(), allocator.stats());
+        let (mut real_live, mut dry_live) = (Vec::new(), Vec::new());
+        for op in after {
+            match op {
+                Op::Alloc(_) | Op::Free(_) if real_live.len() >= MAX_LIVE => {
+                    real_live.swap_remove(0);
+                    dry_live.swap_remove(0);
+                }
+                Op::Alloc(bytes) => match (allocator.alloc(bytes), dry.alloc(bytes)) {
+                    (Ok(real), Ok(copy)) => {
+                        prop_assert_eq!((real.offset(), real.capacity()), (copy.offset(), copy.capacity()));
+                        prop_assert!(copy.handle().is_null());
+                        real_live.push(real);
+                        dry_live.push(copy);
+                    }
+                    (Err(AllocError::OutOfMemory { .. }), Err(AllocError::OutOfMemory { .. })) => {}
+                    (real, copy) => panic!("alloc({bytes}): {real:?} vs dry run {copy:?}"),
+                },
+                Op::Free(index) => {
+                    if !real_live.is_empty() {
+                        let index = index % real_live.len();
+                        real_live.swap_remove(index);
+                        dry_live.swap_remove(index);
+                    }
+                }
+                Op::EmptyCache => {
+                    prop_assert_eq!(allocator.empty_cache().unwrap(), dry.empty_cache().unwrap());
+                }
+            }
+            prop_assert_eq!(dry.stats(), allocator.stats());
+            prop_assert_eq!(layout(&dry), layout(&allocator));
+            dry.check_invariants().unwrap();
+        }
+        // The copy never touched the device: what it holds is the real allocator's only.
+        drop((dry_live, dry));
+        prop_assert_eq!(used(&allocator), allocator.stats().reserved);
+    }
+}

@@ -129,6 +129,19 @@ impl MemoryProfile {
         }
     }
 
+    /// The same profile with the peak activation increase replaced by `peak` (a dry run's
+    /// figure for a step that was not run) and `non_cache_memory` recomputed.
+    pub fn with_peak_increase(self, peak: u64) -> MemoryProfile {
+        MemoryProfile {
+            peak_increase: peak,
+            non_cache_memory: self
+                .weights
+                .saturating_add(peak)
+                .saturating_add(self.non_allocator_increase),
+            ..self
+        }
+    }
+
     /// Bytes left for the encoder cache and downstream use out of `requested` (see
     /// [`requested_memory`]): `requested - non_cache_memory`, an error when nothing is left.
     pub fn available(&self, requested: u64) -> Result<u64, AllocError> {

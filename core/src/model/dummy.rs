@@ -31,19 +31,33 @@ pub fn dummy_weights(
     dtype: DType,
     seed: u64,
 ) -> Result<HostWeights, ModelError> {
+    dummy_weights_with_progress(config, dtype, seed, &mut |_| {})
+}
+
+/// [`dummy_weights`], calling `made_bytes` with the bytes made so far after each tensor.
+pub(crate) fn dummy_weights_with_progress(
+    config: &VisionConfig,
+    dtype: DType,
+    seed: u64,
+    made_bytes: &mut dyn FnMut(u64),
+) -> Result<HostWeights, ModelError> {
     if dtype.size().is_none() {
         return Err(ModelError::UnsupportedDtype { dtype });
     }
     config.validate()?;
     let mut tensors = BTreeMap::new();
+    let mut done = 0u64;
     for spec in config.weight_specs() {
         let values = dummy_values(seed, &spec.name, spec.numel(), spec.kind);
+        let bytes = encode_f32(&values, dtype);
+        done += bytes.len() as u64;
+        made_bytes(done);
         tensors.insert(
             spec.name,
             HostTensor {
                 dtype,
                 shape: spec.shape,
-                bytes: encode_f32(&values, dtype),
+                bytes,
             },
         );
     }

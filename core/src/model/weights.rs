@@ -343,9 +343,24 @@ pub enum WeightSource {
 impl WeightSource {
     /// Produces the weights `config` needs, in `dtype`.
     pub fn load(&self, config: &VisionConfig, dtype: DType) -> Result<HostWeights, ModelError> {
+        self.load_with_progress(config, dtype, &mut |_| {})
+    }
+
+    /// [`WeightSource::load`], calling `loaded_bytes` with the bytes (in `dtype`) produced so
+    /// far after each tensor; [`VisionConfig::weight_bytes`] is the total.
+    pub fn load_with_progress(
+        &self,
+        config: &VisionConfig,
+        dtype: DType,
+        loaded_bytes: &mut dyn FnMut(u64),
+    ) -> Result<HostWeights, ModelError> {
         match self {
-            WeightSource::Dummy { seed } => super::dummy_weights(config, dtype, *seed),
-            WeightSource::Safetensors(paths) => load_safetensors(paths, config, dtype),
+            WeightSource::Dummy { seed } => {
+                super::dummy::dummy_weights_with_progress(config, dtype, *seed, loaded_bytes)
+            }
+            WeightSource::Safetensors(paths) => {
+                read_safetensors(paths, config, dtype, loaded_bytes)
+            }
         }
     }
 }
@@ -359,6 +374,16 @@ pub fn load_safetensors(
     paths: &[PathBuf],
     config: &VisionConfig,
     dtype: DType,
+) -> Result<HostWeights, ModelError> {
+    read_safetensors(paths, config, dtype, &mut |_| {})
+}
+
+/// [`load_safetensors`] with a progress callback (bytes converted so far).
+fn read_safetensors(
+    paths: &[PathBuf],
+    config: &VisionConfig,
+    dtype: DType,
+    loaded_bytes: &mut dyn FnMut(u64),
 ) -> Result<HostWeights, ModelError> {
     if dtype.size().is_none() {
         return Err(ModelError::UnsupportedDtype { dtype });
@@ -386,6 +411,7 @@ pub fn load_safetensors(
     // Headers of index shards are read only now, and only for shards holding needed tensors.
     let mut tensors = BTreeMap::new();
     let mut files: HashMap<PathBuf, OpenFile> = HashMap::new();
+    let mut done = 0u64;
     for spec in &specs {
         let full = format!("{prefix}{}", spec.name);
         let file_path = catalog.file_of(&full)?;
@@ -422,6 +448,8 @@ pub fn load_safetensors(
         };
         let raw = file.read_range(&file_path, data_start, &info)?;
         let bytes = convert(raw, from, dtype);
+        done += bytes.len() as u64;
+        loaded_bytes(done);
         tensors.insert(
             spec.name.clone(),
             HostTensor {

@@ -1,0 +1,232 @@
+//! Start-up sizing: the dry run's peak against a real run of the same largest-item step, per
+//! model family and dtype, on the CPU device.
+//!
+//! Each tower is its published preset cut to two blocks (the block indexes that select full
+//! attention and deepstack outputs moved inside them) with the processor's pixel limit lowered
+//! so that the largest item is 16 x 16 patches: the real step then runs in seconds, while its
+//! tensors, at the presets' real widths, still cover both pools of the allocator (workspaces and
+//! bf16 rows in the small one, activations of a few MiB sharing 20 MiB segments).
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use iris_core::budget::SchedulerConfig;
+use iris_core::memory::CachingAllocator;
+use iris_core::model::{ModelSpec, WeightSource};
+use iris_core::profile::{
+    ProfileMode, ProfileRequest, ProgressSink, StartupPhase, StartupProfile, StartupProgress,
+    profile_startup,
+};
+use iris_plugin::{DType, Plugin};
+
+/// Patches along each side of the largest item.
+const SIDE_PATCHES: u32 = 16;
+
+/// Side in pixels of the largest item for a patch of `patch` pixels.
+fn largest_side(patch: u32) -> u64 {
+    u64::from(patch * SIDE_PATCHES)
+}
+
+/// `preset` cut to two blocks, its largest item [`SIDE_PATCHES`] patches square.
+fn small_spec(preset: &str) -> ModelSpec {
+    let mut spec = ModelSpec::preset(preset).expect("the preset exists");
+    let vision = &mut spec.vision;
+    vision.depth = 2;
+    if !vision.fullatt_block_indexes.is_empty() {
+        vision.fullatt_block_indexes = vec![1];
+    }
+    if !vision.deepstack_visual_indexes.is_empty() {
+        vision.deepstack_visual_indexes = vec![0, 1];
+    }
+    let side = largest_side(spec.processor.patch_size);
+    spec.processor.max_pixels = side * side;
+    spec
+}
+
+fn allocator() -> Arc<CachingAllocator> {
+    let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
+    let device = plugin
+        .open(0, &[("capacity".into(), "4GiB".into())])
+        .expect("the CPU device opens");
+    CachingAllocator::new(Arc::new(device))
+}
+
+fn profile(
+    spec: &ModelSpec,
+    dtype: DType,
+    mode: ProfileMode,
+    progress: ProgressSink,
+) -> StartupProfile {
+    let request = ProfileRequest {
+        spec: spec.clone(),
+        weights: WeightSource::Dummy { seed: 7 },
+        dtype,
+        // Two largest items a step (64 tokens each): a batch, not one item, is what is sized.
+        scheduler: SchedulerConfig {
+            max_num_batched_tokens: 128,
+            ..SchedulerConfig::default()
+        },
+        device_memory_utilization: 0.9,
+        mode,
+        progress,
+    };
+    let allocator = allocator();
+    let (tower, report) = profile_startup(&allocator, &request).expect("start-up profiling");
+    drop(tower);
+    // Nothing of either run stays allocated beyond the tower, which is gone now.
+    assert_eq!(allocator.stats().allocated, 0, "{mode} left blocks behind");
+    report
+}
+
+/// The dry run's peak covers the real step's, allocated and reserved, and is in fact equal
+/// to the larger of the two: the dry-run allocator took the real one's decisions.
+fn check(preset: &str, dtype: DType) {
+    let spec = small_spec(preset);
+    let dry = profile(&spec, dtype, ProfileMode::Dry, ProgressSink::default());
+    let real = profile(&spec, dtype, ProfileMode::Real, ProgressSink::default());
+    assert_eq!(
+        dry.max_item_grid,
+        [1, SIDE_PATCHES, SIDE_PATCHES],
+        "{preset}: the sized item"
+    );
+    assert_eq!(dry.max_item_grid, real.max_item_grid);
+    assert_eq!((dry.items_per_batch, real.items_per_batch), (2, 2));
+    assert_eq!((dry.mode, real.mode), (ProfileMode::Dry, ProfileMode::Real));
+
+    let before = real.profile.before_profile;
+    let after = real.profile.after_profile;
+    let real_allocated = after.allocator_peak_allocated - before.allocator_allocated;
+    let real_reserved = after.allocator_peak_reserved - before.allocator_reserved;
+    assert_eq!(real.peak_activation_bytes, real_allocated);
+    let predicted = dry.peak_activation_bytes;
+    assert!(
+        predicted >= real_allocated && predicted >= real_reserved,
+        "{preset} {dtype}: dry-run peak {predicted} below the real step's (allocated \
+         {real_allocated}, reserved {real_reserved})"
+    );
+    assert_eq!(
+        predicted,
+        real_allocated.max(real_reserved),
+        "{preset} {dtype}: the dry run should take the real allocator's decisions"
+    );
+    // The plan of live tensors alone does not see the allocator's additions; the dry run does.
+    assert!(predicted >= dry.planned_peak_activation_bytes);
+    // The budget that follows is the same whichever way the peak was found.
+    assert_eq!(dry.weights_bytes, real.weights_bytes);
+    assert_eq!(
+        dry.profile.non_cache_memory,
+        dry.weights_bytes + predicted + dry.non_allocator_growth_bytes
+    );
+}
+
+#[test]
+fn dry_run_covers_a_real_qwen2_vl_step_in_f32() {
+    check("qwen2-vl-2b", DType::F32);
+}
+
+#[test]
+fn dry_run_covers_a_real_qwen2_vl_step_in_bf16() {
+    check("qwen2-vl-2b", DType::BF16);
+}
+
+#[test]
+fn dry_run_covers_a_real_qwen2_5_vl_step_in_f32() {
+    check("qwen2.5-vl-3b", DType::F32);
+}
+
+#[test]
+fn dry_run_covers_a_real_qwen2_5_vl_step_in_bf16() {
+    check("qwen2.5-vl-3b", DType::BF16);
+}
+
+#[test]
+fn dry_run_covers_a_real_qwen3_vl_deepstack_step_in_f32() {
+    check("qwen3-vl-2b", DType::F32);
+}
+
+#[test]
+fn dry_run_covers_a_real_qwen3_vl_deepstack_step_in_bf16() {
+    check("qwen3-vl-2b", DType::BF16);
+}
+
+/// What a [`StartupProgress`] was told, in order.
+#[derive(Default)]
+struct Recorder(Mutex<Vec<(StartupPhase, &'static str, u64)>>);
+
+impl StartupProgress for Recorder {
+    fn begin(&self, phase: StartupPhase, _what: &str, total: u64) {
+        self.push(phase, "begin", total);
+    }
+
+    fn advance(&self, phase: StartupPhase, done: u64) {
+        self.push(phase, "advance", done);
+    }
+
+    fn finish(&self, phase: StartupPhase, _elapsed: Duration) {
+        self.push(phase, "finish", 0);
+    }
+}
+
+impl Recorder {
+    fn push(&self, phase: StartupPhase, event: &'static str, count: u64) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((phase, event, count));
+    }
+}
+
+#[test]
+fn every_phase_reports_its_progress_to_its_total_and_its_time() {
+    let spec = small_spec("qwen2-vl-2b");
+    let recorder = Arc::new(Recorder::default());
+    let report = profile(
+        &spec,
+        DType::BF16,
+        ProfileMode::Dry,
+        ProgressSink(Arc::clone(&recorder) as Arc<dyn StartupProgress>),
+    );
+    let events = recorder.0.lock().unwrap().clone();
+    let weight_bytes = spec.vision.weight_bytes(DType::BF16).unwrap();
+    for (phase, total) in [
+        (StartupPhase::ReadWeights, weight_bytes),
+        (StartupPhase::UploadWeights, weight_bytes),
+        (StartupPhase::Profile, 2),
+    ] {
+        let mine: Vec<_> = events.iter().filter(|e| e.0 == phase).collect();
+        assert_eq!(
+            mine.first().map(|e| (e.1, e.2)),
+            Some(("begin", total)),
+            "{phase:?}"
+        );
+        assert_eq!(mine.last().map(|e| e.1), Some("finish"), "{phase:?}");
+        let advances: Vec<u64> = mine
+            .iter()
+            .filter(|e| e.1 == "advance")
+            .map(|e| e.2)
+            .collect();
+        assert!(
+            advances.windows(2).all(|w| w[0] <= w[1]),
+            "{phase:?}: {advances:?}"
+        );
+        assert_eq!(advances.last(), Some(&total), "{phase:?} reaches its total");
+    }
+    let order: Vec<StartupPhase> = events
+        .iter()
+        .filter(|e| e.1 == "begin")
+        .map(|e| e.0)
+        .collect();
+    assert_eq!(
+        order,
+        [
+            StartupPhase::ReadWeights,
+            StartupPhase::UploadWeights,
+            StartupPhase::Profile
+        ]
+    );
+    let t = report.timings;
+    assert!(
+        t.read_weights_s >= 0.0 && t.upload_weights_s >= 0.0 && t.profile_s > 0.0,
+        "{t:?}"
+    );
+}
