@@ -458,21 +458,18 @@ impl Epd {
                 missing.push((index, Some(guard)));
             }
         }
-        let mut permit = Some(permit);
-        self.encode_and_write(
-            engine,
+        let batch = Batch {
             producer,
-            &mut permit,
-            &images,
-            &identifiers,
-            &plans,
+            images: &images,
+            identifiers: &identifiers,
+            plans: &plans,
             overrides,
-            &layout,
+            layout: &layout,
             dtype,
-            &missing,
-            &mut stored,
-        )
-        .await?;
+        };
+        let mut permit = Some(permit);
+        self.encode_and_write(engine, &batch, &mut permit, &missing, &mut stored)
+            .await?;
         drop(missing);
         // Then the items another request was producing: its entry, or (if it failed) our own.
         let mut missing: Vec<(usize, Option<ClaimGuard>)> = Vec::new();
@@ -485,20 +482,8 @@ impl Epd {
                 missing.push((index, None));
             }
         }
-        self.encode_and_write(
-            engine,
-            producer,
-            &mut permit,
-            &images,
-            &identifiers,
-            &plans,
-            overrides,
-            &layout,
-            dtype,
-            &missing,
-            &mut stored,
-        )
-        .await?;
+        self.encode_and_write(engine, &batch, &mut permit, &missing, &mut stored)
+            .await?;
         // Repeats share their first occurrence's outcome.
         for (index, id) in identifiers.iter().enumerate() {
             stored[index] = stored[first[id.as_str()]];
@@ -530,19 +515,12 @@ impl Epd {
             .map_err(ProduceError::from)
     }
 
-    /// Encodes the `missing` items in one engine request and writes each entry.
-    #[allow(clippy::too_many_arguments)]
+    /// Encodes the `missing` items of `batch` in one engine request and writes each entry.
     async fn encode_and_write<E: Engine, G: Send + 'static>(
         &self,
         engine: &E,
-        producer: &Arc<Producer>,
+        batch: &Batch<'_>,
         permit: &mut Option<E::Permit>,
-        images: &[ImageInput],
-        identifiers: &[String],
-        plans: &[ImagePlan],
-        overrides: ProcessorOverrides,
-        layout: &OutputLayout,
-        dtype: EcDtype,
         missing: &[(usize, Option<G>)],
         stored: &mut [Stored],
     ) -> Result<(), ProduceError> {
@@ -581,6 +559,17 @@ impl Epd {
         }
         Ok(())
     }
+}
+
+/// One request's items and what is known of them, for [`Epd::encode_and_write`].
+struct Batch<'a> {
+    producer: &'a Arc<Producer>,
+    images: &'a [ImageInput],
+    identifiers: &'a [String],
+    plans: &'a [ImagePlan],
+    overrides: ProcessorOverrides,
+    layout: &'a OutputLayout,
+    dtype: EcDtype,
 }
 
 fn options(processor: ProcessorOverrides, return_embeddings: bool) -> EncodeOptions {
