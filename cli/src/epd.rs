@@ -21,12 +21,12 @@ use iris_core::engine::api::{
 };
 use iris_ec::config::{ConnectorConfig, EcRole, EcTransferConfig};
 use iris_ec::identifier::{
-    HashAlgorithm, HashFactors, IdentifierError, ItemSource, OrderedJson, item_identifier,
-    merge_media_io_kwargs,
+    HashAlgorithm, HashFactors, IdentifierError, ItemSource, JsonValue, OrderedJson,
+    item_identifier, merge_media_io_kwargs,
 };
 use iris_ec::storage::{
-    Claim, EcDtype, EntryShape, Lookup, SharedStorage, StoreError, StoreStats, check_identifier,
-    pack_rows, wait_for_owner,
+    Claim, ClaimGuard, EcDtype, EntryShape, Lookup, SharedStorage, StoreError, StoreStats,
+    check_identifier, pack_rows, wait_for_owner,
 };
 use iris_plugin::DType;
 
@@ -115,9 +115,9 @@ impl EpdArgs {
         .context("--media-io-kwargs")?;
         let config = match (&self.ec_transfer_config, file_config) {
             (Some(json), _) => Some(EcTransferConfig::parse(json)?),
-            (None, Some(serde_json::Value::Object(map))) => Some(
-                EcTransferConfig::from_map(map).context("config file, [ec_transfer_config]")?,
-            ),
+            (None, Some(serde_json::Value::Object(map))) => {
+                Some(EcTransferConfig::from_map(map).context("config file, [ec_transfer_config]")?)
+            }
             (None, Some(_)) => anyhow::bail!("config file: [ec_transfer_config] must be a table"),
             (None, None) => None,
         };
@@ -128,7 +128,10 @@ impl EpdArgs {
             None => None,
             Some(config) => {
                 let ConnectorConfig::SharedStorage { path } = &config.connector else {
-                    anyhow::bail!("--ec-transfer-config: connector {} is not supported", config.connector.name());
+                    anyhow::bail!(
+                        "--ec-transfer-config: connector {} is not supported",
+                        config.connector.name()
+                    );
                 };
                 let store = SharedStorage::open(path.clone(), self.ec_storage_max_bytes)?;
                 let write_seconds = prometheus::Histogram::with_opts(
@@ -303,10 +306,16 @@ pub fn processor_overrides(factors: &HashFactors) -> Result<ProcessorOverrides, 
         .unwrap_or_default()
     {
         let pixels = || {
-            value
-                .as_u64()
-                .filter(|v| *v > 0)
-                .ok_or_else(|| bad(format!("mm_processor_kwargs.{key} must be a positive integer")))
+            let number = match value {
+                JsonValue::Int(v) => u64::try_from(*v).ok(),
+                JsonValue::UInt(v) => Some(*v),
+                _ => None,
+            };
+            number.filter(|v| *v > 0).ok_or_else(|| {
+                bad(format!(
+                    "mm_processor_kwargs.{key} must be a positive integer"
+                ))
+            })
         };
         match key.as_str() {
             "min_pixels" => overrides.min_pixels = Some(pixels()?),
@@ -438,26 +447,54 @@ impl Epd {
         // Our own items first, so that no claim is held while waiting for another's.
         let mut missing = Vec::new();
         for (index, guard) in owned {
-            let lookup = self.lookup(producer, &identifiers[index], shape_of(index)).await?;
+            let lookup = self
+                .lookup(producer, &identifiers[index], shape_of(index))
+                .await?;
             if lookup != Lookup::Hit {
                 missing.push((index, Some(guard)));
             }
         }
         let mut permit = Some(permit);
-        self.encode_and_write(engine, producer, &mut permit, &images, &identifiers, &plans, overrides, &layout, dtype, &missing, &mut stored)
-            .await?;
+        self.encode_and_write(
+            engine,
+            producer,
+            &mut permit,
+            &images,
+            &identifiers,
+            &plans,
+            overrides,
+            &layout,
+            dtype,
+            &missing,
+            &mut stored,
+        )
+        .await?;
         drop(missing);
         // Then the items another request was producing: its entry, or (if it failed) our own.
-        let mut missing = Vec::new();
+        let mut missing: Vec<(usize, Option<ClaimGuard>)> = Vec::new();
         for (index, receiver) in waiting {
             wait_for_owner(receiver).await;
-            let lookup = self.lookup(producer, &identifiers[index], shape_of(index)).await?;
+            let lookup = self
+                .lookup(producer, &identifiers[index], shape_of(index))
+                .await?;
             if lookup != Lookup::Hit {
                 missing.push((index, None));
             }
         }
-        self.encode_and_write(engine, producer, &mut permit, &images, &identifiers, &plans, overrides, &layout, dtype, &missing, &mut stored)
-            .await?;
+        self.encode_and_write(
+            engine,
+            producer,
+            &mut permit,
+            &images,
+            &identifiers,
+            &plans,
+            overrides,
+            &layout,
+            dtype,
+            &missing,
+            &mut stored,
+        )
+        .await?;
         // Repeats share their first occurrence's outcome.
         for (index, id) in identifiers.iter().enumerate() {
             stored[index] = stored[first[id.as_str()]];
@@ -518,9 +555,7 @@ impl Epd {
             .iter()
             .map(|(index, _)| images[*index].clone())
             .collect();
-        let results = engine
-            .encode(slot, batch, options(overrides, true))
-            .await?;
+        let results = engine.encode(slot, batch, options(overrides, true)).await?;
         let mut writes = Vec::with_capacity(missing.len());
         for ((index, _), result) in missing.iter().zip(results) {
             let shape = entry_shape(&plans[*index], layout, dtype);
@@ -531,9 +566,7 @@ impl Epd {
             for (identifier, shape, result) in writes {
                 let rows = entry_rows(&result, &shape)?;
                 let report = producer.store.write(&identifier, &shape, &rows)?;
-                producer
-                    .write_seconds
-                    .observe(report.elapsed.as_secs_f64());
+                producer.write_seconds.observe(report.elapsed.as_secs_f64());
             }
             Ok(())
         })

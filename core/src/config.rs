@@ -222,13 +222,12 @@ impl Config {
                 "admission" => config.admission = section(origin, "admission", value)?,
                 "ec_transfer_config" => {
                     let table: Table = section(origin, "ec_transfer_config", value)?;
-                    let json = serde_json::to_value(table).map_err(|err| {
-                        ConfigError::InvalidValue {
+                    let json =
+                        serde_json::to_value(table).map_err(|err| ConfigError::InvalidValue {
                             origin: origin.to_owned(),
                             key: key.clone(),
                             message: err.to_string(),
-                        }
-                    })?;
+                        })?;
                     config.ec_transfer_config = Some(json);
                 }
                 _ => return Err(unknown_key(origin, &key, KNOWN)),

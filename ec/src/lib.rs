@@ -14,4 +14,9 @@
 //! translates requests. Dependencies point one way: `cli -> ec -> core -> plugins`.
 
 pub mod config;
+pub mod identifier;
 pub mod storage;
+
+pub use identifier::{
+    HashAlgorithm, HashFactors, ItemSource, OrderedJson, item_identifier, merge_media_io_kwargs,
+};

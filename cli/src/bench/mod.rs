@@ -179,9 +179,9 @@ pub fn run(
         Some(url) => runtime.block_on(run_against_url(url, &args.bench))?,
         None => {
             let epd = std::sync::Arc::new(args.epd.resolve(
-        &args.engine.model.model_id(),
-        global.config()?.ec_transfer_config.as_ref(),
-    )?);
+                &args.engine.model.model_id(),
+                global.config()?.ec_transfer_config.as_ref(),
+            )?);
             let engine = if args.bench.inject_faults {
                 std::sync::Arc::new(args.engine.start_with(global, inject_cpu_faults)?)
             } else {

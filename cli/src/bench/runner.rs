@@ -31,8 +31,8 @@ use super::report::{
 };
 use super::stats::{RequestOutcome, summarize};
 use super::workload::{EncodedImage, RequestRate, Workload, arrival_offsets};
-use crate::http::MetricsSnapshot;
 use crate::epd::{Epd, EpdRequest, Item, ProduceError, Stored};
+use crate::http::MetricsSnapshot;
 use crate::http::engine_api::{EncodeOptions, Engine, EngineError, ImageInput};
 
 /// Default interval between memory samples during the load.

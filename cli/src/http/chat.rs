@@ -151,7 +151,12 @@ pub fn parse_chat_request(
             ));
         }
         Some(other) => return Err(wrong_type("messages", "an array", other)),
-        None => return Err(ApiError::bad_request("missing_field", "messages is missing")),
+        None => {
+            return Err(ApiError::bad_request(
+                "missing_field",
+                "messages is missing",
+            ));
+        }
     };
     let mut items = Vec::new();
     for (m, message) in messages.iter().enumerate() {
@@ -276,7 +281,9 @@ fn parse_part(
         "video_url" | "video" | "video_embeds" | "input_audio" | "audio_url" | "audio_embeds" => {
             Err(ApiError::bad_request(
                 "unsupported_modality",
-                format!("{field}.type is {kind:?}: iris encodes images only (no video or audio yet)"),
+                format!(
+                    "{field}.type is {kind:?}: iris encodes images only (no video or audio yet)"
+                ),
             ))
         }
         "image_embeds" | "image_pil" | "prompt_embeds" => Err(ApiError::bad_request(
@@ -325,7 +332,9 @@ fn read_local_file(
     let Some(allowed) = &media.allowed_local_media_path else {
         return Err(ApiError::bad_request(
             "local_media_disabled",
-            format!("{field}: file:// URLs are refused unless iris serve runs with --allowed-local-media-path DIR"),
+            format!(
+                "{field}: file:// URLs are refused unless iris serve runs with --allowed-local-media-path DIR"
+            ),
         ));
     };
     let path = url
@@ -354,7 +363,9 @@ fn read_local_file(
     if !canonical.starts_with(allowed) || !canonical.is_file() {
         return Err(forbidden());
     }
-    let size = std::fs::metadata(&canonical).map_err(|_| forbidden())?.len();
+    let size = std::fs::metadata(&canonical)
+        .map_err(|_| forbidden())?
+        .len();
     if size > limits.max_body_bytes as u64 {
         return Err(ApiError::bad_request(
             "image_too_large",

@@ -55,10 +55,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 
+pub use chat::MediaAccess;
 pub use engine_api::{Engine, MemoryGauges, MetricsSnapshot, ResetReport};
 pub use error::ApiError;
 pub use metrics::{HttpMetrics, MetricsError};
-pub use chat::MediaAccess;
 pub use request::Limits;
 
 use crate::epd::{Epd, ProduceError, Stored};
@@ -298,9 +298,10 @@ async fn chat_completions<E: Engine>(
     );
     let limits = state.limits;
     let media = state.media.clone();
-    let parsed = tokio::task::spawn_blocking(move || chat::parse_chat_request(&body, &limits, &media))
-        .await
-        .map_err(|err| ApiError::internal(format!("request parsing task failed: {err}")))??;
+    let parsed =
+        tokio::task::spawn_blocking(move || chat::parse_chat_request(&body, &limits, &media))
+            .await
+            .map_err(|err| ApiError::internal(format!("request parsing task failed: {err}")))??;
     if let Some(model) = &parsed.model
         && *model != epd.served_model_name
     {
@@ -318,10 +319,7 @@ async fn chat_completions<E: Engine>(
         .produce(state.engine.as_ref(), permit, parsed.epd)
         .await
         .map_err(produce_error)?;
-    let hits = published
-        .iter()
-        .filter(|p| p.stored == Stored::Hit)
-        .count();
+    let hits = published.iter().filter(|p| p.stored == Stored::Hit).count();
     let hits = u64::try_from(hits).unwrap_or(u64::MAX);
     let total = u64::try_from(published.len()).unwrap_or(u64::MAX);
     state.metrics.observe_images(hits, total - hits);
@@ -555,5 +553,7 @@ fn body_rejection(rejection: &BytesRejection, limit: usize) -> ApiError {
     }
 }
 
+#[cfg(test)]
+mod chat_tests;
 #[cfg(test)]
 mod tests;

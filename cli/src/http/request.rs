@@ -322,7 +322,11 @@ fn collect_parts<'a>(
 }
 
 /// Parses `data:<media type>[;params];base64,<data>`, decodes it and checks the header.
-pub(crate) fn decode_image_url(field: &str, url: &str, limits: &Limits) -> Result<ImageInput, ApiError> {
+pub(crate) fn decode_image_url(
+    field: &str,
+    url: &str,
+    limits: &Limits,
+) -> Result<ImageInput, ApiError> {
     let lower_prefix = url.get(..8).unwrap_or(url).to_ascii_lowercase();
     if lower_prefix.starts_with("http://") || lower_prefix.starts_with("https://") {
         return Err(ApiError::bad_request(

@@ -14,7 +14,7 @@ use tower::ServiceExt;
 use super::test_engine::{FakeEngine, HIDDEN, WEIGHTS_BYTES};
 use super::*;
 
-fn png(w: u32, h: u32, seed: u8) -> Vec<u8> {
+pub(super) fn png(w: u32, h: u32, seed: u8) -> Vec<u8> {
     let img = image::RgbImage::from_fn(w, h, |x, y| {
         image::Rgb([x.to_le_bytes()[0], y.to_le_bytes()[0], seed])
     });
@@ -23,7 +23,7 @@ fn png(w: u32, h: u32, seed: u8) -> Vec<u8> {
     out.into_inner()
 }
 
-fn url(bytes: &[u8]) -> String {
+pub(super) fn url(bytes: &[u8]) -> String {
     format!("data:image/png;base64,{}", STANDARD.encode(bytes))
 }
 
@@ -32,7 +32,7 @@ fn app(config: ServerConfig) -> (Router, Arc<FakeEngine>) {
     (router(Arc::clone(&engine), config).unwrap(), engine)
 }
 
-async fn call(
+pub(super) async fn call(
     app: &Router,
     method: Method,
     path: &str,
@@ -50,7 +50,7 @@ async fn call(
     (status, String::from_utf8(bytes.to_vec()).unwrap())
 }
 
-async fn call_json(
+pub(super) async fn call_json(
     app: &Router,
     method: Method,
     path: &str,

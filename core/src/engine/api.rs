@@ -27,13 +27,16 @@ pub struct ProcessorOverrides {
     pub min_pixels: Option<u64>,
     /// Upper bound on resized pixels (at most the model's).
     pub max_pixels: Option<u64>,
+    /// The colour transparent images are pasted on (`media_io_kwargs.image.
+    /// rgba_background_color`); `None` keeps the model's alpha handling (white).
+    pub background: Option<[u8; 3]>,
 }
 
 impl ProcessorOverrides {
     /// Whether nothing is overridden.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.min_pixels.is_none() && self.max_pixels.is_none()
+        self.min_pixels.is_none() && self.max_pixels.is_none() && self.background.is_none()
     }
 }
 

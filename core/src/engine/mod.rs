@@ -56,8 +56,8 @@ use crate::encoder::exec::Runner;
 use crate::memory::{CachingAllocator, MemorySnapshot};
 use crate::model::{ModelSpec, WeightSource};
 use crate::preprocess::{
-    DecodeLimits, PreprocessError, PreprocessedImage, ProcessorConfig, decode_rgb, item_hash,
-    preprocess_rgb,
+    AlphaMode, DecodeLimits, PreprocessError, PreprocessedImage, ProcessorConfig, decode_rgb,
+    item_hash, preprocess_rgb,
 };
 use crate::profile::{ProfileError, ProfileRequest, StartupProfile, profile_startup};
 use crate::scheduler::Scheduler;
@@ -502,6 +502,9 @@ impl Engine {
         }
         if let Some(min_pixels) = overrides.min_pixels {
             processor.min_pixels = min_pixels;
+        }
+        if let Some(background) = overrides.background {
+            processor.alpha = AlphaMode::PasteOn(background);
         }
         if processor.min_pixels > processor.max_pixels {
             return Err(bad(format!(

@@ -56,6 +56,7 @@ const WITH_EMBEDDINGS: EncodeOptions = EncodeOptions {
     processor: ProcessorOverrides {
         min_pixels: None,
         max_pixels: None,
+        background: None,
     },
 };
 
@@ -188,15 +189,18 @@ async fn plan_reports_the_grids_encode_gives_and_request_processor_settings_appl
     // A narrower pixel range gives the grid the Qwen processor gives for it: 112x84 with
     // max_pixels 56*56 resizes to 56x56 (smart_resize keeps multiples of 28 under the bound).
     let narrow = ProcessorOverrides {
-        min_pixels: None,
         max_pixels: Some(56 * 56),
+        ..ProcessorOverrides::default()
     };
     let options = EncodeOptions {
         return_embeddings: true,
         processor: narrow,
     };
     let plans = engine.plan(&[input(image.clone())], &narrow).await.unwrap();
-    let results = engine.encode(vec![input(image.clone())], options).await.unwrap();
+    let results = engine
+        .encode(vec![input(image.clone())], options)
+        .await
+        .unwrap();
     assert_eq!(plans[0].grid_thw, results[0].grid_thw);
     assert!(plans[0].num_tokens < 12, "{plans:?}");
     assert_eq!(
@@ -207,8 +211,8 @@ async fn plan_reports_the_grids_encode_gives_and_request_processor_settings_appl
     for (overrides, needle) in [
         (
             ProcessorOverrides {
-                min_pixels: None,
                 max_pixels: Some(tiny_max + 1),
+                ..ProcessorOverrides::default()
             },
             "above the model's max_pixels",
         ),
@@ -216,11 +220,15 @@ async fn plan_reports_the_grids_encode_gives_and_request_processor_settings_appl
             ProcessorOverrides {
                 min_pixels: Some(56 * 56 * 4),
                 max_pixels: Some(56 * 56),
+                background: None,
             },
             "min_pixels 12544 is above max_pixels 3136",
         ),
     ] {
-        let err = engine.plan(&[input(image.clone())], &overrides).await.unwrap_err();
+        let err = engine
+            .plan(&[input(image.clone())], &overrides)
+            .await
+            .unwrap_err();
         assert!(
             matches!(&err, EngineError::BadInput { code: "invalid_mm_processor_kwargs", message } if message.contains(needle)),
             "{err:?}"
@@ -229,7 +237,12 @@ async fn plan_reports_the_grids_encode_gives_and_request_processor_settings_appl
             return_embeddings: false,
             processor: overrides,
         };
-        assert!(engine.encode(vec![input(image.clone())], options).await.is_err());
+        assert!(
+            engine
+                .encode(vec![input(image.clone())], options)
+                .await
+                .is_err()
+        );
     }
     let layout = engine.output_layout();
     assert_eq!((layout.hidden, layout.deepstack_levels), (64, 0));

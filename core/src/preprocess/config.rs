@@ -15,17 +15,32 @@ pub const MAX_ASPECT_RATIO: f64 = 200.0;
 
 /// What happens to an alpha channel when an image is converted to RGB.
 ///
-/// Part of the item hash: the two modes give different pixels for a transparent image.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+/// Part of the item hash: the modes give different pixels for a transparent image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum AlphaMode {
+    /// Paste onto a background of this colour with the alpha channel as the mask (Pillow's
+    /// `Image.paste(im, mask=alpha)`): what vLLM's `convert_image_mode` does with any image
+    /// that has transparency, white unless `media_io_kwargs` set `rgba_background_color`.
+    /// The default, so that iris sees the picture a vLLM encoder would.
+    PasteOn([u8; 3]),
     /// Discard alpha, keeping the stored colour of each pixel: Pillow's `convert("RGB")`, which
     /// is what transformers 4.x's image processors did.
-    #[default]
     Drop,
     /// Composite onto a white background with Pillow's `alpha_composite` arithmetic:
-    /// transformers 5.x's `convert_to_rgb` (and vLLM's RGBA handling).
+    /// transformers 5.x's `convert_to_rgb` (vLLM pastes instead: [`AlphaMode::PasteOn`]).
     CompositeWhite,
+}
+
+impl AlphaMode {
+    /// vLLM's default: paste onto white.
+    pub const VLLM_DEFAULT: Self = Self::PasteOn([255, 255, 255]);
+}
+
+impl Default for AlphaMode {
+    fn default() -> Self {
+        Self::VLLM_DEFAULT
+    }
 }
 
 /// Options of the Qwen-VL image processor (Hugging Face's `Qwen2VLImageProcessor`): everything
@@ -68,7 +83,7 @@ impl ProcessorConfig {
             image_mean: CLIP_MEAN,
             image_std: CLIP_STD,
             rescale_factor: RESCALE_1_255,
-            alpha: AlphaMode::Drop,
+            alpha: AlphaMode::VLLM_DEFAULT,
         }
     }
 
@@ -91,7 +106,7 @@ impl ProcessorConfig {
             image_mean: [0.5; 3],
             image_std: [0.5; 3],
             rescale_factor: RESCALE_1_255,
-            alpha: AlphaMode::Drop,
+            alpha: AlphaMode::VLLM_DEFAULT,
         }
     }
 

@@ -3,10 +3,13 @@
 //!
 //! The pipeline, one pure function per step:
 //!
-//! 1. [`probe`]: detect PNG/JPEG/WebP from the leading bytes and read the dimensions from the
-//!    header; refuse anything over [`DecodeLimits`] before a pixel is decoded.
-//! 2. [`decode_rgb`]: decode to 8-bit RGB, alpha dropped (Pillow's `convert("RGB")`) or
-//!    composited onto white, per [`AlphaMode`].
+//! 1. [`probe`]: detect PNG/JPEG/WebP/GIF/BMP/TIFF from the leading bytes and read the
+//!    dimensions from the header; refuse anything over [`DecodeLimits`] before a pixel is
+//!    decoded (its default pixel limit is vLLM's `VLLM_MAX_IMAGE_PIXELS` default).
+//! 2. [`decode_rgb`]: decode to 8-bit RGB as vLLM's `ImageMediaIO` does: EXIF orientation
+//!    applied, alpha pasted onto a background (white by default), dropped or composited onto
+//!    white, per [`AlphaMode`]. [`needs_rgb_conversion`] tells from the header whether vLLM
+//!    converts the image's mode (which its item identifier records).
 //! 3. [`smart_resize`]: the target size, multiples of `patch * merge` within
 //!    `[min_pixels, max_pixels]`, with Python's float arithmetic and round-half-to-even.
 //! 4. [`resize_bicubic`]: Pillow's bicubic resampling, bit for bit.
@@ -18,8 +21,9 @@
 //! hash: blake3 over the decoded RGB pixels, their dimensions and every [`ProcessorConfig`]
 //! option that changes the output.
 //!
-//! EXIF orientation is not applied: the processor does not apply it to the images it is given
-//! either. Nothing here touches a device, and no input bytes can make it panic.
+//! The EXIF orientation is applied, as vLLM (and transformers' `load_image`) applies it before
+//! the processor sees the image. Nothing here touches a device, and no input bytes can make it
+//! panic.
 
 mod config;
 mod decode;
@@ -33,7 +37,9 @@ mod golden_tests;
 pub use config::{
     AlphaMode, CLIP_MEAN, CLIP_STD, DecodeLimits, MAX_ASPECT_RATIO, ProcessorConfig, RESCALE_1_255,
 };
-pub use decode::{ImageInfo, SourceFormat, composite_on_white, decode_rgb, probe};
+pub use decode::{
+    ImageInfo, SourceFormat, composite_on_white, decode_rgb, needs_rgb_conversion, paste_on, probe,
+};
 pub use error::PreprocessError;
 pub use patchify::patchify;
 pub use resize::{resize_bicubic, smart_resize};
@@ -192,9 +198,10 @@ pub fn item_hash(rgb: &RgbImage, config: &ProcessorConfig) -> String {
         h.update(&v.to_bits().to_le_bytes());
     }
     h.update(&config.rescale_factor.to_bits().to_le_bytes());
-    h.update(&[match config.alpha {
-        AlphaMode::Drop => 0,
-        AlphaMode::CompositeWhite => 1,
-    }]);
+    match config.alpha {
+        AlphaMode::Drop => h.update(&[0]),
+        AlphaMode::CompositeWhite => h.update(&[1]),
+        AlphaMode::PasteOn(bg) => h.update(&[2, bg[0], bg[1], bg[2]]),
+    };
     h.finalize().to_hex().to_string()
 }
