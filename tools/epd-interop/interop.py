@@ -298,9 +298,12 @@ class Checks:
         self.results.append((check, not problems, summary if not problems else problems[0]))
 
     def report(self) -> bool:
+        for check, problems in self.failures.items():
+            for problem in problems:
+                print(f"  {check}: {problem}")
         for check, ok, text in self.results:
             more = len(self.failures.get(check, [])) - 1
-            extra = f" (and {more} more failure(s), see the log)" if more > 0 else ""
+            extra = f" (and {more} more failure(s), listed above)" if more > 0 else ""
             print(f"{'PASS' if ok else 'FAIL'} {check}: {text}{extra}")
         return all(ok for _, ok, _ in self.results)
 
