@@ -533,17 +533,19 @@ impl Epd {
             Some(permit) => permit,
             None => engine.admit()?,
         };
-        let batch = missing
+        let inputs = missing
             .iter()
-            .map(|(index, _)| images[*index].clone())
+            .map(|(index, _)| batch.images[*index].clone())
             .collect();
-        let results = engine.encode(slot, batch, options(overrides, true)).await?;
+        let results = engine
+            .encode(slot, inputs, options(batch.overrides, true))
+            .await?;
         let mut writes = Vec::with_capacity(missing.len());
         for ((index, _), result) in missing.iter().zip(results) {
-            let shape = entry_shape(&plans[*index], layout, dtype);
-            writes.push((identifiers[*index].clone(), shape, result));
+            let shape = entry_shape(&batch.plans[*index], batch.layout, batch.dtype);
+            writes.push((batch.identifiers[*index].clone(), shape, result));
         }
-        let producer = Arc::clone(producer);
+        let producer = Arc::clone(batch.producer);
         tokio::task::spawn_blocking(move || -> Result<(), ProduceError> {
             for (identifier, shape, result) in writes {
                 let rows = entry_rows(&result, &shape)?;
