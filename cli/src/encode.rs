@@ -55,6 +55,14 @@ pub struct EncodeArgs {
     /// of the reported times. For measurements; it costs one extra forward pass.
     #[arg(long)]
     pub warmup: bool,
+    /// Lower bound on resized pixels, replacing the model's `min_pixels` (as a request's
+    /// `mm_processor_kwargs.min_pixels` does in `iris serve`).
+    #[arg(long, value_name = "PIXELS")]
+    pub min_pixels: Option<u64>,
+    /// Upper bound on resized pixels, replacing the model's `max_pixels` (as a request's
+    /// `mm_processor_kwargs.max_pixels` does in `iris serve`).
+    #[arg(long, value_name = "PIXELS")]
+    pub max_pixels: Option<u64>,
     /// Images (PNG, JPEG, WebP, GIF, BMP or TIFF).
     #[arg(required = true, value_name = "IMAGE")]
     pub images: Vec<PathBuf>,
@@ -65,7 +73,16 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
     let dtype = args.model.dtype()?;
     let spec = args.model.spec()?;
     let source = args.model.weight_source()?;
-    let processor = spec.processor.clone();
+    let mut processor = spec.processor.clone();
+    if let Some(min_pixels) = args.min_pixels {
+        processor.min_pixels = min_pixels;
+    }
+    if let Some(max_pixels) = args.max_pixels {
+        processor.max_pixels = max_pixels;
+    }
+    processor
+        .validate()
+        .context("--min-pixels/--max-pixels: bad processor settings")?;
     let limits = DecodeLimits::default();
 
     // Preprocess everything first: a bad image fails before any device work.

@@ -458,21 +458,18 @@ impl Epd {
                 missing.push((index, Some(guard)));
             }
         }
-        let mut permit = Some(permit);
-        self.encode_and_write(
-            engine,
+        let batch = Batch {
             producer,
-            &mut permit,
-            &images,
-            &identifiers,
-            &plans,
+            images: &images,
+            identifiers: &identifiers,
+            plans: &plans,
             overrides,
-            &layout,
+            layout: &layout,
             dtype,
-            &missing,
-            &mut stored,
-        )
-        .await?;
+        };
+        let mut permit = Some(permit);
+        self.encode_and_write(engine, &batch, &mut permit, &missing, &mut stored)
+            .await?;
         drop(missing);
         // Then the items another request was producing: its entry, or (if it failed) our own.
         let mut missing: Vec<(usize, Option<ClaimGuard>)> = Vec::new();
@@ -485,20 +482,8 @@ impl Epd {
                 missing.push((index, None));
             }
         }
-        self.encode_and_write(
-            engine,
-            producer,
-            &mut permit,
-            &images,
-            &identifiers,
-            &plans,
-            overrides,
-            &layout,
-            dtype,
-            &missing,
-            &mut stored,
-        )
-        .await?;
+        self.encode_and_write(engine, &batch, &mut permit, &missing, &mut stored)
+            .await?;
         // Repeats share their first occurrence's outcome.
         for (index, id) in identifiers.iter().enumerate() {
             stored[index] = stored[first[id.as_str()]];
@@ -530,19 +515,12 @@ impl Epd {
             .map_err(ProduceError::from)
     }
 
-    /// Encodes the `missing` items in one engine request and writes each entry.
-    #[allow(clippy::too_many_arguments)]
+    /// Encodes the `missing` items of `batch` in one engine request and writes each entry.
     async fn encode_and_write<E: Engine, G: Send + 'static>(
         &self,
         engine: &E,
-        producer: &Arc<Producer>,
+        batch: &Batch<'_>,
         permit: &mut Option<E::Permit>,
-        images: &[ImageInput],
-        identifiers: &[String],
-        plans: &[ImagePlan],
-        overrides: ProcessorOverrides,
-        layout: &OutputLayout,
-        dtype: EcDtype,
         missing: &[(usize, Option<G>)],
         stored: &mut [Stored],
     ) -> Result<(), ProduceError> {
@@ -555,17 +533,19 @@ impl Epd {
             Some(permit) => permit,
             None => engine.admit()?,
         };
-        let batch = missing
+        let inputs = missing
             .iter()
-            .map(|(index, _)| images[*index].clone())
+            .map(|(index, _)| batch.images[*index].clone())
             .collect();
-        let results = engine.encode(slot, batch, options(overrides, true)).await?;
+        let results = engine
+            .encode(slot, inputs, options(batch.overrides, true))
+            .await?;
         let mut writes = Vec::with_capacity(missing.len());
         for ((index, _), result) in missing.iter().zip(results) {
-            let shape = entry_shape(&plans[*index], layout, dtype);
-            writes.push((identifiers[*index].clone(), shape, result));
+            let shape = entry_shape(&batch.plans[*index], batch.layout, batch.dtype);
+            writes.push((batch.identifiers[*index].clone(), shape, result));
         }
-        let producer = Arc::clone(producer);
+        let producer = Arc::clone(batch.producer);
         tokio::task::spawn_blocking(move || -> Result<(), ProduceError> {
             for (identifier, shape, result) in writes {
                 let rows = entry_rows(&result, &shape)?;
@@ -581,6 +561,17 @@ impl Epd {
         }
         Ok(())
     }
+}
+
+/// One request's items and what is known of them, for [`Epd::encode_and_write`].
+struct Batch<'a> {
+    producer: &'a Arc<Producer>,
+    images: &'a [ImageInput],
+    identifiers: &'a [String],
+    plans: &'a [ImagePlan],
+    overrides: ProcessorOverrides,
+    layout: &'a OutputLayout,
+    dtype: EcDtype,
 }
 
 fn options(processor: ProcessorOverrides, return_embeddings: bool) -> EncodeOptions {

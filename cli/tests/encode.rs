@@ -160,3 +160,67 @@ fn unsupported_and_missing_images_are_clear_errors() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn pixel_bounds_resize_as_a_request_s_processor_kwargs_do() {
+    let dir = scratch("pixels");
+    let image = dir.join("wide.png");
+    write_image(&image, 224, 168);
+    let image = image.to_str().expect("utf-8 path");
+
+    // The model's bounds: 224x168 is 16x12 patches, 48 tokens after the 2x2 merge.
+    let default_out = dir.join("default.safetensors");
+    let out = iris(&[
+        "encode",
+        "--model",
+        "tiny",
+        "--out",
+        default_out.to_str().unwrap(),
+        image,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(tensor_shape(&default_out, "image.0"), vec![48, 64]);
+
+    // max_pixels 12544 (112x112) shrinks it to 8x6 patches, 12 tokens, as vLLM's processor does.
+    let small_out = dir.join("small.safetensors");
+    let out = iris(&[
+        "encode",
+        "--model",
+        "tiny",
+        "--max-pixels",
+        "12544",
+        "--out",
+        small_out.to_str().unwrap(),
+        image,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(tensor_shape(&small_out, "image.0"), vec![12, 64]);
+
+    // Bounds that contradict each other are refused, naming the field.
+    let out = iris(&[
+        "encode",
+        "--model",
+        "tiny",
+        "--min-pixels",
+        "20000",
+        "--max-pixels",
+        "12544",
+        "--out",
+        dir.join("bad.safetensors").to_str().unwrap(),
+        image,
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("min_pixels"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

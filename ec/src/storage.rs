@@ -119,18 +119,30 @@ pub fn pack_rows(
     }
     let width = hidden * (1 + levels.len());
     let size = usize::try_from(dtype.size()).unwrap_or(4);
-    let mut out = Vec::with_capacity(rows * width * size);
+    // Sized once and written in place: a push per value costs more than the file write.
+    let mut out = vec![0u8; rows * width * size];
+    let mut chunks = out.chunks_exact_mut(hidden * size);
     for row in 0..rows {
         let range = row * hidden..(row + 1) * hidden;
         for part in std::iter::once(main).chain(levels.iter().copied()) {
-            for &value in &part[range.clone()] {
-                match dtype {
-                    EcDtype::F32 => out.extend_from_slice(&value.to_le_bytes()),
-                    EcDtype::F16 => {
-                        out.extend_from_slice(&half::f16::from_f32(value).to_le_bytes());
+            let Some(chunk) = chunks.next() else {
+                break;
+            };
+            let values = &part[range.clone()];
+            match dtype {
+                EcDtype::F32 => {
+                    for (dst, v) in chunk.chunks_exact_mut(4).zip(values) {
+                        dst.copy_from_slice(&v.to_le_bytes());
                     }
-                    EcDtype::Bf16 => {
-                        out.extend_from_slice(&half::bf16::from_f32(value).to_le_bytes());
+                }
+                EcDtype::F16 => {
+                    for (dst, v) in chunk.chunks_exact_mut(2).zip(values) {
+                        dst.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes());
+                    }
+                }
+                EcDtype::Bf16 => {
+                    for (dst, v) in chunk.chunks_exact_mut(2).zip(values) {
+                        dst.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
                     }
                 }
             }

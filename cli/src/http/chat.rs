@@ -183,22 +183,7 @@ pub fn parse_chat_request(
             }
         }
     }
-    if items.is_empty() {
-        return Err(ApiError::bad_request(
-            "no_images",
-            "the request contains no images: an encoder instance encodes image parts",
-        ));
-    }
-    if items.len() > limits.max_images_per_request {
-        return Err(ApiError::bad_request(
-            "too_many_images",
-            format!(
-                "the request has {} images; the limit is {} per request",
-                items.len(),
-                limits.max_images_per_request
-            ),
-        ));
-    }
+    request::check_image_count(items.len(), limits)?;
     Ok(ChatRequest {
         model,
         epd: EpdRequest {

@@ -251,14 +251,7 @@ async fn encode<E: Engine>(
     State(state): Shared<E>,
     request: Request,
 ) -> Result<Json<Value>, ApiError> {
-    // Refused before the body is read, so that a burst beyond the bounds holds no memory.
-    let permit = match state.engine.admit() {
-        Ok(permit) => permit,
-        Err(err) => return Err(refuse(request, err.into(), state.limits.max_body_bytes).await),
-    };
-    let body = Bytes::from_request(request, &state)
-        .await
-        .map_err(|rejection| body_rejection(&rejection, state.limits.max_body_bytes))?;
+    let (permit, body) = admit_and_read(&state, request).await?;
     let limits = state.limits;
     // Base64 and header parsing of up to max_body_bytes is CPU work: keep it off the async threads.
     let parsed = tokio::task::spawn_blocking(move || request::parse_encode_request(&body, &limits))
@@ -283,14 +276,7 @@ async fn chat_completions<E: Engine>(
     let Some(epd) = state.epd.clone() else {
         return Err(refuse(request, epd_not_configured(), state.limits.max_body_bytes).await);
     };
-    // Refused before the body is read, as /v1/encode.
-    let permit = match state.engine.admit() {
-        Ok(permit) => permit,
-        Err(err) => return Err(refuse(request, err.into(), state.limits.max_body_bytes).await),
-    };
-    let body = Bytes::from_request(request, &state)
-        .await
-        .map_err(|rejection| body_rejection(&rejection, state.limits.max_body_bytes))?;
+    let (permit, body) = admit_and_read(&state, request).await?;
     let request_id = chat::request_id(
         headers
             .get("x-request-id")
@@ -328,6 +314,22 @@ async fn chat_completions<E: Engine>(
         &epd.served_model_name,
         &published,
     )))
+}
+
+/// Takes a request slot, then reads the body. Refused before the body is read, so that a burst
+/// beyond the bounds holds no memory.
+async fn admit_and_read<E: Engine>(
+    state: &Arc<ServerState<E>>,
+    request: Request,
+) -> Result<(E::Permit, Bytes), ApiError> {
+    let permit = match state.engine.admit() {
+        Ok(permit) => permit,
+        Err(err) => return Err(refuse(request, err.into(), state.limits.max_body_bytes).await),
+    };
+    let body = Bytes::from_request(request, state)
+        .await
+        .map_err(|rejection| body_rejection(&rejection, state.limits.max_body_bytes))?;
+    Ok((permit, body))
 }
 
 async fn models<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiError> {

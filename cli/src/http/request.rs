@@ -92,27 +92,35 @@ pub fn parse_encode_request(body: &[u8], limits: &Limits) -> Result<EncodeReques
         ..EncodeOptions::default()
     };
     let urls = collect_image_urls(&obj)?;
-    if urls.is_empty() {
-        return Err(ApiError::bad_request(
-            "no_images",
-            "the request contains no images",
-        ));
-    }
-    if urls.len() > limits.max_images_per_request {
-        return Err(ApiError::bad_request(
-            "too_many_images",
-            format!(
-                "the request has {} images; the limit is {} per request",
-                urls.len(),
-                limits.max_images_per_request
-            ),
-        ));
-    }
+    check_image_count(urls.len(), limits)?;
     let images = urls
         .into_iter()
         .map(|(field, url)| decode_image_url(&field, url, limits))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(EncodeRequest { images, options })
+}
+
+/// Checks that a request carries at least one image and at most the limit.
+///
+/// # Errors
+/// A 400 `no_images` or `too_many_images`.
+pub(crate) fn check_image_count(count: usize, limits: &Limits) -> Result<(), ApiError> {
+    if count == 0 {
+        return Err(ApiError::bad_request(
+            "no_images",
+            "the request contains no images",
+        ));
+    }
+    if count > limits.max_images_per_request {
+        return Err(ApiError::bad_request(
+            "too_many_images",
+            format!(
+                "the request has {count} images; the limit is {} per request",
+                limits.max_images_per_request
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Builds the JSON response for an encode call.
