@@ -9,6 +9,10 @@
 //! proxy reads. `usage.prompt_tokens` counts the images' embedding tokens only: iris has no
 //! tokenizer.
 //!
+//! Images come as `data:` URLs; `file://` URLs under `--allowed-local-media-path` and
+//! `http(s)://` URLs of hosts in `--allowed-media-domains` are read too (both off by default;
+//! fetches have a time limit and the body-size limit, and follow no redirect).
+//!
 //! Refused with a 400 that names the field: video, audio and embedding parts, `stream: true`,
 //! `n` other than 1, `ec_transfer_params` (pushes to Mooncake consumers), processor or media
 //! options iris does not implement, and any other field iris does not know. Accepted with no
@@ -39,12 +43,30 @@ const NO_OP_FIELDS: [&str; 7] = [
     "session_id",
 ];
 
-/// Where `file://` image URLs may be read from (vLLM's `--allowed-local-media-path`); `None`
-/// refuses them.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// vLLM's default image fetch timeout (`VLLM_IMAGE_FETCH_TIMEOUT`), in seconds.
+pub const DEFAULT_MEDIA_FETCH_TIMEOUT_S: u64 = 5;
+
+/// Where images may come from besides `data:` URLs: `file://` URLs under a folder (vLLM's
+/// `--allowed-local-media-path`), `http(s)://` URLs of listed hosts (vLLM's
+/// `--allowed-media-domains`). Both are refused unless configured.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MediaAccess {
     /// The folder (canonical) under which files may be read.
     pub allowed_local_media_path: Option<PathBuf>,
+    /// Hosts whose `http(s)://` URLs are fetched (lower case); empty refuses every remote URL.
+    pub allowed_media_domains: Vec<String>,
+    /// Time limit of one fetch, connection to last byte.
+    pub fetch_timeout: std::time::Duration,
+}
+
+impl Default for MediaAccess {
+    fn default() -> Self {
+        Self {
+            allowed_local_media_path: None,
+            allowed_media_domains: Vec::new(),
+            fetch_timeout: std::time::Duration::from_secs(DEFAULT_MEDIA_FETCH_TIMEOUT_S),
+        }
+    }
 }
 
 /// A parsed chat request.
@@ -298,14 +320,86 @@ fn load_image(
             request::check_image_bytes(field, &bytes, limits)?;
             Ok(bytes)
         }
-        Some("http" | "https") => Err(ApiError::bad_request(
-            "remote_url_not_supported",
-            format!(
-                "{field}: iris does not fetch http(s) URLs; send the image as a data: URL, or as a file:// URL under --allowed-local-media-path"
-            ),
-        )),
+        Some("http" | "https") => {
+            let bytes = fetch_remote(field, url, limits, media)?;
+            request::check_image_bytes(field, &bytes, limits)?;
+            Ok(bytes)
+        }
         _ => request::decode_image_url(field, url, limits).map(|image| image.bytes),
     }
+}
+
+/// Fetches an `http(s)://` image of an allowed host, within the size and time limits, without
+/// following redirects (a redirect could lead to a host that is not allowed).
+fn fetch_remote(
+    field: &str,
+    url: &str,
+    limits: &Limits,
+    media: &MediaAccess,
+) -> Result<Vec<u8>, ApiError> {
+    if media.allowed_media_domains.is_empty() {
+        return Err(ApiError::bad_request(
+            "remote_url_not_supported",
+            format!(
+                "{field}: http(s) image URLs are refused unless iris serve runs with --allowed-media-domains; send the image as a data: URL"
+            ),
+        ));
+    }
+    let uri: ureq::http::Uri = url.parse().map_err(|err| {
+        ApiError::bad_request("invalid_image_url", format!("{field}: not a URL: {err}"))
+    })?;
+    let host = uri.host().unwrap_or_default().to_ascii_lowercase();
+    if !media.allowed_media_domains.contains(&host) {
+        return Err(ApiError::new(
+            axum::http::StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            "remote_url_forbidden",
+            format!(
+                "{field}: host {host:?} is not in --allowed-media-domains ({})",
+                media.allowed_media_domains.join(", ")
+            ),
+        ));
+    }
+    let failed = |reason: String| {
+        ApiError::bad_request(
+            "remote_fetch_failed",
+            format!("{field}: cannot fetch {url}: {reason}"),
+        )
+    };
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(media.fetch_timeout))
+        .max_redirects(0)
+        .build()
+        .into();
+    let mut response = agent
+        .get(url)
+        .call()
+        .map_err(|err| failed(err.to_string()))?;
+    let status = response.status();
+    if !status.is_success() {
+        let why = if status.is_redirection() {
+            format!("HTTP {status}; redirects are not followed (send the final URL)")
+        } else {
+            format!("HTTP {status}")
+        };
+        return Err(failed(why));
+    }
+    let limit = u64::try_from(limits.max_body_bytes).unwrap_or(u64::MAX);
+    response
+        .body_mut()
+        .with_config()
+        .limit(limit)
+        .read_to_vec()
+        .map_err(|err| match err {
+            ureq::Error::BodyExceedsLimit(_) => ApiError::bad_request(
+                "image_too_large",
+                format!(
+                    "{field}: the image at {url} is larger than {} bytes (--max-body-bytes)",
+                    limits.max_body_bytes
+                ),
+            ),
+            other => failed(other.to_string()),
+        })
 }
 
 fn read_local_file(

@@ -319,6 +319,7 @@ async fn file_urls_are_read_only_under_the_allowed_folder() {
     std::fs::write(outside.path().join("dog.png"), &image).unwrap();
     let media = MediaAccess {
         allowed_local_media_path: Some(media_dir.path().canonicalize().unwrap()),
+        ..MediaAccess::default()
     };
     let (app, _) = chat_app(None, media);
     let file_part = |path: &Path| json!({"type": "image_url", "image_url": {"url": format!("file://{}", path.display())}});
@@ -422,4 +423,114 @@ async fn without_a_store_the_endpoint_encodes_and_publishes_nothing() {
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(v["ec_transfer_params"].as_object().unwrap().len(), 1);
     assert_eq!(engine.encode_calls(), 1);
+}
+
+/// Serves each accepted connection `body` with status `status` (one response each), on
+/// loopback; returns the port.
+fn serve_http(status: &'static str, body: Vec<u8>, connections: usize) -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().take(connections) {
+            let Ok(mut stream) = stream else { continue };
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let head = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: image/png\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(head.as_bytes());
+            let _ = stream.write_all(&body);
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_urls_are_fetched_only_from_allowed_hosts_within_the_limits() {
+    let image = png(56, 56, 10);
+    let port = serve_http("200 OK", image.clone(), 1);
+    let media = MediaAccess {
+        allowed_media_domains: vec!["127.0.0.1".to_owned()],
+        fetch_timeout: std::time::Duration::from_secs(1),
+        ..MediaAccess::default()
+    };
+    let (app, engine) = chat_app(None, media);
+    let part = |url: String| json!({"type": "image_url", "image_url": {"url": url}});
+    let (status, v) = call_json(
+        &app,
+        Method::POST,
+        "/v1/chat/completions",
+        Some(chat(vec![part(format!("http://127.0.0.1:{port}/cat.png"))])),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(engine.encode_calls(), 1);
+
+    let moved = serve_http("302 Found", Vec::new(), 1);
+    let silent = {
+        // Accepts and never answers: the fetch must give up at its time limit.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            let held: Vec<_> = listener.incoming().take(1).collect();
+            std::thread::sleep(std::time::Duration::from_secs(4));
+            drop(held);
+        });
+        port
+    };
+    let cases = [
+        (
+            format!("http://localhost:{port}/cat.png"),
+            StatusCode::FORBIDDEN,
+            "remote_url_forbidden",
+        ),
+        (
+            format!("http://127.0.0.1:{moved}/cat.png"),
+            StatusCode::BAD_REQUEST,
+            "remote_fetch_failed",
+        ),
+        (
+            format!("http://127.0.0.1:{silent}/cat.png"),
+            StatusCode::BAD_REQUEST,
+            "remote_fetch_failed",
+        ),
+    ];
+    for (url, want, code) in cases {
+        let (status, v) = call_json(
+            &app,
+            Method::POST,
+            "/v1/chat/completions",
+            Some(chat(vec![part(url.clone())])),
+        )
+        .await;
+        assert_eq!(status, want, "{url}: {v}");
+        assert_eq!(v["error"]["code"], code, "{url}: {v}");
+    }
+    assert_eq!(engine.encode_calls(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_image_over_the_body_limit_is_refused() {
+    let port = serve_http("200 OK", vec![0u8; 4096], 1);
+    let engine = Arc::new(FakeEngine::new(false));
+    let config = ServerConfig {
+        limits: Limits {
+            max_body_bytes: 1024,
+            ..Limits::default()
+        },
+        epd: Some(epd(None)),
+        media: MediaAccess {
+            allowed_media_domains: vec!["127.0.0.1".to_owned()],
+            ..MediaAccess::default()
+        },
+        ..ServerConfig::default()
+    };
+    let app = router(engine, config).unwrap();
+    let body = chat(vec![json!({"type": "image_url",
+        "image_url": {"url": format!("http://127.0.0.1:{port}/big.png")}})]);
+    let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["code"], "image_too_large", "{v}");
 }

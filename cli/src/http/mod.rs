@@ -109,6 +109,13 @@ pub struct ServeArgs {
     /// without it they are refused.
     #[arg(long, value_name = "DIR")]
     pub allowed_local_media_path: Option<std::path::PathBuf>,
+    /// Hosts whose `http(s)://` image URLs in chat requests are fetched (vLLM's flag; repeat
+    /// or separate with commas); without it remote URLs are refused.
+    #[arg(long, value_name = "HOST", value_delimiter = ',')]
+    pub allowed_media_domains: Vec<String>,
+    /// Time limit of one image fetch, in seconds (vLLM's `VLLM_IMAGE_FETCH_TIMEOUT`).
+    #[arg(long, value_name = "SECONDS", default_value_t = chat::DEFAULT_MEDIA_FETCH_TIMEOUT_S)]
+    pub media_fetch_timeout: u64,
 }
 
 impl ServeArgs {
@@ -145,6 +152,13 @@ impl ServeArgs {
             epd,
             media: MediaAccess {
                 allowed_local_media_path,
+                allowed_media_domains: self
+                    .allowed_media_domains
+                    .iter()
+                    .map(|d| d.trim().to_ascii_lowercase())
+                    .filter(|d| !d.is_empty())
+                    .collect(),
+                fetch_timeout: std::time::Duration::from_secs(self.media_fetch_timeout.max(1)),
             },
         })
     }
