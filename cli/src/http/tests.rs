@@ -145,7 +145,7 @@ async fn bad_inputs_are_4xx_json() {
             "invalid_type",
         ),
         (
-            json!({"images": ["data:image/bmp;base64,Qk0="]}),
+            json!({"images": ["data:image/avif;base64,AAAA"]}),
             StatusCode::BAD_REQUEST,
             "unsupported_media_type",
         ),
