@@ -40,7 +40,7 @@ runtime_fns=(
     aclrtGetDeviceCount aclrtSetDevice aclrtResetDevice
     aclrtCreateContext aclrtDestroyContext aclrtSetCurrentContext
     aclrtCreateStream aclrtDestroyStream aclrtSynchronizeStream
-    aclrtMalloc aclrtFree aclrtMallocHost aclrtFreeHost aclrtGetMemInfo
+    aclrtMalloc aclrtMallocAlign32 aclrtFree aclrtMallocHost aclrtFreeHost aclrtGetMemInfo
     aclrtMemcpy aclrtMemcpyAsync aclrtMemsetAsync
     aclrtCreateEvent aclrtDestroyEvent aclrtRecordEvent aclrtSynchronizeEvent aclrtQueryEventStatus
 )

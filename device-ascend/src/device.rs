@@ -19,8 +19,9 @@ use iris_plugin::abi::{
 use iris_plugin::validate::{self, Checker, Mat};
 
 use crate::error::AscendError;
-use crate::memory::{DeviceBlock, MemKind, Memory, mem_info};
+use crate::memory::{DeviceBlock, DeviceMalloc, MemKind, Memory, mem_info};
 use crate::ops::attention::Path;
+use crate::ops::elementwise::ByteCopy;
 use crate::ops::{self, Exec, Requirement, elementwise};
 use crate::runtime::{Runtime, VISIBLE_DEVICES_ENV, aclnn};
 use crate::stream::{Context, DeviceBinding, Event, Stream, offset_ptr};
@@ -30,6 +31,8 @@ use crate::sys;
 const REQUIREMENT_MEMO: usize = 4096;
 /// Size of the block descriptors point at while a workspace is sized.
 const SIZING_BYTES: u64 = 512;
+/// `aclrtMemcpyAsync` between device addresses wants both 64-byte aligned (`acl_rt.h`).
+const D2D_ALIGN: usize = 64;
 
 /// How attention runs (option `attention`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +130,9 @@ struct State {
     /// allocation), reported by the next `synchronize` or `read`.
     deferred: Option<AscendError>,
     requirements: HashMap<String, (Requirement, Path)>,
+    /// Why the device cannot be used any more (its stream could not be rebuilt after a task
+    /// fault); every later call fails with it.
+    lost: Option<String>,
 }
 
 /// One opened NPU.
@@ -194,14 +200,20 @@ impl AscendDevice {
                 bytes: held_sizing,
             },
         ];
-        let properties = properties(rt, &soc, kind, &options);
+        let properties = properties(rt, &soc, kind, memory.device_malloc(), &options);
         log.info(format!(
-            "opened NPU {ordinal} ({soc}): {} of {} bytes of {} free; runtime {}; context and stream hold {held_context} bytes",
+            "opened NPU {ordinal} ({soc}): {} of {} bytes of {} free; runtime {}; context and stream hold {held_context} bytes; device blocks from {}",
             after.free,
             after.total,
             kind.name(),
-            rt.acl_path().display()
+            rt.acl_path().display(),
+            memory.device_malloc().name()
         ));
+        if memory.device_malloc() == DeviceMalloc::Padded {
+            log.warn(
+                "the runtime has no aclrtMallocAlign32: aclrtMalloc pads every block with 32 bytes, so each allocator segment of whole huge pages takes one more huge page (reported as held memory)",
+            );
+        }
         for (op, reason) in &unsupported {
             log.debug(format!("{op} unsupported: {reason}"));
         }
@@ -225,6 +237,7 @@ impl AscendDevice {
                 next_fence: 1,
                 deferred: None,
                 requirements: HashMap::new(),
+                lost: None,
             }),
             stream,
             context,
@@ -237,14 +250,67 @@ impl AscendDevice {
         self.family
     }
 
-    /// Takes the device's lock and makes its context current on this thread.
+    /// Takes the device's lock and makes its context current on this thread. A task fault
+    /// met since the last call is recovered from first (see [`AscendDevice::recover`]) and
+    /// kept for the next `synchronize`, which reports it once.
     fn lock(&self) -> Result<MutexGuard<'_, State>, PluginError> {
-        let state = self
+        let mut state = self
             .state
             .lock()
             .map_err(|_| PluginError::internal("the device's lock is poisoned"))?;
+        if let Some(reason) = &state.lost {
+            return Err(PluginError::unavailable(reason.clone()));
+        }
         self.context.make_current()?;
+        if let Some(fault) = self.stream.take_fault() {
+            self.recover(&mut state, &fault)?;
+            state.deferred.get_or_insert(fault);
+        }
         Ok(state)
+    }
+
+    /// The outcome of a wait on the stream: a task fault met by it (or noted since the last
+    /// call) is recovered from at once and is this call's error, reported once.
+    fn settle(
+        &self,
+        state: &mut State,
+        waited: Result<(), AscendError>,
+    ) -> Result<(), PluginError> {
+        if let Some(fault) = self.stream.take_fault() {
+            self.recover(state, &fault)?;
+            if state.deferred.as_ref() == Some(&fault) {
+                state.deferred = None;
+            }
+            return Err(fault.into());
+        }
+        Ok(waited?)
+    }
+
+    /// After a task fault: the stream stays in error on the NPU, so it is replaced, which
+    /// drops the work queued on it; the blocks waiting for that work are released and the
+    /// fences recorded on it are done. When no new stream can be made, the device is marked
+    /// lost and every later call fails with the reason.
+    fn recover(&self, state: &mut State, fault: &AscendError) -> Result<(), PluginError> {
+        state.fences.clear();
+        match self.stream.rebuild(&self.context) {
+            Ok(()) => {
+                state.memory.reap_all();
+                self.log.warn(format!(
+                    "NPU {}: a kernel fault left the stream in error ({fault}); the stream was rebuilt and the work queued on it dropped",
+                    self.ordinal
+                ));
+                Ok(())
+            }
+            Err(err) => {
+                let reason = format!(
+                    "NPU {} is unusable: after a kernel fault ({fault}) its stream could not be rebuilt: {err}",
+                    self.ordinal
+                );
+                self.log.warn(&reason);
+                state.lost = Some(reason.clone());
+                Err(PluginError::unavailable(reason))
+            }
+        }
     }
 
     fn require(&self, op: OpKind) -> Result<(), PluginError> {
@@ -277,19 +343,23 @@ impl AscendDevice {
         paths: &dyn Fn(&C) -> Vec<Path>,
         body: &dyn Fn(&mut Exec<'_>, &C, Path) -> Result<(), AscendError>,
     ) -> Result<(Requirement, Path), PluginError> {
-        let key = format!("{name}:{:?}", args.map_handles(&mut |h| h.0.min(1)));
+        let key = requirement_key(name, args);
         if let Some(found) = state.requirements.get(&key) {
             return Ok(*found);
         }
         let shapes = Checker::shapes_only(name);
         let given = check(&shapes, args)?;
         let mut next = 0u64;
-        let distinct_args = args.map_handles(&mut |h| {
-            if h.0 == 0 {
+        let distinct_args = args.map_mats(&mut |m| {
+            let buf = if m.buf.0 == 0 {
                 0
             } else {
                 next += 1;
                 next
+            };
+            MatRef {
+                buf: BufferHandle(buf),
+                ..*m
             }
         });
         let distinct = check(&shapes, &distinct_args)?;
@@ -366,6 +436,34 @@ impl AscendDevice {
         let mut exec = Exec::run(self.rt, &state.memory, self.stream.raw(), base, req);
         body(&mut exec, &checked, path)?;
         Ok(0)
+    }
+
+    /// Runs an op outside the caller's workspace (copies, fills): its workspace, if any, is
+    /// a transient block released once the op is done.
+    fn scratch_op(
+        &self,
+        state: &mut State,
+        body: &dyn Fn(&mut Exec<'_>) -> Result<(), AscendError>,
+    ) -> Result<(), PluginError> {
+        let mut measure = Exec::measure(self.rt, self.sizing.ptr());
+        body(&mut measure)?;
+        let req = measure.requirement();
+        let scratch = if req.total() > 0 {
+            Some(state.memory.transient(req.total())?)
+        } else {
+            None
+        };
+        let base = scratch
+            .as_ref()
+            .map_or(std::ptr::null_mut(), DeviceBlock::ptr);
+        let result = {
+            let mut exec = Exec::run(self.rt, &state.memory, self.stream.raw(), base, req);
+            body(&mut exec)
+        };
+        if let Some(block) = scratch {
+            state.memory.retire(block, &self.stream)?;
+        }
+        Ok(result?)
     }
 
     fn attention_paths(&self, a: &validate::Attention) -> Vec<Path> {
@@ -445,10 +543,22 @@ impl iris_plugin::Backend for AscendDevice {
         let mut state = self.lock()?;
         state.memory.reap()?;
         let (allocated, buffers) = state.memory.usage();
+        let mut held = self.held.clone();
+        // Beyond the bytes `alloc` counts, the device charges huge-page rounding and, with
+        // `aclrtMalloc`, 32 bytes of padding per buffer: device used minus allocator reserved
+        // includes it.
+        held.push(HeldMemory {
+            what: format!(
+                "{} padding and page rounding of buffers",
+                state.memory.device_malloc().name()
+            )
+            .into(),
+            bytes: state.memory.overhead(),
+        });
         Ok(MemoryReport {
             allocated,
             buffers,
-            held: self.held.clone().into(),
+            held: held.into(),
         })
     }
 
@@ -491,7 +601,8 @@ impl iris_plugin::Backend for AscendDevice {
     fn read(&self, src: BufferHandle, offset: u64, dst: &mut [u8]) -> Result<(), PluginError> {
         let mut state = self.lock()?;
         self.device_range(&state, "read", "src", src, offset, dst.len() as u64)?;
-        self.stream.synchronize()?;
+        let synced = self.stream.synchronize();
+        self.settle(&mut state, synced)?;
         state.memory.reap_all();
         if let Some(err) = state.deferred.take() {
             return Err(err.into());
@@ -500,19 +611,28 @@ impl iris_plugin::Backend for AscendDevice {
     }
 
     fn copy_batch(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
-        let state = self.lock()?;
-        let lens = |b: BufferHandle| state.memory.len_of(b);
-        validate::copy_batch(&Checker::new("copy_batch", &lens), regions)?;
-        for region in regions.iter().filter(|r| r.bytes > 0) {
-            let src = offset_ptr(state.memory.base(region.src), region.src_offset);
-            let dst = offset_ptr(state.memory.base(region.dst), region.dst_offset);
-            state.memory.copy_async(
-                dst,
-                src,
-                region.bytes,
-                sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE,
-                &self.stream,
-            )?;
+        let mut state = self.lock()?;
+        {
+            let lens = |b: BufferHandle| state.memory.len_of(b);
+            validate::copy_batch(&Checker::new("copy_batch", &lens), regions)?;
+        }
+        // No destination overlaps a source or another destination (validated), so regions
+        // may be merged and run in any order.
+        for run in byte_copies(regions) {
+            let src = offset_ptr(state.memory.base(run.src.0), run.src.1);
+            let dst = offset_ptr(state.memory.base(run.dst.0), run.dst.1);
+            let aligned = |p: *mut c_void| (p as usize).is_multiple_of(D2D_ALIGN);
+            if run.rows == 1 && aligned(src) && aligned(dst) {
+                state.memory.copy_async(
+                    dst,
+                    src,
+                    run.width,
+                    sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE,
+                    &self.stream,
+                )?;
+            } else {
+                self.scratch_op(&mut state, &|x| elementwise::copy_bytes(x, &run))?;
+            }
         }
         Ok(())
     }
@@ -539,32 +659,16 @@ impl iris_plugin::Backend for AscendDevice {
             dst.offset / u64::from(args.width),
             dst.bytes / u64::from(args.width),
         );
-        let mut measure = Exec::measure(self.rt, self.sizing.ptr());
-        elementwise::fill_pattern(&mut measure, dst.buf, offset, count, args.value, args.width)?;
-        let req = measure.requirement();
-        let scratch = if req.total() > 0 {
-            Some(state.memory.transient(req.total())?)
-        } else {
-            None
-        };
-        let base = scratch
-            .as_ref()
-            .map_or(std::ptr::null_mut(), crate::memory::DeviceBlock::ptr);
-        let result = {
-            let mut exec = Exec::run(self.rt, &state.memory, self.stream.raw(), base, req);
-            elementwise::fill_pattern(&mut exec, dst.buf, offset, count, args.value, args.width)
-        };
-        if let Some(block) = scratch {
-            state.memory.retire(block, &self.stream)?;
-        }
-        Ok(result?)
+        self.scratch_op(&mut state, &|x| {
+            elementwise::fill_pattern(x, dst.buf, offset, count, args.value, args.width)
+        })
     }
 
     fn synchronize(&self) -> Result<(), PluginError> {
         let mut state = self.lock()?;
         let synced = self.stream.synchronize();
+        self.settle(&mut state, synced)?;
         state.memory.reap_all();
-        synced?;
         match state.deferred.take() {
             Some(err) => Err(err.into()),
             None => Ok(()),
@@ -733,15 +837,16 @@ impl iris_plugin::Backend for AscendDevice {
                 state.next_fence - 1
             )));
         }
-        // A fence no longer held was waited for already, or an earlier wait covered it.
+        // A fence no longer held was waited for already, or an earlier wait covered it, or a
+        // task fault dropped its work (then kept in `deferred`, and reported here).
         let waited = match state.fences.get(&value) {
             Some(event) => event.synchronize(),
-            None => Ok(()),
+            None => state.deferred.take().map_or(Ok(()), Err),
         };
         let later = state.fences.split_off(&(value + 1));
         state.fences = later;
-        state.memory.reap()?;
-        Ok(waited?)
+        self.settle(&mut state, waited)?;
+        Ok(state.memory.reap()?)
     }
 }
 
@@ -926,15 +1031,21 @@ impl AscendDevice {
 impl Drop for AscendDevice {
     fn drop(&mut self) {
         // Teardown needs the context current on this thread and the queue idle; buffers the
-        // host did not free are released here (a safety net: the host frees first).
-        if let Ok(mut state) = self.state.lock() {
-            let _ = self.context.make_current();
-            if let Err(err) = self.stream.synchronize() {
-                self.log.warn(format!("closing: queued work failed: {err}"));
-            }
-            state.fences.clear();
-            state.memory.clear();
+        // host did not free are released here (a safety net: the host frees first). A panic
+        // while the lock was held poisons it but leaves the state whole (every change to it
+        // completes before anything that can panic), so the same shutdown runs on it.
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Err(err) = self.context.make_current() {
+            self.log.warn(format!("closing: {err}"));
         }
+        if let Err(err) = self.stream.synchronize() {
+            self.log.warn(format!("closing: queued work failed: {err}"));
+        }
+        state.fences.clear();
+        state.memory.clear();
         self.log.debug(format!(
             "closing NPU {} (device {})",
             self.ordinal,
@@ -943,26 +1054,19 @@ impl Drop for AscendDevice {
     }
 }
 
-/// Operand handles of an op's arguments, rewritten: for the workspace memo's key (every
-/// non-null handle the same) and for measuring without aliasing (every one distinct).
+/// Operands of an op's arguments, rewritten: for the workspace memo's key (see
+/// [`requirement_key`]) and for measuring without aliasing (every handle distinct).
 trait Handles: Sized + std::fmt::Debug {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self;
-}
-
-fn remap(m: &MatRef, f: &mut dyn FnMut(BufferHandle) -> u64) -> MatRef {
-    MatRef {
-        buf: BufferHandle(f(m.buf)),
-        ..*m
-    }
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self;
 }
 
 impl Handles for GemmArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         GemmArgs {
-            a: remap(&self.a, f),
-            w: remap(&self.w, f),
-            bias: remap(&self.bias, f),
-            out: remap(&self.out, f),
+            a: f(&self.a),
+            w: f(&self.w),
+            bias: f(&self.bias),
+            out: f(&self.out),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -970,12 +1074,12 @@ impl Handles for GemmArgs {
 }
 
 impl Handles for NormArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         NormArgs {
-            x: remap(&self.x, f),
-            weight: remap(&self.weight, f),
-            bias: remap(&self.bias, f),
-            out: remap(&self.out, f),
+            x: f(&self.x),
+            weight: f(&self.weight),
+            bias: f(&self.bias),
+            out: f(&self.out),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -983,10 +1087,10 @@ impl Handles for NormArgs {
 }
 
 impl Handles for ActivationArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         ActivationArgs {
-            x: remap(&self.x, f),
-            out: remap(&self.out, f),
+            x: f(&self.x),
+            out: f(&self.out),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -994,11 +1098,11 @@ impl Handles for ActivationArgs {
 }
 
 impl Handles for BinaryArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         BinaryArgs {
-            a: remap(&self.a, f),
-            b: remap(&self.b, f),
-            out: remap(&self.out, f),
+            a: f(&self.a),
+            b: f(&self.b),
+            out: f(&self.out),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -1006,11 +1110,11 @@ impl Handles for BinaryArgs {
 }
 
 impl Handles for RotaryArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         RotaryArgs {
-            x: remap(&self.x, f),
-            cos: remap(&self.cos, f),
-            sin: remap(&self.sin, f),
+            x: f(&self.x),
+            cos: f(&self.cos),
+            sin: f(&self.sin),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -1018,13 +1122,13 @@ impl Handles for RotaryArgs {
 }
 
 impl<'a> Handles for AttentionArgs<'a> {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         AttentionArgs {
-            q: remap(&self.q, f),
-            k: remap(&self.k, f),
-            v: remap(&self.v, f),
-            out: remap(&self.out, f),
-            cu_seqlens_device: remap(&self.cu_seqlens_device, f),
+            q: f(&self.q),
+            k: f(&self.k),
+            v: f(&self.v),
+            out: f(&self.out),
+            cu_seqlens_device: f(&self.cu_seqlens_device),
             workspace: BufferSlice::EMPTY,
             ..*self
         }
@@ -1032,24 +1136,90 @@ impl<'a> Handles for AttentionArgs<'a> {
 }
 
 impl Handles for GatherArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         GatherArgs {
-            src: remap(&self.src, f),
-            out: remap(&self.out, f),
-            indices: remap(&self.indices, f),
+            src: f(&self.src),
+            out: f(&self.out),
+            indices: f(&self.indices),
             workspace: BufferSlice::EMPTY,
         }
     }
 }
 
 impl Handles for CastArgs {
-    fn map_handles(&self, f: &mut dyn FnMut(BufferHandle) -> u64) -> Self {
+    fn map_mats(&self, f: &mut dyn FnMut(&MatRef) -> MatRef) -> Self {
         CastArgs {
-            src: remap(&self.src, f),
-            out: remap(&self.out, f),
+            src: f(&self.src),
+            out: f(&self.out),
             workspace: BufferSlice::EMPTY,
         }
     }
+}
+
+/// The workspace memo's key of a call: its shapes, strides, dtypes and other arguments, and
+/// which operands share a buffer, but not the buffers themselves nor the offsets in them, on
+/// which no workspace depends; so a call at a new offset reuses the measurement.
+fn requirement_key<A: Handles>(name: &str, args: &A) -> String {
+    let mut seen: Vec<BufferHandle> = Vec::new();
+    let keyed = args.map_mats(&mut |m| {
+        let label = if m.buf.0 == 0 {
+            0
+        } else if let Some(at) = seen.iter().position(|b| *b == m.buf) {
+            at as u64 + 1
+        } else {
+            seen.push(m.buf);
+            seen.len() as u64
+        };
+        MatRef {
+            buf: BufferHandle(label),
+            offset: 0,
+            ..*m
+        }
+    });
+    format!("{name}:{keyed:?}")
+}
+
+/// Groups copy regions into strided copies: regions between the same two buffers (taken in
+/// their order), of the same length, whose offsets advance by the same strides (the engine's
+/// per-row copies) become one copy of many rows. The caller's regions are independent.
+fn byte_copies(regions: &[CopyRegion]) -> Vec<ByteCopy> {
+    let mut sorted: Vec<&CopyRegion> = regions.iter().filter(|r| r.bytes > 0).collect();
+    sorted.sort_by_key(|r| (r.src.0, r.dst.0));
+    let mut runs: Vec<ByteCopy> = Vec::new();
+    for r in sorted {
+        if let Some(run) = runs.last_mut()
+            && run.src.0 == r.src
+            && run.dst.0 == r.dst
+            && run.width == r.bytes
+            && let Some(src_step) = r.src_offset.checked_sub(run.src.1)
+            && let Some(dst_step) = r.dst_offset.checked_sub(run.dst.1)
+        {
+            // The next row of a run starts one stride after the previous one; the second row
+            // sets the strides. Rows apart by less than their width would overlap.
+            let (src_stride, dst_stride) = if run.rows == 1 {
+                (src_step, dst_step)
+            } else {
+                (run.src.2, run.dst.2)
+            };
+            if src_stride >= r.bytes
+                && dst_stride >= r.bytes
+                && src_step == src_stride * run.rows
+                && dst_step == dst_stride * run.rows
+            {
+                run.src.2 = src_stride;
+                run.dst.2 = dst_stride;
+                run.rows += 1;
+                continue;
+            }
+        }
+        runs.push(ByteCopy {
+            src: (r.src, r.src_offset, r.bytes),
+            dst: (r.dst, r.dst_offset, r.bytes),
+            rows: 1,
+            width: r.bytes,
+        });
+    }
+    runs
 }
 
 /// `aclrtGetSocName()`, e.g. `Ascend910B3`.
@@ -1171,11 +1341,18 @@ fn supported_ops(rt: &Runtime, family: Family) -> (Vec<OpKind>, HashMap<OpKind, 
 
 /// Facts for `iris devices` and bug reports: the part, the libraries, and where each aclnn
 /// op came from.
-fn properties(rt: &Runtime, soc: &str, kind: MemKind, options: &AscendOptions) -> Vec<Property> {
+fn properties(
+    rt: &Runtime,
+    soc: &str,
+    kind: MemKind,
+    malloc: DeviceMalloc,
+    options: &AscendOptions,
+) -> Vec<Property> {
     let mut props = vec![
         Property::new(property::SOC, soc),
         Property::new(property::QUEUE, "async"),
         Property::new("memory_kind", kind.name()),
+        Property::new("device_malloc", malloc.name()),
         Property::new("runtime_library", rt.acl_path().display()),
         Property::new(
             "nnopbase_library",

@@ -73,6 +73,12 @@ pub enum AscendError {
 }
 
 impl AscendError {
+    /// A runtime call reported a task fault that leaves the stream in error (see
+    /// [`AclError::is_task_fault`]).
+    pub fn is_task_fault(&self) -> bool {
+        matches!(self, AscendError::Acl { code, .. } if code.is_task_fault())
+    }
+
     /// The [`ErrorCode`](iris_plugin::abi::ErrorCode) category of this error.
     pub fn to_plugin_error(&self) -> PluginError {
         let message = self.to_string();

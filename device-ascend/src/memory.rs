@@ -6,6 +6,13 @@
 //! block with `aclrtFree` once the event completes (checked at later calls, and at
 //! `synchronize`). An allocation that fails for lack of memory first waits for the stream and
 //! releases those blocks, then retries once.
+//!
+//! Device blocks come from `aclrtMallocAlign32`, which rounds to 32 bytes without padding, so
+//! a segment of whole huge pages takes exactly its size. Where the runtime lacks it, blocks
+//! come from `aclrtMalloc`, which adds 32 bytes to each block (an extra huge page for a
+//! segment of whole huge pages); [`Memory::overhead`] reports what the rules of `acl_rt.h`
+//! make the device charge beyond the bytes requested, so that the device's used memory and the
+//! host's figures can be reconciled.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
@@ -23,16 +30,24 @@ use crate::sys;
 pub const STAGING_CHUNK: u64 = 64 << 20;
 /// Pinned staging kept for reuse between writes; idle blocks beyond it are released.
 pub const STAGING_POOL: u64 = 256 << 20;
+/// Huge page size: `HUGE_FIRST` blocks above [`HUGE_FIRST_THRESHOLD`] take whole huge pages.
+pub const HUGE_PAGE: u64 = 2 << 20;
+/// Largest `HUGE_FIRST` block that takes normal pages.
+pub const HUGE_FIRST_THRESHOLD: u64 = 1 << 20;
+/// What `aclrtMalloc` adds to every block, beyond the 32-byte rounding.
+pub const MALLOC_PADDING: u64 = 32;
 /// Smallest staging block, so that small writes share blocks.
 const STAGING_MIN: u64 = 1 << 20;
 /// Alignment `alloc_host` promises.
 pub const HOST_ALIGN: usize = 64;
 
-/// A block from `aclrtMalloc`, freed with `aclrtFree` on drop.
+/// A block from `aclrtMallocAlign32` (or `aclrtMalloc`), freed with `aclrtFree` on drop.
 pub struct DeviceBlock {
     rt: &'static Runtime,
     ptr: *mut c_void,
     len: u64,
+    /// What the device charges for it (see [`charge`]).
+    charge: u64,
 }
 
 // SAFETY: the block is a device address; its uses are ordered by the stream and the device's
@@ -52,12 +67,57 @@ impl DeviceBlock {
     pub fn bytes(&self) -> u64 {
         self.len
     }
+
+    /// Bytes the device charges for it beyond those requested.
+    pub fn overhead(&self) -> u64 {
+        self.charge.saturating_sub(self.len)
+    }
+}
+
+/// Which runtime call allocates device blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceMalloc {
+    /// `aclrtMallocAlign32`: 32-byte rounding, no padding.
+    Align32,
+    /// `aclrtMalloc`: 32-byte rounding plus [`MALLOC_PADDING`], where the runtime has no
+    /// `aclrtMallocAlign32`.
+    Padded,
+}
+
+impl DeviceMalloc {
+    /// The runtime function's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceMalloc::Align32 => "aclrtMallocAlign32",
+            DeviceMalloc::Padded => "aclrtMalloc",
+        }
+    }
+}
+
+/// What the device charges for a `HUGE_FIRST` block of `bytes` from `malloc`, by the rules of
+/// `acl_rt.h` and the memory policy documentation: 32-byte rounding, `aclrtMalloc`'s padding,
+/// and whole 2 MiB pages above 1 MiB. The normal-page granularity below that is not documented
+/// and not counted.
+pub fn charge(bytes: u64, malloc: DeviceMalloc) -> u64 {
+    let padding = match malloc {
+        DeviceMalloc::Align32 => 0,
+        DeviceMalloc::Padded => MALLOC_PADDING,
+    };
+    let rounded = bytes
+        .div_ceil(32)
+        .saturating_mul(32)
+        .saturating_add(padding);
+    if bytes > HUGE_FIRST_THRESHOLD {
+        rounded.div_ceil(HUGE_PAGE).saturating_mul(HUGE_PAGE)
+    } else {
+        rounded
+    }
 }
 
 impl Drop for DeviceBlock {
     fn drop(&mut self) {
         if let Ok(free) = self.rt.acl().aclrtFree.as_ref() {
-            // SAFETY: allocated by aclrtMalloc and freed once; no queued work uses it (the
+            // SAFETY: allocated by aclrtMallocAlign32 or aclrtMalloc and freed once; no queued work uses it (the
             // queue-ordered free waited for its event, or the stream was synchronised).
             let _ = unsafe { free(self.ptr) };
         }
@@ -204,6 +264,10 @@ pub struct Memory {
     /// Bytes and count of buffers not yet released (live, or freed but pending).
     allocated: u64,
     buffer_count: u64,
+    /// What the device charges for those buffers beyond their bytes.
+    overhead: u64,
+    /// The allocation call in use.
+    malloc: DeviceMalloc,
     host: HashMap<u64, HostBlock>,
     next_host: u64,
     pending: VecDeque<Pending>,
@@ -220,6 +284,12 @@ impl Memory {
             next_handle: 1,
             allocated: 0,
             buffer_count: 0,
+            overhead: 0,
+            malloc: if rt.acl().aclrtMallocAlign32.is_ok() {
+                DeviceMalloc::Align32
+            } else {
+                DeviceMalloc::Padded
+            },
             host: HashMap::new(),
             next_host: 1,
             pending: VecDeque::new(),
@@ -242,6 +312,18 @@ impl Memory {
         (self.allocated, self.buffer_count)
     }
 
+    /// What the device charges for the buffers not yet released beyond their bytes: rounding
+    /// to huge pages, and `aclrtMalloc`'s padding where it is in use.
+    pub fn overhead(&self) -> u64 {
+        self.overhead
+    }
+
+    /// The allocation call in use (it may change from `aclrtMallocAlign32` to `aclrtMalloc`
+    /// at the first allocation, if the runtime refuses the former).
+    pub fn device_malloc(&self) -> DeviceMalloc {
+        self.malloc
+    }
+
     /// Length of a live buffer.
     pub fn len_of(&self, buf: BufferHandle) -> Option<u64> {
         self.buffers.get(&buf.0).map(DeviceBlock::bytes)
@@ -255,7 +337,7 @@ impl Memory {
             .map_or(std::ptr::null_mut(), DeviceBlock::ptr)
     }
 
-    /// Allocates `bytes` with `aclrtMalloc` (huge pages first). On out of memory it waits
+    /// Allocates `bytes` with `aclrtMallocAlign32` or `aclrtMalloc` (huge pages first). On out of memory it waits
     /// for `stream`, releases pending frees and retries once; an error of the work it waited
     /// for is returned in `deferred` for the next `synchronize`.
     pub fn alloc(
@@ -280,6 +362,7 @@ impl Memory {
         self.next_handle += 1;
         self.allocated += bytes;
         self.buffer_count += 1;
+        self.overhead += block.overhead();
         self.buffers.insert(handle, block);
         Ok(BufferHandle(handle))
     }
@@ -293,13 +376,7 @@ impl Memory {
                 buf.0
             )));
         };
-        let event = Event::record(self.rt, stream)?;
-        self.pending.push_back(Pending {
-            event,
-            device: vec![block],
-            host: Vec::new(),
-            counted: true,
-        });
+        self.release_after(stream, vec![block], Vec::new(), true)?;
         self.reap()
     }
 
@@ -313,25 +390,58 @@ impl Memory {
 
     /// Releases a transient block once the work enqueued so far is done.
     pub fn retire(&mut self, block: DeviceBlock, stream: &Stream) -> Result<(), AscendError> {
-        let event = Event::record(self.rt, stream)?;
-        self.pending.push_back(Pending {
-            event,
-            device: vec![block],
-            host: Vec::new(),
-            counted: false,
-        });
-        Ok(())
+        self.release_after(stream, vec![block], Vec::new(), false)
+    }
+
+    /// Releases blocks once the work enqueued so far is done: behind an event, or, when no
+    /// event can be recorded (out of event resources), after waiting for the stream, so that
+    /// no queued work is left using them. An error of that wait is returned (the blocks are
+    /// released all the same).
+    fn release_after(
+        &mut self,
+        stream: &Stream,
+        device: Vec<DeviceBlock>,
+        host: Vec<HostBlock>,
+        counted: bool,
+    ) -> Result<(), AscendError> {
+        match Event::record(self.rt, stream) {
+            Ok(event) => {
+                self.pending.push_back(Pending {
+                    event,
+                    device,
+                    host,
+                    counted,
+                });
+                Ok(())
+            }
+            Err(_) => {
+                let waited = stream.synchronize();
+                self.release(device, host, counted);
+                waited
+            }
+        }
     }
 
     /// Releases the blocks whose work is done, oldest first (events complete in order on
     /// the one stream).
+    ///
+    /// A task fault met here is not this call's failure: the stream noted it, and the device
+    /// recovers and reports it at its next entry (see `device.rs`); until then nothing more
+    /// is released.
     pub fn reap(&mut self) -> Result<(), AscendError> {
+        match self.try_reap() {
+            Err(err) if err.is_task_fault() => Ok(()),
+            other => other,
+        }
+    }
+
+    fn try_reap(&mut self) -> Result<(), AscendError> {
         while let Some(front) = self.pending.front() {
             if !front.event.is_complete()? {
                 break;
             }
             if let Some(done) = self.pending.pop_front() {
-                self.release(done);
+                self.release(done.device, done.host, done.counted);
             }
         }
         for staging in &mut self.staging {
@@ -344,10 +454,10 @@ impl Memory {
         Ok(())
     }
 
-    /// Releases everything pending; the caller synchronised the stream.
+    /// Releases everything pending; the caller synchronised the stream (or destroyed it).
     pub fn reap_all(&mut self) {
         while let Some(done) = self.pending.pop_front() {
-            self.release(done);
+            self.release(done.device, done.host, done.counted);
         }
         for staging in &mut self.staging {
             staging.busy = None;
@@ -396,7 +506,15 @@ impl Memory {
                 )
             };
             self.rt.check("aclrtMemcpyAsync", code)?;
-            self.staging[slot].busy = Some(Event::record(self.rt, stream)?);
+            self.staging[slot].busy = match Event::record(self.rt, stream) {
+                Ok(event) => Some(event),
+                // Without an event to say when the copy has read the staging block, wait
+                // for it before the block can be reused.
+                Err(_) => {
+                    stream.synchronize()?;
+                    None
+                }
+            };
         }
         Ok(())
     }
@@ -502,13 +620,7 @@ impl Memory {
         let Some(block) = self.host.remove(&id.0) else {
             return Ok(false);
         };
-        let event = Event::record(self.rt, stream)?;
-        self.pending.push_back(Pending {
-            event,
-            device: Vec::new(),
-            host: vec![block],
-            counted: false,
-        });
+        self.release_after(stream, Vec::new(), vec![block], false)?;
         self.reap()?;
         Ok(true)
     }
@@ -523,34 +635,48 @@ impl Memory {
         self.staging.clear();
         self.allocated = 0;
         self.buffer_count = 0;
+        self.overhead = 0;
     }
 
-    fn release(&mut self, done: Pending) {
-        for block in done.device.iter().filter(|_| done.counted) {
+    fn release(&mut self, device: Vec<DeviceBlock>, host: Vec<HostBlock>, counted: bool) {
+        for block in device.iter().filter(|_| counted) {
             self.allocated = self.allocated.saturating_sub(block.bytes());
             self.buffer_count = self.buffer_count.saturating_sub(1);
+            self.overhead = self.overhead.saturating_sub(block.overhead());
         }
         // The blocks go back to the runtime here: aclrtFree and aclrtFreeHost on drop.
-        drop(done.host);
-        drop(done.device);
+        drop(host);
+        drop(device);
     }
 
-    fn malloc(&self, bytes: u64) -> Result<DeviceBlock, AclError> {
-        let Ok(malloc) = self.rt.acl().aclrtMalloc.as_ref() else {
-            return Err(AclError(sys::ACL_ERROR_FEATURE_UNSUPPORTED));
-        };
+    /// One device block. `aclrtMallocAlign32` where the runtime has it; a runtime that
+    /// answers it with "feature not supported" gets `aclrtMalloc` from then on.
+    fn malloc(&mut self, bytes: u64) -> Result<DeviceBlock, AclError> {
         let Ok(size) = usize::try_from(bytes) else {
             return Err(AclError::MEMORY_ALLOCATION);
         };
+        let acl = self.rt.acl();
         let mut ptr: *mut c_void = std::ptr::null_mut();
+        let policy = sys::aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST;
+        if self.malloc == DeviceMalloc::Align32
+            && let Ok(align32) = acl.aclrtMallocAlign32.as_ref()
+        {
+            // SAFETY: `ptr` is a valid out-pointer.
+            let code = AclError(unsafe { align32(&mut ptr, size, policy) });
+            if code.0 != sys::ACL_ERROR_RT_FEATURE_NOT_SUPPORT as i32 {
+                return self.block(code, ptr, bytes);
+            }
+            self.malloc = DeviceMalloc::Padded;
+        }
+        let Ok(malloc) = acl.aclrtMalloc.as_ref() else {
+            return Err(AclError(sys::ACL_ERROR_FEATURE_UNSUPPORTED));
+        };
         // SAFETY: `ptr` is a valid out-pointer.
-        let code = AclError(unsafe {
-            malloc(
-                &mut ptr,
-                size,
-                sys::aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST,
-            )
-        });
+        let code = AclError(unsafe { malloc(&mut ptr, size, policy) });
+        self.block(code, ptr, bytes)
+    }
+
+    fn block(&self, code: AclError, ptr: *mut c_void, bytes: u64) -> Result<DeviceBlock, AclError> {
         code.result()?;
         if ptr.is_null() {
             return Err(AclError(sys::ACL_ERROR_BAD_ALLOC));
@@ -559,11 +685,13 @@ impl Memory {
             rt: self.rt,
             ptr,
             len: bytes,
+            charge: charge(bytes, self.malloc),
         })
     }
 
     fn malloc_error(&self, code: AclError, requested: u64) -> AscendError {
-        let message = match self.rt.check("aclrtMalloc", code.0) {
+        let function = self.malloc.name();
+        let message = match self.rt.check(function, code.0) {
             Err(AscendError::Acl { message, .. }) => message,
             _ => String::new(),
         };
@@ -573,7 +701,7 @@ impl Memory {
         if code.is_out_of_memory() {
             let info = self.mem_info().unwrap_or(MemInfo { free: 0, total: 0 });
             return AscendError::OutOfMemory {
-                function: "aclrtMalloc",
+                function,
                 code,
                 requested,
                 free: info.free,
@@ -582,7 +710,7 @@ impl Memory {
             };
         }
         AscendError::Acl {
-            function: "aclrtMalloc",
+            function,
             code,
             message,
         }

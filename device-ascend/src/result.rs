@@ -10,6 +10,11 @@ use std::fmt;
 
 use crate::sys;
 
+/// First code of the runtime's task faults (`ACL_ERROR_RT_INTERNAL_ERROR`).
+const TASK_FAULTS_FIRST: i32 = 507_000;
+/// Last code of the range.
+const TASK_FAULTS_LAST: i32 = 507_999;
+
 /// An AscendCL status (`aclError`, an `int`); 0 is success.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AclError(pub i32);
@@ -53,6 +58,13 @@ impl AclError {
             || self.0 == rt(sys::ACL_ERROR_RT_INVALID_DEVICEID)
             || self.0 == rt(sys::ACL_ERROR_RT_LOST_HEARTBEAT)
             || self.0 == sys::ACL_ERROR_INVALID_DEVICE
+    }
+
+    /// A task fault (`rt_error_codes.h`'s 507xxx range: AI core and vector core exceptions,
+    /// memory and DMA faults, timeouts). It leaves the stream in error: every later call on
+    /// that stream fails until the stream is destroyed.
+    pub fn is_task_fault(self) -> bool {
+        (TASK_FAULTS_FIRST..=TASK_FAULTS_LAST).contains(&self.0)
     }
 
     /// The runtime does not support the request on this part.

@@ -4,41 +4,34 @@
 //! streams and events must run on a thread whose current context is theirs; the device sets
 //! its context before dropping them (see `device.rs`).
 
-use std::collections::BTreeMap;
 use std::ffi::c_void;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::error::AscendError;
 use crate::runtime::Runtime;
 use crate::sys;
 
-/// Opens of each device in this process: `aclrtSetDevice` on the first, `aclrtResetDevice`
-/// after the last. A reset releases everything the process holds on the device, so a second
-/// open of the same NPU must not lose its resources when the first closes.
-static DEVICE_USERS: Mutex<BTreeMap<i32, usize>> = Mutex::new(BTreeMap::new());
-
-/// One open of a device in this process (`aclrtSetDevice`, released with `aclrtResetDevice`
-/// when the last open is dropped).
+/// One open of a device in this process: one `aclrtSetDevice`, undone by one
+/// `aclrtResetDevice` when dropped. The runtime counts sets per device and releases the
+/// device's default context at the last reset, so each open resets exactly once: a second
+/// open of the same NPU keeps its resources when the first closes, and nothing stays behind
+/// after the last.
 pub struct DeviceBinding {
     rt: &'static Runtime,
     id: i32,
 }
 
 impl DeviceBinding {
-    /// Binds device `id` to the calling thread and counts this open.
+    /// Binds device `id` to the calling thread (`aclrtSetDevice`).
     pub fn acquire(rt: &'static Runtime, id: i32) -> Result<DeviceBinding, AscendError> {
-        let mut counts = DEVICE_USERS
-            .lock()
-            .map_err(|_| AscendError::Internal("the device table lock is poisoned".into()))?;
         let set = rt
             .acl()
             .aclrtSetDevice
             .as_ref()
             .map_err(|_| rt.missing("aclrtSetDevice"))?;
-        // SAFETY: a plain call with a device index; the runtime checks the index. Also needed
-        // when the device is already counted, to bind it to this thread.
+        // SAFETY: a plain call with a device index; the runtime checks the index.
         rt.check("aclrtSetDevice", unsafe { set(id) })?;
-        *counts.entry(id).or_insert(0) += 1;
         Ok(DeviceBinding { rt, id })
     }
 
@@ -50,22 +43,9 @@ impl DeviceBinding {
 
 impl Drop for DeviceBinding {
     fn drop(&mut self) {
-        let Ok(mut counts) = DEVICE_USERS.lock() else {
-            return;
-        };
-        let last = match counts.get_mut(&self.id) {
-            Some(count) if *count > 1 => {
-                *count -= 1;
-                false
-            }
-            _ => {
-                counts.remove(&self.id);
-                true
-            }
-        };
-        if last && let Ok(reset) = self.rt.acl().aclrtResetDevice.as_ref() {
+        if let Ok(reset) = self.rt.acl().aclrtResetDevice.as_ref() {
             // SAFETY: every context, stream and event of this open was destroyed before the
-            // binding (field order of the device); no other open of this device remains.
+            // binding (field order of the device); this undoes this open's one set.
             let _ = unsafe { reset(self.id) };
         }
     }
@@ -129,10 +109,35 @@ impl Drop for Context {
 }
 
 /// A stream (`aclrtCreateStream`): the device's one in-order queue.
+///
+/// A task fault (see [`crate::result::AclError::is_task_fault`]) leaves a stream in error for
+/// good. Whichever call meets one (a synchronisation, an event of the stream) notes it here;
+/// the device then rebuilds the stream ([`Stream::rebuild`]) and reports the fault once.
 pub struct Stream {
     rt: &'static Runtime,
-    raw: sys::aclrtStream,
+    /// The handle; replaced by `rebuild` under the device's lock.
+    raw: AtomicPtr<c_void>,
+    fault: Fault,
+    /// Events done with, kept for the next record.
+    pool: EventPool,
 }
+
+/// An event handle.
+struct RawEvent(sys::aclrtEvent);
+
+// SAFETY: an event handle may be used from any thread whose current context is its own; the
+// device serialises its use.
+unsafe impl Send for RawEvent {}
+
+/// Idle events, recorded again instead of creating one per free, scratch release, staging
+/// copy and fence. Bounded by [`EVENT_POOL`]; destroyed with the stream.
+type EventPool = Arc<Mutex<Vec<RawEvent>>>;
+
+/// Most idle events kept.
+const EVENT_POOL: usize = 256;
+
+/// The first task fault met on a stream, shared with the stream's events.
+type Fault = Arc<Mutex<Option<AscendError>>>;
 
 // SAFETY: stream handles may be used from any thread whose current context is the stream's;
 // the device sets its context at every entry and serialises enqueueing.
@@ -143,25 +148,17 @@ unsafe impl Sync for Stream {}
 impl Stream {
     /// Creates a stream in the calling thread's current context.
     pub fn create(rt: &'static Runtime, _context: &Context) -> Result<Stream, AscendError> {
-        let create = rt
-            .acl()
-            .aclrtCreateStream
-            .as_ref()
-            .map_err(|_| rt.missing("aclrtCreateStream"))?;
-        let mut raw: sys::aclrtStream = std::ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer; the context is current (caller's contract).
-        rt.check("aclrtCreateStream", unsafe { create(&mut raw) })?;
-        if raw.is_null() {
-            return Err(AscendError::Internal(
-                "aclrtCreateStream succeeded but returned no stream".into(),
-            ));
-        }
-        Ok(Stream { rt, raw })
+        Ok(Stream {
+            rt,
+            raw: AtomicPtr::new(create_stream(rt)?),
+            fault: Arc::new(Mutex::new(None)),
+            pool: Arc::new(Mutex::new(Vec::new())),
+        })
     }
 
     /// The raw handle, for enqueueing calls.
     pub fn raw(&self) -> sys::aclrtStream {
-        self.raw
+        self.raw.load(Ordering::SeqCst)
     }
 
     /// Waits for all work on the stream; reports its failure.
@@ -173,18 +170,79 @@ impl Stream {
             .as_ref()
             .map_err(|_| self.rt.missing("aclrtSynchronizeStream"))?;
         // SAFETY: the stream is live.
-        self.rt
-            .check("aclrtSynchronizeStream", unsafe { sync(self.raw) })
+        let result = self
+            .rt
+            .check("aclrtSynchronizeStream", unsafe { sync(self.raw()) });
+        note_fault(&self.fault, result)
     }
+
+    /// Takes the task fault met on this stream since the last call, if any.
+    pub fn take_fault(&self) -> Option<AscendError> {
+        self.fault.lock().ok().and_then(|mut fault| fault.take())
+    }
+
+    /// Replaces a stream in error with a new one in the current context (the caller's
+    /// context, made current). The old stream is destroyed with the work still queued on it:
+    /// after this, no queued work uses any block.
+    pub fn rebuild(&self, _context: &Context) -> Result<(), AscendError> {
+        let fresh = create_stream(self.rt)?;
+        let old = self.raw.swap(fresh, Ordering::SeqCst);
+        destroy_stream(self.rt, old)
+    }
+}
+
+fn create_stream(rt: &'static Runtime) -> Result<sys::aclrtStream, AscendError> {
+    let create = rt
+        .acl()
+        .aclrtCreateStream
+        .as_ref()
+        .map_err(|_| rt.missing("aclrtCreateStream"))?;
+    let mut raw: sys::aclrtStream = std::ptr::null_mut();
+    // SAFETY: `raw` is a valid out-pointer; the context is current (caller's contract).
+    rt.check("aclrtCreateStream", unsafe { create(&mut raw) })?;
+    if raw.is_null() {
+        return Err(AscendError::Internal(
+            "aclrtCreateStream succeeded but returned no stream".into(),
+        ));
+    }
+    Ok(raw)
+}
+
+fn destroy_stream(rt: &'static Runtime, raw: sys::aclrtStream) -> Result<(), AscendError> {
+    let destroy = rt
+        .acl()
+        .aclrtDestroyStream
+        .as_ref()
+        .map_err(|_| rt.missing("aclrtDestroyStream"))?;
+    // SAFETY: a live stream, destroyed once, with its context current (caller's contract).
+    rt.check("aclrtDestroyStream", unsafe { destroy(raw) })
+}
+
+/// Notes a task fault in `result` for the device to recover from; passes `result` on.
+fn note_fault(fault: &Fault, result: Result<(), AscendError>) -> Result<(), AscendError> {
+    if let Err(err) = &result
+        && err.is_task_fault()
+        && let Ok(mut slot) = fault.lock()
+    {
+        slot.get_or_insert_with(|| err.clone());
+    }
+    result
 }
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        if let Ok(destroy) = self.rt.acl().aclrtDestroyStream.as_ref() {
-            // SAFETY: the stream is live; the device synchronised it and made its context
-            // current before dropping it.
-            let _ = unsafe { destroy(self.raw) };
+        // Events go before their stream (CANN's teardown order); every event of the device was
+        // dropped into the pool before the stream (field order of the device).
+        if let Ok(mut pool) = self.pool.lock()
+            && let Ok(destroy) = self.rt.acl().aclrtDestroyEvent.as_ref()
+        {
+            for event in pool.drain(..) {
+                // SAFETY: an idle event of this stream, destroyed once.
+                let _ = unsafe { destroy(event.0) };
+            }
         }
+        // The device synchronised the stream and made its context current before dropping it.
+        let _ = destroy_stream(self.rt, self.raw());
     }
 }
 
@@ -193,6 +251,10 @@ impl Drop for Stream {
 pub struct Event {
     rt: &'static Runtime,
     raw: sys::aclrtEvent,
+    /// Its stream's fault note.
+    fault: Fault,
+    /// Where it goes back when dropped.
+    pool: EventPool,
 }
 
 // SAFETY: as for streams.
@@ -201,7 +263,8 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 impl Event {
-    /// Creates an event and records it on `stream` after the work enqueued so far.
+    /// Takes an idle event of `stream` (or creates one) and records it on `stream` after the
+    /// work enqueued so far.
     pub fn record(rt: &'static Runtime, stream: &Stream) -> Result<Event, AscendError> {
         let create = rt
             .acl()
@@ -213,12 +276,27 @@ impl Event {
             .aclrtRecordEvent
             .as_ref()
             .map_err(|_| rt.missing("aclrtRecordEvent"))?;
-        let mut raw: sys::aclrtEvent = std::ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer.
-        rt.check("aclrtCreateEvent", unsafe { create(&mut raw) })?;
-        let event = Event { rt, raw };
+        let pooled = stream.pool.lock().ok().and_then(|mut pool| pool.pop());
+        let raw = match pooled {
+            Some(event) => event.0,
+            None => {
+                let mut raw: sys::aclrtEvent = std::ptr::null_mut();
+                // SAFETY: `raw` is a valid out-pointer.
+                rt.check("aclrtCreateEvent", unsafe { create(&mut raw) })?;
+                raw
+            }
+        };
+        let event = Event {
+            rt,
+            raw,
+            fault: Arc::clone(&stream.fault),
+            pool: Arc::clone(&stream.pool),
+        };
         // SAFETY: both handles are live and belong to the current context.
-        rt.check("aclrtRecordEvent", unsafe { record(event.raw, stream.raw) })?;
+        let recorded = rt.check("aclrtRecordEvent", unsafe {
+            record(event.raw, stream.raw())
+        });
+        note_fault(&event.fault, recorded)?;
         Ok(event)
     }
 
@@ -233,9 +311,10 @@ impl Event {
         let mut status: sys::aclrtEventRecordedStatus::Type =
             sys::aclrtEventRecordedStatus::ACL_EVENT_RECORDED_STATUS_NOT_READY;
         // SAFETY: the event is live; `status` is a valid out-pointer.
-        self.rt.check("aclrtQueryEventStatus", unsafe {
+        let queried = self.rt.check("aclrtQueryEventStatus", unsafe {
             query(self.raw, &mut status)
-        })?;
+        });
+        note_fault(&self.fault, queried)?;
         Ok(status == sys::aclrtEventRecordedStatus::ACL_EVENT_RECORDED_STATUS_COMPLETE)
     }
 
@@ -248,13 +327,22 @@ impl Event {
             .as_ref()
             .map_err(|_| self.rt.missing("aclrtSynchronizeEvent"))?;
         // SAFETY: the event is live.
-        self.rt
-            .check("aclrtSynchronizeEvent", unsafe { sync(self.raw) })
+        let result = self
+            .rt
+            .check("aclrtSynchronizeEvent", unsafe { sync(self.raw) });
+        note_fault(&self.fault, result)
     }
 }
 
 impl Drop for Event {
     fn drop(&mut self) {
+        // Back to the pool: recording it again is allowed once nothing waits on it.
+        if let Ok(mut pool) = self.pool.lock()
+            && pool.len() < EVENT_POOL
+        {
+            pool.push(RawEvent(self.raw));
+            return;
+        }
         if let Ok(destroy) = self.rt.acl().aclrtDestroyEvent.as_ref() {
             // SAFETY: the event is live; destroying a recorded event is allowed once the
             // caller no longer waits on it.

@@ -11,7 +11,8 @@
 //! host reference computed in `f64`: gemm at tower sizes (1024x1280x3840, 1024x5120x1280) and
 //! odd ones (333x77x129) with strided, offset and transposed operands, bias, every activation
 //! and accumulation; attention with head dims 64, 72, 80 and 128 over segments of 1, 63, 257
-//! and 1024 tokens in one call; norms at widths 1152, 1280 and 3584; rotary from tables;
+//! and 1024 tokens in one call, and with queries and keys whose unscaled products overflow
+//! f16; norms at widths 1152, 1280 and 3584; rotary from tables;
 //! gather with repeated, out-of-order device indices; cast between every pair of dtypes.
 //!
 //! An op the device does not list in its description and that answers
@@ -352,9 +353,12 @@ impl Suite<'_> {
         }
         for head_dim in ATTENTION_HEAD_DIMS {
             self.timed(&format!("op.attention.d{head_dim}.{dtype}"), || {
-                case_attention(device, dtype, head_dim)
+                case_attention(device, dtype, head_dim, false)
             });
         }
+        self.timed(&format!("op.attention.d64.large_logits.{dtype}"), || {
+            case_attention(device, dtype, 64, true)
+        });
         self.timed(&format!("op.gather_rows.{dtype}"), || {
             case_gather(device, dtype)
         });
@@ -1689,7 +1693,21 @@ const ATTENTION_HEAD_DIMS: [u64; 4] = [64, 72, 80, 128];
 /// a 448x448 image's 1024 patches.
 const SEGMENTS: [u32; 4] = [1, 63, 257, 1024];
 
-fn case_attention(device: &Device, dtype: DType, head_dim: u64) -> Result<Measured, Problem> {
+/// Every query and key element of the large-logits attention case: with head dim 64, each
+/// product of a query and a key is 64 · 40² = 102400, beyond f16's largest value (65504),
+/// while the scaled logit (12800) and everything else fits. An attention that multiplies in
+/// f16 and scales afterwards gets infinities and then NaN.
+const LARGE_LOGIT_INPUT: f32 = 40.0;
+
+/// Attention over [`SEGMENTS`]; with `large_logits` every query and key element is
+/// [`LARGE_LOGIT_INPUT`] (the probabilities are then uniform and the output each segment's
+/// mean value row).
+fn case_attention(
+    device: &Device,
+    dtype: DType,
+    head_dim: u64,
+    large_logits: bool,
+) -> Result<Measured, Problem> {
     const HEADS: u64 = 2;
     let width = HEADS * head_dim;
     let mut cu = vec![0u32];
@@ -1699,12 +1717,13 @@ fn case_attention(device: &Device, dtype: DType, head_dim: u64) -> Result<Measur
     let tokens = u64::from(cu[cu.len() - 1]);
     let mut scratch = Scratch::new(device);
     // One fused [tokens, 3 · width] buffer; q, k and v are strided views into it.
-    let (qkv, qkv_h) = scratch.upload(
-        dtype,
-        tokens,
-        3 * width,
-        &values(12 + head_dim, tokens * 3 * width, 1.0),
-    )?;
+    let mut qkv_values = values(12 + head_dim, tokens * 3 * width, 1.0);
+    if large_logits {
+        for row in qkv_values.chunks_mut(index(3 * width)) {
+            row[..index(2 * width)].fill(LARGE_LOGIT_INPUT);
+        }
+    }
+    let (qkv, qkv_h) = scratch.upload(dtype, tokens, 3 * width, &qkv_values)?;
     let size = elem_size(dtype);
     let view = |part: u64| MatRef {
         offset: part * width * size,

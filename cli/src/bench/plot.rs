@@ -262,6 +262,7 @@ mod tests {
                         allocator_reserved_bytes: 50 * mib + load,
                         allocator_allocated_bytes: 40 * mib + load / 2,
                         encoder_cache_bytes: load / 2,
+                        plugin_held_bytes: 0,
                     },
                 }
             })

@@ -25,6 +25,10 @@ pub struct MemoryPoint {
     pub allocator_allocated_bytes: u64,
     /// Device bytes held by the encoder cache.
     pub encoder_cache_bytes: u64,
+    /// Device bytes the plugin holds outside the allocator (context, streams, allocation
+    /// padding and page rounding).
+    #[serde(default)]
+    pub plugin_held_bytes: u64,
 }
 
 impl From<MemoryGauges> for MemoryPoint {
@@ -34,6 +38,7 @@ impl From<MemoryGauges> for MemoryPoint {
             allocator_reserved_bytes: g.allocator_reserved_bytes,
             allocator_allocated_bytes: g.allocator_allocated_bytes,
             encoder_cache_bytes: g.encoder_cache_bytes,
+            plugin_held_bytes: g.plugin_held_bytes,
         }
     }
 }
@@ -505,7 +510,24 @@ pub fn memory_table(c: &MemoryCheckpoints) -> String {
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
     }
+    out.push_str(&non_allocator_note(&c.after_start));
     out
+}
+
+/// What device used beyond allocator reserved is, at the baseline: the part the device plugin
+/// reports holding (its context and streams, allocation padding and page rounding) and the
+/// rest (the runtime's own, the driver's, other processes').
+fn non_allocator_note(p: &MemoryPoint) -> String {
+    let beyond = p
+        .device_used_bytes
+        .saturating_sub(p.allocator_reserved_bytes);
+    let held = p.plugin_held_bytes.min(beyond);
+    format!(
+        "device used - allocator reserved after start: {}; the device plugin holds {} of it (context, streams, allocation padding and page rounding), the rest {} is the runtime's, the driver's and other processes'\n",
+        human_bytes(beyond),
+        human_bytes(held),
+        human_bytes(beyond - held)
+    )
 }
 
 /// `1536` -> `1.50 KiB (1536)`; below 1 KiB just the bytes.
@@ -536,6 +558,7 @@ mod tests {
             allocator_reserved_bytes: reserved,
             allocator_allocated_bytes: allocated,
             encoder_cache_bytes: 0,
+            plugin_held_bytes: 0,
         }
     }
 
@@ -733,7 +756,19 @@ mod tests {
         assert!(text.contains("p50 12.0 ms"), "{text}");
         let table = memory_table(&checkpoints(point(1 << 30, 0, 0)));
         let lines: Vec<&str> = table.lines().collect();
-        assert_eq!(lines.len(), 5);
+        assert_eq!(lines.len(), 6);
+        assert!(
+            lines[5].starts_with("device used - allocator reserved after start: 7.58 KiB (7766);"),
+            "{table}"
+        );
+        let mut start = point(57_766, 50_000, 40_000);
+        start.plugin_held_bytes = 5_000;
+        let note = non_allocator_note(&start);
+        assert!(
+            note.contains("the device plugin holds 4.88 KiB (5000) of it")
+                && note.contains("the rest 2.70 KiB (2766)"),
+            "{note}"
+        );
         assert!(lines[0].starts_with("checkpoint"));
         assert!(
             lines[4].starts_with("after reset") && lines[4].contains("1.00 GiB (1073741824)"),

@@ -191,6 +191,7 @@ fn gauges(s: &State) -> MemoryGauges {
         encoder_cache_entries: u64::try_from(s.encoder.len()).unwrap(),
         processor_cache_bytes: s.processor.values().sum(),
         processor_cache_entries: u64::try_from(s.processor.len()).unwrap(),
+        plugin_held_bytes: 0,
     }
 }
 

@@ -169,6 +169,11 @@ pub struct MemoryGauges {
     pub processor_cache_bytes: u64,
     /// Entries in the processor cache.
     pub processor_cache_entries: u64,
+    /// Device bytes the device plugin reports holding outside the allocator's buffers (its
+    /// context and streams, allocation padding and page rounding): part of `device_used_bytes
+    /// - allocator_reserved_bytes`.
+    #[serde(default)]
+    pub plugin_held_bytes: u64,
 }
 
 /// Cumulative counters and current gauges, read by `GET /metrics` and `GET /memory`.

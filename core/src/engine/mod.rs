@@ -772,6 +772,7 @@ fn gauges_of_snapshot(snapshot: Option<&MemorySnapshot>) -> MemoryGauges {
         allocator_reserved_bytes: s.allocator_reserved,
         allocator_allocated_bytes: s.allocator_allocated,
         allocator_peak_bytes: s.allocator_peak_allocated,
+        plugin_held_bytes: s.plugin_held,
         ..MemoryGauges::default()
     })
 }

@@ -7,9 +7,12 @@
 //! | `ASCEND_EMU_SOC` | `aclrtGetSocName()`; `Ascend310P*` emulates an inference card (DDR, no BF16, no LayerNorm, rotary or fused attention, f32 matmul only with `cubeMathType` 1) | `Ascend910B3` |
 //! | `ASCEND_EMU_STUB` | `1`: behave as CANN's link stubs (every call returns 100039) | off |
 //! | `ASCEND_EMU_INIT_ERROR` | `aclInit` returns this code (100002 still initialises, as a second `aclInit` does) | 0 |
-//! | `ASCEND_EMU_FAIL_MALLOC_AT` | the N-th `aclrtMalloc` of the process fails with 207001 | off |
+//! | `ASCEND_EMU_FAIL_MALLOC_AT` | the N-th device allocation (`aclrtMalloc` or `aclrtMallocAlign32`) of the process fails with 207001 | off |
+//! | `ASCEND_EMU_NO_MALLOC_ALIGN32` | `1`: `aclrtMallocAlign32` answers 207000 (not supported), as on a runtime without it | off |
 //! | `ASCEND_EMU_FAIL_OP` | an aclnn op (`aclnnSoftmax`) fails: its N-th kernel (`ASCEND_EMU_FAIL_OP_AT`, default 1) reports 507015 at the next synchronisation, or with `ASCEND_EMU_FAIL_OP_WHEN=launch` its N-th launch returns 561000 | off |
 //! | `ASCEND_EMU_PANIC_OP` | an aclnn op panics inside the emulation: its N-th kernel (`ASCEND_EMU_PANIC_OP_AT`, default 1) or, with `ASCEND_EMU_PANIC_OP_WHEN=phase1`, its N-th first phase; the emulation catches it and reports an error, as a C library must | off |
+//! | `ASCEND_EMU_MAX_EVENTS` | at most this many events live; `aclrtCreateEvent` beyond it fails with 207007 (no event resource) | unbounded |
+//! | `ASCEND_EMU_STATS_AT_EXIT` | `1`: print the first phases and events created at process exit, to stderr | off |
 //! | `ASCEND_EMU_QUEUE_DELAY_US` | a pause before each queued task, to make missing synchronisation show | 0 |
 //!
 //! `ASCEND_RT_VISIBLE_DEVICES` is applied as the real runtime applies it.
@@ -45,14 +48,20 @@ pub struct Config {
     pub stub: bool,
     /// `aclInit`'s return value.
     pub init_error: i32,
-    /// The 1-based `aclrtMalloc` that fails.
+    /// The 1-based device allocation that fails.
     pub fail_malloc_at: Option<u64>,
+    /// `aclrtMallocAlign32` is refused.
+    pub no_malloc_align32: bool,
     /// `(op, n, when)`: the n-th run of `op` fails.
     pub fail_op: Option<(String, u64, When)>,
     /// `(op, n, when)`: the n-th run (or first phase) of `op` panics.
     pub panic_op: Option<(String, u64, When)>,
     /// Pause before each queued task, in microseconds.
     pub queue_delay_us: u64,
+    /// Most events live at once.
+    pub max_events: Option<u64>,
+    /// Print counters at exit.
+    pub stats_at_exit: bool,
 }
 
 impl Config {
@@ -86,6 +95,7 @@ pub fn get() -> &'static Config {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(0),
             fail_malloc_at: number("ASCEND_EMU_FAIL_MALLOC_AT"),
+            no_malloc_align32: var("ASCEND_EMU_NO_MALLOC_ALIGN32").is_some_and(|v| v.trim() == "1"),
             fail_op: var("ASCEND_EMU_FAIL_OP").map(|op| {
                 (
                     op.trim().to_owned(),
@@ -101,6 +111,8 @@ pub fn get() -> &'static Config {
                 )
             }),
             queue_delay_us: number("ASCEND_EMU_QUEUE_DELAY_US").unwrap_or(0),
+            max_events: var("ASCEND_EMU_MAX_EVENTS").and_then(|v| v.trim().parse().ok()),
+            stats_at_exit: var("ASCEND_EMU_STATS_AT_EXIT").is_some_and(|v| v.trim() == "1"),
         }
     })
 }

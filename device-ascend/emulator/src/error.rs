@@ -24,8 +24,14 @@ pub mod codes {
     pub const RT_CONTEXT_NULL: i32 = 107_002;
     /// `ACL_ERROR_RT_STREAM_CONTEXT`.
     pub const RT_STREAM_CONTEXT: i32 = 107_003;
+    /// `ACL_ERROR_RT_ADDR_UNALIGNED`.
+    pub const RT_ADDR_UNALIGNED: i32 = 107_008;
+    /// `ACL_ERROR_RT_FEATURE_NOT_SUPPORT`.
+    pub const RT_FEATURE_NOT_SUPPORT: i32 = 207_000;
     /// `ACL_ERROR_RT_MEMORY_ALLOCATION`.
     pub const RT_MEMORY_ALLOCATION: i32 = 207_001;
+    /// `ACL_ERROR_RT_NO_EVENT_RESOURCE`.
+    pub const RT_NO_EVENT_RESOURCE: i32 = 207_007;
     /// `ACL_ERROR_RT_MEMORY_FREE`.
     pub const RT_MEMORY_FREE: i32 = 207_002;
     /// `ACL_ERROR_RT_INTERNAL_ERROR`.
@@ -40,6 +46,13 @@ pub mod codes {
     pub const ACLNN_PARAM_INVALID: i32 = 161_002;
     /// `ACLNN_ERR_INNER`.
     pub const ACLNN_INNER: i32 = 561_000;
+
+    /// Whether `code` is a task fault of the 507xxx range (`rt_error_codes.h`: AI core and
+    /// vector core exceptions, memory and DMA faults, timeouts), which leaves its stream in
+    /// error.
+    pub fn is_task_fault(code: i32) -> bool {
+        (507_000..508_000).contains(&code)
+    }
 }
 
 /// A failure: a status code and what `aclGetRecentErrMsg()` then says.

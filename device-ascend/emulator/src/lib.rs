@@ -44,7 +44,7 @@ pub struct EmuStats {
     pub int_arrays: i64,
     /// Executors neither run nor destroyed (of this library copy).
     pub executors: i64,
-    /// Live `aclrtMalloc` blocks on the NPU asked for.
+    /// Live `aclrtMalloc` and `aclrtMallocAlign32` blocks on the NPU asked for.
     pub device_blocks: u64,
     /// Bytes they are charged.
     pub device_bytes: u64,
@@ -52,6 +52,10 @@ pub struct EmuStats {
     pub reserved_bytes: u64,
     /// Live `aclrtMallocHost` bytes.
     pub pinned_bytes: u64,
+    /// First phases (`aclnnXxxGetWorkspaceSize`) of this library copy so far.
+    pub first_phases: u64,
+    /// Events created so far.
+    pub events_created: u64,
 }
 
 /// The emulation's counters, for physical NPU `device`.
@@ -67,6 +71,8 @@ pub fn stats(device: usize) -> EmuStats {
         device_bytes: bytes,
         reserved_bytes: reserved,
         pinned_bytes: runtime::pinned_bytes(),
+        first_phases: ops::first_phases(),
+        events_created: runtime::events_created(),
     }
 }
 
@@ -154,6 +160,15 @@ macro_rules! export_runtime {
         #[unsafe(no_mangle)]
         pub extern "C" fn aclrtMalloc(dev_ptr: *mut *mut c_void, size: usize, policy: u32) -> i32 {
             $crate::runtime::malloc(dev_ptr, size, policy)
+        }
+        /// `aclrtMallocAlign32`.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn aclrtMallocAlign32(
+            dev_ptr: *mut *mut c_void,
+            size: usize,
+            policy: u32,
+        ) -> i32 {
+            $crate::runtime::malloc_align32(dev_ptr, size, policy)
         }
         /// `aclrtFree`.
         #[unsafe(no_mangle)]

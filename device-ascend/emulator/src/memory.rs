@@ -2,19 +2,54 @@
 //! (`MAP_NORESERVE`), carved by a first-fit allocator. Freed ranges are returned to the host
 //! (`MADV_DONTNEED`), so the host's resident memory follows the device's use.
 //!
-//! Sizes are charged as `aclrtMalloc` documents: rounded up to 32 bytes, plus 32. Blocks start
-//! on 512-byte boundaries. Every device address an op or copy touches is checked against the
-//! live blocks when the work runs: a use after `aclrtFree` (a missing queue-ordered free in the
-//! caller) is an error here, where real hardware might read stale data.
+//! Sizes are charged as `acl_rt.h` and the memory policy documentation describe them:
+//! `aclrtMalloc` rounds up to 32 bytes and adds 32 bytes of padding, `aclrtMallocAlign32`
+//! rounds up to 32 bytes without padding, and an allocation on huge pages (`HUGE_ONLY`, or
+//! `HUGE_FIRST` above 1 MiB) takes whole 2 MiB pages. So a 2 MiB `aclrtMalloc` takes 4 MiB of
+//! the device, as on hardware. Blocks start on 512-byte boundaries. Fresh blocks hold garbage
+//! (every byte 0xFF: NaN in every float type, -1 as an index), never zeros, so that a read of
+//! memory nothing wrote shows. Every device address an op or copy touches is checked against
+//! the live blocks when the work runs: a use after `aclrtFree` (a missing queue-ordered free in
+//! the caller) is an error here, where real hardware might read stale data.
 
 use std::collections::BTreeMap;
 
 /// Placement alignment of blocks.
 pub const BLOCK_ALIGN: u64 = 512;
+/// Huge page size: allocations on huge pages are charged in multiples of it.
+pub const HUGE_PAGE: u64 = 2 << 20;
+/// `HUGE_FIRST` allocations larger than this take huge pages; smaller ones normal pages.
+pub const HUGE_FIRST_THRESHOLD: u64 = 1 << 20;
+/// What fresh device memory holds.
+pub const GARBAGE: u8 = 0xFF;
 
-/// What `aclrtMalloc` charges for `size` bytes.
-pub fn charged(size: u64) -> u64 {
-    size.div_ceil(32) * 32 + 32
+/// Which allocation entry point asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Entry {
+    /// `aclrtMalloc`: 32-byte aligned and padded with 32 bytes.
+    Malloc,
+    /// `aclrtMallocAlign32`: 32-byte aligned, no padding.
+    MallocAlign32,
+}
+
+/// What an allocation of `size` bytes with `policy` (`aclrtMemMallocPolicy`) costs the device.
+pub fn charged(size: u64, policy: u32, entry: Entry) -> u64 {
+    let padding = match entry {
+        Entry::Malloc => 32,
+        Entry::MallocAlign32 => 0,
+    };
+    let bytes = size.div_ceil(32) * 32 + padding;
+    // HUGE_FIRST 0, HUGE_ONLY 1, NORMAL_ONLY 2, then their P2P variants 3, 4, 5.
+    let huge = match policy % 3 {
+        0 => size > HUGE_FIRST_THRESHOLD,
+        1 => true,
+        _ => false,
+    };
+    if huge {
+        bytes.div_ceil(HUGE_PAGE) * HUGE_PAGE
+    } else {
+        bytes
+    }
 }
 
 /// One NPU's memory.
@@ -80,10 +115,9 @@ impl Heap {
         self.live.len()
     }
 
-    /// Allocates `size` bytes, charging at most `limit` bytes in all; `None` when it does not
-    /// fit.
-    pub fn alloc(&mut self, size: u64, limit: u64) -> Option<*mut u8> {
-        let cost = charged(size);
+    /// Allocates a block that costs `cost` bytes (see [`charged`]), charging at most `limit`
+    /// bytes in all; `None` when it does not fit. The block holds [`GARBAGE`].
+    pub fn alloc(&mut self, cost: u64, limit: u64) -> Option<*mut u8> {
         if self.used.checked_add(cost)? > limit {
             return None;
         }
@@ -93,9 +127,12 @@ impl Heap {
         if len > placed {
             self.free.insert(start + placed, len - placed);
         }
+        let (offset, len) = (usize::try_from(start).ok()?, usize::try_from(placed).ok()?);
         self.live.insert(start, (placed, cost));
         self.used += cost;
-        Some(self.base.wrapping_add(usize::try_from(start).ok()?))
+        // SAFETY: `[start, start + placed)` lies inside the mapping and belongs to this block.
+        unsafe { std::ptr::write_bytes(self.base.add(offset), GARBAGE, len) };
+        Some(self.base.wrapping_add(offset))
     }
 
     /// Frees the block starting at `ptr`; false for an address that is no block's start.
@@ -189,9 +226,16 @@ mod tests {
     #[test]
     fn blocks_are_charged_placed_and_coalesced() {
         let mut heap = Heap::new(1 << 20).unwrap();
-        let a = heap.alloc(100, u64::MAX).unwrap();
-        assert_eq!(heap.used(), charged(100));
-        assert_eq!(charged(100), 160);
+        let a = heap
+            .alloc(charged(100, 0, Entry::Malloc), u64::MAX)
+            .unwrap();
+        assert_eq!(heap.used(), 160);
+        // SAFETY: `a` is a live block of at least 100 bytes.
+        assert!(
+            unsafe { std::slice::from_raw_parts(a, 100) }
+                .iter()
+                .all(|b| *b == GARBAGE)
+        );
         let b = heap.alloc(1000, u64::MAX).unwrap();
         assert_eq!((b as usize - a as usize) % 512, 0);
         assert!(heap.contains(b, 1000));
@@ -202,8 +246,22 @@ mod tests {
         assert!(heap.free(b));
         assert_eq!(heap.used(), 0);
         // Everything coalesced: one block of the whole capacity fits again.
-        assert!(heap.alloc((1 << 20) - 64, u64::MAX).is_some());
+        assert!(heap.alloc(1 << 20, u64::MAX).is_some());
         assert!(heap.alloc(1, u64::MAX).is_none());
+    }
+
+    #[test]
+    fn padding_and_huge_pages_are_charged_as_documented() {
+        let mib = 1u64 << 20;
+        // aclrtMalloc of a 2 MiB segment on huge pages: 2 MiB + 32 bytes, so two huge pages.
+        assert_eq!(charged(2 * mib, 0, Entry::Malloc), 4 * mib);
+        assert_eq!(charged(2 * mib, 0, Entry::MallocAlign32), 2 * mib);
+        assert_eq!(charged(20 * mib, 1, Entry::MallocAlign32), 20 * mib);
+        assert_eq!(charged(3 * mib, 0, Entry::MallocAlign32), 4 * mib);
+        // At or below 1 MiB HUGE_FIRST takes normal pages; NORMAL_ONLY always does.
+        assert_eq!(charged(mib, 0, Entry::Malloc), mib + 32);
+        assert_eq!(charged(100, 0, Entry::MallocAlign32), 128);
+        assert_eq!(charged(4 * mib, 2, Entry::Malloc), 4 * mib + 32);
     }
 
     #[test]

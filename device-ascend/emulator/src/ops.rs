@@ -119,12 +119,20 @@ pub unsafe fn phase1(
 }
 
 /// [`phase1`] for callers whose own contract covers the out-pointers.
+/// First phases (`aclnnXxxGetWorkspaceSize` calls) of this library copy so far.
+pub fn first_phases() -> u64 {
+    FIRST_PHASES.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+static FIRST_PHASES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 fn first_phase(
     name: &'static str,
     workspace_size: *mut u64,
     executor: *mut *mut Executor,
     build: impl FnOnce() -> Result<(u64, Kernel), EmuError>,
 ) -> i32 {
+    FIRST_PHASES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     // SAFETY: every exported first phase documents writable out-pointers as its contract.
     unsafe { phase1(name, workspace_size, executor, build) }
 }
@@ -1183,7 +1191,8 @@ pub unsafe fn softmax(
 }
 
 /// `aclnnIndexSelectGetWorkspaceSize(self, dim, index, out, ...)`. An index outside `self`
-/// reads nothing: its rows are zero and the kernel reports an error.
+/// is an AI core exception (507015), as an out-of-bounds read is on hardware: the output is
+/// left as it was and the stream stays in error (see [`crate::stream`]).
 ///
 /// # Safety
 /// As for [`matmul`].
@@ -1237,15 +1246,15 @@ pub unsafe fn index_select(
                     result[to..to + inner].copy_from_slice(&values[from..from + inner]);
                 }
             }
-            // SAFETY: as above.
-            unsafe { out.write(&result) };
-            match bad {
-                Some(p) => Err(EmuError::new(
+            if let Some(p) = bad {
+                return Err(EmuError::new(
                     codes::RT_AICORE_EXCEPTION,
                     format!("aclnnIndexSelect: index {p} outside [0, {len})"),
-                )),
-                None => Ok(()),
+                ));
             }
+            // SAFETY: as above.
+            unsafe { out.write(&result) };
+            Ok(())
         });
         Ok((0, kernel))
     })

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::config;
 use crate::error::{EmuError, codes, report};
-use crate::memory::Heap;
+use crate::memory::{self, Heap};
 use crate::stream::{Job, StreamInner};
 
 /// Memory the default context of `aclrtSetDevice` holds on its NPU.
@@ -48,7 +48,9 @@ pub struct Device {
     /// Bytes held by contexts and streams.
     pub reserved: AtomicU64,
     default_context: OnceLock<usize>,
-    default_open: AtomicBool,
+    /// `aclrtSetDevice` calls not yet matched by `aclrtResetDevice`: the default context is
+    /// held while it is above 0.
+    sets: AtomicU64,
 }
 
 impl Device {
@@ -118,6 +120,15 @@ struct Emu {
 
 static EMU: OnceLock<Result<Emu, String>> = OnceLock::new();
 static INITIALISED: AtomicBool = AtomicBool::new(false);
+/// Events created and not destroyed.
+static LIVE_EVENTS: AtomicU64 = AtomicU64::new(0);
+/// Events created so far.
+static EVENTS_CREATED: AtomicU64 = AtomicU64::new(0);
+
+/// `aclrtCreateEvent` calls that succeeded so far.
+pub fn events_created() -> u64 {
+    EVENTS_CREATED.load(Ordering::SeqCst)
+}
 static MALLOCS: AtomicU64 = AtomicU64::new(0);
 static PINNED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 
@@ -135,7 +146,7 @@ fn emu() -> Result<&'static Emu, EmuError> {
                 heap: Mutex::new(Heap::new(cfg.hbm)?),
                 reserved: AtomicU64::new(0),
                 default_context: OnceLock::new(),
-                default_open: AtomicBool::new(false),
+                sets: AtomicU64::new(0),
             }));
         }
         let visible = match std::env::var("ASCEND_RT_VISIBLE_DEVICES") {
@@ -246,7 +257,21 @@ pub fn init() -> i32 {
             "aclInit was already called in this process",
         ));
     }
+    if config::get().stats_at_exit {
+        // SAFETY: registers a plain function without arguments, run once at exit.
+        unsafe { libc::atexit(print_stats) };
+    }
     codes::SUCCESS
+}
+
+/// Prints the process's counters to stderr (`ASCEND_EMU_STATS_AT_EXIT`), for measuring a
+/// whole run of a program that loads the emulation.
+extern "C" fn print_stats() {
+    eprintln!(
+        "emulated CANN: {} first phases, {} events created",
+        crate::ops::first_phases(),
+        events_created()
+    );
 }
 
 /// `aclFinalize`: the emulation keeps its state (the process may initialise again).
@@ -262,11 +287,12 @@ pub fn get_device_count(count: *mut u32) -> i32 {
     })
 }
 
-/// `aclrtSetDevice`: opens the device's default context (once) and makes it current.
+/// `aclrtSetDevice`: opens the device's default context (at the first set) and makes it
+/// current. Sets are counted, as on hardware: each needs its own `aclrtResetDevice`.
 pub fn set_device(id: i32) -> i32 {
     entry("aclrtSetDevice", true, || {
         let dev = device(id)?;
-        if !dev.default_open.swap(true, Ordering::SeqCst) {
+        if dev.sets.fetch_add(1, Ordering::SeqCst) == 0 {
             dev.reserve(DEFAULT_CONTEXT_BYTES);
         }
         let ctx = *dev.default_context.get_or_init(|| {
@@ -281,11 +307,16 @@ pub fn set_device(id: i32) -> i32 {
     })
 }
 
-/// `aclrtResetDevice`: releases the default context's memory.
+/// `aclrtResetDevice`: undoes one `aclrtSetDevice`; the last releases the default context's
+/// memory. A reset without a set is a no-op.
 pub fn reset_device(id: i32) -> i32 {
     entry("aclrtResetDevice", true, || {
         let dev = device(id)?;
-        if dev.default_open.swap(false, Ordering::SeqCst) {
+        let before = dev
+            .sets
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .unwrap_or(0);
+        if before == 1 {
             dev.unreserve(DEFAULT_CONTEXT_BYTES);
         }
         CURRENT.with(|c| {
@@ -422,43 +453,75 @@ pub fn synchronize_stream(stream: *mut c_void) -> i32 {
     })
 }
 
-/// `aclrtMalloc`.
+/// `aclrtMalloc`: 32-byte aligned and padded with 32 bytes.
 pub fn malloc(dev_ptr: *mut *mut c_void, size: usize, policy: u32) -> i32 {
     entry("aclrtMalloc", true, || {
-        let ctx = current()?;
-        if size == 0 || policy > 7 {
-            return Err(EmuError::new(
-                codes::INVALID_PARAM,
-                format!("aclrtMalloc: size {size}, policy {policy}"),
-            ));
-        }
-        let n = MALLOCS.fetch_add(1, Ordering::SeqCst) + 1;
-        let size = size as u64;
-        if config::get().fail_malloc_at == Some(n) {
-            return Err(EmuError::new(
-                codes::RT_MEMORY_ALLOCATION,
-                format!("out of memory allocating {size} bytes (injected at aclrtMalloc #{n})"),
-            ));
-        }
-        let dev = &ctx.device;
-        let limit = {
-            let heap = lock(&dev.heap);
-            heap.capacity()
-                .saturating_sub(dev.reserved.load(Ordering::SeqCst))
-        };
-        let placed = lock(&dev.heap).alloc(size, limit);
-        let ptr = placed.ok_or_else(|| {
-            let (free, total) = dev.mem_info();
-            EmuError::new(
-                codes::RT_MEMORY_ALLOCATION,
-                format!(
-                    "out of memory allocating {size} bytes on NPU {}: {free} of {total} bytes free",
-                    dev.physical
-                ),
-            )
-        })?;
-        out(dev_ptr, ptr.cast::<c_void>())
+        allocate("aclrtMalloc", dev_ptr, size, policy, memory::Entry::Malloc)
     })
+}
+
+/// `aclrtMallocAlign32`: 32-byte aligned, no padding. With `ASCEND_EMU_NO_MALLOC_ALIGN32` it
+/// answers 207000 (feature not supported), as a runtime without it would be met.
+pub fn malloc_align32(dev_ptr: *mut *mut c_void, size: usize, policy: u32) -> i32 {
+    entry("aclrtMallocAlign32", true, || {
+        if config::get().no_malloc_align32 {
+            return Err(EmuError::new(
+                codes::RT_FEATURE_NOT_SUPPORT,
+                "aclrtMallocAlign32 is not supported by this runtime (ASCEND_EMU_NO_MALLOC_ALIGN32)",
+            ));
+        }
+        allocate(
+            "aclrtMallocAlign32",
+            dev_ptr,
+            size,
+            policy,
+            memory::Entry::MallocAlign32,
+        )
+    })
+}
+
+fn allocate(
+    name: &str,
+    dev_ptr: *mut *mut c_void,
+    size: usize,
+    policy: u32,
+    kind: memory::Entry,
+) -> Result<(), EmuError> {
+    let ctx = current()?;
+    if size == 0 || policy > 5 {
+        return Err(EmuError::new(
+            codes::INVALID_PARAM,
+            format!("{name}: size {size}, policy {policy}"),
+        ));
+    }
+    let n = MALLOCS.fetch_add(1, Ordering::SeqCst) + 1;
+    let size = size as u64;
+    if config::get().fail_malloc_at == Some(n) {
+        return Err(EmuError::new(
+            codes::RT_MEMORY_ALLOCATION,
+            format!(
+                "out of memory allocating {size} bytes (injected at device allocation #{n}, {name})"
+            ),
+        ));
+    }
+    let dev = &ctx.device;
+    let limit = {
+        let heap = lock(&dev.heap);
+        heap.capacity()
+            .saturating_sub(dev.reserved.load(Ordering::SeqCst))
+    };
+    let placed = lock(&dev.heap).alloc(memory::charged(size, policy, kind), limit);
+    let ptr = placed.ok_or_else(|| {
+        let (free, total) = dev.mem_info();
+        EmuError::new(
+            codes::RT_MEMORY_ALLOCATION,
+            format!(
+                "out of memory allocating {size} bytes on NPU {}: {free} of {total} bytes free",
+                dev.physical
+            ),
+        )
+    })?;
+    out(dev_ptr, ptr.cast::<c_void>())
 }
 
 /// `aclrtFree`: immediate, as on hardware (it does not wait for queued work).
@@ -602,7 +665,12 @@ pub fn memcpy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usiz
     })
 }
 
-/// `aclrtMemcpyAsync`: checked and performed when the stream reaches it.
+/// Alignment `aclrtMemcpyAsync` wants of both addresses of a device-to-device copy.
+pub const D2D_ALIGN: usize = 64;
+
+/// `aclrtMemcpyAsync`: checked and performed when the stream reaches it. A device-to-device
+/// copy between addresses not both 64-byte aligned is refused (107008), as `acl_rt.h`
+/// restricts it.
 pub fn memcpy_async(
     dst: *mut c_void,
     dest_max: usize,
@@ -615,6 +683,16 @@ pub fn memcpy_async(
         let s = stream_in_context(stream)?;
         let k = kind(k)?;
         let (dst, src) = (dst as usize, src as usize);
+        if k == Kind::DeviceToDevice
+            && !(dst.is_multiple_of(D2D_ALIGN) && src.is_multiple_of(D2D_ALIGN))
+        {
+            return Err(EmuError::new(
+                codes::RT_ADDR_UNALIGNED,
+                format!(
+                    "aclrtMemcpyAsync: device-to-device copy from {src:#x} to {dst:#x}: both addresses must be {D2D_ALIGN}-byte aligned"
+                ),
+            ));
+        }
         let job: Job = Box::new(move |dev: &Device| {
             check_copy(dev, dst, dest_max, src, count, k)?;
             // SAFETY: device ranges checked against live blocks; host ranges are the caller's
@@ -660,6 +738,16 @@ pub fn memset_async(
 pub fn create_event(event: *mut *mut c_void) -> i32 {
     entry("aclrtCreateEvent", true, || {
         current()?;
+        if let Some(max) = config::get().max_events
+            && LIVE_EVENTS.load(Ordering::SeqCst) >= max
+        {
+            return Err(EmuError::new(
+                codes::RT_NO_EVENT_RESOURCE,
+                format!("no event resource: {max} events live (ASCEND_EMU_MAX_EVENTS)"),
+            ));
+        }
+        LIVE_EVENTS.fetch_add(1, Ordering::SeqCst);
+        EVENTS_CREATED.fetch_add(1, Ordering::SeqCst);
         let handle = Box::into_raw(Box::new(Event {
             magic: EVENT_MAGIC,
             recorded: Mutex::new(None),
@@ -687,6 +775,7 @@ pub fn destroy_event(event: *mut c_void) -> i32 {
         // SAFETY: a live event from `create_event`, destroyed once.
         let mut boxed = unsafe { Box::from_raw(event.cast::<Event>()) };
         boxed.magic = 0;
+        LIVE_EVENTS.fetch_sub(1, Ordering::SeqCst);
         Ok(())
     })
 }
@@ -702,12 +791,17 @@ pub fn record_event(event: *mut c_void, stream: *mut c_void) -> i32 {
     })
 }
 
-/// `aclrtQueryEventStatus`: 1 when complete, 0 when not yet.
+/// `aclrtQueryEventStatus`: 1 when complete, 0 when not yet; the fault of a stream in error.
 pub fn query_event_status(event: *mut c_void, status: *mut u32) -> i32 {
     entry("aclrtQueryEventStatus", true, || {
         let e = event_ref(event)?;
         let done = match &*lock(&e.recorded) {
-            Some((stream, seq)) => stream.completed() >= *seq,
+            Some((stream, seq)) => {
+                if let Some(fault) = stream.sticky() {
+                    return Err(fault);
+                }
+                stream.completed() >= *seq
+            }
             None => true,
         };
         out(status, u32::from(done))

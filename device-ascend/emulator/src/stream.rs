@@ -3,6 +3,11 @@
 //! Work runs after the call that enqueued it has returned, in enqueue order. The first
 //! failure is kept and reported (once) by the next synchronisation that covers it.
 //!
+//! A task fault (a code in the 507xxx range: AI core exceptions such as 507015, memory
+//! faults) is sticky, as on hardware: the stream stays in error, the tasks after it are
+//! dropped without running, and every later synchronisation and event query on the stream
+//! reports the fault, until the stream is destroyed.
+//!
 //! The queue is a mutex and a condition variable only (no channels, no thread-locals): op
 //! libraries built as separate copies of this crate enqueue on streams the runtime copy
 //! created, so the shared state must be plain memory both copies understand.
@@ -25,6 +30,8 @@ struct State {
     completed: u64,
     /// The first failure not yet reported, with the sequence number of its task.
     error: Option<(u64, EmuError)>,
+    /// A task fault that leaves the stream in error for good.
+    sticky: Option<EmuError>,
     shutdown: bool,
 }
 
@@ -47,6 +54,7 @@ impl StreamInner {
                 submitted: 0,
                 completed: 0,
                 error: None,
+                sticky: None,
                 shutdown: false,
             }),
             changed: Condvar::new(),
@@ -86,7 +94,13 @@ impl StreamInner {
         self.wait_for(target)
     }
 
-    /// Waits until task `seq` is done; reports a failure at or before it.
+    /// The fault that keeps this stream in error, if any.
+    pub fn sticky(&self) -> Option<EmuError> {
+        lock(&self.state).sticky.clone()
+    }
+
+    /// Waits until task `seq` is done; reports a failure at or before it, and a sticky fault
+    /// every time.
     pub fn wait_for(&self, seq: u64) -> Result<(), EmuError> {
         let mut state = lock(&self.state);
         while state.completed < seq {
@@ -94,6 +108,10 @@ impl StreamInner {
                 .changed
                 .wait(state)
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        if let Some(fault) = state.sticky.clone() {
+            state.error = None;
+            return Err(fault);
         }
         match state.error.take() {
             Some((at, err)) if at <= seq => Err(err),
@@ -123,6 +141,12 @@ impl StreamInner {
                 let mut state = lock(&self.state);
                 loop {
                     if let Some(job) = state.jobs.pop_front() {
+                        if state.sticky.is_some() {
+                            // A stream in error drops its tasks.
+                            state.completed += 1;
+                            self.changed.notify_all();
+                            continue;
+                        }
                         let seq = state.completed + 1;
                         break (job, seq);
                     }
@@ -148,10 +172,13 @@ impl StreamInner {
                 });
             let mut state = lock(&self.state);
             state.completed += 1;
-            if let Err(err) = result
-                && state.error.is_none()
-            {
-                state.error = Some((seq, err));
+            if let Err(err) = result {
+                if codes::is_task_fault(err.code) && state.sticky.is_none() {
+                    state.sticky = Some(err.clone());
+                }
+                if state.error.is_none() {
+                    state.error = Some((seq, err));
+                }
             }
             self.changed.notify_all();
         }

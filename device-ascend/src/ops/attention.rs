@@ -10,8 +10,8 @@
 //!   Atlas A2 training parts.
 //! - **composed**, everywhere: runs of equal-length segments are batched; for each chunk the
 //!   queries, keys and values are packed into `[segments · heads, len, head_dim]`
-//!   (`aclnnInplaceCopy` from strided views), then `S = aclnnBatchMatMul(Q, Kᵀ)`,
-//!   `aclnnInplaceMuls(S, scale)`, `P = aclnnSoftmax(S, dim = -1)`, `O = aclnnBatchMatMul(P,
+//!   (`aclnnInplaceCopy` from strided views), then `aclnnInplaceMuls(Q, scale)`,
+//!   `S = aclnnBatchMatMul(Q, Kᵀ)`, `P = aclnnSoftmax(S, dim = -1)`, `O = aclnnBatchMatMul(P,
 //!   V)`, and `O` is copied into the output's rows. Chunks bound the score matrices to
 //!   [`SCORES_BUDGET`] bytes: by segments, then by heads, then by query rows for very long
 //!   segments, so a 16384-token image does not need a 16 GiB score matrix.
@@ -312,12 +312,15 @@ fn composed(x: &mut Exec<'_>, a: &Attention, scale: f32, cube_math: i8) -> Resul
             p_t.raw(),
             factor.raw(),
         );
-        let bmm = aclnn!(rt, aclnnBatchMatMulGetWorkspaceSize, aclnnBatchMatMul)?;
-        // SAFETY: live descriptors; out-pointers from `call`.
-        x.call(bmm, |f, ws, ex| unsafe { f(qr, kr, sr, cube_math, ws, ex) })?;
+        // The queries are scaled before the product, not the scores after it: in f16 the
+        // unscaled products of large queries and keys overflow to infinity (and the softmax
+        // then gives NaN) where the scaled ones fit.
         let muls = aclnn!(rt, aclnnInplaceMulsGetWorkspaceSize, aclnnInplaceMuls)?;
+        // SAFETY: live descriptors; out-pointers from `call`.
+        x.call(muls, |f, ws, ex| unsafe { f(qr, fr, ws, ex) })?;
+        let bmm = aclnn!(rt, aclnnBatchMatMulGetWorkspaceSize, aclnnBatchMatMul)?;
         // SAFETY: as above.
-        x.call(muls, |f, ws, ex| unsafe { f(sr, fr, ws, ex) })?;
+        x.call(bmm, |f, ws, ex| unsafe { f(qr, kr, sr, cube_math, ws, ex) })?;
         let softmax = aclnn!(rt, aclnnSoftmaxGetWorkspaceSize, aclnnSoftmax)?;
         // SAFETY: as above; dim -1 is the key axis.
         x.call(softmax, |f, ws, ex| unsafe { f(sr, -1, pr, ws, ex) })?;

@@ -258,6 +258,37 @@ pub fn copy(x: &mut Exec<'_>, dst: &Tensor<'_>, src: &Tensor<'_>) -> Result<(), 
     x.call(op, |f, ws, ex| unsafe { f(d, s, ws, ex) })
 }
 
+/// A copy of `rows` rows of `width` bytes, from `src` to `dst`, each a byte offset and a row
+/// stride in bytes (one region when `rows` is 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteCopy {
+    /// Source buffer, offset of its first row, and bytes between rows.
+    pub src: (BufferHandle, u64, u64),
+    /// Destination buffer, offset of its first row, and bytes between rows.
+    pub dst: (BufferHandle, u64, u64),
+    /// Rows.
+    pub rows: u64,
+    /// Bytes per row.
+    pub width: u64,
+}
+
+/// A [`ByteCopy`] as one `aclnnInplaceCopy` over `UINT8` views: any offsets (descriptors
+/// point at the 32-byte aligned buffer start and offset in elements, here bytes) and any row
+/// strides, where `aclrtMemcpyAsync` between device addresses wants both 64-byte aligned.
+pub fn copy_bytes(x: &mut Exec<'_>, c: &ByteCopy) -> Result<(), AscendError> {
+    // Validated ranges lie inside buffers, far below 2^63 bytes.
+    let int = |value: u64| i64::try_from(value).unwrap_or(i64::MAX);
+    let view = |offset: u64, stride: u64| Desc {
+        dtype: sys::aclDataType::ACL_UINT8,
+        dims: vec![int(c.rows), int(c.width)],
+        strides: vec![int(stride), 1],
+        offset: int(offset),
+    };
+    let src = x.tensor(&view(c.src.1, c.src.2), c.src.0)?;
+    let dst = x.tensor(&view(c.dst.1, c.dst.2), c.dst.0)?;
+    copy(x, &dst, &src)
+}
+
 /// `out = src` converted to `out`'s dtype.
 pub fn cast(x: &mut Exec<'_>, src: &Mat, out: &Mat) -> Result<(), AscendError> {
     if out.same_as(src) || src.is_empty() {

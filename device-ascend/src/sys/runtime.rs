@@ -55,6 +55,14 @@ pub struct AclRuntime {
         ) -> aclError,
         ::libloading::Error,
     >,
+    pub aclrtMallocAlign32: Result<
+        unsafe extern "C" fn(
+            devPtr: *mut *mut ::core::ffi::c_void,
+            size: usize,
+            policy: aclrtMemMallocPolicy::Type,
+        ) -> aclError,
+        ::libloading::Error,
+    >,
     pub aclrtFree: Result<
         unsafe extern "C" fn(devPtr: *mut ::core::ffi::c_void) -> aclError,
         ::libloading::Error,
@@ -151,6 +159,7 @@ impl AclRuntime {
         let aclrtQueryEventStatus = __library.get(b"aclrtQueryEventStatus\0").map(|sym| *sym);
         let aclrtSynchronizeEvent = __library.get(b"aclrtSynchronizeEvent\0").map(|sym| *sym);
         let aclrtMalloc = __library.get(b"aclrtMalloc\0").map(|sym| *sym);
+        let aclrtMallocAlign32 = __library.get(b"aclrtMallocAlign32\0").map(|sym| *sym);
         let aclrtFree = __library.get(b"aclrtFree\0").map(|sym| *sym);
         let aclrtMallocHost = __library.get(b"aclrtMallocHost\0").map(|sym| *sym);
         let aclrtFreeHost = __library.get(b"aclrtFreeHost\0").map(|sym| *sym);
@@ -180,6 +189,7 @@ impl AclRuntime {
             aclrtQueryEventStatus,
             aclrtSynchronizeEvent,
             aclrtMalloc,
+            aclrtMallocAlign32,
             aclrtFree,
             aclrtMallocHost,
             aclrtFreeHost,

@@ -33,6 +33,7 @@ impl MemTarget {
             allocator_reserved_bytes: 2048 + held,
             allocator_allocated_bytes: 1024 + held,
             encoder_cache_bytes: held,
+            plugin_held_bytes: 0,
         }
     }
 }
