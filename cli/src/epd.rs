@@ -614,3 +614,81 @@ fn entry_rows(result: &ImageResult, shape: &EntryShape) -> Result<Vec<u8>, Produ
     }
     Ok(bytes)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_json(path: &std::path::Path) -> serde_json::Value {
+        serde_json::json!({
+            "ec_connector": "ECExampleConnector",
+            "ec_role": "ec_both",
+            "ec_connector_extra_config": {"shared_storage_path": path},
+        })
+    }
+
+    #[test]
+    fn the_config_files_table_applies_unless_the_flag_is_given() {
+        let (file_store, flag_store) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let file = config_json(file_store.path());
+        let from_file = EpdArgs::default().resolve("tiny", Some(&file)).unwrap();
+        let producer = from_file.producer.expect("a producer from the file");
+        assert_eq!(producer.info_json()["ec_role"], "ec_both");
+        assert_eq!(
+            producer.info_json()["shared_storage_path"],
+            serde_json::json!(file_store.path())
+        );
+        assert_eq!(from_file.model_id, "tiny");
+        assert_eq!(from_file.served_model_name, "tiny");
+
+        let flag = EpdArgs {
+            ec_transfer_config: Some(config_json(flag_store.path()).to_string()),
+            model_id: Some("Qwen/Qwen2.5-VL-3B-Instruct".into()),
+            ..EpdArgs::default()
+        };
+        let from_flag = flag.resolve("tiny", Some(&file)).unwrap();
+        assert_eq!(
+            from_flag.producer.expect("a producer").info_json()["shared_storage_path"],
+            serde_json::json!(flag_store.path())
+        );
+        assert_eq!(from_flag.served_model_name, "Qwen/Qwen2.5-VL-3B-Instruct");
+    }
+
+    #[test]
+    fn bad_settings_are_refused_at_start_by_name() {
+        let store = tempfile::tempdir().unwrap();
+        let bound_alone = EpdArgs {
+            ec_storage_max_bytes: Some(1 << 20),
+            ..EpdArgs::default()
+        };
+        let err = bound_alone.resolve("tiny", None).unwrap_err().to_string();
+        assert!(err.contains("--ec-storage-max-bytes"), "{err}");
+
+        let mut file = config_json(store.path());
+        file["ec_connector"] = serde_json::json!("ECMooncakeConnector");
+        let err = format!(
+            "{:#}",
+            EpdArgs::default().resolve("tiny", Some(&file)).unwrap_err()
+        );
+        assert!(
+            err.contains("[ec_transfer_config]") && err.contains("ECMooncakeConnector"),
+            "{err}"
+        );
+
+        let missing = config_json(&store.path().join("missing"));
+        let err = EpdArgs::default()
+            .resolve("tiny", Some(&missing))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("missing") && err.contains("create it first"),
+            "{err}"
+        );
+
+        let media = EpdArgs {
+            media_io_kwargs: Some(r#"{"image": {"rgba_background_color": [0, 0]}}"#.into()),
+            ..EpdArgs::default()
+        };
+        assert!(media.resolve("tiny", None).is_err());
+    }
+}
