@@ -87,18 +87,7 @@ pub fn parse_chat_request(
     limits: &Limits,
     media: &MediaAccess,
 ) -> Result<ChatRequest, ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|err| {
-        ApiError::bad_request(
-            "invalid_json",
-            format!("request body is not valid JSON: {err}"),
-        )
-    })?;
-    let Value::Object(obj) = value else {
-        return Err(ApiError::bad_request(
-            "invalid_request",
-            "request body must be a JSON object",
-        ));
-    };
+    let obj = request::parse_object(body)?;
     for key in obj.keys() {
         let known = matches!(
             key.as_str(),

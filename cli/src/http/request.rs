@@ -72,21 +72,7 @@ pub struct EncodeRequest {
 /// # Errors
 /// A 400 [`ApiError`] naming the offending field for any malformed input.
 pub fn parse_encode_request(body: &[u8], limits: &Limits) -> Result<EncodeRequest, ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|err| {
-        ApiError::bad_request(
-            "invalid_json",
-            format!("request body is not valid JSON: {err}"),
-        )
-    })?;
-    let Value::Object(obj) = value else {
-        return Err(ApiError::bad_request(
-            "invalid_request",
-            format!(
-                "request body must be a JSON object, got {}",
-                type_name(&value)
-            ),
-        ));
-    };
+    let obj = parse_object(body)?;
     let options = EncodeOptions {
         return_embeddings: parse_return_embeddings(&obj)?,
         ..EncodeOptions::default()
@@ -98,6 +84,29 @@ pub fn parse_encode_request(body: &[u8], limits: &Limits) -> Result<EncodeReques
         .map(|(field, url)| decode_image_url(&field, url, limits))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(EncodeRequest { images, options })
+}
+
+/// Parses a request body that must be a JSON object.
+///
+/// # Errors
+/// A 400 `invalid_json` or `invalid_request`.
+pub(crate) fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|err| {
+        ApiError::bad_request(
+            "invalid_json",
+            format!("request body is not valid JSON: {err}"),
+        )
+    })?;
+    match value {
+        Value::Object(obj) => Ok(obj),
+        other => Err(ApiError::bad_request(
+            "invalid_request",
+            format!(
+                "request body must be a JSON object, got {}",
+                type_name(&other)
+            ),
+        )),
+    }
 }
 
 /// Checks that a request carries at least one image and at most the limit.
