@@ -111,7 +111,7 @@ pub fn parse_chat_request(
     let model = match obj.get("model") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
-        Some(other) => return Err(wrong_type("model", "a string", other)),
+        Some(other) => return Err(request::wrong_type("model", "a string", other)),
     };
     match obj.get("stream") {
         None | Some(Value::Null | Value::Bool(false)) => {}
@@ -121,7 +121,7 @@ pub fn parse_chat_request(
                 "stream: true is not supported: an encoder instance generates no text to stream; send stream: false",
             ));
         }
-        Some(other) => return Err(wrong_type("stream", "a boolean", other)),
+        Some(other) => return Err(request::wrong_type("stream", "a boolean", other)),
     }
     match obj.get("n") {
         None | Some(Value::Null) => {}
@@ -148,7 +148,7 @@ pub fn parse_chat_request(
                     .map(Some)
                     .map_err(|err| ApiError::bad_request("invalid_mm_kwargs", err.to_string()))
             }
-            Some(other) => Err(wrong_type(field, "an object", other)),
+            Some(other) => Err(request::wrong_type(field, "an object", other)),
         }
     };
     let mm_processor_kwargs = kwargs("mm_processor_kwargs")?;
@@ -161,7 +161,7 @@ pub fn parse_chat_request(
                 "messages must not be empty",
             ));
         }
-        Some(other) => return Err(wrong_type("messages", "an array", other)),
+        Some(other) => return Err(request::wrong_type("messages", "an array", other)),
         None => {
             return Err(ApiError::bad_request(
                 "missing_field",
@@ -173,7 +173,7 @@ pub fn parse_chat_request(
     for (m, message) in messages.iter().enumerate() {
         let field = format!("messages[{m}]");
         let Value::Object(message) = message else {
-            return Err(wrong_type(&field, "an object", message));
+            return Err(request::wrong_type(&field, "an object", message));
         };
         match message.get("content") {
             None | Some(Value::Null | Value::String(_)) => {}
@@ -186,7 +186,7 @@ pub fn parse_chat_request(
                 }
             }
             Some(other) => {
-                return Err(wrong_type(
+                return Err(request::wrong_type(
                     &format!("{field}.content"),
                     "a string or an array of parts",
                     other,
@@ -213,14 +213,20 @@ fn parse_part(
     media: &MediaAccess,
 ) -> Result<Option<Item>, ApiError> {
     let Value::Object(part) = part else {
-        return Err(wrong_type(field, "a content part object", part));
+        return Err(request::wrong_type(field, "a content part object", part));
     };
     // vLLM stringifies a uuid of any JSON type (`str(uuid)`); iris takes strings and integers.
     let uuid = match part.get("uuid") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
         Some(Value::Number(n)) if n.is_i64() || n.is_u64() => Some(n.to_string()),
-        Some(other) => return Err(wrong_type(&format!("{field}.uuid"), "a string", other)),
+        Some(other) => {
+            return Err(request::wrong_type(
+                &format!("{field}.uuid"),
+                "a string",
+                other,
+            ));
+        }
     };
     let kind = match part.get("type") {
         Some(Value::String(s)) => s.as_str(),
@@ -463,21 +469,6 @@ fn percent_decode(text: &str) -> String {
         i += 1;
     }
     String::from_utf8_lossy(&out).into_owned()
-}
-
-fn wrong_type(field: &str, expected: &str, got: &Value) -> ApiError {
-    let kind = match got {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    };
-    ApiError::bad_request(
-        "invalid_field",
-        format!("{field} must be {expected}, got {kind}"),
-    )
 }
 
 /// The `chat.completion` reply, as vLLM's encoder instance returns it.

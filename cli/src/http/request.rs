@@ -474,7 +474,8 @@ fn expect_array<'a>(value: &'a Value, field: &str) -> Result<&'a Vec<Value>, Api
         .ok_or_else(|| wrong_type(field, "an array", value))
 }
 
-fn wrong_type(field: &str, expected: &str, got: &Value) -> ApiError {
+/// A 400 `invalid_type` naming the field, what it must be and what it was.
+pub(crate) fn wrong_type(field: &str, expected: &str, got: &Value) -> ApiError {
     ApiError::bad_request(
         "invalid_type",
         format!("{field} must be {expected}, got {}", type_name(got)),
