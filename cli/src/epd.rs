@@ -3,11 +3,18 @@
 //!
 //! For each request: every image gets vLLM's identifier (its hasher over the original bytes,
 //! or the client's uuid); the engine preprocesses the images (grids, through the processor
-//! cache); items whose entry is already in the store are not encoded again; the others are
-//! encoded in one engine request and written to the store off the engine step, on the blocking
-//! pool. Concurrent requests for one identifier encode and write once: the first claims it and
-//! the others wait for its entry. A claim is never held while waiting for another, so requests
-//! that share several items cannot deadlock.
+//! cache); then the configured connector publishes the rows.
+//!
+//! - Shared storage (`ECExampleConnector`): items whose entry is already in the store are not
+//!   encoded again; the others are encoded in one engine request and written to the store off
+//!   the engine step, on the blocking pool. Concurrent requests for one identifier encode and
+//!   write once: the first claims it and the others wait for its entry. A claim is never held
+//!   while waiting for another, so requests that share several items cannot deadlock.
+//! - Mooncake push (`ECMooncakeConnector`): the request names its consumer and one transfer id
+//!   per item; iris reserves room on every shard of the consumer first, encodes (in one engine
+//!   request) only the items some shard does not hold yet, and writes the rows into the
+//!   reservations before replying. The push runs in the request's task, after the engine has
+//!   returned the rows: it never holds an engine step. Any failure cancels every reservation.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -24,6 +31,7 @@ use iris_ec::identifier::{
     DEFAULT_BACKGROUND, HashAlgorithm, HashFactors, IdentifierError, ItemSource, JsonValue,
     OrderedJson, item_identifier, merge_media_io_kwargs,
 };
+use iris_ec::mooncake::{MooncakeProducer, PushError, PushFailure, PushSpec};
 use iris_ec::storage::{
     Claim, ClaimGuard, EcDtype, EntryShape, Lookup, SharedStorage, StoreError, StoreStats,
     check_identifier, pack_rows, wait_for_owner,
@@ -31,6 +39,12 @@ use iris_ec::storage::{
 use iris_plugin::DType;
 
 use crate::http::Engine;
+
+/// Push latency buckets in seconds: 100 us to about 6.6 s, doubling.
+const PUSH_BUCKETS: [f64; 17] = [
+    1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3, 3.2e-3, 6.4e-3, 1.28e-2, 2.56e-2, 5.12e-2, 0.1024, 0.2048,
+    0.4096, 0.8192, 1.6384, 3.2768, 6.5536,
+];
 
 /// Write latency buckets in seconds: 50 us to about 3.3 s, doubling.
 const WRITE_BUCKETS: [f64; 17] = [
@@ -127,26 +141,44 @@ impl EpdArgs {
         let producer = match config {
             None => None,
             Some(config) => {
-                let ConnectorConfig::SharedStorage { path } = &config.connector else {
-                    anyhow::bail!(
+                let connector = match &config.connector {
+                    ConnectorConfig::SharedStorage { path } => {
+                        let store = SharedStorage::open(path.clone(), self.ec_storage_max_bytes)?;
+                        let write_seconds = prometheus::Histogram::with_opts(
+                            prometheus::HistogramOpts::new(
+                                "iris_ec_store_write_seconds",
+                                "Latency of one EC store entry's write (first byte to rename), in seconds",
+                            )
+                            .buckets(WRITE_BUCKETS.to_vec()),
+                        )?;
+                        Connector::SharedStorage(Arc::new(StorageConnector {
+                            store,
+                            write_seconds,
+                            path: path.clone(),
+                        }))
+                    }
+                    ConnectorConfig::Mooncake(settings) => {
+                        if self.ec_storage_max_bytes.is_some() {
+                            anyhow::bail!(
+                                "--ec-storage-max-bytes bounds the shared-storage connector's store; ECMooncakeConnector keeps nothing (the consumers own their receive pools)"
+                            );
+                        }
+                        let name = format!("iris-{}", std::process::id());
+                        Connector::Mooncake {
+                            pusher: MooncakeProducer::new(*settings, name),
+                            metrics: PushMetrics::new()?,
+                            control_timeout_s: settings.control_timeout.as_secs_f64(),
+                        }
+                    }
+                    other => anyhow::bail!(
                         "--ec-transfer-config: connector {} is not supported",
-                        config.connector.name()
-                    );
+                        other.name()
+                    ),
                 };
-                let store = SharedStorage::open(path.clone(), self.ec_storage_max_bytes)?;
-                let write_seconds = prometheus::Histogram::with_opts(
-                    prometheus::HistogramOpts::new(
-                        "iris_ec_store_write_seconds",
-                        "Latency of one EC store entry's write (first byte to rename), in seconds",
-                    )
-                    .buckets(WRITE_BUCKETS.to_vec()),
-                )?;
                 Some(Arc::new(Producer {
-                    store,
-                    write_seconds,
+                    connector,
                     role: config.role,
                     engine_id: config.engine_id,
-                    path: path.clone(),
                 }))
             }
         };
@@ -163,40 +195,156 @@ impl EpdArgs {
     }
 }
 
-/// The shared-storage producer: the store and its settings.
+/// The EC producer: the configured connector and its settings.
 #[derive(Debug)]
 pub struct Producer {
-    store: SharedStorage,
+    connector: Connector,
     role: EcRole,
     engine_id: Option<String>,
+}
+
+/// The connector a producer publishes through.
+#[derive(Debug)]
+enum Connector {
+    /// `ECExampleConnector`.
+    SharedStorage(Arc<StorageConnector>),
+    /// `ECMooncakeConnector`.
+    Mooncake {
+        pusher: MooncakeProducer,
+        metrics: PushMetrics,
+        control_timeout_s: f64,
+    },
+}
+
+/// The shared-storage connector: the store and its settings.
+#[derive(Debug)]
+struct StorageConnector {
+    store: SharedStorage,
     path: PathBuf,
     /// Latency of each entry's write, from its first byte to the rename.
     write_seconds: prometheus::Histogram,
 }
 
-impl Producer {
-    /// The histogram of write latencies, for the server's registry.
-    #[must_use]
-    pub fn write_seconds(&self) -> &prometheus::Histogram {
-        &self.write_seconds
+/// The push connector's metrics (`iris_ec_push_*`).
+#[derive(Debug, Clone)]
+pub struct PushMetrics {
+    /// Items pushed and completed (an item counts once however many shards took it).
+    pushes: prometheus::IntCounter,
+    /// Items every shard already held: reserved, not written.
+    cached: prometheus::IntCounter,
+    /// Bytes written over the data wire, all shards.
+    bytes: prometheus::IntCounter,
+    /// Failed pushes by reason.
+    failures: prometheus::IntCounterVec,
+    /// From the first reservation to the last completion, per request.
+    seconds: prometheus::Histogram,
+}
+
+impl PushMetrics {
+    fn new() -> prometheus::Result<Self> {
+        let failures = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                "iris_ec_push_failures_total",
+                "Requests whose push to an EC consumer failed, by reason",
+            ),
+            &["reason"],
+        )?;
+        // Every reason is exported from the start, at zero, so that rates work at once.
+        for failure in PushFailure::ALL {
+            failures.with_label_values(&[failure.label()]);
+        }
+        Ok(Self {
+            pushes: prometheus::IntCounter::new(
+                "iris_ec_pushes_total",
+                "Items pushed to EC consumers and completed",
+            )?,
+            cached: prometheus::IntCounter::new(
+                "iris_ec_push_cached_total",
+                "Items an EC consumer already held: reserved, not encoded nor written",
+            )?,
+            bytes: prometheus::IntCounter::new(
+                "iris_ec_push_bytes_total",
+                "Bytes written to EC consumers over Mooncake's TCP transport (all shards)",
+            )?,
+            failures,
+            seconds: prometheus::Histogram::with_opts(
+                prometheus::HistogramOpts::new(
+                    "iris_ec_push_seconds",
+                    "Latency of one request's push, first reservation to last completion, in seconds",
+                )
+                .buckets(PUSH_BUCKETS.to_vec()),
+            )?,
+        })
     }
 
-    /// The store's counters.
+    /// The collectors, for the server's registry.
+    #[must_use]
+    pub fn collectors(&self) -> Vec<Box<dyn prometheus::core::Collector>> {
+        vec![
+            Box::new(self.pushes.clone()),
+            Box::new(self.cached.clone()),
+            Box::new(self.bytes.clone()),
+            Box::new(self.failures.clone()),
+            Box::new(self.seconds.clone()),
+        ]
+    }
+
+    fn failed(&self, err: &PushError) {
+        self.failures
+            .with_label_values(&[err.failure.label()])
+            .inc();
+    }
+}
+
+impl Producer {
+    /// The histogram of store write latencies (shared-storage connector only).
+    #[must_use]
+    pub fn write_seconds(&self) -> Option<&prometheus::Histogram> {
+        match &self.connector {
+            Connector::SharedStorage(storage) => Some(&storage.write_seconds),
+            Connector::Mooncake { .. } => None,
+        }
+    }
+
+    /// The push metrics (push connector only).
+    #[must_use]
+    pub fn push_metrics(&self) -> Option<&PushMetrics> {
+        match &self.connector {
+            Connector::Mooncake { metrics, .. } => Some(metrics),
+            Connector::SharedStorage(_) => None,
+        }
+    }
+
+    /// The store's counters (zero for the push connector, which keeps no store).
     #[must_use]
     pub fn stats(&self) -> StoreStats {
-        self.store.stats()
+        match &self.connector {
+            Connector::SharedStorage(storage) => storage.store.stats(),
+            Connector::Mooncake { .. } => StoreStats::default(),
+        }
     }
 
     /// The settings as JSON, for `/server_info` and reports.
     #[must_use]
     pub fn info_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "ec_connector": iris_ec::config::SHARED_STORAGE_CONNECTOR,
-            "ec_role": self.role.as_str(),
-            "engine_id": self.engine_id,
-            "shared_storage_path": self.path,
-            "max_bytes": self.store.max_bytes(),
-        })
+        match &self.connector {
+            Connector::SharedStorage(storage) => serde_json::json!({
+                "ec_connector": iris_ec::config::SHARED_STORAGE_CONNECTOR,
+                "ec_role": self.role.as_str(),
+                "engine_id": self.engine_id,
+                "shared_storage_path": storage.path,
+                "max_bytes": storage.store.max_bytes(),
+            }),
+            Connector::Mooncake {
+                control_timeout_s, ..
+            } => serde_json::json!({
+                "ec_connector": iris_ec::config::MOONCAKE_CONNECTOR,
+                "ec_role": self.role.as_str(),
+                "engine_id": self.engine_id,
+                "mooncake_protocol": "tcp",
+                "control_timeout_s": control_timeout_s,
+            }),
+        }
     }
 }
 
@@ -209,11 +357,25 @@ pub struct Item {
     pub uuid: Option<String>,
 }
 
+/// Where a request's items are pushed: what vLLM's proxy puts in `ec_transfer_params` when it
+/// runs with `--ec-consumer-zmq-addrs`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushTarget {
+    /// The consumer's control address (`consumer_zmq`, `tcp://host:port`).
+    pub consumer_zmq: String,
+    /// One transfer id per item, in item order (`ec_items[i].transfer_id`).
+    pub transfer_ids: Vec<String>,
+    /// `ec_items[i].mm_hash` where the proxy named it: it must equal the item's identifier.
+    pub mm_hashes: Vec<Option<String>>,
+}
+
 /// What a request asks of the encoder instance.
 #[derive(Debug, Clone, Default)]
 pub struct EpdRequest {
     /// The images, in request order.
     pub items: Vec<Item>,
+    /// The consumer to push to, when the request names one.
+    pub push: Option<PushTarget>,
     /// The request's `mm_processor_kwargs`.
     pub mm_processor_kwargs: Option<OrderedJson>,
     /// The request's `media_io_kwargs`.
@@ -227,7 +389,9 @@ pub enum Stored {
     Written,
     /// Already in the store (or written meanwhile by a concurrent request): not encoded.
     Hit,
-    /// No store configured: encoded, not published.
+    /// Written into the consumer's reservations (push connector).
+    Pushed,
+    /// No store configured, or no consumer named: encoded, not published.
     NotPublished,
 }
 
@@ -242,6 +406,8 @@ pub struct Published {
     pub num_tokens: u64,
     /// What happened to its entry.
     pub stored: Stored,
+    /// The transfer id it was pushed under (push connector).
+    pub transfer_id: Option<String>,
 }
 
 /// Why a request failed.
@@ -262,6 +428,9 @@ pub enum ProduceError {
     /// Writing to the store failed: a 500 naming the path and the reason.
     #[error("{0}")]
     Store(#[from] StoreError),
+    /// Pushing to a consumer failed: a 502 (504 for a timeout) naming the consumer and reason.
+    #[error("{0}")]
+    Push(#[from] PushError),
     /// A fault inside iris.
     #[error("internal error: {0}")]
     Internal(String),
@@ -413,20 +582,52 @@ impl Epd {
             .map(|item| ImageInput { bytes: item.bytes })
             .collect();
         let plans = engine.plan(&images, &overrides).await?;
-        let Some(producer) = &self.producer else {
-            let results = engine
-                .encode(permit, images, options(overrides, false))
-                .await?;
-            return Ok(identifiers
-                .into_iter()
-                .zip(results)
-                .map(|(identifier, r)| Published {
-                    identifier,
-                    grid_thw: r.grid_thw,
-                    num_tokens: r.num_tokens,
-                    stored: Stored::NotPublished,
-                })
-                .collect());
+        let connector = self.producer.as_ref().map(|p| &p.connector);
+        let producer = match (connector, request.push) {
+            (
+                Some(Connector::Mooncake {
+                    pusher, metrics, ..
+                }),
+                Some(target),
+            ) => {
+                let batch = PushBatch {
+                    images,
+                    identifiers,
+                    plans,
+                    overrides,
+                };
+                return push(engine, permit, pusher, metrics, batch, target).await;
+            }
+            (None, Some(_)) => {
+                return Err(ProduceError::BadRequest {
+                    code: "ec_transfer_not_configured",
+                    message: "ec_transfer_params names a consumer, but this server has no EC connector: start iris with --ec-transfer-config using ECMooncakeConnector".to_owned(),
+                });
+            }
+            (Some(Connector::SharedStorage(_)), Some(_)) => {
+                return Err(ProduceError::BadRequest {
+                    code: "ec_transfer_not_configured",
+                    message: "ec_transfer_params names a consumer to push to, but this server publishes to a shared store (ECExampleConnector): run the proxy without --ec-consumer-zmq-addrs, or start iris with ECMooncakeConnector".to_owned(),
+                });
+            }
+            // As vLLM's producer: a request that names no consumer is encoded, not pushed.
+            (None | Some(Connector::Mooncake { .. }), None) => {
+                let results = engine
+                    .encode(permit, images, options(overrides, false))
+                    .await?;
+                return Ok(identifiers
+                    .into_iter()
+                    .zip(results)
+                    .map(|(identifier, r)| Published {
+                        identifier,
+                        grid_thw: r.grid_thw,
+                        num_tokens: r.num_tokens,
+                        stored: Stored::NotPublished,
+                        transfer_id: None,
+                    })
+                    .collect());
+            }
+            (Some(Connector::SharedStorage(storage)), None) => storage,
         };
         let layout = engine.output_layout();
         let dtype = store_dtype(layout.dtype)?;
@@ -497,13 +698,14 @@ impl Epd {
                 grid_thw: plan.grid_thw,
                 num_tokens: plan.num_tokens,
                 stored,
+                transfer_id: None,
             })
             .collect())
     }
 
     async fn lookup(
         &self,
-        producer: &Arc<Producer>,
+        producer: &Arc<StorageConnector>,
         identifier: &str,
         shape: EntryShape,
     ) -> Result<Lookup, ProduceError> {
@@ -563,9 +765,151 @@ impl Epd {
     }
 }
 
+/// One request's items and what is known of them, for [`push`].
+struct PushBatch {
+    images: Vec<ImageInput>,
+    identifiers: Vec<String>,
+    plans: Vec<ImagePlan>,
+    overrides: ProcessorOverrides,
+}
+
+/// The push connector's request: reserve on every shard of the consumer, encode what some shard
+/// needs, write, complete. Every failure after the reservations cancels them all.
+async fn push<E: Engine>(
+    engine: &E,
+    permit: E::Permit,
+    pusher: &MooncakeProducer,
+    metrics: &PushMetrics,
+    batch: PushBatch,
+    target: PushTarget,
+) -> Result<Vec<Published>, ProduceError> {
+    let PushBatch {
+        images,
+        identifiers,
+        plans,
+        overrides,
+    } = batch;
+    if target.transfer_ids.len() != identifiers.len() {
+        return Err(ProduceError::BadRequest {
+            code: "invalid_ec_transfer_params",
+            message: format!(
+                "ec_transfer_params.ec_items has {} entries for {} images",
+                target.transfer_ids.len(),
+                identifiers.len()
+            ),
+        });
+    }
+    for (index, (named, identifier)) in target.mm_hashes.iter().zip(&identifiers).enumerate() {
+        if let Some(named) = named
+            && named != identifier
+        {
+            return Err(ProduceError::BadRequest {
+                code: "invalid_ec_transfer_params",
+                message: format!(
+                    "ec_transfer_params.ec_items[{index}].mm_hash is {named:?}, but image {index}'s identifier is {identifier:?}"
+                ),
+            });
+        }
+    }
+    let layout = engine.output_layout();
+    let dtype = store_dtype(layout.dtype)?;
+    let specs: Vec<PushSpec> = identifiers
+        .iter()
+        .zip(&plans)
+        .zip(&target.transfer_ids)
+        .map(|((identifier, plan), transfer_id)| {
+            let shape = entry_shape(plan, &layout, dtype);
+            PushSpec {
+                transfer_id: transfer_id.clone(),
+                mm_hash: identifier.clone(),
+                rows: shape.rows,
+                width: shape.width,
+                dtype,
+            }
+        })
+        .collect();
+    let failed = |err: PushError| {
+        metrics.failed(&err);
+        ProduceError::Push(err)
+    };
+    let reserved = pusher
+        .reserve(&target.consumer_zmq, specs)
+        .await
+        .map_err(failed)?;
+    // What some shard needs, once per identifier (a repeated image is encoded once).
+    let mut needed: Vec<usize> = Vec::new();
+    for index in 0..identifiers.len() {
+        if reserved.needs_write(index)
+            && !needed.iter().any(|&n| identifiers[n] == identifiers[index])
+        {
+            needed.push(index);
+        }
+    }
+    let mut rows: HashMap<&str, Arc<Vec<u8>>> = HashMap::new();
+    if !needed.is_empty() {
+        let inputs = needed.iter().map(|&i| images[i].clone()).collect();
+        let results = match engine
+            .encode(permit, inputs, options(overrides, true))
+            .await
+        {
+            Ok(results) => results,
+            Err(err) => {
+                reserved.abandon().await;
+                return Err(err.into());
+            }
+        };
+        for (&index, result) in needed.iter().zip(&results) {
+            let shape = entry_shape(&plans[index], &layout, dtype);
+            match entry_rows(result, &shape) {
+                Ok(bytes) => {
+                    rows.insert(identifiers[index].as_str(), Arc::new(bytes));
+                }
+                Err(err) => {
+                    reserved.abandon().await;
+                    return Err(err);
+                }
+            }
+        }
+    }
+    let payloads: Vec<Option<Arc<Vec<u8>>>> = identifiers
+        .iter()
+        .enumerate()
+        .map(|(index, id)| {
+            reserved
+                .needs_write(index)
+                .then(|| rows.get(id.as_str()).cloned())
+                .flatten()
+        })
+        .collect();
+    let cached: Vec<bool> = (0..identifiers.len())
+        .map(|index| !reserved.needs_write(index))
+        .collect();
+    let report = pusher.push(reserved, &payloads).await.map_err(failed)?;
+    metrics.bytes.inc_by(report.bytes);
+    metrics.seconds.observe(report.elapsed.as_secs_f64());
+    let cached_count = cached.iter().filter(|c| **c).count() as u64;
+    metrics.cached.inc_by(cached_count);
+    metrics
+        .pushes
+        .inc_by(identifiers.len() as u64 - cached_count);
+    Ok(identifiers
+        .into_iter()
+        .zip(plans)
+        .zip(target.transfer_ids)
+        .zip(cached)
+        .map(|(((identifier, plan), transfer_id), cached)| Published {
+            identifier,
+            grid_thw: plan.grid_thw,
+            num_tokens: plan.num_tokens,
+            stored: if cached { Stored::Hit } else { Stored::Pushed },
+            transfer_id: Some(transfer_id),
+        })
+        .collect())
+}
+
 /// One request's items and what is known of them, for [`Epd::encode_and_write`].
 struct Batch<'a> {
-    producer: &'a Arc<Producer>,
+    producer: &'a Arc<StorageConnector>,
     images: &'a [ImageInput],
     identifiers: &'a [String],
     plans: &'a [ImagePlan],

@@ -2,25 +2,40 @@
 //!
 //! The schema is vLLM 0.33's (`vllm/config/ec_transfer.py`): `ec_connector`, `ec_role`,
 //! `ec_connector_extra_config`, `ec_connector_module_path`, `engine_id`, `ec_buffer_device`,
-//! `ec_buffer_size`, `ec_ip`, `ec_port`. iris implements the shared-storage connector
-//! (`ECExampleConnector`) as a producer (`ec_producer`, or `ec_both`, under which iris also
-//! reads entries already in the store instead of encoding them again). Anything else is refused
-//! with an error that names what is supported: a key iris does not know, a connector or role it
-//! does not implement, an extra-config key the connector does not read.
+//! `ec_buffer_size`, `ec_ip`, `ec_port`. iris implements two connectors, one per configuration:
+//!
+//! - the shared-storage connector (`ECExampleConnector`) as a producer (`ec_producer`, or
+//!   `ec_both`, under which iris also reads entries already in the store instead of encoding them
+//!   again);
+//! - the Mooncake push connector (`ECMooncakeConnector`) as a producer (`ec_producer`): each
+//!   request names its consumer, and iris writes the rows into the consumer's receive buffer over
+//!   Mooncake's TCP transport (see [`crate::mooncake`]).
+//!
+//! Anything else is refused with an error that names what is supported: a key iris does not
+//! know, a connector or role it does not implement, an extra-config key the connector does not
+//! read.
 //!
 //! `engine_id`, `ec_buffer_device`, `ec_buffer_size`, `ec_ip` and `ec_port` are accepted with
-//! vLLM's types so that one JSON can configure every instance of a deployment; vLLM's own
-//! shared-storage connector reads none of them, and neither does iris's.
+//! vLLM's types so that one JSON can configure every instance of a deployment; they describe a
+//! consumer's receive side (or nothing, for shared storage), and iris's producers read none of
+//! them.
 
 use std::fmt;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde_json::{Map, Value};
 
 /// vLLM's name of the shared-storage connector.
 pub const SHARED_STORAGE_CONNECTOR: &str = "ECExampleConnector";
-/// The connectors vLLM 0.33 ships that iris does not implement yet.
-const KNOWN_UNSUPPORTED_CONNECTORS: [&str; 2] = ["ECMooncakeConnector", "ECCPUConnector"];
+/// vLLM's name of the Mooncake push connector.
+pub const MOONCAKE_CONNECTOR: &str = "ECMooncakeConnector";
+/// The connectors vLLM 0.33 ships that iris does not implement.
+const KNOWN_UNSUPPORTED_CONNECTORS: [&str; 1] = ["ECCPUConnector"];
+/// `control_timeout_s` when the extra config does not set it (vLLM's default).
+pub const DEFAULT_CONTROL_TIMEOUT: Duration = Duration::from_secs(30);
+/// The extra-config keys iris's Mooncake producer reads.
+const MOONCAKE_KEYS: &str = "control_timeout_s, mooncake_protocol (\"tcp\")";
 /// `shared_storage_path` when the extra config does not set it (vLLM's default).
 pub const DEFAULT_SHARED_STORAGE_PATH: &str = "/tmp";
 
@@ -60,6 +75,25 @@ pub enum ConnectorConfig {
         /// `ec_connector_extra_config.shared_storage_path` (default `/tmp`, as vLLM).
         path: PathBuf,
     },
+    /// `ECMooncakeConnector`: rows pushed into each request's consumer over Mooncake's TCP
+    /// transport.
+    Mooncake(MooncakeSettings),
+}
+
+/// The producer settings of `ECMooncakeConnector` that iris reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MooncakeSettings {
+    /// `control_timeout_s`: the limit of one control exchange, one handshake and one write's
+    /// status (default 30 s, as vLLM).
+    pub control_timeout: Duration,
+}
+
+impl Default for MooncakeSettings {
+    fn default() -> Self {
+        Self {
+            control_timeout: DEFAULT_CONTROL_TIMEOUT,
+        }
+    }
 }
 
 impl ConnectorConfig {
@@ -68,6 +102,7 @@ impl ConnectorConfig {
     pub fn name(&self) -> &'static str {
         match self {
             Self::SharedStorage { .. } => SHARED_STORAGE_CONNECTOR,
+            Self::Mooncake(_) => MOONCAKE_CONNECTOR,
         }
     }
 }
@@ -107,19 +142,32 @@ pub enum ConfigError {
     },
     /// No `ec_connector`.
     #[error(
-        "--ec-transfer-config: `ec_connector` is required; iris supports \"ECExampleConnector\""
+        "--ec-transfer-config: `ec_connector` is required; iris supports \"ECExampleConnector\" and \"ECMooncakeConnector\""
     )]
     MissingConnector,
     /// A connector iris does not implement.
     #[error(
-        "--ec-transfer-config: ec_connector {0:?} is not supported by iris; supported: \"ECExampleConnector\" (shared storage)"
+        "--ec-transfer-config: ec_connector {0:?} is not supported by iris; supported: \"ECExampleConnector\" (shared storage), \"ECMooncakeConnector\" (push over Mooncake's TCP transport)"
     )]
     UnsupportedConnector(String),
     /// A connector name vLLM does not ship either.
     #[error(
-        "--ec-transfer-config: unknown ec_connector {0:?}; iris supports \"ECExampleConnector\" (shared storage)"
+        "--ec-transfer-config: unknown ec_connector {0:?}; iris supports \"ECExampleConnector\" (shared storage) and \"ECMooncakeConnector\" (push over Mooncake's TCP transport)"
     )]
     UnknownConnector(String),
+    /// `ECMooncakeConnector` with a role other than `ec_producer`.
+    #[error(
+        "--ec-transfer-config: ECMooncakeConnector with ec_role {0} is not supported: iris pushes as an encoder, use \"ec_producer\""
+    )]
+    MooncakeRole(String),
+    /// `mooncake_protocol` other than `tcp`.
+    #[error(
+        "--ec-transfer-config: mooncake_protocol {0:?} is not supported: iris writes over Mooncake's TCP transport only; set \"tcp\" and start the consumers with MC_FORCE_TCP=1"
+    )]
+    MooncakeProtocol(String),
+    /// A value out of range.
+    #[error("--ec-transfer-config: {0}")]
+    Invalid(String),
     /// No `ec_role`, or one iris does not implement.
     #[error(
         "--ec-transfer-config: ec_role {0} is not supported; iris is an encoder instance: use \"ec_producer\" or \"ec_both\""
@@ -156,7 +204,7 @@ impl EcTransferConfig {
     /// .unwrap();
     /// assert_eq!(config.role, EcRole::Producer);
     /// assert_eq!(config.connector, ConnectorConfig::SharedStorage { path: "/mnt/ec".into() });
-    /// assert!(EcTransferConfig::parse(r#"{"ec_connector": "ECMooncakeConnector", "ec_role": "ec_producer"}"#).is_err());
+    /// assert!(EcTransferConfig::parse(r#"{"ec_connector": "ECCPUConnector", "ec_role": "ec_producer"}"#).is_err());
     /// ```
     ///
     /// # Errors
@@ -197,14 +245,13 @@ impl EcTransferConfig {
         if text("ec_connector_module_path").is_some() {
             return Err(ConfigError::ModulePath);
         }
+        let extra = map
+            .get("ec_connector_extra_config")
+            .and_then(Value::as_object);
         let connector = match text("ec_connector") {
             None => return Err(ConfigError::MissingConnector),
-            Some(SHARED_STORAGE_CONNECTOR) => {
-                let extra = map
-                    .get("ec_connector_extra_config")
-                    .and_then(Value::as_object);
-                shared_storage(extra)?
-            }
+            Some(SHARED_STORAGE_CONNECTOR) => shared_storage(extra)?,
+            Some(MOONCAKE_CONNECTOR) => ConnectorConfig::Mooncake(mooncake(extra)?),
             Some(other) if KNOWN_UNSUPPORTED_CONNECTORS.contains(&other) => {
                 return Err(ConfigError::UnsupportedConnector(other.to_owned()));
             }
@@ -216,6 +263,9 @@ impl EcTransferConfig {
             Some(other) => return Err(ConfigError::UnsupportedRole(format!("{other:?}"))),
             None => return Err(ConfigError::UnsupportedRole("(missing)".to_owned())),
         };
+        if matches!(connector, ConnectorConfig::Mooncake(_)) && role != EcRole::Producer {
+            return Err(ConfigError::MooncakeRole(format!("{:?}", role.as_str())));
+        }
         Ok(Self {
             connector,
             role,
@@ -242,6 +292,38 @@ fn shared_storage(extra: Option<&Map<String, Value>>) -> Result<ConnectorConfig,
         }
     }
     Ok(ConnectorConfig::SharedStorage { path })
+}
+
+fn mooncake(extra: Option<&Map<String, Value>>) -> Result<MooncakeSettings, ConfigError> {
+    let mut settings = MooncakeSettings::default();
+    for (key, value) in extra.into_iter().flatten() {
+        match key.as_str() {
+            "control_timeout_s" => {
+                // vLLM takes anything `float()` takes: a number or a numeric string.
+                let seconds = match value {
+                    Value::Number(n) => n.as_f64(),
+                    Value::String(s) => s.trim().parse::<f64>().ok(),
+                    _ => None,
+                }
+                .filter(|s| s.is_finite() && *s > 0.0 && *s <= 86_400.0)
+                .ok_or_else(|| wrong(key, "a number of seconds in (0, 86400]", value))?;
+                settings.control_timeout = Duration::from_secs_f64(seconds);
+            }
+            "mooncake_protocol" => match value {
+                Value::String(s) if s == "tcp" => {}
+                Value::String(s) => return Err(ConfigError::MooncakeProtocol(s.clone())),
+                other => return Err(wrong(key, "\"tcp\"", other)),
+            },
+            _ => {
+                return Err(ConfigError::UnknownExtraKey {
+                    key: key.clone(),
+                    connector: MOONCAKE_CONNECTOR,
+                    known: MOONCAKE_KEYS,
+                });
+            }
+        }
+    }
+    Ok(settings)
 }
 
 fn wrong(key: &str, expected: &'static str, got: &Value) -> ConfigError {
@@ -312,6 +394,29 @@ mod tests {
     }
 
     #[test]
+    fn a_mooncake_producer_reads_its_timeout_and_tcp() {
+        let config = parse(
+            r#"{"ec_connector": "ECMooncakeConnector", "ec_role": "ec_producer",
+                "ec_connector_extra_config": {"control_timeout_s": "2.5", "mooncake_protocol": "tcp"},
+                "ec_ip": "10.0.0.2", "ec_port": 15000, "ec_buffer_size": 1e9}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            config.connector,
+            ConnectorConfig::Mooncake(MooncakeSettings {
+                control_timeout: Duration::from_millis(2500)
+            })
+        );
+        let plain =
+            parse(r#"{"ec_connector": "ECMooncakeConnector", "ec_role": "ec_producer"}"#).unwrap();
+        assert_eq!(
+            plain.connector,
+            ConnectorConfig::Mooncake(MooncakeSettings::default())
+        );
+        assert_eq!(plain.connector.name(), MOONCAKE_CONNECTOR);
+    }
+
+    #[test]
     fn the_storage_path_defaults_to_tmp_as_in_vllm() {
         let config =
             parse(r#"{"ec_connector": "ECExampleConnector", "ec_role": "ec_both"}"#).unwrap();
@@ -333,8 +438,27 @@ mod tests {
                 "`ec_connector` is required",
             ),
             (
-                r#"{"ec_connector": "ECMooncakeConnector", "ec_role": "ec_producer"}"#,
-                "\"ECMooncakeConnector\" is not supported",
+                r#"{"ec_connector": "ECCPUConnector", "ec_role": "ec_producer"}"#,
+                "\"ECCPUConnector\" is not supported",
+            ),
+            (
+                r#"{"ec_connector": "ECMooncakeConnector", "ec_role": "ec_both"}"#,
+                "ECMooncakeConnector with ec_role \"ec_both\" is not supported",
+            ),
+            (
+                r#"{"ec_connector": "ECMooncakeConnector", "ec_role": "ec_producer",
+                    "ec_connector_extra_config": {"mooncake_protocol": "rdma"}}"#,
+                "MC_FORCE_TCP=1",
+            ),
+            (
+                r#"{"ec_connector": "ECMooncakeConnector", "ec_role": "ec_producer",
+                    "ec_connector_extra_config": {"control_timeout_s": 0}}"#,
+                "`control_timeout_s` must be a number of seconds",
+            ),
+            (
+                r#"{"ec_connector": "ECMooncakeConnector", "ec_role": "ec_producer",
+                    "ec_connector_extra_config": {"push_wait_timeout_s": 5}}"#,
+                "key `push_wait_timeout_s` is not read by ECMooncakeConnector",
             ),
             (
                 r#"{"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer"}"#,

@@ -7,7 +7,9 @@
 //!
 //! - vLLM's item identifiers (its multimodal hasher over the original encoded bytes);
 //! - the connectors that publish an item's rows (one contiguous `[num_embeds, width]` host buffer
-//!   in the engine's dtype, deepstack levels concatenated) under its identifier.
+//!   in the engine's dtype, deepstack levels concatenated) under its identifier: files in a
+//!   shared folder ([`storage`]), or pushes into a consumer's receive buffer over Mooncake's TCP
+//!   transport ([`mooncake`]).
 //!
 //! Connectors never see a device: they take host rows and run off the engine's step. The HTTP
 //! side (`/v1/chat/completions` as vLLM's proxy calls it) lives in the `iris` binary and only
@@ -15,6 +17,7 @@
 
 pub mod config;
 pub mod identifier;
+pub mod mooncake;
 pub mod storage;
 
 pub use identifier::{

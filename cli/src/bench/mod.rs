@@ -183,6 +183,15 @@ pub fn run(
                 &args.engine.model.model_id(),
                 global.config()?.ec_transfer_config.as_ref(),
             )?);
+            if epd
+                .producer
+                .as_ref()
+                .is_some_and(|p| p.push_metrics().is_some())
+            {
+                anyhow::bail!(
+                    "iris bench publishes through the shared-storage connector only: ECMooncakeConnector pushes to the consumer each request names, and bench requests name none (docs/PERFORMANCE.md measures pushes with the iris-ec push bench)"
+                );
+            }
             let inject = args.bench.inject_faults;
             let adjust = |config: &mut iris_core::config::Config| {
                 if inject {

@@ -13,9 +13,15 @@
 //! `http(s)://` URLs of hosts in `--allowed-media-domains` are read too (both off by default;
 //! fetches have a time limit and the body-size limit, and follow no redirect).
 //!
+//! `ec_transfer_params` with `consumer_zmq` and one `transfer_id` per image (what the proxy sends
+//! when it runs with `--ec-consumer-zmq-addrs`) makes iris push each image's rows into that
+//! consumer before replying (the push connector, `ECMooncakeConnector`); the reply then names
+//! each identifier's `transfer_id`, as vLLM's producer does.
+//!
 //! Refused with a 400 that names the field: video, audio and embedding parts, `stream: true`,
-//! `n` other than 1, `ec_transfer_params` (pushes to Mooncake consumers), processor or media
-//! options iris does not implement, and any other field iris does not know. Accepted with no
+//! `n` other than 1, `ec_transfer_params` that are malformed or name a consumer when no push
+//! connector is configured, processor or media options iris does not implement, and any other
+//! field iris does not know. Accepted with no
 //! effect (iris generates no text): `max_tokens`, `max_completion_tokens`, `temperature`,
 //! `top_p`, `user`, `priority` (iris schedules first come, first served), `session_id`.
 
@@ -28,7 +34,7 @@ use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
 use super::request::{self, Limits};
-use crate::epd::{EpdRequest, Item, Published};
+use crate::epd::{EpdRequest, Item, Published, PushTarget};
 use iris_ec::identifier::OrderedJson;
 
 /// Fields accepted with no effect: sampling controls of a model iris does not run, and
@@ -133,12 +139,7 @@ pub fn parse_chat_request(
             ));
         }
     }
-    if obj.get("ec_transfer_params").is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::bad_request(
-            "unsupported_field",
-            "ec_transfer_params (pushes to ECMooncakeConnector consumers) is not supported yet; run the proxy without --ec-consumer-zmq-addrs and iris with the shared-storage connector",
-        ));
-    }
+    let push = parse_ec_transfer_params(obj.get("ec_transfer_params"))?;
     let kwargs = |field: &'static str| -> Result<Option<OrderedJson>, ApiError> {
         match obj.get(field) {
             None | Some(Value::Null) => Ok(None),
@@ -195,14 +196,120 @@ pub fn parse_chat_request(
         }
     }
     request::check_image_count(items.len(), limits)?;
+    if let Some(target) = &push
+        && target.transfer_ids.len() != items.len()
+    {
+        return Err(ApiError::bad_request(
+            "invalid_ec_transfer_params",
+            format!(
+                "ec_transfer_params.ec_items has {} entries for {} images: the proxy sends one transfer_id per image, in order",
+                target.transfer_ids.len(),
+                items.len()
+            ),
+        ));
+    }
     Ok(ChatRequest {
         model,
         epd: EpdRequest {
             items,
+            push,
             mm_processor_kwargs,
             media_io_kwargs,
         },
     })
+}
+
+/// `ec_transfer_params` as vLLM's proxy sends it to an encoder when it runs with
+/// `--ec-consumer-zmq-addrs`: `{"consumer_zmq": "tcp://host:port", "ec_items": [{"transfer_id":
+/// T}, ...]}`. Without `consumer_zmq` there is nothing to push to (as in vLLM).
+fn parse_ec_transfer_params(value: Option<&Value>) -> Result<Option<PushTarget>, ApiError> {
+    let bad = |message: String| ApiError::bad_request("invalid_ec_transfer_params", message);
+    let params = match value {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(params)) => params,
+        Some(other) => {
+            return Err(request::wrong_type(
+                "ec_transfer_params",
+                "an object",
+                other,
+            ));
+        }
+    };
+    for key in params.keys() {
+        if !matches!(key.as_str(), "consumer_zmq" | "ec_items") {
+            return Err(bad(format!(
+                "ec_transfer_params.{key} is not supported (keys: consumer_zmq, ec_items)"
+            )));
+        }
+    }
+    let consumer_zmq = match params.get("consumer_zmq") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(address)) => address.clone(),
+        Some(other) => {
+            return Err(request::wrong_type(
+                "ec_transfer_params.consumer_zmq",
+                "a string",
+                other,
+            ));
+        }
+    };
+    let valid_address = consumer_zmq
+        .strip_prefix("tcp://")
+        .and_then(|rest| iris_ec::mooncake::transfer::split_host_port(rest).ok())
+        .is_some_and(|(_, port)| port != 0);
+    if !valid_address {
+        return Err(bad(format!(
+            "ec_transfer_params.consumer_zmq {consumer_zmq:?} is not a tcp://host:port address"
+        )));
+    }
+    let items = match params.get("ec_items") {
+        Some(Value::Array(items)) => items,
+        None | Some(Value::Null) => {
+            return Err(bad(
+                "ec_transfer_params.ec_items is missing: one {\"transfer_id\"} per image"
+                    .to_owned(),
+            ));
+        }
+        Some(other) => {
+            return Err(request::wrong_type(
+                "ec_transfer_params.ec_items",
+                "an array",
+                other,
+            ));
+        }
+    };
+    let mut transfer_ids = Vec::with_capacity(items.len());
+    let mut mm_hashes = Vec::with_capacity(items.len());
+    for (index, item) in items.iter().enumerate() {
+        let field = format!("ec_transfer_params.ec_items[{index}]");
+        let Value::Object(item) = item else {
+            return Err(request::wrong_type(&field, "an object", item));
+        };
+        match item.get("transfer_id") {
+            Some(Value::String(id)) if !id.is_empty() => transfer_ids.push(id.clone()),
+            _ => {
+                return Err(bad(format!(
+                    "{field}.transfer_id must be a non-empty string"
+                )));
+            }
+        }
+        match item.get("mm_hash") {
+            None | Some(Value::Null) => mm_hashes.push(None),
+            Some(Value::String(hash)) => mm_hashes.push(Some(hash.clone())),
+            Some(other) => {
+                return Err(request::wrong_type(
+                    &format!("{field}.mm_hash"),
+                    "a string",
+                    other,
+                ));
+            }
+        }
+    }
+    Ok(Some(PushTarget {
+        consumer_zmq,
+        transfer_ids,
+        mm_hashes,
+    }))
 }
 
 /// One content part: `Some(item)` for an image, `None` for text.
@@ -485,6 +592,10 @@ pub fn chat_response(request_id: &str, model: &str, published: &[Published]) -> 
         });
         if let Some(Value::Array(indices)) = entry.get_mut("item_indices") {
             indices.push(json!(index));
+        }
+        // As vLLM's producer: the transfer id of the item's last occurrence.
+        if let Some(transfer_id) = &item.transfer_id {
+            entry["transfer_id"] = json!(transfer_id);
         }
     }
     let prompt_tokens: u64 = published.iter().map(|p| p.num_tokens).sum();

@@ -26,7 +26,8 @@ pub struct ApiError {
     /// What went wrong, naming the field and the numbers.
     pub message: String,
     /// The error class: `invalid_request_error`, `authentication_error`, `not_found_error`,
-    /// `service_unavailable_error` or `internal_error`.
+    /// `service_unavailable_error`, `upstream_error` (an EC consumer failed: 502, or 504 when it
+    /// did not answer in time) or `internal_error`.
     pub kind: &'static str,
     /// A stable machine-readable code, e.g. `invalid_base64`.
     pub code: &'static str,

@@ -5,7 +5,8 @@
 //! they are read from [`Engine::metrics_snapshot`] at scrape time by [`EngineCollector`], so the
 //! exported values are always the engine's own cumulative counters, never a second copy. The EC
 //! store's counters (`iris_ec_store_*`) are read from the store the same way, and its write
-//! latency histogram (`iris_ec_store_write_seconds`) is observed at each write.
+//! latency histogram (`iris_ec_store_write_seconds`) is observed at each write. The push
+//! connector's counters and latency histogram (`iris_ec_push*`) are observed by each request.
 
 use std::sync::{Arc, Mutex};
 
@@ -83,12 +84,19 @@ impl HttpMetrics {
         registry.register(Box::new(images.clone()))?;
         registry.register(Box::new(EngineCollector::over_engine(engine)?))?;
         if let Some(producer) = producer {
-            registry.register(Box::new(producer.write_seconds().clone()))?;
-            registry.register(Box::new(SnapshotCollector::new(
-                move || producer.stats(),
-                &STORE_COUNTERS,
-                &STORE_GAUGES,
-            )?))?;
+            if let Some(push) = producer.push_metrics() {
+                for collector in push.collectors() {
+                    registry.register(collector)?;
+                }
+            }
+            if let Some(write_seconds) = producer.write_seconds() {
+                registry.register(Box::new(write_seconds.clone()))?;
+                registry.register(Box::new(SnapshotCollector::new(
+                    move || producer.stats(),
+                    &STORE_COUNTERS,
+                    &STORE_GAUGES,
+                )?))?;
+            }
         }
         Ok(Self {
             registry,

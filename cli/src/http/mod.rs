@@ -370,6 +370,17 @@ fn produce_error(err: ProduceError) -> ApiError {
             "ec_store_error",
             err.to_string(),
         ),
+        // The consumer failed, not iris: a gateway error, which vLLM's proxy passes on.
+        ProduceError::Push(err) => ApiError::new(
+            if err.failure == iris_ec::mooncake::PushFailure::Timeout {
+                StatusCode::GATEWAY_TIMEOUT
+            } else {
+                StatusCode::BAD_GATEWAY
+            },
+            "upstream_error",
+            "ec_push_failed",
+            err.to_string(),
+        ),
         other => ApiError::internal(other.to_string()),
     }
 }
@@ -571,5 +582,7 @@ fn body_rejection(rejection: &BytesRejection, limit: usize) -> ApiError {
 
 #[cfg(test)]
 mod chat_tests;
+#[cfg(test)]
+mod push_tests;
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,240 @@
+//! The control channel to a consumer: ZMQ REQ, one UTF-8 JSON frame per message, replies in the
+//! envelope `{"ok": true, "result": R}` or `{"ok": false, "error": "..."}` (vLLM's
+//! `mooncake/control.py`).
+//!
+//! A REQ socket strictly alternates send and receive, so each exchange takes a socket of its own
+//! from a per-address pool and gives it back only after a complete exchange. A socket whose
+//! exchange failed or timed out is dropped (as vLLM's client discards it): its REQ state is
+//! unknown. A request that could not even be sent on a pooled socket (the peer went away while
+//! it sat idle) is sent once more on a fresh one; nothing was delivered, so this cannot apply a
+//! request twice.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use zeromq::{ReqSocket, Socket as _, SocketOptions, SocketRecv as _, SocketSend as _, ZmqMessage};
+
+use super::PushFailure;
+
+/// Idle sockets kept per address: enough for the concurrent exchanges of a busy encoder.
+const MAX_IDLE_PER_ADDRESS: usize = 16;
+
+/// Why one control exchange failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ControlError {
+    /// The class of failure (a metric label).
+    pub failure: PushFailure,
+    /// What happened, naming the address.
+    pub message: String,
+}
+
+impl ControlError {
+    fn new(failure: PushFailure, message: String) -> Self {
+        Self { failure, message }
+    }
+}
+
+/// A pool of REQ sockets per consumer address, with the exchange time limit.
+pub struct ControlClient {
+    timeout: Duration,
+    idle: Mutex<HashMap<String, Vec<ReqSocket>>>,
+    /// Shard addresses per consumer address, as its `peers` reply named them (vLLM keeps them
+    /// for the life of the producer too: a consumer's topology is fixed at its start).
+    topologies: Mutex<HashMap<String, Vec<String>>>,
+}
+
+impl std::fmt::Debug for ControlClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlClient")
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ControlClient {
+    /// A client whose exchanges (connection included) each end within `timeout`.
+    #[must_use]
+    pub fn new(timeout: Duration) -> Self {
+        Self {
+            timeout,
+            idle: Mutex::new(HashMap::new()),
+            topologies: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The limit of one exchange.
+    #[must_use]
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Sends `payload` to `addr` and returns the reply's `result`.
+    ///
+    /// # Errors
+    /// [`ControlError`]: no answer within the time limit, a connection that failed, a reply that
+    /// is not the envelope, or the consumer's own error (`ok: false`).
+    pub async fn request(&self, addr: &str, payload: &Value) -> Result<Value, ControlError> {
+        let text = payload.to_string();
+        let op = payload.get("op").and_then(Value::as_str).unwrap_or("?");
+        let pooled = self.take_idle(addr);
+        let had_pooled = pooled.is_some();
+        let mut socket = match pooled {
+            Some(socket) => socket,
+            None => self.connect(addr).await?,
+        };
+        let sent = self.send(&mut socket, &text).await;
+        if sent.is_err() && had_pooled {
+            // The idle socket lost its peer; the request never left.
+            socket = self.connect(addr).await?;
+            self.send(&mut socket, &text).await.map_err(|e| {
+                ControlError::new(e, format!("could not send `{op}` to {addr}: {e}"))
+            })?;
+        } else if let Err(failure) = sent {
+            return Err(ControlError::new(
+                failure,
+                format!("could not send `{op}` to {addr}"),
+            ));
+        }
+        let reply = match tokio::time::timeout(self.timeout, socket.recv()).await {
+            Err(_) => {
+                return Err(ControlError::new(
+                    PushFailure::Timeout,
+                    format!(
+                        "no reply to `{op}` from {addr} within {:.1} s",
+                        self.timeout.as_secs_f64()
+                    ),
+                ));
+            }
+            Ok(Err(err)) => {
+                return Err(ControlError::new(
+                    PushFailure::Unreachable,
+                    format!("`{op}` to {addr}: the connection failed: {err}"),
+                ));
+            }
+            Ok(Ok(reply)) => reply,
+        };
+        self.give_back(addr, socket);
+        let frame = reply.get(0).map(|b| b.to_vec()).unwrap_or_default();
+        let envelope: Value = serde_json::from_slice(&frame).map_err(|err| {
+            ControlError::new(
+                PushFailure::Protocol,
+                format!("{addr} answered `{op}` with a frame that is not JSON: {err}"),
+            )
+        })?;
+        match envelope.get("ok") {
+            Some(Value::Bool(true)) => Ok(envelope.get("result").cloned().unwrap_or(Value::Null)),
+            Some(Value::Bool(false)) => {
+                let error = envelope
+                    .get("error")
+                    .and_then(Value::as_str)
+                    .unwrap_or("EC control request failed");
+                Err(ControlError::new(
+                    PushFailure::classify_consumer_error(error),
+                    format!("{addr} refused `{op}`: {error}"),
+                ))
+            }
+            _ => Err(ControlError::new(
+                PushFailure::Protocol,
+                format!("{addr} answered `{op}` without the ok/result envelope: {envelope}"),
+            )),
+        }
+    }
+
+    /// The shard addresses of the consumer at `consumer` (`tcp://host:port`): its `peers` reply,
+    /// each port on `consumer`'s host. Cached after the first answer.
+    ///
+    /// # Errors
+    /// As [`ControlClient::request`], or a reply without a non-empty `ports` list.
+    pub async fn shards(&self, consumer: &str) -> Result<Vec<String>, ControlError> {
+        if let Some(known) = self
+            .topologies
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(consumer)
+        {
+            return Ok(known.clone());
+        }
+        let reply = self.request(consumer, &json!({"op": "peers"})).await?;
+        let ports: Option<Vec<u16>> = reply
+            .get("ports")
+            .and_then(Value::as_array)
+            .filter(|list| !list.is_empty())
+            .and_then(|list| {
+                list.iter()
+                    .map(|p| p.as_u64().and_then(|p| u16::try_from(p).ok()))
+                    .collect()
+            });
+        let Some(ports) = ports else {
+            return Err(ControlError::new(
+                PushFailure::Protocol,
+                format!("{consumer} answered `peers` without a list of ports: {reply}"),
+            ));
+        };
+        let prefix = consumer
+            .rsplit_once(':')
+            .map_or(consumer, |(prefix, _)| prefix);
+        let shards: Vec<String> = ports.iter().map(|p| format!("{prefix}:{p}")).collect();
+        self.topologies
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(consumer.to_owned(), shards.clone());
+        Ok(shards)
+    }
+
+    /// Forgets `consumer`'s topology, so that the next push asks again (after it restarted).
+    pub fn forget(&self, consumer: &str) {
+        self.topologies
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(consumer);
+    }
+
+    async fn connect(&self, addr: &str) -> Result<ReqSocket, ControlError> {
+        let mut options = SocketOptions::default();
+        options.connect_timeout(self.timeout);
+        let mut socket = ReqSocket::with_options(options);
+        match tokio::time::timeout(self.timeout, socket.connect(addr)).await {
+            Ok(Ok(())) => Ok(socket),
+            Ok(Err(err)) => Err(ControlError::new(
+                PushFailure::Unreachable,
+                format!("cannot connect to {addr}: {err}"),
+            )),
+            Err(_) => Err(ControlError::new(
+                PushFailure::Unreachable,
+                format!(
+                    "cannot connect to {addr} within {:.1} s (is the consumer running and its control port reachable?)",
+                    self.timeout.as_secs_f64()
+                ),
+            )),
+        }
+    }
+
+    async fn send(&self, socket: &mut ReqSocket, text: &str) -> Result<(), PushFailure> {
+        match tokio::time::timeout(self.timeout, socket.send(ZmqMessage::from(text.to_owned())))
+            .await
+        {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(PushFailure::Unreachable),
+            Err(_) => Err(PushFailure::Timeout),
+        }
+    }
+
+    fn take_idle(&self, addr: &str) -> Option<ReqSocket> {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(addr)
+            .and_then(Vec::pop)
+    }
+
+    fn give_back(&self, addr: &str, socket: ReqSocket) {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let list = idle.entry(addr.to_owned()).or_default();
+        if list.len() < MAX_IDLE_PER_ADDRESS {
+            list.push(socket);
+        }
+    }
+}

@@ -1,0 +1,309 @@
+//! The push path against the in-process consumer: what is sent, what lands, and that every
+//! failure leaves nothing reserved.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::consumer::{Faults, TestConsumer};
+use super::*;
+
+fn producer(timeout_ms: u64) -> MooncakeProducer {
+    MooncakeProducer::new(
+        MooncakeSettings {
+            control_timeout: Duration::from_millis(timeout_ms),
+        },
+        "iris-test".to_owned(),
+    )
+}
+
+fn spec(transfer_id: &str, mm_hash: &str, rows: u64) -> PushSpec {
+    PushSpec {
+        transfer_id: transfer_id.to_owned(),
+        mm_hash: mm_hash.to_owned(),
+        rows,
+        width: 64,
+        dtype: EcDtype::Bf16,
+    }
+}
+
+fn rows(spec: &PushSpec, seed: u8) -> Arc<Vec<u8>> {
+    let n = usize::try_from(spec.nbytes()).unwrap();
+    Arc::new(
+        (0..n)
+            .map(|i| (i.to_le_bytes()[0]).wrapping_mul(31).wrapping_add(seed))
+            .collect(),
+    )
+}
+
+fn ops(consumer: &TestConsumer) -> Vec<String> {
+    consumer
+        .exchanges()
+        .iter()
+        .map(|e| e.request["op"].as_str().unwrap_or("?").to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn items_land_on_every_shard_and_are_completed() {
+    let consumer = TestConsumer::start(2, 1 << 20, 2).await.unwrap();
+    let producer = producer(5_000);
+    let specs = vec![spec("t0", "hash-a", 100), spec("t1", "hash-b", 37)];
+    let payloads = vec![Some(rows(&specs[0], 1)), Some(rows(&specs[1], 2))];
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), specs.clone())
+        .await
+        .unwrap();
+    assert!(reserved.needs_write(0) && reserved.needs_write(1));
+    let report = producer.push(reserved, &payloads).await.unwrap();
+    assert_eq!(report.writes, 4);
+    assert_eq!(report.bytes, 2 * (specs[0].nbytes() + specs[1].nbytes()));
+    for shard in 0..2 {
+        for (spec, payload) in specs.iter().zip(&payloads) {
+            let (bytes, shape, dtype) = consumer.resident(shard, &spec.mm_hash).unwrap();
+            assert_eq!(&bytes, payload.as_deref().unwrap());
+            assert_eq!(shape, vec![spec.rows, 64]);
+            assert_eq!(dtype, "bfloat16");
+        }
+    }
+    assert_eq!(consumer.live_reservations(), 0);
+    let mut seen = ops(&consumer);
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            "complete_batch",
+            "complete_batch",
+            "peers",
+            "reserve_batch",
+            "reserve_batch"
+        ]
+    );
+    // Protocol 2: every write asked for a status.
+    assert!(consumer.writes().iter().all(|w| w.opcode == 0x81));
+    // Every allocation is 256-byte aligned, as vLLM's pool's.
+    assert!(consumer.writes().iter().all(|w| w.offset % 256 == 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_the_consumer_holds_is_not_written_again() {
+    let consumer = TestConsumer::start(1, 1 << 20, 2).await.unwrap();
+    let producer = producer(5_000);
+    let first = spec("t0", "hash-a", 10);
+    let payload = rows(&first, 3);
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), vec![first.clone()])
+        .await
+        .unwrap();
+    producer.push(reserved, &[Some(payload)]).await.unwrap();
+    assert_eq!(consumer.exchanges()[1].request["op"], "reserve");
+    let writes = consumer.writes().len();
+
+    let again = spec("t1", "hash-a", 10);
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), vec![again])
+        .await
+        .unwrap();
+    assert!(!reserved.needs_write(0), "{reserved:?}");
+    let report = producer.push(reserved, &[None]).await.unwrap();
+    assert_eq!((report.writes, report.cached_items), (0, 1));
+    assert_eq!(consumer.writes().len(), writes);
+    assert_eq!(consumer.live_reservations(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_1_targets_get_no_status_request() {
+    let consumer = TestConsumer::start(1, 1 << 16, 1).await.unwrap();
+    let producer = producer(5_000);
+    let item = spec("t0", "hash-a", 8);
+    let payload = rows(&item, 4);
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), vec![item.clone()])
+        .await
+        .unwrap();
+    producer
+        .push(reserved, &[Some(Arc::clone(&payload))])
+        .await
+        .unwrap();
+    assert_eq!(consumer.writes()[0].opcode, 0x01);
+    assert_eq!(consumer.resident(0, "hash-a").unwrap().0, *payload);
+}
+
+/// Runs one push of two items against a consumer with `faults` set after the reservations
+/// (`late`) or before them, and returns the error; checks that nothing stays reserved.
+async fn failing_push(faults: Faults, late: bool, shards: usize) -> PushError {
+    let consumer = TestConsumer::start(shards, 1 << 20, 2).await.unwrap();
+    let producer = producer(800);
+    let specs = vec![spec("t0", "hash-a", 100), spec("t1", "hash-b", 50)];
+    let payloads = vec![Some(rows(&specs[0], 1)), Some(rows(&specs[1], 2))];
+    if !late {
+        consumer.set_faults(faults.clone());
+    }
+    let result = match producer.reserve(&consumer.consumer_zmq(), specs).await {
+        Err(err) => Err(err),
+        Ok(reserved) => {
+            consumer.set_faults(faults.clone());
+            producer.push(reserved, &payloads).await
+        }
+    };
+    let err = result.unwrap_err();
+    assert!(err.to_string().contains(&consumer.consumer_zmq()), "{err}");
+    if !faults.never_answer {
+        consumer.set_faults(Faults::default());
+        assert_eq!(consumer.live_reservations(), 0, "{err}: reservations left");
+        assert_eq!(consumer.allocated_bytes(), 0, "{err}: pool not given back");
+    }
+    err
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_pool_fails_the_push_and_cancels_what_was_reserved() {
+    let consumer = TestConsumer::start(2, 40_000, 2).await.unwrap();
+    let producer = producer(2_000);
+    // The first item fits on both shards, the second on neither.
+    let specs = vec![spec("t0", "hash-a", 200), spec("t1", "hash-b", 200)];
+    let err = producer
+        .reserve(&consumer.consumer_zmq(), specs)
+        .await
+        .unwrap_err();
+    assert_eq!(err.failure, PushFailure::PoolFull, "{err}");
+    assert!(err.message.contains("pool is full"), "{err}");
+    assert_eq!(consumer.live_reservations(), 0);
+    assert_eq!(consumer.allocated_bytes(), 0);
+    let cancels = ops(&consumer).iter().filter(|op| *op == "cancel").count();
+    assert_eq!(cancels, 2, "one cancel per shard of the reserved item");
+    let err = failing_push(
+        Faults {
+            pool_full: true,
+            ..Faults::default()
+        },
+        false,
+        1,
+    )
+    .await;
+    assert_eq!(err.failure, PushFailure::PoolFull);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_fault_fails_the_push_with_its_class_and_leaves_nothing_reserved() {
+    let cases = [
+        (
+            Faults {
+                cancel_on_reserve: true,
+                ..Faults::default()
+            },
+            false,
+            PushFailure::Cancelled,
+        ),
+        (
+            Faults {
+                reject_writes: true,
+                ..Faults::default()
+            },
+            true,
+            PushFailure::Rejected,
+        ),
+        (
+            Faults {
+                cut_mid_write: true,
+                ..Faults::default()
+            },
+            true,
+            PushFailure::Connection,
+        ),
+        (
+            Faults {
+                forget_on_complete: true,
+                ..Faults::default()
+            },
+            true,
+            PushFailure::Cancelled,
+        ),
+        (
+            Faults {
+                advertise_rdma: true,
+                ..Faults::default()
+            },
+            true,
+            PushFailure::Rdma,
+        ),
+        (
+            Faults {
+                never_answer: true,
+                ..Faults::default()
+            },
+            false,
+            PushFailure::Timeout,
+        ),
+    ];
+    for (faults, late, failure) in cases {
+        let err = failing_push(faults.clone(), late, 2).await;
+        assert_eq!(err.failure, failure, "{faults:?}: {err}");
+        if failure == PushFailure::Rdma {
+            assert!(err.message.contains("MC_FORCE_TCP=1"), "{err}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_that_is_down_is_named_in_the_error() {
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let consumer = format!("tcp://127.0.0.1:{port}");
+    let err = producer(300)
+        .reserve(&consumer, vec![spec("t0", "hash-a", 4)])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err.failure, PushFailure::Unreachable | PushFailure::Timeout),
+        "{err}"
+    );
+    assert!(err.to_string().contains(&consumer), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_dropped_unsettled_are_cancelled_in_the_background() {
+    let consumer = TestConsumer::start(2, 1 << 20, 2).await.unwrap();
+    let producer = producer(2_000);
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), vec![spec("t0", "hash-a", 16)])
+        .await
+        .unwrap();
+    assert_eq!(consumer.live_reservations(), 2);
+    drop(reserved);
+    for _ in 0..200 {
+        if consumer.live_reservations() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(consumer.live_reservations(), 0);
+    assert_eq!(consumer.allocated_bytes(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_outside_the_consumers_buffers_is_refused_before_any_byte() {
+    let consumer = TestConsumer::start(1, 4096, 2).await.unwrap();
+    let producer = producer(2_000);
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), vec![spec("t0", "hash-a", 4)])
+        .await
+        .unwrap();
+    let session = reserved.shards()[0][0].dst_session.clone();
+    let base = reserved.shards()[0][0].dst_ptr;
+    reserved.abandon().await;
+    let err = producer
+        .transfer
+        .write(&session, base + 4000, &[0u8; 200])
+        .await
+        .unwrap_err();
+    assert_eq!(err.failure, PushFailure::Rejected, "{err}");
+    assert!(consumer.writes().is_empty());
+    producer
+        .transfer
+        .write(&session, base, &[7u8; 64])
+        .await
+        .unwrap();
+    assert_eq!(consumer.writes().len(), 1);
+}
