@@ -55,10 +55,13 @@ const WRITE_BUCKETS: [f64; 17] = [
 /// Flags of iris as vLLM's encoder instance (names as vLLM's where the meaning is the same).
 #[derive(Debug, Clone, Default, Args)]
 pub struct EpdArgs {
-    /// vLLM's EC transfer configuration, as JSON: `{"ec_connector": "ECExampleConnector",
-    /// "ec_role": "ec_producer", "ec_connector_extra_config": {"shared_storage_path": DIR}}`.
-    /// With it, `/v1/chat/completions` writes every image's embeddings where vLLM's consumers
-    /// read them.
+    /// vLLM's EC transfer configuration, as JSON. Shared storage: `{"ec_connector":
+    /// "ECExampleConnector", "ec_role": "ec_producer", "ec_connector_extra_config":
+    /// {"shared_storage_path": DIR}}`: `/v1/chat/completions` writes every image's embeddings
+    /// where vLLM's consumers read them. Mooncake push: `{"ec_connector": "ECMooncakeConnector",
+    /// "ec_role": "ec_producer", "ec_connector_extra_config": {"mooncake_protocol": "tcp",
+    /// "control_timeout_s": 30}}`: each request's images are pushed into the consumer its
+    /// `ec_transfer_params.consumer_zmq` names, over Mooncake's TCP transport.
     #[arg(long, value_name = "JSON")]
     pub ec_transfer_config: Option<String>,
     /// Bound of the bytes of entries this process keeps in the shared store; the oldest entries

@@ -733,8 +733,12 @@ def load_through_connector(store: Path, checks: Checks) -> dict:
     return loaded
 
 
-def encode_and_compare(iris, args, published, loaded, work, checks) -> int:
-    """Runs `iris encode` once per distinct processor setting and compares rows bit for bit."""
+def encode_and_compare(iris, args, published, loaded, work, checks, check="(c) rows") -> int:
+    """Runs `iris encode` once per distinct processor setting and compares rows bit for bit.
+
+    `published` maps identifiers to their image file name and options, `loaded` to the tensor
+    received for them; failures are reported under `check`.
+    """
     import torch
     from safetensors.torch import load_file
 
@@ -762,17 +766,17 @@ def encode_and_compare(iris, args, published, loaded, work, checks) -> int:
         cmd += [str(work / "images" / name) for name in names]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
-            checks.fail("(c) rows", f"{' '.join(cmd)}: status {run.returncode}: {run.stderr[-1500:]}")
+            checks.fail(check, f"{' '.join(cmd)}: status {run.returncode}: {run.stderr[-1500:]}")
             continue
         tensors = load_file(str(out))
         for ident in idents:
             ref = tensors[f"image.{names.index(published[ident]['image'])}"]
             got = loaded[ident]
             if ref.dtype != torch.float32:
-                checks.fail("(c) rows", f"iris encode wrote {ref.dtype}, expected f32")
+                checks.fail(check, f"iris encode wrote {ref.dtype}, expected f32")
                 continue
             if not torch.equal(ref.to(torch.bfloat16).to(torch.float32), ref):
-                checks.fail("(c) rows", f"{ident}: iris encode's f32 values are not bf16 values")
+                checks.fail(check, f"{ident}: iris encode's f32 values are not bf16 values")
             if tuple(got.shape) != tuple(ref.shape) or not torch.equal(got.to(torch.float32), ref):
                 diff = (
                     (got.to(torch.float32) - ref).abs().max().item()
@@ -780,7 +784,7 @@ def encode_and_compare(iris, args, published, loaded, work, checks) -> int:
                     else "shape"
                 )
                 checks.fail(
-                    "(c) rows",
+                    check,
                     f"{ident} ({published[ident]['image']}, {key}): file {tuple(got.shape)} vs "
                     f"iris encode {tuple(ref.shape)}, max abs diff {diff}",
                 )

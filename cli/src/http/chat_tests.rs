@@ -274,7 +274,7 @@ async fn bad_requests_are_4xx_json_and_leave_no_file() {
             json!({"messages": [{"role": "user", "content": [image_part(&good, None)]}],
                    "ec_transfer_params": {"consumer_zmq": "tcp://127.0.0.1:1"}}),
             StatusCode::BAD_REQUEST,
-            "unsupported_field",
+            "invalid_ec_transfer_params",
         ),
     ];
     let long = "u".repeat(256);

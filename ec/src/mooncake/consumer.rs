@@ -244,6 +244,25 @@ impl TestConsumer {
         Some((slab[start..end].to_vec(), shape, dtype))
     }
 
+    /// Drops every resident item and gives its room back, as a consumer does once its requests
+    /// have loaded and freed them (for benchmarks that push many items).
+    pub fn release_resident(&self) {
+        for shard in &self.shards {
+            let mut state = lock(&shard.state);
+            let resident: Vec<u64> = state
+                .resident
+                .values()
+                .map(|(offset, ..)| *offset)
+                .collect();
+            state.resident.clear();
+            state
+                .allocated
+                .retain(|(offset, _)| !resident.contains(offset));
+        }
+        lock(&self.shared.writes).clear();
+        lock(&self.shared.exchanges).clear();
+    }
+
     /// Every control exchange so far, in order.
     #[must_use]
     pub fn exchanges(&self) -> Vec<Exchange> {
