@@ -209,6 +209,13 @@ impl AscendDevice {
             rt.acl_path().display(),
             memory.device_malloc().name()
         ));
+        if !rt.skipped().is_empty() {
+            log.warn(format!(
+                "skipped CANN's link stubs (100039 from aclInit) before the runtime {}: {}",
+                rt.acl_path().display(),
+                rt.skipped().join(", ")
+            ));
+        }
         if memory.device_malloc() == DeviceMalloc::Padded {
             log.warn(
                 "the runtime has no aclrtMallocAlign32: aclrtMalloc pads every block with 32 bytes, so each allocator segment of whole huge pages takes one more huge page (reported as held memory)",
@@ -1354,6 +1361,14 @@ fn properties(
         Property::new("memory_kind", kind.name()),
         Property::new("device_malloc", malloc.name()),
         Property::new("runtime_library", rt.acl_path().display()),
+        Property::new(
+            "runtime_skipped",
+            if rt.skipped().is_empty() {
+                "none".to_owned()
+            } else {
+                rt.skipped().join(", ")
+            },
+        ),
         Property::new(
             "nnopbase_library",
             rt.nnopbase_path().map_or_else(

@@ -62,7 +62,10 @@ pub fn device_count() -> Result<u32, String> {
     // SAFETY: `count` is a valid out-pointer.
     let code = AclError(unsafe { get(&mut count) });
     if code == AclError::STUB_MODE {
-        return Err(stub_reason(rt.acl_path(), "aclrtGetDeviceCount"));
+        return Err(stub_reason(
+            &rt.acl_path().display().to_string(),
+            "aclrtGetDeviceCount",
+        ));
     }
     if let Err(err) = rt.check("aclrtGetDeviceCount", code.0) {
         return Err(format!("0 devices: {err}"));

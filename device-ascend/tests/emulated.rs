@@ -5,7 +5,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{Layout, emulator_stats, isolated, open, plugin, use_install};
+use common::{
+    Layout, emulator_stats, install_in, install_stub, isolated, open, plugin, use_install,
+};
 use iris_plugin::abi::{
     Activation, ActivationArgs, AttentionArgs, BufferHandle, BufferSlice, CopyRegion, DType,
     ErrorCode, GatherArgs, MatRef, NormArgs, OpKind, RotaryArgs,
@@ -244,6 +246,118 @@ fn stub_libraries_mean_no_driver() {
                 probe.reason
             );
             assert!(probe.reason.contains("100039"), "{}", probe.reason);
+        },
+    );
+}
+
+#[test]
+fn a_stub_library_first_on_the_path_is_skipped_and_named() {
+    isolated(
+        "a_stub_library_first_on_the_path_is_skipped_and_named",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            // The stubs' root comes first in the search (ASCEND_INSTALL_PATH), the driver's
+            // runtime second (ASCEND_HOME_PATH).
+            let stubs = install_stub("stubs");
+            let real = use_install(Layout::Split);
+            // SAFETY: as in `use_install`.
+            unsafe { std::env::set_var("ASCEND_INSTALL_PATH", &stubs) };
+            let plugin = plugin();
+            let probe = plugin.probe();
+            assert_eq!(probe.device_count, 2, "{}", probe.reason);
+            let device = open(&plugin, 0, &[]);
+            let desc = device.description();
+            let stub = stubs.join("lib64").join("libacl_rt.so");
+            assert_eq!(
+                desc.property("runtime_skipped"),
+                Some(stub.display().to_string().as_str())
+            );
+            assert_eq!(
+                desc.property("runtime_library"),
+                Some(
+                    real.join("lib64")
+                        .join("libacl_rt.so")
+                        .display()
+                        .to_string()
+                        .as_str()
+                )
+            );
+            let got = gelu_tanh(&device, &[1.0]).expect("gelu");
+            assert!((got[0] - 0.841_192).abs() < 1e-5, "{got:?}");
+        },
+    );
+    // Only stubs: the reason names every file skipped.
+    isolated(
+        "a_stub_library_first_on_the_path_is_skipped_and_named",
+        &[],
+        || {
+            let stubs = install_stub("stubs");
+            // SAFETY: as in `use_install`.
+            unsafe { std::env::set_var("ASCEND_HOME_PATH", &stubs) };
+            let probe = plugin().probe();
+            assert_eq!(probe.device_count, 0);
+            assert!(
+                probe.reason.starts_with("CANN stub library: no driver"),
+                "{}",
+                probe.reason
+            );
+            let stub = stubs.join("lib64").join("libacl_rt.so");
+            assert!(
+                probe.reason.contains(&stub.display().to_string()),
+                "{}",
+                probe.reason
+            );
+        },
+    );
+}
+
+#[test]
+fn the_feature_op_libraries_of_older_cann_serve_every_op() {
+    isolated(
+        "the_feature_op_libraries_of_older_cann_serve_every_op",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::FeatureLibraries);
+            let device = open(&plugin(), 0, &[]);
+            let desc = device.description();
+            assert_eq!(desc.property("aclnn_missing"), Some("none"));
+            assert!(
+                desc.property("aclnn_sources")
+                    .is_some_and(|s| s.starts_with("libaclnn_ops_infer.so: Matmul")),
+                "{:?}",
+                desc.property("aclnn_sources")
+            );
+            let got = gelu_tanh(&device, &[1.0]).expect("gelu");
+            assert!((got[0] - 0.841_192).abs() < 1e-5, "{got:?}");
+        },
+    );
+}
+
+#[test]
+fn the_arch_folder_and_the_opp_path_lead_to_the_runtime() {
+    let arch = format!("{}-linux/lib64", std::env::consts::ARCH);
+    // `<root>/<arch>-linux/lib64` only, as CANN's toolkit package lays the files out.
+    isolated(
+        "the_arch_folder_and_the_opp_path_lead_to_the_runtime",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            let root = install_in("arch", Layout::Split, &arch);
+            // SAFETY: as in `use_install`.
+            unsafe { std::env::set_var("ASCEND_HOME_PATH", &root) };
+            let probe = plugin().probe();
+            assert_eq!(probe.device_count, 2, "{}", probe.reason);
+        },
+    );
+    // Only `ASCEND_OPP_PATH` (`<root>/opp`) names the install.
+    isolated(
+        "the_arch_folder_and_the_opp_path_lead_to_the_runtime",
+        &[("ASCEND_EMU_DEVICES", "1")],
+        || {
+            let root = install_in("opp", Layout::Split, "lib64");
+            // SAFETY: as in `use_install`.
+            unsafe { std::env::set_var("ASCEND_OPP_PATH", root.join("opp")) };
+            let probe = plugin().probe();
+            assert_eq!(probe.device_count, 1, "{}", probe.reason);
         },
     );
 }
