@@ -6,7 +6,7 @@
 //! its arguments with [`iris_plugin::validate`] before enqueueing anything.
 
 use std::collections::HashMap;
-use std::ffi::{CStr, c_void};
+use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
 
 use iris_plugin::Logger;
@@ -178,7 +178,7 @@ impl AscendDevice {
         let mut memory = Memory::new(rt, kind);
         let sizing = memory.transient(SIZING_BYTES)?;
         let after = mem_info(rt, kind)?;
-        let soc = soc_name(rt).unwrap_or_else(|| "Ascend NPU".to_owned());
+        let soc = rt.soc_name().unwrap_or_else(|| "Ascend NPU".to_owned());
         let family = Family::of(&soc);
         let (ops, unsupported) = supported_ops(rt, family);
         let mut dtypes = vec![DType::F32, DType::F16];
@@ -542,7 +542,7 @@ impl iris_plugin::Backend for AscendDevice {
     }
 
     fn mem_info(&self) -> Result<MemInfo, PluginError> {
-        let state = self.lock()?;
+        let mut state = self.lock()?;
         Ok(state.memory.mem_info()?)
     }
 
@@ -630,13 +630,16 @@ impl iris_plugin::Backend for AscendDevice {
             let dst = offset_ptr(state.memory.base(run.dst.0), run.dst.1);
             let aligned = |p: *mut c_void| (p as usize).is_multiple_of(D2D_ALIGN);
             if run.rows == 1 && aligned(src) && aligned(dst) {
-                state.memory.copy_async(
-                    dst,
-                    src,
-                    run.width,
-                    sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE,
-                    &self.stream,
-                )?;
+                // SAFETY: both ranges validated inside their buffers; frees are queue-ordered.
+                unsafe {
+                    state.memory.copy_async(
+                        dst,
+                        src,
+                        run.width,
+                        sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE,
+                        &self.stream,
+                    )
+                }?;
             } else {
                 self.scratch_op(&mut state, &|x| elementwise::copy_bytes(x, &run))?;
             }
@@ -658,17 +661,22 @@ impl iris_plugin::Backend for AscendDevice {
         let width = usize::try_from(args.width).unwrap_or(4);
         if pattern[..width].iter().all(|b| *b == pattern[0]) {
             let ptr = offset_ptr(state.memory.base(dst.buf), dst.offset);
-            return Ok(state
-                .memory
-                .memset_async(ptr, dst.bytes, pattern[0], &self.stream)?);
+            // SAFETY: the range is validated inside its buffer.
+            return Ok(unsafe {
+                state
+                    .memory
+                    .memset_async(ptr, dst.bytes, pattern[0], &self.stream)
+            }?);
         }
-        let (offset, count) = (
-            dst.offset / u64::from(args.width),
-            dst.bytes / u64::from(args.width),
-        );
-        self.scratch_op(&mut state, &|x| {
-            elementwise::fill_pattern(x, dst.buf, offset, count, args.value, args.width)
-        })
+        // Written from pinned host staging rather than by an op: an op's workspace would be
+        // device memory outside the host allocator (the ABI's fill has no workspace).
+        Ok(state.memory.fill_pattern(
+            dst.buf,
+            dst.offset,
+            dst.bytes,
+            &pattern[..width],
+            &self.stream,
+        )?)
     }
 
     fn synchronize(&self) -> Result<(), PluginError> {
@@ -788,13 +796,17 @@ impl iris_plugin::Backend for AscendDevice {
             copy.bytes,
         )?;
         let device = offset_ptr(state.memory.base(copy.device), copy.device_offset);
-        Ok(state.memory.copy_async(
-            device,
-            host,
-            copy.bytes,
-            sys::aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
-            &self.stream,
-        )?)
+        // SAFETY: both ranges validated inside their buffers; frees of either are
+        // queue-ordered.
+        Ok(unsafe {
+            state.memory.copy_async(
+                device,
+                host,
+                copy.bytes,
+                sys::aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
+                &self.stream,
+            )
+        }?)
     }
 
     fn download(&self, copy: &StagedCopy) -> Result<(), PluginError> {
@@ -810,13 +822,17 @@ impl iris_plugin::Backend for AscendDevice {
             copy.bytes,
         )?;
         let device = offset_ptr(state.memory.base(copy.device), copy.device_offset);
-        Ok(state.memory.copy_async(
-            host,
-            device,
-            copy.bytes,
-            sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST,
-            &self.stream,
-        )?)
+        // SAFETY: both ranges validated inside their buffers; frees of either are
+        // queue-ordered.
+        Ok(unsafe {
+            state.memory.copy_async(
+                host,
+                device,
+                copy.bytes,
+                sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST,
+                &self.stream,
+            )
+        }?)
     }
 
     fn fence(&self) -> Result<u64, PluginError> {
@@ -1230,21 +1246,6 @@ fn byte_copies(regions: &[CopyRegion]) -> Vec<ByteCopy> {
 }
 
 /// `aclrtGetSocName()`, e.g. `Ascend910B3`.
-fn soc_name(rt: &Runtime) -> Option<String> {
-    let get = rt.acl().aclrtGetSocName.as_ref().ok()?;
-    // SAFETY: returns a static C string owned by the runtime, or null.
-    let ptr = unsafe { get() };
-    if ptr.is_null() {
-        return None;
-    }
-    // SAFETY: non-null and NUL-terminated; copied at once.
-    let name = unsafe { CStr::from_ptr(ptr) }
-        .to_string_lossy()
-        .trim()
-        .to_owned();
-    (!name.is_empty()).then_some(name)
-}
-
 /// The ops this part and these op libraries can run, and why the others cannot.
 fn supported_ops(rt: &Runtime, family: Family) -> (Vec<OpKind>, HashMap<OpKind, String>) {
     let mut missing: HashMap<OpKind, String> = HashMap::new();
@@ -1381,8 +1382,13 @@ fn properties(
             format!("{:?}", options.attention).to_lowercase(),
         ),
     ];
-    if let Some(version) = runtime_version(rt) {
+    // The CANN release, which users and bug reports speak of; the AscendCL API version
+    // (`aclrtGetVersion`, deprecated) is a different number, kept beside it.
+    if let Some(version) = rt.cann_version() {
         props.push(Property::new(property::RUNTIME_VERSION, version));
+    }
+    if let Some(version) = rt.acl_api_version() {
+        props.push(Property::new("acl_api_version", version));
     }
     if let Ok(visible) = std::env::var(VISIBLE_DEVICES_ENV) {
         props.push(Property::new("visible_devices", visible));
@@ -1464,15 +1470,6 @@ fn properties(
         },
     ));
     props
-}
-
-/// `aclrtGetVersion`: the runtime's `major.minor.patch`.
-fn runtime_version(rt: &Runtime) -> Option<String> {
-    let get = rt.acl().aclrtGetVersion.as_ref().ok()?;
-    let (mut major, mut minor, mut patch) = (0i32, 0i32, 0i32);
-    // SAFETY: valid out-pointers.
-    let code = unsafe { get(&mut major, &mut minor, &mut patch) };
-    (code == sys::ACL_SUCCESS).then(|| format!("{major}.{minor}.{patch}"))
 }
 
 #[cfg(test)]

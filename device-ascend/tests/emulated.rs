@@ -10,7 +10,7 @@ use common::{
 };
 use iris_plugin::abi::{
     Activation, ActivationArgs, AttentionArgs, BufferHandle, BufferSlice, CopyRegion, DType,
-    ErrorCode, GatherArgs, MatRef, NormArgs, OpKind, RotaryArgs,
+    ErrorCode, FillArgs, GatherArgs, MatRef, NormArgs, OpKind, RotaryArgs,
 };
 use iris_plugin::conformance;
 use iris_plugin::{Device, DeviceError};
@@ -999,6 +999,100 @@ fn the_310p_has_no_bf16_or_layer_norm_and_reports_ddr() {
                 workspace: BufferSlice::EMPTY,
             };
             assert!(device.attention_workspace(&attention).expect("attention") > 0);
+        },
+    );
+}
+
+#[test]
+fn mem_info_shows_a_free_once_its_queued_work_is_done() {
+    isolated(
+        "mem_info_shows_a_free_once_its_queued_work_is_done",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            device.synchronize().expect("synchronize");
+            let baseline = device.mem_info().expect("mem_info").free;
+            let buf = device.alloc(64 << 20).expect("alloc");
+            device.write(buf, 0, &[1u8; 4096]).expect("write");
+            assert!(device.mem_info().expect("mem_info").free < baseline);
+            device.free(buf).expect("free");
+            // No synchronisation: the free is queue-ordered, and once the queue has run the
+            // figures must show it without one.
+            let mut free = 0;
+            for _ in 0..500 {
+                free = device.mem_info().expect("mem_info").free;
+                if free == baseline {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            assert_eq!(free, baseline, "the freed block still counts as used");
+        },
+    );
+}
+
+#[test]
+fn a_pattern_fill_takes_no_device_memory_outside_the_allocator() {
+    isolated(
+        "a_pattern_fill_takes_no_device_memory_outside_the_allocator",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let buf = device.alloc(4096).expect("alloc");
+            device
+                .fill(&FillArgs {
+                    dst: BufferSlice {
+                        buf,
+                        offset: 0,
+                        bytes: 4096,
+                    },
+                    value: 0,
+                    width: 4,
+                })
+                .expect("zero fill");
+            let mallocs = emulator_stats(0).mallocs;
+            // f16 1.0 (0x3c00): not one repeated byte, so no memset can write it.
+            device
+                .fill(&FillArgs {
+                    dst: BufferSlice {
+                        buf,
+                        offset: 2,
+                        bytes: 4092,
+                    },
+                    value: 0x3c00,
+                    width: 2,
+                })
+                .expect("pattern fill");
+            device.synchronize().expect("synchronize");
+            assert_eq!(
+                emulator_stats(0).mallocs,
+                mallocs,
+                "fill allocated device memory"
+            );
+            let mut bytes = vec![0u8; 4096];
+            device.read(buf, 0, &mut bytes).expect("read");
+            assert_eq!(&bytes[..2], &[0, 0]);
+            assert!(bytes[2..4094].chunks_exact(2).all(|h| h == [0x00, 0x3c]));
+            assert_eq!(&bytes[4094..], &[0, 0]);
+            device.free(buf).expect("free");
+        },
+    );
+}
+
+#[test]
+fn the_runtime_version_is_the_cann_release() {
+    isolated(
+        "the_runtime_version_is_the_cann_release",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let desc = device.description();
+            // aclsysGetCANNVersion's release, not aclrtGetVersion's AscendCL API version.
+            assert_eq!(desc.property("runtime_version"), Some("8.5.0"));
+            assert_eq!(desc.property("acl_api_version"), Some("1.0.0"));
         },
     );
 }

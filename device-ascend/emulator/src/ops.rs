@@ -27,6 +27,9 @@ use crate::tensor::{
 
 /// Scratch the matmul family asks for.
 pub const MATMUL_WORKSPACE: u64 = 32 << 10;
+/// Scratch the fill asks for: aclnn lets every op ask for a workspace, and a caller must not
+/// count on a fill needing none.
+pub const FILL_WORKSPACE: u64 = 512;
 /// Scratch the fused attention asks for.
 pub const ATTENTION_WORKSPACE: u64 = 64 << 10;
 /// What the emulated kernels write over their workspace, so that a caller keeping data there
@@ -1150,7 +1153,7 @@ pub unsafe fn inplace_fill_scalar(
             }
             Ok(())
         });
-        Ok((0, kernel))
+        Ok((FILL_WORKSPACE, kernel))
     })
 }
 
