@@ -15,7 +15,8 @@
 //!   [`stream`] (device binding, context, stream, event as RAII values), [`tensor`] (aclnn
 //!   descriptors, scalars, int arrays), [`memory`] (buffers, queue-ordered frees, pinned
 //!   staging), [`ops`] (the encoder ops as sequences of aclnn calls) and [`device`] (the
-//!   [`iris_plugin::Backend`]).
+//!   [`iris_plugin::Backend`]), with [`options`], [`soc`] (each SoC family's rules),
+//!   [`support`] (the op-support table) and [`properties`] beside it.
 //!
 //! Execution follows ABI 2: each opened NPU has one stream; ops, copies and fills are
 //! enqueued and return; `read` and `synchronize` wait; frees are queue-ordered (a block goes
@@ -32,14 +33,19 @@ pub mod device;
 pub mod error;
 pub mod memory;
 pub mod ops;
+pub mod options;
+pub mod properties;
 pub mod result;
 pub mod runtime;
+pub mod soc;
 pub mod stream;
+pub mod support;
 pub mod sys;
 pub mod tensor;
 
-pub use device::{AscendDevice, AscendOptions};
+pub use device::AscendDevice;
 pub use error::AscendError;
+pub use options::AscendOptions;
 
 use iris_plugin::Logger;
 use iris_plugin::abi::{PluginError, ProbeResult};
