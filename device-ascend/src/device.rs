@@ -99,7 +99,7 @@ impl AscendDevice {
         let family = Family::of(&soc);
         let (ops, unsupported) = supported_ops(rt, family);
         let mut dtypes = vec![DType::F32, DType::F16];
-        if family != Family::Inference310P {
+        if family.bf16() {
             dtypes.push(DType::BF16);
         }
         dtypes.extend([DType::I32, DType::U8]);
@@ -391,8 +391,8 @@ impl AscendDevice {
     }
 
     fn attention_paths(&self, a: &validate::Attention) -> Vec<Path> {
-        let fused_ok = matches!(self.family, Family::A2 | Family::Other)
-            && matches!(a.q.dtype, DType::F16 | DType::BF16);
+        let fused_ok =
+            self.family.fused_transformer_ops() && matches!(a.q.dtype, DType::F16 | DType::BF16);
         match self.options.attention {
             AttentionMode::Fused => vec![Path::Fused],
             AttentionMode::Composed => vec![Path::Composed],
@@ -404,7 +404,7 @@ impl AscendDevice {
     fn rotary_paths(&self) -> Vec<Path> {
         // The fused op's first phase reports a missing symbol or a refused shape; the
         // composed path then runs.
-        if self.family == Family::Inference310P {
+        if !self.family.fused_transformer_ops() {
             vec![Path::Composed]
         } else {
             vec![Path::Fused, Path::Composed]

@@ -10,7 +10,7 @@ use common::{
 };
 use iris_plugin::abi::{
     Activation, ActivationArgs, AttentionArgs, BufferHandle, BufferSlice, CopyRegion, DType,
-    ErrorCode, FillArgs, GatherArgs, MatRef, NormArgs, OpKind, RotaryArgs,
+    ErrorCode, FillArgs, GatherArgs, GemmArgs, MatRef, NormArgs, OpKind, RotaryArgs,
 };
 use iris_plugin::conformance;
 use iris_plugin::{Device, DeviceError};
@@ -1093,6 +1093,120 @@ fn the_runtime_version_is_the_cann_release() {
             // aclsysGetCANNVersion's release, not aclrtGetVersion's AscendCL API version.
             assert_eq!(desc.property("runtime_version"), Some("8.5.0"));
             assert_eq!(desc.property("acl_api_version"), Some("1.0.0"));
+        },
+    );
+}
+
+#[test]
+fn parts_other_than_a2_and_a3_get_the_conservative_rules() {
+    for soc in ["Ascend910ProB", "Ascend310B1"] {
+        isolated(
+            "parts_other_than_a2_and_a3_get_the_conservative_rules",
+            &[("ASCEND_EMU_SOC", soc), ("ASCEND_EMU_HBM", HBM)],
+            || {
+                use_install(Layout::Split);
+                let device = open(&plugin(), 0, &[]);
+                let desc = device.description();
+                // BF16 is documented for A2 and A3 only; f32 matmuls run with cubeMathType 1,
+                // the only mode these parts accept for f32; attention and rotary composed.
+                assert!(!desc.dtypes.contains(&DType::BF16), "{:?}", desc.dtypes);
+                // An f32 matmul runs (computed in f16 there, so checked to f16's precision).
+                const M: usize = 2;
+                const K: usize = 8;
+                const N: usize = 3;
+                let a: Vec<f32> = (0..M * K).map(|i| (i as f32) * 0.125 - 0.5).collect();
+                let w: Vec<f32> = (0..N * K).map(|i| 0.25 - (i as f32) * 0.0625).collect();
+                let (a_buf, w_buf) = (upload_f32(&device, &a), upload_f32(&device, &w));
+                let out = device.alloc((M * N * 4) as u64).expect("alloc");
+                let mut args = GemmArgs {
+                    a: MatRef::contiguous(a_buf, 0, DType::F32, M as u64, K as u64),
+                    w: MatRef::contiguous(w_buf, 0, DType::F32, N as u64, K as u64),
+                    bias: MatRef::NONE,
+                    out: MatRef::contiguous(out, 0, DType::F32, M as u64, N as u64),
+                    activation: Activation::NONE,
+                    accumulate: false,
+                    w_transposed: false,
+                    w_constant: false,
+                    workspace: BufferSlice::EMPTY,
+                };
+                let bytes = device.gemm_workspace(&args).expect("f32 gemm on this part");
+                let ws = device.alloc(bytes.max(1)).expect("alloc");
+                args.workspace = BufferSlice {
+                    buf: ws,
+                    offset: 0,
+                    bytes,
+                };
+                device.gemm(&args).expect("f32 gemm");
+                let got = download_f32(&device, out, M * N);
+                for row in 0..M {
+                    for col in 0..N {
+                        let want: f32 = (0..K).map(|i| a[row * K + i] * w[col * K + i]).sum();
+                        let err = (got[row * N + col] - want).abs();
+                        assert!(err <= 1e-2 * (1.0 + want.abs()), "{got:?}");
+                    }
+                }
+                for buf in [a_buf, w_buf, out, ws] {
+                    device.free(buf).expect("free");
+                }
+                // Attention and rotary compose from basic ops.
+                let q = MatRef::contiguous(BufferHandle(1), 0, DType::F16, 4, 64);
+                let cu = [0u32, 4];
+                let attention = AttentionArgs {
+                    q,
+                    k: q,
+                    v: q,
+                    out: MatRef::contiguous(BufferHandle(2), 0, DType::F16, 4, 64),
+                    heads: 1,
+                    head_dim: 64,
+                    scale: 0.125,
+                    cu_seqlens: cu.as_slice().into(),
+                    cu_seqlens_device: MatRef::vector(BufferHandle(3), 0, DType::I32, 2),
+                    max_seqlen: 4,
+                    workspace: BufferSlice::EMPTY,
+                };
+                assert!(device.attention_workspace(&attention).expect("attention") > 0);
+                let got = gelu_tanh(&device, &[1.0]).expect("gelu");
+                assert!((got[0] - 0.841_192).abs() < 1e-5, "{got:?}");
+            },
+        );
+    }
+}
+
+#[test]
+fn the_a3_runs_the_fused_attention() {
+    // Every call of the fused op fails at launch: a conformance check meets it only when the
+    // plugin chose the fused op.
+    isolated(
+        "the_a3_runs_the_fused_attention",
+        &[
+            ("ASCEND_EMU_SOC", "Ascend910_9392"),
+            ("ASCEND_EMU_HBM", HBM),
+            ("ASCEND_EMU_FAIL_OP", "aclnnFlashAttentionVarLenScore"),
+            ("ASCEND_EMU_FAIL_OP_WHEN", "launch"),
+        ],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let report = conformance::run(device.plugin(), &device);
+            let fused: Vec<String> = report
+                .failures()
+                .map(|check| format!("{}: {}", check.name, check.status))
+                .filter(|text| text.contains("aclnnFlashAttentionVarLenScore"))
+                .collect();
+            assert!(!fused.is_empty(), "{:?}", report.checks);
+        },
+    );
+    isolated(
+        "the_a3_runs_the_fused_attention",
+        &[
+            ("ASCEND_EMU_SOC", "Ascend910_9392"),
+            ("ASCEND_EMU_HBM", HBM),
+        ],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            assert!(device.description().dtypes.contains(&DType::BF16));
+            assert_conformance(&device);
         },
     );
 }

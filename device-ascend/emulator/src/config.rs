@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | `ASCEND_EMU_DEVICES` | physical NPUs | 2 |
 //! | `ASCEND_EMU_HBM` | memory per NPU (bytes, or with `KiB`..`TiB`) | 16 GiB |
-//! | `ASCEND_EMU_SOC` | `aclrtGetSocName()`; `Ascend310P*` emulates an inference card (DDR, no BF16, no LayerNorm, rotary or fused attention, f32 matmul only with `cubeMathType` 1) | `Ascend910B3` |
+//! | `ASCEND_EMU_SOC` | `aclrtGetSocName()`; only Atlas A2 and A3 parts (`Ascend910B*`, `Ascend910_93*`) have BF16, the fused attention and rotary ops, and f32 matmul with `cubeMathType` 0; every other part (`Ascend910ProB`, `Ascend310B1`, ...) refuses them, as the op documentation lists them; `Ascend310P*` also has DDR memory and no LayerNorm | `Ascend910B3` |
 //! | `ASCEND_EMU_STUB` | `1`: behave as CANN's link stubs (every call returns 100039); a folder: only a copy of the library loaded from a file in that folder does (so one install can hold stubs before the real runtime) | off |
 //! | `ASCEND_EMU_INIT_ERROR` | `aclInit` returns this code (100002 still initialises, as a second `aclInit` does) | 0 |
 //! | `ASCEND_EMU_FAIL_MALLOC_AT` | the N-th device allocation (`aclrtMalloc` or `aclrtMallocAlign32`) of the process fails with 207001 | off |
@@ -65,6 +65,12 @@ pub struct Config {
 }
 
 impl Config {
+    /// Whether the SoC is an Atlas A2 or A3 part, the only ones the op documentation gives
+    /// BF16, the fused transformer ops and f32 matmul in f32.
+    pub fn is_a2_a3(&self) -> bool {
+        self.soc.starts_with("Ascend910B") || self.soc.starts_with("Ascend910_93")
+    }
+
     /// Whether the SoC is an Atlas inference (310P) part.
     pub fn is_310p(&self) -> bool {
         self.soc.starts_with("Ascend310P")

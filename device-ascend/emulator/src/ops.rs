@@ -387,6 +387,29 @@ fn no_310p(op: &str) -> Result<(), EmuError> {
     }
 }
 
+/// The fused transformer ops: Atlas A2 and A3 only, per their documentation.
+fn a2_a3_only(op: &str) -> Result<(), EmuError> {
+    if config::get().is_a2_a3() {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "{op} has no kernel on {} (Atlas A2 and A3 only)",
+            config::get().soc
+        )))
+    }
+}
+
+/// BFLOAT16 exists on Atlas A2 and A3 only.
+fn bf16_ok(op: &str, dtypes: &[Dtype]) -> Result<(), EmuError> {
+    if dtypes.contains(&Dtype::Bf16) && !config::get().is_a2_a3() {
+        return Err(invalid(format!(
+            "{op}: BFLOAT16 is not supported on {}",
+            config::get().soc
+        )));
+    }
+    Ok(())
+}
+
 /// Checks every view's storage against live memory, when the kernel runs.
 fn live(dev: &Device, name: &str, views: &[&View]) -> Result<(), EmuError> {
     for v in views {
@@ -421,22 +444,19 @@ fn map_kernel(
 // ---------------------------------------------------------------------------------------------
 
 fn check_cube(op: &str, dtype: Dtype, cube: i8) -> Result<bool, EmuError> {
-    let is_310p = config::get().is_310p();
-    if is_310p && dtype == Dtype::Bf16 {
+    let down = !config::get().is_a2_a3();
+    bf16_ok(op, &[dtype])?;
+    if down && dtype == Dtype::F32 && cube == 0 {
         return Err(invalid(format!(
-            "{op}: BFLOAT16 is not supported on the 310P"
-        )));
-    }
-    if is_310p && dtype == Dtype::F32 && cube == 0 {
-        return Err(invalid(format!(
-            "{op}: FLOAT32 needs cubeMathType 1 (ALLOW_FP32_DOWN_PRECISION) on the 310P"
+            "{op}: FLOAT32 needs cubeMathType 1 (ALLOW_FP32_DOWN_PRECISION) on {}",
+            config::get().soc
         )));
     }
     if !(0..=4).contains(&cube) {
         return Err(invalid(format!("{op}: cubeMathType {cube}")));
     }
-    // On the 310P, f32 inputs are computed in f16.
-    Ok(is_310p && dtype == Dtype::F32)
+    // Outside A2 and A3, f32 inputs are computed in f16.
+    Ok(down && dtype == Dtype::F32)
 }
 
 /// Batched product of `[.., m, k]` by `[.., k, n]` into `[.., m, n]` with batch broadcasting.
@@ -750,11 +770,7 @@ pub unsafe fn rms_norm(
         same_dtype(&x, &gamma, "gamma")?;
         same_dtype(&x, &y, "yOut")?;
         same_shape(&x, &y, "yOut")?;
-        if config::get().is_310p() && x.dtype == Dtype::Bf16 {
-            return Err(invalid(
-                "aclnnRmsNorm: BFLOAT16 is not supported on the 310P",
-            ));
-        }
+        bf16_ok("aclnnRmsNorm", &[x.dtype])?;
         if rstd.dtype != Dtype::F32 {
             return Err(invalid("aclnnRmsNorm: rstdOut must be FLOAT32"));
         }
@@ -1075,9 +1091,7 @@ pub unsafe fn cast(
                 "aclnnCast: dtype {dtype} differs from out's"
             )));
         }
-        if config::get().is_310p() && (src.dtype == Dtype::Bf16 || out.dtype == Dtype::Bf16) {
-            return Err(invalid("aclnnCast: BFLOAT16 is not supported on the 310P"));
-        }
+        bf16_ok("aclnnCast", &[src.dtype, out.dtype])?;
         same_shape(&src, &out, "out")?;
         Ok((
             0,
@@ -1302,7 +1316,7 @@ pub unsafe fn flash_attention_var_len(
     ex: *mut *mut Executor,
 ) -> i32 {
     first_phase("aclnnFlashAttentionVarLenScore", ws, ex, || {
-        no_310p("aclnnFlashAttentionVarLenScore")?;
+        a2_a3_only("aclnnFlashAttentionVarLenScore")?;
         if [real_shift, drop_mask, padding_mask, atten_mask, softmax_out]
             .iter()
             .any(|t| !t.is_null())
@@ -1447,7 +1461,7 @@ pub unsafe fn rotary_position_embedding(
     ex: *mut *mut Executor,
 ) -> i32 {
     first_phase("aclnnRotaryPositionEmbedding", ws, ex, || {
-        no_310p("aclnnRotaryPositionEmbedding")?;
+        a2_a3_only("aclnnRotaryPositionEmbedding")?;
         // SAFETY: handles from this emulation.
         let (x, cos, sin, out) = unsafe { (view(x)?, view(cos)?, view(sin)?, view(out)?) };
         float(&x, "x")?;
