@@ -1210,3 +1210,50 @@ fn the_a3_runs_the_fused_attention() {
         },
     );
 }
+
+#[test]
+fn no_executor_or_descriptor_outlives_a_failed_call() {
+    let faults: [&[(&str, &str)]; 4] = [
+        &[
+            ("ASCEND_EMU_FAIL_OP", "aclnnGelu"),
+            ("ASCEND_EMU_FAIL_OP_WHEN", "launch"),
+        ],
+        &[("ASCEND_EMU_FAIL_OP", "aclnnGelu")],
+        &[
+            ("ASCEND_EMU_PANIC_OP", "aclnnGelu"),
+            ("ASCEND_EMU_PANIC_OP_WHEN", "phase1"),
+        ],
+        &[("ASCEND_EMU_PANIC_OP", "aclnnGelu")],
+    ];
+    for fault in faults {
+        let mut env = fault.to_vec();
+        env.push(("ASCEND_EMU_HBM", HBM));
+        isolated(
+            "no_executor_or_descriptor_outlives_a_failed_call",
+            &env,
+            || {
+                use_install(Layout::Split);
+                {
+                    let device = open(&plugin(), 0, &[]);
+                    gelu_tanh(&device, &[1.0]).expect_err("the injected fault");
+                    let got = gelu_tanh(&device, &[1.0]).expect("the next call");
+                    assert!((got[0] - 0.841_192).abs() < 1e-5, "{got:?}");
+                    // Every executor was run, or released after its first phase, and every
+                    // descriptor destroyed, while the device is still open.
+                    let stats = emulator_stats(0);
+                    assert_eq!(
+                        (
+                            stats.executors,
+                            stats.tensors,
+                            stats.scalars,
+                            stats.int_arrays
+                        ),
+                        (0, 0, 0, 0),
+                        "{stats:?}"
+                    );
+                }
+                assert_released(emulator_stats(0));
+            },
+        );
+    }
+}
