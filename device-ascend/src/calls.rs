@@ -14,13 +14,16 @@ use crate::result::AclError;
 use crate::runtime::Runtime;
 use crate::sys;
 
-/// A runtime string (`aclrtGetSocName`, a version field), trimmed; `None` when empty.
-fn text(ptr: *const c_char) -> Option<String> {
+/// A runtime string (`aclrtGetSocName`, `aclGetRecentErrMsg`, a version field), copied and
+/// trimmed; `None` when null or empty.
+///
+/// # Safety
+/// `ptr` is null or a NUL-terminated string that stays valid during the call.
+pub(crate) unsafe fn text(ptr: *const c_char) -> Option<String> {
     if ptr.is_null() {
         return None;
     }
-    // SAFETY: non-null and NUL-terminated (the runtime's contract for these strings, and the
-    // version fields are NUL-terminated arrays); copied at once.
+    // SAFETY: non-null and NUL-terminated (the caller's contract); copied at once.
     let text = unsafe { CStr::from_ptr(ptr) }
         .to_string_lossy()
         .trim()
@@ -53,7 +56,7 @@ impl Runtime {
     pub fn soc_name(&self) -> Option<String> {
         let get = self.acl().aclrtGetSocName.as_ref().ok()?;
         // SAFETY: no arguments; returns a static C string owned by the runtime, or null.
-        text(unsafe { get() })
+        unsafe { text(get()) }
     }
 
     /// The CANN release (`8.5.0`, `8.0.RC3`): `aclsysGetCANNVersion` for the CANN package,
@@ -73,8 +76,9 @@ impl Runtime {
             let code = unsafe { get(name, &mut version) };
             // The last byte stays 0 whatever the runtime wrote before it.
             version.version[version.version.len() - 1] = 0;
+            // SAFETY: a NUL-terminated array (its last byte was set to 0 above).
             (code == sys::ACL_SUCCESS)
-                .then(|| text(version.version.as_ptr()))
+                .then(|| unsafe { text(version.version.as_ptr()) })
                 .flatten()
         })
     }

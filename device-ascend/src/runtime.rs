@@ -25,7 +25,6 @@
 //! `libaclnn_math.so`, `libaclnn_rand.so`; deprecated from 8.5). A missing op makes that op
 //! unsupported, never a failure to load.
 
-use std::ffi::{CStr, c_char};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -479,18 +478,9 @@ pub fn stub_reason(files: &str, function: &str) -> String {
 /// `aclGetRecentErrMsg()`, when the runtime has it and it has something to say.
 fn recent_message(acl: &AclRuntime) -> Option<String> {
     let get = acl.aclGetRecentErrMsg.as_ref().ok()?;
-    // SAFETY: returns a thread-local C string owned by the runtime, or null.
-    let ptr: *const c_char = unsafe { get() };
-    if ptr.is_null() {
-        return None;
-    }
-    // SAFETY: non-null, NUL-terminated, valid until the next runtime call on this thread; we
-    // copy it at once.
-    let text = unsafe { CStr::from_ptr(ptr) }
-        .to_string_lossy()
-        .trim()
-        .to_owned();
-    (!text.is_empty()).then_some(text)
+    // SAFETY: returns a thread-local C string owned by the runtime, or null, valid until the
+    // next runtime call on this thread; `text` copies it at once.
+    unsafe { crate::calls::text(get()) }
 }
 
 #[cfg(test)]

@@ -35,6 +35,26 @@ fn download_f32(device: &Device, buf: BufferHandle, len: usize) -> Vec<f32> {
         .collect()
 }
 
+/// Attention arguments for a workspace query: one head, one segment (`cu` = `[0, tokens]`),
+/// placeholder handles (a query reads no buffer).
+fn attention_query(dtype: DType, head_dim: u64, cu: &[u32; 2]) -> AttentionArgs<'_> {
+    let tokens = u64::from(cu[1]);
+    let q = MatRef::contiguous(BufferHandle(1), 0, dtype, tokens, head_dim);
+    AttentionArgs {
+        q,
+        k: q,
+        v: q,
+        out: MatRef::contiguous(BufferHandle(2), 0, dtype, tokens, head_dim),
+        heads: 1,
+        head_dim,
+        scale: 0.125,
+        cu_seqlens: cu.as_slice().into(),
+        cu_seqlens_device: MatRef::vector(BufferHandle(3), 0, DType::I32, 2),
+        max_seqlen: tokens,
+        workspace: BufferSlice::EMPTY,
+    }
+}
+
 /// Runs an in-place gelu (tanh) over `values` and returns the device's answer.
 fn gelu_tanh(device: &Device, values: &[f32]) -> Result<Vec<f32>, DeviceError> {
     let buf = upload_f32(device, values);
@@ -174,22 +194,8 @@ fn an_old_op_library_without_the_transformer_ops_serves_the_rest() {
 
             // Asked for the missing fused attention explicitly: unsupported, naming the op.
             let fused = open(&plugin, 1, &[("attention", "fused")]);
-            let q = MatRef::contiguous(BufferHandle(1), 0, DType::BF16, 4, 64);
-            let cu = [0u32, 4];
             let err = fused
-                .attention_workspace(&AttentionArgs {
-                    q,
-                    k: q,
-                    v: q,
-                    out: MatRef::contiguous(BufferHandle(2), 0, DType::BF16, 4, 64),
-                    heads: 1,
-                    head_dim: 64,
-                    scale: 0.125,
-                    cu_seqlens: cu.as_slice().into(),
-                    cu_seqlens_device: MatRef::vector(BufferHandle(3), 0, DType::I32, 2),
-                    max_seqlen: 4,
-                    workspace: BufferSlice::EMPTY,
-                })
+                .attention_workspace(&attention_query(DType::BF16, 64, &[0, 4]))
                 .expect_err("the fused op is missing");
             assert_eq!(err.code, ErrorCode::UNSUPPORTED);
             assert!(
@@ -983,21 +989,7 @@ fn the_310p_has_no_bf16_or_layer_norm_and_reports_ddr() {
             // f16 works, and f32 attention runs composed with cubeMathType 1.
             let got = gelu_tanh(&device, &[1.0]).expect("gelu");
             assert!((got[0] - 0.841_192).abs() < 1e-5);
-            let q = MatRef::contiguous(BufferHandle(1), 0, DType::F32, 3, 8);
-            let cu = [0u32, 3];
-            let attention = AttentionArgs {
-                q,
-                k: q,
-                v: q,
-                out: MatRef::contiguous(BufferHandle(2), 0, DType::F32, 3, 8),
-                heads: 1,
-                head_dim: 8,
-                scale: 0.25,
-                cu_seqlens: cu.as_slice().into(),
-                cu_seqlens_device: MatRef::vector(BufferHandle(3), 0, DType::I32, 2),
-                max_seqlen: 3,
-                workspace: BufferSlice::EMPTY,
-            };
+            let attention = attention_query(DType::F32, 8, &[0, 3]);
             assert!(device.attention_workspace(&attention).expect("attention") > 0);
         },
     );
@@ -1149,21 +1141,7 @@ fn parts_other_than_a2_and_a3_get_the_conservative_rules() {
                     device.free(buf).expect("free");
                 }
                 // Attention and rotary compose from basic ops.
-                let q = MatRef::contiguous(BufferHandle(1), 0, DType::F16, 4, 64);
-                let cu = [0u32, 4];
-                let attention = AttentionArgs {
-                    q,
-                    k: q,
-                    v: q,
-                    out: MatRef::contiguous(BufferHandle(2), 0, DType::F16, 4, 64),
-                    heads: 1,
-                    head_dim: 64,
-                    scale: 0.125,
-                    cu_seqlens: cu.as_slice().into(),
-                    cu_seqlens_device: MatRef::vector(BufferHandle(3), 0, DType::I32, 2),
-                    max_seqlen: 4,
-                    workspace: BufferSlice::EMPTY,
-                };
+                let attention = attention_query(DType::F16, 64, &[0, 4]);
                 assert!(device.attention_workspace(&attention).expect("attention") > 0);
                 let got = gelu_tanh(&device, &[1.0]).expect("gelu");
                 assert!((got[0] - 0.841_192).abs() < 1e-5, "{got:?}");
