@@ -497,6 +497,13 @@ mod tests {
         seen.dedup();
         assert_eq!(seen.len(), path.dirs.len());
         assert!(path.describe().contains("/opt/Ascend/cann/lib64"));
+        // Each root also in its `<arch>-linux/lib64`, right after its `lib64`.
+        let arch = PathBuf::from(format!(
+            "/usr/local/Ascend/cann/{}-linux/lib64",
+            std::env::consts::ARCH
+        ));
+        let at = |dir: &PathBuf| path.dirs.iter().position(|d| d == dir);
+        assert_eq!(at(&arch), at(&defaults).map(|i| i + 1), "{:?}", path.dirs);
     }
 
     #[test]
