@@ -36,7 +36,7 @@ bindgen_version="$(bindgen --version)"
 # Functions per library. Keep in step with the tables in src/runtime.rs, src/tensor.rs and
 # src/ops/ (the safe layer names each symbol it calls).
 runtime_fns=(
-    aclInit aclFinalize aclGetRecentErrMsg aclrtGetVersion aclrtGetSocName
+    aclInit aclFinalize aclGetRecentErrMsg aclrtGetVersion aclsysGetCANNVersion aclrtGetSocName
     aclrtGetDeviceCount aclrtSetDevice aclrtResetDevice
     aclrtCreateContext aclrtDestroyContext aclrtSetCurrentContext
     aclrtCreateStream aclrtDestroyStream aclrtSynchronizeStream
@@ -58,6 +58,7 @@ for op in "${ops[@]}"; do opapi_fns+=("aclnn${op}GetWorkspaceSize" "aclnn${op}")
 types=(
     aclError aclnnStatus aclrtStream aclrtContext aclrtEvent aclDataType aclFormat
     aclrtMemMallocPolicy aclrtMemcpyKind aclrtMemAttr aclrtEventRecordedStatus
+    aclCANNPackageName aclCANNPackageVersion
     aclTensor aclScalar aclIntArray aclOpExecutor
 )
 

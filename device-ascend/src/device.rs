@@ -1,12 +1,14 @@
-//! The Ascend device: options, description, memory, transfers, the queue, and the entry of
-//! every op. Ops live in [`crate::ops`], buffers in [`crate::memory`].
+//! The Ascend device: description, memory, transfers, the queue, and the entry of every op.
+//! Ops live in [`crate::ops`], buffers in [`crate::memory`], the options in
+//! [`crate::options`], the SoC families' rules in [`crate::soc`], the op-support table in
+//! [`crate::support`] and the description's properties in [`crate::properties`].
 //!
 //! Every entry point takes the device's lock and makes its context current on the calling
 //! thread (the host may call from any thread; AscendCL binds contexts to threads), then checks
 //! its arguments with [`iris_plugin::validate`] before enqueueing anything.
 
 use std::collections::HashMap;
-use std::ffi::{CStr, c_void};
+use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
 
 use iris_plugin::Logger;
@@ -14,7 +16,6 @@ use iris_plugin::abi::{
     ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, BufferSlice, CastArgs, CopyRegion,
     DType, DeviceDesc, FillArgs, GatherArgs, GemmArgs, HeldMemory, HostAlloc, HostBufferId, MatRef,
     MemInfo, MemoryReport, NormArgs, OpKind, PluginError, Property, RotaryArgs, StagedCopy,
-    property,
 };
 use iris_plugin::validate::{self, Checker, Mat};
 
@@ -23,8 +24,12 @@ use crate::memory::{DeviceBlock, DeviceMalloc, MemKind, Memory, mem_info};
 use crate::ops::attention::Path;
 use crate::ops::elementwise::ByteCopy;
 use crate::ops::{self, Exec, Requirement, elementwise};
-use crate::runtime::{Runtime, VISIBLE_DEVICES_ENV, aclnn};
+use crate::options::{AscendOptions, AttentionMode};
+use crate::properties::properties;
+use crate::runtime::Runtime;
+use crate::soc::Family;
 use crate::stream::{Context, DeviceBinding, Event, Stream, offset_ptr};
+use crate::support::supported_ops;
 use crate::sys;
 
 /// Workspace requirements remembered per call shape; beyond this many the memo starts over.
@@ -33,94 +38,6 @@ const REQUIREMENT_MEMO: usize = 4096;
 const SIZING_BYTES: u64 = 512;
 /// `aclrtMemcpyAsync` between device addresses wants both 64-byte aligned (`acl_rt.h`).
 const D2D_ALIGN: usize = 64;
-
-/// How attention runs (option `attention`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttentionMode {
-    /// The fused op where the part, dtype and op library allow it, else composed.
-    Auto,
-    /// Always `aclnnFlashAttentionVarLenScore` (an error where it cannot run).
-    Fused,
-    /// Always batched matmul, softmax, batched matmul.
-    Composed,
-}
-
-/// Options of [`AscendDevice::open`], from the `[plugins.ascend]` table of the config.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AscendOptions {
-    /// `attention = "auto" | "fused" | "composed"` (default `auto`).
-    pub attention: AttentionMode,
-}
-
-impl AscendOptions {
-    /// Parses `key = value` options; unknown keys are errors naming the key.
-    pub fn parse(pairs: &[(&str, &str)]) -> Result<AscendOptions, PluginError> {
-        let mut options = AscendOptions {
-            attention: AttentionMode::Auto,
-        };
-        for (key, value) in pairs {
-            match *key {
-                "attention" => {
-                    options.attention = match value.trim() {
-                        "auto" => AttentionMode::Auto,
-                        "fused" => AttentionMode::Fused,
-                        "composed" => AttentionMode::Composed,
-                        other => {
-                            return Err(PluginError::invalid_argument(format!(
-                                "open: option `attention`: expected `auto`, `fused` or `composed`, got `{other}`"
-                            )));
-                        }
-                    };
-                }
-                other => {
-                    return Err(PluginError::invalid_argument(format!(
-                        "open: unknown option `{other}` (known: attention)"
-                    )));
-                }
-            }
-        }
-        Ok(options)
-    }
-}
-
-/// The part's family, from `aclrtGetSocName`: it decides dtypes and which aclnn ops have
-/// kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    /// Atlas A2 (`Ascend910B*`).
-    A2,
-    /// Atlas A3 (`Ascend910_93*`).
-    A3,
-    /// Atlas inference cards (`Ascend310P*`): no BF16, no LayerNorm, rotary or fused
-    /// attention kernels, f32 matmul only with `cubeMathType = 1`.
-    Inference310P,
-    /// Anything else: the A2 rules, and the op libraries decide.
-    Other,
-}
-
-impl Family {
-    /// The family of a SoC name.
-    pub fn of(soc: &str) -> Family {
-        if soc.starts_with("Ascend910_93") {
-            Family::A3
-        } else if soc.starts_with("Ascend910B") {
-            Family::A2
-        } else if soc.starts_with("Ascend310P") {
-            Family::Inference310P
-        } else {
-            Family::Other
-        }
-    }
-
-    /// aclnn matmul's `cubeMathType`: keep the dtype, except where f32 cannot stay f32.
-    pub fn cube_math(self, dtype: DType) -> i8 {
-        if self == Family::Inference310P && dtype == DType::F32 {
-            1
-        } else {
-            0
-        }
-    }
-}
 
 struct State {
     memory: Memory,
@@ -178,11 +95,11 @@ impl AscendDevice {
         let mut memory = Memory::new(rt, kind);
         let sizing = memory.transient(SIZING_BYTES)?;
         let after = mem_info(rt, kind)?;
-        let soc = soc_name(rt).unwrap_or_else(|| "Ascend NPU".to_owned());
+        let soc = rt.soc_name().unwrap_or_else(|| "Ascend NPU".to_owned());
         let family = Family::of(&soc);
         let (ops, unsupported) = supported_ops(rt, family);
         let mut dtypes = vec![DType::F32, DType::F16];
-        if family != Family::Inference310P {
+        if family.bf16() {
             dtypes.push(DType::BF16);
         }
         dtypes.extend([DType::I32, DType::U8]);
@@ -209,6 +126,13 @@ impl AscendDevice {
             rt.acl_path().display(),
             memory.device_malloc().name()
         ));
+        if !rt.skipped().is_empty() {
+            log.warn(format!(
+                "skipped CANN's link stubs (100039 from aclInit) before the runtime {}: {}",
+                rt.acl_path().display(),
+                rt.skipped().join(", ")
+            ));
+        }
         if memory.device_malloc() == DeviceMalloc::Padded {
             log.warn(
                 "the runtime has no aclrtMallocAlign32: aclrtMalloc pads every block with 32 bytes, so each allocator segment of whole huge pages takes one more huge page (reported as held memory)",
@@ -467,8 +391,8 @@ impl AscendDevice {
     }
 
     fn attention_paths(&self, a: &validate::Attention) -> Vec<Path> {
-        let fused_ok = matches!(self.family, Family::A2 | Family::Other)
-            && matches!(a.q.dtype, DType::F16 | DType::BF16);
+        let fused_ok =
+            self.family.fused_transformer_ops() && matches!(a.q.dtype, DType::F16 | DType::BF16);
         match self.options.attention {
             AttentionMode::Fused => vec![Path::Fused],
             AttentionMode::Composed => vec![Path::Composed],
@@ -480,7 +404,7 @@ impl AscendDevice {
     fn rotary_paths(&self) -> Vec<Path> {
         // The fused op's first phase reports a missing symbol or a refused shape; the
         // composed path then runs.
-        if self.family == Family::Inference310P {
+        if !self.family.fused_transformer_ops() {
             vec![Path::Composed]
         } else {
             vec![Path::Fused, Path::Composed]
@@ -535,7 +459,7 @@ impl iris_plugin::Backend for AscendDevice {
     }
 
     fn mem_info(&self) -> Result<MemInfo, PluginError> {
-        let state = self.lock()?;
+        let mut state = self.lock()?;
         Ok(state.memory.mem_info()?)
     }
 
@@ -623,13 +547,16 @@ impl iris_plugin::Backend for AscendDevice {
             let dst = offset_ptr(state.memory.base(run.dst.0), run.dst.1);
             let aligned = |p: *mut c_void| (p as usize).is_multiple_of(D2D_ALIGN);
             if run.rows == 1 && aligned(src) && aligned(dst) {
-                state.memory.copy_async(
-                    dst,
-                    src,
-                    run.width,
-                    sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE,
-                    &self.stream,
-                )?;
+                // SAFETY: both ranges validated inside their buffers; frees are queue-ordered.
+                unsafe {
+                    state.memory.copy_async(
+                        dst,
+                        src,
+                        run.width,
+                        sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE,
+                        &self.stream,
+                    )
+                }?;
             } else {
                 self.scratch_op(&mut state, &|x| elementwise::copy_bytes(x, &run))?;
             }
@@ -651,17 +578,22 @@ impl iris_plugin::Backend for AscendDevice {
         let width = usize::try_from(args.width).unwrap_or(4);
         if pattern[..width].iter().all(|b| *b == pattern[0]) {
             let ptr = offset_ptr(state.memory.base(dst.buf), dst.offset);
-            return Ok(state
-                .memory
-                .memset_async(ptr, dst.bytes, pattern[0], &self.stream)?);
+            // SAFETY: the range is validated inside its buffer.
+            return Ok(unsafe {
+                state
+                    .memory
+                    .memset_async(ptr, dst.bytes, pattern[0], &self.stream)
+            }?);
         }
-        let (offset, count) = (
-            dst.offset / u64::from(args.width),
-            dst.bytes / u64::from(args.width),
-        );
-        self.scratch_op(&mut state, &|x| {
-            elementwise::fill_pattern(x, dst.buf, offset, count, args.value, args.width)
-        })
+        // Written from pinned host staging rather than by an op: an op's workspace would be
+        // device memory outside the host allocator (the ABI's fill has no workspace).
+        Ok(state.memory.fill_pattern(
+            dst.buf,
+            dst.offset,
+            dst.bytes,
+            &pattern[..width],
+            &self.stream,
+        )?)
     }
 
     fn synchronize(&self) -> Result<(), PluginError> {
@@ -781,13 +713,17 @@ impl iris_plugin::Backend for AscendDevice {
             copy.bytes,
         )?;
         let device = offset_ptr(state.memory.base(copy.device), copy.device_offset);
-        Ok(state.memory.copy_async(
-            device,
-            host,
-            copy.bytes,
-            sys::aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
-            &self.stream,
-        )?)
+        // SAFETY: both ranges validated inside their buffers; frees of either are
+        // queue-ordered.
+        Ok(unsafe {
+            state.memory.copy_async(
+                device,
+                host,
+                copy.bytes,
+                sys::aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
+                &self.stream,
+            )
+        }?)
     }
 
     fn download(&self, copy: &StagedCopy) -> Result<(), PluginError> {
@@ -803,13 +739,17 @@ impl iris_plugin::Backend for AscendDevice {
             copy.bytes,
         )?;
         let device = offset_ptr(state.memory.base(copy.device), copy.device_offset);
-        Ok(state.memory.copy_async(
-            host,
-            device,
-            copy.bytes,
-            sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST,
-            &self.stream,
-        )?)
+        // SAFETY: both ranges validated inside their buffers; frees of either are
+        // queue-ordered.
+        Ok(unsafe {
+            state.memory.copy_async(
+                host,
+                device,
+                copy.bytes,
+                sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST,
+                &self.stream,
+            )
+        }?)
     }
 
     fn fence(&self) -> Result<u64, PluginError> {
@@ -1220,268 +1160,4 @@ fn byte_copies(regions: &[CopyRegion]) -> Vec<ByteCopy> {
         });
     }
     runs
-}
-
-/// `aclrtGetSocName()`, e.g. `Ascend910B3`.
-fn soc_name(rt: &Runtime) -> Option<String> {
-    let get = rt.acl().aclrtGetSocName.as_ref().ok()?;
-    // SAFETY: returns a static C string owned by the runtime, or null.
-    let ptr = unsafe { get() };
-    if ptr.is_null() {
-        return None;
-    }
-    // SAFETY: non-null and NUL-terminated; copied at once.
-    let name = unsafe { CStr::from_ptr(ptr) }
-        .to_string_lossy()
-        .trim()
-        .to_owned();
-    (!name.is_empty()).then_some(name)
-}
-
-/// The ops this part and these op libraries can run, and why the others cannot.
-fn supported_ops(rt: &Runtime, family: Family) -> (Vec<OpKind>, HashMap<OpKind, String>) {
-    let mut missing: HashMap<OpKind, String> = HashMap::new();
-    let mut need = |op: OpKind, found: Result<&'static str, AscendError>| {
-        if let Err(err) = found {
-            missing.entry(op).or_insert_with(|| err.to_string());
-        }
-    };
-    macro_rules! has {
-        ($ws:ident, $run:ident) => {
-            aclnn!(rt, $ws, $run).map(|op| op.library)
-        };
-    }
-    let copy = || has!(aclnnInplaceCopyGetWorkspaceSize, aclnnInplaceCopy);
-    let add = || has!(aclnnInplaceAddGetWorkspaceSize, aclnnInplaceAdd);
-    for op in [
-        OpKind::GEMM,
-        OpKind::LAYER_NORM,
-        OpKind::RMS_NORM,
-        OpKind::ACTIVATION,
-        OpKind::BINARY,
-        OpKind::ROTARY,
-        OpKind::GATHER_ROWS,
-        OpKind::CAST,
-    ] {
-        need(op, copy());
-    }
-    need(OpKind::GEMM, has!(aclnnMatmulGetWorkspaceSize, aclnnMatmul));
-    need(OpKind::GEMM, has!(aclnnAddmmGetWorkspaceSize, aclnnAddmm));
-    need(OpKind::GEMM, add());
-    need(
-        OpKind::LAYER_NORM,
-        has!(aclnnLayerNormGetWorkspaceSize, aclnnLayerNorm),
-    );
-    need(
-        OpKind::RMS_NORM,
-        has!(aclnnRmsNormGetWorkspaceSize, aclnnRmsNorm),
-    );
-    for act in [
-        has!(aclnnGeluV2GetWorkspaceSize, aclnnGeluV2),
-        has!(aclnnGeluGetWorkspaceSize, aclnnGelu),
-        has!(aclnnSiluGetWorkspaceSize, aclnnSilu),
-        has!(aclnnMulsGetWorkspaceSize, aclnnMuls),
-        has!(aclnnInplaceSigmoidGetWorkspaceSize, aclnnInplaceSigmoid),
-        has!(aclnnMulGetWorkspaceSize, aclnnMul),
-        has!(aclnnInplaceMulGetWorkspaceSize, aclnnInplaceMul),
-    ] {
-        need(OpKind::ACTIVATION, act.clone());
-        // Gemm's activation epilogue uses the same ops.
-        need(OpKind::GEMM, act);
-    }
-    need(OpKind::BINARY, has!(aclnnAddGetWorkspaceSize, aclnnAdd));
-    need(OpKind::BINARY, add());
-    need(OpKind::BINARY, has!(aclnnMulGetWorkspaceSize, aclnnMul));
-    need(
-        OpKind::BINARY,
-        has!(aclnnInplaceMulGetWorkspaceSize, aclnnInplaceMul),
-    );
-    // Rotary composes from elementwise ops where the fused op is missing; the fused op (and
-    // the cast of its tables) is an optimisation chosen per call.
-    need(
-        OpKind::ROTARY,
-        has!(aclnnInplaceMulsGetWorkspaceSize, aclnnInplaceMuls),
-    );
-    need(
-        OpKind::ROTARY,
-        has!(aclnnInplaceMulGetWorkspaceSize, aclnnInplaceMul),
-    );
-    need(OpKind::ROTARY, add());
-    need(
-        OpKind::GATHER_ROWS,
-        has!(aclnnIndexSelectGetWorkspaceSize, aclnnIndexSelect),
-    );
-    need(OpKind::CAST, has!(aclnnCastGetWorkspaceSize, aclnnCast));
-    // Attention runs composed everywhere the batched matmul and softmax exist; the fused op
-    // is an optimisation chosen per call.
-    need(OpKind::ATTENTION, copy());
-    need(
-        OpKind::ATTENTION,
-        has!(aclnnBatchMatMulGetWorkspaceSize, aclnnBatchMatMul),
-    );
-    need(
-        OpKind::ATTENTION,
-        has!(aclnnInplaceMulsGetWorkspaceSize, aclnnInplaceMuls),
-    );
-    need(
-        OpKind::ATTENTION,
-        has!(aclnnSoftmaxGetWorkspaceSize, aclnnSoftmax),
-    );
-    if family == Family::Inference310P {
-        missing.entry(OpKind::LAYER_NORM).or_insert_with(|| {
-            "aclnn has no LayerNorm kernels on Atlas inference (310P) parts".to_owned()
-        });
-    }
-    let ops = OpKind::ALL
-        .into_iter()
-        .filter(|op| !missing.contains_key(op))
-        .collect();
-    (ops, missing)
-}
-
-/// Facts for `iris devices` and bug reports: the part, the libraries, and where each aclnn
-/// op came from.
-fn properties(
-    rt: &Runtime,
-    soc: &str,
-    kind: MemKind,
-    malloc: DeviceMalloc,
-    options: &AscendOptions,
-) -> Vec<Property> {
-    let mut props = vec![
-        Property::new(property::SOC, soc),
-        Property::new(property::QUEUE, "async"),
-        Property::new("memory_kind", kind.name()),
-        Property::new("device_malloc", malloc.name()),
-        Property::new("runtime_library", rt.acl_path().display()),
-        Property::new(
-            "nnopbase_library",
-            rt.nnopbase_path().map_or_else(
-                |reason| format!("missing: {reason}"),
-                |p| p.display().to_string(),
-            ),
-        ),
-        Property::new(
-            "attention",
-            format!("{:?}", options.attention).to_lowercase(),
-        ),
-    ];
-    if let Some(version) = runtime_version(rt) {
-        props.push(Property::new(property::RUNTIME_VERSION, version));
-    }
-    if let Ok(visible) = std::env::var(VISIBLE_DEVICES_ENV) {
-        props.push(Property::new("visible_devices", visible));
-    }
-    let libs = rt
-        .ops()
-        .iter()
-        .map(|lib| lib.path.display().to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
-    props.push(Property::new(
-        "op_libraries",
-        if libs.is_empty() {
-            "none".to_owned()
-        } else {
-            libs
-        },
-    ));
-    // Which library each aclnn op came from, grouped by library, and the ops no library has.
-    let mut sources: Vec<(&'static str, Vec<&'static str>)> = Vec::new();
-    let mut missing: Vec<&'static str> = Vec::new();
-    macro_rules! source {
-        ($($ws:ident $run:ident),* $(,)?) => {
-            $(
-                let short = &stringify!($run)["aclnn".len()..];
-                match aclnn!(rt, $ws, $run) {
-                    Ok(op) => match sources.iter_mut().find(|(lib, _)| *lib == op.library) {
-                        Some((_, ops)) => ops.push(short),
-                        None => sources.push((op.library, vec![short])),
-                    },
-                    Err(_) => missing.push(short),
-                }
-            )*
-        };
-    }
-    source!(
-        aclnnMatmulGetWorkspaceSize aclnnMatmul,
-        aclnnAddmmGetWorkspaceSize aclnnAddmm,
-        aclnnBatchMatMulGetWorkspaceSize aclnnBatchMatMul,
-        aclnnLayerNormGetWorkspaceSize aclnnLayerNorm,
-        aclnnRmsNormGetWorkspaceSize aclnnRmsNorm,
-        aclnnGeluV2GetWorkspaceSize aclnnGeluV2,
-        aclnnGeluGetWorkspaceSize aclnnGelu,
-        aclnnSiluGetWorkspaceSize aclnnSilu,
-        aclnnMulsGetWorkspaceSize aclnnMuls,
-        aclnnInplaceSigmoidGetWorkspaceSize aclnnInplaceSigmoid,
-        aclnnAddGetWorkspaceSize aclnnAdd,
-        aclnnInplaceAddGetWorkspaceSize aclnnInplaceAdd,
-        aclnnMulGetWorkspaceSize aclnnMul,
-        aclnnInplaceMulGetWorkspaceSize aclnnInplaceMul,
-        aclnnInplaceMulsGetWorkspaceSize aclnnInplaceMuls,
-        aclnnSoftmaxGetWorkspaceSize aclnnSoftmax,
-        aclnnIndexSelectGetWorkspaceSize aclnnIndexSelect,
-        aclnnCastGetWorkspaceSize aclnnCast,
-        aclnnInplaceCopyGetWorkspaceSize aclnnInplaceCopy,
-        aclnnInplaceFillScalarGetWorkspaceSize aclnnInplaceFillScalar,
-        aclnnFlashAttentionVarLenScoreGetWorkspaceSize aclnnFlashAttentionVarLenScore,
-        aclnnRotaryPositionEmbeddingGetWorkspaceSize aclnnRotaryPositionEmbedding,
-    );
-    let sources = sources
-        .iter()
-        .map(|(lib, ops)| format!("{lib}: {}", ops.join(" ")))
-        .collect::<Vec<_>>()
-        .join("; ");
-    props.push(Property::new(
-        "aclnn_sources",
-        if sources.is_empty() {
-            "none".to_owned()
-        } else {
-            sources
-        },
-    ));
-    props.push(Property::new(
-        "aclnn_missing",
-        if missing.is_empty() {
-            "none".to_owned()
-        } else {
-            missing.join(" ")
-        },
-    ));
-    props
-}
-
-/// `aclrtGetVersion`: the runtime's `major.minor.patch`.
-fn runtime_version(rt: &Runtime) -> Option<String> {
-    let get = rt.acl().aclrtGetVersion.as_ref().ok()?;
-    let (mut major, mut minor, mut patch) = (0i32, 0i32, 0i32);
-    // SAFETY: valid out-pointers.
-    let code = unsafe { get(&mut major, &mut minor, &mut patch) };
-    (code == sys::ACL_SUCCESS).then(|| format!("{major}.{minor}.{patch}"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn families_from_soc_names() {
-        assert_eq!(Family::of("Ascend910B3"), Family::A2);
-        assert_eq!(Family::of("Ascend910_9392"), Family::A3);
-        assert_eq!(Family::of("Ascend310P3"), Family::Inference310P);
-        assert_eq!(Family::of("Ascend950PR"), Family::Other);
-        assert_eq!(Family::Inference310P.cube_math(DType::F32), 1);
-        assert_eq!(Family::Inference310P.cube_math(DType::F16), 0);
-        assert_eq!(Family::A2.cube_math(DType::F32), 0);
-    }
-
-    #[test]
-    fn options_parse_and_name_unknown_keys() {
-        let options = AscendOptions::parse(&[("attention", "composed")]).unwrap();
-        assert_eq!(options.attention, AttentionMode::Composed);
-        let err = AscendOptions::parse(&[("attention", "sometimes")]).unwrap_err();
-        assert!(err.message.contains("`attention`"), "{}", err.message);
-        let err = AscendOptions::parse(&[("threads", "2")]).unwrap_err();
-        assert!(err.message.contains("`threads`"), "{}", err.message);
-    }
 }

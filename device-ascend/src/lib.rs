@@ -11,10 +11,12 @@
 //!   function's name and `aclGetRecentErrMsg()`, and maps each case to an ABI error code
 //!   (207001 and 207018 are out of memory).
 //! - the safe layer: [`runtime::Runtime`] (libraries found and opened once, `aclInit` once),
+//!   [`calls`] (device count, SoC, versions, memory figures, allocation, copies and fills),
 //!   [`stream`] (device binding, context, stream, event as RAII values), [`tensor`] (aclnn
 //!   descriptors, scalars, int arrays), [`memory`] (buffers, queue-ordered frees, pinned
 //!   staging), [`ops`] (the encoder ops as sequences of aclnn calls) and [`device`] (the
-//!   [`iris_plugin::Backend`]).
+//!   [`iris_plugin::Backend`]), with [`options`], [`soc`] (each SoC family's rules),
+//!   [`support`] (the op-support table) and [`properties`] beside it.
 //!
 //! Execution follows ABI 2: each opened NPU has one stream; ops, copies and fills are
 //! enqueued and return; `read` and `synchronize` wait; frees are queue-ordered (a block goes
@@ -26,18 +28,24 @@
 //! `ASCEND_RT_VISIBLE_DEVICES`, which the runtime applies. docs/ASCEND.md is the guide for
 //! hardware owners.
 
+pub mod calls;
 pub mod device;
 pub mod error;
 pub mod memory;
 pub mod ops;
+pub mod options;
+pub mod properties;
 pub mod result;
 pub mod runtime;
+pub mod soc;
 pub mod stream;
+pub mod support;
 pub mod sys;
 pub mod tensor;
 
-pub use device::{AscendDevice, AscendOptions};
+pub use device::AscendDevice;
 pub use error::AscendError;
+pub use options::AscendOptions;
 
 use iris_plugin::Logger;
 use iris_plugin::abi::{PluginError, ProbeResult};
@@ -52,21 +60,23 @@ pub const NAME: &str = "ascend";
 /// How many NPUs the runtime shows, or why there are none.
 pub fn device_count() -> Result<u32, String> {
     let rt = Runtime::get().map_err(|none| none.0)?;
-    let get = rt.acl().aclrtGetDeviceCount.as_ref().map_err(|_| {
-        format!(
-            "{} does not export aclrtGetDeviceCount",
-            rt.acl_path().display()
-        )
-    })?;
-    let mut count = 0u32;
-    // SAFETY: `count` is a valid out-pointer.
-    let code = AclError(unsafe { get(&mut count) });
-    if code == AclError::STUB_MODE {
-        return Err(stub_reason(rt.acl_path(), "aclrtGetDeviceCount"));
-    }
-    if let Err(err) = rt.check("aclrtGetDeviceCount", code.0) {
-        return Err(format!("0 devices: {err}"));
-    }
+    let count = match rt.device_count() {
+        Ok(count) => count,
+        Err(Ok(AclError::STUB_MODE)) => {
+            return Err(stub_reason(
+                &rt.acl_path().display().to_string(),
+                "aclrtGetDeviceCount",
+            ));
+        }
+        Err(Ok(code)) => {
+            let err = rt.check("aclrtGetDeviceCount", code.0).err();
+            return Err(format!(
+                "0 devices: {}",
+                err.map_or_else(|| code.to_string(), |err| err.to_string())
+            ));
+        }
+        Err(Err(err)) => return Err(err.to_string()),
+    };
     if count == 0 {
         let visible = std::env::var(VISIBLE_DEVICES_ENV)
             .map(|value| format!(", {VISIBLE_DEVICES_ENV}={value}"))

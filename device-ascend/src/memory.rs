@@ -28,6 +28,9 @@ use crate::sys;
 /// Largest piece of one `write` staged at a time, so that a large upload does not pin a
 /// host buffer of its own size.
 pub const STAGING_CHUNK: u64 = 64 << 20;
+/// Host bytes of one staged piece of a pattern fill: the pattern is built once at this size
+/// and copied as often as the range needs.
+const FILL_CHUNK: u64 = 1 << 20;
 /// Pinned staging kept for reuse between writes; idle blocks beyond it are released.
 pub const STAGING_POOL: u64 = 256 << 20;
 /// Huge page size: `HUGE_FIRST` blocks above [`HUGE_FIRST_THRESHOLD`] take whole huge pages.
@@ -116,11 +119,10 @@ pub fn charge(bytes: u64, malloc: DeviceMalloc) -> u64 {
 
 impl Drop for DeviceBlock {
     fn drop(&mut self) {
-        if let Ok(free) = self.rt.acl().aclrtFree.as_ref() {
-            // SAFETY: allocated by aclrtMallocAlign32 or aclrtMalloc and freed once; no queued work uses it (the
-            // queue-ordered free waited for its event, or the stream was synchronised).
-            let _ = unsafe { free(self.ptr) };
-        }
+        // SAFETY: allocated by aclrtMallocAlign32 or aclrtMalloc and freed once; no queued
+        // work uses it (the queue-ordered free waited for its event, or the stream was
+        // synchronised).
+        unsafe { self.rt.free_device(self.ptr) };
     }
 }
 
@@ -137,21 +139,7 @@ unsafe impl Send for HostBlock {}
 impl HostBlock {
     /// Allocates `len` bytes of pinned host memory.
     pub fn new(rt: &'static Runtime, len: u64) -> Result<HostBlock, AscendError> {
-        let malloc = rt
-            .acl()
-            .aclrtMallocHost
-            .as_ref()
-            .map_err(|_| rt.missing("aclrtMallocHost"))?;
-        let size = usize::try_from(len)
-            .map_err(|_| AscendError::Internal(format!("{len} bytes do not fit in memory")))?;
-        let mut ptr: *mut c_void = std::ptr::null_mut();
-        // SAFETY: `ptr` is a valid out-pointer.
-        rt.check("aclrtMallocHost", unsafe { malloc(&mut ptr, size) })?;
-        if ptr.is_null() {
-            return Err(AscendError::Internal(
-                "aclrtMallocHost succeeded but returned null".into(),
-            ));
-        }
+        let ptr = rt.malloc_host(len)?;
         let block = HostBlock { rt, ptr, len };
         if !(ptr as usize).is_multiple_of(HOST_ALIGN) {
             return Err(AscendError::Internal(format!(
@@ -174,10 +162,8 @@ impl HostBlock {
 
 impl Drop for HostBlock {
     fn drop(&mut self) {
-        if let Ok(free) = self.rt.acl().aclrtFreeHost.as_ref() {
-            // SAFETY: allocated by aclrtMallocHost and freed once, after the work using it.
-            let _ = unsafe { free(self.ptr) };
-        }
+        // SAFETY: allocated by aclrtMallocHost and freed once, after the work using it.
+        unsafe { self.rt.free_host(self.ptr) };
     }
 }
 
@@ -219,24 +205,12 @@ impl MemKind {
 
 /// `aclrtGetMemInfo` for `kind` on the current context's device.
 pub fn mem_info(rt: &Runtime, kind: MemKind) -> Result<MemInfo, AscendError> {
-    let get = rt
-        .acl()
-        .aclrtGetMemInfo
-        .as_ref()
-        .map_err(|_| rt.missing("aclrtGetMemInfo"))?;
     let attr = match kind {
         MemKind::Hbm => sys::aclrtMemAttr::ACL_HBM_MEM,
         MemKind::Ddr => sys::aclrtMemAttr::ACL_DDR_MEM,
     };
-    let (mut free, mut total) = (0usize, 0usize);
-    // SAFETY: valid out-pointers.
-    rt.check("aclrtGetMemInfo", unsafe {
-        get(attr, &mut free, &mut total)
-    })?;
-    Ok(MemInfo {
-        free: free as u64,
-        total: total as u64,
-    })
+    let (free, total) = rt.mem_info(attr)?;
+    Ok(MemInfo { free, total })
 }
 
 /// Blocks released once the work before an event is done.
@@ -302,8 +276,10 @@ impl Memory {
         self.kind
     }
 
-    /// `(free, total)` as the driver sees it.
-    pub fn mem_info(&self) -> Result<MemInfo, AscendError> {
+    /// `(free, total)` as the driver sees it, after releasing the blocks whose queued work is
+    /// done (a free the host made is then visible in the figures, as on the host's side).
+    pub fn mem_info(&mut self) -> Result<MemInfo, AscendError> {
+        self.reap()?;
         mem_info(self.rt, self.kind)
     }
 
@@ -476,12 +452,6 @@ impl Memory {
     ) -> Result<(), AscendError> {
         self.reap()?;
         let base = self.base(dst);
-        let copy = self
-            .rt
-            .acl()
-            .aclrtMemcpyAsync
-            .as_ref()
-            .map_err(|_| self.rt.missing("aclrtMemcpyAsync"))?;
         let chunk = usize::try_from(STAGING_CHUNK).unwrap_or(usize::MAX);
         for (index, piece) in src.chunks(chunk).enumerate() {
             let at = offset + (index as u64) * STAGING_CHUNK;
@@ -495,17 +465,15 @@ impl Memory {
             }
             // SAFETY: destination range checked against the buffer by the caller; the source
             // is pinned memory that stays untouched until the event recorded below completes.
-            let code = unsafe {
-                copy(
+            unsafe {
+                self.rt.memcpy_async(
                     offset_ptr(base, at),
-                    piece.len(),
                     host,
-                    piece.len(),
+                    len,
                     sys::aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
                     stream.raw(),
                 )
-            };
-            self.rt.check("aclrtMemcpyAsync", code)?;
+            }?;
             self.staging[slot].busy = match Event::record(self.rt, stream) {
                 Ok(event) => Some(event),
                 // Without an event to say when the copy has read the staging block, wait
@@ -515,6 +483,35 @@ impl Memory {
                     None
                 }
             };
+        }
+        Ok(())
+    }
+
+    /// Enqueues a fill of `bytes` bytes of `dst` from `offset` with `pattern` repeated
+    /// (`bytes` and `offset` are multiples of its length), through pinned staging: no device
+    /// scratch and no op workspace, so every device byte stays in the host's accounting.
+    pub fn fill_pattern(
+        &mut self,
+        dst: BufferHandle,
+        offset: u64,
+        bytes: u64,
+        pattern: &[u8],
+        stream: &Stream,
+    ) -> Result<(), AscendError> {
+        let width = pattern.len().max(1) as u64;
+        let chunk = bytes.min(FILL_CHUNK / width * width);
+        let host: Vec<u8> = pattern
+            .iter()
+            .copied()
+            .cycle()
+            .take(usize::try_from(chunk).unwrap_or(usize::MAX))
+            .collect();
+        let mut done = 0u64;
+        while done < bytes {
+            let len = chunk.min(bytes - done);
+            let piece = &host[..usize::try_from(len).unwrap_or(host.len())];
+            self.write(dst, offset + done, piece, stream)?;
+            done += len;
         }
         Ok(())
     }
@@ -529,28 +526,24 @@ impl Memory {
         if dst.is_empty() {
             return Ok(());
         }
-        let copy = self
-            .rt
-            .acl()
-            .aclrtMemcpy
-            .as_ref()
-            .map_err(|_| self.rt.missing("aclrtMemcpy"))?;
         // SAFETY: source range checked by the caller; the stream is idle, so the synchronous
         // copy sees all earlier work; `dst` is a host slice of that length.
-        let code = unsafe {
-            copy(
+        unsafe {
+            self.rt.memcpy(
                 dst.as_mut_ptr().cast::<c_void>(),
-                dst.len(),
                 offset_ptr(self.base(src), offset),
-                dst.len(),
+                dst.len() as u64,
                 sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST,
             )
-        };
-        self.rt.check("aclrtMemcpy", code)
+        }
     }
 
     /// Enqueues an asynchronous copy of `bytes` between device (or pinned host) addresses.
-    pub fn copy_async(
+    ///
+    /// # Safety
+    /// Both ranges are `bytes` long inside live blocks of this memory (or pinned host buffers
+    /// it gave out), whose release waits for this work.
+    pub unsafe fn copy_async(
         &self,
         dst: *mut c_void,
         src: *const c_void,
@@ -561,39 +554,23 @@ impl Memory {
         if bytes == 0 {
             return Ok(());
         }
-        let copy = self
-            .rt
-            .acl()
-            .aclrtMemcpyAsync
-            .as_ref()
-            .map_err(|_| self.rt.missing("aclrtMemcpyAsync"))?;
-        let len = usize::try_from(bytes)
-            .map_err(|_| AscendError::Internal(format!("{bytes} bytes do not fit in memory")))?;
-        // SAFETY: ranges checked by the caller; both lie in live blocks whose release waits for
-        // this work (queue-ordered frees).
-        let code = unsafe { copy(dst, len, src, len, kind, stream.raw()) };
-        self.rt.check("aclrtMemcpyAsync", code)
+        // SAFETY: the caller's contract.
+        unsafe { self.rt.memcpy_async(dst, src, bytes, kind, stream.raw()) }
     }
 
     /// Enqueues a byte fill.
-    pub fn memset_async(
+    ///
+    /// # Safety
+    /// The range is `bytes` long inside a live block of this memory.
+    pub unsafe fn memset_async(
         &self,
         dst: *mut c_void,
         bytes: u64,
         value: u8,
         stream: &Stream,
     ) -> Result<(), AscendError> {
-        let set = self
-            .rt
-            .acl()
-            .aclrtMemsetAsync
-            .as_ref()
-            .map_err(|_| self.rt.missing("aclrtMemsetAsync"))?;
-        let len = usize::try_from(bytes)
-            .map_err(|_| AscendError::Internal(format!("{bytes} bytes do not fit in memory")))?;
-        // SAFETY: range checked by the caller, inside a live block.
-        let code = unsafe { set(dst, len, i32::from(value), len, stream.raw()) };
-        self.rt.check("aclrtMemsetAsync", code)
+        // SAFETY: the caller's contract.
+        unsafe { self.rt.memset_async(dst, bytes, value, stream.raw()) }
     }
 
     /// Allocates a pinned host buffer for the host's staging.
@@ -655,38 +632,29 @@ impl Memory {
         let Ok(size) = usize::try_from(bytes) else {
             return Err(AclError::MEMORY_ALLOCATION);
         };
-        let acl = self.rt.acl();
-        let mut ptr: *mut c_void = std::ptr::null_mut();
-        let policy = sys::aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST;
-        if self.malloc == DeviceMalloc::Align32
-            && let Ok(align32) = acl.aclrtMallocAlign32.as_ref()
-        {
-            // SAFETY: `ptr` is a valid out-pointer.
-            let code = AclError(unsafe { align32(&mut ptr, size, policy) });
-            if code.0 != sys::ACL_ERROR_RT_FEATURE_NOT_SUPPORT as i32 {
-                return self.block(code, ptr, bytes);
+        if self.malloc == DeviceMalloc::Align32 {
+            match self.rt.malloc_device(size, true) {
+                Ok(ptr) => return Ok(self.block(ptr, bytes)),
+                Err(Some(code)) if code.0 != sys::ACL_ERROR_RT_FEATURE_NOT_SUPPORT as i32 => {
+                    return Err(code);
+                }
+                // Missing, or "feature not supported": aclrtMalloc from now on.
+                Err(_) => self.malloc = DeviceMalloc::Padded,
             }
-            self.malloc = DeviceMalloc::Padded;
         }
-        let Ok(malloc) = acl.aclrtMalloc.as_ref() else {
-            return Err(AclError(sys::ACL_ERROR_FEATURE_UNSUPPORTED));
-        };
-        // SAFETY: `ptr` is a valid out-pointer.
-        let code = AclError(unsafe { malloc(&mut ptr, size, policy) });
-        self.block(code, ptr, bytes)
+        match self.rt.malloc_device(size, false) {
+            Ok(ptr) => Ok(self.block(ptr, bytes)),
+            Err(code) => Err(code.unwrap_or(AclError(sys::ACL_ERROR_FEATURE_UNSUPPORTED))),
+        }
     }
 
-    fn block(&self, code: AclError, ptr: *mut c_void, bytes: u64) -> Result<DeviceBlock, AclError> {
-        code.result()?;
-        if ptr.is_null() {
-            return Err(AclError(sys::ACL_ERROR_BAD_ALLOC));
-        }
-        Ok(DeviceBlock {
+    fn block(&self, ptr: *mut c_void, bytes: u64) -> DeviceBlock {
+        DeviceBlock {
             rt: self.rt,
             ptr,
             len: bytes,
             charge: charge(bytes, self.malloc),
-        })
+        }
     }
 
     fn malloc_error(&self, code: AclError, requested: u64) -> AscendError {
@@ -699,7 +667,7 @@ impl Memory {
             return self.rt.missing("aclrtMalloc");
         }
         if code.is_out_of_memory() {
-            let info = self.mem_info().unwrap_or(MemInfo { free: 0, total: 0 });
+            let info = mem_info(self.rt, self.kind).unwrap_or(MemInfo { free: 0, total: 0 });
             return AscendError::OutOfMemory {
                 function,
                 code,

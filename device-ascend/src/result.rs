@@ -76,7 +76,7 @@ impl AclError {
     /// The constant's name in `acl_base_rt.h` or `rt_error_codes.h`, for the codes iris meets.
     pub fn name(self) -> Option<&'static str> {
         let code = self.0;
-        let names: [(i32, &str); 24] = [
+        let names: [(i32, &str); 25] = [
             (sys::ACL_ERROR_INVALID_PARAM, "ACL_ERROR_INVALID_PARAM"),
             (sys::ACL_ERROR_UNINITIALIZE, "ACL_ERROR_UNINITIALIZE"),
             (
@@ -104,6 +104,10 @@ impl AclError {
             (
                 rt(sys::ACL_ERROR_RT_CONTEXT_NULL),
                 "ACL_ERROR_RT_CONTEXT_NULL",
+            ),
+            (
+                rt(sys::ACL_ERROR_RT_ADDR_UNALIGNED),
+                "ACL_ERROR_RT_ADDR_UNALIGNED",
             ),
             (
                 rt(sys::ACL_ERROR_RT_FEATURE_NOT_SUPPORT),
@@ -228,6 +232,10 @@ mod tests {
         assert_eq!(
             AclError(100_039).to_string(),
             "ACL_ERROR_COMPILING_STUB_MODE (100039)"
+        );
+        assert_eq!(
+            AclError(107_008).to_string(),
+            "ACL_ERROR_RT_ADDR_UNALIGNED (107008)"
         );
         assert_eq!(AclError(42).to_string(), "aclError 42");
         assert!(AclnnStatus(0).result().is_ok());

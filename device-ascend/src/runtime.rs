@@ -1,20 +1,30 @@
 //! Finding and opening CANN's libraries, once per process: the runtime, the aclnn base and the
 //! op libraries, with `aclInit` called once.
 //!
-//! Search order (CANN's own scripts search the install roots in this order): the `lib64/`
-//! folders of `$ASCEND_INSTALL_PATH`, `$ASCEND_HOME_PATH` and `$ASCEND_TOOLKIT_HOME`, then the
-//! folders of `$LD_LIBRARY_PATH`, then `~/Ascend/cann`, `~/Ascend/ascend-toolkit/latest`,
-//! `/usr/local/Ascend/cann`, `/usr/local/Ascend/ascend-toolkit/latest` and `/opt/Ascend/cann`,
-//! and last the dynamic loader's own search (`ld.so.cache`). The runtime is `libacl_rt.so`,
-//! or `libascendcl.so` on CANN releases before the split; the folder it came from is searched
-//! first for the other libraries.
+//! Search order (CANN's own scripts search the install roots in this order): the install
+//! roots named by `$ASCEND_INSTALL_PATH`, `$ASCEND_HOME_PATH` and `$ASCEND_TOOLKIT_HOME`, and
+//! the root above `$ASCEND_OPP_PATH` (its `opp/` folder; CANN's build scripts take the
+//! package root from it the same way); then the folders of `$LD_LIBRARY_PATH`; then
+//! `~/Ascend/cann`, `~/Ascend/ascend-toolkit/latest`, `/usr/local/Ascend/cann`,
+//! `/usr/local/Ascend/ascend-toolkit/latest` and `/opt/Ascend/cann`; and last the dynamic
+//! loader's own search (`ld.so.cache`). Each root is searched in `lib64/` and in
+//! `<arch>-linux/lib64/` (`aarch64-linux`, `x86_64-linux`), where CANN's toolkit packages put
+//! the real files. The runtime is `libacl_rt.so`, or `libascendcl.so` on CANN releases before
+//! the split; the folder it came from is searched first for the other libraries.
 //!
-//! Ops are resolved one by one (the `aclnn!` macro): in the split
-//! op libraries of CANN 8.5 and later (`libopapi_math.so`, `libopapi_nn.so`,
-//! `libopapi_transformer.so`), then in the single `libopapi.so` of older releases. A missing
-//! op makes that op unsupported, never a failure to load.
+//! Every runtime file found is a candidate, in that order: one that answers `aclInit` with
+//! 100039 (`ACL_ERROR_COMPILING_STUB_MODE`, the SDK's link stubs, which often sit on
+//! `LD_LIBRARY_PATH` before the driver's runtime) is skipped and the search goes on; the
+//! files skipped are reported ([`Runtime::skipped`]) and make the probe's reason when no
+//! real runtime follows.
+//!
+//! Ops are resolved one by one (the `aclnn!` macro): in the split op libraries of CANN 8.5 and
+//! later (`libopapi_math.so`, `libopapi_nn.so`, `libopapi_transformer.so`), then in the single
+//! `libopapi.so` (every op, CANN 7.0 to 8.x; deprecated from 9.0), then in the feature
+//! libraries of CANN 7.x to 8.3 (`libaclnn_ops_infer.so`, `libaclnn_ops_train.so`,
+//! `libaclnn_math.so`, `libaclnn_rand.so`; deprecated from 8.5). A missing op makes that op
+//! unsupported, never a failure to load.
 
-use std::ffi::{CStr, c_char};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -29,12 +39,17 @@ use crate::sys::runtime::AclRuntime;
 pub const RUNTIME_LIBRARIES: [&str; 2] = ["libacl_rt.so", "libascendcl.so"];
 /// The aclnn base library (tensors, scalars, arrays, executors).
 pub const NNOPBASE_LIBRARY: &str = "libnnopbase.so";
-/// Op libraries in resolution order: CANN 8.5's split libraries, then the legacy one.
-pub const OP_LIBRARIES: [&str; 4] = [
+/// Op libraries in resolution order: CANN 8.5's split libraries, the single library of
+/// CANN 7.0 to 8.x, then the feature libraries of CANN 7.x to 8.3.
+pub const OP_LIBRARIES: [&str; 8] = [
     "libopapi_math.so",
     "libopapi_nn.so",
     "libopapi_transformer.so",
     "libopapi.so",
+    "libaclnn_ops_infer.so",
+    "libaclnn_ops_train.so",
+    "libaclnn_math.so",
+    "libaclnn_rand.so",
 ];
 /// Variables naming CANN install roots, searched first, in this order.
 pub const ROOT_ENVS: [&str; 3] = [
@@ -42,6 +57,8 @@ pub const ROOT_ENVS: [&str; 3] = [
     "ASCEND_HOME_PATH",
     "ASCEND_TOOLKIT_HOME",
 ];
+/// The operator package folder (`<root>/opp`) of an install; its parent is an install root.
+pub const OPP_PATH_ENV: &str = "ASCEND_OPP_PATH";
 /// Which physical NPUs the runtime shows, as `CUDA_VISIBLE_DEVICES` does for CUDA. The runtime
 /// itself applies it; iris reports it.
 pub const VISIBLE_DEVICES_ENV: &str = "ASCEND_RT_VISIBLE_DEVICES";
@@ -99,11 +116,19 @@ impl SearchPath {
     pub fn from_env() -> SearchPath {
         let var = |name: &str| std::env::var_os(name).filter(|value| !value.is_empty());
         let home = var("HOME").map(PathBuf::from);
-        let mut dirs: Vec<PathBuf> = Vec::new();
-        for env in ROOT_ENVS {
-            if let Some(root) = var(env) {
-                dirs.push(PathBuf::from(root).join("lib64"));
+        let mut roots: Vec<PathBuf> = ROOT_ENVS
+            .iter()
+            .filter_map(|env| var(env).map(PathBuf::from))
+            .collect();
+        if let Some(opp) = var(OPP_PATH_ENV) {
+            // `<root>/opp` (or `<root>/opp/`): the root is the folder above.
+            if let Some(root) = Path::new(&opp).parent() {
+                roots.push(root.to_path_buf());
             }
+        }
+        let mut dirs: Vec<PathBuf> = Vec::new();
+        for root in &roots {
+            dirs.extend(root_dirs(root));
         }
         if let Some(paths) = var("LD_LIBRARY_PATH") {
             dirs.extend(std::env::split_paths(&paths).filter(|dir| !dir.as_os_str().is_empty()));
@@ -114,7 +139,7 @@ impl SearchPath {
                 (Some(_), None) => continue,
                 (None, _) => PathBuf::from(root),
             };
-            dirs.push(root.join("lib64"));
+            dirs.extend(root_dirs(&root));
         }
         let mut unique: Vec<PathBuf> = Vec::with_capacity(dirs.len());
         for dir in dirs {
@@ -134,6 +159,28 @@ impl SearchPath {
             .join(", ")
     }
 
+    /// Every file of `names` in the folders, `first` (when given) before the path, in search
+    /// order; then the bare names, for the dynamic loader's own search.
+    fn candidates(&self, names: &[&'static str], first: Option<&Path>) -> Vec<Candidate> {
+        let dirs = first
+            .into_iter()
+            .chain(self.dirs.iter().map(PathBuf::as_path));
+        let mut found = Vec::new();
+        for dir in dirs {
+            for name in names {
+                let path = dir.join(name);
+                if path.is_file() {
+                    found.push(Candidate { name, path });
+                }
+            }
+        }
+        found.extend(names.iter().map(|name| Candidate {
+            name,
+            path: PathBuf::from(name),
+        }));
+        found
+    }
+
     /// Opens the first of `names` found, searching `first` (when given) before the path, and
     /// the dynamic loader's own search last. `Ok(None)` when no file exists; `Err` with the
     /// loader's message when one exists but does not open.
@@ -142,28 +189,12 @@ impl SearchPath {
         names: &[&'static str],
         first: Option<&Path>,
     ) -> Result<Option<(libloading::Library, &'static str, PathBuf)>, String> {
-        let dirs = first
-            .into_iter()
-            .chain(self.dirs.iter().map(PathBuf::as_path));
         let mut failures = Vec::new();
-        for dir in dirs {
-            for name in names {
-                let path = dir.join(name);
-                if !path.is_file() {
-                    continue;
-                }
-                // SAFETY: opening a library runs its initialisers; CANN's libraries (and the
-                // emulation) are ordinary shared objects meant to be opened this way.
-                match unsafe { libloading::Library::new(&path) } {
-                    Ok(lib) => return Ok(Some((lib, name, path))),
-                    Err(err) => failures.push(format!("{}: {err}", path.display())),
-                }
-            }
-        }
-        for name in names {
-            // SAFETY: as above; a bare name lets the dynamic loader search ld.so.cache.
-            if let Ok(lib) = unsafe { libloading::Library::new(name) } {
-                return Ok(Some((lib, name, PathBuf::from(name))));
+        for candidate in self.candidates(names, first) {
+            match candidate.open() {
+                Ok(lib) => return Ok(Some((lib, candidate.name, candidate.path))),
+                Err(Some(err)) => failures.push(err),
+                Err(None) => {}
             }
         }
         if failures.is_empty() {
@@ -174,12 +205,59 @@ impl SearchPath {
     }
 }
 
+/// `<root>/lib64` and `<root>/<arch>-linux/lib64`, where CANN's toolkit keeps the files the
+/// `lib64` folder links to.
+fn root_dirs(root: &Path) -> [PathBuf; 2] {
+    [
+        root.join("lib64"),
+        root.join(format!("{}-linux", std::env::consts::ARCH))
+            .join("lib64"),
+    ]
+}
+
+/// A library file to try: a path in a search folder, or a bare name for the dynamic loader.
+struct Candidate {
+    name: &'static str,
+    path: PathBuf,
+}
+
+impl Candidate {
+    /// Whether this is a bare name, left to the dynamic loader's search.
+    fn is_bare(&self) -> bool {
+        self.path.as_os_str() == self.name
+    }
+
+    /// Opens the library. `Err(None)` when a bare name is not on the loader's path (not a
+    /// failure: the file simply is not there); `Err(Some(..))` with the loader's message when
+    /// a file exists but does not open.
+    fn open(&self) -> Result<libloading::Library, Option<String>> {
+        // SAFETY: opening a library runs its initialisers; CANN's libraries (and the
+        // emulation) are ordinary shared objects meant to be opened this way. A bare name
+        // lets the dynamic loader search ld.so.cache.
+        match unsafe { libloading::Library::new(&self.path) } {
+            Ok(lib) => Ok(lib),
+            Err(_) if self.is_bare() => Err(None),
+            Err(err) => Err(Some(format!("{}: {err}", self.path.display()))),
+        }
+    }
+
+    /// The file for messages.
+    fn describe(&self) -> String {
+        if self.is_bare() {
+            format!("{} (on the dynamic loader's path)", self.name)
+        } else {
+            self.path.display().to_string()
+        }
+    }
+}
+
 /// The loaded libraries of this process, `aclInit` done.
 pub struct Runtime {
     acl: Lib<AclRuntime>,
     nnopbase: Result<Lib<NnopBase>, String>,
     ops: Vec<Lib<OpApi>>,
     search: SearchPath,
+    skipped: Vec<String>,
 }
 
 /// Why there is no runtime in this process (the probe's reason).
@@ -199,33 +277,66 @@ impl Runtime {
     }
 
     fn load(search: SearchPath) -> Result<Runtime, NoRuntime> {
-        let (library, name, path) = match search.open(&RUNTIME_LIBRARIES, None) {
-            Ok(Some(found)) => found,
-            Ok(None) => {
-                return Err(NoRuntime(format!(
+        let mut failures = Vec::new();
+        let mut skipped = Vec::new();
+        let mut found = None;
+        for candidate in search.candidates(&RUNTIME_LIBRARIES, None) {
+            let library = match candidate.open() {
+                Ok(library) => library,
+                Err(Some(err)) => {
+                    failures.push(err);
+                    continue;
+                }
+                Err(None) => continue,
+            };
+            // SAFETY: `from_library` only resolves symbols; the library stays open in the table.
+            let api = match unsafe { AclRuntime::from_library(library) } {
+                Ok(api) => api,
+                Err(err) => {
+                    failures.push(format!("{}: {err}", candidate.describe()));
+                    continue;
+                }
+            };
+            let Ok(init) = api.aclInit.as_ref() else {
+                failures.push(format!(
+                    "{} is not an AscendCL runtime: it does not export aclInit",
+                    candidate.describe()
+                ));
+                continue;
+            };
+            // SAFETY: aclInit takes an optional config path; null means none.
+            let code = AclError(unsafe { init(std::ptr::null()) });
+            if code == AclError::STUB_MODE {
+                // The SDK's link stubs: the driver's runtime may come later in the search.
+                skipped.push(candidate.describe());
+                continue;
+            }
+            found = Some((api, candidate, code));
+            break;
+        }
+        let Some((api, candidate, code)) = found else {
+            return Err(NoRuntime(if !skipped.is_empty() {
+                let mut reason = stub_reason(&skipped.join(", "), "aclInit");
+                if !failures.is_empty() {
+                    reason.push_str(&format!("; also could not open {}", failures.join("; ")));
+                }
+                reason
+            } else if !failures.is_empty() {
+                format!("cannot open {}", failures.join("; "))
+            } else {
+                format!(
                     "{} not found in: {} (nor {}, nor on the dynamic loader's path); install CANN or set ASCEND_HOME_PATH",
                     RUNTIME_LIBRARIES[0],
                     search.describe(),
                     RUNTIME_LIBRARIES[1]
-                )));
-            }
-            Err(failures) => return Err(NoRuntime(format!("cannot open {failures}"))),
+                )
+            }));
         };
-        // SAFETY: `from_library` only resolves symbols; the library stays open in the table.
-        let api = unsafe { AclRuntime::from_library(library) }
-            .map_err(|err| NoRuntime(format!("{}: {err}", path.display())))?;
-        let acl = Lib { api, name, path };
-        let init = acl.api.aclInit.as_ref().map_err(|_| {
-            NoRuntime(format!(
-                "{} is not an AscendCL runtime: it does not export aclInit",
-                acl.path.display()
-            ))
-        })?;
-        // SAFETY: aclInit takes an optional config path; null means none.
-        let code = AclError(unsafe { init(std::ptr::null()) });
-        if code == AclError::STUB_MODE {
-            return Err(NoRuntime(stub_reason(&acl.path, "aclInit")));
-        }
+        let acl = Lib {
+            api,
+            name: candidate.name,
+            path: candidate.path,
+        };
         // Another library of this process (torch_npu, a second plugin copy) may have
         // initialised AscendCL already: that is the state we want.
         if code.0 != sys::ACL_SUCCESS && code != AclError::REPEAT_INITIALIZE {
@@ -265,6 +376,7 @@ impl Runtime {
             nnopbase,
             ops,
             search,
+            skipped,
         })
     }
 
@@ -295,6 +407,12 @@ impl Runtime {
             .as_ref()
             .map(|lib| lib.path.as_path())
             .map_err(String::as_str)
+    }
+
+    /// The runtime files skipped before the one loaded: CANN's link stubs (100039 from
+    /// `aclInit`). Empty when the first file found was the runtime.
+    pub fn skipped(&self) -> &[String] {
+        &self.skipped
     }
 
     /// The op libraries found, in resolution order.
@@ -349,29 +467,20 @@ impl Runtime {
     }
 }
 
-/// The probe's reason for stub libraries.
-pub fn stub_reason(path: &Path, function: &str) -> String {
+/// The probe's reason for stub libraries: `files` (one or several, as one line) answered
+/// `function` with 100039.
+pub fn stub_reason(files: &str, function: &str) -> String {
     format!(
-        "CANN stub library: no driver ({} returned ACL_ERROR_COMPILING_STUB_MODE (100039) from {function}; the SDK's link stubs are on the library path instead of the driver's runtime)",
-        path.display()
+        "CANN stub library: no driver ({files} returned ACL_ERROR_COMPILING_STUB_MODE (100039) from {function}; the SDK's link stubs are on the library path instead of the driver's runtime)"
     )
 }
 
 /// `aclGetRecentErrMsg()`, when the runtime has it and it has something to say.
 fn recent_message(acl: &AclRuntime) -> Option<String> {
     let get = acl.aclGetRecentErrMsg.as_ref().ok()?;
-    // SAFETY: returns a thread-local C string owned by the runtime, or null.
-    let ptr: *const c_char = unsafe { get() };
-    if ptr.is_null() {
-        return None;
-    }
-    // SAFETY: non-null, NUL-terminated, valid until the next runtime call on this thread; we
-    // copy it at once.
-    let text = unsafe { CStr::from_ptr(ptr) }
-        .to_string_lossy()
-        .trim()
-        .to_owned();
-    (!text.is_empty()).then_some(text)
+    // SAFETY: returns a thread-local C string owned by the runtime, or null, valid until the
+    // next runtime call on this thread; `text` copies it at once.
+    unsafe { crate::calls::text(get()) }
 }
 
 #[cfg(test)]
@@ -388,11 +497,18 @@ mod tests {
         seen.dedup();
         assert_eq!(seen.len(), path.dirs.len());
         assert!(path.describe().contains("/opt/Ascend/cann/lib64"));
+        // Each root also in its `<arch>-linux/lib64`, right after its `lib64`.
+        let arch = PathBuf::from(format!(
+            "/usr/local/Ascend/cann/{}-linux/lib64",
+            std::env::consts::ARCH
+        ));
+        let at = |dir: &PathBuf| path.dirs.iter().position(|d| d == dir);
+        assert_eq!(at(&arch), at(&defaults).map(|i| i + 1), "{:?}", path.dirs);
     }
 
     #[test]
     fn stub_reason_names_the_code() {
-        let text = stub_reason(Path::new("/x/libacl_rt.so"), "aclInit");
+        let text = stub_reason("/x/libacl_rt.so", "aclInit");
         assert!(text.starts_with("CANN stub library: no driver"), "{text}");
         assert!(text.contains("100039"), "{text}");
     }

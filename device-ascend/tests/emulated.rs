@@ -5,10 +5,12 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{Layout, emulator_stats, isolated, open, plugin, use_install};
+use common::{
+    Layout, emulator_stats, install_in, install_stub, isolated, open, plugin, use_install,
+};
 use iris_plugin::abi::{
     Activation, ActivationArgs, AttentionArgs, BufferHandle, BufferSlice, CopyRegion, DType,
-    ErrorCode, GatherArgs, MatRef, NormArgs, OpKind, RotaryArgs,
+    ErrorCode, FillArgs, GatherArgs, GemmArgs, MatRef, NormArgs, OpKind, RotaryArgs,
 };
 use iris_plugin::conformance;
 use iris_plugin::{Device, DeviceError};
@@ -31,6 +33,26 @@ fn download_f32(device: &Device, buf: BufferHandle, len: usize) -> Vec<f32> {
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect()
+}
+
+/// Attention arguments for a workspace query: one head, one segment (`cu` = `[0, tokens]`),
+/// placeholder handles (a query reads no buffer).
+fn attention_query(dtype: DType, head_dim: u64, cu: &[u32; 2]) -> AttentionArgs<'_> {
+    let tokens = u64::from(cu[1]);
+    let q = MatRef::contiguous(BufferHandle(1), 0, dtype, tokens, head_dim);
+    AttentionArgs {
+        q,
+        k: q,
+        v: q,
+        out: MatRef::contiguous(BufferHandle(2), 0, dtype, tokens, head_dim),
+        heads: 1,
+        head_dim,
+        scale: 0.125,
+        cu_seqlens: cu.as_slice().into(),
+        cu_seqlens_device: MatRef::vector(BufferHandle(3), 0, DType::I32, 2),
+        max_seqlen: tokens,
+        workspace: BufferSlice::EMPTY,
+    }
 }
 
 /// Runs an in-place gelu (tanh) over `values` and returns the device's answer.
@@ -172,22 +194,8 @@ fn an_old_op_library_without_the_transformer_ops_serves_the_rest() {
 
             // Asked for the missing fused attention explicitly: unsupported, naming the op.
             let fused = open(&plugin, 1, &[("attention", "fused")]);
-            let q = MatRef::contiguous(BufferHandle(1), 0, DType::BF16, 4, 64);
-            let cu = [0u32, 4];
             let err = fused
-                .attention_workspace(&AttentionArgs {
-                    q,
-                    k: q,
-                    v: q,
-                    out: MatRef::contiguous(BufferHandle(2), 0, DType::BF16, 4, 64),
-                    heads: 1,
-                    head_dim: 64,
-                    scale: 0.125,
-                    cu_seqlens: cu.as_slice().into(),
-                    cu_seqlens_device: MatRef::vector(BufferHandle(3), 0, DType::I32, 2),
-                    max_seqlen: 4,
-                    workspace: BufferSlice::EMPTY,
-                })
+                .attention_workspace(&attention_query(DType::BF16, 64, &[0, 4]))
                 .expect_err("the fused op is missing");
             assert_eq!(err.code, ErrorCode::UNSUPPORTED);
             assert!(
@@ -244,6 +252,118 @@ fn stub_libraries_mean_no_driver() {
                 probe.reason
             );
             assert!(probe.reason.contains("100039"), "{}", probe.reason);
+        },
+    );
+}
+
+#[test]
+fn a_stub_library_first_on_the_path_is_skipped_and_named() {
+    isolated(
+        "a_stub_library_first_on_the_path_is_skipped_and_named",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            // The stubs' root comes first in the search (ASCEND_INSTALL_PATH), the driver's
+            // runtime second (ASCEND_HOME_PATH).
+            let stubs = install_stub("stubs");
+            let real = use_install(Layout::Split);
+            // SAFETY: as in `use_install`.
+            unsafe { std::env::set_var("ASCEND_INSTALL_PATH", &stubs) };
+            let plugin = plugin();
+            let probe = plugin.probe();
+            assert_eq!(probe.device_count, 2, "{}", probe.reason);
+            let device = open(&plugin, 0, &[]);
+            let desc = device.description();
+            let stub = stubs.join("lib64").join("libacl_rt.so");
+            assert_eq!(
+                desc.property("runtime_skipped"),
+                Some(stub.display().to_string().as_str())
+            );
+            assert_eq!(
+                desc.property("runtime_library"),
+                Some(
+                    real.join("lib64")
+                        .join("libacl_rt.so")
+                        .display()
+                        .to_string()
+                        .as_str()
+                )
+            );
+            let got = gelu_tanh(&device, &[1.0]).expect("gelu");
+            assert!((got[0] - 0.841_192).abs() < 1e-5, "{got:?}");
+        },
+    );
+    // Only stubs: the reason names every file skipped.
+    isolated(
+        "a_stub_library_first_on_the_path_is_skipped_and_named",
+        &[],
+        || {
+            let stubs = install_stub("stubs");
+            // SAFETY: as in `use_install`.
+            unsafe { std::env::set_var("ASCEND_HOME_PATH", &stubs) };
+            let probe = plugin().probe();
+            assert_eq!(probe.device_count, 0);
+            assert!(
+                probe.reason.starts_with("CANN stub library: no driver"),
+                "{}",
+                probe.reason
+            );
+            let stub = stubs.join("lib64").join("libacl_rt.so");
+            assert!(
+                probe.reason.contains(&stub.display().to_string()),
+                "{}",
+                probe.reason
+            );
+        },
+    );
+}
+
+#[test]
+fn the_feature_op_libraries_of_older_cann_serve_every_op() {
+    isolated(
+        "the_feature_op_libraries_of_older_cann_serve_every_op",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::FeatureLibraries);
+            let device = open(&plugin(), 0, &[]);
+            let desc = device.description();
+            assert_eq!(desc.property("aclnn_missing"), Some("none"));
+            assert!(
+                desc.property("aclnn_sources")
+                    .is_some_and(|s| s.starts_with("libaclnn_ops_infer.so: Matmul")),
+                "{:?}",
+                desc.property("aclnn_sources")
+            );
+            let got = gelu_tanh(&device, &[1.0]).expect("gelu");
+            assert!((got[0] - 0.841_192).abs() < 1e-5, "{got:?}");
+        },
+    );
+}
+
+#[test]
+fn the_arch_folder_and_the_opp_path_lead_to_the_runtime() {
+    let arch = format!("{}-linux/lib64", std::env::consts::ARCH);
+    // `<root>/<arch>-linux/lib64` only, as CANN's toolkit package lays the files out.
+    isolated(
+        "the_arch_folder_and_the_opp_path_lead_to_the_runtime",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            let root = install_in("arch", Layout::Split, &arch);
+            // SAFETY: as in `use_install`.
+            unsafe { std::env::set_var("ASCEND_HOME_PATH", &root) };
+            let probe = plugin().probe();
+            assert_eq!(probe.device_count, 2, "{}", probe.reason);
+        },
+    );
+    // Only `ASCEND_OPP_PATH` (`<root>/opp`) names the install.
+    isolated(
+        "the_arch_folder_and_the_opp_path_lead_to_the_runtime",
+        &[("ASCEND_EMU_DEVICES", "1")],
+        || {
+            let root = install_in("opp", Layout::Split, "lib64");
+            // SAFETY: as in `use_install`.
+            unsafe { std::env::set_var("ASCEND_OPP_PATH", root.join("opp")) };
+            let probe = plugin().probe();
+            assert_eq!(probe.device_count, 1, "{}", probe.reason);
         },
     );
 }
@@ -869,22 +989,249 @@ fn the_310p_has_no_bf16_or_layer_norm_and_reports_ddr() {
             // f16 works, and f32 attention runs composed with cubeMathType 1.
             let got = gelu_tanh(&device, &[1.0]).expect("gelu");
             assert!((got[0] - 0.841_192).abs() < 1e-5);
-            let q = MatRef::contiguous(BufferHandle(1), 0, DType::F32, 3, 8);
-            let cu = [0u32, 3];
-            let attention = AttentionArgs {
-                q,
-                k: q,
-                v: q,
-                out: MatRef::contiguous(BufferHandle(2), 0, DType::F32, 3, 8),
-                heads: 1,
-                head_dim: 8,
-                scale: 0.25,
-                cu_seqlens: cu.as_slice().into(),
-                cu_seqlens_device: MatRef::vector(BufferHandle(3), 0, DType::I32, 2),
-                max_seqlen: 3,
-                workspace: BufferSlice::EMPTY,
-            };
+            let attention = attention_query(DType::F32, 8, &[0, 3]);
             assert!(device.attention_workspace(&attention).expect("attention") > 0);
         },
     );
+}
+
+#[test]
+fn mem_info_shows_a_free_once_its_queued_work_is_done() {
+    isolated(
+        "mem_info_shows_a_free_once_its_queued_work_is_done",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            device.synchronize().expect("synchronize");
+            let baseline = device.mem_info().expect("mem_info").free;
+            let buf = device.alloc(64 << 20).expect("alloc");
+            device.write(buf, 0, &[1u8; 4096]).expect("write");
+            assert!(device.mem_info().expect("mem_info").free < baseline);
+            device.free(buf).expect("free");
+            // No synchronisation: the free is queue-ordered, and once the queue has run the
+            // figures must show it without one.
+            let mut free = 0;
+            for _ in 0..500 {
+                free = device.mem_info().expect("mem_info").free;
+                if free == baseline {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            assert_eq!(free, baseline, "the freed block still counts as used");
+        },
+    );
+}
+
+#[test]
+fn a_pattern_fill_takes_no_device_memory_outside_the_allocator() {
+    isolated(
+        "a_pattern_fill_takes_no_device_memory_outside_the_allocator",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let buf = device.alloc(4096).expect("alloc");
+            device
+                .fill(&FillArgs {
+                    dst: BufferSlice {
+                        buf,
+                        offset: 0,
+                        bytes: 4096,
+                    },
+                    value: 0,
+                    width: 4,
+                })
+                .expect("zero fill");
+            let mallocs = emulator_stats(0).mallocs;
+            // f16 1.0 (0x3c00): not one repeated byte, so no memset can write it.
+            device
+                .fill(&FillArgs {
+                    dst: BufferSlice {
+                        buf,
+                        offset: 2,
+                        bytes: 4092,
+                    },
+                    value: 0x3c00,
+                    width: 2,
+                })
+                .expect("pattern fill");
+            device.synchronize().expect("synchronize");
+            assert_eq!(
+                emulator_stats(0).mallocs,
+                mallocs,
+                "fill allocated device memory"
+            );
+            let mut bytes = vec![0u8; 4096];
+            device.read(buf, 0, &mut bytes).expect("read");
+            assert_eq!(&bytes[..2], &[0, 0]);
+            assert!(bytes[2..4094].chunks_exact(2).all(|h| h == [0x00, 0x3c]));
+            assert_eq!(&bytes[4094..], &[0, 0]);
+            device.free(buf).expect("free");
+        },
+    );
+}
+
+#[test]
+fn the_runtime_version_is_the_cann_release() {
+    isolated(
+        "the_runtime_version_is_the_cann_release",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let desc = device.description();
+            // aclsysGetCANNVersion's release, not aclrtGetVersion's AscendCL API version.
+            assert_eq!(desc.property("runtime_version"), Some("8.5.0"));
+            assert_eq!(desc.property("acl_api_version"), Some("1.0.0"));
+        },
+    );
+}
+
+#[test]
+fn parts_other_than_a2_and_a3_get_the_conservative_rules() {
+    for soc in ["Ascend910ProB", "Ascend310B1"] {
+        isolated(
+            "parts_other_than_a2_and_a3_get_the_conservative_rules",
+            &[("ASCEND_EMU_SOC", soc), ("ASCEND_EMU_HBM", HBM)],
+            || {
+                use_install(Layout::Split);
+                let device = open(&plugin(), 0, &[]);
+                let desc = device.description();
+                // BF16 is documented for A2 and A3 only; f32 matmuls run with cubeMathType 1,
+                // the only mode these parts accept for f32; attention and rotary composed.
+                assert!(!desc.dtypes.contains(&DType::BF16), "{:?}", desc.dtypes);
+                // An f32 matmul runs (computed in f16 there, so checked to f16's precision).
+                const M: usize = 2;
+                const K: usize = 8;
+                const N: usize = 3;
+                let a: Vec<f32> = (0..M * K).map(|i| (i as f32) * 0.125 - 0.5).collect();
+                let w: Vec<f32> = (0..N * K).map(|i| 0.25 - (i as f32) * 0.0625).collect();
+                let (a_buf, w_buf) = (upload_f32(&device, &a), upload_f32(&device, &w));
+                let out = device.alloc((M * N * 4) as u64).expect("alloc");
+                let mut args = GemmArgs {
+                    a: MatRef::contiguous(a_buf, 0, DType::F32, M as u64, K as u64),
+                    w: MatRef::contiguous(w_buf, 0, DType::F32, N as u64, K as u64),
+                    bias: MatRef::NONE,
+                    out: MatRef::contiguous(out, 0, DType::F32, M as u64, N as u64),
+                    activation: Activation::NONE,
+                    accumulate: false,
+                    w_transposed: false,
+                    w_constant: false,
+                    workspace: BufferSlice::EMPTY,
+                };
+                let bytes = device.gemm_workspace(&args).expect("f32 gemm on this part");
+                let ws = device.alloc(bytes.max(1)).expect("alloc");
+                args.workspace = BufferSlice {
+                    buf: ws,
+                    offset: 0,
+                    bytes,
+                };
+                device.gemm(&args).expect("f32 gemm");
+                let got = download_f32(&device, out, M * N);
+                for row in 0..M {
+                    for col in 0..N {
+                        let want: f32 = (0..K).map(|i| a[row * K + i] * w[col * K + i]).sum();
+                        let err = (got[row * N + col] - want).abs();
+                        assert!(err <= 1e-2 * (1.0 + want.abs()), "{got:?}");
+                    }
+                }
+                for buf in [a_buf, w_buf, out, ws] {
+                    device.free(buf).expect("free");
+                }
+                // Attention and rotary compose from basic ops.
+                let attention = attention_query(DType::F16, 64, &[0, 4]);
+                assert!(device.attention_workspace(&attention).expect("attention") > 0);
+                let got = gelu_tanh(&device, &[1.0]).expect("gelu");
+                assert!((got[0] - 0.841_192).abs() < 1e-5, "{got:?}");
+            },
+        );
+    }
+}
+
+#[test]
+fn the_a3_runs_the_fused_attention() {
+    // Every call of the fused op fails at launch: a conformance check meets it only when the
+    // plugin chose the fused op.
+    isolated(
+        "the_a3_runs_the_fused_attention",
+        &[
+            ("ASCEND_EMU_SOC", "Ascend910_9392"),
+            ("ASCEND_EMU_HBM", HBM),
+            ("ASCEND_EMU_FAIL_OP", "aclnnFlashAttentionVarLenScore"),
+            ("ASCEND_EMU_FAIL_OP_WHEN", "launch"),
+        ],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let report = conformance::run(device.plugin(), &device);
+            let fused: Vec<String> = report
+                .failures()
+                .map(|check| format!("{}: {}", check.name, check.status))
+                .filter(|text| text.contains("aclnnFlashAttentionVarLenScore"))
+                .collect();
+            assert!(!fused.is_empty(), "{:?}", report.checks);
+        },
+    );
+    isolated(
+        "the_a3_runs_the_fused_attention",
+        &[
+            ("ASCEND_EMU_SOC", "Ascend910_9392"),
+            ("ASCEND_EMU_HBM", HBM),
+        ],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            assert!(device.description().dtypes.contains(&DType::BF16));
+            assert_conformance(&device);
+        },
+    );
+}
+
+#[test]
+fn no_executor_or_descriptor_outlives_a_failed_call() {
+    let faults: [&[(&str, &str)]; 4] = [
+        &[
+            ("ASCEND_EMU_FAIL_OP", "aclnnGelu"),
+            ("ASCEND_EMU_FAIL_OP_WHEN", "launch"),
+        ],
+        &[("ASCEND_EMU_FAIL_OP", "aclnnGelu")],
+        &[
+            ("ASCEND_EMU_PANIC_OP", "aclnnGelu"),
+            ("ASCEND_EMU_PANIC_OP_WHEN", "phase1"),
+        ],
+        &[("ASCEND_EMU_PANIC_OP", "aclnnGelu")],
+    ];
+    for fault in faults {
+        let mut env = fault.to_vec();
+        env.push(("ASCEND_EMU_HBM", HBM));
+        isolated(
+            "no_executor_or_descriptor_outlives_a_failed_call",
+            &env,
+            || {
+                use_install(Layout::Split);
+                {
+                    let device = open(&plugin(), 0, &[]);
+                    gelu_tanh(&device, &[1.0]).expect_err("the injected fault");
+                    let got = gelu_tanh(&device, &[1.0]).expect("the next call");
+                    assert!((got[0] - 0.841_192).abs() < 1e-5, "{got:?}");
+                    // Every executor was run, or released after its first phase, and every
+                    // descriptor destroyed, while the device is still open.
+                    let stats = emulator_stats(0);
+                    assert_eq!(
+                        (
+                            stats.executors,
+                            stats.tensors,
+                            stats.scalars,
+                            stats.int_arrays
+                        ),
+                        (0, 0, 0, 0),
+                        "{stats:?}"
+                    );
+                }
+                assert_released(emulator_stats(0));
+            },
+        );
+    }
 }

@@ -4,8 +4,8 @@
 //! |---|---|---|
 //! | `ASCEND_EMU_DEVICES` | physical NPUs | 2 |
 //! | `ASCEND_EMU_HBM` | memory per NPU (bytes, or with `KiB`..`TiB`) | 16 GiB |
-//! | `ASCEND_EMU_SOC` | `aclrtGetSocName()`; `Ascend310P*` emulates an inference card (DDR, no BF16, no LayerNorm, rotary or fused attention, f32 matmul only with `cubeMathType` 1) | `Ascend910B3` |
-//! | `ASCEND_EMU_STUB` | `1`: behave as CANN's link stubs (every call returns 100039) | off |
+//! | `ASCEND_EMU_SOC` | `aclrtGetSocName()`; only Atlas A2 and A3 parts (`Ascend910B*`, `Ascend910_93*`) have BF16, the fused attention and rotary ops, and f32 matmul with `cubeMathType` 0; every other part (`Ascend910ProB`, `Ascend310B1`, ...) refuses them, as the op documentation lists them; `Ascend310P*` also has DDR memory and no LayerNorm | `Ascend910B3` |
+//! | `ASCEND_EMU_STUB` | `1`: behave as CANN's link stubs (every call returns 100039); a folder: only a copy of the library loaded from a file in that folder does (so one install can hold stubs before the real runtime) | off |
 //! | `ASCEND_EMU_INIT_ERROR` | `aclInit` returns this code (100002 still initialises, as a second `aclInit` does) | 0 |
 //! | `ASCEND_EMU_FAIL_MALLOC_AT` | the N-th device allocation (`aclrtMalloc` or `aclrtMallocAlign32`) of the process fails with 207001 | off |
 //! | `ASCEND_EMU_NO_MALLOC_ALIGN32` | `1`: `aclrtMallocAlign32` answers 207000 (not supported), as on a runtime without it | off |
@@ -65,6 +65,12 @@ pub struct Config {
 }
 
 impl Config {
+    /// Whether the SoC is an Atlas A2 or A3 part, the only ones the op documentation gives
+    /// BF16, the fused transformer ops and f32 matmul in f32.
+    pub fn is_a2_a3(&self) -> bool {
+        self.soc.starts_with("Ascend910B") || self.soc.starts_with("Ascend910_93")
+    }
+
     /// Whether the SoC is an Atlas inference (310P) part.
     pub fn is_310p(&self) -> bool {
         self.soc.starts_with("Ascend310P")
@@ -90,7 +96,7 @@ pub fn get() -> &'static Config {
                 .and_then(|v| parse_bytes(&v))
                 .unwrap_or(DEFAULT_HBM),
             soc: var("ASCEND_EMU_SOC").unwrap_or_else(|| DEFAULT_SOC.to_owned()),
-            stub: var("ASCEND_EMU_STUB").is_some_and(|v| v.trim() == "1"),
+            stub: var("ASCEND_EMU_STUB").is_some_and(|v| is_stub(v.trim())),
             init_error: var("ASCEND_EMU_INIT_ERROR")
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(0),
@@ -115,6 +121,43 @@ pub fn get() -> &'static Config {
             stats_at_exit: var("ASCEND_EMU_STATS_AT_EXIT").is_some_and(|v| v.trim() == "1"),
         }
     })
+}
+
+/// Whether this copy of the library is a stub: `1` always; a folder when the file this copy
+/// was loaded from lies in it (a copy, not a link: the dynamic loader shares one copy among
+/// links to the same file).
+fn is_stub(setting: &str) -> bool {
+    if setting == "1" {
+        return true;
+    }
+    let Some(loaded) = own_file() else {
+        return false;
+    };
+    let canonical = |path: &std::path::Path| std::fs::canonicalize(path).ok();
+    match (
+        canonical(std::path::Path::new(setting)),
+        loaded.parent().and_then(canonical),
+    ) {
+        (Some(folder), Some(dir)) => folder == dir,
+        _ => false,
+    }
+}
+
+/// The file this code was loaded from, as the dynamic loader names it.
+fn own_file() -> Option<std::path::PathBuf> {
+    // SAFETY: `Dl_info` is plain data (pointers and integers): all zeros is a valid value.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    let address = is_stub as *const libc::c_void;
+    // SAFETY: `address` is code of this library; `info` is a valid out-pointer.
+    if unsafe { libc::dladdr(address, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: non-null, NUL-terminated, owned by the loader while the library is loaded.
+    let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+    use std::os::unix::ffi::OsStrExt;
+    Some(std::path::PathBuf::from(std::ffi::OsStr::from_bytes(
+        name.to_bytes(),
+    )))
 }
 
 /// Bytes with an optional binary or decimal unit: `4096`, `8GiB`, `512 MiB`, `2GB`.

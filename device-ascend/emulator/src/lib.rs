@@ -56,6 +56,8 @@ pub struct EmuStats {
     pub first_phases: u64,
     /// Events created so far.
     pub events_created: u64,
+    /// Device allocations (`aclrtMalloc`, `aclrtMallocAlign32`) asked for so far, on any NPU.
+    pub mallocs: u64,
 }
 
 /// The emulation's counters, for physical NPU `device`.
@@ -73,6 +75,7 @@ pub fn stats(device: usize) -> EmuStats {
         pinned_bytes: runtime::pinned_bytes(),
         first_phases: ops::first_phases(),
         events_created: runtime::events_created(),
+        mallocs: runtime::mallocs(),
     }
 }
 
@@ -105,6 +108,11 @@ macro_rules! export_runtime {
             patch: *mut i32,
         ) -> i32 {
             $crate::runtime::get_version(major, minor, patch)
+        }
+        /// `aclsysGetCANNVersion`.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn aclsysGetCANNVersion(name: u32, version: *mut c_char) -> i32 {
+            $crate::runtime::cann_version(name, version)
         }
         /// `aclrtGetSocName`.
         #[unsafe(no_mangle)]

@@ -1,12 +1,16 @@
 //! The aclnn operators: first phases that check their arguments as the documentation states
 //! and build an executor, and one launch that enqueues an executor's kernel on a stream.
 //!
-//! Emulated: the two-phase protocol (an executor runs once and is then gone; an abandoned
-//! one is released with `aclSetAclOpExecutorRepeatable` + `aclDestroyAclOpExecutor`), the
-//! workspace contract (the matmul family and the fused attention ask for scratch, which the
-//! kernel overwrites, and a smaller workspace is refused), dtype and shape rules, the 310P's
-//! missing kernels and its `cubeMathType` rule, f32 accumulation with results rounded to the
-//! output dtype, and checks that every device address a kernel touches is live when it runs.
+//! Emulated: the two-phase protocol (an executor not made repeatable is gone after its launch,
+//! whether the launch succeeds or fails; an abandoned one is released with
+//! `aclSetAclOpExecutorRepeatable` + `aclDestroyAclOpExecutor`; executors neither run nor
+//! destroyed are counted, [`crate::EmuStats::executors`]), the workspace contract (the matmul
+//! family, the fill and the fused attention ask for scratch, which the kernel overwrites, and
+//! a smaller workspace is refused), dtype and shape rules, the SoC families' missing kernels
+//! and `cubeMathType` rule, f32 accumulation with results rounded to the output dtype, and
+//! checks of every operand's storage against live memory: at launch (a launch whose operand
+//! lies outside a live allocation of the stream's NPU is refused with 161002) and again when
+//! the kernel runs (507053, a task fault).
 //! Not emulated: tiling, kernel-level precision differences (HF32, fp16 accumulation),
 //! formats other than ND, and performance.
 
@@ -27,6 +31,9 @@ use crate::tensor::{
 
 /// Scratch the matmul family asks for.
 pub const MATMUL_WORKSPACE: u64 = 32 << 10;
+/// Scratch the fill asks for: aclnn lets every op ask for a workspace, and a caller must not
+/// count on a fill needing none.
+pub const FILL_WORKSPACE: u64 = 512;
 /// Scratch the fused attention asks for.
 pub const ATTENTION_WORKSPACE: u64 = 64 << 10;
 /// What the emulated kernels write over their workspace, so that a caller keeping data there
@@ -48,6 +55,15 @@ pub struct Executor {
     pub workspace: u64,
     kernel: Option<Kernel>,
     repeatable: bool,
+    /// Device bytes `(address, length)` of every tensor the first phase was given, checked
+    /// against live memory at launch.
+    operands: Vec<(usize, u64)>,
+}
+
+std::thread_local! {
+    /// The storages of the tensors a first phase on this thread has read so far.
+    static OPERANDS: std::cell::RefCell<Vec<(usize, u64)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 extern "C" fn destroy_executor(ptr: *mut Executor) {
@@ -84,8 +100,10 @@ pub unsafe fn phase1(
         {
             panic!("injected panic in {name}GetWorkspaceSize");
         }
+        OPERANDS.with(|seen| seen.borrow_mut().clear());
         build()
     }));
+    let operands = OPERANDS.with(|seen| std::mem::take(&mut *seen.borrow_mut()));
     match built {
         Ok(Ok((workspace, kernel))) => {
             EXECUTORS.fetch_add(1, Ordering::SeqCst);
@@ -96,6 +114,7 @@ pub unsafe fn phase1(
                 workspace,
                 kernel: Some(kernel),
                 repeatable: false,
+                operands,
             }));
             // SAFETY: both out-pointers are non-null (checked above).
             unsafe {
@@ -200,7 +219,55 @@ fn count(counters: &Mutex<Option<HashMap<&'static str, u64>>>, name: &'static st
     *counter
 }
 
-/// The second phase of every op: checks the workspace and enqueues the kernel.
+/// A launch's checks: the executor's op, the workspace, the stream, and every operand's
+/// storage against live memory. The kernel to run and the stream, or why not.
+fn check_launch<'a>(
+    name: &'static str,
+    workspace: *mut std::ffi::c_void,
+    size: u64,
+    e: &mut Executor,
+    stream: *mut std::ffi::c_void,
+) -> Result<(Kernel, &'a crate::runtime::Stream), EmuError> {
+    if e.name != name {
+        return Err(EmuError::new(
+            codes::ACLNN_PARAM_INVALID,
+            format!(
+                "{name}: the executor was made by {}GetWorkspaceSize",
+                e.name
+            ),
+        ));
+    }
+    if size < e.workspace || (e.workspace > 0 && workspace.is_null()) {
+        return Err(EmuError::new(
+            codes::ACLNN_PARAM_INVALID,
+            format!(
+                "{name}: workspace of {size} bytes at {workspace:p}, {} needed",
+                e.workspace
+            ),
+        ));
+    }
+    let s = stream_ref(stream)?;
+    // Every operand's storage must lie inside one live allocation of the stream's NPU when
+    // the op is launched: a descriptor left pointing at freed memory, at a placeholder smaller
+    // than its storage, or at another NPU's memory would have the kernel read and write memory
+    // it does not own.
+    for (index, (start, len)) in e.operands.iter().enumerate() {
+        s.inner
+            .device
+            .check(&format!("{name}: operand {index}"), *start, *len)
+            .map_err(|err| EmuError::new(codes::ACLNN_PARAM_INVALID, err.message))?;
+    }
+    let Some(kernel) = e.kernel.take() else {
+        return Err(EmuError::new(
+            codes::ACLNN_PARAM_INVALID,
+            format!("{name}: the executor already ran"),
+        ));
+    };
+    Ok((kernel, s))
+}
+
+/// The second phase of every op: checks the executor, workspace and operands, and enqueues
+/// the kernel.
 pub fn launch(
     name: &'static str,
     workspace: *mut std::ffi::c_void,
@@ -214,34 +281,14 @@ pub fn launch(
     }
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let e = executor_ref(executor)?;
-        if e.name != name {
-            return Err(EmuError::new(
-                codes::ACLNN_PARAM_INVALID,
-                format!(
-                    "{name}: the executor was made by {}GetWorkspaceSize",
-                    e.name
-                ),
-            ));
+        let (repeatable, destroy) = (e.repeatable, e.destroy);
+        let checked = check_launch(name, workspace, size, e, stream);
+        // aclDestroyAclOpExecutor's documentation: an executor not made repeatable is
+        // destroyed by its second phase; a launch that fails consumes it too.
+        if !repeatable {
+            destroy(executor);
         }
-        if size < e.workspace || (e.workspace > 0 && workspace.is_null()) {
-            return Err(EmuError::new(
-                codes::ACLNN_PARAM_INVALID,
-                format!(
-                    "{name}: workspace of {size} bytes at {workspace:p}, {} needed",
-                    e.workspace
-                ),
-            ));
-        }
-        let s = stream_ref(stream)?;
-        let Some(kernel) = e.kernel.take() else {
-            return Err(EmuError::new(
-                codes::ACLNN_PARAM_INVALID,
-                format!("{name}: the executor already ran"),
-            ));
-        };
-        if !e.repeatable {
-            (e.destroy)(executor);
-        }
+        let (kernel, s) = checked?;
         let run = count(&RUNS, name);
         let fail = match &cfg.fail_op {
             Some((op, at, when)) if op == name && *at == run => Some(*when),
@@ -314,7 +361,9 @@ fn invalid(message: impl Into<String>) -> EmuError {
 /// `t` is null or a tensor handle.
 unsafe fn view(t: *const Tensor) -> Result<View, EmuError> {
     // SAFETY: caller's contract.
-    unsafe { tensor_ref(t) }.map(Tensor::view)
+    let view = unsafe { tensor_ref(t) }.map(Tensor::view)?;
+    OPERANDS.with(|seen| seen.borrow_mut().push(view.storage_bytes()));
+    Ok(view)
 }
 
 /// An optional tensor's view.
@@ -323,7 +372,11 @@ unsafe fn view(t: *const Tensor) -> Result<View, EmuError> {
 /// As for [`view`].
 unsafe fn optional(t: *const Tensor) -> Result<Option<View>, EmuError> {
     // SAFETY: caller's contract.
-    Ok(unsafe { optional_tensor(t) }?.map(Tensor::view))
+    let view = unsafe { optional_tensor(t) }?.map(Tensor::view);
+    if let Some(view) = &view {
+        OPERANDS.with(|seen| seen.borrow_mut().push(view.storage_bytes()));
+    }
+    Ok(view)
 }
 
 /// # Safety
@@ -384,6 +437,29 @@ fn no_310p(op: &str) -> Result<(), EmuError> {
     }
 }
 
+/// The fused transformer ops: Atlas A2 and A3 only, per their documentation.
+fn a2_a3_only(op: &str) -> Result<(), EmuError> {
+    if config::get().is_a2_a3() {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "{op} has no kernel on {} (Atlas A2 and A3 only)",
+            config::get().soc
+        )))
+    }
+}
+
+/// BFLOAT16 exists on Atlas A2 and A3 only.
+fn bf16_ok(op: &str, dtypes: &[Dtype]) -> Result<(), EmuError> {
+    if dtypes.contains(&Dtype::Bf16) && !config::get().is_a2_a3() {
+        return Err(invalid(format!(
+            "{op}: BFLOAT16 is not supported on {}",
+            config::get().soc
+        )));
+    }
+    Ok(())
+}
+
 /// Checks every view's storage against live memory, when the kernel runs.
 fn live(dev: &Device, name: &str, views: &[&View]) -> Result<(), EmuError> {
     for v in views {
@@ -418,22 +494,19 @@ fn map_kernel(
 // ---------------------------------------------------------------------------------------------
 
 fn check_cube(op: &str, dtype: Dtype, cube: i8) -> Result<bool, EmuError> {
-    let is_310p = config::get().is_310p();
-    if is_310p && dtype == Dtype::Bf16 {
+    let down = !config::get().is_a2_a3();
+    bf16_ok(op, &[dtype])?;
+    if down && dtype == Dtype::F32 && cube == 0 {
         return Err(invalid(format!(
-            "{op}: BFLOAT16 is not supported on the 310P"
-        )));
-    }
-    if is_310p && dtype == Dtype::F32 && cube == 0 {
-        return Err(invalid(format!(
-            "{op}: FLOAT32 needs cubeMathType 1 (ALLOW_FP32_DOWN_PRECISION) on the 310P"
+            "{op}: FLOAT32 needs cubeMathType 1 (ALLOW_FP32_DOWN_PRECISION) on {}",
+            config::get().soc
         )));
     }
     if !(0..=4).contains(&cube) {
         return Err(invalid(format!("{op}: cubeMathType {cube}")));
     }
-    // On the 310P, f32 inputs are computed in f16.
-    Ok(is_310p && dtype == Dtype::F32)
+    // Outside A2 and A3, f32 inputs are computed in f16.
+    Ok(down && dtype == Dtype::F32)
 }
 
 /// Batched product of `[.., m, k]` by `[.., k, n]` into `[.., m, n]` with batch broadcasting.
@@ -747,11 +820,7 @@ pub unsafe fn rms_norm(
         same_dtype(&x, &gamma, "gamma")?;
         same_dtype(&x, &y, "yOut")?;
         same_shape(&x, &y, "yOut")?;
-        if config::get().is_310p() && x.dtype == Dtype::Bf16 {
-            return Err(invalid(
-                "aclnnRmsNorm: BFLOAT16 is not supported on the 310P",
-            ));
-        }
+        bf16_ok("aclnnRmsNorm", &[x.dtype])?;
         if rstd.dtype != Dtype::F32 {
             return Err(invalid("aclnnRmsNorm: rstdOut must be FLOAT32"));
         }
@@ -1072,9 +1141,7 @@ pub unsafe fn cast(
                 "aclnnCast: dtype {dtype} differs from out's"
             )));
         }
-        if config::get().is_310p() && (src.dtype == Dtype::Bf16 || out.dtype == Dtype::Bf16) {
-            return Err(invalid("aclnnCast: BFLOAT16 is not supported on the 310P"));
-        }
+        bf16_ok("aclnnCast", &[src.dtype, out.dtype])?;
         same_shape(&src, &out, "out")?;
         Ok((
             0,
@@ -1150,7 +1217,7 @@ pub unsafe fn inplace_fill_scalar(
             }
             Ok(())
         });
-        Ok((0, kernel))
+        Ok((FILL_WORKSPACE, kernel))
     })
 }
 
@@ -1299,7 +1366,7 @@ pub unsafe fn flash_attention_var_len(
     ex: *mut *mut Executor,
 ) -> i32 {
     first_phase("aclnnFlashAttentionVarLenScore", ws, ex, || {
-        no_310p("aclnnFlashAttentionVarLenScore")?;
+        a2_a3_only("aclnnFlashAttentionVarLenScore")?;
         if [real_shift, drop_mask, padding_mask, atten_mask, softmax_out]
             .iter()
             .any(|t| !t.is_null())
@@ -1444,7 +1511,7 @@ pub unsafe fn rotary_position_embedding(
     ex: *mut *mut Executor,
 ) -> i32 {
     first_phase("aclnnRotaryPositionEmbedding", ws, ex, || {
-        no_310p("aclnnRotaryPositionEmbedding")?;
+        a2_a3_only("aclnnRotaryPositionEmbedding")?;
         // SAFETY: handles from this emulation.
         let (x, cos, sin, out) = unsafe { (view(x)?, view(cos)?, view(sin)?, view(out)?) };
         float(&x, "x")?;
@@ -1499,4 +1566,65 @@ pub unsafe fn rotary_position_embedding(
             ),
         ))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::{CStr, c_void};
+    use std::ptr::null_mut;
+
+    use super::*;
+    use crate::runtime;
+    use crate::tensor::{create_tensor, destroy_tensor};
+
+    #[test]
+    fn a_launch_whose_operand_was_freed_is_refused_and_consumes_its_executor() {
+        let init = runtime::init();
+        assert!(init == codes::SUCCESS || init == codes::REPEAT_INITIALIZE);
+        assert_eq!(runtime::set_device(0), codes::SUCCESS);
+        let mut stream: *mut c_void = null_mut();
+        assert_eq!(runtime::create_stream(&mut stream), codes::SUCCESS);
+        let (mut src, mut dst): (*mut c_void, *mut c_void) = (null_mut(), null_mut());
+        assert_eq!(runtime::malloc(&mut src, 64, 0), codes::SUCCESS);
+        assert_eq!(runtime::malloc(&mut dst, 64, 0), codes::SUCCESS);
+        let (dims, strides) = ([16i64], [1i64]);
+        // SAFETY: one dimension, stride and storage dimension each; ACL_FLOAT (0); 64 bytes.
+        let tensor = |data| unsafe {
+            create_tensor(
+                dims.as_ptr(),
+                1,
+                0,
+                strides.as_ptr(),
+                0,
+                dims.as_ptr(),
+                1,
+                data,
+            )
+        };
+        let (src_t, dst_t) = (tensor(src), tensor(dst));
+        assert!(!src_t.is_null() && !dst_t.is_null());
+        let live = EXECUTORS.load(Ordering::SeqCst);
+        let (mut ws, mut executor) = (0u64, null_mut());
+        // SAFETY: live tensors of this emulation and valid out-pointers.
+        let code = unsafe { inplace_copy(dst_t, src_t, &mut ws, &mut executor) };
+        assert_eq!(code, codes::SUCCESS);
+        // The source is freed between the two phases: the launch must not read it.
+        assert_eq!(runtime::free(src), codes::SUCCESS);
+        let code = launch("aclnnInplaceCopy", null_mut(), ws, executor, stream);
+        assert_eq!(code, codes::ACLNN_PARAM_INVALID);
+        // SAFETY: the message the failed call just set on this thread.
+        let message = unsafe { CStr::from_ptr(crate::error::recent()) }.to_string_lossy();
+        assert!(message.contains("operand 1"), "{message}");
+        // The failed launch consumed the executor, as a launch does.
+        assert_eq!(EXECUTORS.load(Ordering::SeqCst), live);
+        // SAFETY: tensors of this emulation, destroyed once.
+        unsafe {
+            destroy_tensor(src_t);
+            destroy_tensor(dst_t);
+        }
+        assert_eq!(runtime::free(dst), codes::SUCCESS);
+        assert_eq!(runtime::synchronize_stream(stream), codes::SUCCESS);
+        assert_eq!(runtime::destroy_stream(stream), codes::SUCCESS);
+        assert_eq!(runtime::reset_device(0), codes::SUCCESS);
+    }
 }

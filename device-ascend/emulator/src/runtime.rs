@@ -130,6 +130,11 @@ pub fn events_created() -> u64 {
     EVENTS_CREATED.load(Ordering::SeqCst)
 }
 static MALLOCS: AtomicU64 = AtomicU64::new(0);
+
+/// Device allocations asked for so far.
+pub fn mallocs() -> u64 {
+    MALLOCS.load(Ordering::SeqCst)
+}
 static PINNED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 
 thread_local! {
@@ -828,6 +833,43 @@ pub fn soc_name() -> *const c_char {
     }
     NAME.get_or_init(|| std::ffi::CString::new(config::get().soc.clone()).unwrap_or_default())
         .as_ptr()
+}
+
+/// The CANN release the emulation reports (`aclsysGetCANNVersion`), distinct from the
+/// AscendCL API version (`aclrtGetVersion`), as on a real install.
+pub const CANN_VERSION: &str = "8.5.0";
+
+/// `aclsysGetCANNVersion(name, version)`: `version` points at an `aclCANNPackageVersion`
+/// (`char version[128]`, four `char[64]` parts, `char reserved[128]`); every package of the
+/// header's enum (0 to 7) reports [`CANN_VERSION`].
+pub fn cann_version(name: u32, version: *mut c_char) -> i32 {
+    entry("aclsysGetCANNVersion", false, || {
+        if version.is_null() || name > 7 {
+            return Err(EmuError::new(
+                codes::INVALID_PARAM,
+                format!("aclsysGetCANNVersion: package {name}, version {version:p}"),
+            ));
+        }
+        let mut record = [0u8; 128 + 4 * 64 + 128];
+        let (major, rest) = CANN_VERSION
+            .split_once('.')
+            .unwrap_or((CANN_VERSION, "0.0"));
+        let (minor, patch) = rest.split_once('.').unwrap_or((rest, "0"));
+        for (at, text) in [
+            (0, CANN_VERSION),
+            (128, major),
+            (192, minor),
+            (256, "0"),
+            (320, patch),
+        ] {
+            record[at..at + text.len()].copy_from_slice(text.as_bytes());
+        }
+        // SAFETY: the caller's `aclCANNPackageVersion` is `record.len()` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(record.as_ptr(), version.cast::<u8>(), record.len())
+        };
+        Ok(())
+    })
 }
 
 /// `aclrtGetVersion`.

@@ -1,12 +1,11 @@
-//! Activations, add and multiply, cast, row gather, fills and strided copies.
+//! Activations, add and multiply, cast, row gather and strided copies.
 //!
 //! aclnn calls used (signatures from the op_api headers named in `src/sys/opapi.rs`):
 //! `aclnnGeluV2(x, approximate = 0, y)` for the exact GELU, `aclnnGelu(self, out)` for the
 //! tanh approximation, `aclnnSilu(self, out)`, quick GELU composed as
 //! `aclnnMuls(x, 1.702) -> aclnnInplaceSigmoid -> aclnnMul(x, ·)`, `aclnnAdd(self, other,
 //! alpha, out)` / `aclnnInplaceAdd`, `aclnnMul` / `aclnnInplaceMul`, `aclnnCast(self, dtype,
-//! out)`, `aclnnIndexSelect(self, dim = 0, index, out)`, `aclnnInplaceCopy(selfRef, src)` and
-//! `aclnnInplaceFillScalar(selfRef, value)`.
+//! out)`, `aclnnIndexSelect(self, dim = 0, index, out)` and `aclnnInplaceCopy(selfRef, src)`.
 //!
 //! Outputs that are not contiguous (a row stride wider than the row) are computed into an
 //! intermediate and copied into place with `aclnnInplaceCopy`: aclnn documents strided inputs
@@ -358,45 +357,4 @@ pub fn gather_rows(
         copy(x, &out_t, t_t)?;
     }
     Ok(())
-}
-
-/// Fills `count` elements of a 2- or 4-byte integer view of `buf`, starting at element
-/// `offset`, with the bit pattern `value` (`aclnnInplaceFillScalar`).
-pub fn fill_pattern(
-    x: &mut Exec<'_>,
-    buf: BufferHandle,
-    offset: u64,
-    count: u64,
-    value: u32,
-    width: u32,
-) -> Result<(), AscendError> {
-    let rt = x.rt();
-    let (dtype, scalar) = match width {
-        2 => {
-            let bits = u16::try_from(value & 0xffff).unwrap_or(0);
-            (
-                sys::aclDataType::ACL_INT16,
-                Scalar::i16(rt, i16::from_ne_bytes(bits.to_ne_bytes()))?,
-            )
-        }
-        _ => (
-            sys::aclDataType::ACL_INT32,
-            Scalar::i32(rt, i32::from_ne_bytes(value.to_ne_bytes()))?,
-        ),
-    };
-    let desc = Desc {
-        dtype,
-        dims: vec![i64::try_from(count).unwrap_or(i64::MAX)],
-        strides: vec![1],
-        offset: i64::try_from(offset).unwrap_or(i64::MAX),
-    };
-    let t = x.tensor(&desc, buf)?;
-    let (tr, sr) = (t.raw(), scalar.raw());
-    let op = aclnn!(
-        rt,
-        aclnnInplaceFillScalarGetWorkspaceSize,
-        aclnnInplaceFillScalar
-    )?;
-    // SAFETY: live descriptor and scalar; out-pointers from `call`.
-    x.call(op, |f, ws, ex| unsafe { f(tr, sr, ws, ex) })
 }

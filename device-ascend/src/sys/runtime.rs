@@ -128,6 +128,13 @@ pub struct AclRuntime {
         ) -> aclError,
         ::libloading::Error,
     >,
+    pub aclsysGetCANNVersion: Result<
+        unsafe extern "C" fn(
+            name: aclCANNPackageName::Type,
+            version: *mut aclCANNPackageVersion,
+        ) -> aclError,
+        ::libloading::Error,
+    >,
 }
 impl AclRuntime {
     pub unsafe fn new<P>(path: P) -> Result<Self, ::libloading::Error>
@@ -171,6 +178,7 @@ impl AclRuntime {
         let aclrtSynchronizeStream = __library.get(b"aclrtSynchronizeStream\0").map(|sym| *sym);
         let aclrtGetMemInfo = __library.get(b"aclrtGetMemInfo\0").map(|sym| *sym);
         let aclrtGetVersion = __library.get(b"aclrtGetVersion\0").map(|sym| *sym);
+        let aclsysGetCANNVersion = __library.get(b"aclsysGetCANNVersion\0").map(|sym| *sym);
         Ok(AclRuntime {
             __library,
             aclrtGetSocName,
@@ -201,6 +209,7 @@ impl AclRuntime {
             aclrtSynchronizeStream,
             aclrtGetMemInfo,
             aclrtGetVersion,
+            aclsysGetCANNVersion,
         })
     }
 }

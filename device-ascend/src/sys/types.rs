@@ -354,6 +354,29 @@ pub mod aclrtMemMallocPolicy {
     pub const ACL_MEM_TYPE_HIGH_BAND_WIDTH: Type = 4096;
     pub const ACL_MEM_ACCESS_USER_SPACE_READONLY: Type = 1048576;
 }
+pub mod aclCANNPackageName {
+    #[allow(unused_imports)]
+    use super::*;
+    pub type Type = ::core::ffi::c_uint;
+    pub const ACL_PKG_NAME_CANN: Type = 0;
+    pub const ACL_PKG_NAME_RUNTIME: Type = 1;
+    pub const ACL_PKG_NAME_COMPILER: Type = 2;
+    pub const ACL_PKG_NAME_HCCL: Type = 3;
+    pub const ACL_PKG_NAME_TOOLKIT: Type = 4;
+    pub const ACL_PKG_NAME_OPP: Type = 5;
+    pub const ACL_PKG_NAME_OPP_KERNEL: Type = 6;
+    pub const ACL_PKG_NAME_DRIVER: Type = 7;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct aclCANNPackageVersion {
+    pub version: [::core::ffi::c_char; 128usize],
+    pub majorVersion: [::core::ffi::c_char; 64usize],
+    pub minorVersion: [::core::ffi::c_char; 64usize],
+    pub releaseVersion: [::core::ffi::c_char; 64usize],
+    pub patchVersion: [::core::ffi::c_char; 64usize],
+    pub reserved: [::core::ffi::c_char; 128usize],
+}
 pub mod aclrtMemAttr {
     #[allow(unused_imports)]
     use super::*;

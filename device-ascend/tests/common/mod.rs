@@ -59,6 +59,9 @@ pub enum Layout {
     Split,
     /// An older CANN: runtime, nnopbase, and one `libopapi.so` without the transformer ops.
     Legacy,
+    /// CANN 7.x to 8.3 without the single op library: runtime, nnopbase, and the feature op
+    /// libraries (`libaclnn_ops_infer.so`, ...).
+    FeatureLibraries,
     /// No CANN at all: the folder exists, the libraries do not.
     Empty,
 }
@@ -66,15 +69,21 @@ pub enum Layout {
 /// Creates an install root (`<root>/lib64/...`, symlinks to the emulation so that every name
 /// shares one state) for this process and returns the root.
 pub fn install(layout: Layout) -> PathBuf {
+    install_in("main", layout, "lib64")
+}
+
+/// Creates the install root `name` for this process with the libraries of `layout` in its
+/// folder `libdir` (`lib64`, `x86_64-linux/lib64`), and returns the root.
+pub fn install_in(name: &str, layout: Layout, libdir: &str) -> PathBuf {
     let root = target_dir().join("tmp").join(format!(
-        "ascend-emulated-{}-{}",
+        "ascend-emulated-{}-{}-{name}",
         std::process::id(),
         std::thread::current()
             .name()
             .unwrap_or("main")
             .replace("::", "-")
     ));
-    let lib = root.join("lib64");
+    let lib = root.join(libdir);
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(&lib).expect("create the install root");
     let emulator = emulator_path();
@@ -98,8 +107,33 @@ pub fn install(layout: Layout) -> PathBuf {
             link(&emulator, "libnnopbase.so");
             link(&old_opapi_path(), "libopapi.so");
         }
+        Layout::FeatureLibraries => {
+            for name in [
+                "libascendcl.so",
+                "libnnopbase.so",
+                "libaclnn_ops_infer.so",
+                "libaclnn_ops_train.so",
+                "libaclnn_math.so",
+                "libaclnn_rand.so",
+            ] {
+                link(&emulator, name);
+            }
+        }
         Layout::Empty => {}
     }
+    root
+}
+
+/// Creates the install root `name` whose `lib64/libacl_rt.so` is a copy of the emulation (a
+/// copy, not a link: the dynamic loader then loads it as a library of its own) that behaves
+/// as CANN's link stubs, and returns the root. Call before the plugin loads the runtime.
+pub fn install_stub(name: &str) -> PathBuf {
+    let root = install_in(name, Layout::Empty, "lib64");
+    let lib = root.join("lib64");
+    std::fs::copy(emulator_path(), lib.join("libacl_rt.so")).expect("copy the emulation");
+    // SAFETY: called at the start of a child process's only test, before any other thread
+    // reads the environment or the emulation reads its settings.
+    unsafe { std::env::set_var("ASCEND_EMU_STUB", &lib) };
     root
 }
 
@@ -125,6 +159,7 @@ pub fn isolated(name: &str, env: &[(&str, &str)], body: impl FnOnce()) {
         "ASCEND_INSTALL_PATH",
         "ASCEND_HOME_PATH",
         "ASCEND_TOOLKIT_HOME",
+        "ASCEND_OPP_PATH",
         "ASCEND_RT_VISIBLE_DEVICES",
         "LD_LIBRARY_PATH",
     ] {
