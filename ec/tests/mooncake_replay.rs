@@ -84,7 +84,7 @@ async fn iris_sends_what_vllms_consumer_saw_and_writes_the_recorded_rows() {
                 return;
             };
             let request: Value =
-                serde_json::from_slice(&message.get(0).unwrap().to_vec()).unwrap_or(Value::Null);
+                serde_json::from_slice(message.get(0).unwrap()).unwrap_or(Value::Null);
             let reply = {
                 let mut seen = control_seen.lock().unwrap();
                 let index = seen.next;

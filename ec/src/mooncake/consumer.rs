@@ -94,7 +94,8 @@ struct ShardState {
 struct Shard {
     control_port: u16,
     rpc_port: u16,
-    data_port: u16,
+    /// The data port; it changes when the data side restarts.
+    data_port: std::sync::atomic::AtomicU16,
     base: u64,
     slab: Mutex<Vec<u8>>,
     state: Mutex<ShardState>,
@@ -113,6 +114,8 @@ pub struct TestConsumer {
     shards: Vec<Arc<Shard>>,
     shared: Arc<Shared>,
     tasks: Vec<JoinHandle<()>>,
+    /// The data servers, one per shard (replaced by [`TestConsumer::restart_data`]).
+    data_tasks: Vec<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for TestConsumer {
@@ -125,7 +128,7 @@ impl std::fmt::Debug for TestConsumer {
 
 impl Drop for TestConsumer {
     fn drop(&mut self) {
-        for task in &self.tasks {
+        for task in self.tasks.iter().chain(&self.data_tasks) {
             task.abort();
         }
     }
@@ -166,13 +169,14 @@ impl TestConsumer {
         });
         let mut list = Vec::new();
         let mut tasks = Vec::new();
+        let mut data_tasks = Vec::new();
         for (index, socket) in sockets.into_iter().enumerate() {
             let rpc = TcpListener::bind("127.0.0.1:0").await?;
             let data = TcpListener::bind("127.0.0.1:0").await?;
             let shard = Arc::new(Shard {
                 control_port: ports[index],
                 rpc_port: rpc.local_addr()?.port(),
-                data_port: data.local_addr()?.port(),
+                data_port: std::sync::atomic::AtomicU16::new(data.local_addr()?.port()),
                 base: 0x7f00_0000_0000 + ((index as u64) << 32),
                 slab: Mutex::new(vec![0; usize::try_from(pool_bytes).unwrap_or(0)]),
                 state: Mutex::new(ShardState::default()),
@@ -187,7 +191,7 @@ impl TestConsumer {
                 Arc::clone(&shard),
                 Arc::clone(&shared),
             )));
-            tasks.push(tokio::spawn(serve_data(
+            data_tasks.push(tokio::spawn(serve_data(
                 data,
                 Arc::clone(&shard),
                 Arc::clone(&shared),
@@ -198,7 +202,30 @@ impl TestConsumer {
             shards: list,
             shared,
             tasks,
+            data_tasks,
         })
+    }
+
+    /// Restarts every shard's data side on a new port, closing its connections, as a restarted
+    /// Mooncake engine comes back: a producer's cached descriptor then names a dead port.
+    ///
+    /// # Errors
+    /// A port that cannot be bound.
+    pub async fn restart_data(&mut self) -> std::io::Result<()> {
+        for (index, shard) in self.shards.iter().enumerate() {
+            self.data_tasks[index].abort();
+            let data = TcpListener::bind("127.0.0.1:0").await?;
+            shard.data_port.store(
+                data.local_addr()?.port(),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            self.data_tasks[index] = tokio::spawn(serve_data(
+                data,
+                Arc::clone(shard),
+                Arc::clone(&self.shared),
+            ));
+        }
+        Ok(())
     }
 
     /// The address a proxy names as `consumer_zmq`: the first shard's control socket.
@@ -536,7 +563,7 @@ async fn serve_handshake(listener: TcpListener, shard: Arc<Shard>, shared: Arc<S
                 "name": name,
                 "protocol": if rdma { "rdma" } else { "tcp" },
                 "tcp_data_host": "127.0.0.1",
-                "tcp_data_port": shard.data_port,
+                "tcp_data_port": shard.data_port.load(std::sync::atomic::Ordering::Relaxed),
                 "tcp_proto_version": shared.proto_version,
                 "buffers": [{"name": name, "addr": shard.base, "length": lock(&shard.slab).len()}],
             })
@@ -549,15 +576,18 @@ async fn serve_handshake(listener: TcpListener, shard: Arc<Shard>, shared: Arc<S
 }
 
 async fn serve_data(listener: TcpListener, shard: Arc<Shard>, shared: Arc<Shared>) {
+    let mut connections = tokio::task::JoinSet::new();
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             return;
         };
-        tokio::spawn(serve_data_connection(
+        // The connections live in this task's set: a restart (aborting it) closes them too.
+        connections.spawn(serve_data_connection(
             stream,
             Arc::clone(&shard),
             Arc::clone(&shared),
         ));
+        while connections.try_join_next().is_some() {}
     }
 }
 

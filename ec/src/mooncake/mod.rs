@@ -266,6 +266,8 @@ pub struct PushReport {
 pub struct MooncakeProducer {
     control: Arc<ControlClient>,
     transfer: TransferClient,
+    /// Age at which a reservation is taken again before the write (half the TTL).
+    refresh_after: Duration,
 }
 
 impl MooncakeProducer {
@@ -275,6 +277,7 @@ impl MooncakeProducer {
         Self {
             control: Arc::new(ControlClient::new(settings.control_timeout)),
             transfer: TransferClient::new(settings.control_timeout, local_name),
+            refresh_after: RESERVATION_TTL / 2,
         }
     }
 
@@ -516,7 +519,7 @@ impl MooncakeProducer {
         let now = Instant::now();
         for index in 0..reserved.specs.len() {
             let stale = reserved.shards[index].iter().any(|s| {
-                !s.ready && !s.cancelled && now.duration_since(s.received_at) >= RESERVATION_TTL / 2
+                !s.ready && !s.cancelled && now.duration_since(s.received_at) >= self.refresh_after
             });
             if !stale {
                 continue;

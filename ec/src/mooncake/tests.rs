@@ -307,3 +307,67 @@ async fn a_range_outside_the_consumers_buffers_is_refused_before_any_byte() {
         .unwrap();
     assert_eq!(consumer.writes().len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_whose_engine_restarted_gets_a_new_handshake() {
+    let mut consumer = TestConsumer::start(1, 1 << 20, 2).await.unwrap();
+    let producer = producer(2_000);
+    let first = spec("t0", "hash-a", 8);
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), vec![first.clone()])
+        .await
+        .unwrap();
+    producer
+        .push(reserved, &[Some(rows(&first, 1))])
+        .await
+        .unwrap();
+    // The cached descriptor and the pooled connection now name a data port that is gone.
+    consumer.restart_data().await.unwrap();
+    let second = spec("t1", "hash-b", 8);
+    let payload = rows(&second, 2);
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), vec![second])
+        .await
+        .unwrap();
+    producer
+        .push(reserved, &[Some(Arc::clone(&payload))])
+        .await
+        .unwrap();
+    assert_eq!(consumer.resident(0, "hash-b").unwrap().0, *payload);
+    assert_eq!(consumer.live_reservations(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_past_half_its_ttl_is_taken_again_before_the_write() {
+    let consumer = TestConsumer::start(1, 1 << 20, 2).await.unwrap();
+    let mut producer = producer(2_000);
+    producer.refresh_after = Duration::ZERO;
+    let item = spec("t0", "hash-a", 8);
+    let payload = rows(&item, 5);
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), vec![item])
+        .await
+        .unwrap();
+    producer
+        .push(reserved, &[Some(Arc::clone(&payload))])
+        .await
+        .unwrap();
+    let exchanges = consumer.exchanges();
+    let ops: Vec<&str> = exchanges
+        .iter()
+        .map(|e| e.request["op"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ops,
+        ["peers", "reserve", "cancel", "reserve", "complete_batch"]
+    );
+    assert_eq!(exchanges[2].request["refresh"], true);
+    assert_eq!(exchanges[2].request["abandon"], true);
+    assert_eq!(consumer.resident(0, "hash-a").unwrap().0, *payload);
+    assert_eq!(consumer.live_reservations(), 0);
+    assert_eq!(
+        consumer.allocated_bytes(),
+        8 * 64 * 2,
+        "only the resident item's room"
+    );
+}
