@@ -9,23 +9,25 @@
 //!   data, which is requested once per process; when it refuses, the tier is not offered.
 //! - `avx512bf16`: bf16 products on `vdpbf16ps` (pairs of bf16 multiplied and summed into f32
 //!   lanes), weights packed into pairs-of-bf16 panels ([`crate::ops::native`]).
-//! - `avx512` and `generic`: bf16 operands widened to f32 and multiplied by the `gemm` crate,
-//!   whose kernels pick their own instruction set at run time (AVX-512 where present).
+//! - `widened`: bf16 operands widened to f32 and multiplied by the `gemm` crate.
 //!
-//! f32 and f16 products run on the `gemm` crate in every tier.
+//! f32 and f16 products run on the `gemm` crate in every tier. The `gemm` crate picks its own
+//! instruction set at run time (AVX-512F where present, else AVX2 with FMA, else scalar code) and
+//! offers no way to ask for a lower one, so a tier below the CPU's best cannot make it run
+//! another: there is one tier for the widened path, not one per instruction set, and the device
+//! reports what the `gemm` crate runs as its `gemm_isa` property. The names `avx512` and
+//! `generic`, two tiers that ran the same code, are accepted for `widened`.
 
 use std::fmt;
 
-/// Environment variable that forces a kernel tier (`amx`, `avx512bf16`, `avx512`, `generic`).
+/// Environment variable that forces a kernel tier (`amx`, `avx512bf16`, `widened`).
 pub const ISA_ENV: &str = "IRIS_CPU_ISA";
 
 /// A kernel tier, ordered from the most portable to the most specialised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Tier {
-    /// Portable code: bf16 widened to f32.
-    Generic,
-    /// AVX-512F: bf16 widened to f32 (the `gemm` crate's AVX-512 kernels).
-    Avx512,
+    /// bf16 widened to f32 and multiplied by the `gemm` crate, on the instruction set it picks.
+    Widened,
     /// AVX512-BF16 dot products on packed bf16 weights.
     Avx512Bf16,
     /// AMX-BF16 tiles on packed bf16 weights.
@@ -34,21 +36,24 @@ pub enum Tier {
 
 impl Tier {
     /// Every tier, most portable first.
-    pub const ALL: [Tier; 4] = [Tier::Generic, Tier::Avx512, Tier::Avx512Bf16, Tier::Amx];
+    pub const ALL: [Tier; 3] = [Tier::Widened, Tier::Avx512Bf16, Tier::Amx];
 
     /// The name [`ISA_ENV`] takes and `kernel_tier` reports.
     pub fn name(self) -> &'static str {
         match self {
-            Tier::Generic => "generic",
-            Tier::Avx512 => "avx512",
+            Tier::Widened => "widened",
             Tier::Avx512Bf16 => "avx512bf16",
             Tier::Amx => "amx",
         }
     }
 
-    /// Parses a tier name (surrounding blanks and case ignored).
+    /// Parses a tier name (surrounding blanks and case ignored); `avx512` and `generic` name
+    /// the widened tier.
     pub fn parse(value: &str) -> Option<Tier> {
         let value = value.trim().to_ascii_lowercase();
+        if matches!(value.as_str(), "avx512" | "generic") {
+            return Some(Tier::Widened);
+        }
         Tier::ALL.into_iter().find(|tier| tier.name() == value)
     }
 
@@ -56,8 +61,7 @@ impl Tier {
     /// granted tile data; the first call asks for it).
     pub fn supported(self) -> bool {
         match self {
-            Tier::Generic => true,
-            Tier::Avx512 => has_avx512(),
+            Tier::Widened => true,
             Tier::Avx512Bf16 => has_avx512_bf16(),
             Tier::Amx => has_avx512_bf16() && crate::ops::amx::usable(),
         }
@@ -65,10 +69,10 @@ impl Tier {
 
     /// The best tier the CPU supports.
     pub fn best() -> Tier {
-        [Tier::Amx, Tier::Avx512Bf16, Tier::Avx512]
+        [Tier::Amx, Tier::Avx512Bf16]
             .into_iter()
             .find(|tier| tier.supported())
-            .unwrap_or(Tier::Generic)
+            .unwrap_or(Tier::Widened)
     }
 
     /// The tier to run when `requested` is asked for: itself when the CPU supports it, else the
@@ -100,8 +104,7 @@ impl Tier {
     /// The CPU features the tier needs, for messages.
     pub fn features(self) -> &'static str {
         match self {
-            Tier::Generic => "nothing",
-            Tier::Avx512 => "AVX-512F",
+            Tier::Widened => "nothing",
             Tier::Avx512Bf16 => "AVX-512F/BW and AVX512-BF16",
             Tier::Amx => "AMX-TILE and AMX-BF16",
         }
@@ -114,9 +117,17 @@ impl fmt::Display for Tier {
     }
 }
 
+/// The instruction set the `gemm` crate's f32 kernels run on this CPU, by the same test it
+/// makes (built with its `x86-v4` feature): `avx512f`, `avx2+fma` or `scalar`.
 #[cfg(target_arch = "x86_64")]
-fn has_avx512() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
+pub fn gemm_isa() -> &'static str {
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        "avx512f"
+    } else if std::arch::is_x86_feature_detected!("fma") {
+        "avx2+fma"
+    } else {
+        "scalar"
+    }
 }
 
 /// AVX-512F/BW and AVX512-BF16: what the native bf16 kernels and conversions need.
@@ -145,9 +156,11 @@ pub(crate) fn has_amx() -> bool {
     leaf7.edx & (AMX_BF16 | AMX_TILE) == AMX_BF16 | AMX_TILE
 }
 
+/// The instruction set the `gemm` crate's f32 kernels run (not x86-64: its own choice, NEON on
+/// aarch64).
 #[cfg(not(target_arch = "x86_64"))]
-fn has_avx512() -> bool {
-    false
+pub fn gemm_isa() -> &'static str {
+    "the gemm crate's own"
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -171,6 +184,9 @@ mod tests {
         }
         assert_eq!(Tier::parse(" AVX512BF16 "), Some(Tier::Avx512Bf16));
         assert_eq!(Tier::parse("sse2"), None);
+        // The two names of tiers that ran the same code name the one widened tier.
+        assert_eq!(Tier::parse("avx512"), Some(Tier::Widened));
+        assert_eq!(Tier::parse("generic"), Some(Tier::Widened));
     }
 
     #[test]

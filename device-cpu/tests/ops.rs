@@ -48,6 +48,40 @@ fn device_on(threads: usize, tier: Tier) -> Device {
     dev
 }
 
+#[test]
+fn the_widened_tier_answers_to_its_old_names_and_the_gemm_isa_is_reported() {
+    let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
+    for name in ["avx512", "generic", "widened"] {
+        let dev = plugin
+            .open(
+                0,
+                &[
+                    ("threads".to_owned(), "1".to_owned()),
+                    ("capacity".to_owned(), "64MiB".to_owned()),
+                    ("isa".to_owned(), name.to_owned()),
+                ],
+            )
+            .unwrap();
+        let description = dev.description();
+        assert_eq!(
+            description.property("kernel_tier"),
+            Some("widened"),
+            "{name}"
+        );
+        assert_eq!(
+            description.property("gemm_isa"),
+            Some(iris_device_cpu::isa::gemm_isa()),
+            "{name}"
+        );
+    }
+    let err = plugin
+        .open(0, &[("isa".to_owned(), "sse2".to_owned())])
+        .map(|_| ())
+        .expect_err("an unknown tier is refused")
+        .to_string();
+    assert!(err.contains("widened"), "{err}");
+}
+
 /// Every tier this CPU and build run; the others are printed as skipped, with the reason.
 fn tiers() -> Vec<Tier> {
     Tier::ALL
