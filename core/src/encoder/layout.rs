@@ -48,25 +48,33 @@ pub fn rotary_tables(positions: &[u32], head_dim: usize, theta: f32) -> (Vec<f32
         })
         .collect();
     let tokens = positions.len() / 2;
-    let mut cos = Vec::with_capacity(tokens * head_dim);
-    let mut sin = Vec::with_capacity(tokens * head_dim);
-    let mut angles = vec![0f32; half];
-    for pair in positions.chunks_exact(2) {
-        for (c, angle) in angles.iter_mut().enumerate() {
-            let (position, i) = if c < quarter {
-                (pair[0], c)
-            } else {
-                (pair[1], c - quarter)
-            };
+    // An angle depends only on a position value and a frequency, and a step's positions are
+    // small (rows and columns of its grids): each distinct (position, frequency) pair's cos
+    // and sin are computed once, with the same f32 operations, and copied into every token.
+    let max_position = positions.iter().copied().max().unwrap_or(0) as usize;
+    let mut table_cos = vec![0f32; (max_position + 1) * quarter];
+    let mut table_sin = vec![0f32; (max_position + 1) * quarter];
+    for position in 0..=max_position {
+        for (i, freq) in freqs.iter().enumerate() {
             // Positions are u32 values; their rounding to f32 is the rounding transformers
             // applies.
             #[allow(clippy::cast_precision_loss)]
-            let position = position as f32;
-            *angle = position * freqs[i];
+            let angle = position as f32 * freq;
+            table_cos[position * quarter + i] = angle.cos();
+            table_sin[position * quarter + i] = angle.sin();
         }
+    }
+    let mut cos = Vec::with_capacity(tokens * head_dim);
+    let mut sin = Vec::with_capacity(tokens * head_dim);
+    for pair in positions.chunks_exact(2) {
+        let (row, col) = (pair[0] as usize * quarter, pair[1] as usize * quarter);
+        // Channels [0, quarter) take the row's angles, [quarter, half) the column's, and the
+        // second half repeats the first.
         for _ in 0..2 {
-            cos.extend(angles.iter().map(|a| a.cos()));
-            sin.extend(angles.iter().map(|a| a.sin()));
+            cos.extend_from_slice(&table_cos[row..row + quarter]);
+            cos.extend_from_slice(&table_cos[col..col + quarter]);
+            sin.extend_from_slice(&table_sin[row..row + quarter]);
+            sin.extend_from_slice(&table_sin[col..col + quarter]);
         }
     }
     (cos, sin)
@@ -276,6 +284,36 @@ mod tests {
             assert!((sin[c] - angle.sin()).abs() < 1e-6, "sin {c}");
             assert_eq!(cos[c], cos[c + 4]);
             assert_eq!(sin[c], sin[c + 4]);
+        }
+    }
+
+    #[test]
+    fn rotary_tables_equal_each_angle_computed_in_place_bit_for_bit() {
+        let positions: Vec<u32> = (0..300u32).flat_map(|i| [i % 37, (i * 7) % 53]).collect();
+        let (head_dim, theta) = (80, 10_000.0f32);
+        let (cos, sin) = rotary_tables(&positions, head_dim, theta);
+        let (quarter, half) = (head_dim / 4, head_dim / 2);
+        for (t, pair) in positions.chunks_exact(2).enumerate() {
+            for c in 0..head_dim {
+                let c_half = c % half;
+                let (position, i) = if c_half < quarter {
+                    (pair[0], c_half)
+                } else {
+                    (pair[1], c_half - quarter)
+                };
+                let freq = 1.0 / theta.powf((2 * i) as f32 / half as f32);
+                let angle = position as f32 * freq;
+                assert_eq!(
+                    cos[t * head_dim + c].to_bits(),
+                    angle.cos().to_bits(),
+                    "{t} {c}"
+                );
+                assert_eq!(
+                    sin[t * head_dim + c].to_bits(),
+                    angle.sin().to_bits(),
+                    "{t} {c}"
+                );
+            }
         }
     }
 
