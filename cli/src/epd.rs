@@ -579,6 +579,9 @@ impl Epd {
         let factors = self.factors(&request)?;
         let overrides = processor_overrides(&factors)?;
         let identifiers = self.identifiers(&request, &factors)?;
+        if let Some(target) = &request.push {
+            check_target(target, &identifiers)?;
+        }
         let images: Vec<ImageInput> = request
             .items
             .into_iter()
@@ -776,6 +779,32 @@ struct PushBatch {
     overrides: ProcessorOverrides,
 }
 
+/// Refuses a push target that does not name one transfer per image, or names an `mm_hash` that
+/// is not the image's identifier, before anything is preprocessed.
+fn check_target(target: &PushTarget, identifiers: &[String]) -> Result<(), ProduceError> {
+    let bad = |message: String| ProduceError::BadRequest {
+        code: "invalid_ec_transfer_params",
+        message,
+    };
+    if target.transfer_ids.len() != identifiers.len() {
+        return Err(bad(format!(
+            "ec_transfer_params.ec_items has {} entries for {} images: the proxy sends one transfer_id per image, in order",
+            target.transfer_ids.len(),
+            identifiers.len()
+        )));
+    }
+    for (index, (named, identifier)) in target.mm_hashes.iter().zip(identifiers).enumerate() {
+        if let Some(named) = named
+            && named != identifier
+        {
+            return Err(bad(format!(
+                "ec_transfer_params.ec_items[{index}].mm_hash is {named:?}, but image {index}'s identifier is {identifier:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The push connector's request: reserve on every shard of the consumer, encode what some shard
 /// needs, write, complete. Every failure after the reservations cancels them all.
 async fn push<E: Engine>(
@@ -792,28 +821,6 @@ async fn push<E: Engine>(
         plans,
         overrides,
     } = batch;
-    if target.transfer_ids.len() != identifiers.len() {
-        return Err(ProduceError::BadRequest {
-            code: "invalid_ec_transfer_params",
-            message: format!(
-                "ec_transfer_params.ec_items has {} entries for {} images",
-                target.transfer_ids.len(),
-                identifiers.len()
-            ),
-        });
-    }
-    for (index, (named, identifier)) in target.mm_hashes.iter().zip(&identifiers).enumerate() {
-        if let Some(named) = named
-            && named != identifier
-        {
-            return Err(ProduceError::BadRequest {
-                code: "invalid_ec_transfer_params",
-                message: format!(
-                    "ec_transfer_params.ec_items[{index}].mm_hash is {named:?}, but image {index}'s identifier is {identifier:?}"
-                ),
-            });
-        }
-    }
     let layout = engine.output_layout();
     let dtype = store_dtype(layout.dtype)?;
     let specs: Vec<PushSpec> = identifiers

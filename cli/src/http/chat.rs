@@ -196,18 +196,6 @@ pub fn parse_chat_request(
         }
     }
     request::check_image_count(items.len(), limits)?;
-    if let Some(target) = &push
-        && target.transfer_ids.len() != items.len()
-    {
-        return Err(ApiError::bad_request(
-            "invalid_ec_transfer_params",
-            format!(
-                "ec_transfer_params.ec_items has {} entries for {} images: the proxy sends one transfer_id per image, in order",
-                target.transfer_ids.len(),
-                items.len()
-            ),
-        ));
-    }
     Ok(ChatRequest {
         model,
         epd: EpdRequest {

@@ -412,19 +412,15 @@ fn handle(
         Some("cancel") => {
             let transfer_id = field(request, "transfer_id")?;
             let mut state = lock(&shard.state);
-            let cancelled = match state.live.remove(&transfer_id) {
-                Some(reservation) => {
-                    if reservation.writer {
-                        state
-                            .allocated
-                            .retain(|(offset, _)| *offset != reservation.offset);
-                    }
-                    true
-                }
-                // A resident item's lease, or a transfer already gone: nothing is held.
-                None => true,
-            };
-            Ok(json!({"cancelled": cancelled}))
+            // A resident item's lease, or a transfer already gone, holds nothing to give back.
+            if let Some(reservation) = state.live.remove(&transfer_id)
+                && reservation.writer
+            {
+                state
+                    .allocated
+                    .retain(|(offset, _)| *offset != reservation.offset);
+            }
+            Ok(json!({"cancelled": true}))
         }
         Some(other) => Err(format!("unknown control op: {other:?}")),
         None => Err("malformed control request".to_owned()),

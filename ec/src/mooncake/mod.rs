@@ -44,7 +44,7 @@ use transfer::{TransferClient, TransferError};
 /// `_RESERVATION_TTL_SECONDS`); a reservation older than half of it is taken again before the
 /// write.
 pub const RESERVATION_TTL: Duration = Duration::from_secs(300);
-/// How many times a cancel (or a topology query) is tried (vLLM's `_CANCEL_ATTEMPTS`).
+/// How many times a cancel is tried (vLLM's `_CANCEL_ATTEMPTS`).
 const ATTEMPTS: usize = 2;
 
 /// Why a push failed, as a metric label and in error messages.
@@ -303,17 +303,11 @@ impl MooncakeProducer {
             failure: err.failure,
             message: err.message,
         };
-        let mut shards = Err(ControlError {
-            failure: PushFailure::Unreachable,
-            message: String::new(),
-        });
-        for _ in 0..ATTEMPTS {
-            shards = self.control.shards(consumer).await;
-            if shards.is_ok() {
-                break;
-            }
-        }
-        let addrs = shards.map_err(fail)?;
+        let addrs = match self.control.shards(consumer).await {
+            Ok(addrs) => addrs,
+            // vLLM's producer asks a consumer for its shards twice before it fails a push.
+            Err(_) => self.control.shards(consumer).await.map_err(fail)?,
+        };
         let answers = futures::future::join_all(
             addrs
                 .iter()
@@ -540,11 +534,10 @@ impl MooncakeProducer {
                 })?;
             // The cancelled ones are gone: only what is kept stays known for the abandon path.
             reserved.shards[index].retain(|s| s.ready || s.cached || s.cancelled);
-            let again = self.reserve(&reserved.consumer, vec![spec]).await?;
-            let mut again = again;
-            let shards = std::mem::take(&mut again.shards[0]);
+            let mut again = self.reserve(&reserved.consumer, vec![spec]).await?;
+            // The new reservations move into `reserved`, which settles them.
             again.settled = true;
-            reserved.shards[index] = shards;
+            reserved.shards[index] = std::mem::take(&mut again.shards[0]);
         }
         Ok(())
     }
