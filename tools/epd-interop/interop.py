@@ -33,12 +33,10 @@ import argparse
 import asyncio
 import base64
 import glob
-import hashlib
 import io
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -216,42 +214,61 @@ class Recorder:
             body = await request.json()
             self.decode_requests.append({"headers": dict(request.headers), "request": body})
             return web.json_response(
-                {
-                    "id": f"chatcmpl-{len(self.decode_requests)}",
-                    "object": "chat.completion",
-                    "created": int(time.time()),
-                    "model": body.get("model", self.served_model),
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "stand-in decode"},
-                            "finish_reason": "stop",
-                        }
-                    ],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
-                }
-            )
-
-        async def decode_health(_: web.Request) -> web.Response:
-            return web.Response(text="")
-
-        async def decode_models(_: web.Request) -> web.Response:
-            return web.json_response(
-                {"object": "list", "data": [{"id": self.served_model, "object": "model"}]}
+                stand_in_completion(len(self.decode_requests), body.get("model", self.served_model))
             )
 
         tap_app = web.Application(client_max_size=256 << 20)
         tap_app.router.add_route("*", "/{tail:.*}", tap)
-        decode_app = web.Application(client_max_size=256 << 20)
-        decode_app.router.add_post("/v1/chat/completions", decode_chat)
-        decode_app.router.add_get("/health", decode_health)
-        decode_app.router.add_get("/v1/models", decode_models)
+        decode_app = serving_app(decode_chat, self.served_model)
         for name, app in (("tap", tap_app), ("decode", decode_app)):
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            self.ports[name] = site._server.sockets[0].getsockname()[1]
+            self.ports[name] = await start_site(app)
+
+
+def stand_in_completion(number: int, model: str) -> dict:
+    """The `chat.completion` a stand-in decode server answers with."""
+    return {
+        "id": f"chatcmpl-{number}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "stand-in decode"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+    }
+
+
+def serving_app(chat_handler, served_model: str):
+    """An aiohttp app serving `POST /v1/chat/completions` with `chat_handler`, and the `/health`
+    and `/v1/models` routes the proxy probes."""
+    from aiohttp import web
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": served_model, "object": "model"}]})
+
+    app = web.Application(client_max_size=256 << 20)
+    app.router.add_post("/v1/chat/completions", chat_handler)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def start_site(app) -> int:
+    """Serves `app` on a free loopback port and returns the port."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return site._server.sockets[0].getsockname()[1]
 
 
 def _maybe_json(raw: bytes):

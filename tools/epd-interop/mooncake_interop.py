@@ -88,6 +88,9 @@ from interop import (
     image_part,
     make_images,
     media_parts,
+    serving_app,
+    stand_in_completion,
+    start_site,
     wait_http,
     wait_listening,
 )
@@ -389,39 +392,10 @@ class ConsumerStandIn:
             if status != 200:
                 return web.json_response({"error": {"message": info["error"]}}, status=status)
             return web.json_response(
-                {
-                    "id": f"chatcmpl-{len(self.decode_requests)}",
-                    "object": "chat.completion",
-                    "created": int(time.time()),
-                    "model": body.get("model", self.served_model),
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "stand-in decode"},
-                            "finish_reason": "stop",
-                        }
-                    ],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
-                }
+                stand_in_completion(len(self.decode_requests), body.get("model", self.served_model))
             )
 
-        async def health(_: web.Request) -> web.Response:
-            return web.Response(text="")
-
-        async def models(_: web.Request) -> web.Response:
-            return web.json_response(
-                {"object": "list", "data": [{"id": self.served_model, "object": "model"}]}
-            )
-
-        app = web.Application(client_max_size=256 << 20)
-        app.router.add_post("/v1/chat/completions", decode_chat)
-        app.router.add_get("/health", health)
-        app.router.add_get("/v1/models", models)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = await start_site(serving_app(decode_chat, self.served_model))
 
 
 # --------------------------------------------------------------------------------------------
@@ -652,23 +626,7 @@ class SelfTestProducer:
             status, reply = await asyncio.get_running_loop().run_in_executor(self.pool, self.encode, body)
             return web.json_response(reply, status=status)
 
-        async def health(_: web.Request) -> web.Response:
-            return web.Response(text="")
-
-        async def models(_: web.Request) -> web.Response:
-            return web.json_response(
-                {"object": "list", "data": [{"id": self.served_model, "object": "model"}]}
-            )
-
-        app = web.Application(client_max_size=256 << 20)
-        app.router.add_post("/v1/chat/completions", encode)
-        app.router.add_get("/health", health)
-        app.router.add_get("/v1/models", models)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = await start_site(serving_app(encode, self.served_model))
 
 
 def tensor_bytes(tensor) -> bytes:
