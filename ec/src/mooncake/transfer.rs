@@ -249,15 +249,16 @@ impl TransferClient {
         payload: &[u8],
     ) -> Result<(), TransferError> {
         let len = payload.len() as u64;
-        let mut state = self.session(session, false).await?;
-        let mut fresh = state.fresh;
-        if !state.session.descriptor.contains(dst, len) && !fresh {
+        let SessionState {
+            session: mut session_state,
+            mut fresh,
+        } = self.session(session, false).await?;
+        if !session_state.descriptor.contains(dst, len) && !fresh {
             // A restarted consumer registers new buffers: ask again before refusing.
-            state = self.session(session, true).await?;
+            session_state = self.session(session, true).await?.session;
             fresh = true;
         }
-        check_segment(session, &state.session.descriptor, dst, len)?;
-        let mut session_state = state.session;
+        check_segment(session, &session_state.descriptor, dst, len)?;
         let mut retried = false;
         loop {
             let (stream, reused) = match take_idle(&session_state) {
