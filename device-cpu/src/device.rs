@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use iris_plugin::Logger;
 use iris_plugin::abi::{
-    ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, CastArgs, CopyRegion, DType,
-    DeviceDesc, FillArgs, GatherArgs, GemmArgs, HeldMemory, HostAlloc, HostBufferId, MemInfo,
-    MemoryReport, NormArgs, OpKind, PluginError, Property, RotaryArgs, StagedCopy, property,
+    ActivationArgs, AsyncWrite, AttentionArgs, BinaryArgs, BufferHandle, CastArgs, CopyRegion,
+    DType, DeviceDesc, FillArgs, GatherArgs, GemmArgs, HeldMemory, HostAlloc, HostBufferId,
+    MemInfo, MemoryReport, NormArgs, OpKind, PluginError, Property, RotaryArgs, StagedCopy,
+    property,
 };
 use iris_plugin::validate::{self, Checker};
 
@@ -565,7 +566,49 @@ impl iris_plugin::Backend for CpuDevice {
     fn wait_fence(&self, value: u64) -> Result<(), PluginError> {
         self.queue.wait(value)
     }
+
+    fn write_async(&self, write: &AsyncWrite) -> Result<(), PluginError> {
+        let (region, start) = self.device_range(
+            "write_async",
+            "device",
+            write.device,
+            write.device_offset,
+            write.bytes,
+        )?;
+        let len = usize::try_from(write.bytes).unwrap_or(0);
+        if write.host.is_null() && len > 0 {
+            return Err(invalid("write_async", "the host source is a null pointer"));
+        }
+        let source = HostSource(write.host);
+        let packs = Arc::clone(&self.packs);
+        let (buf, first, end) = (
+            write.device,
+            write.device_offset,
+            write.device_offset + write.bytes,
+        );
+        self.queue.submit(
+            "write_async",
+            Box::new(move |_| {
+                let source = source;
+                packs.touch(buf, first, end);
+                // SAFETY: the device range lies inside its region (checked); the host keeps
+                // `len` bytes at the source alive and unchanged until a fence after this work
+                // completes (ABI contract), and host memory is never a device region.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(source.0, region.ptr().add(start), len);
+                }
+                Ok(())
+            }),
+        )
+    }
 }
+
+/// A host address lent to the queue by `write_async`.
+struct HostSource(*const u8);
+
+// SAFETY: the host lends the memory until a fence after the write completes, whichever thread
+// reads it (ABI contract of `write_async`).
+unsafe impl Send for HostSource {}
 
 impl Drop for CpuDevice {
     fn drop(&mut self) {

@@ -42,8 +42,9 @@ pub const ABI_MAJOR: u32 = 2;
 /// - 2.0: queue-ordered execution, memory report, batched copies, fill, integer dtypes,
 ///   workspaces for every op, rotary from tables, device-resident indices, log sink.
 /// - 2.1: host staging (pinned host buffers, asynchronous upload and download, fences).
+/// - 2.2: `write_async`, an enqueued write that reads the host's memory when it runs.
 #[cfg(not(feature = "abi-2-0"))]
-pub const ABI_MINOR: u32 = 1;
+pub const ABI_MINOR: u32 = 2;
 /// iris's own ABI minor version (this build reproduces minor 0's tables for compatibility
 /// tests; see the `abi-2-0` feature).
 #[cfg(feature = "abi-2-0")]
@@ -331,6 +332,15 @@ pub struct DeviceVTable {
     /// Waits until fence `value` is complete; reports a failure of the work before it.
     #[cfg(not(feature = "abi-2-0"))]
     pub wait_fence: extern "C" fn(DeviceCtx, value: u64) -> RResult<(), PluginError>,
+
+    // --- 2.2 ---
+    /// Enqueues a copy of `bytes` from ordinary host memory into device memory, read when the
+    /// copy runs rather than before the call returns: the host keeps the source unchanged
+    /// until a fence recorded after this call has completed. A device whose queue can read
+    /// host memory (the CPU device) copies once, with no staging and no work on the calling
+    /// thread. Optional: "unsupported" (the default) sends the host to staging buffers.
+    #[cfg(not(feature = "abi-2-0"))]
+    pub write_async: extern "C" fn(DeviceCtx, &AsyncWrite) -> RResult<(), PluginError>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -390,6 +400,27 @@ pub struct StagedCopy {
     /// Length in bytes.
     pub bytes: u64,
 }
+
+/// A write whose host source is read when the copy runs (see `write_async`).
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AsyncWrite {
+    /// The device buffer.
+    pub device: BufferHandle,
+    /// Byte offset in the device buffer.
+    pub device_offset: u64,
+    /// First host byte: ordinary memory, valid and unchanged until a fence recorded after the
+    /// call has completed.
+    pub host: *const u8,
+    /// Length in bytes.
+    pub bytes: u64,
+}
+
+// SAFETY: the address names host memory the host lends until a fence completes; which thread
+// reads it is the plugin's choice, and the host's obligation is only to keep it alive.
+unsafe impl Send for AsyncWrite {}
+// SAFETY: as above.
+unsafe impl Sync for AsyncWrite {}
 
 /// Device memory as the driver reports it.
 #[repr(C)]

@@ -22,7 +22,7 @@ use crate::abi::{
     ProbeResult, RotaryArgs,
 };
 #[cfg(not(feature = "abi-2-0"))]
-use crate::abi::{HostAlloc, HostBufferId, StagedCopy};
+use crate::abi::{AsyncWrite, HostAlloc, HostBufferId, StagedCopy};
 
 /// A device implementation. One value per opened device; it must be usable from any thread.
 ///
@@ -155,6 +155,12 @@ pub trait Backend: Send + Sync + 'static {
     #[cfg(not(feature = "abi-2-0"))]
     fn wait_fence(&self, _value: u64) -> Result<(), PluginError> {
         Err(unsupported("wait_fence"))
+    }
+    /// Enqueues a write that reads the host's memory when it runs (ABI 2.2). The default
+    /// reports "unsupported"; the host then stages the bytes.
+    #[cfg(not(feature = "abi-2-0"))]
+    fn write_async(&self, _write: &AsyncWrite) -> Result<(), PluginError> {
+        Err(unsupported("write_async"))
     }
 }
 
@@ -356,6 +362,8 @@ impl<B: Backend> VTableFor<B> {
         fence: Self::fence,
         #[cfg(not(feature = "abi-2-0"))]
         wait_fence: Self::wait_fence,
+        #[cfg(not(feature = "abi-2-0"))]
+        write_async: Self::write_async,
     });
 
     const VTABLE: DeviceVTableRef = DeviceVTableRef(PrefixRef::from_ref(Self::WM));
@@ -466,6 +474,7 @@ impl<B: Backend> VTableFor<B> {
     forward! {
         upload(StagedCopy) -> ();
         download(StagedCopy) -> ();
+        write_async(AsyncWrite) -> ();
     }
 
     #[cfg(not(feature = "abi-2-0"))]

@@ -206,6 +206,7 @@ pub fn run(plugin: &Plugin, device: &Arc<Device>) -> Report {
         check_write_reuse(device)
     });
     suite.record("queue.host_staging", || check_staging(device));
+    suite.record("queue.write_async", || check_write_async(device));
     suite.record("errors.bad_op_arguments", || check_bad_op_arguments(device));
 
     let dtypes: Vec<DType> = device
@@ -1239,6 +1240,76 @@ fn check_staging(device: &Arc<Device>) -> Outcome {
         ));
     }
     drop((staging, back));
+    scratch.finish()
+}
+
+/// `write_async` (ABI 2.2): ordered after a fill enqueued before it and before a copy enqueued
+/// after it, a range outside the buffer refused, and the source free again once the writes
+/// are finished.
+fn check_write_async(device: &Arc<Device>) -> Outcome {
+    const LEN: usize = 1 << 20;
+    if !device.has_async_write() {
+        return Err(Problem::Unsupported(format!(
+            "no `write_async` (the plugin speaks ABI {}.{}, or answered unsupported): iris stages instead",
+            device.plugin().abi_major(),
+            device.plugin().abi_minor()
+        )));
+    }
+    let mut scratch = Scratch::new(device);
+    let buf = scratch.alloc(LEN as u64)?;
+    let copy = scratch.alloc(LEN as u64)?;
+    device
+        .fill(&FillArgs {
+            dst: BufferSlice {
+                buf,
+                offset: 0,
+                bytes: LEN as u64,
+            },
+            value: 0xA5,
+            width: 1,
+        })
+        .map_err(fail_with("fill"))?;
+    let mut source = pattern(LEN / 2, 0x3c);
+    {
+        let mut writes = device.async_writes();
+        let written = writes
+            .write(buf, (LEN / 4) as u64, &source)
+            .map_err(fail_with("write_async"))?;
+        if !written {
+            return Err(Problem::Unsupported(
+                "the plugin answered `write_async` with unsupported: iris stages instead"
+                    .to_owned(),
+            ));
+        }
+        match writes.write(buf, LEN as u64 - 8, &source) {
+            Err(err) if err.code == ErrorCode::INVALID_ARGUMENT => {}
+            Err(err) => {
+                return Err(fail(format!(
+                    "a write past the buffer's end failed with {} instead of invalid argument",
+                    err.code.name()
+                )));
+            }
+            Ok(_) => return Err(fail("a write past the buffer's end was accepted")),
+        }
+        device
+            .copy(copy, 0, buf, 0, LEN as u64)
+            .map_err(fail_with("copy after write_async"))?;
+        writes.finish().map_err(fail_with("write_async's fence"))?;
+    }
+    // Finished: the device no longer reads the source, so changing it changes nothing.
+    source.fill(0);
+    let mut want = vec![0xA5; LEN];
+    want[LEN / 4..LEN / 4 + LEN / 2].copy_from_slice(&pattern(LEN / 2, 0x3c));
+    if read_all(device, buf, LEN)? != want {
+        return Err(fail(
+            "`write_async` left the wrong bytes (or ran out of order with the fill before it)",
+        ));
+    }
+    if read_all(device, copy, LEN)? != want {
+        return Err(fail(
+            "a copy enqueued after `write_async` did not see the written bytes",
+        ));
+    }
     scratch.finish()
 }
 

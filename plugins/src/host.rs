@@ -16,18 +16,19 @@
 
 use std::ffi::c_void;
 use std::fmt;
+use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use abi_stable::std_types::{RResult, RSlice, RSliceMut, RStr};
 use thiserror::Error;
 
 use crate::abi::{
-    ABI_MAJOR, ABI_MINOR, ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, BufferSlice,
-    CastArgs, CopyRegion, DType, DeviceCtx, DeviceInstance, ErrorCode, FillArgs, GatherArgs,
-    GemmArgs, HostAlloc, HostBufferId, HostCtx, IrisPluginRef, LogLevel, LogSink, MemInfo,
-    MemoryReport, NormArgs, OpKind, PluginError, PluginOption, RotaryArgs, StagedCopy,
+    ABI_MAJOR, ABI_MINOR, ActivationArgs, AsyncWrite, AttentionArgs, BinaryArgs, BufferHandle,
+    BufferSlice, CastArgs, CopyRegion, DType, DeviceCtx, DeviceInstance, ErrorCode, FillArgs,
+    GatherArgs, GemmArgs, HostAlloc, HostBufferId, HostCtx, IrisPluginRef, LogLevel, LogSink,
+    MemInfo, MemoryReport, NormArgs, OpKind, PluginError, PluginOption, RotaryArgs, StagedCopy,
 };
 
 /// An error returned by a device call, with the call that failed.
@@ -303,6 +304,9 @@ pub struct Device {
     instance: DeviceInstance,
     description: Description,
     counters: AtomicCounters,
+    /// Set once the plugin answered `write_async` with "unsupported" (or predates it), so
+    /// that later writes go straight to staging.
+    no_async_write: AtomicBool,
     /// Where the plugin's log messages are attributed; the sink points at it until `close`.
     _log_target: Box<LogTarget>,
 }
@@ -360,6 +364,7 @@ impl Device {
             instance,
             description,
             counters: AtomicCounters::default(),
+            no_async_write: AtomicBool::new(false),
             _log_target: log_target,
         }
     }
@@ -663,6 +668,22 @@ impl Device {
         self.check("wait_fence", wait(self.instance.ctx, value))
     }
 
+    /// Writes that read the host's memory when they run (ABI 2.2), for sources that live at
+    /// least as long as `'a`; see [`AsyncWrites`].
+    pub fn async_writes<'a>(self: &Arc<Self>) -> AsyncWrites<'a> {
+        AsyncWrites {
+            device: Arc::clone(self),
+            pending: false,
+            _sources: PhantomData,
+        }
+    }
+
+    /// Whether [`AsyncWrites::write`] may still enqueue: the plugin has `write_async` and has
+    /// not refused it.
+    pub fn has_async_write(&self) -> bool {
+        !self.no_async_write.load(Ordering::Relaxed) && self.vtable_write_async().is_some()
+    }
+
     /// Checks a staged transfer's host range and that the buffer belongs to this device.
     fn staged(
         &self,
@@ -714,8 +735,9 @@ impl Device {
     }
 }
 
-/// The staging functions of ABI 2.1, read through the accessors that return `None` for a
-/// plugin built for 2.0 (and always `None` when this crate is built with minor 0's tables).
+/// The staging functions of ABI 2.1 and the asynchronous write of 2.2, read through accessors
+/// that return `None` for a plugin built for an older minor (and always `None` when this crate
+/// is built with minor 0's tables).
 macro_rules! staging_accessors {
     ($($name:ident: $field:ident($($arg:ty),*) -> $ret:ty;)*) => {
         impl Device {
@@ -742,6 +764,93 @@ staging_accessors! {
     vtable_download: download(&StagedCopy) -> ();
     vtable_fence: fence() -> u64;
     vtable_wait_fence: wait_fence(u64) -> ();
+    vtable_write_async: write_async(&AsyncWrite) -> ();
+}
+
+/// Writes enqueued on one device whose host sources stay borrowed until the device has run
+/// them (see [`Device::async_writes`]).
+///
+/// The borrow checker keeps every source alive and unchanged while this value lives;
+/// [`AsyncWrites::finish`] (or the drop) waits for a fence recorded after the last write, so
+/// the sources are free again only once the device no longer reads them. Only the CPU device
+/// offers such writes today: its queue copies each source once, straight into the buffer.
+pub struct AsyncWrites<'a> {
+    device: Arc<Device>,
+    /// Whether a write was enqueued since the last wait.
+    pending: bool,
+    _sources: PhantomData<&'a [u8]>,
+}
+
+impl<'a> AsyncWrites<'a> {
+    /// Enqueues a copy of `src` into `dst` at byte `offset`. Returns `false`, enqueueing
+    /// nothing, when the plugin does not offer such writes (built before ABI 2.2, or it
+    /// answers "unsupported"): the caller then stages the bytes itself.
+    ///
+    /// # Errors
+    /// The plugin's error for a bad range or a failed enqueue.
+    pub fn write(
+        &mut self,
+        dst: BufferHandle,
+        offset: u64,
+        src: &'a [u8],
+    ) -> Result<bool, DeviceError> {
+        let device = &*self.device;
+        let Some(write_async) = device.vtable_write_async() else {
+            return Ok(false);
+        };
+        if device.no_async_write.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let write = AsyncWrite {
+            device: dst,
+            device_offset: offset,
+            host: src.as_ptr(),
+            bytes: src.len() as u64,
+        };
+        match write_async(device.instance.ctx, &write).into_result() {
+            Ok(()) => {
+                self.pending = true;
+                bump(&device.counters.h2d_calls, 1);
+                bump(&device.counters.h2d_bytes, src.len() as u64);
+                Ok(true)
+            }
+            Err(err) if err.code == ErrorCode::UNSUPPORTED => {
+                device.no_async_write.store(true, Ordering::Relaxed);
+                Ok(false)
+            }
+            Err(err) => Err(device.plugin.error("write_async", err)),
+        }
+    }
+
+    /// Waits until the device has run every write enqueued so far (and the work before them).
+    ///
+    /// # Errors
+    /// A failure of the work the fence covers. The sources are no longer read either way.
+    pub fn finish(mut self) -> Result<(), DeviceError> {
+        self.wait()
+    }
+
+    fn wait(&mut self) -> Result<(), DeviceError> {
+        if !std::mem::take(&mut self.pending) {
+            return Ok(());
+        }
+        let device = &*self.device;
+        let waited = device.fence().and_then(|fence| device.wait_fence(fence));
+        if waited.is_err() {
+            // A fence that could not be recorded or waited for says nothing about the
+            // writes: drain the whole queue before the sources may go.
+            device.synchronize()?;
+        }
+        waited
+    }
+}
+
+impl Drop for AsyncWrites<'_> {
+    fn drop(&mut self) {
+        // The sources may be freed right after this returns; an error was, or will be,
+        // reported by the device's next call.
+        let _ = self.wait();
+    }
 }
 
 impl Drop for Device {

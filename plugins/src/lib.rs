@@ -37,7 +37,7 @@ pub use abi::{
     MatRef, MemInfo, MemoryReport, OpKind, PluginError,
 };
 pub use backend::{Backend, Logger};
-pub use host::{Description, Device, DeviceError, Plugin, Probe};
+pub use host::{AsyncWrites, Description, Device, DeviceError, Plugin, Probe};
 pub use loader::{LoadError, SearchPath, load_library};
 
 /// Re-exports the generated code of [`export_plugin!`] refers to.

@@ -76,8 +76,9 @@ fn a_plugin_built_for_abi_1_is_refused_naming_both_versions() {
     assert!(text.contains(&format!("needs {ABI_MAJOR}.x")), "{text}");
 }
 
-/// A plugin built for 2.0 has shorter tables than this host's 2.1: it loads, works, and the
-/// host falls back to ordinary memory for staging, which 2.0 lacks.
+/// A plugin built for 2.0 has shorter tables than this host's 2.2: it loads, works, and the
+/// host falls back to ordinary memory for staging and to staged uploads for `write_async`,
+/// which 2.0 lacks.
 #[test]
 fn a_plugin_built_for_abi_2_0_loads_and_the_host_falls_back() {
     let path = iris_tests::abi_2_0_fixture().unwrap_or_else(|err| panic!("{err}"));
@@ -102,6 +103,12 @@ fn a_plugin_built_for_abi_2_0_loads_and_the_host_falls_back() {
     assert!(bytes[1024..2048].iter().all(|b| *b == 0));
     assert!(bytes[2048..].iter().all(|b| *b == 0x5a));
     drop((staging, back));
+    // No `write_async` either (2.2): the writes object enqueues nothing and says so.
+    assert!(!device.has_async_write());
+    let source = vec![7u8; 64];
+    let mut writes = device.async_writes();
+    assert!(!writes.write(buf, 0, &source).unwrap());
+    writes.finish().unwrap();
     device.free(buf).unwrap();
     // The conformance suite passes, with host staging reported as unsupported.
     let report = iris_plugin::conformance::run(&plugin, &device);
@@ -119,6 +126,16 @@ fn a_plugin_built_for_abi_2_0_loads_and_the_host_falls_back() {
         staging.status.detail().contains("ABI 2.0"),
         "{}",
         staging.status
+    );
+    let write_async = report
+        .checks
+        .iter()
+        .find(|c| c.name == "queue.write_async")
+        .expect("the suite checks write_async");
+    assert!(
+        write_async.status.detail().contains("ABI 2.0"),
+        "{}",
+        write_async.status
     );
 }
 
