@@ -21,7 +21,9 @@ use iris_plugin::abi::{
     RotaryArgs,
 };
 use iris_plugin::host::HostBuffer;
-use iris_plugin::{Activation, BinaryOp, DType, Device, DeviceError, MatRef};
+use iris_plugin::{
+    Activation, AsyncWrites, BinaryOp, BufferHandle, DType, Device, DeviceError, MatRef,
+};
 
 use crate::encoder::EncoderError;
 use crate::memory::allocator::round_size;
@@ -338,19 +340,71 @@ impl Runner {
         }
         let tensor = self.tensor(dtype, rows, cols)?;
         if let Storage::Device(buffer) = tensor.storage.as_ref() {
-            let size = usize::try_from(dtype_size(dtype)).map_err(|_| too_big())?;
-            let mut staging = self.staging()?;
+            self.stage_f32(buffer.handle(), buffer.offset(), parts, dtype)?;
+        }
+        Ok(tensor)
+    }
+
+    /// Converts `parts` to `dtype` chunk by chunk through the staging ring and uploads them,
+    /// concatenated, into `buffer` from byte `offset`.
+    fn stage_f32(
+        &self,
+        buffer: BufferHandle,
+        mut offset: u64,
+        parts: &[&[f32]],
+        dtype: DType,
+    ) -> Result<(), EncoderError> {
+        let size = usize::try_from(dtype_size(dtype)).map_err(|_| too_big())?;
+        let mut staging = self.staging()?;
+        let chunks = parts.iter().flat_map(|p| p.chunks(STAGING_BYTES / size));
+        for (i, chunk) in chunks.enumerate() {
+            // Waits until the upload that last used this slot has read it.
+            let slot = &mut staging.slots[i % STAGING_SLOTS];
+            let bytes = slot.as_mut_slice()?;
+            let len = chunk.len() * size;
+            encode_f32_to(chunk, dtype, &mut bytes[..len]);
+            self.device.upload(buffer, offset, slot, 0, len as u64)?;
+            offset += len as u64;
+        }
+        Ok(())
+    }
+
+    /// [`Runner::upload_f32_parts`] without a copy on this thread where the device allows it.
+    ///
+    /// When the tensor is f32 and the device's queue reads host memory as it runs (ABI 2.2's
+    /// `write_async`; the CPU device), each part is enqueued where it lies: the device copies
+    /// it once, in queue order, with no staging and no work here, and `writes` keeps the parts
+    /// borrowed until the device has run the copies (its `finish` or drop waits for them).
+    /// Otherwise (another dtype, which is converted on the host, or a device without such
+    /// writes) the parts go through the staging buffers as with `upload_f32_parts`.
+    pub fn upload_f32_parts_lent<'a>(
+        &self,
+        parts: &[&'a [f32]],
+        dtype: DType,
+        rows: u64,
+        cols: u64,
+        writes: &mut AsyncWrites<'a>,
+    ) -> Result<Tensor, EncoderError> {
+        // The device reads the values' bytes as they lie in memory: little-endian f32.
+        if dtype != DType::F32 || cfg!(target_endian = "big") || !self.device.has_async_write() {
+            return self.upload_f32_parts(parts, dtype, rows, cols);
+        }
+        let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        if total != rows * cols {
+            return Err(EncoderError::Shape(format!(
+                "upload of {total} values into a {rows}x{cols} tensor"
+            )));
+        }
+        let tensor = self.tensor(dtype, rows, cols)?;
+        if let Storage::Device(buffer) = tensor.storage.as_ref() {
             let mut offset = buffer.offset();
-            let chunks = parts.iter().flat_map(|p| p.chunks(STAGING_BYTES / size));
-            for (i, chunk) in chunks.enumerate() {
-                // Waits until the upload that last used this slot has read it.
-                let slot = &mut staging.slots[i % STAGING_SLOTS];
-                let bytes = slot.as_mut_slice()?;
-                let len = chunk.len() * size;
-                encode_f32_to(chunk, dtype, &mut bytes[..len]);
-                self.device
-                    .upload(buffer.handle(), offset, slot, 0, len as u64)?;
-                offset += len as u64;
+            for part in parts {
+                let bytes = f32_bytes(part);
+                if !writes.write(buffer.handle(), offset, bytes)? {
+                    // The plugin turned such writes down after all: stage this part.
+                    self.stage_f32(buffer.handle(), offset, &[part], dtype)?;
+                }
+                offset += bytes.len() as u64;
             }
         }
         Ok(tensor)
@@ -803,6 +857,15 @@ pub fn encode_f32_into(data: &[f32], dtype: DType, out: &mut Vec<u8>) {
 /// Host f32 values into `out`, exactly `data.len()` elements of `dtype`. Writing fixed-size
 /// chunks of a sized buffer, rather than collecting a byte iterator, lets the compiler
 /// vectorise the loop.
+/// The bytes of `values` as they lie in memory.
+fn f32_bytes(values: &[f32]) -> &[u8] {
+    // SAFETY: any initialised f32 is four initialised bytes; u8 has no alignment needs and the
+    // length covers exactly the slice.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
+
 fn encode_f32_to(data: &[f32], dtype: DType, out: &mut [u8]) {
     match dtype {
         DType::F16 => {

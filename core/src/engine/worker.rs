@@ -744,9 +744,13 @@ impl Worker {
         let parts: Vec<&[f32]> = batch.iter().map(|i| i.pixel_values.as_slice()).collect();
         let grids: Vec<[u32; 3]> = batch.iter().map(|image| image.grid_thw).collect();
         let rows = parts.iter().map(|p| p.len() as u64).sum::<u64>() / row_len;
-        let input = self
-            .runner
-            .upload_f32_parts(&parts, self.dtype, rows, row_len)?;
+        // Where the device reads host memory as its queue runs, the pixels are not copied on
+        // this thread: the device copies them, in order, ahead of the forward pass (as a copy
+        // engine would), and `writes` keeps them borrowed until it has.
+        let mut writes = self.runner.device().async_writes();
+        let input =
+            self.runner
+                .upload_f32_parts_lent(&parts, self.dtype, rows, row_len, &mut writes)?;
         let started = Instant::now();
         // Forward enqueues the graph; the encoder's time is that of completed work.
         let outputs = tower
@@ -759,6 +763,8 @@ impl Worker {
             .encoder_time_ns
             .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
         let outputs = outputs?;
+        // The queue has drained: this returns at once.
+        writes.finish()?;
         drop(input);
         for (image, out) in batch.iter().zip(outputs) {
             let tokens = out.embeddings.rows();
