@@ -71,7 +71,7 @@ pub struct BenchArgs {
     /// Write the results as JSON to this file.
     #[arg(long)]
     pub result_json: Option<PathBuf>,
-    /// Draw the memory timeline to this file (.svg, or .png without text).
+    /// Draw the memory timeline to this file (.svg or .png, with title, axes and legend).
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// Do not draw the progress bar.
