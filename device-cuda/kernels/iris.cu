@@ -532,30 +532,44 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 #endif
 
 #if IRIS_TENSOR_CORES
-// One 64-row tile of K or V (rows k0 .. k0 + 63 of the segment, columns col0 .. col0 + DK) into
-// shared memory rows of DK + FA_PAD elements: 16-byte chunks, cp.async where `async` (16-byte
-// aligned rows), element loads otherwise; chunks past the head dim or the segment are zeros.
+// One 64-row tile of K and of V (rows row0 .. row0 + 63 of the segment, the head's first DK
+// columns) into shared memory rows of DK + FA_PAD elements: 16-byte chunks, DK / 16 of each
+// tile per thread, by cp.async where `async` (16-byte aligned rows), element loads otherwise.
+// Chunks past the head dim or the segment are zeros: V's must be finite (P is 0 there, and
+// 0 times NaN is NaN), K's keep Q·Kᵀ of padding columns 0.
 template <int DK>
-__device__ __forceinline__ void fa_load_tile(u16* dst, const u16* src, i64 stride, i64 row0,
-                                             int rows, int head_dim, bool async) {
-    constexpr int CHUNKS = DK / 8;
-    for (int e = threadIdx.x; e < FA_BK * CHUNKS; e += FA_THREADS) {
+__device__ __forceinline__ void fa_load_tiles(u16* kdst, u16* vdst, const u16* k, i64 ks,
+                                              const u16* v, i64 vs, i64 row0, int rows,
+                                              int head_dim, bool async) {
+    constexpr int CHUNKS = DK / 8;  // per row
+    static_assert(FA_BK * CHUNKS % FA_THREADS == 0, "whole chunks per thread");
+    // Not unrolled: the unrolled addresses would stay live across the tile loop and cost more
+    // registers (and blocks per SM) than the loop costs instructions.
+#pragma unroll 1
+    for (int it = 0; it < FA_BK * CHUNKS / FA_THREADS; ++it) {
+        const int e = threadIdx.x + it * FA_THREADS;
         const int r = e / CHUNKS;
         const int c = (e - r * CHUNKS) * 8;
-        u16* d = dst + r * (DK + FA_PAD) + c;
+        const int at = r * (DK + FA_PAD) + c;
         if (r < rows && c < head_dim) {
-            const u16* s = src + (row0 + r) * stride + c;
+            const u16* ksrc = k + (row0 + r) * ks + c;
+            const u16* vsrc = v + (row0 + r) * vs + c;
             if (async) {
-                cp_async_16(d, s);
+                cp_async_16(kdst + at, ksrc);
+                cp_async_16(vdst + at, vsrc);
             } else {
-                uint4 chunk;
-                u16* h = (u16*)&chunk;
+                uint4 kc, vc;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) h[i] = s[i];
-                *(uint4*)d = chunk;
+                for (int i = 0; i < 8; ++i) {
+                    ((u16*)&kc)[i] = ksrc[i];
+                    ((u16*)&vc)[i] = vsrc[i];
+                }
+                *(uint4*)(kdst + at) = kc;
+                *(uint4*)(vdst + at) = vc;
             }
         } else {
-            *(uint4*)d = uint4{0u, 0u, 0u, 0u};
+            *(uint4*)(kdst + at) = uint4{0u, 0u, 0u, 0u};
+            *(uint4*)(vdst + at) = uint4{0u, 0u, 0u, 0u};
         }
     }
 }
@@ -620,8 +634,8 @@ __device__ __forceinline__ void flash_attention_impl(const u16* q, i64 qs, const
     float l_run[2] = {0.0f, 0.0f};            // this lane's part of the running sum
 
     const int tiles = (len + FA_BK - 1) / FA_BK;
-    fa_load_tile<DK>(smem, kb, ks, 0, len < FA_BK ? len : FA_BK, head_dim, async);
-    fa_load_tile<DK>(smem + 2 * TILE, vb, vs, 0, len < FA_BK ? len : FA_BK, head_dim, async);
+    fa_load_tiles<DK>(smem, smem + 2 * TILE, kb, ks, vb, vs, 0, len < FA_BK ? len : FA_BK,
+                      head_dim, async);
     cp_async_commit();
 
     for (int tile = 0; tile < tiles; ++tile) {
@@ -634,8 +648,8 @@ __device__ __forceinline__ void flash_attention_impl(const u16* q, i64 qs, const
             const int k1 = k0 + FA_BK;
             const int rows = len - k1 < FA_BK ? len - k1 : FA_BK;
             const int stage = (tile + 1) & 1;
-            fa_load_tile<DK>(smem + stage * TILE, kb, ks, k1, rows, head_dim, async);
-            fa_load_tile<DK>(smem + (2 + stage) * TILE, vb, vs, k1, rows, head_dim, async);
+            fa_load_tiles<DK>(smem + stage * TILE, smem + (2 + stage) * TILE, kb, ks, vb, vs, k1,
+                              rows, head_dim, async);
             cp_async_commit();
         }
         if (!active) continue;
