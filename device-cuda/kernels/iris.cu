@@ -461,23 +461,19 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
 
 #if __CUDA_ARCH__ >= 800
 // d = a · b + c for one 16x8x16 tile; a, b and c as the PTX ISA lays them out over the warp.
+#define IRIS_MMA_16816(TYPE)                                                                 \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0,%1,%2,%3}, " \
+                 "{%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"                                \
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                            \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),         \
+                   "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]))
 template <bool BF16>
 __device__ __forceinline__ void mma_16816(float d[4], const u32 a[4], const u32 b[2],
                                           const float c[4]) {
     if (BF16) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-            "{%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
-            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]),
-              "f"(c[1]), "f"(c[2]), "f"(c[3]));
+        IRIS_MMA_16816("bf16");
     } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-            "{%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
-            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]),
-              "f"(c[1]), "f"(c[2]), "f"(c[3]));
+        IRIS_MMA_16816("f16");
     }
 }
 
