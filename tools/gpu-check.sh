@@ -34,9 +34,11 @@
 #                nvidia-smi before, during and after the run
 #   attention    attention_bench: bf16 attention, 16 heads, head dims 64/72/80/96/128, one
 #                segment of 256 to 16384 tokens; with torch, PyTorch's SDPA on the same shapes
-#                (tools/gpu-check/attention_vs_sdpa.py). Expected on an H100 with today's f32
-#                CUDA-core kernel: 15 to 25 TFLOPS at 4096 tokens and more, 10 to 25 times
-#                SDPA's time (docs/PERFORMANCE.md has the model)
+#                (tools/gpu-check/attention_vs_sdpa.py). bf16 at these head dims runs the
+#                tensor-core kernel; expected on an H100 at 1024 tokens and more: 220 to 380
+#                TFLOPS by head dim (printed per shape), iris's time within 1.5 times SDPA's
+#                with FlashAttention-2, within 2 times with cuDNN's Hopper kernel
+#                (docs/PERFORMANCE.md has the model)
 #   transformers where Python has torch and transformers: the Qwen2-VL-2B and Qwen2.5-VL-7B
 #                towers in bf16 against transformers with its best attention on the same GPU
 #                (tools/gpu-check/towers_vs_transformers.py)

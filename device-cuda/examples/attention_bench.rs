@@ -8,7 +8,9 @@
 //!
 //! Each shape is one segment of `tokens` tokens with 16 heads, bf16, timed over repeated calls
 //! after a warm-up call, with the queue drained before and after; FLOPs count the two matrix
-//! products, `4 · tokens² · head_dim · heads`.
+//! products, `4 · tokens² · head_dim · heads`. bf16 at these head dims runs the tensor-core
+//! kernel on sm_80 and later; each line carries the TFLOPS docs/PERFORMANCE.md's model expects
+//! of it on an H100 (`expected_h100_tflops`, for 1024 tokens and more; null below).
 
 // Timing arithmetic: token counts and call counts far below 2^52, so the casts are exact.
 #![allow(
@@ -25,6 +27,10 @@ use iris_plugin::{Device, load_library};
 
 const HEADS: u64 = 16;
 const HEAD_DIMS: [u64; 5] = [64, 72, 80, 96, 128];
+/// The model's range per head dim (docs/PERFORMANCE.md, "Attention: what to expect on an H100").
+const EXPECTED_H100_TFLOPS: [&str; 5] = ["220-300", "220-300", "240-320", "260-340", "280-380"];
+/// The shortest segment the expected range applies to.
+const EXPECTED_FROM_TOKENS: u64 = 1024;
 
 fn main() {
     if let Err(err) = run() {
@@ -59,13 +65,18 @@ fn run() -> Result<(), String> {
     } else {
         &[256, 1024, 4096, 16384]
     };
-    for &head_dim in &HEAD_DIMS {
+    for (&head_dim, expected) in HEAD_DIMS.iter().zip(EXPECTED_H100_TFLOPS) {
         for &tokens in lengths {
             let seconds = time(&device, tokens, head_dim)?;
             let flops = 4.0 * (tokens * tokens * head_dim * HEADS) as f64;
+            let expected = if tokens >= EXPECTED_FROM_TOKENS {
+                format!("\"{expected}\"")
+            } else {
+                "null".to_owned()
+            };
             println!(
                 "{{\"dtype\": \"bf16\", \"heads\": {HEADS}, \"head_dim\": {head_dim}, \"tokens\": {tokens}, \
-                 \"ms\": {:.4}, \"tflops\": {:.2}}}",
+                 \"ms\": {:.4}, \"tflops\": {:.2}, \"expected_h100_tflops\": {expected}}}",
                 seconds * 1e3,
                 flops / seconds / 1e12
             );

@@ -420,6 +420,349 @@ __device__ __forceinline__ void attention_impl(const void* q, i64 qs, const void
 }
 
 // ---------------------------------------------------------------------------------------------
+// Variable-length attention on tensor cores, for f16 and bf16 (FlashAttention-2 style, sm_80+).
+//
+// A block of 4 warps takes 64 queries of one head of one segment, 16 per warp (one MMA row
+// block); the grid and `cu_seqlens` are as for attention_impl. Each warp keeps its queries as
+// MMA A fragments in registers for the whole pass. Keys and values stream through shared
+// memory in tiles of 64 rows of DK + 8 elements (the 8 put consecutive rows on different banks
+// for ldmatrix), two stages: the next tile loads with cp.async while the current one is
+// computed. Per tile and warp: S = Q·Kᵀ by mma.m16n8k16 (K fragments by ldmatrix), an online
+// softmax in f32 (exp2 of S · scale · log2 e minus the running maximum, one FFMA per score),
+// P rounded to the storage type in registers, where the accumulator layout of S is already the
+// A layout of P (so P never touches shared memory), and O += P·V (V fragments by
+// ldmatrix.trans). DK is the head dim padded to the MMA's k of 16 (72 runs as 80); padding
+// columns and keys past the segment are zeros in shared memory, and keys past the segment are
+// masked to minus infinity before the softmax. `scale` must be positive (the plugin sends
+// other scales to attention_impl).
+//
+// The warp-wide instructions are behind the small functions below (mma_16816, ldmatrix_x4,
+// ldmatrix_x4_trans, cp_async_16 ...), which the CPU emulator of the stand-in driver
+// implements from the PTX ISA's fragment layouts.
+// ---------------------------------------------------------------------------------------------
+
+#define FA_WARPS 4
+#define FA_BQ (FA_WARPS * 16)
+#define FA_BK 64
+#define FA_THREADS (FA_WARPS * 32)
+#define FA_PAD 8
+
+#ifdef __CUDA_ARCH__
+extern __shared__ __align__(16) unsigned char iris_dynamic_shared[];
+
+__device__ __forceinline__ unsigned char* dynamic_shared() { return iris_dynamic_shared; }
+
+// The shared-window address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 g; cvta.to.shared.u64 g, %1; cvt.u32.u64 %0, g; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+#if __CUDA_ARCH__ >= 800
+// d = a · b + c for one 16x8x16 tile; a, b and c as the PTX ISA lays them out over the warp.
+#define IRIS_MMA_16816(TYPE)                                                                 \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0,%1,%2,%3}, " \
+                 "{%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"                                \
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                            \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),         \
+                   "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]))
+template <bool BF16>
+__device__ __forceinline__ void mma_16816(float d[4], const u32 a[4], const u32 b[2],
+                                          const float c[4]) {
+    if (BF16) {
+        IRIS_MMA_16816("bf16");
+    } else {
+        IRIS_MMA_16816("f16");
+    }
+}
+
+// Four 8x8 matrices of 16-bit elements; lane 8m + r gives the address of row r of matrix m.
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], const u16* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+
+// As ldmatrix_x4, each matrix transposed.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const u16* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+
+// 16 bytes from global to shared memory, asynchronously (L2 only: the tile is read once).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Waits until every cp.async group this thread committed has landed.
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+// Two f32 rounded to nearest even and packed, `lo` in the low half (the lower column).
+template <bool BF16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+    if (BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+#endif
+#endif
+
+// Whether this compilation has the instructions above: sm_80 and later, or the emulator.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define IRIS_TENSOR_CORES 1
+#else
+#define IRIS_TENSOR_CORES 0
+#endif
+
+#if IRIS_TENSOR_CORES
+// One 64-row tile of K and of V (rows row0 .. row0 + 63 of the segment, the head's first DK
+// columns) into shared memory rows of DK + FA_PAD elements: 16-byte chunks, DK / 16 of each
+// tile per thread, by cp.async where `async` (16-byte aligned rows), element loads otherwise.
+// Chunks past the head dim or the segment are zeros: V's must be finite (P is 0 there, and
+// 0 times NaN is NaN), K's keep Q·Kᵀ of padding columns 0.
+template <int DK>
+__device__ __forceinline__ void fa_load_tiles(u16* kdst, u16* vdst, const u16* k, i64 ks,
+                                              const u16* v, i64 vs, i64 row0, int rows,
+                                              int head_dim, bool async) {
+    constexpr int CHUNKS = DK / 8;  // per row
+    static_assert(FA_BK * CHUNKS % FA_THREADS == 0, "whole chunks per thread");
+    // Not unrolled: the unrolled addresses would stay live across the tile loop and cost more
+    // registers (and blocks per SM) than the loop costs instructions.
+#pragma unroll 1
+    for (int it = 0; it < FA_BK * CHUNKS / FA_THREADS; ++it) {
+        const int e = threadIdx.x + it * FA_THREADS;
+        const int r = e / CHUNKS;
+        const int c = (e - r * CHUNKS) * 8;
+        const int at = r * (DK + FA_PAD) + c;
+        if (r < rows && c < head_dim) {
+            const u16* ksrc = k + (row0 + r) * ks + c;
+            const u16* vsrc = v + (row0 + r) * vs + c;
+            if (async) {
+                cp_async_16(kdst + at, ksrc);
+                cp_async_16(vdst + at, vsrc);
+            } else {
+                uint4 kc, vc;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    ((u16*)&kc)[i] = ksrc[i];
+                    ((u16*)&vc)[i] = vsrc[i];
+                }
+                *(uint4*)(kdst + at) = kc;
+                *(uint4*)(vdst + at) = vc;
+            }
+        } else {
+            *(uint4*)(kdst + at) = uint4{0u, 0u, 0u, 0u};
+            *(uint4*)(vdst + at) = uint4{0u, 0u, 0u, 0u};
+        }
+    }
+}
+#endif
+
+template <bool BF16, int DK, int DV>
+__device__ __forceinline__ void flash_attention_impl(const u16* q, i64 qs, const u16* k, i64 ks,
+                                                     const u16* v, i64 vs, u16* out, i64 os,
+                                                     const int* cu_seqlens, int head_dim,
+                                                     float scale) {
+#if !IRIS_TENSOR_CORES
+    return;  // tensor-core kernels need sm_80; the plugin never launches them below
+#else
+    constexpr int RS = DK + FA_PAD;          // shared row stride in elements
+    constexpr int TILE = FA_BK * RS;         // elements of one K or V tile
+    constexpr int KSTEPS = DK / 16;          // k steps of Q·Kᵀ
+    constexpr int NV = DV / 8;               // column groups of O
+    u16* smem = (u16*)dynamic_shared();      // K stage 0, K stage 1, V stage 0, V stage 1
+
+    const int seg = blockIdx.z;
+    const int head = blockIdx.y;
+    const i64 start = cu_seqlens[seg];
+    const int len = cu_seqlens[seg + 1] - cu_seqlens[seg];
+    const int q0 = blockIdx.x * FA_BQ;
+    if (q0 >= len) return;
+
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;  // fragment row (and row + 8)
+    const int t = lane & 3;   // fragment column pair
+    const i64 col0 = (i64)head * head_dim;
+    const float sl = scale * LOG2E;
+    const int qw = q0 + warp * 16;  // this warp's first query
+    const bool active = qw < len;   // warp-uniform
+    const u16* kb = k + start * ks + col0;
+    const u16* vb = v + start * vs + col0;
+    const bool async = ((((u64)kb | (u64)vb) & 15u) == 0u) && ((ks | vs) & 7) == 0;
+
+    // Q fragments: a[0] row g, columns 2t, 2t + 1; a[1] row g + 8; a[2], a[3] columns + 8.
+    u32 qf[KSTEPS][4];
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = qw + g + (r & 1) * 8;
+            const int col = s * 16 + t * 2 + (r >> 1) * 8;
+            u32 lo = 0u, hi = 0u;
+            if (row < len) {
+                const u16* p = q + (start + row) * qs + col0 + col;
+                if (col < head_dim) lo = p[0];
+                if (col + 1 < head_dim) hi = p[1];
+            }
+            qf[s][r] = lo | (hi << 16);
+        }
+
+    float o[NV][4];
+#pragma unroll
+    for (int n = 0; n < NV; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+    float m_run[2] = {-IRIS_INF, -IRIS_INF};  // running maximum of S · sl, rows g and g + 8
+    float l_run[2] = {0.0f, 0.0f};            // this lane's part of the running sum
+
+    const int tiles = (len + FA_BK - 1) / FA_BK;
+    fa_load_tiles<DK>(smem, smem + 2 * TILE, kb, ks, vb, vs, 0, len < FA_BK ? len : FA_BK,
+                      head_dim, async);
+    cp_async_commit();
+
+    for (int tile = 0; tile < tiles; ++tile) {
+        const int k0 = tile * FA_BK;
+        cp_async_wait_all();
+        // Tile `tile` is visible to all, and every warp is done with the previous one, whose
+        // stage the next tile's copies overwrite.
+        __syncthreads();
+        if (tile + 1 < tiles) {
+            const int k1 = k0 + FA_BK;
+            const int rows = len - k1 < FA_BK ? len - k1 : FA_BK;
+            const int stage = (tile + 1) & 1;
+            fa_load_tiles<DK>(smem + stage * TILE, smem + (2 + stage) * TILE, kb, ks, vb, vs, k1,
+                              rows, head_dim, async);
+            cp_async_commit();
+        }
+        if (!active) continue;
+        const u16* ksm = smem + (tile & 1) * TILE;
+        const u16* vsm = smem + (2 + (tile & 1)) * TILE;
+
+        // S = Q·Kᵀ: 8 groups of 8 keys; one ldmatrix_x4 gives the B fragments of two groups.
+        float sc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sc[j][i] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < KSTEPS; ++s) {
+#pragma unroll
+            for (int j = 0; j < 8; j += 2) {
+                // Matrix m = lane / 8: keys 8j + 8 (m / 2) + lane % 8, columns 16s + 8 (m % 2).
+                const int m = lane >> 3;
+                const u16* row = ksm + (j * 8 + (m >> 1) * 8 + (lane & 7)) * RS + s * 16 + (m & 1) * 8;
+                u32 b[4];
+                ldmatrix_x4(b, row);
+                mma_16816<BF16>(sc[j], qf[s], b, sc[j]);
+                mma_16816<BF16>(sc[j + 1], qf[s], b + 2, sc[j + 1]);
+            }
+        }
+
+        // Online softmax; element i of group j is key k0 + 8j + 2t + (i & 1), row g + 8 (i / 2).
+        float mx[2] = {-IRIS_INF, -IRIS_INF};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if (k0 + j * 8 + t * 2 + (i & 1) >= len) sc[j][i] = -IRIS_INF;
+                mx[i >> 1] = fmaxf(mx[i >> 1], sc[j][i]);
+            }
+        float alpha[2], neg_m[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m_run[r], mx[r] * sl);  // sl > 0: max commutes with it
+            alpha[r] = exp2f(m_run[r] - m_new);
+            m_run[r] = m_new;
+            neg_m[r] = -m_new;
+        }
+        float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                sc[j][i] = exp2f(fmaf(sc[j][i], sl, neg_m[i >> 1]));
+                sum[i >> 1] += sc[j][i];
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + sum[r];
+#pragma unroll
+        for (int n = 0; n < NV; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i >> 1];
+
+        // O += P·V over 4 steps of 16 keys. P's A fragment for keys 16s .. 16s + 15 is the S
+        // accumulators of groups 2s and 2s + 1; one ldmatrix_x4_trans gives the B fragments of
+        // two key steps for one group of 8 columns.
+        u32 pf[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            pf[s][0] = pack2<BF16>(sc[2 * s][0], sc[2 * s][1]);
+            pf[s][1] = pack2<BF16>(sc[2 * s][2], sc[2 * s][3]);
+            pf[s][2] = pack2<BF16>(sc[2 * s + 1][0], sc[2 * s + 1][1]);
+            pf[s][3] = pack2<BF16>(sc[2 * s + 1][2], sc[2 * s + 1][3]);
+        }
+#pragma unroll
+        for (int s = 0; s < 4; s += 2) {
+#pragma unroll
+            for (int n = 0; n < NV; ++n) {
+                // Matrix m = lane / 8: keys 16s + 8m + lane % 8, columns 8n.
+                const u16* row = vsm + (s * 16 + (lane >> 3) * 8 + (lane & 7)) * RS + n * 8;
+                u32 b[4];
+                ldmatrix_x4_trans(b, row);
+                mma_16816<BF16>(o[n], pf[s], b, o[n]);
+                mma_16816<BF16>(o[n], pf[s + 1], b + 2, o[n]);
+            }
+        }
+    }
+    if (!active) return;
+
+    // O / l, stored as pairs of columns 8n + 2t, + 1 for rows g and g + 8.
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        inv[r] = 1.0f / l;
+    }
+    const bool pairs = (((u64)out & 3u) == 0u) && ((os | col0) & 1) == 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = qw + g + r * 8;
+        if (row >= len) continue;
+        u16* dst = out + (start + row) * os + col0;
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+            const int col = n * 8 + t * 2;
+            const u32 packed = pack2<BF16>(o[n][2 * r] * inv[r], o[n][2 * r + 1] * inv[r]);
+            if (pairs) {
+                *(u32*)(dst + col) = packed;
+            } else {
+                dst[col] = (u16)packed;
+                dst[col + 1] = (u16)(packed >> 16);
+            }
+        }
+    }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Batched copy: one block per region (grid-stride), 16-, 4- or 1-byte moves as alignment allows.
 // `regions` holds (src, dst, bytes) triples of device addresses.
 // ---------------------------------------------------------------------------------------------
@@ -517,6 +860,28 @@ FLOAT_KERNELS(bf16, BF16)
 ATTENTION_SIZES(f32, F32)
 ATTENTION_SIZES(f16, F16)
 ATTENTION_SIZES(bf16, BF16)
+
+// Tensor-core attention: flash_attention_<dtype>_<head dim>, for the head dims it is built for
+// (DK: the head dim padded to 16). Dynamic shared memory: 4 * 64 * (DK + 8) * 2 bytes.
+#define FLASH_KERNEL(NAME, BF16, DV, DK)                                                         \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                    \
+        flash_attention_##NAME##_##DV(const void* q, i64 qs, const void* k, i64 ks,            \
+                                      const void* v, i64 vs, void* out, i64 os,                \
+                                      const int* cu_seqlens, int head_dim, float scale) {      \
+        flash_attention_impl<BF16, DK, DV>((const u16*)q, qs, (const u16*)k, ks,               \
+                                           (const u16*)v, vs, (u16*)out, os, cu_seqlens,       \
+                                           head_dim, scale);                                   \
+    }
+
+#define FLASH_SIZES(NAME, BF16)     \
+    FLASH_KERNEL(NAME, BF16, 64, 64) \
+    FLASH_KERNEL(NAME, BF16, 72, 80) \
+    FLASH_KERNEL(NAME, BF16, 80, 80) \
+    FLASH_KERNEL(NAME, BF16, 96, 96) \
+    FLASH_KERNEL(NAME, BF16, 128, 128)
+
+FLASH_SIZES(f16, false)
+FLASH_SIZES(bf16, true)
 
 #define GATHER_KERNEL(NAME, T)                                                                 \
     extern "C" __global__ void __launch_bounds__(256)                                         \

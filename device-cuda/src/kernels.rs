@@ -39,6 +39,24 @@ pub const FLOAT_NAMES: [&str; 3] = ["f32", "f16", "bf16"];
 /// Padded head dims of the attention kernels; a head dim runs on the smallest one that holds it.
 pub const ATTENTION_SIZES: [u64; 6] = [32, 64, 72, 80, 96, 128];
 
+/// Head dims of the tensor-core attention kernels (`flash_attention_<f16|bf16>_<head dim>`),
+/// each its own instantiation.
+pub const FLASH_ATTENTION_SIZES: [u64; 5] = [64, 72, 80, 96, 128];
+/// Storage types of the tensor-core attention kernels.
+pub const FLASH_ATTENTION_TYPES: [&str; 2] = ["f16", "bf16"];
+/// Queries per block of the tensor-core attention kernels (4 warps of 16).
+pub const FLASH_ATTENTION_QUERIES: u64 = 64;
+
+/// Dynamic shared memory of the tensor-core attention kernel for `head_dim`: two stages of K and
+/// V tiles of 64 rows of the head dim padded to 16, plus 8, in 16-bit elements.
+pub fn flash_attention_shared_bytes(head_dim: u64) -> u32 {
+    const TILE_ROWS: u64 = 64;
+    const ROW_PAD: u64 = 8;
+    const TILES: u64 = 4;
+    let bytes = TILES * TILE_ROWS * (head_dim.next_multiple_of(16) + ROW_PAD) * 2;
+    u32::try_from(bytes).unwrap_or(u32::MAX)
+}
+
 /// Every entry point of the module, by name.
 pub fn kernel_names() -> Vec<String> {
     let mut names = vec!["copy_regions".to_owned()];
@@ -51,6 +69,11 @@ pub fn kernel_names() -> Vec<String> {
         }
         for size in ATTENTION_SIZES {
             names.push(format!("attention_{dtype}_{size}"));
+        }
+    }
+    for dtype in FLASH_ATTENTION_TYPES {
+        for size in FLASH_ATTENTION_SIZES {
+            names.push(format!("flash_attention_{dtype}_{size}"));
         }
     }
     for width in ["b1", "b2", "b4"] {
@@ -525,7 +548,12 @@ mod tests {
     #[test]
     fn every_kernel_in_the_source_is_listed() {
         let names = kernel_names();
-        assert_eq!(names.len(), 1 + 3 * (5 + 3 + ATTENTION_SIZES.len()) + 3);
+        assert_eq!(
+            names.len(),
+            1 + 3 * (5 + 3 + ATTENTION_SIZES.len())
+                + FLASH_ATTENTION_TYPES.len() * FLASH_ATTENTION_SIZES.len()
+                + 3
+        );
         for name in [
             "norm",
             "activation",
@@ -534,6 +562,7 @@ mod tests {
             "rotary",
             "cast",
             "attention",
+            "flash_attention",
             "gather",
             "copy_regions",
         ] {

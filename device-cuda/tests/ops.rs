@@ -20,6 +20,7 @@
 
 mod common;
 
+use std::ffi::{CString, c_char, c_void};
 use std::path::PathBuf;
 
 use common::{Libraries, plugin_library, run};
@@ -66,6 +67,104 @@ fn synchronize_reads_the_gather_status_without_blocking_copies() {
 #[test]
 fn attention_matches_the_reference_for_every_head_dim() {
     run("attention", &[], Libraries::Full);
+}
+
+/// The emulator's own model of `mma.m16n8k16` and `ldmatrix` (tests/standin/emu.cpp), apart
+/// from any kernel of the plugin: `emu_check_mma_<type>` (tests/standin/emu_check.cu) builds
+/// fragments of a known A and B by the PTX ISA's formulas, directly and through `ldmatrix`
+/// (plain and transposed), and every product must equal the plain one exactly (small integers).
+#[test]
+fn the_emulators_mma_and_ldmatrix_follow_the_ptx_fragment_layouts() {
+    type Launch = unsafe extern "C" fn(
+        *mut c_void,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        *mut c_void,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> i32;
+    let a: Vec<f32> = (0..256).map(|i| ((i * 7 + 3) % 9) as f32 - 4.0).collect();
+    // Neither matrix is symmetric in the index pairs a layout could swap (row and column, or
+    // the halves of a fragment).
+    let b: Vec<f32> = (0..128)
+        .map(|i| ((i * 37 + 11) % 13) as f32 - 6.0)
+        .collect();
+    let mut product = [0.0f64; 128];
+    for r in 0..16 {
+        for c in 0..8 {
+            product[r * 8 + c] = (0..16)
+                .map(|k| f64::from(a[r * 16 + k]) * f64::from(b[k * 8 + c]))
+                .sum();
+        }
+    }
+    let library = common::emulator_driver();
+    for kernel in ["emu_check_mma_f16", "emu_check_mma_bf16"] {
+        let mut d = vec![f32::NAN; 4 * 128];
+        // SAFETY: the stand-in driver with the emulator; its device memory is host memory, so
+        // the kernel's pointer parameters are these vectors, which outlive the synchronous
+        // launch. Each symbol has the driver API's signature.
+        let status = unsafe {
+            let driver = libloading::Library::new(&library).unwrap();
+            let init: libloading::Symbol<unsafe extern "C" fn(u32) -> i32> =
+                driver.get(b"cuInit").unwrap();
+            let get: libloading::Symbol<
+                unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> i32,
+            > = driver.get(b"cuModuleGetFunction").unwrap();
+            let launch: libloading::Symbol<Launch> = driver.get(b"cuLaunchKernel").unwrap();
+            assert_eq!(init(0), 0);
+            let name = CString::new(kernel).unwrap();
+            let mut function = std::ptr::null_mut();
+            assert_eq!(get(&mut function, std::ptr::null_mut(), name.as_ptr()), 0);
+            let (mut pa, mut pb, mut pd) = (a.as_ptr(), b.as_ptr(), d.as_mut_ptr());
+            let mut params: [*mut c_void; 3] = [
+                (&mut pa as *mut *const f32).cast(),
+                (&mut pb as *mut *const f32).cast(),
+                (&mut pd as *mut *mut f32).cast(),
+            ];
+            let stream = std::ptr::null_mut();
+            let extra = std::ptr::null_mut();
+            launch(
+                function,
+                1,
+                1,
+                1,
+                32,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                extra,
+            )
+        };
+        assert_eq!(status, 0, "{kernel}: launch");
+        for (which, what) in [
+            "fragments by the formulas",
+            "A and Bᵀ by ldmatrix",
+            "B by ldmatrix.trans",
+            "accumulating onto C",
+        ]
+        .iter()
+        .enumerate()
+        {
+            let factor = if which == 3 { 2.0 } else { 1.0 };
+            for (i, expected) in product.iter().enumerate() {
+                let got = f64::from(d[which * 128 + i]);
+                assert!(
+                    (got - factor * expected).abs() <= 0.0,
+                    "{kernel}, {what}: D[{}][{}] = {got}, expected {}",
+                    i / 8,
+                    i % 8,
+                    factor * expected
+                );
+            }
+        }
+    }
 }
 
 /// The same ops on this machine's GPU, with its real driver, cuBLAS, cuBLASLt and NVRTC. Skips,
@@ -829,96 +928,128 @@ fn movement(device: &Device) {
 }
 
 fn attention(device: &Device) {
-    let cu: [u32; 4] = [0, 1, 34, 104];
-    let tokens = 104;
-    let heads = 2;
+    // The f32-compute kernel: every dtype, head dims up to 128 padded to its sizes.
+    let cu = [0, 1, 34, 104];
     for (dtype, head_dims) in [
         (DType::F32, &[8usize, 64, 72, 80, 128][..]),
-        (DType::BF16, &[72, 80][..]),
-        (DType::F16, &[64][..]),
+        (DType::BF16, &[8, 48][..]),
+        (DType::F16, &[40][..]),
     ] {
         for &hd in head_dims {
-            let mut rng = Rng(hd as u64);
-            let width = heads * hd;
-            // q, k and v are column blocks of one fused [tokens, 3 * width] buffer.
-            let qkv = Tensor::upload(
-                device,
-                dtype,
-                tokens,
-                3 * width,
-                3 * width,
-                0,
-                &rng.values(tokens * 3 * width, 1.0),
+            attention_case(device, dtype, hd, &cu, 0);
+            assert_eq!(
+                common::standin_last_grid(),
+                [70u32.div_ceil(32), 2, 3],
+                "{dtype} head_dim {hd}: the f32-compute kernel's grid"
             );
-            let view = |part: usize| MatRef {
-                offset: qkv.view.offset + (part * width) as u64 * dtype.size().unwrap(),
-                cols: width as u64,
-                ..qkv.view
-            };
-            let out = Tensor::upload(
-                device,
-                dtype,
-                tokens,
-                width,
-                width,
-                0,
-                &vec![0.0; tokens * width],
+        }
+    }
+    // The tensor-core kernel: segments of 1, 17, 64, 65 and 300 tokens in one call (a single
+    // query, partial query and key tiles, exactly one tile, one row past it, several tiles).
+    let cu = [0, 1, 18, 82, 147, 447];
+    for dtype in [DType::BF16, DType::F16] {
+        for hd in [64usize, 72, 80, 96, 128] {
+            // Views one element into their buffers: rows not 16-byte aligned, so the tiles
+            // load element by element instead of by cp.async.
+            let offset = usize::from(dtype == DType::F16 && hd == 80);
+            attention_case(device, dtype, hd, &cu, offset);
+            assert_eq!(
+                common::standin_last_grid(),
+                [300u32.div_ceil(64), 2, 5],
+                "{dtype} head_dim {hd}: the tensor-core kernel's grid (64 queries per block)"
             );
-            let cu_device = upload_i32(device, &cu.map(|v| v as i32));
-            let scale = 1.0 / (hd as f32).sqrt();
-            let args = AttentionArgs {
-                q: view(0),
-                k: view(1),
-                v: view(2),
-                out: out.view,
-                heads: heads as u64,
-                head_dim: hd as u64,
-                scale,
-                cu_seqlens: cu.as_slice().into(),
-                cu_seqlens_device: MatRef::vector(cu_device, 0, DType::I32, cu.len() as u64),
-                max_seqlen: 70,
-                workspace: BufferSlice::EMPTY,
-            };
-            assert_eq!(device.attention_workspace(&args).unwrap(), 0);
-            device.attention(&args).unwrap();
-            let mut expected = vec![0.0; tokens * width];
-            for seg in cu.windows(2) {
-                let (start, end) = (seg[0] as usize, seg[1] as usize);
-                for h in 0..heads {
-                    for i in start..end {
-                        let scores: Vec<f64> = (start..end)
-                            .map(|j| {
-                                (0..hd)
-                                    .map(|c| qkv.at(i, h * hd + c) * qkv.at(j, width + h * hd + c))
-                                    .sum::<f64>()
-                                    * f64::from(scale)
-                            })
-                            .collect();
-                        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                        let total: f64 = weights.iter().sum();
-                        for c in 0..hd {
-                            let v: f64 = (start..end)
-                                .zip(&weights)
-                                .map(|(j, w)| w * qkv.at(j, 2 * width + h * hd + c))
-                                .sum();
-                            expected[i * width + h * hd + c] = v / total;
-                        }
+        }
+    }
+}
+
+/// One attention call over `cu` (2 heads of `hd`; q, k and v column blocks of one fused qkv
+/// buffer, `offset` elements into it) against the f64 reference.
+fn attention_case(device: &Device, dtype: DType, hd: usize, cu: &[u32], offset: usize) {
+    let tokens = *cu.last().unwrap() as usize;
+    let max_seqlen = cu.windows(2).map(|s| s[1] - s[0]).max().unwrap();
+    let heads = 2;
+    let mut rng = Rng(hd as u64 + tokens as u64);
+    let width = heads * hd;
+    let qkv = Tensor::upload(
+        device,
+        dtype,
+        tokens,
+        3 * width,
+        3 * width,
+        offset,
+        &rng.values(tokens * 3 * width, 1.0),
+    );
+    let view = |part: usize| MatRef {
+        offset: qkv.view.offset + (part * width) as u64 * dtype.size().unwrap(),
+        cols: width as u64,
+        ..qkv.view
+    };
+    let out = Tensor::upload(
+        device,
+        dtype,
+        tokens,
+        width,
+        width,
+        offset,
+        &vec![0.0; tokens * width],
+    );
+    let cu_i32: Vec<i32> = cu.iter().map(|&v| v as i32).collect();
+    let cu_device = upload_i32(device, &cu_i32);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let args = AttentionArgs {
+        q: view(0),
+        k: view(1),
+        v: view(2),
+        out: out.view,
+        heads: heads as u64,
+        head_dim: hd as u64,
+        scale,
+        cu_seqlens: cu.into(),
+        cu_seqlens_device: MatRef::vector(cu_device, 0, DType::I32, cu.len() as u64),
+        max_seqlen: u64::from(max_seqlen),
+        workspace: BufferSlice::EMPTY,
+    };
+    assert_eq!(device.attention_workspace(&args).unwrap(), 0);
+    device.attention(&args).unwrap();
+    let row = |i: usize, part: usize, h: usize| -> Vec<f64> {
+        (0..hd)
+            .map(|c| qkv.at(i, part * width + h * hd + c))
+            .collect()
+    };
+    let mut expected = vec![0.0; tokens * width];
+    for seg in cu.windows(2) {
+        let (start, end) = (seg[0] as usize, seg[1] as usize);
+        for h in 0..heads {
+            let keys: Vec<Vec<f64>> = (start..end).map(|j| row(j, 1, h)).collect();
+            let values: Vec<Vec<f64>> = (start..end).map(|j| row(j, 2, h)).collect();
+            for i in start..end {
+                let q = row(i, 0, h);
+                let scores: Vec<f64> = keys
+                    .iter()
+                    .map(|k| q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * f64::from(scale))
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                let o = &mut expected[i * width + h * hd..i * width + (h + 1) * hd];
+                for (w, v) in weights.iter().zip(&values) {
+                    for (o, v) in o.iter_mut().zip(v) {
+                        *o += w * v / total;
                     }
                 }
             }
-            close(
-                &format!("attention {dtype} head_dim {hd}"),
-                dtype,
-                &out.download(device),
-                &expected,
-                1.0,
-            );
-            device.free(cu_device).unwrap();
-            qkv.free(device);
-            out.free(device);
         }
     }
+    close(
+        &format!("attention {dtype} head_dim {hd}, segments {cu:?}"),
+        dtype,
+        &out.download(device),
+        &expected,
+        1.0,
+    );
+    device.free(cu_device).unwrap();
+    qkv.free(device);
+    out.free(device);
 }
 
 fn conformance(device: Device) {

@@ -5,7 +5,8 @@ on the same GPU, and prints both side by side.
     attention_vs_sdpa.py IRIS_RESULTS.jsonl [--json OUT]
 
 IRIS_RESULTS.jsonl holds attention_bench's lines (one JSON object per shape: dtype, heads,
-head_dim, tokens, ms, tflops). SDPA gets q, k and v as [1, heads, tokens, head_dim] bf16 tensors,
+head_dim, tokens, ms, tflops, and expected_h100_tflops, the range docs/PERFORMANCE.md's model
+expects of the tensor-core kernel on an H100 at 1024 tokens and more, printed beside). SDPA gets q, k and v as [1, heads, tokens, head_dim] bf16 tensors,
 which is how vision towers call it per segment; PyTorch picks its fastest backend (flash or
 cuDNN attention on Ampere and later). Median of five samples of repeated calls, timed with CUDA
 events. Exit status 0 when every shape ran.
@@ -52,7 +53,7 @@ def main():
         return 1
     print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(f"{'head_dim':>8} {'tokens':>7} {'iris ms':>9} {'sdpa ms':>9} {'iris TFLOPS':>12} "
-          f"{'sdpa TFLOPS':>12} {'sdpa/iris time':>15}")
+          f"{'sdpa TFLOPS':>12} {'iris/sdpa time':>15} {'H100 model':>11}")
     for row in rows:
         ms = time_sdpa(row["heads"], row["head_dim"], row["tokens"])
         flops = 4.0 * row["tokens"] ** 2 * row["head_dim"] * row["heads"]
@@ -60,7 +61,8 @@ def main():
         row["sdpa_tflops"] = flops / (ms * 1e-3) / 1e12
         row["iris_over_sdpa_time"] = row["ms"] / ms
         print(f"{row['head_dim']:>8} {row['tokens']:>7} {row['ms']:>9.3f} {ms:>9.3f} "
-              f"{row['tflops']:>12.1f} {row['sdpa_tflops']:>12.1f} {row['iris_over_sdpa_time']:>15.1f}")
+              f"{row['tflops']:>12.1f} {row['sdpa_tflops']:>12.1f} {row['iris_over_sdpa_time']:>15.2f} "
+              f"{row.get('expected_h100_tflops') or '-':>11}")
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=2)
     return 0

@@ -1,17 +1,25 @@
-//! Variable-length attention: `attention_<dtype>_<size>`, one block per 32 queries of one head
-//! of one segment, the segment bounds read from `cu_seqlens` on the device.
+//! Variable-length attention, the segment bounds read from `cu_seqlens` on the device.
+//!
+//! f16 and bf16 at head dims 64, 72, 80, 96 and 128 with a positive scale, on sm_80 and later,
+//! run the tensor-core kernel `flash_attention_<dtype>_<head dim>` (64 queries of one head of
+//! one segment per block, `mma.sync` and `ldmatrix`, K and V tiles double-buffered by
+//! `cp.async` in dynamic shared memory). Everything else runs `attention_<dtype>_<size>`
+//! (32 queries per block, f32 compute).
 
-use iris_plugin::abi::{AttentionArgs, PluginError};
+use iris_plugin::abi::{AttentionArgs, DType, PluginError};
 use iris_plugin::validate;
 
 use super::{
     ATTENTION_QUERIES, ATTENTION_THREADS, GRID_YZ, addr, dim, dtype_name, grid, kernel_args,
 };
 use crate::device::CudaDevice;
-use crate::kernels::ATTENTION_SIZES;
+use crate::kernels::{
+    ATTENTION_SIZES, FLASH_ATTENTION_QUERIES, FLASH_ATTENTION_SIZES, flash_attention_shared_bytes,
+};
 
 kernel_args! {
-    /// `attention_<dtype>_<size>(q, qs, k, ks, v, vs, out, os, cu_seqlens, head_dim, scale)`.
+    /// `attention_<dtype>_<size>(q, qs, k, ks, v, vs, out, os, cu_seqlens, head_dim, scale)`
+    /// and `flash_attention_<dtype>_<head dim>` with the same parameters.
     struct AttentionKernel {
         q: u64, qs: i64, k: u64, ks: i64, v: u64, vs: i64, out: u64, os: i64, cu_seqlens: u64,
         head_dim: i32, scale: f32,
@@ -58,19 +66,34 @@ impl CudaDevice {
             head_dim: i32::try_from(head_dim).unwrap_or(i32::MAX),
             scale: args.scale,
         };
-        let name = format!("attention_{}_{size}", dtype_name(att.q.dtype));
-        let tiles = args.max_seqlen.div_ceil(ATTENTION_QUERIES);
+        let dtype = dtype_name(att.q.dtype);
+        let flash = matches!(att.q.dtype, DType::F16 | DType::BF16)
+            && FLASH_ATTENTION_SIZES.contains(&head_dim)
+            // The kernel takes the row maximum before scaling (validation rules out NaN).
+            && args.scale > 0.0
+            && compute.has_flash_attention();
+        let (name, queries, shared) = if flash {
+            (
+                format!("flash_attention_{dtype}_{head_dim}"),
+                FLASH_ATTENTION_QUERIES,
+                flash_attention_shared_bytes(head_dim),
+            )
+        } else {
+            (format!("attention_{dtype}_{size}"), ATTENTION_QUERIES, 0)
+        };
+        let tiles = args.max_seqlen.div_ceil(queries);
         let grid_dims = (
             grid(tiles, i32::MAX as u64),
             grid(heads, GRID_YZ),
             grid(segments, GRID_YZ),
         );
         compute
-            .launch(
+            .launch_with_shared(
                 self.cu_stream(),
                 &name,
                 grid_dims,
                 ATTENTION_THREADS,
+                shared,
                 &mut launch,
             )
             .map_err(|err| err.into_plugin(op))

@@ -51,9 +51,9 @@ const COPY_CHUNK: u64 = THREADS as u64 * 16;
 
 /// Threads per block of the elementwise, norm and gather kernels.
 pub(crate) const THREADS: u32 = 256;
-/// Threads per block of the attention kernel (4 warps).
+/// Threads per block of both attention kernels (4 warps).
 pub(crate) const ATTENTION_THREADS: u32 = 128;
-/// Queries per attention block.
+/// Queries per block of the f32-compute attention kernel.
 pub(crate) const ATTENTION_QUERIES: u64 = 32;
 /// Largest grid y and z dimension.
 pub(crate) const GRID_YZ: u64 = 65_535;
@@ -135,6 +135,9 @@ impl Compute {
             nvrtc_version,
         } = load_kernels(info, options, log)?;
         let growth = used()?.saturating_sub(before);
+        if info.cc >= FLASH_ATTENTION_COMPUTE_CAPABILITY {
+            allow_flash_attention_shared(&module)?;
+        }
         held.push(HeldMemory {
             what: "kernels".into(),
             bytes: growth.max(module.image_bytes),
@@ -271,15 +274,59 @@ impl Compute {
         block: u32,
         args: &mut impl KernelArgs,
     ) -> Result<(), CudaError> {
+        self.launch_with_shared(stream, name, grid, block, 0, args)
+    }
+
+    /// Launches a kernel with `shared` bytes of dynamic shared memory (beyond 48 KiB only for
+    /// kernels whose limit `open` raised).
+    pub(crate) fn launch_with_shared(
+        &self,
+        stream: CUstream,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        args: &mut impl KernelArgs,
+    ) -> Result<(), CudaError> {
         let function = self.module.function(name)?;
         let mut params = args.params();
         // SAFETY: the function comes from the loaded module; `params` points at each field of
         // `args`, which lives until the call returns (the driver copies the values), one per
         // kernel parameter in order with the type the kernel's signature reads; every address
         // was checked against a live buffer by the caller.
-        unsafe { result::launch_kernel(function, grid, (block, 1, 1), 0, stream, &mut params) }
+        unsafe { result::launch_kernel(function, grid, (block, 1, 1), shared, stream, &mut params) }
             .call("cuLaunchKernel")
     }
+
+    /// Whether the tensor-core attention kernels run on this device (sm_80 and later).
+    pub(crate) fn has_flash_attention(&self) -> bool {
+        self.cc >= FLASH_ATTENTION_COMPUTE_CAPABILITY
+    }
+}
+
+/// The compute capability from which the tensor-core attention kernels run (`mma.sync` with
+/// bf16, `cp.async`); before it, f16 and bf16 attention runs on the f32-compute kernel.
+pub(crate) const FLASH_ATTENTION_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
+/// Lets each tensor-core attention kernel have the dynamic shared memory it launches with:
+/// above 48 KiB (head dims 96 and 128) a kernel needs the function's opt-in.
+fn allow_flash_attention_shared(module: &Module) -> Result<(), CudaError> {
+    for size in kernels::FLASH_ATTENTION_SIZES {
+        let bytes = kernels::flash_attention_shared_bytes(size);
+        for dtype in kernels::FLASH_ATTENTION_TYPES {
+            let function = module.function(&format!("flash_attention_{dtype}_{size}"))?;
+            // SAFETY: the function comes from the loaded module, which outlives the call.
+            unsafe {
+                result::function::set_function_attribute(
+                    function,
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    i32::try_from(bytes).unwrap_or(i32::MAX),
+                )
+            }
+            .call("cuFuncSetAttribute")?;
+        }
+    }
+    Ok(())
 }
 
 /// A kernel's parameters, each passed to `cuLaunchKernel` by address with its own type and size,

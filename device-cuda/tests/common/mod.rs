@@ -235,6 +235,11 @@ fn driver_dir() -> &'static Path {
     })
 }
 
+/// The stand-in driver built with the kernel emulator (`libcuda.so.1` of the full set).
+pub fn emulator_driver() -> PathBuf {
+    full_dir().join("libcuda.so.1")
+}
+
 /// The stand-in driver with the kernel emulator, and stand-in cuBLAS and cuBLASLt.
 fn full_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();

@@ -221,6 +221,24 @@ static float __int_as_float(int i) {
 }
 static unsigned atomicOr(unsigned *p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
 
+// The tensor-core kernels' instructions (kernels/iris.cu wraps each in a function of this name),
+// defined below the kernels, where their conversions are visible. mma and ldmatrix are
+// warp-wide: every lane leaves its registers (or its row address) in a per-lane slot, the last
+// lane to arrive computes the whole warp's result from the fragment layouts of the PTX ISA
+// ("Matrix Fragments for mma.m16n8k16 with floating point type", "Warp-level matrix load
+// instruction: ldmatrix") and leaves each lane its registers. cp.async is a synchronous copy,
+// so waiting for it is a no-op.
+static unsigned char *dynamic_shared();
+template <bool BF16>
+static void mma_16816(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]);
+static void ldmatrix_x4(unsigned r[4], const unsigned short *row);
+static void ldmatrix_x4_trans(unsigned r[4], const unsigned short *row);
+static void cp_async_16(void *dst, const void *src) { std::memcpy(dst, src, 16); }
+static void cp_async_commit() {}
+static void cp_async_wait_all() {}
+template <bool BF16>
+static unsigned pack2(float lo, float hi);
+
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -229,6 +247,134 @@ static unsigned atomicOr(unsigned *p, unsigned v) { return __atomic_fetch_or(p, 
 #define __align__(n) __attribute__((aligned(n)))
 
 #include "iris.cu"
+
+// ---------------------------------------------------------------------------------------------
+// Warp-wide instructions
+// ---------------------------------------------------------------------------------------------
+
+namespace emu {
+
+// What one lane hands a warp-wide instruction and gets back.
+struct LaneSlot {
+    unsigned a[4];
+    unsigned b[2];
+    float c[4];
+    const unsigned short *row;
+    unsigned out[4];
+};
+std::vector<LaneSlot> lane_slots;
+std::vector<unsigned char> shared_bytes;  // the launch's dynamic shared memory
+
+// Runs `compute(first lane's slot)` once per warp when all 32 lanes have filled their slots.
+// Every lane arrives with its inputs and leaves with its outputs; a lane can only reach the
+// next instruction's slot after the warp's last lane arrived here, so one barrier suffices.
+template <class F>
+void warp_collective(F compute) {
+    unsigned t = threadIdx.x;
+    Barrier &barrier = warp_barriers[t / 32];
+    unsigned generation = barrier.generation;
+    if (++barrier.arrived == 32) {
+        compute(&lane_slots[t & ~31u]);
+        barrier.arrived = 0;
+        barrier.generation++;
+        return;
+    }
+    while (barrier.generation == generation) yield();
+}
+
+// PTX ISA, m16n8k16 with .f16/.bf16 multiplicands: groupID = lane >> 2, threadID_in_group =
+// lane % 4. A element i (0..7; register i / 2, half i % 2, low half first) sits at row groupID
+// for i in {0, 1, 4, 5} and groupID + 8 otherwise, column 2 threadID_in_group + (i & 1), + 8
+// for i >= 4. B element i (0..3) at row 2 threadID_in_group + (i & 1), + 8 for i >= 2, column
+// groupID. C/D element i (0..3) at row groupID for i < 2 and groupID + 8 otherwise, column
+// 2 threadID_in_group + (i & 1).
+struct Position {
+    unsigned row, col;
+};
+Position a_position(unsigned lane, unsigned i) {
+    return {(lane >> 2) + ((i == 2 || i == 3 || i == 6 || i == 7) ? 8u : 0u),
+            (lane % 4) * 2 + (i & 1) + (i >= 4 ? 8u : 0u)};
+}
+Position b_position(unsigned lane, unsigned i) {
+    return {(lane % 4) * 2 + (i & 1) + (i >= 2 ? 8u : 0u), lane >> 2};
+}
+Position c_position(unsigned lane, unsigned i) {
+    return {(lane >> 2) + (i >= 2 ? 8u : 0u), (lane % 4) * 2 + (i & 1)};
+}
+
+unsigned short half_of(unsigned reg, unsigned i) { return (unsigned short)(i & 1 ? reg >> 16 : reg); }
+
+}  // namespace emu
+
+static unsigned char *dynamic_shared() { return emu::shared_bytes.data(); }
+
+template <bool BF16>
+static void mma_16816(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
+    emu::LaneSlot &mine = emu::lane_slots[threadIdx.x];
+    std::memcpy(mine.a, a, sizeof mine.a);
+    std::memcpy(mine.b, b, sizeof mine.b);
+    std::memcpy(mine.c, c, sizeof mine.c);
+    emu::warp_collective([](emu::LaneSlot *warp) {
+        auto value = [](unsigned short h) { return BF16 ? bf16_to_f32(h) : f16_to_f32(h); };
+        float am[16][16], bm[16][8], cm[16][8];
+        for (unsigned lane = 0; lane < 32; ++lane) {
+            for (unsigned i = 0; i < 8; ++i) {
+                emu::Position p = emu::a_position(lane, i);
+                am[p.row][p.col] = value(emu::half_of(warp[lane].a[i / 2], i));
+            }
+            for (unsigned i = 0; i < 4; ++i) {
+                emu::Position p = emu::b_position(lane, i);
+                bm[p.row][p.col] = value(emu::half_of(warp[lane].b[i / 2], i));
+                p = emu::c_position(lane, i);
+                cm[p.row][p.col] = warp[lane].c[i];
+            }
+        }
+        // Products of 16-bit floats are exact in f32; the sum is kept in f64 and rounded once.
+        for (unsigned lane = 0; lane < 32; ++lane)
+            for (unsigned i = 0; i < 4; ++i) {
+                emu::Position p = emu::c_position(lane, i);
+                double sum = cm[p.row][p.col];
+                for (unsigned k = 0; k < 16; ++k) sum += (double)am[p.row][k] * bm[k][p.col];
+                warp[lane].out[i] = __float_as_uint((float)sum);
+            }
+    });
+    for (unsigned i = 0; i < 4; ++i) d[i] = __uint_as_float(mine.out[i]);
+}
+
+// ldmatrix .m8n8 .x4 .b16: lane 8m + r gives the address of row r of matrix m; register m of
+// lane l receives row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix m (low half first).
+// With .trans the matrix is read column-major: row 2 (l % 4) and 2 (l % 4) + 1, column l / 4.
+template <bool TRANS>
+static void ldmatrix(unsigned r[4], const unsigned short *row) {
+    emu::LaneSlot &mine = emu::lane_slots[threadIdx.x];
+    mine.row = row;
+    emu::warp_collective([](emu::LaneSlot *warp) {
+        for (unsigned lane = 0; lane < 32; ++lane)
+            for (unsigned m = 0; m < 4; ++m) {
+                unsigned lo, hi;
+                if (TRANS) {
+                    lo = warp[8 * m + 2 * (lane % 4)].row[lane / 4];
+                    hi = warp[8 * m + 2 * (lane % 4) + 1].row[lane / 4];
+                } else {
+                    lo = warp[8 * m + lane / 4].row[2 * (lane % 4)];
+                    hi = warp[8 * m + lane / 4].row[2 * (lane % 4) + 1];
+                }
+                warp[lane].out[m] = lo | (hi << 16);
+            }
+    });
+    std::memcpy(r, mine.out, sizeof mine.out);
+}
+
+static void ldmatrix_x4(unsigned r[4], const unsigned short *row) { ldmatrix<false>(r, row); }
+static void ldmatrix_x4_trans(unsigned r[4], const unsigned short *row) { ldmatrix<true>(r, row); }
+
+template <bool BF16>
+static unsigned pack2(float lo, float hi) {
+    if (BF16) return f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+    return f32_to_f16(lo) | ((unsigned)f32_to_f16(hi) << 16);
+}
+
+#include "emu_check.cu"
 
 // ---------------------------------------------------------------------------------------------
 // Launching by name with cuLaunchKernel's parameter array
@@ -258,11 +404,17 @@ static constexpr Launcher launcher_of(R (*)(A...)) {
     KERNEL(cast_f16_##NAME) KERNEL(cast_bf16_##NAME) KERNEL(attention_##NAME##_32)          \
     KERNEL(attention_##NAME##_64) KERNEL(attention_##NAME##_72) KERNEL(attention_##NAME##_80) \
     KERNEL(attention_##NAME##_96) KERNEL(attention_##NAME##_128)
+#define FLASH_NAMES(NAME)                                                                    \
+    KERNEL(flash_attention_##NAME##_64) KERNEL(flash_attention_##NAME##_72)                  \
+    KERNEL(flash_attention_##NAME##_80) KERNEL(flash_attention_##NAME##_96)                  \
+    KERNEL(flash_attention_##NAME##_128)
 
 static const std::map<std::string, Launcher> &kernels() {
     static const std::map<std::string, Launcher> table = {
         KERNEL(copy_regions) FLOAT_NAMES(f32) FLOAT_NAMES(f16) FLOAT_NAMES(bf16)
-        KERNEL(gather_b1) KERNEL(gather_b2) KERNEL(gather_b4)};
+        FLASH_NAMES(f16) FLASH_NAMES(bf16)
+        KERNEL(gather_b1) KERNEL(gather_b2) KERNEL(gather_b4)
+        KERNEL(emu_check_mma_f16) KERNEL(emu_check_mma_bf16)};
     return table;
 }
 
@@ -288,6 +440,20 @@ int cuModuleUnload(void *module) {
     return 0;
 }
 
+// Dynamic shared memory a block may have without the function's opt-in, and at most with it
+// (an A100's 163 KiB; the stand-in device is compute capability 8.0).
+constexpr unsigned STATIC_SHARED_LIMIT = 48 << 10;
+constexpr int OPT_IN_SHARED_LIMIT = 163 << 10;
+static std::map<const void *, int> max_dynamic_shared;
+
+int cuFuncSetAttribute(void *function, int attribute, int value) {
+    constexpr int MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;  // CU_FUNC_ATTRIBUTE_...
+    if (attribute != MAX_DYNAMIC_SHARED_SIZE_BYTES) return 801;  // CUDA_ERROR_NOT_SUPPORTED
+    if (value < 0 || value > OPT_IN_SHARED_LIMIT) return 1;      // INVALID_VALUE
+    max_dynamic_shared[function] = value;
+    return 0;
+}
+
 // The grid of the last launch, for tests that check how the plugin shapes grids.
 static unsigned last_grid[3];
 
@@ -303,7 +469,14 @@ int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsign
     (void)extra;
     // Work queued before the launch runs first (the stand-in driver's deferred mode).
     iris_standin_flush();
-    if (by != 1 || bz != 1 || shared != 0 || bx == 0 || bx % 32 != 0) return 1;  // INVALID_VALUE
+    if (by != 1 || bz != 1 || bx == 0 || bx % 32 != 0) return 1;  // INVALID_VALUE
+    // As on a GPU, more than 48 KiB of dynamic shared memory needs the function's opt-in.
+    auto opted = max_dynamic_shared.find(function);
+    if (shared > STATIC_SHARED_LIMIT &&
+        (opted == max_dynamic_shared.end() || shared > (unsigned)opted->second))
+        return 1;  // INVALID_VALUE
+    emu::shared_bytes.assign(shared, 0xff);  // not zeroed, as on a GPU
+    emu::lane_slots.assign(bx, emu::LaneSlot{});
     last_grid[0] = gx;
     last_grid[1] = gy;
     last_grid[2] = gz;

@@ -636,6 +636,12 @@ CUresult cuModuleUnload(CUmodule module) {
     return SUCCESS;
 }
 
+CUresult cuFuncSetAttribute(CUfunction f, int attribute, int value) {
+    GUARD();
+    (void)f; (void)attribute; (void)value;
+    return NOT_SUPPORTED;
+}
+
 CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
                         unsigned int bx, unsigned int by, unsigned int bz, unsigned int shared,
                         CUstream stream, void **params, void **extra) {
