@@ -5,8 +5,9 @@ iris's side is the `tower_ops` bench of iris-device-cpu (its qkv, proj and fc2 p
 and the residual add, fc1 with bias and quick-GELU, and attention over one 448x448 image's 1024
 patches, 16 heads of 80), torch's the same ops as transformers runs them: `F.linear` with bias,
 the residual added after, `quick_gelu` after fc1, and `F.scaled_dot_product_attention`. Both sides
-alternate for `--repeats` rounds; each round's figure is a median of `--inner` calls after one
-untimed call, and the table shows the median of the rounds.
+alternate for `--repeats` rounds; each round's figure is a median of `--inner` calls after
+untimed ones (one for iris, three for torch, whose first MKL calls on new operands are slow), and
+the table shows the median of the rounds.
 
 `--isa` forces the instruction set of both sides as in tower_vs_torch.py (e.g. `--isa avx2`).
 
@@ -28,6 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tower_vs_torch import force_torch_isa, torch_capability  # noqa: E402
 
 TOKENS, WIDTH, MLP, HEADS, HEAD_DIM = 1024, 1280, 5120, 16, 80
+# Untimed torch calls per op before the timed ones.
+WARMUP_CALLS = 3
 
 
 def torch_ops(threads):
@@ -62,7 +65,9 @@ def time_torch(op, inner):
     import torch
 
     with torch.inference_mode():
-        op()
+        # MKL's first calls on new operands run well below its steady rate.
+        for _ in range(WARMUP_CALLS):
+            op()
         times = []
         for _ in range(inner):
             start = time.perf_counter()
