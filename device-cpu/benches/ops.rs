@@ -39,7 +39,7 @@ fn device_on(tier: Tier) -> Device {
 
 /// The tiers with distinct bf16 paths that this CPU runs; the others are named as skipped.
 fn bf16_tiers() -> Vec<Tier> {
-    [Tier::Amx, Tier::Avx512Bf16, Tier::Widened]
+    [Tier::Amx, Tier::Avx512Bf16, Tier::Avx512, Tier::Avx2]
         .into_iter()
         .filter(|tier| {
             let (used, note) = Tier::resolve(*tier);

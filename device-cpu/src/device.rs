@@ -319,8 +319,8 @@ impl iris_plugin::Backend for CpuDevice {
                 Property::new(property::QUEUE, self.queue.mode().name()),
                 Property::new(property::COMPUTE_UNITS, self.options.threads),
                 Property::new(property::KERNEL_TIER, self.tier),
-                // What f32 products (and the widened tier's bf16 ones) run on, whatever the tier.
-                Property::new(GEMM_ISA, crate::isa::gemm_isa()),
+                // What the matrix products and the other vector code run on, set by the tier.
+                Property::new(GEMM_ISA, self.tier.simd().name()),
             ]
             .into(),
         }
@@ -618,9 +618,11 @@ impl Drop for CpuDevice {
 }
 
 /// Tier names for messages.
-const TIER_NAMES: &str = "`amx`, `avx512bf16` or `widened` (also spelled `avx512` or `generic`)";
+const TIER_NAMES: &str =
+    "`amx`, `avx512bf16`, `avx512` (also spelled `widened`), `avx2` or `generic`";
 
-/// The device's property naming the instruction set the `gemm` crate runs.
+/// The device's property naming the instruction set the tier's matrix products and other vector
+/// code run on (`avx512f`, `avx2+fma`, `scalar`).
 pub const GEMM_ISA: &str = "gemm_isa";
 
 /// The tier [`ISA_ENV`] asks for, else the best this build runs on this CPU.

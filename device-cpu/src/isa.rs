@@ -1,67 +1,168 @@
-//! Kernel tiers: which instruction set the device's bf16 matrix products run on.
+//! Kernel tiers: which instruction sets the device's kernels run on.
 //!
 //! The best tier the CPU supports is picked at open; [`ISA_ENV`] (or the `isa` option) forces a
-//! lower one, so one machine can test every tier it has. A tier the CPU lacks is clamped to the
+//! lower one, so one machine can measure every tier it has. A tier the CPU lacks is clamped to the
 //! best one it has, with a warning naming both.
 //!
-//! - `amx`: bf16 products on AMX-BF16 tiles (`tdpbf16ps`, [`crate::ops::amx`]), the rest of
-//!   the bf16 work (conversions, attention's softmax) on AVX-512. Needs the OS to grant tile
-//!   data, which is requested once per process; when it refuses, the tier is not offered.
-//! - `avx512bf16`: bf16 products on `vdpbf16ps` (pairs of bf16 multiplied and summed into f32
-//!   lanes), weights packed into pairs-of-bf16 panels ([`crate::ops::native`]).
-//! - `widened`: bf16 operands widened to f32 and multiplied by the `gemm` crate.
+//! Each tier fixes two things: the vector instruction set ([`Simd`]) that every f32 kernel runs
+//! on (the f32 and f16 matrix products, bf16 products widened to f32, attention, activations,
+//! norms and reductions), and the bf16 matrix product.
 //!
-//! f32 and f16 products run on the `gemm` crate in every tier. The `gemm` crate picks its own
-//! instruction set at run time (AVX-512F where present, else AVX2 with FMA, else scalar code) and
-//! offers no way to ask for a lower one, so a tier below the CPU's best cannot make it run
-//! another: there is one tier for the widened path, not one per instruction set, and the device
-//! reports what the `gemm` crate runs as its `gemm_isa` property. The names `avx512` and
-//! `generic`, two tiers that ran the same code, are accepted for `widened`.
+//! - `amx`: bf16 products on AMX-BF16 tiles (`tdpbf16ps`, [`crate::ops::amx`]), the rest on
+//!   AVX-512. Needs the OS to grant tile data, which is requested once per process; when it
+//!   refuses, the tier is not offered.
+//! - `avx512bf16`: bf16 products on `vdpbf16ps` (pairs of bf16 multiplied and summed into f32
+//!   lanes), weights packed into pairs-of-bf16 panels ([`crate::ops::native`]); the rest on
+//!   AVX-512.
+//! - `avx512`: everything on AVX-512F, bf16 operands widened to f32 (also spelled `widened`).
+//! - `avx2`: everything on AVX2 with FMA, bf16 operands widened to f32.
+//! - `generic`: the baseline instruction set of the build (on x86-64, SSE2 and scalar code).
+//!
+//! The matrix products run on the `gemm` crate's kernels, called per instruction set through
+//! [`crate::ops::gemm`]'s own entry point rather than the crate's run-time choice (which would
+//! take AVX-512 wherever the CPU has it). Outside x86-64 the `gemm` crate picks its own kernels
+//! and only `generic` is offered. A tier's vector code reaches the kernels through a per-thread
+//! setting ([`active`]) that the device's threads take from the tier.
 
+use std::cell::Cell;
 use std::fmt;
 
-/// Environment variable that forces a kernel tier (`amx`, `avx512bf16`, `widened`).
+/// Environment variable that forces a kernel tier (`amx`, `avx512bf16`, `avx512`, `avx2`,
+/// `generic`).
 pub const ISA_ENV: &str = "IRIS_CPU_ISA";
 
 /// A kernel tier, ordered from the most portable to the most specialised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Tier {
-    /// bf16 widened to f32 and multiplied by the `gemm` crate, on the instruction set it picks.
-    Widened,
-    /// AVX512-BF16 dot products on packed bf16 weights.
+    /// The build's baseline instruction set; bf16 widened to f32.
+    Generic,
+    /// AVX2 with FMA; bf16 widened to f32.
+    Avx2,
+    /// AVX-512F; bf16 widened to f32.
+    Avx512,
+    /// AVX512-BF16 dot products on packed bf16 weights, AVX-512F for the rest.
     Avx512Bf16,
-    /// AMX-BF16 tiles on packed bf16 weights.
+    /// AMX-BF16 tiles on packed bf16 weights, AVX-512F for the rest.
     Amx,
+}
+
+/// The vector instruction set f32 kernels run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Simd {
+    /// The build's baseline (x86-64: SSE2); the `gemm` crate's scalar kernels on x86-64, its own
+    /// choice elsewhere.
+    Baseline,
+    /// AVX2 with FMA, 8 f32 lanes.
+    Avx2,
+    /// AVX-512F (with VL for the compiler's narrower forms), 16 f32 lanes.
+    Avx512,
+}
+
+impl Simd {
+    /// The name the device reports as its `gemm_isa` property.
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Baseline if cfg!(target_arch = "x86_64") => "scalar",
+            Simd::Baseline => "the gemm crate's own",
+            Simd::Avx2 => "avx2+fma",
+            Simd::Avx512 => "avx512f",
+        }
+    }
+
+    /// Whether this CPU runs it.
+    pub fn supported(self) -> bool {
+        match self {
+            Simd::Baseline => true,
+            Simd::Avx2 => has_avx2_fma(),
+            Simd::Avx512 => has_avx512(),
+        }
+    }
+
+    /// The best this CPU runs.
+    pub fn best() -> Simd {
+        [Simd::Avx512, Simd::Avx2]
+            .into_iter()
+            .find(|simd| simd.supported())
+            .unwrap_or(Simd::Baseline)
+    }
+}
+
+thread_local! {
+    /// The instruction set the kernels on this thread may use; `None`: the best the CPU runs.
+    static ACTIVE: Cell<Option<Simd>> = const { Cell::new(None) };
+}
+
+/// The instruction set kernels on this thread run: the tier's, on a device's threads (see
+/// [`with_simd`]); the best the CPU runs elsewhere.
+pub fn active() -> Simd {
+    ACTIVE.get().unwrap_or_else(Simd::best)
+}
+
+/// Runs `f` with the kernels on this thread limited to `simd` (which the CPU must run; a
+/// higher one is clamped to the best it runs), then restores the previous setting.
+pub fn with_simd<R>(simd: Simd, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Simd>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ACTIVE.set(self.0);
+        }
+    }
+    let _restore = Restore(ACTIVE.replace(Some(simd.min(Simd::best()))));
+    f()
+}
+
+/// Limits this thread's kernels to `simd` for the thread's life (for a pool's workers).
+pub(crate) fn set_thread_simd(simd: Simd) {
+    ACTIVE.set(Some(simd.min(Simd::best())));
 }
 
 impl Tier {
     /// Every tier, most portable first.
-    pub const ALL: [Tier; 3] = [Tier::Widened, Tier::Avx512Bf16, Tier::Amx];
+    pub const ALL: [Tier; 5] = [
+        Tier::Generic,
+        Tier::Avx2,
+        Tier::Avx512,
+        Tier::Avx512Bf16,
+        Tier::Amx,
+    ];
 
     /// The name [`ISA_ENV`] takes and `kernel_tier` reports.
     pub fn name(self) -> &'static str {
         match self {
-            Tier::Widened => "widened",
+            Tier::Generic => "generic",
+            Tier::Avx2 => "avx2",
+            Tier::Avx512 => "avx512",
             Tier::Avx512Bf16 => "avx512bf16",
             Tier::Amx => "amx",
         }
     }
 
-    /// Parses a tier name (surrounding blanks and case ignored); `avx512` and `generic` name
-    /// the widened tier.
+    /// Parses a tier name (surrounding blanks and case ignored); `widened`, the name of the
+    /// widened-bf16 tier before it was split by instruction set, names `avx512`.
     pub fn parse(value: &str) -> Option<Tier> {
         let value = value.trim().to_ascii_lowercase();
-        if matches!(value.as_str(), "avx512" | "generic") {
-            return Some(Tier::Widened);
+        if value == "widened" {
+            return Some(Tier::Avx512);
         }
         Tier::ALL.into_iter().find(|tier| tier.name() == value)
+    }
+
+    /// The vector instruction set the tier's f32 kernels run on.
+    pub fn simd(self) -> Simd {
+        match self {
+            Tier::Generic => Simd::Baseline,
+            Tier::Avx2 => Simd::Avx2,
+            Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => Simd::Avx512,
+        }
     }
 
     /// Whether this CPU has the instructions the tier's kernels need (for AMX: and the OS
     /// granted tile data; the first call asks for it).
     pub fn supported(self) -> bool {
         match self {
-            Tier::Widened => true,
+            Tier::Generic => true,
+            // Outside x86-64 the `gemm` crate chooses for itself: only `generic` is honest.
+            Tier::Avx2 | Tier::Avx512 => self.simd().supported(),
             Tier::Avx512Bf16 => has_avx512_bf16(),
             Tier::Amx => has_avx512_bf16() && crate::ops::amx::usable(),
         }
@@ -69,19 +170,24 @@ impl Tier {
 
     /// The best tier the CPU supports.
     pub fn best() -> Tier {
-        [Tier::Amx, Tier::Avx512Bf16]
+        Tier::ALL
             .into_iter()
+            .rev()
             .find(|tier| tier.supported())
-            .unwrap_or(Tier::Widened)
+            .unwrap_or(Tier::Generic)
     }
 
     /// The tier to run when `requested` is asked for: itself when the CPU supports it, else the
     /// best tier below it, with a note saying why.
     pub fn resolve(requested: Tier) -> (Tier, Option<String>) {
-        let best = Tier::best();
-        if requested <= best {
+        if requested.supported() {
             return (requested, None);
         }
+        let used = Tier::ALL
+            .into_iter()
+            .rev()
+            .find(|tier| *tier < requested && tier.supported())
+            .unwrap_or(Tier::Generic);
         let why = match requested {
             Tier::Amx if has_amx() && has_avx512_bf16() => {
                 "the OS refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)".to_owned()
@@ -92,11 +198,11 @@ impl Tier {
             _ => format!("this CPU lacks {}", requested.features()),
         };
         (
-            best,
+            used,
             Some(format!(
                 "kernel tier `{}` requested but {why}: using `{}`",
                 requested.name(),
-                best.name()
+                used.name()
             )),
         )
     }
@@ -104,7 +210,9 @@ impl Tier {
     /// The CPU features the tier needs, for messages.
     pub fn features(self) -> &'static str {
         match self {
-            Tier::Widened => "nothing",
+            Tier::Generic => "nothing",
+            Tier::Avx2 => "AVX2 and FMA (on x86-64)",
+            Tier::Avx512 => "AVX-512F/VL (on x86-64)",
             Tier::Avx512Bf16 => "AVX-512F/BW and AVX512-BF16",
             Tier::Amx => "AMX-TILE and AMX-BF16",
         }
@@ -117,17 +225,19 @@ impl fmt::Display for Tier {
     }
 }
 
-/// The instruction set the `gemm` crate's f32 kernels run on this CPU, by the same test it
-/// makes (built with its `x86-v4` feature): `avx512f`, `avx2+fma` or `scalar`.
+/// AVX2 and FMA: the `gemm` crate's `fma` kernels and the AVX2 builds of the vector code.
 #[cfg(target_arch = "x86_64")]
-pub fn gemm_isa() -> &'static str {
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        "avx512f"
-    } else if std::arch::is_x86_feature_detected!("fma") {
-        "avx2+fma"
-    } else {
-        "scalar"
-    }
+pub(crate) fn has_avx2_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+/// AVX-512F and VL (with AVX2 and FMA, which every such CPU has): the `gemm` crate's `avx512f`
+/// kernels and the AVX-512 builds of the vector code.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_avx512() -> bool {
+    has_avx2_fma()
+        && std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
 /// AVX-512F/BW and AVX512-BF16: what the native bf16 kernels and conversions need.
@@ -156,11 +266,14 @@ pub(crate) fn has_amx() -> bool {
     leaf7.edx & (AMX_BF16 | AMX_TILE) == AMX_BF16 | AMX_TILE
 }
 
-/// The instruction set the `gemm` crate's f32 kernels run (not x86-64: its own choice, NEON on
-/// aarch64).
 #[cfg(not(target_arch = "x86_64"))]
-pub fn gemm_isa() -> &'static str {
-    "the gemm crate's own"
+pub(crate) fn has_avx2_fma() -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn has_avx512() -> bool {
+    false
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -184,9 +297,26 @@ mod tests {
         }
         assert_eq!(Tier::parse(" AVX512BF16 "), Some(Tier::Avx512Bf16));
         assert_eq!(Tier::parse("sse2"), None);
-        // The two names of tiers that ran the same code name the one widened tier.
-        assert_eq!(Tier::parse("avx512"), Some(Tier::Widened));
-        assert_eq!(Tier::parse("generic"), Some(Tier::Widened));
+        // The widened tier's old name is its AVX-512 form.
+        assert_eq!(Tier::parse("widened"), Some(Tier::Avx512));
+    }
+
+    #[test]
+    fn each_tier_limits_the_vector_code_and_the_setting_is_restored() {
+        assert_eq!(Tier::Generic.simd(), Simd::Baseline);
+        assert_eq!(Tier::Avx2.simd(), Simd::Avx2);
+        for tier in [Tier::Avx512, Tier::Avx512Bf16, Tier::Amx] {
+            assert_eq!(tier.simd(), Simd::Avx512);
+        }
+        let outside = active();
+        assert_eq!(outside, Simd::best());
+        with_simd(Simd::Baseline, || {
+            assert_eq!(active(), Simd::Baseline);
+            // A higher level than the CPU runs is clamped.
+            with_simd(Simd::Avx512, || assert_eq!(active(), Simd::best()));
+            assert_eq!(active(), Simd::Baseline);
+        });
+        assert_eq!(active(), outside);
     }
 
     #[test]
@@ -202,5 +332,9 @@ mod tests {
             }
         }
         assert_eq!(Tier::resolve(Tier::Amx).0, best);
+        // Every tier's instruction set is one this CPU runs once resolved.
+        for tier in Tier::ALL {
+            assert!(Tier::resolve(tier).0.simd().supported(), "{tier}");
+        }
     }
 }

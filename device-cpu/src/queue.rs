@@ -62,6 +62,7 @@ impl Exec {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|index| format!("iris-cpu-{index}"))
+            .start_handler(move |_| crate::isa::set_thread_simd(tier.simd()))
             .build()
             .map_err(|err| PluginError::internal(format!("open: cannot start threads: {err}")))?;
         Ok(Exec {
@@ -306,7 +307,10 @@ impl Shared {
     }
 
     fn execute(&self, name: &str, seq: u64, work: Work) -> Result<(), PluginError> {
-        match catch_unwind(AssertUnwindSafe(|| work(&self.exec))) {
+        let simd = self.exec.tier.simd();
+        // The queue's thread (or the caller's, in sync mode) runs parts of ops itself.
+        let run = || crate::isa::with_simd(simd, || work(&self.exec));
+        match catch_unwind(AssertUnwindSafe(run)) {
             Ok(result) => result,
             Err(payload) => Err(PluginError::internal(format!(
                 "{name} (call #{seq}) panicked: {}",

@@ -49,10 +49,10 @@ fn device_on(threads: usize, tier: Tier) -> Device {
 }
 
 #[test]
-fn the_widened_tier_answers_to_its_old_names_and_the_gemm_isa_is_reported() {
+fn each_tier_reports_its_instruction_set_and_widened_names_avx512() {
     let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
-    for name in ["avx512", "generic", "widened"] {
-        let dev = plugin
+    let open = |name: &str| {
+        plugin
             .open(
                 0,
                 &[
@@ -61,25 +61,28 @@ fn the_widened_tier_answers_to_its_old_names_and_the_gemm_isa_is_reported() {
                     ("isa".to_owned(), name.to_owned()),
                 ],
             )
-            .unwrap();
+            .unwrap()
+    };
+    for tier in tiers() {
+        let dev = open(tier.name());
         let description = dev.description();
-        assert_eq!(
-            description.property("kernel_tier"),
-            Some("widened"),
-            "{name}"
-        );
+        assert_eq!(description.property("kernel_tier"), Some(tier.name()));
         assert_eq!(
             description.property("gemm_isa"),
-            Some(iris_device_cpu::isa::gemm_isa()),
-            "{name}"
+            Some(tier.simd().name()),
+            "{tier}"
         );
     }
+    let dev = open("widened");
+    let widened = dev.description();
+    let expected = Tier::resolve(Tier::Avx512).0;
+    assert_eq!(widened.property("kernel_tier"), Some(expected.name()));
     let err = plugin
         .open(0, &[("isa".to_owned(), "sse2".to_owned())])
         .map(|_| ())
         .expect_err("an unknown tier is refused")
         .to_string();
-    assert!(err.contains("widened"), "{err}");
+    assert!(err.contains("avx2") && err.contains("generic"), "{err}");
 }
 
 /// Every tier this CPU and build run; the others are printed as skipped, with the reason.
@@ -676,7 +679,13 @@ fn norm_ref(x: &[f32], cols: usize, w: &[f32], b: Option<&[f32]>, eps: f32, rms:
 
 #[test]
 fn norms_match_reference_in_and_out_of_place() {
-    let dev = device(2);
+    for tier in tiers() {
+        norms_match_reference_on(tier);
+    }
+}
+
+fn norms_match_reference_on(tier: Tier) {
+    let dev = device_on(2, tier);
     let mut rng = Rng::new(7);
     for dtype in DType::FLOATS {
         for (rows, cols) in [(1, 1), (33, 77), (130, 300)] {
@@ -781,7 +790,13 @@ fn norms_reject_bad_arguments() {
 
 #[test]
 fn activations_match_reference() {
-    let dev = device(2);
+    for tier in tiers() {
+        activations_match_reference_on(tier);
+    }
+}
+
+fn activations_match_reference_on(tier: Tier) {
+    let dev = device_on(2, tier);
     let mut rng = Rng::new(11);
     for dtype in DType::FLOATS {
         // `NONE` is gemm's "no activation", not a function the activation op applies.
@@ -864,7 +879,13 @@ fn activations_match_reference() {
 
 #[test]
 fn binary_ops_broadcast_and_alias() {
-    let dev = device(2);
+    for tier in tiers() {
+        binary_ops_broadcast_and_alias_on(tier);
+    }
+}
+
+fn binary_ops_broadcast_and_alias_on(tier: Tier) {
+    let dev = device_on(2, tier);
     let mut rng = Rng::new(13);
     for dtype in DType::FLOATS {
         for op in [BinaryOp::ADD, BinaryOp::MUL] {

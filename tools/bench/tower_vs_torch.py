@@ -17,7 +17,13 @@ Usage (from the repository root, with the virtual environment of tools/golden/RE
     /work/venv/bin/python tools/bench/tower_vs_torch.py --threads 2 --repeats 5 --dtype bf16
     /work/venv/bin/python tools/bench/tower_vs_torch.py --threads 2 --repeats 5 --dtype f32
 
-`--isa` forces iris's kernel tier (IRIS_CPU_ISA: amx, avx512bf16, avx512, generic).
+`--isa` forces the instruction set on both sides: iris's kernel tier (IRIS_CPU_ISA: amx,
+avx512bf16, avx512, avx2, generic) and torch's, through ATEN_CPU_CAPABILITY (ATen's own kernels,
+SDPA among them), MKL_ENABLE_INSTRUCTIONS (MKL's SGEMM, which f32 linear layers call) and
+ONEDNN_MAX_CPU_ISA (oneDNN, e.g. the patch embedding's convolution). The variables are set before
+torch is imported; the header prints the capability torch then reports. `--isa avx2` on an
+AVX-512 machine measures both sides as an AVX2-only machine would run them (same cores, caches
+and clock, so not the same as a real AVX2 machine).
 """
 
 import argparse
@@ -61,6 +67,34 @@ def make_image(path):
     base = np.stack([x % 256, y % 256, (x + y) % 256], axis=-1).astype(np.float32)
     noise = rng.normal(0, 12, size=base.shape)
     Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8)).save(path)
+
+
+# Torch's variables per iris tier: ATen capability, MKL instructions, oneDNN's ISA cap. Tiers
+# above avx512 leave torch at its own choice (it has no separate bf16 instruction-set switch).
+TORCH_ISA = {
+    "generic": ("default", "SSE4_2", "SSE41"),
+    "avx2": ("avx2", "AVX2", "AVX2"),
+    "avx512": ("avx512", "AVX512", "AVX512_CORE"),
+    "widened": ("avx512", "AVX512", "AVX512_CORE"),
+}
+
+
+def force_torch_isa(isa):
+    """Sets torch's instruction-set variables for `isa` (before torch is imported)."""
+    if "torch" in sys.modules:
+        sys.exit("torch's instruction set must be set before torch is imported")
+    values = TORCH_ISA.get(isa.lower())
+    if values is None:
+        return {}
+    env = dict(zip(["ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"], values))
+    os.environ.update(env)
+    return env
+
+
+def torch_capability():
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def torch_dtype(dtype):
@@ -185,9 +219,11 @@ def main():
     parser.add_argument("--iris", default="target/release/iris")
     parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
                         help="the model's dtype on both sides (default f32)")
-    parser.add_argument("--isa", help="force iris's kernel tier (IRIS_CPU_ISA)")
+    parser.add_argument("--isa", help="force the instruction set of both sides: iris's kernel tier "
+                        "(IRIS_CPU_ISA) and torch's (see above)")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
+    torch_env = force_torch_isa(args.isa) if args.isa else {}
 
     with tempfile.TemporaryDirectory() as tmp:
         image = os.path.join(tmp, "image.png")
@@ -197,8 +233,11 @@ def main():
             f.write(f'device = "cpu"\n[plugins.cpu]\nthreads = {args.threads}\n')
         model_name, features = cpu_summary()
         tier = iris_kernel_tier(args.iris, config, args.isa)
+        capability = torch_capability()
         print(f"CPU: {model_name}; features: {' '.join(features) or 'none of note'}; "
-              f"iris kernel tier: {tier}; dtype: {args.dtype}", flush=True)
+              f"iris kernel tier: {tier}; torch CPU capability: {capability} "
+              f"({' '.join(f'{k}={v}' for k, v in torch_env.items()) or 'its own choice'}); "
+              f"dtype: {args.dtype}", flush=True)
         model = torch_setup(args.threads, args.dtype)
         cases = {1: torch_inputs(image, 1, args.dtype), 4: torch_inputs(image, 4, args.dtype)}
         time_torch(model, cases[1])  # warm-up
@@ -215,8 +254,10 @@ def main():
 
     patches = (448 // PATCH) ** 2
     summary = {"threads": args.threads, "repeats": args.repeats, "dtype": args.dtype, "cpu": model_name,
-               "cpu_features": features, "kernel_tier": tier, "gemm_peak_gflops": peak, "cases": {}}
-    print(f"\nCPU: {model_name}; features: {' '.join(features)}; iris kernel tier: {tier}")
+               "cpu_features": features, "kernel_tier": tier,
+               "torch_capability": capability, "torch_env": torch_env, "gemm_peak_gflops": peak, "cases": {}}
+    print(f"\nCPU: {model_name}; features: {' '.join(features)}; iris kernel tier: {tier}; "
+          f"torch CPU capability: {capability}")
     print(f"{args.dtype} GEMM peak (torch 2048^3 matmul, {args.threads} threads): {peak:.0f} GFLOP/s")
     print("| images | torch median s | iris median s | torch / iris | torch GFLOP/s (% peak) | iris GFLOP/s (% peak) |")
     print("|---|---|---|---|---|---|")

@@ -1,4 +1,5 @@
-//! `out = act(a · Wᵀ + bias) (+ out)` through the `gemm` crate's AVX-512 kernels.
+//! `out = act(a · Wᵀ + bias) (+ out)` through the `gemm` crate's kernels, on the instruction set
+//! of the device's kernel tier ([`run_gemm`]).
 //!
 //! f32 operands go to the kernel in place: a weight stored `[n, k]` is read as `Wᵀ` through its
 //! strides, never copied. Bias is written into `out` first and the kernel accumulates onto it
@@ -468,29 +469,341 @@ pub(crate) unsafe fn run_gemm(
         }
         return;
     }
+    let kernel = kernel_for(crate::isa::active());
+    // The microkernels write columns of `dst`: like the `gemm` crate's own entry point, compute
+    // a row-major product as its transpose, `dstᵀ = rhsᵀ · lhsᵀ`, whose `dst` is column-major.
+    // Without this turn the kernels run at about half speed on the tower's shapes.
+    let call = if dst.row_stride.abs() > 1 {
+        GemmCall {
+            m: n,
+            n: m,
+            k,
+            dst: dst.ptr,
+            dst_cs: dst.row_stride,
+            dst_rs: 1,
+            read_dst,
+            lhs: rhs.ptr,
+            lhs_cs: rhs.row_stride,
+            lhs_rs: rhs.col_stride,
+            rhs: lhs.ptr,
+            rhs_cs: lhs.row_stride,
+            rhs_rs: lhs.col_stride,
+            parallelism,
+        }
+    } else {
+        GemmCall {
+            m,
+            n,
+            k,
+            dst: dst.ptr,
+            dst_cs: 1,
+            dst_rs: dst.row_stride,
+            read_dst,
+            lhs: lhs.ptr,
+            lhs_cs: lhs.col_stride,
+            lhs_rs: lhs.row_stride,
+            rhs: rhs.ptr,
+            rhs_cs: rhs.col_stride,
+            rhs_rs: rhs.row_stride,
+            parallelism,
+        }
+    };
+    // SAFETY: forwarded to the caller; the call describes the same product.
+    unsafe { kernel(&call) };
+}
+
+/// One product in the `gemm` crate's terms: `dst[i, j]` at `i * dst_rs + j * dst_cs`, and so
+/// on; every stride comes from a validated view or scratch size and is positive.
+struct GemmCall {
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_cs: isize,
+    dst_rs: isize,
+    read_dst: bool,
+    lhs: *const f32,
+    lhs_cs: isize,
+    lhs_rs: isize,
+    rhs: *const f32,
+    rhs_cs: isize,
+    rhs_rs: isize,
+    parallelism: Parallelism,
+}
+
+/// The signature of [`run_gemm`]'s per-instruction-set instantiations.
+type GemmFn = unsafe fn(&GemmCall);
+
+/// The `gemm` crate's f32 product on `simd`'s kernels (which the CPU runs: [`crate::isa`]
+/// clamps the level to what it has). The crate's own entry point would pick AVX-512 wherever
+/// the CPU has it, whatever the device's tier.
+fn kernel_for(simd: crate::isa::Simd) -> GemmFn {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::isa::Simd;
+        match simd {
+            Simd::Avx512 => gemm_avx512,
+            Simd::Avx2 => gemm_avx2,
+            Simd::Baseline => gemm_scalar,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = simd;
+        gemm_own_choice
+    }
+}
+
+/// Instantiates the `gemm` crate's generic driver on one of its f32 microkernel sets, as its own
+/// `gemm_def!` does per instruction set: `$lanes` f32 per register, `$simd` the matching
+/// `gemm_common::simd` type. alpha = 1 keeps `dst` when `read_dst`, beta = 1 adds the product
+/// unscaled.
+#[cfg(target_arch = "x86_64")]
+macro_rules! gemm_instance {
+    ($(#[$meta:meta])* $name:ident, $kernels:path, $simd:ty, $lanes:expr) => {
+        $(#[$meta])*
+        ///
+        /// # Safety
+        /// As for [`run_gemm`], for the product `call` describes.
+        #[inline(never)]
+        unsafe fn $name(call: &GemmCall) {
+            use gemm_common::simd::MixedSimd;
+            use $kernels as kernels;
+            let Some(simd) = <$simd as MixedSimd<f32, f32, f32, f32>>::try_new() else {
+                // Unreachable while the tier is resolved against this CPU; the crate's own
+                // choice is still a correct product.
+                // SAFETY: forwarded to the caller.
+                return unsafe { gemm_own_choice(call) };
+            };
+            // SAFETY: forwarded to the caller; the microkernels match `simd`'s instruction set
+            // and `$lanes`, as in the crate's own instantiation.
+            unsafe {
+                gemm_common::gemm::gemm_basic_generic::<
+                    _,
+                    f32,
+                    { $lanes },
+                    { kernels::MR_DIV_N * $lanes },
+                    { kernels::NR },
+                    { kernels::MR_DIV_N },
+                    { kernels::H_M },
+                    { kernels::H_N },
+                >(
+                    simd,
+                    call.m,
+                    call.n,
+                    call.k,
+                    call.dst,
+                    call.dst_cs,
+                    call.dst_rs,
+                    call.read_dst,
+                    call.lhs,
+                    call.lhs_cs,
+                    call.lhs_rs,
+                    call.rhs,
+                    call.rhs_cs,
+                    call.rhs_rs,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    |a, b, c| a * b + c,
+                    &kernels::UKR,
+                    &kernels::H_UKR,
+                    false,
+                    call.parallelism,
+                );
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+gemm_instance!(
+    /// The product on the `gemm` crate's AVX-512F microkernels (16 lanes).
+    gemm_avx512,
+    gemm_f32::microkernel::avx512f::f32,
+    gemm_common::simd::V4,
+    16
+);
+#[cfg(target_arch = "x86_64")]
+gemm_instance!(
+    /// The product on the `gemm` crate's AVX2+FMA microkernels (8 lanes).
+    gemm_avx2,
+    gemm_f32::microkernel::fma::f32,
+    gemm_common::simd::V3,
+    8
+);
+#[cfg(target_arch = "x86_64")]
+gemm_instance!(
+    /// The product on the `gemm` crate's scalar microkernels.
+    gemm_scalar,
+    gemm_f32::microkernel::scalar::f32,
+    gemm_common::simd::Scalar,
+    1
+);
+
+/// The product on the kernels the `gemm` crate picks at run time.
+///
+/// # Safety
+/// As for [`run_gemm`], for the product `call` describes.
+unsafe fn gemm_own_choice(call: &GemmCall) {
     // SAFETY: forwarded to the caller; alpha = 1 keeps `dst` when `read_dst`, beta = 1 adds
     // the product unscaled.
     unsafe {
         gemm::gemm(
-            m,
-            n,
-            k,
-            dst.ptr,
-            1,
-            dst.row_stride,
-            read_dst,
-            lhs.ptr,
-            lhs.col_stride,
-            lhs.row_stride,
-            rhs.ptr,
-            rhs.col_stride,
-            rhs.row_stride,
+            call.m,
+            call.n,
+            call.k,
+            call.dst,
+            call.dst_cs,
+            call.dst_rs,
+            call.read_dst,
+            call.lhs,
+            call.lhs_cs,
+            call.lhs_rs,
+            call.rhs,
+            call.rhs_cs,
+            call.rhs_rs,
             1.0f32,
             1.0f32,
             false,
             false,
             false,
-            parallelism,
+            call.parallelism,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isa::{Simd, with_simd};
+
+    /// `dst (+)= lhs · rhs` in f64, element by element through the same strides.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        m: usize,
+        n: usize,
+        k: usize,
+        lhs: &[f32],
+        lhs_strides: (usize, usize),
+        rhs: &[f32],
+        rhs_strides: (usize, usize),
+        dst: &[f32],
+        dst_stride: usize,
+        read_dst: bool,
+    ) -> Vec<f64> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = if read_dst {
+                    f64::from(dst[i * dst_stride + j])
+                } else {
+                    0.0
+                };
+                for p in 0..k {
+                    acc += f64::from(lhs[i * lhs_strides.0 + p * lhs_strides.1])
+                        * f64::from(rhs[p * rhs_strides.0 + j * rhs_strides.1]);
+                }
+                out[i * n + j] = acc;
+            }
+        }
+        out
+    }
+
+    /// Every instruction set this CPU runs computes the same products as the plain reference:
+    /// row-major and one-column outputs (turned and not turned), a weight read as its
+    /// transpose, padded rows, accumulation, sizes off every kernel's tile.
+    #[test]
+    fn each_instruction_set_matches_the_reference() {
+        let sets: Vec<Simd> = [Simd::Baseline, Simd::Avx2, Simd::Avx512]
+            .into_iter()
+            .filter(|simd| {
+                let ok = simd.supported();
+                if !ok {
+                    eprintln!("skipping {}: this CPU lacks it", simd.name());
+                }
+                ok
+            })
+            .collect();
+        let shapes = [
+            (1, 1, 1),
+            (37, 1, 19),
+            (1, 29, 23),
+            (53, 47, 131),
+            (130, 70, 64),
+        ];
+        for simd in sets {
+            for (case, &(m, n, k)) in shapes.iter().enumerate() {
+                for transposed_weight in [false, true] {
+                    for read_dst in [false, true] {
+                        let pad = case % 3;
+                        let value = |i: usize| ((i * 7919 + case) % 97) as f32 / 97.0 - 0.5;
+                        let lhs_stride = k + pad;
+                        let lhs: Vec<f32> = (0..m * lhs_stride).map(value).collect();
+                        // `[n, k]` read as its transpose, or `[k, n]` as is.
+                        let (w_len, rhs_strides) = if transposed_weight {
+                            (k * (n + pad), (n + pad, 1))
+                        } else {
+                            (n * (k + pad), (1, k + pad))
+                        };
+                        let w: Vec<f32> = (0..w_len).map(|i| value(i + 3)).collect();
+                        let dst_stride = n + pad;
+                        let mut dst: Vec<f32> = (0..m * dst_stride).map(|i| value(i + 5)).collect();
+                        let want = reference(
+                            m,
+                            n,
+                            k,
+                            &lhs,
+                            (lhs_stride, 1),
+                            &w,
+                            rhs_strides,
+                            &dst,
+                            dst_stride,
+                            read_dst,
+                        );
+                        let rhs = Operand {
+                            ptr: w.as_ptr(),
+                            col_stride: rhs_strides.1 as isize,
+                            row_stride: rhs_strides.0 as isize,
+                        };
+                        let out = Dst {
+                            ptr: dst.as_mut_ptr(),
+                            row_stride: dst_stride as isize,
+                        };
+                        with_simd(simd, || {
+                            // SAFETY: owned vectors of the sizes the strides describe.
+                            unsafe {
+                                run_gemm(
+                                    m,
+                                    n,
+                                    k,
+                                    out,
+                                    read_dst,
+                                    matrix(lhs.as_ptr(), lhs_stride),
+                                    rhs,
+                                    Parallelism::None,
+                                )
+                            };
+                        });
+                        let tol = 1e-5 * (k as f64 + 1.0);
+                        for i in 0..m {
+                            for j in 0..n {
+                                let got = f64::from(dst[i * dst_stride + j]);
+                                let err = (got - want[i * n + j]).abs();
+                                // `err <= tol` is false for NaN.
+                                assert!(
+                                    err <= tol,
+                                    "{}: {m}x{n}x{k}, weight transposed {transposed_weight}, \
+                                     read_dst {read_dst}: ({i}, {j}) off by {err}",
+                                    simd.name()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! Vectorised f32 kernels shared by the ops: exp, activations, softmax pieces and reductions.
 //!
-//! Each public function is compiled three times (AVX-512, AVX2+FMA, baseline) and picks the
-//! best at run time: the loops are written so that the compiler vectorises them, and the `x86-64`
+//! Each public function is compiled three times (AVX-512, AVX2+FMA, baseline) and runs the one
+//! of the thread's kernel tier ([`crate::isa::active`]): the loops are written so that the compiler vectorises them, and the `x86-64`
 //! baseline alone would leave most of the machine idle. The exp is Cephes' single-precision
 //! polynomial (about 1 ulp on its reduced range) with branch-free range reduction, so it
 //! vectorises where `f32::exp` (a libm call) cannot.
@@ -29,17 +29,13 @@ macro_rules! multiversion {
                 fn v3($($arg: $ty),*) $(-> $ret)? {
                     generic($($arg),*)
                 }
-                if std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512vl")
-                {
-                    // SAFETY: the CPU has the features `v4` is compiled for (checked above).
-                    return unsafe { v4($($arg),*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
-                    // SAFETY: the CPU has the features `v3` is compiled for (checked above).
-                    return unsafe { v3($($arg),*) };
+                match $crate::isa::active() {
+                    // SAFETY: `active` never exceeds what the CPU runs, and `Avx512` includes
+                    // AVX-512F/VL, AVX2 and FMA, the features `v4` is compiled for.
+                    $crate::isa::Simd::Avx512 => return unsafe { v4($($arg),*) },
+                    // SAFETY: as above, `Avx2` includes AVX2 and FMA.
+                    $crate::isa::Simd::Avx2 => return unsafe { v3($($arg),*) },
+                    $crate::isa::Simd::Baseline => {}
                 }
             }
             generic($($arg),*)

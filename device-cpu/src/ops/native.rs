@@ -63,7 +63,7 @@ impl Kernel {
         match tier {
             Tier::Amx => Some(Kernel::Amx),
             Tier::Avx512Bf16 => Some(Kernel::DotProduct),
-            Tier::Widened => None,
+            Tier::Generic | Tier::Avx2 | Tier::Avx512 => None,
         }
     }
 
