@@ -1,8 +1,9 @@
 //! Vectorised f32 kernels shared by the ops: exp, activations, softmax pieces and reductions.
 //!
 //! Each public function is compiled three times (AVX-512, AVX2+FMA, baseline) and runs the one
-//! of the thread's kernel tier ([`crate::isa::active`]): the loops are written so that the compiler vectorises them, and the `x86-64`
-//! baseline alone would leave most of the machine idle. The exp is Cephes' single-precision
+//! of the thread's kernel tier ([`crate::isa::active`]): the loops are written so that the
+//! compiler vectorises them, and the `x86-64` baseline alone would leave most of the machine
+//! idle. The exp is Cephes' single-precision
 //! polynomial (about 1 ulp on its reduced range) with branch-free range reduction, so it
 //! vectorises where `f32::exp` (a libm call) cannot.
 
