@@ -188,8 +188,15 @@ fn plugin_check_ascend_passes_over_the_emulation() {
     let json: Value = serde_json::from_slice(&output.stdout).expect("JSON");
     assert_eq!(json["plugin"], "ascend");
     assert_eq!(json["failed"], 0, "{json}");
-    assert_eq!(json["unsupported"], 0, "{json}");
     let checks = json["devices"][0]["checks"].as_array().expect("checks");
+    // Only an optional capability may be unsupported: the Ascend device leaves `write_async`
+    // to staging, as pinned staging already overlaps conversion and transfer.
+    let unsupported: Vec<&str> = checks
+        .iter()
+        .filter(|c| c["status"] == "unsupported")
+        .filter_map(|c| c["name"].as_str())
+        .collect();
+    assert_eq!(unsupported, ["queue.write_async"], "{json}");
     assert!(
         checks
             .iter()

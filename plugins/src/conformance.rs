@@ -116,6 +116,10 @@ pub struct Report {
     pub checks: Vec<Check>,
 }
 
+/// Checks of optional capabilities, where "unsupported" is a complete answer: iris falls back
+/// (host staging through ordinary memory, pixels staged instead of lent with `write_async`).
+pub const OPTIONAL_CHECKS: &[&str] = &["queue.host_staging", "queue.write_async"];
+
 impl Report {
     /// Number of passed checks.
     pub fn passed(&self) -> usize {
@@ -130,6 +134,17 @@ impl Report {
     /// Number of unsupported ops.
     pub fn unsupported(&self) -> usize {
         self.count(|status| matches!(status, Status::Unsupported(_)))
+    }
+
+    /// Names of the unsupported checks that are not [`OPTIONAL_CHECKS`]: what the device lacks
+    /// of what iris needs from it.
+    pub fn missing(&self) -> Vec<&str> {
+        self.checks
+            .iter()
+            .filter(|c| matches!(c.status, Status::Unsupported(_)))
+            .map(|c| c.name.as_str())
+            .filter(|name| !OPTIONAL_CHECKS.contains(name))
+            .collect()
     }
 
     /// Whether no check failed.
