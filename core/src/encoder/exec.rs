@@ -332,17 +332,28 @@ impl Runner {
         rows: u64,
         cols: u64,
     ) -> Result<Tensor, EncoderError> {
+        let tensor = self.parts_tensor(parts, dtype, rows, cols)?;
+        if let Storage::Device(buffer) = tensor.storage.as_ref() {
+            self.stage_f32(buffer.handle(), buffer.offset(), parts, dtype)?;
+        }
+        Ok(tensor)
+    }
+
+    /// The `rows x cols` tensor of `dtype` that `parts`, concatenated, fill exactly.
+    fn parts_tensor(
+        &self,
+        parts: &[&[f32]],
+        dtype: DType,
+        rows: u64,
+        cols: u64,
+    ) -> Result<Tensor, EncoderError> {
         let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
         if total != rows * cols {
             return Err(EncoderError::Shape(format!(
                 "upload of {total} values into a {rows}x{cols} tensor"
             )));
         }
-        let tensor = self.tensor(dtype, rows, cols)?;
-        if let Storage::Device(buffer) = tensor.storage.as_ref() {
-            self.stage_f32(buffer.handle(), buffer.offset(), parts, dtype)?;
-        }
-        Ok(tensor)
+        self.tensor(dtype, rows, cols)
     }
 
     /// Converts `parts` to `dtype` chunk by chunk through the staging ring and uploads them,
@@ -389,13 +400,7 @@ impl Runner {
         if dtype != DType::F32 || cfg!(target_endian = "big") || !self.device.has_async_write() {
             return self.upload_f32_parts(parts, dtype, rows, cols);
         }
-        let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
-        if total != rows * cols {
-            return Err(EncoderError::Shape(format!(
-                "upload of {total} values into a {rows}x{cols} tensor"
-            )));
-        }
-        let tensor = self.tensor(dtype, rows, cols)?;
+        let tensor = self.parts_tensor(parts, dtype, rows, cols)?;
         if let Storage::Device(buffer) = tensor.storage.as_ref() {
             let mut offset = buffer.offset();
             for part in parts {
