@@ -249,30 +249,46 @@ impl CpuDevice {
         to_device: bool,
     ) -> Result<(), PluginError> {
         let (host, host_start) = self.host_range(op, copy.host, copy.host_offset, copy.bytes)?;
-        let (device, device_start) =
-            self.device_range(op, "device", copy.device, copy.device_offset, copy.bytes)?;
         let len = usize::try_from(copy.bytes).unwrap_or(0);
-        let packs = Arc::clone(&self.packs);
-        let (buf, first, end) = (
+        self.enqueue_on_range(
+            op,
             copy.device,
             copy.device_offset,
-            copy.device_offset + copy.bytes,
-        );
-        self.queue.submit(
-            op,
-            Box::new(move |_| {
-                // In queue order: a product queued earlier still reads the packed copy.
-                packs.touch(buf, first, end);
+            copy.bytes,
+            move |device, device_start| {
                 // SAFETY: ranges inside their regions (checked); host and device regions are
                 // distinct allocations; the host leaves the range alone until a fence after
                 // this work completes (ABI contract).
                 unsafe {
                     if to_device {
-                        copy_between(&host, host_start, &device, device_start, len);
+                        copy_between(&host, host_start, device, device_start, len);
                     } else {
-                        copy_between(&device, device_start, &host, host_start, len);
+                        copy_between(device, device_start, &host, host_start, len);
                     }
                 }
+            },
+        )
+    }
+
+    /// Checks `bytes` of device buffer `buf` from `offset` and enqueues `copy` on them: in
+    /// queue order, after the buffer's packed copies of the range are marked stale (a product
+    /// queued earlier still reads the packed copy). `copy` gets the region and the range's
+    /// start.
+    fn enqueue_on_range(
+        &self,
+        op: &'static str,
+        buf: BufferHandle,
+        offset: u64,
+        bytes: u64,
+        copy: impl FnOnce(&Region, usize) + Send + 'static,
+    ) -> Result<(), PluginError> {
+        let (region, start) = self.device_range(op, "device", buf, offset, bytes)?;
+        let packs = Arc::clone(&self.packs);
+        self.queue.submit(
+            op,
+            Box::new(move |_| {
+                packs.touch(buf, offset, offset + bytes);
+                copy(&region, start);
                 Ok(())
             }),
         )
@@ -568,37 +584,25 @@ impl iris_plugin::Backend for CpuDevice {
     }
 
     fn write_async(&self, write: &AsyncWrite) -> Result<(), PluginError> {
-        let (region, start) = self.device_range(
-            "write_async",
-            "device",
-            write.device,
-            write.device_offset,
-            write.bytes,
-        )?;
         let len = usize::try_from(write.bytes).unwrap_or(0);
         if write.host.is_null() && len > 0 {
             return Err(invalid("write_async", "the host source is a null pointer"));
         }
         let source = HostSource(write.host);
-        let packs = Arc::clone(&self.packs);
-        let (buf, first, end) = (
+        self.enqueue_on_range(
+            "write_async",
             write.device,
             write.device_offset,
-            write.device_offset + write.bytes,
-        );
-        self.queue.submit(
-            "write_async",
-            Box::new(move |_| {
+            write.bytes,
+            move |region, start| {
                 let source = source;
-                packs.touch(buf, first, end);
                 // SAFETY: the device range lies inside its region (checked); the host keeps
                 // `len` bytes at the source alive and unchanged until a fence after this work
                 // completes (ABI contract), and host memory is never a device region.
                 unsafe {
                     std::ptr::copy_nonoverlapping(source.0, region.ptr().add(start), len);
                 }
-                Ok(())
-            }),
+            },
         )
     }
 }

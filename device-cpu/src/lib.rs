@@ -19,7 +19,8 @@
 //! (`async`, the default, or `sync`; the `IRIS_CPU_QUEUE` environment variable sets the
 //! default), `queue_delay_us`, `poison`, `isa` (the kernel tier: `amx`, `avx512bf16`,
 //! `avx512` (also spelled `widened`), `avx2` or `generic`; default: the `IRIS_CPU_ISA`
-//! environment variable, else the best the CPU runs; see [`isa`]), and the fault options (see [`faults`]).
+//! environment variable, else the best the CPU runs; see [`isa`]), and the fault options (see
+//! [`faults`]).
 
 pub mod device;
 mod error;

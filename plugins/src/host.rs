@@ -681,7 +681,15 @@ impl Device {
     /// Whether [`AsyncWrites::write`] may still enqueue: the plugin has `write_async` and has
     /// not refused it.
     pub fn has_async_write(&self) -> bool {
-        !self.no_async_write.load(Ordering::Relaxed) && self.vtable_write_async().is_some()
+        self.async_write_fn().is_some()
+    }
+
+    /// The plugin's `write_async`, unless it lacks one or has refused it.
+    fn async_write_fn(
+        &self,
+    ) -> Option<extern "C" fn(DeviceCtx, &AsyncWrite) -> RResult<(), PluginError>> {
+        self.vtable_write_async()
+            .filter(|_| !self.no_async_write.load(Ordering::Relaxed))
     }
 
     /// Checks a staged transfer's host range and that the buffer belongs to this device.
@@ -795,12 +803,9 @@ impl<'a> AsyncWrites<'a> {
         src: &'a [u8],
     ) -> Result<bool, DeviceError> {
         let device = &*self.device;
-        let Some(write_async) = device.vtable_write_async() else {
+        let Some(write_async) = device.async_write_fn() else {
             return Ok(false);
         };
-        if device.no_async_write.load(Ordering::Relaxed) {
-            return Ok(false);
-        }
         let write = AsyncWrite {
             device: dst,
             device_offset: offset,

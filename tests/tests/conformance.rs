@@ -78,10 +78,9 @@ fn template_passes_and_reports_every_op_unsupported() {
     let report = conformance::run(&plugin, &device);
     assert_no_failures(&report);
     for check in &report.checks {
-        // Ops, host staging and `write_async` are optional; the template offers none of them.
+        // Ops and the optional capabilities: the template offers none of them.
         let unsupported_ok = check.name.starts_with("op.")
-            || check.name == "queue.host_staging"
-            || check.name == "queue.write_async";
+            || conformance::OPTIONAL_CHECKS.contains(&check.name.as_str());
         match (&check.status, unsupported_ok) {
             (Status::Unsupported(_), true) | (Status::Pass, _) => {}
             (status, _) => panic!("{}: unexpected {status}", check.name),

@@ -859,9 +859,6 @@ pub fn encode_f32_into(data: &[f32], dtype: DType, out: &mut Vec<u8>) {
     encode_f32_to(data, dtype, out);
 }
 
-/// Host f32 values into `out`, exactly `data.len()` elements of `dtype`. Writing fixed-size
-/// chunks of a sized buffer, rather than collecting a byte iterator, lets the compiler
-/// vectorise the loop.
 /// The bytes of `values` as they lie in memory.
 fn f32_bytes(values: &[f32]) -> &[u8] {
     // SAFETY: any initialised f32 is four initialised bytes; u8 has no alignment needs and the
@@ -871,6 +868,9 @@ fn f32_bytes(values: &[f32]) -> &[u8] {
     }
 }
 
+/// Host f32 values into `out`, exactly `data.len()` elements of `dtype`. Writing fixed-size
+/// chunks of a sized buffer, rather than collecting a byte iterator, lets the compiler
+/// vectorise the loop.
 fn encode_f32_to(data: &[f32], dtype: DType, out: &mut [u8]) {
     match dtype {
         DType::F16 => {
