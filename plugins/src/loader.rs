@@ -16,7 +16,9 @@
 use std::path::{Path, PathBuf};
 
 use abi_stable::StableAbi;
-use abi_stable::abi_stability::abi_checking::check_layout_compatibility;
+use abi_stable::abi_stability::abi_checking::{
+    CheckingGlobals, check_layout_compatibility_with_globals,
+};
 use abi_stable::library::{LibHeader, LibraryError, RootModuleError, lib_header_from_path};
 use thiserror::Error;
 
@@ -276,9 +278,17 @@ fn check_layout(path: &Path, header: &LibHeader, plugin_minor: u32) -> Result<()
     } else {
         (host, plugin)
     };
-    check_layout_compatibility(shorter, longer).map_err(|err| LoadError::IncompatibleLayout {
-        path: path.to_path_buf(),
-        details: abi_instability_summary(&err.to_string()),
+    // A fresh set of globals per plugin: abi_stable's process-wide set unifies every prefix
+    // type it has checked into one expected layout, so after a 2.0 plugin the host's own 2.2
+    // tables would be "incompatible" with a 2.2 plugin (and the other way round). Each plugin
+    // is checked against the host alone; prefix-type accessors read each table's own field
+    // count, so plugins of different minors need not agree with one another.
+    let globals = CheckingGlobals::new();
+    check_layout_compatibility_with_globals(shorter, longer, &globals).map_err(|err| {
+        LoadError::IncompatibleLayout {
+            path: path.to_path_buf(),
+            details: abi_instability_summary(&err.to_string()),
+        }
     })
 }
 
