@@ -8,6 +8,10 @@
 //! count `IRIS_BENCH_THREADS` (default 2), the repeats `IRIS_BENCH_REPEATS` (default 5);
 //! `IRIS_BENCH_OPS`, a comma-separated list of op names, runs only those (for a profiler).
 //!
+//! The first line, `fma_peak`, is the roof the others are held against: independent chains of
+//! fused multiply-adds at the tier's vector width (AVX-512, AVX2 with FMA, or SSE2 multiplies
+//! and adds for `generic`), on the same number of threads, with nothing loaded from memory.
+//!
 //! Run: `cargo bench -p iris-device-cpu --bench tower_ops`.
 
 use std::time::Instant;
@@ -47,6 +51,9 @@ fn main() {
         only.as_deref()
             .is_none_or(|list| list.split(',').any(|op| op.trim() == name))
     };
+    if wanted("fma_peak") {
+        fma_peak(&tier, threads, repeats);
+    }
     let gemms = [
         // name, (m, n, k), activation, accumulate (the residual add)
         ("qkv", (TOKENS, 3 * WIDTH, WIDTH), Activation::NONE, false),
@@ -141,6 +148,113 @@ fn attention(dev: &Device, tier: &str, repeats: usize) {
     );
     for buf in [qkv.buf, out.buf, cu_device.buf, ws] {
         dev.free(buf).expect("free");
+    }
+}
+
+/// Multiply-adds per chain and call of the peak loops.
+const PEAK_ITERATIONS: u64 = 50_000_000;
+/// Independent accumulators per loop: more than an FMA's latency times the FMA ports.
+const CHAINS: usize = 12;
+
+/// Times [`CHAINS`] chains of [`PEAK_ITERATIONS`] vector multiply-adds on each of `threads`
+/// threads at once, at `tier`'s vector width, and reports the rate.
+fn fma_peak(tier: &str, threads: usize, repeats: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (lanes, kernel): (u64, fn(u64) -> f32) = match tier {
+            "avx512" | "avx512bf16" | "amx" if is_x86_feature_detected!("avx512f") => {
+                (16, |n| unsafe { peak::avx512(n) })
+            }
+            "avx2" | "avx512" | "avx512bf16" | "amx"
+                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") =>
+            {
+                (8, |n| unsafe { peak::avx2(n) })
+            }
+            _ => (4, |n| unsafe { peak::sse2(n) }),
+        };
+        let seconds = median(repeats, || {
+            std::thread::scope(|scope| {
+                for _ in 0..threads {
+                    scope.spawn(|| std::hint::black_box(kernel(PEAK_ITERATIONS)));
+                }
+            });
+        });
+        let per_thread = PEAK_ITERATIONS * CHAINS as u64 * lanes * 2;
+        report(
+            tier,
+            "fma_peak",
+            &format!("{threads}x{lanes}"),
+            seconds,
+            per_thread * threads as u64,
+        );
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (tier, threads, repeats);
+}
+
+/// The peak loops: each keeps [`CHAINS`] accumulators in registers.
+#[cfg(target_arch = "x86_64")]
+mod peak {
+    use std::arch::x86_64::*;
+
+    use super::CHAINS;
+
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn avx512(n: u64) -> f32 {
+        let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+        for _ in 0..n {
+            for x in &mut acc {
+                *x = _mm512_fmadd_ps(*x, a, b);
+            }
+        }
+        acc.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn avx2(n: u64) -> f32 {
+        let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+        let mut acc = [_mm256_set1_ps(1.0); CHAINS];
+        for _ in 0..n {
+            for x in &mut acc {
+                *x = _mm256_fmadd_ps(*x, a, b);
+            }
+        }
+        let mut lanes = [0f32; 8];
+        let mut total = 0.0;
+        for x in acc {
+            // SAFETY: `lanes` holds eight floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), x) };
+            total += lanes.iter().sum::<f32>();
+        }
+        total
+    }
+
+    /// A multiply and an add (x86-64's baseline has no FMA).
+    ///
+    /// # Safety
+    /// Always safe on x86-64 (SSE2 is its baseline).
+    #[target_feature(enable = "sse2")]
+    pub unsafe fn sse2(n: u64) -> f32 {
+        let (a, b) = (_mm_set1_ps(0.999_999), _mm_set1_ps(1e-7));
+        let mut acc = [_mm_set1_ps(1.0); CHAINS];
+        for _ in 0..n {
+            for x in &mut acc {
+                *x = _mm_add_ps(_mm_mul_ps(*x, a), b);
+            }
+        }
+        let mut lanes = [0f32; 4];
+        let mut total = 0.0;
+        for x in acc {
+            // SAFETY: `lanes` holds four floats.
+            unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), x) };
+            total += lanes.iter().sum::<f32>();
+        }
+        total
     }
 }
 

@@ -7,7 +7,8 @@ patches, 16 heads of 80), torch's the same ops as transformers runs them: `F.lin
 the residual added after, `quick_gelu` after fc1, and `F.scaled_dot_product_attention`. Both sides
 alternate for `--repeats` rounds; each round's figure is a median of `--inner` calls after
 untimed ones (one for iris, three for torch, whose first MKL calls on new operands are slow), and
-the table shows the median of the rounds.
+the table shows the median of the rounds. The bench also measures the tier's fused multiply-add
+rate on the same threads, and each GFLOP/s figure is given with its share of that roof.
 
 `--isa` forces the instruction set of both sides as in tower_vs_torch.py (e.g. `--isa avx2`).
 
@@ -31,6 +32,8 @@ from tower_vs_torch import force_torch_isa, torch_capability  # noqa: E402
 TOKENS, WIDTH, MLP, HEADS, HEAD_DIM = 1024, 1280, 5120, 16, 80
 # Untimed torch calls per op before the timed ones.
 WARMUP_CALLS = 3
+# Seconds the torch process idles before the iris bench starts.
+IDLE_BEFORE_IRIS_S = 2.0
 
 
 def torch_ops(threads):
@@ -77,6 +80,9 @@ def time_torch(op, inner):
 
 
 def run_iris(bench, threads, inner, isa):
+    # torch's OpenMP threads spin for a while after its last op; let them go to sleep first, or
+    # they take cycles from the bench.
+    time.sleep(IDLE_BEFORE_IRIS_S)
     env = {**os.environ, "IRIS_BENCH_THREADS": str(threads), "IRIS_BENCH_REPEATS": str(inner)}
     if isa:
         env["IRIS_CPU_ISA"] = isa
@@ -100,8 +106,11 @@ def main():
     ops = torch_ops(args.threads)
     results = {name: {"iris": [], "torch": []} for name in ops}
     tier = "unknown"
+    peaks = []
     for repeat in range(args.repeats):
         iris = run_iris(args.bench, args.threads, args.inner, args.isa)
+        if "fma_peak" in iris:
+            peaks.append(iris["fma_peak"]["gflops"])
         for name, (op, _) in ops.items():
             results[name]["torch"].append(time_torch(op, args.inner))
             results[name]["iris"].append(iris[name]["seconds"])
@@ -111,13 +120,23 @@ def main():
     print(f"\niris kernel tier: {tier}; torch CPU capability: {torch_capability()} "
           f"({' '.join(f'{k}={v}' for k, v in torch_env.items()) or 'its own choice'}); "
           f"{args.threads} threads")
+    # The roof: the tier's fused multiply-add rate on the same threads (the bench's first line).
+    peak = statistics.median(peaks) if peaks else None
+    if peak:
+        print(f"FMA peak of the tier on {args.threads} threads: {peak:.0f} GFLOP/s "
+              f"(rounds: {' / '.join(f'{p:.0f}' for p in peaks)}); (%) is the share of it")
     print("| op | torch ms | iris ms | torch / iris | torch GFLOP/s | iris GFLOP/s |")
     print("|---|---|---|---|---|---|")
+
+    def rate(flops, seconds):
+        gflops = flops / seconds / 1e9
+        return f"{gflops:.0f} ({100 * gflops / peak:.0f}%)" if peak else f"{gflops:.0f}"
+
     for name, (_, flops) in ops.items():
         t_torch = statistics.median(results[name]["torch"])
         t_iris = statistics.median(results[name]["iris"])
         print(f"| {name} | {1e3 * t_torch:.1f} | {1e3 * t_iris:.1f} | {t_torch / t_iris:.2f} | "
-              f"{flops / t_torch / 1e9:.0f} | {flops / t_iris / 1e9:.0f} |")
+              f"{rate(flops, t_torch)} | {rate(flops, t_iris)} |")
 
 
 if __name__ == "__main__":
