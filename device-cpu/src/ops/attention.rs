@@ -29,8 +29,12 @@ use crate::error::invalid;
 use crate::memory::BUFFER_ALIGN;
 use crate::queue::Exec;
 
-/// Queries per work item.
-pub const Q_BLOCK: usize = 128;
+/// Queries per work item. Each key and value block is packed once per item, and the
+/// probabilities once per block, so larger items pack less per flop: 256 rather than 128 made
+/// f32 attention at the tower's shape 6% (AVX2) to 13% (AVX-512) faster; 512 adds 2-4% more at
+/// twice the workspace and half the items to balance. One 1024-token image of 16 heads is still
+/// 64 items.
+pub const Q_BLOCK: usize = 256;
 /// Keys per inner step.
 pub const K_BLOCK: usize = 256;
 /// f32 values per cache line: scratch parts start on cache lines.
