@@ -8,24 +8,42 @@ use iris_plugin::abi::ABI_MINOR;
 use iris_plugin::load_library;
 use iris_tests::{abi_2_0_fixture, plugin_library};
 
-/// A copy of `path` under another file name, so that the dynamic loader maps it again
-/// (`dlopen` of a path it already mapped returns the same library).
-fn copy_of(path: &std::path::Path, tag: &str) -> std::path::PathBuf {
-    let copy = path.with_file_name(format!("libiris_device_{tag}_{}.so", std::process::id()));
-    std::fs::copy(path, &copy).unwrap_or_else(|err| panic!("copy {}: {err}", path.display()));
-    copy
+/// Copies of plugin libraries under other names, so that the dynamic loader maps them again
+/// (`dlopen` of a path it already mapped returns the same library); removed on drop, pass or
+/// fail.
+struct Copies(std::path::PathBuf);
+
+impl Copies {
+    fn new() -> Copies {
+        let dir = std::env::temp_dir().join(format!("iris-mixed-minors-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp folder");
+        Copies(dir)
+    }
+
+    fn of(&self, path: &std::path::Path, tag: &str) -> std::path::PathBuf {
+        let copy = self.0.join(format!("libiris_device_{tag}.so"));
+        std::fs::copy(path, &copy).unwrap_or_else(|err| panic!("copy {}: {err}", path.display()));
+        copy
+    }
+}
+
+impl Drop for Copies {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 #[test]
 fn an_older_and_a_newer_plugin_load_into_one_process_in_either_order() {
     let old = abi_2_0_fixture().unwrap_or_else(|err| panic!("{err}"));
     let new = plugin_library("cpu");
+    let copies = Copies::new();
     // Older first, then newer, then an older and a newer again from fresh mappings.
     let loads = [
         old.clone(),
         new.clone(),
-        copy_of(&old, "abi20_again"),
-        copy_of(&new, "cpu_again"),
+        copies.of(&old, "abi20_again"),
+        copies.of(&new, "cpu_again"),
     ];
     let mut minors = Vec::new();
     for path in &loads {
@@ -39,9 +57,6 @@ fn an_older_and_a_newer_plugin_load_into_one_process_in_either_order() {
         assert_eq!(back, [9; 64], "{}", path.display());
         device.free(buf).unwrap();
         minors.push(plugin.abi_minor());
-    }
-    for path in &loads[2..] {
-        let _ = std::fs::remove_file(path);
     }
     assert_eq!(minors, [0, ABI_MINOR, 0, ABI_MINOR]);
 }
