@@ -172,21 +172,33 @@ fn fma_peak(tier: &str, threads: usize, repeats: usize) {
             }
             _ => (4, |n| unsafe { peak::sse2(n) }),
         };
-        let seconds = median(repeats, || {
-            std::thread::scope(|scope| {
-                for _ in 0..threads {
-                    scope.spawn(|| std::hint::black_box(kernel(PEAK_ITERATIONS)));
-                }
-            });
-        });
+        let on_threads = |kernel: fn(u64) -> f32| {
+            median(repeats, || {
+                std::thread::scope(|scope| {
+                    for _ in 0..threads {
+                        scope.spawn(|| std::hint::black_box(kernel(PEAK_ITERATIONS)));
+                    }
+                });
+            })
+        };
         let per_thread = PEAK_ITERATIONS * CHAINS as u64 * lanes * 2;
         report(
             tier,
             "fma_peak",
             &format!("{threads}x{lanes}"),
-            seconds,
+            on_threads(kernel),
             per_thread * threads as u64,
         );
+        // The bf16 tiers' roof: `vdpbf16ps` does two multiply-adds per f32 lane.
+        if matches!(tier, "avx512bf16" | "amx") && is_x86_feature_detected!("avx512bf16") {
+            report(
+                tier,
+                "bf16_dot_peak",
+                &format!("{threads}x16x2"),
+                on_threads(|n| unsafe { peak::avx512_bf16(n) }),
+                PEAK_ITERATIONS * CHAINS as u64 * 16 * 4 * threads as u64,
+            );
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (tier, threads, repeats);
@@ -208,6 +220,21 @@ mod peak {
         for _ in 0..n {
             for x in &mut acc {
                 *x = _mm512_fmadd_ps(*x, a, b);
+            }
+        }
+        acc.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()
+    }
+
+    /// # Safety
+    /// The CPU has AVX512-BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn avx512_bf16(n: u64) -> f32 {
+        // Pairs of small bf16 values, so the sums stay finite.
+        let pairs: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(0x3c00_3c00)) };
+        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+        for _ in 0..n {
+            for x in &mut acc {
+                *x = _mm512_dpbf16_ps(*x, pairs, pairs);
             }
         }
         acc.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()

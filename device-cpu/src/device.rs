@@ -154,6 +154,10 @@ impl CpuDevice {
         let (tier, note) = Tier::resolve(requested);
         if let Some(note) = note {
             log.warn(note);
+        } else if tier == Tier::best()
+            && let Some(why) = Tier::best_note()
+        {
+            log.info(why);
         }
         let exec = Exec::new(options.threads, tier)?;
         let queue = Queue::new(options.queue, exec, options.queue_delay)?;
@@ -338,6 +342,13 @@ impl iris_plugin::Backend for CpuDevice {
                 // What the matrix products and the other vector code run on, set by the tier.
                 Property::new(GEMM_ISA, self.tier.simd().name()),
             ]
+            .into_iter()
+            // Why the default tier is what it is, on CPUs with AVX512-BF16.
+            .chain(
+                crate::isa::bf16_dot_speed()
+                    .map(|speed| Property::new(BF16_DOT_SPEED, format!("{speed:.2}"))),
+            )
+            .collect::<Vec<_>>()
             .into(),
         }
     }
@@ -628,6 +639,11 @@ const TIER_NAMES: &str =
 /// The device's property naming the instruction set the tier's matrix products and other vector
 /// code run on (`avx512f`, `avx2+fma`, `scalar`).
 pub const GEMM_ISA: &str = "gemm_isa";
+
+/// The device's property giving [`crate::isa::bf16_dot_speed`], the flop rate of `vdpbf16ps`
+/// over that of f32 multiply-adds (present on CPUs with AVX512-BF16; below
+/// [`crate::isa::MIN_BF16_DOT_SPEED`] the default tier is `avx512`, not `avx512bf16`).
+pub const BF16_DOT_SPEED: &str = "bf16_dot_speed";
 
 /// The tier [`ISA_ENV`] asks for, else the best this build runs on this CPU.
 fn tier_from_env() -> Result<Tier, PluginError> {

@@ -1,7 +1,9 @@
 //! Kernel tiers: which instruction sets the device's kernels run on.
 //!
-//! The best tier the CPU supports is picked at open; [`ISA_ENV`] (or the `isa` option) forces a
-//! lower one, so one machine can measure every tier it has. A tier the CPU lacks is clamped to the
+//! The best tier the CPU supports is picked at open, except that `avx512bf16` is passed over
+//! where its `vdpbf16ps` is measured slower than widening to f32 ([`bf16_dot_speed`]);
+//! [`ISA_ENV`] (or the `isa` option) forces any tier, so one machine can measure every tier it
+//! has. A tier the CPU lacks is clamped to the
 //! best one it has, with a warning naming both.
 //!
 //! Each tier fixes two things: the vector instruction set ([`Simd`]) that every f32 kernel runs
@@ -168,26 +170,54 @@ impl Tier {
         }
     }
 
-    /// The best tier the CPU supports.
+    /// The tier the device runs unless told otherwise: the best the CPU supports, except that
+    /// `avx512bf16` is passed over where `vdpbf16ps` is slow ([`bf16_dot_speed`] below
+    /// [`MIN_BF16_DOT_SPEED`]): there bf16 products run faster widened to f32 on `avx512`.
     pub fn best() -> Tier {
+        Tier::best_of(Tier::supported, bf16_dot_speed)
+    }
+
+    /// [`Tier::best`] for a CPU described by `supported` and a measured dot-product speed
+    /// (asked for only when `avx512bf16` is a candidate).
+    fn best_of(supported: impl Fn(Tier) -> bool, dot_speed: impl FnOnce() -> Option<f64>) -> Tier {
+        let mut dot_speed = Some(dot_speed);
         Tier::ALL
             .into_iter()
             .rev()
-            .find(|tier| tier.supported())
+            .filter(|tier| supported(*tier))
+            .find(|tier| {
+                *tier != Tier::Avx512Bf16
+                    || dot_speed
+                        .take()
+                        .and_then(|measure| measure())
+                        .is_none_or(|speed| speed >= MIN_BF16_DOT_SPEED)
+            })
             .unwrap_or(Tier::Generic)
     }
 
+    /// Why [`Tier::best`] passed over a supported tier, if it did (for `iris devices` and the
+    /// open log).
+    pub fn best_note() -> Option<String> {
+        let speed = bf16_dot_speed()?;
+        (Tier::Avx512Bf16.supported() && !Tier::Amx.supported() && speed < MIN_BF16_DOT_SPEED).then(
+            || {
+                format!(
+                    "kernel tier `avx512bf16` passed over: `vdpbf16ps` runs at {speed:.2}x the f32 \
+                     multiply-add rate on this CPU, so bf16 products are faster widened to f32 \
+                     (`avx512`); {ISA_ENV}=avx512bf16 or the `isa` option selects it anyway"
+                )
+            },
+        )
+    }
+
     /// The tier to run when `requested` is asked for: itself when the CPU supports it, else the
-    /// best tier below it, with a note saying why.
+    /// one [`Tier::best`] would pick among the tiers below it, with a note saying why.
     pub fn resolve(requested: Tier) -> (Tier, Option<String>) {
         if requested.supported() {
             return (requested, None);
         }
-        let used = Tier::ALL
-            .into_iter()
-            .rev()
-            .find(|tier| *tier < requested && tier.supported())
-            .unwrap_or(Tier::Generic);
+        // The default among the tiers below it (so a slow dot product is passed over here too).
+        let used = Tier::best_of(|tier| tier < requested && tier.supported(), bf16_dot_speed);
         let why = match requested {
             Tier::Amx if has_amx() && has_avx512_bf16() => {
                 "the OS refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)".to_owned()
@@ -222,6 +252,88 @@ impl Tier {
 impl fmt::Display for Tier {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// The dot-product speed below which [`Tier::best`] passes over `avx512bf16`. Its kernel runs
+/// at about 89% of `vdpbf16ps`'s rate on the tower's shapes and the widened path at about 71%
+/// of the f32 multiply-add rate, so the two break even near 0.8; CPUs sit well to either side
+/// (measured 2.0 on AMD Zen 5's full-width units, 0.49 on an Intel Xeon whose `vdpbf16ps`
+/// issues every other cycle).
+pub const MIN_BF16_DOT_SPEED: f64 = 0.75;
+
+/// The flop rate of `vdpbf16ps` over that of AVX-512 f32 multiply-adds on this CPU, measured
+/// once per process on the calling thread (about a millisecond); `None` without AVX512-BF16.
+/// Both count two flops per multiply-add, so 1.0 means bf16 products are no faster than f32.
+pub fn bf16_dot_speed() -> Option<f64> {
+    static SPEED: std::sync::OnceLock<Option<f64>> = std::sync::OnceLock::new();
+    *SPEED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx512_bf16() {
+            return Some(probe::dot_speed());
+        }
+        None
+    })
+}
+
+/// Throughput loops for [`bf16_dot_speed`]: independent chains of one instruction each, more
+/// than its latency times its ports, nothing loaded from memory.
+#[cfg(target_arch = "x86_64")]
+mod probe {
+    use std::arch::x86_64::*;
+    use std::hint::black_box;
+    use std::time::Instant;
+
+    const CHAINS: usize = 12;
+    /// Instructions per chain and run: about 0.1 ms for f32 at 3 GHz.
+    const STEPS: u64 = 20_000;
+    /// Runs of each loop, alternating; the fastest of each counts.
+    const RUNS: usize = 5;
+
+    /// The speed ratio; AVX-512F, BW and AVX512-BF16 were checked by the caller.
+    pub(super) fn dot_speed() -> f64 {
+        let (mut fma, mut dot) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..RUNS {
+            // SAFETY: the caller checked AVX-512F and AVX512-BF16.
+            fma = fma.min(timed(|| unsafe { fma_loop(black_box(STEPS)) }));
+            // SAFETY: as above.
+            dot = dot.min(timed(|| unsafe { dot_loop(black_box(STEPS)) }));
+        }
+        // Per instruction: 16 lanes x 2 flops for the FMA, 16 lanes x 2 pairs x 2 for the dot.
+        (64.0 / dot) / (32.0 / fma)
+    }
+
+    fn timed(f: impl FnOnce() -> f32) -> f64 {
+        let start = Instant::now();
+        black_box(f());
+        start.elapsed().as_secs_f64().max(1e-9)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    fn fma_loop(steps: u64) -> f32 {
+        let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+        for _ in 0..steps {
+            for x in &mut acc {
+                *x = _mm512_fmadd_ps(*x, a, b);
+            }
+        }
+        acc.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    fn dot_loop(steps: u64) -> f32 {
+        // Pairs of bf16 1.0 (0x3f80) scaled down to 2^-7 (0x3c00), so the sums stay finite.
+        let small = _mm512_set1_epi32(0x3c00_3c00);
+        // SAFETY: a bf16 vector is the same 512 bits as an i32 vector.
+        let pairs: __m512bh = unsafe { std::mem::transmute(small) };
+        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+        for _ in 0..steps {
+            for x in &mut acc {
+                *x = _mm512_dpbf16_ps(*x, pairs, pairs);
+            }
+        }
+        acc.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()
     }
 }
 
@@ -289,6 +401,48 @@ pub(crate) fn has_amx() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_passes_over_a_slow_dot_product_and_only_that() {
+        let all = |_: Tier| true;
+        let no_amx = |tier: Tier| tier != Tier::Amx;
+        let measured = |speed: f64| move || Some(speed);
+        let never = || -> Option<f64> { panic!("measured although avx512bf16 is not a candidate") };
+        assert_eq!(Tier::best_of(all, never), Tier::Amx);
+        assert_eq!(Tier::best_of(no_amx, measured(2.0)), Tier::Avx512Bf16);
+        assert_eq!(Tier::best_of(no_amx, measured(0.75)), Tier::Avx512Bf16);
+        assert_eq!(Tier::best_of(no_amx, measured(0.49)), Tier::Avx512);
+        // No measurement (no AVX512-BF16 to time): nothing to pass over.
+        assert_eq!(Tier::best_of(no_amx, || None), Tier::Avx512Bf16);
+        let avx2 = |tier: Tier| tier <= Tier::Avx2;
+        assert_eq!(Tier::best_of(avx2, never), Tier::Avx2);
+        assert_eq!(Tier::best_of(|t| t == Tier::Generic, never), Tier::Generic);
+    }
+
+    #[test]
+    fn the_dot_product_speed_is_measured_where_the_cpu_has_it() {
+        match bf16_dot_speed() {
+            Some(speed) => {
+                eprintln!("vdpbf16ps runs at {speed:.2}x the f32 multiply-add rate here");
+                assert!(has_avx512_bf16());
+                assert!(speed.is_finite() && speed > 0.05 && speed < 20.0, "{speed}");
+                // Measured once: the same figure again.
+                assert_eq!(bf16_dot_speed(), Some(speed));
+                let passed_over = Tier::best_note().is_some();
+                assert_eq!(
+                    passed_over,
+                    !Tier::Amx.supported() && speed < MIN_BF16_DOT_SPEED
+                );
+                if passed_over {
+                    assert_eq!(Tier::best(), Tier::Avx512);
+                }
+            }
+            None => {
+                eprintln!("no AVX512-BF16 on this CPU: nothing to measure");
+                assert!(!has_avx512_bf16());
+            }
+        }
+    }
 
     #[test]
     fn names_round_trip_and_unknown_names_are_refused() {
