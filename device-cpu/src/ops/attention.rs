@@ -9,9 +9,8 @@
 //! f32 keys and values are read in place through their row strides; f16/bf16 blocks are
 //! converted into the slot first.
 //!
-//! bf16 attention on the `amx` tier runs both products on `native::matmul` instead (on
-//! `avx512bf16` the widened f32 path is faster at vision heads' dimensions, see
-//! [`AttentionJob::run`]): queries are read in place, each key and value block is
+//! bf16 attention on a tier with native bf16 kernels runs both products on
+//! `native::matmul` instead: queries are read in place, each key and value block is
 //! packed into pairs-of-bf16 panels as it is visited, scores and the accumulator stay f32, and
 //! the probabilities are rounded to bf16 for `P·V` (as bf16 attention does elsewhere).
 
@@ -269,14 +268,8 @@ impl AttentionJob {
             base,
             layout: SlotLayout::new(plan.head_dim, plan.q.dtype != DType::F32),
         };
-        // Only AMX runs bf16 attention natively. On `vdpbf16ps` the head dimension is the
-        // whole of Q·Kᵀ's depth (40 pairs at 80), so the 14 x 32 tile is stored about as often
-        // as it is multiplied, and P·V's last 32-column panel is half padding at 80: widening
-        // the blocks to f32 for the AVX-512 kernels was 1.5x faster at 1024 tokens of 1280
-        // columns in heads of 64, 80 and 128 (criterion ops bench on a Xeon: 44 vs 28 ms at
-        // 80).
         if plan.q.dtype == DType::BF16
-            && let Some(kernel @ Kernel::Amx) = exec.bf16_kernel()
+            && let Some(kernel) = exec.bf16_kernel()
         {
             let scale = self.scale;
             exec.run_items(plan, slots, |item, scratch, packs| {
