@@ -151,138 +151,44 @@ fn attention(dev: &Device, tier: &str, repeats: usize) {
     }
 }
 
-/// Multiply-adds per chain and call of the peak loops.
+/// Steps per chain and call of the roof loops.
 const PEAK_ITERATIONS: u64 = 50_000_000;
-/// Independent accumulators per loop: more than an FMA's latency times the FMA ports.
-const CHAINS: usize = 12;
 
-/// Times [`CHAINS`] chains of [`PEAK_ITERATIONS`] vector multiply-adds on each of `threads`
-/// threads at once, at `tier`'s vector width, and reports the rate.
+/// Times the tier's roof loop ([`iris_device_cpu::isa::roof`]) on each of `threads` threads at
+/// once and reports the rate; on the bf16 tiers, `vdpbf16ps`'s too.
 fn fma_peak(tier: &str, threads: usize, repeats: usize) {
     #[cfg(target_arch = "x86_64")]
     {
-        let (lanes, kernel): (u64, fn(u64) -> f32) = match tier {
-            "avx512" | "avx512bf16" | "amx" if is_x86_feature_detected!("avx512f") => {
-                (16, |n| unsafe { peak::avx512(n) })
-            }
-            "avx2" | "avx512" | "avx512bf16" | "amx"
-                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") =>
-            {
-                (8, |n| unsafe { peak::avx2(n) })
-            }
-            _ => (4, |n| unsafe { peak::sse2(n) }),
-        };
-        let on_threads = |kernel: fn(u64) -> f32| {
-            median(repeats, || {
+        use iris_device_cpu::isa::roof;
+        let on_threads = |kernel: fn(u64) -> f32, flops_per_step: u64, name: &str| {
+            let seconds = median(repeats, || {
                 std::thread::scope(|scope| {
                     for _ in 0..threads {
                         scope.spawn(|| std::hint::black_box(kernel(PEAK_ITERATIONS)));
                     }
                 });
-            })
+            });
+            let flops = PEAK_ITERATIONS * roof::CHAINS as u64 * flops_per_step * threads as u64;
+            report(tier, name, &format!("{threads} threads"), seconds, flops);
         };
-        let per_thread = PEAK_ITERATIONS * CHAINS as u64 * lanes * 2;
-        report(
-            tier,
-            "fma_peak",
-            &format!("{threads}x{lanes}"),
-            on_threads(kernel),
-            per_thread * threads as u64,
-        );
-        // The bf16 tiers' roof: `vdpbf16ps` does two multiply-adds per f32 lane.
+        let avx512 = is_x86_feature_detected!("avx512f");
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        match tier {
+            // SAFETY (each closure): the feature was detected just above.
+            "avx512" | "avx512bf16" | "amx" if avx512 => {
+                on_threads(|n| unsafe { roof::fma_avx512(n) }, 32, "fma_peak");
+            }
+            "avx2" | "avx512" | "avx512bf16" | "amx" if avx2 => {
+                on_threads(|n| unsafe { roof::fma_avx2(n) }, 16, "fma_peak");
+            }
+            _ => on_threads(|n| unsafe { roof::mul_add_sse2(n) }, 8, "fma_peak"),
+        }
         if matches!(tier, "avx512bf16" | "amx") && is_x86_feature_detected!("avx512bf16") {
-            report(
-                tier,
-                "bf16_dot_peak",
-                &format!("{threads}x16x2"),
-                on_threads(|n| unsafe { peak::avx512_bf16(n) }),
-                PEAK_ITERATIONS * CHAINS as u64 * 16 * 4 * threads as u64,
-            );
+            on_threads(|n| unsafe { roof::dot_bf16_avx512(n) }, 64, "bf16_dot_peak");
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (tier, threads, repeats);
-}
-
-/// The peak loops: each keeps [`CHAINS`] accumulators in registers.
-#[cfg(target_arch = "x86_64")]
-mod peak {
-    use std::arch::x86_64::*;
-
-    use super::CHAINS;
-
-    /// # Safety
-    /// The CPU has AVX-512F.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn avx512(n: u64) -> f32 {
-        let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
-        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
-        for _ in 0..n {
-            for x in &mut acc {
-                *x = _mm512_fmadd_ps(*x, a, b);
-            }
-        }
-        acc.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()
-    }
-
-    /// # Safety
-    /// The CPU has AVX512-BF16.
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    pub unsafe fn avx512_bf16(n: u64) -> f32 {
-        // Pairs of small bf16 values, so the sums stay finite.
-        let pairs: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(0x3c00_3c00)) };
-        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
-        for _ in 0..n {
-            for x in &mut acc {
-                *x = _mm512_dpbf16_ps(*x, pairs, pairs);
-            }
-        }
-        acc.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()
-    }
-
-    /// # Safety
-    /// The CPU has AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn avx2(n: u64) -> f32 {
-        let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
-        let mut acc = [_mm256_set1_ps(1.0); CHAINS];
-        for _ in 0..n {
-            for x in &mut acc {
-                *x = _mm256_fmadd_ps(*x, a, b);
-            }
-        }
-        let mut lanes = [0f32; 8];
-        let mut total = 0.0;
-        for x in acc {
-            // SAFETY: `lanes` holds eight floats.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), x) };
-            total += lanes.iter().sum::<f32>();
-        }
-        total
-    }
-
-    /// A multiply and an add (x86-64's baseline has no FMA).
-    ///
-    /// # Safety
-    /// Always safe on x86-64 (SSE2 is its baseline).
-    #[target_feature(enable = "sse2")]
-    pub unsafe fn sse2(n: u64) -> f32 {
-        let (a, b) = (_mm_set1_ps(0.999_999), _mm_set1_ps(1e-7));
-        let mut acc = [_mm_set1_ps(1.0); CHAINS];
-        for _ in 0..n {
-            for x in &mut acc {
-                *x = _mm_add_ps(_mm_mul_ps(*x, a), b);
-            }
-        }
-        let mut lanes = [0f32; 4];
-        let mut total = 0.0;
-        for x in acc {
-            // SAFETY: `lanes` holds four floats.
-            unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), x) };
-            total += lanes.iter().sum::<f32>();
-        }
-        total
-    }
 }
 
 /// A `[rows, cols]` f32 matrix of small deterministic values.

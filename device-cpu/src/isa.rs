@@ -276,15 +276,80 @@ pub fn bf16_dot_speed() -> Option<f64> {
     })
 }
 
-/// Throughput loops for [`bf16_dot_speed`]: independent chains of one instruction each, more
-/// than its latency times its ports, nothing loaded from memory.
+/// Throughput loops: [`roof::CHAINS`] independent chains of one arithmetic instruction each,
+/// more than its latency times its ports, nothing loaded from memory. The device times two of
+/// them for [`bf16_dot_speed`]; the benches report them as the roof their ops are held against.
+#[cfg(target_arch = "x86_64")]
+pub mod roof {
+    use std::arch::x86_64::*;
+
+    /// Independent accumulators per loop.
+    pub const CHAINS: usize = 12;
+
+    /// Defines a loop: `$steps` rounds of `$op` on every chain, then the chains' sum (so the
+    /// work cannot be optimised away).
+    macro_rules! chain_loop {
+        ($(#[$meta:meta])* $name:ident, $feature:literal, $vec:ty, $lanes:literal,
+         $one:expr, |$x:ident| $op:expr) => {
+            $(#[$meta])*
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU has ", $feature, ".")]
+            #[target_feature(enable = $feature)]
+            pub unsafe fn $name(steps: u64) -> f32 {
+                let mut acc: [$vec; CHAINS] = [$one; CHAINS];
+                for _ in 0..steps {
+                    for $x in &mut acc {
+                        *$x = $op;
+                    }
+                }
+                acc.iter()
+                    // SAFETY: a vector of `$lanes` f32 is `$lanes` f32.
+                    .map(|x| unsafe { std::mem::transmute::<$vec, [f32; $lanes]>(*x) })
+                    .flatten()
+                    .sum()
+            }
+        };
+    }
+
+    chain_loop!(
+        /// AVX-512 f32 fused multiply-adds: 32 flops per instruction.
+        fma_avx512, "avx512f", __m512, 16, _mm512_set1_ps(1.0),
+        |x| _mm512_fmadd_ps(*x, _mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7))
+    );
+    chain_loop!(
+        /// AVX2 f32 fused multiply-adds: 16 flops per instruction.
+        fma_avx2, "avx2,fma", __m256, 8, _mm256_set1_ps(1.0),
+        |x| _mm256_fmadd_ps(*x, _mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7))
+    );
+    chain_loop!(
+        /// SSE2 f32 multiplies and adds (the baseline has no FMA): 8 flops per pair.
+        mul_add_sse2, "sse2", __m128, 4, _mm_set1_ps(1.0),
+        |x| _mm_add_ps(_mm_mul_ps(*x, _mm_set1_ps(0.999_999)), _mm_set1_ps(1e-7))
+    );
+    chain_loop!(
+        /// AVX512-BF16 `vdpbf16ps` on pairs of bf16 2^-7 (so the sums stay finite): 64 flops
+        /// per instruction.
+        dot_bf16_avx512, "avx512f,avx512bf16", __m512, 16, _mm512_set1_ps(1.0),
+        |x| _mm512_dpbf16_ps(*x, small_pairs(), small_pairs())
+    );
+
+    /// Every lane a pair of bf16 2^-7.
+    #[inline(always)]
+    fn small_pairs() -> __m512bh {
+        // SAFETY: plain bit patterns; a bf16 vector is the same 512 bits as an i32 vector.
+        unsafe { std::mem::transmute(_mm512_set1_epi32(0x3c00_3c00)) }
+    }
+}
+
+/// The measurement behind [`bf16_dot_speed`].
 #[cfg(target_arch = "x86_64")]
 mod probe {
-    use std::arch::x86_64::*;
     use std::hint::black_box;
     use std::time::Instant;
 
-    const CHAINS: usize = 12;
+    use super::roof;
+
     /// Instructions per chain and run: about 0.1 ms for f32 at 3 GHz.
     const STEPS: u64 = 20_000;
     /// Runs of each loop, alternating; the fastest of each counts.
@@ -295,9 +360,9 @@ mod probe {
         let (mut fma, mut dot) = (f64::INFINITY, f64::INFINITY);
         for _ in 0..RUNS {
             // SAFETY: the caller checked AVX-512F and AVX512-BF16.
-            fma = fma.min(timed(|| unsafe { fma_loop(black_box(STEPS)) }));
+            fma = fma.min(timed(|| unsafe { roof::fma_avx512(black_box(STEPS)) }));
             // SAFETY: as above.
-            dot = dot.min(timed(|| unsafe { dot_loop(black_box(STEPS)) }));
+            dot = dot.min(timed(|| unsafe { roof::dot_bf16_avx512(black_box(STEPS)) }));
         }
         // Per instruction: 16 lanes x 2 flops for the FMA, 16 lanes x 2 pairs x 2 for the dot.
         (64.0 / dot) / (32.0 / fma)
@@ -307,33 +372,6 @@ mod probe {
         let start = Instant::now();
         black_box(f());
         start.elapsed().as_secs_f64().max(1e-9)
-    }
-
-    #[target_feature(enable = "avx512f")]
-    fn fma_loop(steps: u64) -> f32 {
-        let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
-        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
-        for _ in 0..steps {
-            for x in &mut acc {
-                *x = _mm512_fmadd_ps(*x, a, b);
-            }
-        }
-        acc.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()
-    }
-
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    fn dot_loop(steps: u64) -> f32 {
-        // Pairs of bf16 1.0 (0x3f80) scaled down to 2^-7 (0x3c00), so the sums stay finite.
-        let small = _mm512_set1_epi32(0x3c00_3c00);
-        // SAFETY: a bf16 vector is the same 512 bits as an i32 vector.
-        let pairs: __m512bh = unsafe { std::mem::transmute(small) };
-        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
-        for _ in 0..steps {
-            for x in &mut acc {
-                *x = _mm512_dpbf16_ps(*x, pairs, pairs);
-            }
-        }
-        acc.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()
     }
 }
 
