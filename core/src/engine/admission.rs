@@ -181,6 +181,10 @@ impl Drop for Permit {
 
 /// The embedding tokens an encoded image will produce, from its header alone; 0 when the
 /// header cannot be read (preprocessing then refuses the image with the precise error).
+///
+/// The header's size is the one before the EXIF orientation, and that is enough: a quarter
+/// turn swaps width and height, and `smart_resize` rounds and scales each side by the same
+/// rule, so the grid is transposed and the token count is the same.
 pub(crate) fn estimate_tokens(
     bytes: &[u8],
     limits: &DecodeLimits,
@@ -210,6 +214,39 @@ mod tests {
             max_queued_requests: requests,
             max_pending_tokens: tokens,
         })
+    }
+
+    /// A 150x40 PNG whose EXIF orientation (6) turns it into 40x150 when decoded.
+    fn png_turned_a_quarter() -> Vec<u8> {
+        // A big-endian TIFF header and one IFD entry: Orientation (0x0112), SHORT, 1, value 6.
+        let exif = [
+            b'M', b'M', 0, 42, 0, 0, 0, 8, 0, 1, 0x01, 0x12, 0, 3, 0, 0, 0, 1, 0, 6, 0, 0, 0, 0, 0,
+            0,
+        ];
+        let mut png = Vec::new();
+        let mut encoder = image::codecs::png::PngEncoder::new(&mut png);
+        image::ImageEncoder::set_exif_metadata(&mut encoder, exif.to_vec()).unwrap();
+        let rgb: Vec<u8> = (0u8..251).cycle().take(150 * 40 * 3).collect();
+        image::ImageEncoder::write_image(encoder, &rgb, 150, 40, image::ExtendedColorType::Rgb8)
+            .unwrap();
+        png
+    }
+
+    #[test]
+    fn the_estimate_from_the_header_counts_the_tokens_of_the_turned_image() {
+        let (png, limits) = (png_turned_a_quarter(), DecodeLimits::default());
+        for processor in [ProcessorConfig::qwen2_vl(), ProcessorConfig::qwen3_vl()] {
+            let image = crate::preprocess::preprocess(&png, &processor, &limits).unwrap();
+            assert_eq!(
+                image.original_size,
+                crate::preprocess::ImageSize::new(40, 150),
+                "the decoder applied the orientation"
+            );
+            assert_eq!(
+                estimate_tokens(&png, &limits, &processor),
+                u64::from(image.tokens)
+            );
+        }
     }
 
     #[test]
