@@ -207,7 +207,11 @@ pub(crate) fn estimate_tokens(
 
 #[cfg(test)]
 mod tests {
+    use image::ImageEncoder;
+    use image::codecs::png::PngEncoder;
+
     use super::*;
+    use crate::preprocess::{ImageSize, preprocess};
 
     fn admission(requests: u64, tokens: u64) -> Arc<Admission> {
         Admission::new(AdmissionLimits {
@@ -224,10 +228,11 @@ mod tests {
             0,
         ];
         let mut png = Vec::new();
-        let mut encoder = image::codecs::png::PngEncoder::new(&mut png);
-        image::ImageEncoder::set_exif_metadata(&mut encoder, exif.to_vec()).unwrap();
+        let mut encoder = PngEncoder::new(&mut png);
+        encoder.set_exif_metadata(exif.to_vec()).unwrap();
         let rgb: Vec<u8> = (0u8..251).cycle().take(150 * 40 * 3).collect();
-        image::ImageEncoder::write_image(encoder, &rgb, 150, 40, image::ExtendedColorType::Rgb8)
+        encoder
+            .write_image(&rgb, 150, 40, image::ExtendedColorType::Rgb8)
             .unwrap();
         png
     }
@@ -236,10 +241,10 @@ mod tests {
     fn the_estimate_from_the_header_counts_the_tokens_of_the_turned_image() {
         let (png, limits) = (png_turned_a_quarter(), DecodeLimits::default());
         for processor in [ProcessorConfig::qwen2_vl(), ProcessorConfig::qwen3_vl()] {
-            let image = crate::preprocess::preprocess(&png, &processor, &limits).unwrap();
+            let image = preprocess(&png, &processor, &limits).unwrap();
             assert_eq!(
                 image.original_size,
-                crate::preprocess::ImageSize::new(40, 150),
+                ImageSize::new(40, 150),
                 "the decoder applied the orientation"
             );
             assert_eq!(
