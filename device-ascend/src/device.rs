@@ -479,6 +479,12 @@ impl iris_plugin::Backend for AscendDevice {
             .into(),
             bytes: state.memory.overhead(),
         });
+        // `copy_batch` has no workspace argument: a copy the copy engine cannot take runs as
+        // an op whose scratch the plugin takes itself, until the queue passes it.
+        held.push(HeldMemory {
+            what: "scratch of queued copies between unaligned or strided regions".into(),
+            bytes: state.memory.queued_scratch(),
+        });
         Ok(MemoryReport {
             allocated,
             buffers,

@@ -294,6 +294,18 @@ impl Memory {
         self.overhead
     }
 
+    /// What the device charges for transient scratch whose work is still queued: taken by an
+    /// op beyond its caller's workspace (a copy between unaligned or strided regions), and
+    /// released once the queue has passed that work.
+    pub fn queued_scratch(&self) -> u64 {
+        self.pending
+            .iter()
+            .filter(|p| !p.counted)
+            .flat_map(|p| &p.device)
+            .map(|block| block.charge)
+            .sum()
+    }
+
     /// The allocation call in use (it may change from `aclrtMallocAlign32` to `aclrtMalloc`
     /// at the first allocation, if the runtime refuses the former).
     pub fn device_malloc(&self) -> DeviceMalloc {

@@ -712,6 +712,72 @@ fn copies_at_any_offset_and_per_row_copies_merged() {
 }
 
 #[test]
+fn the_scratch_of_a_strided_copy_is_reported_until_the_queue_passes_it() {
+    isolated(
+        "the_scratch_of_a_strided_copy_is_reported_until_the_queue_passes_it",
+        &[
+            ("ASCEND_EMU_HBM", HBM),
+            // Keeps the copy queued while the test looks at the device.
+            ("ASCEND_EMU_QUEUE_DELAY_US", "50000"),
+        ],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            let scratch_row = |report: &iris_plugin::host::PluginMemory| {
+                report
+                    .held
+                    .iter()
+                    .find(|(what, _)| what.contains("scratch of queued copies"))
+                    .map(|(_, bytes)| *bytes)
+                    .expect("the report has a row for copy scratch")
+            };
+            let (rows, width) = (4096u64, 12u64);
+            let src = device.alloc(rows * 16).expect("alloc");
+            let dst = device.alloc(rows * 20).expect("alloc");
+            device.zero(src, 0, rows * 16).expect("zero");
+            device.synchronize().expect("synchronize");
+            let free_before = device.mem_info().expect("mem_info").free;
+            let report_before = device.memory_report().expect("report");
+            assert_eq!(scratch_row(&report_before), 0);
+            // Rows 16 bytes apart in the source and 20 in the destination: one strided copy
+            // as an op, whose non-contiguous source aclnnInplaceCopy first copies into its
+            // workspace. copy_batch has no workspace argument, so the plugin takes it.
+            let regions: Vec<CopyRegion> = (0..rows)
+                .map(|row| CopyRegion {
+                    src,
+                    src_offset: 16 * row,
+                    dst,
+                    dst_offset: 20 * row,
+                    bytes: width,
+                })
+                .collect();
+            device.copy_batch(&regions).expect("copy_batch");
+            let free_during = device.mem_info().expect("mem_info").free;
+            let report_during = device.memory_report().expect("report");
+            let scratch = scratch_row(&report_during);
+            assert!(
+                scratch >= rows * width,
+                "the source's {} bytes made contiguous: {report_during:?}",
+                rows * width
+            );
+            assert_eq!(report_during.allocated, report_before.allocated);
+            // Every byte the device lost since is in the report.
+            assert_eq!(
+                free_before - free_during,
+                report_during.held_bytes() - report_before.held_bytes(),
+                "{report_during:?}"
+            );
+            device.synchronize().expect("synchronize");
+            let report_after = device.memory_report().expect("report");
+            assert_eq!(scratch_row(&report_after), 0, "{report_after:?}");
+            assert_eq!(device.mem_info().expect("mem_info").free, free_before);
+            device.free(src).expect("free");
+            device.free(dst).expect("free");
+        },
+    );
+}
+
+#[test]
 fn overlapping_opens_of_one_npu_release_everything_after_the_last() {
     isolated(
         "overlapping_opens_of_one_npu_release_everything_after_the_last",

@@ -5,8 +5,9 @@
 //! whether the launch succeeds or fails; an abandoned one is released with
 //! `aclSetAclOpExecutorRepeatable` + `aclDestroyAclOpExecutor`; executors neither run nor
 //! destroyed are counted, [`crate::EmuStats::executors`]), the workspace contract (the matmul
-//! family, the fill and the fused attention ask for scratch, which the kernel overwrites, and
-//! a smaller workspace is refused), dtype and shape rules, the SoC families' missing kernels
+//! family, the fill, the fused attention and a copy that must first make its source contiguous,
+//! cast or broadcast it ask for scratch, which the kernel overwrites, and a smaller workspace
+//! is refused), dtype and shape rules, the SoC families' missing kernels
 //! and `cubeMathType` rule, f32 accumulation with results rounded to the output dtype, and
 //! checks of every operand's storage against live memory: at launch (a launch whose operand
 //! lies outside a live allocation of the stream's NPU is refused with 161002) and again when
@@ -1155,6 +1156,11 @@ pub unsafe fn cast(
 /// `aclnnInplaceCopyGetWorkspaceSize(selfRef, src, ...)`: `src` broadcast to `selfRef`,
 /// converted to its dtype.
 ///
+/// The workspace follows the op's published first phase: a non-contiguous `src` is first made
+/// contiguous, then cast where the dtypes differ and broadcast where the shapes do, each step
+/// into a tensor of the executor's workspace, before the view copy into `selfRef`. A copy
+/// between strided views therefore asks for the bytes of its source.
+///
 /// # Safety
 /// As for [`matmul`].
 pub unsafe fn inplace_copy(
@@ -1166,6 +1172,7 @@ pub unsafe fn inplace_copy(
     first_phase("aclnnInplaceCopy", ws, ex, || {
         // SAFETY: handles from this emulation.
         let (dst, src) = unsafe { (view(dst)?, view(src)?) };
+        let workspace = inplace_copy_workspace(&dst, &src);
         let src = broadcast(&src, &dst.dims)?;
         let kernel: Kernel = Box::new(move |dev: &Device| {
             live(dev, "aclnnInplaceCopy", &[&src, &dst])?;
@@ -1183,8 +1190,28 @@ pub unsafe fn inplace_copy(
             }
             Ok(())
         });
-        Ok((0, kernel))
+        Ok((workspace, kernel))
     })
+}
+
+/// The intermediate tensors of [`inplace_copy`]'s first phase, in bytes (none for an empty
+/// copy or a contiguous source of the destination's dtype and shape).
+fn inplace_copy_workspace(dst: &View, src: &View) -> u64 {
+    let bytes = |numel: usize, dtype: Dtype| (numel * dtype.size()) as u64;
+    if dst.numel() == 0 || src.numel() == 0 {
+        return 0;
+    }
+    let mut total = 0;
+    if !src.is_contiguous() {
+        total += bytes(src.numel(), src.dtype);
+    }
+    if src.dtype != dst.dtype {
+        total += bytes(src.numel(), dst.dtype);
+    }
+    if src.dims != dst.dims {
+        total += bytes(dst.numel(), dst.dtype);
+    }
+    total
 }
 
 /// `aclnnInplaceFillScalarGetWorkspaceSize(selfRef, value, ...)`: floats take the value,

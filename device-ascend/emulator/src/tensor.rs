@@ -94,6 +94,22 @@ impl View {
         self.dims.iter().product()
     }
 
+    /// Whether the elements lie in row-major order without gaps (dimensions of extent 1 may
+    /// have any stride), as aclnn's `IsContiguous` decides before an op makes a copy.
+    pub fn is_contiguous(&self) -> bool {
+        let mut expected = 1i64;
+        for (&dim, &stride) in self.dims.iter().zip(&self.strides).rev() {
+            if dim == 1 {
+                continue;
+            }
+            if stride != expected {
+                return false;
+            }
+            expected = expected.saturating_mul(i64::try_from(dim).unwrap_or(i64::MAX));
+        }
+        true
+    }
+
     /// Byte range of the storage `(start, len)`.
     pub fn storage_bytes(&self) -> (usize, u64) {
         (
