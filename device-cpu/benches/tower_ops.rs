@@ -1,7 +1,7 @@
-//! The Qwen2-VL-2B vision tower's f32 ops at the tower's shapes (one 448x448 image: 1024
+//! The Qwen2-VL-2B vision tower's ops at the tower's shapes (one 448x448 image: 1024
 //! patches, width 1280, MLP 5120, 16 heads of 80), timed one by one on the CPU device, for a
 //! per-op comparison with another library (`tools/bench/ops_vs_torch.py` runs this beside
-//! torch).
+//! torch). f32 unless `IRIS_BENCH_DTYPE` says `bf16` or `f16`.
 //!
 //! Prints one JSON object per op: name, shape, median seconds over the repeats (after one
 //! untimed call) and GFLOP/s. The tier is the device's default or `IRIS_CPU_ISA`; the thread
@@ -29,6 +29,12 @@ const HEAD_DIM: u64 = 80;
 fn main() {
     let threads = env_number("IRIS_BENCH_THREADS", 2);
     let repeats = env_number("IRIS_BENCH_REPEATS", 5).max(1);
+    let dtype = match std::env::var("IRIS_BENCH_DTYPE").as_deref().map(str::trim) {
+        Err(_) | Ok("" | "f32") => DType::F32,
+        Ok("bf16") => DType::BF16,
+        Ok("f16") => DType::F16,
+        Ok(other) => panic!("IRIS_BENCH_DTYPE={other}: expected f32, bf16 or f16"),
+    };
     let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
     let dev = plugin
         .open(
@@ -75,10 +81,10 @@ fn main() {
         if !wanted(name) {
             continue;
         }
-        let a = matrix(&dev, m, k);
-        let w = matrix(&dev, n, k);
-        let bias = matrix(&dev, 1, n);
-        let out = matrix(&dev, m, n);
+        let a = matrix(&dev, dtype, m, k);
+        let w = matrix(&dev, dtype, n, k);
+        let bias = matrix(&dev, dtype, 1, n);
+        let out = matrix(&dev, dtype, m, n);
         let args = GemmArgs {
             a,
             w,
@@ -97,21 +103,21 @@ fn main() {
         }
     }
     if wanted("attention") {
-        attention(&dev, &tier, repeats);
+        attention(&dev, dtype, &tier, repeats);
     }
 }
 
-fn attention(dev: &Device, tier: &str, repeats: usize) {
+fn attention(dev: &Device, dtype: DType, tier: &str, repeats: usize) {
     let cols = HEADS * HEAD_DIM;
-    let qkv = matrix(dev, TOKENS, 3 * cols);
+    let qkv = matrix(dev, dtype, TOKENS, 3 * cols);
     let part = |i: u64| MatRef {
-        offset: i * cols * 4,
+        offset: i * cols * dtype.size().expect("a float dtype"),
         cols,
         ..qkv
     };
-    let out = matrix(dev, TOKENS, cols);
+    let out = matrix(dev, dtype, TOKENS, cols);
     let cu = [0u32, u32::try_from(TOKENS).expect("fits")];
-    let cu_device = matrix(dev, 1, 2);
+    let cu_device = matrix(dev, DType::F32, 1, 2);
     let boundaries: Vec<u8> = cu.iter().flat_map(|c| c.to_le_bytes()).collect();
     dev.write(cu_device.buf, 0, &boundaries).expect("write");
     let mut args = AttentionArgs {
@@ -191,16 +197,22 @@ fn fma_peak(tier: &str, threads: usize, repeats: usize) {
     let _ = (tier, threads, repeats);
 }
 
-/// A `[rows, cols]` f32 matrix of small deterministic values.
-fn matrix(dev: &Device, rows: u64, cols: u64) -> MatRef {
+/// A `[rows, cols]` matrix of `dtype` holding small deterministic values.
+fn matrix(dev: &Device, dtype: DType, rows: u64, cols: u64) -> MatRef {
     let count = usize::try_from(rows * cols).expect("fits");
-    let bytes: Vec<u8> = (0..count)
-        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 5000.0)
-        .flat_map(f32::to_le_bytes)
-        .collect();
+    let values = (0..count).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 5000.0);
+    let bytes: Vec<u8> = match dtype {
+        DType::BF16 => values
+            .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::F16 => values
+            .flat_map(|v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => values.flat_map(f32::to_le_bytes).collect(),
+    };
     let buf = dev.alloc(bytes.len() as u64).expect("alloc");
     dev.write(buf, 0, &bytes).expect("write");
-    MatRef::contiguous(buf, 0, DType::F32, rows, cols)
+    MatRef::contiguous(buf, 0, dtype, rows, cols)
 }
 
 /// The median time of `repeats` calls of `f`, after one untimed call.

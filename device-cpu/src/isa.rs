@@ -1,14 +1,14 @@
 //! Kernel tiers: which instruction sets the device's kernels run on.
 //!
 //! The best tier the CPU supports is picked at open, except that `avx512bf16` is passed over
-//! where its `vdpbf16ps` is measured slower than widening to f32 ([`bf16_dot_speed`]);
+//! where its `vdpbf16ps` is measured slower than f32 FMAs on widened bf16 ([`bf16_dot_speed`]);
 //! [`ISA_ENV`] (or the `isa` option) forces any tier, so one machine can measure every tier it
 //! has. A tier the CPU lacks is clamped to the
 //! best one it has, with a warning naming both.
 //!
 //! Each tier fixes two things: the vector instruction set ([`Simd`]) that every f32 kernel runs
-//! on (the f32 and f16 matrix products, bf16 products widened to f32, attention, activations,
-//! norms and reductions), and the bf16 matrix product.
+//! on (the f32 and f16 matrix products, attention, activations, norms and reductions), and the
+//! bf16 matrix product.
 //!
 //! - `amx`: bf16 products on AMX-BF16 tiles (`tdpbf16ps`, [`crate::ops::amx`]), the rest on
 //!   AVX-512. Needs the OS to grant tile data, which is requested once per process; when it
@@ -16,9 +16,11 @@
 //! - `avx512bf16`: bf16 products on `vdpbf16ps` (pairs of bf16 multiplied and summed into f32
 //!   lanes), weights packed into pairs-of-bf16 panels ([`crate::ops::native`]); the rest on
 //!   AVX-512.
-//! - `avx512`: everything on AVX-512F, bf16 operands widened to f32 (also spelled `widened`).
-//! - `avx2`: everything on AVX2 with FMA, bf16 operands widened to f32.
-//! - `generic`: the baseline instruction set of the build (on x86-64, SSE2 and scalar code).
+//! - `avx512`: everything on AVX-512F; bf16 products on f32 FMAs over the same packed weights,
+//!   each pair widened in registers ([`crate::ops::fma`]). Also spelled `widened`.
+//! - `avx2`: everything on AVX2 with FMA; bf16 products as on `avx512`, on 8-lane vectors.
+//! - `generic`: the baseline instruction set of the build (on x86-64, SSE2 and scalar code);
+//!   bf16 operands converted to f32 for the `gemm` crate.
 //!
 //! The matrix products run on the `gemm` crate's kernels, called per instruction set through
 //! [`crate::ops::gemm`]'s own entry point rather than the crate's run-time choice (which would
@@ -36,11 +38,11 @@ pub const ISA_ENV: &str = "IRIS_CPU_ISA";
 /// A kernel tier, ordered from the most portable to the most specialised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Tier {
-    /// The build's baseline instruction set; bf16 widened to f32.
+    /// The build's baseline instruction set; bf16 converted to f32 for the `gemm` crate.
     Generic,
-    /// AVX2 with FMA; bf16 widened to f32.
+    /// AVX2 with FMA; bf16 products on f32 FMAs over packed bf16 weights.
     Avx2,
-    /// AVX-512F; bf16 widened to f32.
+    /// AVX-512F; bf16 products on f32 FMAs over packed bf16 weights.
     Avx512,
     /// AVX512-BF16 dot products on packed bf16 weights, AVX-512F for the rest.
     Avx512Bf16,
@@ -172,7 +174,7 @@ impl Tier {
 
     /// The tier the device runs unless told otherwise: the best the CPU supports, except that
     /// `avx512bf16` is passed over where `vdpbf16ps` is slow ([`bf16_dot_speed`] below
-    /// [`MIN_BF16_DOT_SPEED`]): there bf16 products run faster widened to f32 on `avx512`.
+    /// [`MIN_BF16_DOT_SPEED`]): there bf16 products run faster on `avx512`'s f32 FMAs.
     pub fn best() -> Tier {
         Tier::best_of(Tier::supported, bf16_dot_speed)
     }
@@ -203,7 +205,7 @@ impl Tier {
             || {
                 format!(
                     "kernel tier `avx512bf16` passed over: `vdpbf16ps` runs at {speed:.2}x the f32 \
-                     multiply-add rate on this CPU, so bf16 products are faster widened to f32 \
+                     multiply-add rate on this CPU, so bf16 products are faster on f32 FMAs \
                      (`avx512`); {ISA_ENV}=avx512bf16 or the `isa` option selects it anyway"
                 )
             },
@@ -256,8 +258,8 @@ impl fmt::Display for Tier {
 }
 
 /// The dot-product speed below which [`Tier::best`] passes over `avx512bf16`. Its kernel runs
-/// at about 89% of `vdpbf16ps`'s rate on the tower's shapes and the widened path at about 71%
-/// of the f32 multiply-add rate, so the two break even near 0.8; CPUs sit well to either side
+/// at about 89% of `vdpbf16ps`'s rate on the tower's shapes and `avx512`'s bf16 products at
+/// about 70% of the f32 multiply-add rate, so the two break even near 0.8; CPUs sit well to either side
 /// (measured 2.0 on AMD Zen 5's full-width units, 0.49 on an Intel Xeon whose `vdpbf16ps`
 /// issues every other cycle).
 pub const MIN_BF16_DOT_SPEED: f64 = 0.75;

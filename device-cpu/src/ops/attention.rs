@@ -9,8 +9,9 @@
 //! f32 keys and values are read in place through their row strides; f16/bf16 blocks are
 //! converted into the slot first.
 //!
-//! bf16 attention on a tier with native bf16 kernels runs both products on
-//! `native::matmul` instead: queries are read in place, each key and value block is
+//! bf16 attention on a tier with bf16 products of its own (`avx512bf16`, `amx`) runs both
+//! products on `native::matmul` instead (not on the FMA kernels of `avx512` and `avx2`, which
+//! gain nothing over the `gemm` crate at attention's small blocks): queries are read in place, each key and value block is
 //! packed into pairs-of-bf16 panels as it is visited, scores and the accumulator stay f32, and
 //! the probabilities are rounded to bf16 for `P·V` (as bf16 attention does elsewhere).
 
@@ -269,7 +270,7 @@ impl AttentionJob {
             layout: SlotLayout::new(plan.head_dim, plan.q.dtype != DType::F32),
         };
         if plan.q.dtype == DType::BF16
-            && let Some(kernel) = exec.bf16_kernel()
+            && let Some(kernel) = exec.bf16_kernel().filter(|kernel| kernel.suits_attention())
         {
             let scale = self.scale;
             exec.run_items(plan, slots, |item, scratch, packs| {

@@ -8,11 +8,12 @@
 //! product; with both an activation and accumulation the product goes through a row-blocked f32
 //! temporary, since the activation must apply before the old contents are added.
 //!
-//! bf16 operands run on the native kernels of [`super::native`] when the device's kernel tier has
-//! them; a constant weight (`w_constant`) is packed once and kept in the device's
-//! [`super::native::PackCache`], any other weight is packed for the call.
+//! bf16 operands run on the kernels of [`super::native`] on every tier but `generic` (bf16 dot
+//! products or tiles, or f32 FMAs on bf16 widened in registers, [`super::fma`]); a constant
+//! weight (`w_constant`) is packed once and kept in the device's [`super::native::PackCache`],
+//! any other weight is packed for the call.
 //!
-//! Otherwise f16 and bf16 operands are converted to f32 first: `a` once, the weight in blocks of
+//! Otherwise (f16 on every tier, bf16 on `generic`) operands are converted to f32 first: `a` once, the weight in blocks of
 //! [`HALF_N_BLOCK`] output columns, each block's product landing in an f32 tile that the
 //! epilogue converts into `out`.
 

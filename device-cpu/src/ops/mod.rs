@@ -23,6 +23,7 @@
 pub mod amx;
 pub mod attention;
 pub mod elementwise;
+pub mod fma;
 pub mod gemm;
 pub(crate) mod math;
 pub mod native;

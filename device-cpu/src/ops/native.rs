@@ -1,9 +1,11 @@
 //! Native bf16 matrix products: `out = act(a · B + bias) (+ out)` with f32 accumulation, on
-//! AVX512-BF16 dot products or, where the CPU has them, AMX-BF16 tiles ([`super::amx`]).
+//! AVX512-BF16 dot products, on AMX-BF16 tiles ([`super::amx`]) where the CPU has them, or on
+//! AVX-512F or AVX2 f32 FMAs with the bf16 widened in registers ([`super::fma`]) where it has
+//! neither or its dot product is slow.
 //!
-//! Both instruction sets multiply pairs of bf16 and add both products of a pair into one f32
-//! (`vdpbf16ps` 16 lanes at a time, `tdpbf16ps` a 16 x 16 tile at a time), so both read the
-//! right operand in the same layout:
+//! Both bf16 instruction sets multiply pairs of bf16 and add both products of a pair into one
+//! f32 (`vdpbf16ps` 16 lanes at a time, `tdpbf16ps` a 16 x 16 tile at a time), so both read the
+//! right operand in the same layout, and the FMA kernel reads it too:
 //!
 //! - the right operand (the weight) is packed once into [`PackedB`]: panels of [`NR`] output
 //!   columns, each panel `[pairs][NR]` 32-bit words holding `(w[j, 2i], w[j, 2i+1])`, zero-padded
@@ -29,8 +31,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use iris_plugin::abi::{Activation, BufferHandle};
 use rayon::prelude::*;
 
-use super::{amx, math, pack};
-use crate::isa::Tier;
+use super::{amx, fma, math, pack};
+use crate::isa::{Simd, Tier};
 use crate::memory::Region;
 
 /// Output columns per packed panel: two 16-lane f32 vectors.
@@ -55,15 +57,22 @@ pub enum Kernel {
     DotProduct,
     /// AMX-BF16 `tdpbf16ps` on tile registers.
     Amx,
+    /// AVX-512F f32 FMAs on the pairs widened in registers.
+    FmaAvx512,
+    /// AVX2 f32 FMAs on the pairs widened in registers.
+    FmaAvx2,
 }
 
 impl Kernel {
-    /// The kernel a tier runs bf16 products on; `None` where it widens them to f32.
+    /// The kernel a tier runs bf16 products on; `None` where the `gemm` crate runs them on a
+    /// copy widened to f32.
     pub fn for_tier(tier: Tier) -> Option<Kernel> {
         match tier {
             Tier::Amx => Some(Kernel::Amx),
             Tier::Avx512Bf16 => Some(Kernel::DotProduct),
-            Tier::Generic | Tier::Avx2 | Tier::Avx512 => None,
+            Tier::Avx512 => Some(Kernel::FmaAvx512),
+            Tier::Avx2 => Some(Kernel::FmaAvx2),
+            Tier::Generic => None,
         }
     }
 
@@ -71,7 +80,7 @@ impl Kernel {
     /// pairs) at a time, and the zeros it reads past `k` must be in the packing.
     pub fn pair_align(self) -> usize {
         match self {
-            Kernel::DotProduct => 1,
+            Kernel::DotProduct | Kernel::FmaAvx512 | Kernel::FmaAvx2 => 1,
             Kernel::Amx => amx::TILE_PAIRS,
         }
     }
@@ -81,7 +90,18 @@ impl Kernel {
         match self {
             Kernel::DotProduct => available(),
             Kernel::Amx => available() && amx::usable(),
+            Kernel::FmaAvx512 => fma::available_avx512(),
+            Kernel::FmaAvx2 => fma::available_avx2(),
         }
+    }
+
+    /// Whether attention's products run on this kernel. The FMA kernels are not faster than
+    /// the `gemm` crate's f32 kernels on attention's blocks (a head dimension of 64 to 128
+    /// along `k` or `n`, key blocks packed as they are visited): bf16 attention at the
+    /// Qwen2-VL tower's shape took about 1.3x as long on them (criterion `attention/bf16`,
+    /// `avx512`), so it keeps the widened path there.
+    pub fn suits_attention(self) -> bool {
+        matches!(self, Kernel::DotProduct | Kernel::Amx)
     }
 
     /// The pairs a packed row of `k` values holds.
@@ -349,6 +369,8 @@ pub(crate) unsafe fn matmul<T: Output>(
     unsafe {
         match b.kernel() {
             Kernel::DotProduct => matmul_on::<Dot, T>(pool, m, n, k, a, b, out, epilogue),
+            Kernel::FmaAvx512 => matmul_on::<fma::Avx512, T>(pool, m, n, k, a, b, out, epilogue),
+            Kernel::FmaAvx2 => matmul_on::<fma::Avx2, T>(pool, m, n, k, a, b, out, epilogue),
             Kernel::Amx => {
                 matmul_on::<amx::Amx<amx::Hardware>, T>(pool, m, n, k, a, b, out, epilogue)
             }
@@ -672,9 +694,10 @@ unsafe fn kernel<const R: usize>(
     unreachable!("the bf16 kernels need x86-64")
 }
 
-/// An output element type of [`matmul`]: f32, or bf16 converted with AVX512-BF16's
-/// round-to-nearest-even (`vcvtneps2bf16`, 16 lanes at a time; denormals flush to zero, which
-/// the scalar conversion elsewhere keeps).
+/// An output element type of [`matmul`]: f32, or bf16 rounded to nearest even on the vector
+/// instructions of the thread's [`crate::isa::active`] set: with AVX512-BF16's `vcvtneps2bf16`
+/// where the CPU has it (denormals flush to zero, which the scalar conversion elsewhere keeps),
+/// else with AVX-512F or AVX2 integer operations that round as the scalar conversion does.
 pub(crate) trait Output: Copy + Send + Sync + 'static {
     /// Whether this is f32, which results are stored as without conversion.
     const IS_F32: bool;
@@ -682,12 +705,13 @@ pub(crate) trait Output: Copy + Send + Sync + 'static {
     /// Converts `src` into `dst` (same length).
     ///
     /// # Safety
-    /// [`available`] is true.
+    /// None beyond the slices' (the instruction set is checked); unsafe as the vector code
+    /// behind it is.
     unsafe fn load(src: &[Self], dst: &mut [f32]);
     /// Converts `src` into `dst` (same length).
     ///
     /// # Safety
-    /// [`available`] is true.
+    /// As for [`Output::load`].
     unsafe fn store(src: &[f32], dst: &mut [Self]);
 }
 
@@ -704,12 +728,27 @@ impl Output for f32 {
 impl Output for half::bf16 {
     const IS_F32: bool = false;
     unsafe fn load(src: &[half::bf16], dst: &mut [f32]) {
-        // SAFETY: forwarded to the caller.
-        unsafe { widen_bf16(src, dst) }
+        // SAFETY: each conversion runs where the CPU has its instructions.
+        unsafe {
+            match crate::isa::active() {
+                Simd::Avx512 if fma::available_avx512() => widen_bf16(src, dst),
+                Simd::Avx512 | Simd::Avx2 if fma::available_avx2() => widen_bf16_avx2(src, dst),
+                _ => super::Elem::load(src, dst),
+            }
+        }
     }
     unsafe fn store(src: &[f32], dst: &mut [half::bf16]) {
-        // SAFETY: forwarded to the caller.
-        unsafe { narrow_bf16(src, dst) }
+        // SAFETY: as above; the dot-product conversion where the CPU has it.
+        unsafe {
+            match crate::isa::active() {
+                Simd::Avx512 if available() => narrow_bf16(src, dst),
+                Simd::Avx512 if fma::available_avx512() => narrow_bf16_rounding(src, dst),
+                Simd::Avx512 | Simd::Avx2 if fma::available_avx2() => {
+                    narrow_bf16_rounding_avx2(src, dst)
+                }
+                _ => super::Elem::store(src, dst),
+            }
+        }
     }
 }
 
@@ -765,6 +804,128 @@ unsafe fn narrow_bf16(src: &[f32], dst: &mut [half::bf16]) {
     for (s, d) in chunks.remainder().iter().zip(out.into_remainder()) {
         *d = half::bf16::from_f32(*s);
     }
+}
+
+/// f32 to bf16 on AVX-512F integer operations, rounding to nearest even as
+/// `half::bf16::from_f32` does: `bits + 0x7fff + (bit 16)`, then the high half; a NaN keeps its
+/// high half with the quiet bit set.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn narrow_bf16_rounding(src: &[f32], dst: &mut [half::bf16]) {
+    use std::arch::x86_64::{
+        __m256i, _CMP_UNORD_Q, _mm256_storeu_si256, _mm512_add_epi32, _mm512_and_si512,
+        _mm512_castps_si512, _mm512_cmp_ps_mask, _mm512_cvtepi32_epi16, _mm512_loadu_ps,
+        _mm512_mask_blend_epi32, _mm512_or_si512, _mm512_set1_epi32, _mm512_srli_epi32,
+    };
+    debug_assert_eq!(src.len(), dst.len());
+    let mut chunks = src.chunks_exact(16);
+    let mut out = dst.chunks_exact_mut(16);
+    for (s, d) in (&mut chunks).zip(&mut out) {
+        // SAFETY: 16 f32 read from `s`, 16 bf16 (32 bytes) written to `d`.
+        unsafe {
+            let x = _mm512_loadu_ps(s.as_ptr());
+            let bits = _mm512_castps_si512(x);
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+            let rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
+            let quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+            let chosen = _mm512_mask_blend_epi32(nan, rounded, quiet);
+            let narrow = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(chosen));
+            _mm256_storeu_si256(d.as_mut_ptr().cast::<__m256i>(), narrow);
+        }
+    }
+    for (s, d) in chunks.remainder().iter().zip(out.into_remainder()) {
+        *d = half::bf16::from_f32(*s);
+    }
+}
+
+/// bf16 to f32 (exact) on AVX2, 8 lanes at a time.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn widen_bf16_avx2(src: &[half::bf16], dst: &mut [f32]) {
+    use std::arch::x86_64::{
+        __m128i, _mm_loadu_si128, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_slli_epi32,
+        _mm256_storeu_ps,
+    };
+    debug_assert_eq!(src.len(), dst.len());
+    let mut chunks = src.chunks_exact(8);
+    let mut out = dst.chunks_exact_mut(8);
+    for (s, d) in (&mut chunks).zip(&mut out) {
+        // SAFETY: 8 bf16 (16 bytes) read from `s`, 8 f32 written to `d`.
+        unsafe {
+            let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(s.as_ptr().cast::<__m128i>()));
+            _mm256_storeu_ps(
+                d.as_mut_ptr(),
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits)),
+            );
+        }
+    }
+    for (s, d) in chunks.remainder().iter().zip(out.into_remainder()) {
+        *d = s.to_f32();
+    }
+}
+
+/// f32 to bf16 on AVX2 integer operations, rounding as [`narrow_bf16_rounding`] does, 8 lanes
+/// at a time.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn narrow_bf16_rounding_avx2(src: &[f32], dst: &mut [half::bf16]) {
+    use std::arch::x86_64::{
+        __m128i, _CMP_UNORD_Q, _mm_storeu_si128, _mm256_add_epi32, _mm256_and_si256,
+        _mm256_blendv_epi8, _mm256_castps_si256, _mm256_castsi256_si128, _mm256_cmp_ps,
+        _mm256_loadu_ps, _mm256_or_si256, _mm256_packus_epi32, _mm256_permute4x64_epi64,
+        _mm256_set1_epi32, _mm256_srli_epi32,
+    };
+    debug_assert_eq!(src.len(), dst.len());
+    let mut chunks = src.chunks_exact(8);
+    let mut out = dst.chunks_exact_mut(8);
+    for (s, d) in (&mut chunks).zip(&mut out) {
+        // SAFETY: 8 f32 read from `s`, 8 bf16 (16 bytes) written to `d`.
+        unsafe {
+            let x = _mm256_loadu_ps(s.as_ptr());
+            let bits = _mm256_castps_si256(x);
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+            let rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb);
+            let quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x0040_0000));
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+            let high = _mm256_srli_epi32::<16>(_mm256_blendv_epi8(rounded, quiet, nan));
+            // Every lane is at most 0xffff, so the unsigned saturation is exact; the pack works
+            // per 128-bit lane, and the permutation brings the two lanes' halves together.
+            let packed = _mm256_packus_epi32(high, high);
+            let ordered = _mm256_permute4x64_epi64::<0b00_00_10_00>(packed);
+            _mm_storeu_si128(
+                d.as_mut_ptr().cast::<__m128i>(),
+                _mm256_castsi256_si128(ordered),
+            );
+        }
+    }
+    for (s, d) in chunks.remainder().iter().zip(out.into_remainder()) {
+        *d = half::bf16::from_f32(*s);
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn narrow_bf16_rounding(src: &[f32], dst: &mut [half::bf16]) {
+    super::Elem::store(src, dst);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn widen_bf16_avx2(src: &[half::bf16], dst: &mut [f32]) {
+    super::Elem::load(src, dst);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn narrow_bf16_rounding_avx2(src: &[f32], dst: &mut [half::bf16]) {
+    super::Elem::store(src, dst);
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -1022,6 +1183,8 @@ mod tests {
             for (kernel, tier) in [
                 (Kernel::DotProduct, Tier::Avx512Bf16),
                 (Kernel::Amx, Tier::Amx),
+                (Kernel::FmaAvx512, Tier::Avx512),
+                (Kernel::FmaAvx2, Tier::Avx2),
             ] {
                 if kernel.available() {
                     runners.push(Runner::Native(kernel));
@@ -1160,8 +1323,9 @@ mod tests {
             .collect();
         let (abits, wbits) = (bits(&a), bits(&w));
         let widen = |b: u16| f64::from(bf16::from_bits(b).to_f32());
-        if !available() {
-            eprintln!("bf16 outputs not checked: this CPU lacks AVX512-BF16 for the conversions");
+        let converts = fma::available_avx2();
+        if !converts {
+            eprintln!("bf16 outputs not checked: this CPU lacks AVX2 for the conversions");
         }
         for runner in Runner::all() {
             let a_mat = Bf16Mat {
@@ -1182,12 +1346,12 @@ mod tests {
             // SAFETY: as above.
             unsafe { runner.run(None, m, n, k, a_mat, &packed, out_mat, Epilogue::STORE) };
             let mut narrow = vec![bf16::ZERO; m * n];
-            if available() {
+            if converts {
                 let narrow_mat = OutMat {
                     ptr: narrow.as_mut_ptr(),
                     stride: n,
                 };
-                // SAFETY: as above; the CPU converts bf16 natively.
+                // SAFETY: as above; the CPU has the vector conversions.
                 unsafe { runner.run(None, m, n, k, a_mat, &packed, narrow_mat, Epilogue::STORE) };
             }
             for i in 0..m {
@@ -1203,7 +1367,7 @@ mod tests {
                         (got - want).abs() <= 1e-6 * scale,
                         "{runner:?} f32 at ({i}, {j}): {got} vs {want}"
                     );
-                    if available() {
+                    if converts {
                         let got = f64::from(narrow[i * n + j].to_f32());
                         assert!(
                             (got - want).abs() <= 1e-6 * scale + want.abs() / 256.0,
@@ -1215,14 +1379,27 @@ mod tests {
         }
     }
 
+    /// The instruction sets this CPU runs the vector conversions on, with a function that
+    /// runs a closure on each.
+    fn conversion_sets() -> Vec<Simd> {
+        let sets: Vec<Simd> = [Simd::Avx512, Simd::Avx2]
+            .into_iter()
+            .filter(|simd| match simd {
+                Simd::Avx512 => fma::available_avx512(),
+                _ => fma::available_avx2(),
+            })
+            .collect();
+        if sets.is_empty() {
+            eprintln!("vector conversions not checked: this CPU lacks AVX2");
+        }
+        sets
+    }
+
     /// The vector conversions round like `half` (to nearest even) on normal values, ties and
-    /// the tail past the last 16 lanes included; widening is exact.
+    /// the tail past the last full vector included; widening is exact. On every instruction
+    /// set the CPU runs them on.
     #[test]
     fn vector_conversions_match_the_scalar_ones() {
-        if !available() {
-            eprintln!("skipped: this CPU lacks AVX512-BF16");
-            return;
-        }
         let mut values: Vec<f32> = (0..37).map(|i| (i as f32 - 18.3) * 0.137).collect();
         // Exact ties between two bf16 values: 1 + 2^-8 and 1 + 3 * 2^-8.
         values.extend([
@@ -1232,17 +1409,67 @@ mod tests {
             f32::INFINITY,
             3.0e38,
         ]);
-        let mut narrow = vec![bf16::ZERO; values.len()];
-        // SAFETY: checked above.
-        unsafe { <bf16 as Output>::store(&values, &mut narrow) };
-        for (v, got) in values.iter().zip(&narrow) {
-            assert_eq!(got.to_bits(), bf16::from_f32(*v).to_bits(), "{v}");
+        for simd in conversion_sets() {
+            crate::isa::with_simd(simd, || {
+                let mut narrow = vec![bf16::ZERO; values.len()];
+                // SAFETY: plain slices of equal length.
+                unsafe { <bf16 as Output>::store(&values, &mut narrow) };
+                for (v, got) in values.iter().zip(&narrow) {
+                    assert_eq!(got.to_bits(), bf16::from_f32(*v).to_bits(), "{simd:?} {v}");
+                }
+                let mut wide = vec![0.0f32; narrow.len()];
+                // SAFETY: as above.
+                unsafe { <bf16 as Output>::load(&narrow, &mut wide) };
+                for (n, got) in narrow.iter().zip(&wide) {
+                    assert_eq!(got.to_bits(), n.to_f32().to_bits(), "{simd:?}");
+                }
+            });
         }
-        let mut wide = vec![0.0f32; narrow.len()];
-        // SAFETY: as above.
-        unsafe { <bf16 as Output>::load(&narrow, &mut wide) };
-        for (n, got) in narrow.iter().zip(&wide) {
-            assert_eq!(got.to_bits(), n.to_f32().to_bits());
+    }
+
+    /// The conversions for CPUs without AVX512-BF16 round bit for bit as `half` does, on
+    /// every kind of value: ties either way, values that round up into the next exponent or
+    /// to infinity, denormals (which `vcvtneps2bf16` would flush), infinities and NaNs.
+    #[test]
+    fn the_integer_rounding_matches_half_on_every_kind_of_value() {
+        let mut values: Vec<f32> = [
+            0x3f80_8000u32, // 1 + 2^-8: a tie, rounds down to the even 1
+            0x3f81_8000,    // a tie that rounds up to the even neighbour
+            0x3f80_8001,    // just above a tie
+            0x3fff_ffff,    // rounds up into the next exponent
+            0x7f7f_ffff,    // the largest f32: rounds to infinity
+            0xff7f_ffff,
+            0x0000_0001, // the smallest denormal
+            0x0040_8000, // a denormal tie
+            0x807f_ffff, // the largest negative denormal
+            0x7f80_0000, // infinity
+            0xff80_0000,
+            0x7fc0_0000, // a quiet NaN
+            0x7f80_0001, // a signalling NaN whose payload sits in the low half only
+            0xffa0_1234,
+            0x8000_0000,
+        ]
+        .iter()
+        .map(|&b| f32::from_bits(b))
+        .collect();
+        values.extend((0..4099u32).map(|i| f32::from_bits(i.wrapping_mul(0x9e37_79b9))));
+        for simd in conversion_sets() {
+            let mut got = vec![bf16::ZERO; values.len()];
+            // SAFETY: the CPU has the instruction set (`conversion_sets`).
+            unsafe {
+                match simd {
+                    Simd::Avx512 => narrow_bf16_rounding(&values, &mut got),
+                    _ => narrow_bf16_rounding_avx2(&values, &mut got),
+                }
+            }
+            for (v, got) in values.iter().zip(&got) {
+                assert_eq!(
+                    got.to_bits(),
+                    bf16::from_f32(*v).to_bits(),
+                    "{simd:?} {v} ({:#010x})",
+                    v.to_bits()
+                );
+            }
         }
     }
 
