@@ -13,6 +13,9 @@ use iris_device_cpu::isa::Tier;
 use iris_plugin::abi::{AttentionArgs, BufferSlice, GemmArgs};
 use iris_plugin::{Activation, DType, Device, MatRef, Plugin};
 
+mod common;
+use common::matrix;
+
 const THREADS: usize = 2;
 
 fn device() -> Device {
@@ -49,24 +52,6 @@ fn bf16_tiers() -> Vec<Tier> {
             used == *tier
         })
         .collect()
-}
-
-/// A `[rows, cols]` matrix of small deterministic values.
-fn matrix(dev: &Device, dtype: DType, rows: u64, cols: u64) -> MatRef {
-    let count = usize::try_from(rows * cols).expect("fits");
-    let values = (0..count).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 5000.0);
-    let bytes: Vec<u8> = match dtype {
-        DType::BF16 => values
-            .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F16 => values
-            .flat_map(|v| half::f16::from_f32(v).to_le_bytes())
-            .collect(),
-        _ => values.flat_map(f32::to_le_bytes).collect(),
-    };
-    let buf = dev.alloc(bytes.len() as u64).expect("alloc");
-    dev.write(buf, 0, &bytes).expect("write");
-    MatRef::contiguous(buf, 0, dtype, rows, cols)
 }
 
 fn gemm_case(

@@ -20,6 +20,9 @@ use abi_stable::std_types::RSlice;
 use iris_plugin::abi::{AttentionArgs, BufferSlice, GemmArgs};
 use iris_plugin::{Activation, DType, Device, MatRef, Plugin};
 
+mod common;
+use common::matrix;
+
 const TOKENS: u64 = 1024;
 const WIDTH: u64 = 1280;
 const MLP: u64 = 5120;
@@ -195,24 +198,6 @@ fn fma_peak(tier: &str, threads: usize, repeats: usize) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (tier, threads, repeats);
-}
-
-/// A `[rows, cols]` matrix of `dtype` holding small deterministic values.
-fn matrix(dev: &Device, dtype: DType, rows: u64, cols: u64) -> MatRef {
-    let count = usize::try_from(rows * cols).expect("fits");
-    let values = (0..count).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 5000.0);
-    let bytes: Vec<u8> = match dtype {
-        DType::BF16 => values
-            .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F16 => values
-            .flat_map(|v| half::f16::from_f32(v).to_le_bytes())
-            .collect(),
-        _ => values.flat_map(f32::to_le_bytes).collect(),
-    };
-    let buf = dev.alloc(bytes.len() as u64).expect("alloc");
-    dev.write(buf, 0, &bytes).expect("write");
-    MatRef::contiguous(buf, 0, dtype, rows, cols)
 }
 
 /// The median time of `repeats` calls of `f`, after one untimed call.
