@@ -143,6 +143,10 @@ impl<U: TileUnit> Micro for Amx<U> {
         debug_assert!(pairs.is_multiple_of(TILE_PAIRS) && pairs >= k.div_ceil(2));
         dst.clear();
         dst.resize(rows.next_multiple_of(TILE_M) * pairs, 0);
+        if pairs == 0 {
+            // k = 0: nothing to pack (and no zero-sized chunks to take).
+            return;
+        }
         for (r, packed) in dst.chunks_exact_mut(pairs).take(rows).enumerate() {
             // A row of bf16 is already a row of words (the first of each pair in the low
             // half); an odd last value lands in the low half of a zeroed word.
