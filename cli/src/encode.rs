@@ -1,5 +1,9 @@
 //! `iris encode`: preprocess images, run a vision tower on the selected device, and write the
 //! embeddings to a safetensors file.
+//!
+//! For measurements, `--warmup` keeps one-time work out of the timed calls, `--repeat` times one
+//! batch several times in the same process (steady state, with the weights resident), and
+//! `--timings-json` writes every call's time as [`Timings`] for scripts (tools/gpu-check).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -49,12 +53,22 @@ pub struct EncodeArgs {
     /// report the batch's time, instead of one call and one time per image.
     #[arg(long)]
     pub batch: bool,
-    /// Run the first tower call once, untimed and discarded, before the timed ones, so that
-    /// one-time work at first use (the CPU device packing constant weights for its bf16
-    /// kernels, a GPU loading its kernels, the allocator growing to its working set) stays out
-    /// of the reported times. For measurements; it costs one extra forward pass.
+    /// Run the first tower call once before the others and discard it, so that one-time work at
+    /// first use (the CPU device packing constant weights for its bf16 kernels, a GPU loading
+    /// its kernels, the allocator growing to its working set) stays out of the printed times
+    /// (--timings-json reports it apart, as the first call). For measurements; it costs one
+    /// extra forward pass.
     #[arg(long)]
     pub warmup: bool,
+    /// With --batch: run the batch this many times (after the warm-up, if any) and report each
+    /// call's time; the embeddings written are the first call's (every call computes the same).
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "batch",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeat: u32,
+    /// Write the time of every tower call, in milliseconds, as JSON to this file (see
+    /// [`Timings`]).
+    #[arg(long, value_name = "FILE")]
+    pub timings_json: Option<PathBuf>,
     /// Lower bound on resized pixels, replacing the model's `min_pixels` (as a request's
     /// `mm_processor_kwargs.min_pixels` does in `iris serve`).
     #[arg(long, value_name = "PIXELS")]
@@ -66,6 +80,37 @@ pub struct EncodeArgs {
     /// Images (PNG, JPEG, WebP, GIF, BMP or TIFF).
     #[arg(required = true, value_name = "IMAGE")]
     pub images: Vec<PathBuf>,
+}
+
+/// What `--timings-json` writes: the run's set-up and the time of each tower call, in
+/// milliseconds from the upload of the pixels to the read-back of the last output (the same
+/// span the printed times cover).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Timings {
+    /// The `--model` preset or the `--model-dir` path.
+    pub model: String,
+    /// The run dtype.
+    pub dtype: String,
+    /// The device's name.
+    pub device: String,
+    /// The plugin that provides the device.
+    pub plugin: String,
+    /// Whether all images ran in one tower call (`--batch`).
+    pub batch: bool,
+    /// Images given.
+    pub images: usize,
+    /// Embedding tokens of all the images: one call's with `--batch`.
+    pub tokens: u64,
+    /// Loading the weights onto the device.
+    pub load_ms: f64,
+    /// Whether the first call was a warm-up (`--warmup`): its output is discarded and
+    /// `calls_ms` leaves it out.
+    pub warmup: bool,
+    /// The process's first tower call: the warm-up with `--warmup`, else `calls_ms[0]`. It
+    /// carries the one-time work of first use, so it is reported apart from the steady state.
+    pub first_call_ms: f64,
+    /// Every call after the warm-up, in order: one per image, or the batch `--repeat` times.
+    pub calls_ms: Vec<f64>,
 }
 
 /// Runs `iris encode`.
@@ -97,7 +142,11 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
 
     let config = global.config()?;
     let device = registry(&config).open_selected(&config)?;
-    let device_name = format!("{} ({})", device.description().name, device.plugin().name());
+    let (device_label, plugin_label) = (
+        device.description().name.clone(),
+        device.plugin().name().to_owned(),
+    );
+    let device_name = format!("{device_label} ({plugin_label})");
     let allocator = CachingAllocator::new(Arc::new(device));
     let runner = Runner::new(Arc::clone(&allocator));
 
@@ -106,52 +155,31 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
         .load(&spec.vision, dtype)
         .context("cannot load weights")?;
     let tower = VisionTower::from_host(&runner, spec.vision.clone(), weights, dtype)?;
+    let load_s = started.elapsed().as_secs_f64();
     print_stdout(&format!(
-        "model {} ({:?}), {} weights in {dtype} ({} bytes) on {device_name}, loaded in {:.2} s\n",
+        "model {} ({:?}), {} weights in {dtype} ({} bytes) on {device_name}, loaded in {load_s:.2} s\n",
         spec.name,
         spec.vision.family,
         source_name(&source),
         tower.weight_bytes(),
-        started.elapsed().as_secs_f64()
     ))?;
 
     let mut tensors: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
-    let row_len = spec.vision.patch_row_len() as u64;
+    let call = |group: &[usize]| encode_group(&runner, &tower, &spec, dtype, &inputs, group);
     // One group per tower call: every image alone, or all of them together.
     let groups: Vec<Vec<usize>> = if args.batch {
         vec![(0..inputs.len()).collect()]
     } else {
         (0..inputs.len()).map(|index| vec![index]).collect()
     };
-    if args.warmup {
-        let first = &groups[0];
-        let (pixels, grids) = batch_inputs(&inputs, first);
-        let rows = pixels.len() as u64 / row_len;
-        let input = runner.upload_f32(&pixels, dtype, rows, row_len)?;
-        let outputs = tower.forward(&runner, &input, &grids)?;
-        drop(input);
-        // Reading one output back waits for the whole forward pass.
-        if let Some(output) = outputs.first() {
-            download(&runner, &output.embeddings)?;
-        }
-    }
-    for group in groups {
-        let started = Instant::now();
-        let (pixels, grids) = batch_inputs(&inputs, &group);
-        let rows = pixels.len() as u64 / row_len;
-        let input = runner.upload_f32(&pixels, dtype, rows, row_len)?;
-        let outputs = tower.forward(&runner, &input, &grids)?;
-        drop(input);
-        // Reading back waits for the device, so the time covers the whole encode.
-        let mut host = Vec::with_capacity(outputs.len());
-        for output in &outputs {
-            let mut parts = vec![download(&runner, &output.embeddings)?];
-            for extra in &output.deepstack {
-                parts.push(download(&runner, extra)?);
-            }
-            host.push(parts);
-        }
-        let elapsed = started.elapsed().as_secs_f64();
+    let warmup_s = match (args.warmup, groups.first()) {
+        (true, Some(first)) => Some(call(first)?.1),
+        _ => None,
+    };
+    let mut calls_s = Vec::new();
+    for group in &groups {
+        let (host, elapsed) = call(group)?;
+        calls_s.push(elapsed);
         for (&index, parts) in group.iter().zip(host) {
             for (j, (bytes, shape)) in parts.into_iter().enumerate() {
                 let name = match j {
@@ -178,7 +206,42 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
             ))?;
         }
     }
+    // `--repeat` requires `--batch`, so there is one group to run again.
+    if let Some(group) = groups.first().filter(|_| args.repeat > 1) {
+        for _ in 1..args.repeat {
+            calls_s.push(call(group)?.1);
+        }
+        print_stdout(&format!(
+            "{} calls of the batch of {}: {}\n",
+            calls_s.len(),
+            group.len(),
+            spread(&calls_s)
+        ))?;
+    }
     drop(tower);
+    if let Some(path) = &args.timings_json {
+        let ms = |s: f64| s * 1e3;
+        let timings = Timings {
+            model: args.model.model_id(),
+            dtype: dtype.to_string(),
+            device: device_label,
+            plugin: plugin_label,
+            batch: args.batch,
+            images: inputs.len(),
+            tokens: inputs
+                .iter()
+                .map(|(_, image)| u64::from(image.tokens))
+                .sum(),
+            load_ms: ms(load_s),
+            warmup: warmup_s.is_some(),
+            // At least one image is required, so there is a first call.
+            first_call_ms: ms(warmup_s.or(calls_s.first().copied()).unwrap_or(0.0)),
+            calls_ms: calls_s.iter().copied().map(ms).collect(),
+        };
+        let text = serde_json::to_string_pretty(&timings)?;
+        std::fs::write(path, text + "\n")
+            .with_context(|| format!("cannot write --timings-json {}", path.display()))?;
+    }
     write_safetensors(&args.out, &tensors, &spec)?;
     print_stdout(&format!(
         "wrote {} tensors to {}\n",
@@ -188,7 +251,52 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// A tensor's values as little-endian f32 bytes and its shape.
+/// A tensor's bytes (little-endian f32) and shape, as read back from the device.
+type HostTensor = (Vec<u8>, Vec<usize>);
+
+/// One tower call over the images `group` names: upload, forward, and read-back of every
+/// output (embeddings, then deepstack features), which waits for the device, so the seconds
+/// returned cover the whole encode.
+fn encode_group(
+    runner: &Runner,
+    tower: &VisionTower,
+    spec: &ModelSpec,
+    dtype: DType,
+    inputs: &[(&PathBuf, PreprocessedImage)],
+    group: &[usize],
+) -> anyhow::Result<(Vec<Vec<HostTensor>>, f64)> {
+    let row_len = spec.vision.patch_row_len() as u64;
+    let started = Instant::now();
+    let (pixels, grids) = batch_inputs(inputs, group);
+    let rows = pixels.len() as u64 / row_len;
+    let input = runner.upload_f32(&pixels, dtype, rows, row_len)?;
+    let outputs = tower.forward(runner, &input, &grids)?;
+    drop(input);
+    let mut host = Vec::with_capacity(outputs.len());
+    for output in &outputs {
+        let mut parts = vec![download(runner, &output.embeddings)?];
+        for extra in &output.deepstack {
+            parts.push(download(runner, extra)?);
+        }
+        host.push(parts);
+    }
+    Ok((host, started.elapsed().as_secs_f64()))
+}
+
+/// `median 0.007 s, min 0.007 s, max 0.008 s` over `seconds` (not empty).
+fn spread(seconds: &[f64]) -> String {
+    let mut sorted = seconds.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let (min, max) = (sorted[0], sorted[sorted.len() - 1]);
+    let mid = sorted.len() / 2;
+    let median = if sorted.len().is_multiple_of(2) {
+        (sorted[mid - 1] + sorted[mid]) / 2.0
+    } else {
+        sorted[mid]
+    };
+    format!("median {median:.3} s, min {min:.3} s, max {max:.3} s")
+}
+
 /// The pixel rows and grids of the images `group` names, concatenated for one tower call.
 fn batch_inputs(
     inputs: &[(&PathBuf, PreprocessedImage)],
@@ -205,7 +313,8 @@ fn batch_inputs(
     (pixels, grids)
 }
 
-fn download(runner: &Runner, tensor: &Tensor) -> anyhow::Result<(Vec<u8>, Vec<usize>)> {
+/// A tensor's values as little-endian f32 bytes and its shape.
+fn download(runner: &Runner, tensor: &Tensor) -> anyhow::Result<HostTensor> {
     let values = runner.download_f32(tensor)?;
     let shape = vec![
         usize::try_from(tensor.rows())?,

@@ -9,7 +9,7 @@ use iris_core::budget::{Policy, SchedulerConfig};
 use iris_core::engine::admission::{AdmissionConfig, Permit};
 use iris_core::engine::liveness::PANIC_AT_STEP_ENV;
 use iris_core::engine::{DEFAULT_PROCESSOR_CACHE_BYTES, Engine, EngineConfig};
-use iris_core::profile::{DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileMode};
+use iris_core::profile::{DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileMode, WarmUpMode};
 
 use crate::encode::ModelArgs;
 use crate::http::engine_api::{
@@ -50,6 +50,11 @@ pub struct EngineArgs {
     /// on the device and measures it (seconds on an accelerator, far longer on a CPU).
     #[arg(long = "profile", value_name = "MODE", default_value_t = ProfileMode::Dry)]
     pub profile_mode: ProfileMode,
+    /// Whether start-up runs the tower once at each size of a ladder of steps before serving:
+    /// `auto` (when the device asks for it, as the CUDA device does: it chooses and loads
+    /// kernels by problem size on first use), `on` or `off`.
+    #[arg(long = "warm-up", value_name = "MODE", default_value_t = WarmUpMode::Auto)]
+    pub warm_up: WarmUpMode,
     /// Processor cache size in GiB of preprocessed pixels (0 disables it).
     #[arg(long, default_value_t = DEFAULT_PROCESSOR_CACHE_BYTES as f64 / f64::from(1u32 << 30))]
     pub mm_processor_cache_gb: f64,
@@ -91,6 +96,7 @@ impl EngineArgs {
         config.scheduler = self.scheduler();
         config.device_memory_utilization = self.device_memory_utilization;
         config.profile_mode = self.profile_mode;
+        config.warm_up = self.warm_up;
         config.progress = crate::progress::startup_progress();
         // Rounded down to whole bytes; the bound is a budget, not an exact figure.
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
@@ -180,8 +186,17 @@ pub fn startup_line(engine: &Engine) -> String {
     let p = engine.startup();
     let mib = |b: u64| b as f64 / 1_048_576.0;
     let t = p.timings;
+    let warm_up = if p.warm_up_steps.is_empty() {
+        String::new()
+    } else {
+        format!(
+            ", warm-up {:.1} s at {} step sizes",
+            t.warm_up_s,
+            p.warm_up_steps.len()
+        )
+    };
     format!(
-        "engine: model {} ({}) on {} [{}], weights {:.1} MiB, peak activation {:.1} MiB ({} profile), encoder cache {} tokens ({:.1} MiB), device used {:.1} MiB before start, {:.1} MiB after; started in {:.1} s (weights {:.1} s, profile {:.1} s)",
+        "engine: model {} ({}) on {} [{}], weights {:.1} MiB, peak activation {:.1} MiB ({} profile), encoder cache {} tokens ({:.1} MiB), device used {:.1} MiB before start, {:.1} MiB after; started in {:.1} s (weights {:.1} s, profile {:.1} s{warm_up})",
         info["model"].as_str().unwrap_or("?"),
         info["dtype"].as_str().unwrap_or("?"),
         info["device"].as_str().unwrap_or("?"),
@@ -193,7 +208,7 @@ pub fn startup_line(engine: &Engine) -> String {
         mib(p.encoder_cache_bytes),
         mib(p.before_start.device_used),
         mib(p.after_start.device_used),
-        t.read_weights_s + t.upload_weights_s + t.profile_s,
+        t.read_weights_s + t.upload_weights_s + t.profile_s + t.warm_up_s,
         t.read_weights_s + t.upload_weights_s,
         t.profile_s,
     )

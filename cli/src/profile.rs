@@ -10,7 +10,7 @@ use clap::Args;
 use iris_core::budget::SchedulerConfig;
 use iris_core::memory::CachingAllocator;
 use iris_core::profile::{
-    DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileMode, ProfileRequest, profile_startup,
+    DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileMode, ProfileRequest, WarmUpMode, profile_startup,
 };
 
 use crate::encode::ModelArgs;
@@ -39,6 +39,11 @@ pub struct ProfileArgs {
     /// device and measures it (seconds on an accelerator, far longer on a CPU).
     #[arg(long = "profile", value_name = "MODE", default_value_t = ProfileMode::Dry)]
     profile_mode: ProfileMode,
+    /// Whether start-up runs the tower once at each size of a ladder of steps before serving:
+    /// `auto` (when the device asks for it, as the CUDA device does: it chooses and loads
+    /// kernels by problem size on first use), `on` or `off`.
+    #[arg(long = "warm-up", value_name = "MODE", default_value_t = WarmUpMode::Auto)]
+    warm_up: WarmUpMode,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -67,6 +72,7 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
         scheduler,
         device_memory_utilization: args.device_memory_utilization,
         mode: args.profile_mode,
+        warm_up: args.warm_up,
         progress: crate::progress::startup_progress(),
     };
     let (tower, report) =
@@ -134,10 +140,12 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
         ),
         format!("available                  {}", mib(report.available_bytes)),
         format!(
-            "start-up time              weights {:.1} s loaded + {:.1} s uploaded, profile {:.1} s",
+            "start-up time              weights {:.1} s loaded + {:.1} s uploaded, profile {:.1} s, warm-up {:.1} s ({} step sizes)",
             report.timings.read_weights_s,
             report.timings.upload_weights_s,
-            report.timings.profile_s
+            report.timings.profile_s,
+            report.timings.warm_up_s,
+            report.warm_up_steps.len()
         ),
     ];
     if let Some(peak) = peak_resident() {

@@ -40,6 +40,7 @@ impl StartupProgress for Display {
             Display::Bar(bar) => {
                 let template = match phase.unit() {
                     "bytes" => "{msg} [{bar:30}] {bytes}/{total_bytes} {elapsed}",
+                    "steps" => "{msg} [{bar:30}] {pos}/{len} steps {elapsed}",
                     _ => "{msg} [{bar:30}] {pos}/{len} layers {elapsed}",
                 };
                 let style = ProgressStyle::with_template(template)
@@ -117,6 +118,7 @@ fn name(phase: StartupPhase) -> &'static str {
         StartupPhase::ReadWeights => "loading weights",
         StartupPhase::UploadWeights => "uploading weights",
         StartupPhase::Profile => "profiling",
+        StartupPhase::WarmUp => "warming up",
         _ => "starting",
     }
 }

@@ -224,3 +224,106 @@ fn pixel_bounds_resize_as_a_request_s_processor_kwargs_do() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn repeat_times_one_batch_in_one_process_and_timings_json_reports_each_call() {
+    let dir = scratch("repeat");
+    let image = dir.join("a.png");
+    write_image(&image, 112, 112);
+    let image = image.to_str().expect("utf-8 path");
+    let out = dir.join("x.safetensors");
+    let timings = dir.join("timings.json");
+    let result = iris(&[
+        "encode",
+        "--model",
+        "tiny",
+        "--weights",
+        "dummy",
+        "--batch",
+        "--warmup",
+        "--repeat",
+        "3",
+        "--timings-json",
+        timings.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        image,
+        image,
+    ]);
+    let stdout = String::from_utf8_lossy(&result.stdout);
+    assert!(
+        result.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    // The first timed call's lines as without --repeat, then the spread of all three.
+    assert!(stdout.contains("16 tokens, batch of 2 in "), "{stdout}");
+    assert!(
+        stdout.contains("3 calls of the batch of 2: median "),
+        "{stdout}"
+    );
+    assert_eq!(tensor_shape(&out, "image.1"), vec![16, 64]);
+
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&timings).expect("timings written"))
+            .expect("timings parse");
+    assert_eq!(t["model"], "tiny", "{t}");
+    assert_eq!(t["dtype"], "f32", "{t}");
+    assert_eq!(t["plugin"], "cpu", "{t}");
+    assert!(t["device"].as_str().is_some_and(|d| !d.is_empty()), "{t}");
+    assert_eq!(
+        (t["batch"].as_bool(), t["warmup"].as_bool()),
+        (Some(true), Some(true)),
+        "{t}"
+    );
+    // 112x112: 8x8 patches, 16 tokens per image after the 2x2 merge.
+    assert_eq!(
+        (t["images"].as_u64(), t["tokens"].as_u64()),
+        (Some(2), Some(32)),
+        "{t}"
+    );
+    let calls = t["calls_ms"].as_array().expect("calls_ms");
+    assert_eq!(calls.len(), 3, "{t}");
+    let finite_positive =
+        |v: &serde_json::Value| v.as_f64().is_some_and(|x| x.is_finite() && x > 0.0);
+    assert!(calls.iter().all(finite_positive), "{t}");
+    assert!(finite_positive(&t["first_call_ms"]), "{t}");
+    assert!(finite_positive(&t["load_ms"]), "{t}");
+
+    // Without --warmup the first call is the first timed one; one call per image without --batch.
+    let result = iris(&[
+        "encode",
+        "--model",
+        "tiny",
+        "--timings-json",
+        timings.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        image,
+        image,
+    ]);
+    assert!(
+        result.status.success(),
+        "{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&timings).unwrap()).unwrap();
+    assert_eq!(t["warmup"], false, "{t}");
+    assert_eq!(t["calls_ms"].as_array().map(Vec::len), Some(2), "{t}");
+    assert_eq!(t["first_call_ms"], t["calls_ms"][0], "{t}");
+
+    // --repeat means repeating one batch: without --batch it is refused, as is 0.
+    for bad in [&["--repeat", "2"][..], &["--batch", "--repeat", "0"][..]] {
+        let mut args = vec!["encode", "--model", "tiny", "--out", out.to_str().unwrap()];
+        args.extend_from_slice(bad);
+        args.push(image);
+        let result = iris(&args);
+        let stderr = String::from_utf8_lossy(&result.stderr);
+        assert!(
+            !result.status.success() && stderr.contains("--repeat"),
+            "{bad:?}: {stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -14,6 +14,14 @@
 //! - **real**: the largest step runs on the device and is measured, as vLLM does it; seconds
 //!   on an accelerator, minutes to hours on a CPU.
 //!
+//! Then, where the device asks for it ([`property::WARM_UP`]) or the request says so, a
+//! **warm-up** runs the tower once at each size of a ladder of steps, from the smallest item
+//! to the largest step, doubling the patch rows: a device that chooses and loads kernels by
+//! problem size on first use (cuBLASLt's heuristics, lazily loaded library kernels, local
+//! memory for them) does that here, before the post-start checkpoint, instead of during the
+//! first requests of each size, which would be slower than the rest and would grow device
+//! memory that no reset gives back. The allocator's cached blocks are returned afterwards.
+//!
 //! Each phase that can take long reports its progress to a [`StartupProgress`] and its time
 //! in [`StartupTimings`].
 //!
@@ -28,7 +36,8 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use iris_plugin::DType;
+use iris_plugin::abi::property;
+use iris_plugin::{DType, Description};
 use serde::Serialize;
 use thiserror::Error;
 
@@ -100,6 +109,76 @@ impl FromStr for ProfileMode {
     }
 }
 
+/// Whether start-up runs the tower at a ladder of step sizes before serving (see the module's
+/// overview).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WarmUpMode {
+    /// When the device asks for it (its [`property::WARM_UP`] is `step_sizes`).
+    #[default]
+    Auto,
+    /// Always.
+    On,
+    /// Never: the first step of each size pays for what the device does on first use.
+    Off,
+}
+
+impl WarmUpMode {
+    /// Whether start-up runs the ladder on a device of this description.
+    ///
+    /// ```
+    /// use iris_core::profile::WarmUpMode;
+    /// use iris_plugin::Description;
+    /// use iris_plugin::abi::property;
+    ///
+    /// let mut gpu = Description::default();
+    /// gpu.properties.push((property::WARM_UP.into(), property::WARM_UP_STEP_SIZES.into()));
+    /// assert!(WarmUpMode::Auto.runs_on(&gpu));
+    /// assert!(!WarmUpMode::Auto.runs_on(&Description::default()));
+    /// assert!(WarmUpMode::On.runs_on(&Description::default()));
+    /// assert!(!WarmUpMode::Off.runs_on(&gpu));
+    /// ```
+    pub fn runs_on(self, description: &Description) -> bool {
+        match self {
+            WarmUpMode::On => true,
+            WarmUpMode::Off => false,
+            WarmUpMode::Auto => {
+                description.property(property::WARM_UP) == Some(property::WARM_UP_STEP_SIZES)
+            }
+        }
+    }
+}
+
+impl fmt::Display for WarmUpMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WarmUpMode::Auto => "auto",
+            WarmUpMode::On => "on",
+            WarmUpMode::Off => "off",
+        })
+    }
+}
+
+impl FromStr for WarmUpMode {
+    type Err = String;
+
+    /// ```
+    /// use iris_core::profile::WarmUpMode;
+    /// assert_eq!("on".parse::<WarmUpMode>(), Ok(WarmUpMode::On));
+    /// assert!("maybe".parse::<WarmUpMode>().is_err());
+    /// ```
+    fn from_str(s: &str) -> Result<WarmUpMode, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(WarmUpMode::Auto),
+            "on" => Ok(WarmUpMode::On),
+            "off" => Ok(WarmUpMode::Off),
+            other => Err(format!(
+                "unknown warm-up mode `{other}`: expected `auto`, `on` or `off`"
+            )),
+        }
+    }
+}
+
 /// A start-up phase that can take long enough to be shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -110,6 +189,8 @@ pub enum StartupPhase {
     UploadWeights,
     /// Sizing the largest step; counted in tower layers.
     Profile,
+    /// Running the tower at a ladder of step sizes; counted in steps.
+    WarmUp,
 }
 
 impl StartupPhase {
@@ -118,6 +199,7 @@ impl StartupPhase {
         match self {
             StartupPhase::ReadWeights | StartupPhase::UploadWeights => "bytes",
             StartupPhase::Profile => "layers",
+            StartupPhase::WarmUp => "steps",
         }
     }
 }
@@ -171,6 +253,8 @@ pub struct StartupTimings {
     pub upload_weights_s: f64,
     /// Sizing the largest step (the dry run and the smallest real step, or the real run).
     pub profile_s: f64,
+    /// Running the warm-up ladder (0 without one).
+    pub warm_up_s: f64,
 }
 
 /// What to profile.
@@ -188,6 +272,8 @@ pub struct ProfileRequest {
     pub device_memory_utilization: f64,
     /// How the largest step is sized.
     pub mode: ProfileMode,
+    /// Whether to run the warm-up ladder (see the module's overview).
+    pub warm_up: WarmUpMode,
     /// Where progress goes.
     pub progress: ProgressSink,
 }
@@ -201,6 +287,8 @@ pub struct StartupProfile {
     pub after_start: MemorySnapshot,
     /// How the largest step was sized.
     pub mode: ProfileMode,
+    /// The steps of the warm-up ladder, by patch rows (empty without one).
+    pub warm_up_steps: Vec<u64>,
     /// The profiling run's figures (in a dry run, `peak_increase` is the dry run's peak).
     pub profile: MemoryProfile,
     /// Bytes of weights on the device (allocator blocks).
@@ -380,6 +468,36 @@ pub fn profile_startup(
         None => measured,
     };
     timings.profile_s = phase.finish();
+    let warm_up = request.warm_up.runs_on(allocator.device().description());
+    let mut warm_up_steps = Vec::new();
+    if warm_up {
+        let smallest = item_grid(request, processor.factor())?;
+        let merge = u32::try_from(vision.spatial_merge_size).unwrap_or(1);
+        let ladder = warm_up_ladder(smallest, grid, items_per_batch, merge);
+        let phase = Phase::begin(
+            progress,
+            StartupPhase::WarmUp,
+            &format!(
+                "the tower at {} step sizes, {} to {} patches",
+                ladder.len(),
+                ladder.first().map_or(0, |step| step_rows(step)),
+                ladder.last().map_or(0, |step| step_rows(step)),
+            ),
+            ladder.len() as u64,
+        );
+        for (done, grids) in ladder.iter().enumerate() {
+            let rows = step_rows(grids);
+            let input = runner.tensor(request.dtype, rows, row_len)?;
+            drop(tower.forward(&runner, &input, grids)?);
+            drop(input);
+            // One step at a time: the device's memory peak stays the largest step's.
+            allocator.synchronize().map_err(EncoderError::from)?;
+            progress.advance(StartupPhase::WarmUp, done as u64 + 1);
+            warm_up_steps.push(rows);
+        }
+        allocator.empty_cache()?;
+        timings.warm_up_s = phase.finish();
+    }
     let after_start = MemorySnapshot::take(allocator)?;
 
     let encoder_cache_tokens = budget.cache_size();
@@ -393,6 +511,7 @@ pub fn profile_startup(
         before_start,
         after_start,
         mode: request.mode,
+        warm_up_steps,
         weights_bytes,
         peak_activation_bytes: profile.peak_increase,
         planned_peak_activation_bytes,
@@ -409,6 +528,49 @@ pub fn profile_startup(
         timings,
     };
     Ok((tower, report))
+}
+
+/// The warm-up's steps, each the grids of its items: one item from `smallest` up to `largest`,
+/// its patch rows doubling (widening and heightening in turn, in whole merge windows), then
+/// 2, 4, ... copies of `largest` up to `items_per_batch` of them, the largest step.
+fn warm_up_ladder(
+    smallest: Grid,
+    largest: Grid,
+    items_per_batch: u64,
+    merge: u32,
+) -> Vec<Vec<Grid>> {
+    let merge = merge.max(1);
+    let mut ladder = Vec::new();
+    let [_, mut h, mut w] = smallest;
+    loop {
+        ladder.push(vec![[1, h, w]]);
+        let wider = (w * 2).next_multiple_of(merge).min(largest[2]);
+        let taller = (h * 2).next_multiple_of(merge).min(largest[1]);
+        // Widen when the item is square (or taller), else heighten, so rows double each time.
+        if w <= h && wider > w {
+            w = wider;
+        } else if taller > h {
+            h = taller;
+        } else if wider > w {
+            w = wider;
+        } else {
+            break;
+        }
+    }
+    let mut items = 1;
+    while items < items_per_batch {
+        items = (items * 2).min(items_per_batch);
+        ladder.push(vec![largest; usize::try_from(items).unwrap_or(usize::MAX)]);
+    }
+    ladder
+}
+
+/// Patch rows of one step's grids.
+fn step_rows(grids: &[Grid]) -> u64 {
+    grids
+        .iter()
+        .map(|[t, h, w]| u64::from(*t) * u64::from(*h) * u64::from(*w))
+        .sum()
 }
 
 /// The grid `(1, h, w)` in patches of an image of `side x side` after the processor's resize.
@@ -451,5 +613,47 @@ impl<'a> Phase<'a> {
         let elapsed = self.started.elapsed();
         self.progress.finish(self.phase, elapsed);
         elapsed.as_secs_f64()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(grid: &Grid) -> u64 {
+        step_rows(std::slice::from_ref(grid))
+    }
+
+    #[test]
+    fn the_warm_up_ladder_doubles_rows_up_to_the_largest_step() {
+        // Qwen2.5-VL-7B: the smallest item 2x2 patches, the largest 256x256, one per step.
+        let ladder = warm_up_ladder([1, 2, 2], [1, 256, 256], 1, 2);
+        let sizes: Vec<u64> = ladder.iter().map(|step| step_rows(step)).collect();
+        assert_eq!(sizes.first(), Some(&4));
+        assert_eq!(sizes.last(), Some(&(256 * 256)));
+        for pair in sizes.windows(2) {
+            assert_eq!(pair[1], pair[0] * 2, "{sizes:?}");
+        }
+        for step in &ladder {
+            for grid in step {
+                assert!(grid[1] % 2 == 0 && grid[2] % 2 == 0 && grid[1] <= 256 && grid[2] <= 256);
+            }
+        }
+    }
+
+    #[test]
+    fn the_warm_up_ladder_ends_with_the_full_batch_of_largest_items() {
+        // A rectangular largest item, three a step.
+        let ladder = warm_up_ladder([1, 2, 2], [1, 12, 40], 3, 2);
+        let last = ladder.last().unwrap();
+        assert_eq!(last, &vec![[1, 12, 40]; 3]);
+        let sizes: Vec<u64> = ladder.iter().map(|step| step_rows(step)).collect();
+        assert!(sizes.windows(2).all(|pair| pair[1] > pair[0]), "{sizes:?}");
+        assert!(ladder.iter().flatten().all(|grid| rows(grid) <= 12 * 40));
+        // One size only: one step.
+        assert_eq!(
+            warm_up_ladder([1, 4, 4], [1, 4, 4], 1, 2),
+            vec![vec![[1, 4, 4]]]
+        );
     }
 }

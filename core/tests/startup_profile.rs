@@ -15,7 +15,7 @@ use iris_core::memory::CachingAllocator;
 use iris_core::model::{ModelSpec, WeightSource};
 use iris_core::profile::{
     ProfileMode, ProfileRequest, ProgressSink, StartupPhase, StartupProfile, StartupProgress,
-    profile_startup,
+    WarmUpMode, profile_startup,
 };
 use iris_plugin::{DType, Plugin};
 
@@ -57,6 +57,16 @@ fn profile(
     mode: ProfileMode,
     progress: ProgressSink,
 ) -> StartupProfile {
+    profile_with(spec, dtype, mode, WarmUpMode::Auto, progress)
+}
+
+fn profile_with(
+    spec: &ModelSpec,
+    dtype: DType,
+    mode: ProfileMode,
+    warm_up: WarmUpMode,
+    progress: ProgressSink,
+) -> StartupProfile {
     let request = ProfileRequest {
         spec: spec.clone(),
         weights: WeightSource::Dummy { seed: 7 },
@@ -68,6 +78,7 @@ fn profile(
         },
         device_memory_utilization: 0.9,
         mode,
+        warm_up,
         progress,
     };
     let allocator = allocator();
@@ -116,6 +127,61 @@ fn check(preset: &str, dtype: DType) {
     assert_eq!(
         dry.profile.non_cache_memory,
         dry.weights_bytes + predicted + dry.non_allocator_growth_bytes
+    );
+}
+
+/// The warm-up ladder runs the tower from the smallest item to the largest step (two largest
+/// items here), then returns what the allocator cached: start-up ends where it ends without
+/// it. The CPU device does not ask for it, so `auto` runs none there.
+#[test]
+fn the_warm_up_runs_every_step_size_and_leaves_nothing_cached() {
+    let spec = small_spec("qwen2-vl-2b");
+    let plain = profile_with(
+        &spec,
+        DType::F32,
+        ProfileMode::Dry,
+        WarmUpMode::Auto,
+        ProgressSink::default(),
+    );
+    assert!(
+        plain.warm_up_steps.is_empty(),
+        "the CPU device asks for no warm-up"
+    );
+    assert_eq!(plain.timings.warm_up_s, 0.0);
+    let recorder = Arc::new(Recorder::default());
+    let warm = profile_with(
+        &spec,
+        DType::F32,
+        ProfileMode::Dry,
+        WarmUpMode::On,
+        ProgressSink(Arc::clone(&recorder) as Arc<dyn StartupProgress>),
+    );
+    let largest = u64::from(SIDE_PATCHES * SIDE_PATCHES);
+    // From the smallest item the processor gives (min_pixels: 4x4 patches here).
+    assert_eq!(warm.warm_up_steps.first(), Some(&16), "the smallest item");
+    assert_eq!(
+        warm.warm_up_steps.last(),
+        Some(&(2 * largest)),
+        "the largest step"
+    );
+    assert!(
+        warm.warm_up_steps
+            .windows(2)
+            .all(|pair| pair[1] == pair[0] * 2),
+        "patch rows double: {:?}",
+        warm.warm_up_steps
+    );
+    assert!(warm.timings.warm_up_s > 0.0);
+    assert_eq!(
+        warm.after_start.allocator_reserved, plain.after_start.allocator_reserved,
+        "the warm-up's blocks are returned before the post-start checkpoint"
+    );
+    let events = recorder.0.lock().unwrap().clone();
+    let steps = warm.warm_up_steps.len() as u64;
+    assert!(
+        events.contains(&(StartupPhase::WarmUp, "begin", steps))
+            && events.contains(&(StartupPhase::WarmUp, "advance", steps)),
+        "{events:?}"
     );
 }
 

@@ -523,6 +523,14 @@ pub mod property {
     pub const COMPUTE_UNITS: &str = "compute_units";
     /// The chip or part, e.g. `Ascend910B3`.
     pub const SOC: &str = "soc";
+    /// What a host should run before serving. `step_sizes`: the device chooses kernels by
+    /// problem size and loads them (or state for them) on first use, as cuBLASLt's heuristics
+    /// and lazily loaded libraries do, so the first step of each new size is slower and may
+    /// grow the device memory the driver holds; a host runs its tower once at a range of step
+    /// sizes before it takes its post-start memory checkpoint. Absent: nothing is needed.
+    pub const WARM_UP: &str = "warm_up";
+    /// [`WARM_UP`]'s value asking for steps of a range of sizes.
+    pub const WARM_UP_STEP_SIZES: &str = "step_sizes";
 }
 
 /// One region of a batched device-to-device copy, in bytes; each region names its own source

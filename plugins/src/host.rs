@@ -175,7 +175,7 @@ impl Plugin {
 }
 
 /// A device description as plain Rust values.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Description {
     /// Device name.
     pub name: String,

@@ -22,7 +22,7 @@ use iris_plugin::abi::{
 };
 use iris_plugin::host::HostBuffer;
 use iris_plugin::{
-    Activation, AsyncWrites, BinaryOp, BufferHandle, DType, Device, DeviceError, MatRef,
+    Activation, AsyncWrites, BinaryOp, BufferHandle, DType, Device, DeviceError, MatRef, OpKind,
 };
 
 use crate::encoder::EncoderError;
@@ -382,12 +382,14 @@ impl Runner {
 
     /// [`Runner::upload_f32_parts`] without a copy on this thread where the device allows it.
     ///
-    /// When the tensor is f32 and the device's queue reads host memory as it runs (ABI 2.2's
-    /// `write_async`; the CPU device), each part is enqueued where it lies: the device copies
-    /// it once, in queue order, with no staging and no work here, and `writes` keeps the parts
-    /// borrowed until the device has run the copies (its `finish` or drop waits for them).
-    /// Otherwise (another dtype, which is converted on the host, or a device without such
-    /// writes) the parts go through the staging buffers as with `upload_f32_parts`.
+    /// When the device's queue reads host memory as it runs (ABI 2.2's `write_async`: the CPU
+    /// device, and the CUDA device through page-locked slots filled off this thread), each
+    /// part is enqueued where it lies: the device copies it in queue order, with no staging
+    /// and no work here, and `writes` keeps the parts borrowed until the device has run the
+    /// copies (its `finish` or drop waits for them). A tensor of another dtype is written as
+    /// f32 and cast on the device, which rounds as the host's conversion does (to nearest,
+    /// ties to even), so the conversion leaves this thread too. Otherwise (a device without
+    /// such writes) the parts go through the staging buffers as with `upload_f32_parts`.
     pub fn upload_f32_parts_lent<'a>(
         &self,
         parts: &[&'a [f32]],
@@ -397,8 +399,25 @@ impl Runner {
         writes: &mut AsyncWrites<'a>,
     ) -> Result<Tensor, EncoderError> {
         // The device reads the values' bytes as they lie in memory: little-endian f32.
-        if dtype != DType::F32 || cfg!(target_endian = "big") || !self.device.has_async_write() {
+        if cfg!(target_endian = "big") || !self.device.has_async_write() {
             return self.upload_f32_parts(parts, dtype, rows, cols);
+        }
+        if dtype != DType::F32 {
+            if self.is_planning() || !self.device.supports(OpKind::CAST) {
+                return self.upload_f32_parts(parts, dtype, rows, cols);
+            }
+            let values = self.upload_f32_parts_lent(parts, DType::F32, rows, cols, writes)?;
+            let out = self.tensor(dtype, rows, cols)?;
+            self.op(
+                |ws| CastArgs {
+                    src: values.mat(),
+                    out: out.mat(),
+                    workspace: ws,
+                },
+                Device::cast_workspace,
+                Device::cast,
+            )?;
+            return Ok(out);
         }
         let tensor = self.parts_tensor(parts, dtype, rows, cols)?;
         if let Storage::Device(buffer) = tensor.storage.as_ref() {

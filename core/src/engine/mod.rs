@@ -61,7 +61,8 @@ use crate::preprocess::{
     item_hash, preprocess_rgb,
 };
 use crate::profile::{
-    ProfileError, ProfileMode, ProfileRequest, ProgressSink, StartupProfile, profile_startup,
+    ProfileError, ProfileMode, ProfileRequest, ProgressSink, StartupProfile, WarmUpMode,
+    profile_startup,
 };
 use crate::scheduler::Scheduler;
 use admission::{Admission, AdmissionConfig, Permit, estimate_tokens};
@@ -91,6 +92,9 @@ pub struct EngineConfig {
     pub device_memory_utilization: f64,
     /// How start-up sizes the largest step (a dry run by default).
     pub profile_mode: ProfileMode,
+    /// Whether start-up runs the tower at a ladder of step sizes (by default when the device
+    /// asks for it).
+    pub warm_up: WarmUpMode,
     /// Where start-up reports its progress (nowhere by default).
     pub progress: ProgressSink,
     /// Bound of the processor cache in bytes of preprocessed payload (0 disables it).
@@ -114,6 +118,7 @@ impl EngineConfig {
             scheduler: SchedulerConfig::default(),
             device_memory_utilization: crate::profile::DEFAULT_DEVICE_MEMORY_UTILIZATION,
             profile_mode: ProfileMode::default(),
+            warm_up: WarmUpMode::default(),
             progress: ProgressSink::default(),
             processor_cache_bytes: DEFAULT_PROCESSOR_CACHE_BYTES,
             decode_limits: DecodeLimits::default(),
@@ -833,6 +838,7 @@ fn start_worker(
         scheduler: config.scheduler.clone(),
         device_memory_utilization: config.device_memory_utilization,
         mode: config.profile_mode,
+        warm_up: config.warm_up,
         progress: config.progress.clone(),
     };
     let (tower, profile) = profile_startup(&allocator, &request)?;
