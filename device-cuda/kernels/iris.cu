@@ -131,11 +131,14 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // Activation codes are iris_plugin::abi::Activation's values.
 __device__ __forceinline__ float activate(float x, int kind) {
     switch (kind) {
+        // Both GELUs in forms without the cancellation of `1 + erf` and `1 + tanh` for
+        // negative x, where those lose every digit of a small result: 1 + erf(t) = erfc(-t),
+        // and 0.5 (1 + tanh(u)) = sigmoid(2u).
         case 1:  // gelu (erf)
-            return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+            return 0.5f * x * erfcf(x * -0.70710678118654752f);
         case 2: {  // gelu (tanh)
             float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-            return 0.5f * x * (1.0f + tanhf(u));
+            return x / (1.0f + expf(-2.0f * u));
         }
         case 3:  // quick gelu
             return x / (1.0f + expf(-1.702f * x));

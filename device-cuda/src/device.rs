@@ -7,39 +7,36 @@
 //! Errors of enqueued work are sticky in CUDA: they surface at the next driver call, at the
 //! latest at `synchronize`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result;
 use cudarc::driver::sys::{self, CUstream};
 use cudarc::driver::{CudaContext, CudaStream};
 use iris_plugin::abi::{
-    ActivationArgs, AttentionArgs, BinaryArgs, BufferHandle, CastArgs, CopyRegion, DType,
-    DeviceDesc, FillArgs, GatherArgs, GemmArgs, HeldMemory, HostAlloc, HostBufferId, MemInfo,
-    MemoryReport, NormArgs, PluginError, Property, RotaryArgs, StagedCopy, property,
+    Activation, ActivationArgs, AsyncWrite, AttentionArgs, BinaryArgs, BufferHandle, BufferSlice,
+    CastArgs, CopyRegion, DType, DeviceDesc, FillArgs, GatherArgs, GemmArgs, HeldMemory, HostAlloc,
+    HostBufferId, MatRef, MemInfo, MemoryReport, NormArgs, PluginError, Property, RotaryArgs,
+    StagedCopy, property,
 };
 use iris_plugin::validate::{self, Checker};
 use iris_plugin::{Backend, Logger};
 
 use crate::error::{CudaError, DriverResultExt};
-use crate::loader::{self, Library};
-use crate::memory::{self, DeviceView, Fences, HostBuffers, Memory};
+use crate::loader;
+use crate::memory::{self, AsyncUploads, DeviceView, Fences, HostBuffers, Memory};
 use crate::ops::Compute;
 
-/// The oldest driver API version the plugin runs on (as `cuDriverGetVersion` writes it): the
-/// first release of the build's CUDA major, whose entry points its bindings call (CUDA 13's
-/// bindings call `_v2` entry points that 12.x drivers lack).
-pub const MIN_DRIVER_VERSION: i32 = if loader::cuda_major() == 13 {
-    13000
-} else {
-    12000
-};
-/// The oldest compute capability the kernels and cuBLASLt paths are written for: Volta with
-/// CUDA 12; CUDA 13's libraries and NVRTC start at Turing.
-pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = if loader::cuda_major() == 13 {
-    (7, 5)
-} else {
-    (7, 0)
-};
+/// The driver API version of the plugin's driver bindings (cudarc's CUDA 12.4 API), as
+/// `cuDriverGetVersion` writes versions. Every 12.x and 13.x driver runs it; CUDA 13's own
+/// bindings would call `_v2` entry points that 12.x drivers lack.
+pub const DRIVER_API_VERSION: i32 = 12040;
+/// The oldest driver the plugin runs on: CUDA 12.0 (R525). Which CUDA major's libraries it then
+/// loads depends on the driver too ([`crate::libraries`]: CUDA 13's need a 13.0 driver).
+pub const MIN_DRIVER_VERSION: i32 = 12000;
+/// The oldest compute capability the kernels and cuBLASLt paths are written for: Volta, with
+/// CUDA 12's libraries (CUDA 13's and its NVRTC start at Turing, 7.5; see
+/// [`crate::libraries::min_compute_capability`]).
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (7, 0);
 /// The compute capability from which bf16 is offered (cuBLASLt has no bf16 GEMM before Ampere).
 pub const BF16_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
 
@@ -54,10 +51,13 @@ pub struct CudaOptions {
     /// Open with the driver only: memory, transfers, fills, staging and fences, and no ops
     /// (neither cuBLAS nor NVRTC is loaded).
     pub memory_only: bool,
+    /// Answer `write_async` with "unsupported", so that the host converts and stages every
+    /// upload itself on its own thread (as before ABI 2.2): for comparisons.
+    pub staged_writes: bool,
 }
 
 impl CudaOptions {
-    /// Parses `key = value` options: `tf32` and `memory_only` (`true`/`false`) and
+    /// Parses `key = value` options: `tf32`, `memory_only` and `staged_writes` (`true`/`false`) and
     /// `kernel_cache` (a folder or `off`). Unknown keys are errors naming the key.
     pub fn parse(pairs: &[(&str, &str)]) -> Result<CudaOptions, PluginError> {
         let mut options = CudaOptions::default();
@@ -65,6 +65,7 @@ impl CudaOptions {
             match *key {
                 "tf32" => options.tf32 = parse_bool(key, value)?,
                 "memory_only" => options.memory_only = parse_bool(key, value)?,
+                "staged_writes" => options.staged_writes = parse_bool(key, value)?,
                 "kernel_cache" => {
                     if value.trim().is_empty() {
                         return Err(invalid_option("kernel_cache", value, "a folder or `off`"));
@@ -73,7 +74,8 @@ impl CudaOptions {
                 }
                 other => {
                     return Err(PluginError::invalid_argument(format!(
-                        "open: unknown option `{other}` (known: tf32, kernel_cache, memory_only)"
+                        "open: unknown option `{other}` (known: tf32, kernel_cache, memory_only, \
+                         staged_writes)"
                     )));
                 }
             }
@@ -111,7 +113,18 @@ pub struct CudaDevice {
     held: Vec<HeldMemory>,
     options: CudaOptions,
     pub(crate) log: Logger,
+    /// With [`CHECK_GROWTH_ENV`] set: the device memory in use beyond the report at the last
+    /// entry point, and that entry point.
+    growth: Option<Mutex<(i128, String)>>,
+    /// `write_async`'s page-locked slots and copy stream.
+    uploads: Mutex<AsyncUploads>,
 }
+
+/// Set to `1`, every entry point first waits for the queue and logs a warning when the device
+/// memory in use beyond what the memory report accounts for (buffers, held items, freed pool
+/// memory) grew since the previous entry point, naming it: a way to find what a library or the
+/// driver allocates on its own. It serialises the queue, so it is for diagnosis only.
+pub const CHECK_GROWTH_ENV: &str = "IRIS_CUDA_CHECK_GROWTH";
 
 impl CudaDevice {
     /// Opens device `ordinal` (as the driver numbers it, after `CUDA_VISIBLE_DEVICES`).
@@ -131,7 +144,7 @@ impl CudaDevice {
         if let Some(hidden) = hidden_by_visible_devices() {
             return Err(CudaError::Unavailable(hidden));
         }
-        loader::require(Library::Driver)?;
+        loader::require_driver()?;
         result::init().call("cuInit")?;
         let driver_version = driver_version()?;
         if driver_version < MIN_DRIVER_VERSION {
@@ -203,6 +216,23 @@ impl CudaDevice {
             "stream and memory pool",
             used()?.saturating_sub(before),
         );
+        let before = used()?;
+        let uploads = match AsyncUploads::new() {
+            Ok(uploads) => uploads,
+            Err(err) => {
+                // The pool is the device's own: destroy it, or every failed open leaks one.
+                if let Err(release) = memory.release_all(stream.cu_stream()) {
+                    log.warn(format!("open: {release}"));
+                }
+                return Err(err);
+            }
+        };
+        // The copy stream's own device memory (about 2 MiB on an H200 with driver 580).
+        push_held(
+            &mut held,
+            "write_async's copy stream",
+            used()?.saturating_sub(before),
+        );
         let compute = if options.memory_only {
             None
         } else {
@@ -217,7 +247,7 @@ impl CudaDevice {
                 }
             }
         };
-        log.info(format!(
+        let opened = format!(
             "opened CUDA device {ordinal}: {} (compute capability {}.{}, {} SMs, {} MiB, driver {}){}",
             info.name,
             cc.0,
@@ -225,9 +255,13 @@ impl CudaDevice {
             info.sms,
             info.total_memory >> 20,
             version_text(driver_version),
-            if compute.is_none() { ", memory only" } else { "" }
-        ));
-        Ok(CudaDevice {
+            if compute.is_none() {
+                ", memory only"
+            } else {
+                ""
+            }
+        );
+        let mut device = CudaDevice {
             ctx,
             stream,
             memory,
@@ -238,7 +272,124 @@ impl CudaDevice {
             held,
             options,
             log,
-        })
+            growth: None,
+            uploads: Mutex::new(uploads),
+        };
+        if device.compute.is_some() {
+            // On failure the device drops here, releasing its pool, handles and module.
+            device.warm_up()?;
+        }
+        device.log.info(opened);
+        if std::env::var(CHECK_GROWTH_ENV).is_ok_and(|value| value == "1") {
+            let beyond = device.beyond_report()?;
+            device.growth = Some(Mutex::new((beyond, "open".to_owned())));
+        }
+        Ok(device)
+    }
+
+    /// Runs each GEMM path once on small operands (cuBLASLt for f16, bf16 and TF32, with and
+    /// without its bias and GELU epilogues; cuBLAS for f32; the plugin's epilogue kernel), then
+    /// records what the device holds beyond that as a held item. cuBLAS and cuBLASLt allocate
+    /// device state of their own on a handle's first computation (cuBLAS's default workspace
+    /// pool, kernels loaded on first use): without this it would appear with the first
+    /// request, after the host's post-start checkpoint, and a reset could never give it back.
+    fn warm_up(&mut self) -> Result<(), CudaError> {
+        let fail = |err: PluginError| {
+            CudaError::Unavailable(format!(
+                "the first computation through cuBLAS and cuBLASLt failed: {}",
+                err.message
+            ))
+        };
+        memory::wait(self.cu_stream())?;
+        let before = used()?;
+        let mut buffers = Vec::new();
+        let ran = self.warm_up_gemms(&mut buffers).map_err(fail);
+        let mut freed = Ok(());
+        for buf in buffers {
+            if let Err(err) = self.memory.free(self.cu_stream(), buf) {
+                freed = Err(err);
+            }
+        }
+        self.synchronize_impl("open").map_err(fail)?;
+        self.memory.refresh(self.cu_stream())?;
+        ran?;
+        freed?;
+        let growth = used()?
+            .saturating_sub(before)
+            .saturating_sub(self.memory.pool_cached()?);
+        push_held(
+            &mut self.held,
+            "cuBLAS and cuBLASLt state from their first computation",
+            growth,
+        );
+        Ok(())
+    }
+
+    /// The GEMMs of [`CudaDevice::warm_up`]; the buffers it allocates go into `buffers`.
+    fn warm_up_gemms(&self, buffers: &mut Vec<BufferHandle>) -> Result<(), PluginError> {
+        const ROWS: u64 = 8;
+        const COLS: u64 = 32;
+        let mut dtypes = vec![DType::F32, DType::F16];
+        if self.info.cc >= BF16_COMPUTE_CAPABILITY {
+            dtypes.push(DType::BF16);
+        }
+        let mut alloc = |bytes: u64| -> Result<BufferHandle, PluginError> {
+            let buf = self
+                .memory
+                .alloc(self.cu_stream(), bytes.max(1))
+                .map_err(|err| err.into_plugin("open"))?;
+            buffers.push(buf);
+            Ok(buf)
+        };
+        for dtype in dtypes {
+            let size = dtype.size().unwrap_or(4);
+            let matrix = |buf, rows| MatRef::contiguous(buf, 0, dtype, rows, COLS);
+            let a = matrix(alloc(ROWS * COLS * size)?, ROWS);
+            let w = matrix(alloc(COLS * COLS * size)?, COLS);
+            let bias = matrix(alloc(COLS * size)?, 1);
+            let out = matrix(alloc(ROWS * COLS * size)?, ROWS);
+            for m in [a, w, bias, out] {
+                self.fill_impl(&FillArgs {
+                    dst: BufferSlice {
+                        buf: m.buf,
+                        offset: 0,
+                        bytes: m.rows * COLS * size,
+                    },
+                    value: 0,
+                    width: 1,
+                })?;
+            }
+            // The plain product, the fused bias and GELU epilogues, and an activation the
+            // libraries cannot fuse (an f32 product finished by the plugin's kernel).
+            let cases = [
+                (MatRef::NONE, Activation::NONE),
+                (bias, Activation::GELU_TANH),
+                (bias, Activation::SILU),
+            ];
+            for (bias, activation) in cases {
+                let mut args = GemmArgs {
+                    a,
+                    w,
+                    bias,
+                    out,
+                    activation,
+                    accumulate: false,
+                    w_transposed: false,
+                    w_constant: true,
+                    workspace: BufferSlice::EMPTY,
+                };
+                let bytes = self.gemm_workspace_impl(&args)?;
+                if bytes > 0 {
+                    args.workspace = BufferSlice {
+                        buf: alloc(bytes)?,
+                        offset: 0,
+                        bytes,
+                    };
+                }
+                self.gemm_impl(&args)?;
+            }
+        }
+        Ok(())
     }
 
     /// The options the device was opened with.
@@ -255,7 +406,39 @@ impl CudaDevice {
     pub(crate) fn enter(&self, op: &str) -> Result<(), PluginError> {
         self.ctx
             .bind_to_thread()
-            .map_err(|err| CudaError::driver("cuCtxSetCurrent", err).into_plugin(op))
+            .map_err(|err| CudaError::driver("cuCtxSetCurrent", err).into_plugin(op))?;
+        if let Some(growth) = &self.growth {
+            self.check_growth(growth, op)
+                .map_err(|err| err.into_plugin(op))?;
+        }
+        Ok(())
+    }
+
+    /// [`CHECK_GROWTH_ENV`]'s check, before `op` runs.
+    fn check_growth(&self, growth: &Mutex<(i128, String)>, op: &str) -> Result<(), CudaError> {
+        memory::wait(self.cu_stream())?;
+        let beyond = self.beyond_report()?;
+        let mut last = crate::ops::lock(growth);
+        if beyond > last.0 {
+            self.log.warn(format!(
+                "device memory beyond the memory report grew by {} bytes (to {beyond}) during \
+                 the calls since `{}`",
+                beyond - last.0,
+                last.1
+            ));
+        }
+        *last = (beyond, op.to_owned());
+        Ok(())
+    }
+
+    /// Device memory in use (as the driver reports it) minus what the memory report accounts
+    /// for; negative where held items were estimated high.
+    fn beyond_report(&self) -> Result<i128, CudaError> {
+        self.memory.refresh(self.cu_stream())?;
+        let (allocated, _) = self.memory.accounting();
+        let held: u64 = self.held.iter().map(|item| item.bytes).sum();
+        let accounted = allocated + held + self.memory.pool_cached()?;
+        Ok(i128::from(used()?) - i128::from(accounted))
     }
 
     /// The bytes of a live buffer, or an invalid-argument error naming `op`.
@@ -305,7 +488,7 @@ impl CudaDevice {
                 version_text(self.info.driver_version),
             ),
             Property::new(property::QUEUE, "async"),
-            Property::new("cuda_api_version", version_text(loader::cuda_api_version())),
+            Property::new("cuda_api_version", version_text(DRIVER_API_VERSION)),
         ];
         if self.info.sms > 0 {
             properties.push(Property::new(property::COMPUTE_UNITS, self.info.sms));
@@ -338,9 +521,6 @@ impl CudaDevice {
             "memory pool (freed, not yet released)",
             self.memory.pool_cached()?,
         );
-        if let Some(compute) = &self.compute {
-            push_held(&mut held, "copy descriptors", compute.descriptor_bytes());
-        }
         Ok(MemoryReport {
             allocated,
             buffers,
@@ -670,6 +850,43 @@ impl Backend for CudaDevice {
             .wait(value)
             .map_err(|err| err.into_plugin("wait_fence"))
     }
+
+    fn write_async(&self, write: &AsyncWrite) -> Result<(), PluginError> {
+        self.enter("write_async")?;
+        if self.options.staged_writes {
+            return Err(PluginError::unsupported(
+                "write_async: off (the device was opened with staged_writes = true)",
+            ));
+        }
+        self.with_checker("write_async", |check| {
+            validate::range(
+                check,
+                "device",
+                write.device,
+                write.device_offset,
+                write.bytes,
+            )
+        })?;
+        if write.bytes == 0 {
+            return Ok(());
+        }
+        if write.host.is_null() {
+            return Err(PluginError::invalid_argument(
+                "write_async: the host source is a null pointer",
+            ));
+        }
+        let dst = self
+            .view("write_async", write.device)?
+            .at(write.device_offset);
+        // SAFETY: the device range was checked against a live buffer; the host keeps the
+        // source valid and unchanged until a fence recorded after this call has completed
+        // (the ABI's rule for `write_async`), and the slots' copies run before the queue
+        // passes this write.
+        unsafe {
+            crate::ops::lock(&self.uploads).write(dst, write.host, write.bytes, self.cu_stream())
+        }
+        .map_err(|err| err.into_plugin("write_async"))
+    }
 }
 
 impl Drop for CudaDevice {
@@ -682,9 +899,9 @@ impl Drop for CudaDevice {
         if let Err(err) = memory::wait(stream) {
             self.log.warn(format!("close: queued work failed: {err}"));
         }
-        if let Some(compute) = self.compute.take() {
-            compute.close(stream, &self.log);
-        }
+        // The queue has drained: handles, module, status word and descriptors go (their drops
+        // ignore errors: the device is closing either way).
+        drop(self.compute.take());
         for ptr in self.host.drain() {
             // SAFETY: the queue has drained and each buffer is freed once.
             if let Err(err) = unsafe { HostBuffers::free(ptr) } {
@@ -804,10 +1021,10 @@ pub fn probe_devices() -> Result<u32, String> {
     if let Some(hidden) = hidden_by_visible_devices() {
         return Err(hidden);
     }
-    if !loader::present(Library::Driver) {
+    if !loader::driver_present() {
         return Err(format!(
             "{} (is the NVIDIA driver installed?)",
-            loader::missing(Library::Driver)
+            loader::driver_missing()
         ));
     }
     if let Err(err) = result::init() {

@@ -2,16 +2,16 @@
 //!
 //! Vendor status codes keep their names (`CUDA_ERROR_OUT_OF_MEMORY`,
 //! `CUBLAS_STATUS_NOT_SUPPORTED`, `NVRTC_ERROR_COMPILATION`) and the call that returned them, so
-//! a message read in a log says what failed without a lookup. The names come from the enums'
-//! `Debug` form, not from `cuGetErrorName`, so mapping an error never calls into the driver.
+//! a message read in a log says what failed without a lookup. The names come from cudarc's
+//! enums' `Debug` form, not from `cuGetErrorName`, so mapping an error never calls into the
+//! driver.
 
-use cudarc::cublas::result::CublasError;
-use cudarc::cublaslt::result::CublasError as CublasLtError;
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys::CUresult;
-use cudarc::nvrtc::result::NvrtcError;
 use iris_plugin::abi::PluginError;
 use thiserror::Error;
+
+use crate::result::{BlasStatus, NvrtcStatus};
 
 /// A failure of the CUDA device, before it becomes a [`PluginError`].
 #[derive(Debug, Error)]
@@ -67,6 +67,9 @@ pub enum CudaError {
         /// The names and paths tried, for the message.
         tried: String,
     },
+    /// No CUDA major's cuBLAS and cuBLASLt could be loaded; the text says why, per major.
+    #[error("{0}")]
+    Libraries(String),
     /// No device can be used (hidden by `CUDA_VISIBLE_DEVICES`, say).
     #[error("{0}")]
     Unavailable(String),
@@ -84,31 +87,20 @@ impl CudaError {
         CudaError::Driver { call, code: err.0 }
     }
 
-    /// A cuBLAS error for `call`.
-    pub fn blas(call: &'static str, err: CublasError) -> CudaError {
-        let status = format!("{:?}", err.0);
+    /// A cuBLAS or cuBLASLt error for `call`.
+    pub fn blas(call: &'static str, status: BlasStatus) -> CudaError {
         CudaError::Blas {
             call,
-            alloc_failed: status == "CUBLAS_STATUS_ALLOC_FAILED",
-            status,
-        }
-    }
-
-    /// A cuBLASLt error for `call`.
-    pub fn blas_lt(call: &'static str, err: CublasLtError) -> CudaError {
-        let status = format!("{:?}", err.0);
-        CudaError::Blas {
-            call,
-            alloc_failed: status == "CUBLAS_STATUS_ALLOC_FAILED",
-            status,
+            alloc_failed: status == BlasStatus::ALLOC_FAILED,
+            status: status.to_string(),
         }
     }
 
     /// An NVRTC error for `call`, with the compiler's log.
-    pub fn nvrtc(call: &'static str, err: NvrtcError, log: String) -> CudaError {
+    pub fn nvrtc(call: &'static str, status: NvrtcStatus, log: String) -> CudaError {
         CudaError::Nvrtc {
             call,
-            status: format!("{:?}", err.0),
+            status: status.to_string(),
             log,
         }
     }
@@ -138,9 +130,9 @@ impl CudaError {
                 ..
             }
             | CudaError::Unsupported(_) => PluginError::unsupported(message),
-            CudaError::LibraryMissing { .. } | CudaError::Unavailable(_) => {
-                PluginError::unavailable(message)
-            }
+            CudaError::LibraryMissing { .. }
+            | CudaError::Libraries(_)
+            | CudaError::Unavailable(_) => PluginError::unavailable(message),
             CudaError::Invalid(_) => PluginError::invalid_argument(message),
             _ => PluginError::internal(message),
         }

@@ -2,27 +2,30 @@
 //!
 //! All kernels live in one CUDA C source, `kernels/iris.cu`, written without headers (NVRTC from
 //! pip ships none). A device compiles it once at `open` for its own architecture (`sm_XY`: the
-//! assembler runs and the result is a cubin, which any 12.x driver loads, unlike PTX from a newer
-//! NVRTC), measures the time and logs it. The cubin is cached on disk, keyed by the source and
-//! options (a blake3 hash), the architecture, the driver version and NVRTC's version, so a
-//! restart loads it without NVRTC (then the newest entry of any NVRTC version is taken). When NVRTC does not know the device's architecture, the source is compiled to
-//! PTX for the newest architecture it knows and the driver finishes it.
+//! assembler runs and the result is a cubin, which the driver loads whatever its version, unlike
+//! PTX from an NVRTC newer than the driver), measures the time and logs it. NVRTC is the one of
+//! the CUDA major whose libraries the process loaded ([`crate::libraries`]): its architectures
+//! decide the target. The cubin is cached on disk, keyed by the source and options (a blake3
+//! hash), the architecture, the driver version and NVRTC's version, so a restart loads it
+//! without NVRTC (then the newest entry of any NVRTC version is taken). When NVRTC does not know
+//! the device's architecture, the source is compiled to PTX for the newest architecture it knows
+//! and the driver finishes it.
 //!
 //! The cache folder is, in order: the `kernel_cache` option of `[plugins.cuda]`,
 //! [`CACHE_ENV`], `$XDG_CACHE_HOME/iris/cuda-kernels`, `~/.cache/iris/cuda-kernels`. The value
 //! `off` disables the cache. A cache that cannot be written is logged and skipped.
 
 use std::collections::HashMap;
-use std::ffi::{CString, c_char, c_int};
+use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use cudarc::driver::result;
 use cudarc::driver::sys::{CUfunction, CUmodule};
-use cudarc::nvrtc::result as nvrtc;
-use cudarc::nvrtc::sys as nvrtc_sys;
 
 use crate::error::{CudaError, DriverResultExt};
+use crate::result::nvrtc;
+use crate::sys;
 
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("../kernels/iris.cu");
@@ -122,27 +125,9 @@ pub struct Compiled {
     pub millis: u128,
 }
 
-/// NVRTC's version, `(major, minor)`. NVRTC must be present ([`crate::loader::require`]).
-pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
-    let (mut major, mut minor): (c_int, c_int) = (0, 0);
-    // SAFETY: both pointers are valid for writes.
-    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
-        .result()
-        .map_err(|err| CudaError::nvrtc("nvrtcVersion", err, String::new()))?;
-    Ok((major, minor))
-}
-
 /// The `sm_XY` architectures NVRTC can compile for, as `XY` numbers.
-pub fn supported_archs() -> Result<Vec<u32>, CudaError> {
-    let mut count: c_int = 0;
-    // SAFETY: the pointer is valid for writes.
-    unsafe { nvrtc_sys::nvrtcGetNumSupportedArchs(&mut count) }
-        .result()
-        .map_err(|err| CudaError::nvrtc("nvrtcGetNumSupportedArchs", err, String::new()))?;
-    let mut archs = vec![0 as c_int; usize::try_from(count).unwrap_or(0)];
-    // SAFETY: `archs` has room for the `count` values NVRTC writes.
-    unsafe { nvrtc_sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }
-        .result()
+pub fn supported_archs(lib: &sys::Nvrtc) -> Result<Vec<u32>, CudaError> {
+    let archs = nvrtc::supported_archs(lib)
         .map_err(|err| CudaError::nvrtc("nvrtcGetSupportedArchs", err, String::new()))?;
     Ok(archs
         .into_iter()
@@ -159,30 +144,35 @@ pub fn target_for(cc: u32, supported: &[u32]) -> Target {
     Target::Ptx(newest.unwrap_or(cc))
 }
 
-/// Compiles [`SOURCE`] for `target`, with `extra` options after [`OPTIONS`]. NVRTC must be
-/// present ([`crate::loader::require`]).
-pub fn compile(target: Target, extra: &[&str]) -> Result<Compiled, CudaError> {
+/// Compiles [`SOURCE`] with NVRTC `lib` for `target`, with `extra` options after [`OPTIONS`].
+pub fn compile(lib: &sys::Nvrtc, target: Target, extra: &[&str]) -> Result<Compiled, CudaError> {
     let started = Instant::now();
     let source =
         CString::new(SOURCE).map_err(|_| CudaError::Invalid("NUL in kernel source".into()))?;
-    let program = nvrtc::create_program(&source, Some(c"iris.cu"))
+    let program = nvrtc::create_program(lib, &source, c"iris.cu")
         .map_err(|err| CudaError::nvrtc("nvrtcCreateProgram", err, String::new()))?;
-    let program = Program(program);
+    let program = Program { lib, raw: program };
     let mut options: Vec<String> = OPTIONS.iter().map(|o| (*o).to_owned()).collect();
     options.push(format!("--gpu-architecture={}", target.arch()));
     options.extend(extra.iter().map(|o| (*o).to_owned()));
-    // SAFETY: the program is alive; the options are NUL-free strings.
-    let compiled = unsafe { nvrtc::compile_program(program.0, &options) };
+    let options = options
+        .into_iter()
+        .map(|option| {
+            CString::new(option.clone())
+                .map_err(|_| CudaError::Invalid(format!("NUL in NVRTC option `{option}`")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // SAFETY: the program is alive.
+    let compiled = unsafe { nvrtc::compile_program(lib, program.raw, &options) };
     let log = program.log();
     compiled.map_err(|err| CudaError::nvrtc("nvrtcCompileProgram", err, log.clone()))?;
     let image = match target {
-        Target::Cubin(_) => program.cubin()?,
-        Target::Ptx(_) => {
-            // SAFETY: the program compiled.
-            let ptx = unsafe { nvrtc::get_ptx(program.0) }
-                .map_err(|err| CudaError::nvrtc("nvrtcGetPTX", err, String::new()))?;
-            ptx.into_iter().map(c_char::cast_unsigned).collect()
-        }
+        // SAFETY (both): the program is alive and compiled, for a real architecture (cubin) or
+        // a virtual one (PTX, NUL-terminated).
+        Target::Cubin(_) => unsafe { nvrtc::get_cubin(lib, program.raw) }
+            .map_err(|err| CudaError::nvrtc("nvrtcGetCUBIN", err, String::new()))?,
+        Target::Ptx(_) => unsafe { nvrtc::get_ptx(lib, program.raw) }
+            .map_err(|err| CudaError::nvrtc("nvrtcGetPTX", err, String::new()))?,
     };
     Ok(Compiled {
         image,
@@ -430,43 +420,28 @@ impl Drop for Module {
 }
 
 /// An NVRTC program, destroyed on drop.
-struct Program(nvrtc_sys::nvrtcProgram);
+struct Program<'a> {
+    lib: &'a sys::Nvrtc,
+    raw: sys::nvrtc::nvrtcProgram,
+}
 
-impl Program {
+impl Program<'_> {
     fn log(&self) -> String {
         // SAFETY: the program is alive.
-        match unsafe { nvrtc::get_program_log(self.0) } {
-            Ok(chars) => {
-                let bytes: Vec<u8> = chars
-                    .into_iter()
-                    .map(c_char::cast_unsigned)
-                    .take_while(|b| *b != 0)
-                    .collect();
-                String::from_utf8_lossy(&bytes).into_owned()
+        match unsafe { nvrtc::get_program_log(self.lib, self.raw) } {
+            Ok(bytes) => {
+                let text: Vec<u8> = bytes.into_iter().take_while(|b| *b != 0).collect();
+                String::from_utf8_lossy(&text).into_owned()
             }
             Err(_) => String::new(),
         }
     }
-
-    fn cubin(&self) -> Result<Vec<u8>, CudaError> {
-        let mut size = 0usize;
-        // SAFETY: the program compiled; the pointer is valid for writes.
-        unsafe { nvrtc_sys::nvrtcGetCUBINSize(self.0, &mut size) }
-            .result()
-            .map_err(|err| CudaError::nvrtc("nvrtcGetCUBINSize", err, String::new()))?;
-        let mut image = vec![0u8; size];
-        // SAFETY: `image` has the size NVRTC reported.
-        unsafe { nvrtc_sys::nvrtcGetCUBIN(self.0, image.as_mut_ptr().cast()) }
-            .result()
-            .map_err(|err| CudaError::nvrtc("nvrtcGetCUBIN", err, String::new()))?;
-        Ok(image)
-    }
 }
 
-impl Drop for Program {
+impl Drop for Program<'_> {
     fn drop(&mut self) {
         // SAFETY: the program was created by `create_program` and is destroyed once.
-        let _ = unsafe { nvrtc::destroy_program(self.0) };
+        let _ = unsafe { nvrtc::destroy_program(self.lib, self.raw) };
     }
 }
 

@@ -1,17 +1,21 @@
 //! iris-device-cuda: the CUDA device plugin, `libiris_device_cuda.so`.
 //!
-//! Built on cudarc with dynamic loading and a fixed CUDA API version, so the plugin builds with
-//! no toolkit, driver or nvcc on the machine and links only libc: every vendor library is opened
-//! at run time. One build loads one CUDA major's user-space libraries (cuBLAS, cuBLASLt, NVRTC),
-//! chosen by a feature: `cuda-12` (the default, cudarc's 12.4 API, `libcublas.so.12`...) or
-//! `cuda-13` (13.0, `libcublas.so.13`...); a host with only one of them runs that build. The
-//! layers, as in every iris device crate:
+//! Built on cudarc's driver bindings with dynamic loading and a fixed CUDA API version (12.4,
+//! which every 12.x and 13.x driver runs), so the plugin builds with no toolkit, driver or nvcc
+//! on the machine and links only libc: every vendor library is opened at run time. One plugin
+//! runs over CUDA 12's and CUDA 13's user-space libraries (cuBLAS, cuBLASLt, NVRTC, whose file
+//! names carry their major): [`libraries`] picks the major per process, newest first where the
+//! driver and device run it, one major's libraries and never a mix. The layers, as in every
+//! iris device crate:
 //!
-//! - vendor bindings: cudarc's `sys` (raw, lazily resolved symbols) and `result` (every call
-//!   returns a `Result`) layers for the driver, cuBLAS, cuBLASLt and NVRTC;
-//! - [`loader`]: finds those libraries before cudarc would panic on a missing one (install roots
-//!   such as `CUDA_HOME` and pip's `nvidia/*/lib` are loaded by absolute path first) and names
-//!   what it tried when one is missing;
+//! - vendor bindings: cudarc's `sys` and `result` layers for the driver; for cuBLAS, cuBLASLt
+//!   and NVRTC the plugin's own [`sys`] (a table of entry points per opened library file, with
+//!   cudarc's types) and [`result`] (every call returns a `Result`), since cudarc opens those
+//!   libraries only by names fixed at compile time;
+//! - [`loader`]: finds the libraries (install roots such as `CUDA_HOME` and pip's
+//!   `nvidia/*/lib` first, by absolute path, then the loader's path), checks the driver before
+//!   cudarc would panic on a missing one, and names what it tried when one is missing;
+//!   [`libraries`]: which major, and why not the other;
 //! - safe types: `memory` (stream-ordered pool allocations behind opaque handles, the
 //!   non-owning `DeviceView` ops hand to kernels and cuBLAS, pinned host buffers, fences, and
 //!   every driver call on memory and transfers), [`kernels`] (NVRTC compilation, the on-disk
@@ -35,18 +39,14 @@
 pub mod device;
 pub mod error;
 pub mod kernels;
+pub mod libraries;
 pub mod loader;
 pub(crate) mod memory;
 pub(crate) mod ops;
+pub mod result;
+pub mod sys;
 
 pub use device::{CudaDevice, CudaOptions};
-
-#[cfg(all(feature = "cuda-12", feature = "cuda-13"))]
-compile_error!(
-    "features `cuda-12` and `cuda-13` exclude each other: build with `--no-default-features --features cuda-13` for CUDA 13"
-);
-#[cfg(not(any(feature = "cuda-12", feature = "cuda-13")))]
-compile_error!("enable one of the features `cuda-12` (the default) or `cuda-13`");
 
 #[cfg(not(target_pointer_width = "64"))]
 compile_error!("the CUDA plugin needs a 64-bit target: CUDA 12 has no 32-bit host platform");

@@ -1,32 +1,32 @@
-//! Finding the vendor libraries before cudarc touches them.
+//! Finding and opening the vendor libraries.
 //!
-//! cudarc opens each library by name (`dlopen("libcublas.so.12")`, ...) the first time one of its
-//! functions is called, and panics when none of its candidate names opens. This module runs
-//! first and makes that lookup both safe and wider:
+//! - The driver, `libcuda.so.1`, is opened by cudarc (whose driver bindings the plugin uses),
+//!   by name on the dynamic loader's path only: it belongs to the installed kernel driver. It is
+//!   one file for every CUDA major. [`driver_present`] asks cudarc's own probe, which opens the
+//!   names cudarc will use, so a driver reported present is one cudarc will find (cudarc panics
+//!   on a missing library); [`driver_missing`] names what was tried. The toolkit's
+//!   `lib64/stubs/libcuda.so` is a link-time stub whose every call fails; it is never searched.
+//! - cuBLAS, cuBLASLt and NVRTC carry their CUDA major in their file names
+//!   (`libcublas.so.12`, `libcublas.so.13`): [`open`] opens one library of one major, first
+//!   from the install roots by absolute path, then by name on the loader's path. Only the
+//!   versioned names are tried: every installation (toolkit, pip wheels, distribution packages)
+//!   has them, while an unversioned `libcublas.so` link may point at any release.
+//!   [`crate::libraries`] decides which major to load.
 //!
-//! - [`present`] asks cudarc's own `is_culib_present` probe, which opens the same candidate
-//!   names cudarc will use, so a library this module reports present is one cudarc will find.
-//! - Before probing, [`preload`] opens the CUDA libraries found under install roots that are not
-//!   on the dynamic loader's path, by absolute path, and keeps them open: the loader then finds
-//!   them under their SONAME when cudarc asks by name. The roots, in order: the folders of
-//!   `IRIS_CUDA_LIB_PATH` (`:`-separated), `$CUDA_HOME` and `$CUDA_PATH` (`lib64`, `lib`,
-//!   `targets/<arch>-linux/lib`), and the `nvidia/*/lib` folders of pip's `site-packages` and
-//!   `dist-packages` under `$VIRTUAL_ENV`, `$CONDA_PREFIX`, `~/.local` and the system's Python
-//!   prefixes (`/usr/local/lib`, `/usr/lib`, `/usr/lib64`). CUDA 12's wheels
-//!   (`nvidia-cublas-cu12`, `nvidia-cuda-nvrtc-cu12`) put each library in a folder of its own,
-//!   `nvidia/cublas/lib`, `nvidia/cuda_nvrtc/lib`; CUDA 13's (`nvidia-cublas`, PyTorch's cu130
-//!   wheels) put them all in `nvidia/cu13/lib`. Both match `nvidia/*/lib`.
-//! - The driver (`libcuda.so.1`) is never preloaded: it belongs to the installed kernel driver
-//!   and is found on the loader path only. The toolkit's `lib64/stubs/libcuda.so` is a link-time
-//!   stub whose every call fails; it is never searched.
+//! The install roots, in order: the folders of `IRIS_CUDA_LIB_PATH` (`:`-separated),
+//! `$CUDA_HOME` and `$CUDA_PATH` (`lib64`, `lib`, `targets/<arch>-linux/lib`), and the
+//! `nvidia/*/lib` folders of pip's `site-packages` and `dist-packages` under `$VIRTUAL_ENV`,
+//! `$CONDA_PREFIX`, `~/.local` and the system's Python prefixes (`/usr/local/lib`, `/usr/lib`,
+//! `/usr/lib64`). CUDA 12's wheels (`nvidia-cublas-cu12`, `nvidia-cuda-nvrtc-cu12`) put each
+//! library in a folder of its own, `nvidia/cublas/lib`, `nvidia/cuda_nvrtc/lib`; CUDA 13's
+//! (`nvidia-cublas`, PyTorch's cu130 wheels) put them all in `nvidia/cu13/lib`. Both match
+//! `nvidia/*/lib`.
 //!
-//! One build loads the libraries of one CUDA major ([`cuda_major`], the `cuda-12` or `cuda-13`
-//! feature): cudarc names them by the major of its API version. When a library is missing,
-//! [`missing`] builds an error naming the library, the candidate names cudarc tried, the folders
-//! searched, and, when the other major's library is there instead, the build that loads it.
+//! A library opened by absolute path satisfies later lookups of its SONAME: cuBLAS's dependency
+//! on cuBLASLt resolves to the cuBLASLt opened before it, wherever that was found.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use crate::error::CudaError;
 
@@ -34,7 +34,7 @@ use crate::error::CudaError;
 pub const LIB_PATH_ENV: &str = "IRIS_CUDA_LIB_PATH";
 
 /// A vendor library the plugin uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Library {
     /// The driver API, `libcuda.so.1`.
     Driver,
@@ -47,7 +47,7 @@ pub enum Library {
 }
 
 impl Library {
-    /// The base name cudarc builds its candidates from.
+    /// The base name of its files.
     fn stem(self) -> &'static str {
         match self {
             Library::Driver => "cuda",
@@ -57,13 +57,14 @@ impl Library {
         }
     }
 
-    /// The file name people know it by, for messages.
-    pub fn file_name(self) -> String {
-        self.file_name_for(cuda_major())
-    }
-
-    /// The file name of this library in CUDA `major`'s user-space libraries.
-    pub fn file_name_for(self, major: u32) -> String {
+    /// Its file name in CUDA `major`'s libraries (the driver's is the same for every major).
+    ///
+    /// ```
+    /// use iris_device_cuda::loader::Library;
+    /// assert_eq!(Library::CublasLt.file_name(13), "libcublasLt.so.13");
+    /// assert_eq!(Library::Driver.file_name(13), "libcuda.so.1");
+    /// ```
+    pub fn file_name(self, major: u32) -> String {
         match self {
             Library::Driver => "libcuda.so.1".to_owned(),
             _ => format!("lib{}.so.{major}", self.stem()),
@@ -79,150 +80,186 @@ impl Library {
             Library::Nvrtc => "NVRTC",
         }
     }
-
-    /// The names cudarc tries, in its order (each once).
-    pub fn candidates(self) -> Vec<String> {
-        let mut names = cudarc::get_lib_name_candidates(self.stem());
-        let mut seen = std::collections::HashSet::new();
-        names.retain(|name| seen.insert(name.clone()));
-        names
-    }
 }
 
-/// Whether cudarc will find `library` (after [`preload`]). Never panics.
-pub fn present(library: Library) -> bool {
-    preload();
-    // SAFETY: each probe only opens and closes candidate libraries with dlopen; opening a CUDA
-    // library runs no code of ours and has no precondition.
-    unsafe {
-        match library {
-            Library::Driver => cudarc::driver::sys::is_culib_present(),
-            Library::Cublas => cudarc::cublas::sys::is_culib_present(),
-            Library::CublasLt => cudarc::cublaslt::sys::is_culib_present(),
-            Library::Nvrtc => cudarc::nvrtc::sys::is_culib_present(),
-        }
-    }
+/// The names cudarc tries for the driver, in its order (each once).
+pub fn driver_candidates() -> Vec<String> {
+    let mut names = cudarc::get_lib_name_candidates(Library::Driver.stem());
+    let mut seen = std::collections::HashSet::new();
+    names.retain(|name| seen.insert(name.clone()));
+    names
 }
 
-/// `Ok` when `library` is present, else [`missing`]'s error.
-pub fn require(library: Library) -> Result<(), CudaError> {
-    if present(library) {
+/// Whether cudarc will find the driver. Never panics.
+pub fn driver_present() -> bool {
+    // SAFETY: the probe only opens and closes candidate libraries with dlopen; opening the
+    // driver runs no code of ours and has no precondition.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// `Ok` when the driver is present, else [`driver_missing`]'s error.
+pub fn require_driver() -> Result<(), CudaError> {
+    if driver_present() {
         Ok(())
     } else {
-        Err(missing(library))
+        Err(driver_missing())
     }
 }
 
-/// The error for a library that is not found: its names and the folders searched.
-pub fn missing(library: Library) -> CudaError {
-    let mut tried = format!(
-        "names {} on the dynamic loader's path (LD_LIBRARY_PATH, ldconfig)",
-        library.candidates().join(", ")
-    );
-    if library != Library::Driver {
-        let roots = search_roots();
-        if roots.is_empty() {
-            tried.push_str(&format!(
-                "; no install roots ({LIB_PATH_ENV}, CUDA_HOME, CUDA_PATH, pip's nvidia/*/lib) were found"
-            ));
-        } else {
-            let shown: Vec<String> = roots
-                .iter()
-                .map(|root| root.display().to_string())
-                .collect();
-            tried.push_str(&format!("; folders {}", shown.join(", ")));
-        }
-        if let Some(found) = other_major(library) {
-            tried.push_str(&format!(
-                "; {} is there instead: this is the plugin's CUDA {} build, the CUDA {} build \
-                 (`--features cuda-{}`) loads it (docs/CUDA.md)",
-                found.display(),
-                cuda_major(),
-                OTHER_MAJOR,
-                OTHER_MAJOR
-            ));
-        }
-    }
+/// The error for a driver that is not found: the names tried.
+pub fn driver_missing() -> CudaError {
     CudaError::LibraryMissing {
-        library: library.file_name(),
-        tried,
+        library: Library::Driver.file_name(0),
+        tried: format!(
+            "names {} on the dynamic loader's path (LD_LIBRARY_PATH, ldconfig)",
+            driver_candidates().join(", ")
+        ),
     }
 }
 
-/// Opens, once per process, the CUDA libraries found under the install roots, by absolute path,
-/// and keeps them open for the life of the process. Returns the files opened.
-pub fn preload() -> &'static [PathBuf] {
-    static LOADED: OnceLock<Vec<PathBuf>> = OnceLock::new();
-    LOADED.get_or_init(|| {
-        let mut loaded = Vec::new();
-        // cuBLAS needs cuBLASLt: open it first so cuBLAS's dependency resolves to it.
-        let roots = search_roots();
-        for library in [Library::CublasLt, Library::Cublas, Library::Nvrtc] {
-            if let Some(path) = find_in_roots(library, &roots) {
-                loaded.extend(open_with_companions(library, &path));
-            }
+/// A library [`open`] opened, and where it was found.
+#[derive(Debug)]
+pub struct Opened {
+    /// The open library; closed when dropped.
+    pub library: libloading::Library,
+    /// The absolute path it was opened from, or its file name when the loader's path had it.
+    pub path: PathBuf,
+}
+
+/// Why [`open`] could not open a library.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotOpened {
+    /// No file of its name in the install roots nor on the loader's path.
+    NotFound {
+        /// Its file name, `libcublasLt.so.13`.
+        file: String,
+    },
+    /// Found, but the dynamic loader refused it (a missing dependency, another architecture).
+    Refused {
+        /// Where it was found: an absolute path, or the file name on the loader's path.
+        path: String,
+        /// The dynamic loader's message.
+        reason: String,
+    },
+}
+
+impl fmt::Display for NotOpened {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotOpened::NotFound { file } => write!(f, "{file} not found"),
+            NotOpened::Refused { path, reason } => write!(f, "{path} does not load ({reason})"),
         }
-        loaded
-    })
+    }
 }
 
-/// Opens the CUDA libraries (cuBLAS, cuBLASLt, NVRTC) found in `dir` by absolute path and keeps
-/// them open, as [`preload`] does for the install roots. Returns the files opened. Tests use it
-/// to point the plugin at a pip-installed NVRTC.
-pub fn preload_from(dir: &Path) -> Vec<PathBuf> {
-    let roots = [dir.to_path_buf()];
-    [Library::CublasLt, Library::Cublas, Library::Nvrtc]
-        .into_iter()
-        .filter_map(|library| find_in_roots(library, &roots).map(|path| (library, path)))
-        .flat_map(|(library, path)| open_with_companions(library, &path))
-        .collect()
+/// Opens `library` of CUDA `major` (not the driver): from the install roots by absolute path,
+/// else by name on the dynamic loader's path.
+pub fn open(library: Library, major: u32) -> Result<Opened, NotOpened> {
+    open_from(library, major, &search_roots(), true)
 }
 
-/// Opens `path` (a `library` found in an install root) and keeps it open, after the libraries
-/// it opens by name at run time from its own folder: NVRTC 13 opens
-/// `libnvrtc-builtins.so.13.<minor>` through the loader's path only, so when NVRTC itself was
-/// found in an install root its builtins must be loaded first. Returns the files opened.
-fn open_with_companions(library: Library, path: &Path) -> Vec<PathBuf> {
-    let mut opened = Vec::new();
-    if library == Library::Nvrtc
-        && let Some(dir) = path.parent()
-    {
-        let prefix = format!("libnvrtc-builtins.so.{}.", cuda_major());
-        let mut builtins: Vec<PathBuf> = std::fs::read_dir(dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|entry| entry.path())
-            .filter(|file| {
-                file.file_name()
-                    .and_then(|name| name.to_str())
-                    .is_some_and(|name| name.starts_with(&prefix))
-            })
+/// Opens `library` of CUDA `major` from the folder `dir` only. Tests use it to point the plugin
+/// at a pip-installed NVRTC.
+pub fn open_in(dir: &Path, library: Library, major: u32) -> Result<Opened, NotOpened> {
+    open_from(library, major, &[dir.to_path_buf()], false)
+}
+
+/// What was searched, for messages: the loader's path and the install roots.
+pub fn searched() -> String {
+    let roots = search_roots();
+    let mut text = "searched the dynamic loader's path (LD_LIBRARY_PATH, ldconfig)".to_owned();
+    if roots.is_empty() {
+        text.push_str(&format!(
+            "; no install roots ({LIB_PATH_ENV}, CUDA_HOME, CUDA_PATH, pip's nvidia/*/lib) were found"
+        ));
+    } else {
+        let shown: Vec<String> = roots
+            .iter()
+            .map(|root| root.display().to_string())
             .collect();
-        builtins.sort();
-        opened.extend(builtins.into_iter().filter(|file| open_forever(file)));
+        text.push_str(&format!(" and the folders {}", shown.join(", ")));
     }
-    if open_forever(path) {
-        opened.push(path.to_path_buf());
-    }
-    opened
+    text
 }
 
-/// Where `library` of the other CUDA major is, if it is in an install root or on the loader's
-/// path, for the hint of [`missing`].
-pub fn other_major(library: Library) -> Option<PathBuf> {
-    let name = library.file_name_for(OTHER_MAJOR);
-    if let Some(path) = search_roots()
+fn open_from(
+    library: Library,
+    major: u32,
+    roots: &[PathBuf],
+    loader_path: bool,
+) -> Result<Opened, NotOpened> {
+    debug_assert!(library != Library::Driver, "cudarc opens the driver");
+    let file = library.file_name(major);
+    if let Some(path) = roots
         .iter()
-        .map(|root| root.join(&name))
+        .map(|root| root.join(&file))
         .find(|path| path.is_file())
     {
-        return Some(path);
+        if library == Library::Nvrtc {
+            open_nvrtc_builtins(&path, major);
+        }
+        // SAFETY: a CUDA library found by its versioned name in an install root; opening it
+        // runs only its initialisers.
+        return match unsafe { libloading::Library::new(&path) } {
+            Ok(opened) => Ok(Opened {
+                library: opened,
+                path,
+            }),
+            Err(err) => Err(NotOpened::Refused {
+                path: path.display().to_string(),
+                reason: err.to_string(),
+            }),
+        };
     }
-    // SAFETY: opening a CUDA library runs only its initialisers; it is closed again at once.
-    unsafe { libloading::Library::new(&name) }
-        .ok()
-        .map(|_| PathBuf::from(name))
+    if !loader_path {
+        return Err(NotOpened::NotFound { file });
+    }
+    // SAFETY: as above, found by name on the loader's path.
+    match unsafe { libloading::Library::new(&file) } {
+        Ok(opened) => Ok(Opened {
+            library: opened,
+            path: PathBuf::from(file),
+        }),
+        Err(err) => {
+            let reason = err.to_string();
+            // glibc's message when the file itself is not found; any other is the file refused
+            // (cuBLAS whose cuBLASLt is missing names cuBLASLt here).
+            if reason.starts_with(&format!("{file}: cannot open shared object file")) {
+                Err(NotOpened::NotFound { file })
+            } else {
+                Err(NotOpened::Refused { path: file, reason })
+            }
+        }
+    }
+}
+
+/// Opens, for the life of the process, the `libnvrtc-builtins.so.<major>.*` beside an NVRTC
+/// found in an install root: NVRTC opens its builtins by name through the loader's path only,
+/// which does not include the install roots.
+fn open_nvrtc_builtins(nvrtc: &Path, major: u32) {
+    let Some(dir) = nvrtc.parent() else {
+        return;
+    };
+    let prefix = format!("libnvrtc-builtins.so.{major}.");
+    let mut builtins: Vec<PathBuf> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|file| {
+            file.file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| name.starts_with(&prefix))
+        })
+        .collect();
+    builtins.sort();
+    for file in builtins {
+        // SAFETY: NVRTC's own builtins library, found beside it; its initialisers only set it
+        // up. It stays open for the life of the process (never unloaded).
+        if let Ok(library) = unsafe { libloading::Library::new(&file) } {
+            std::mem::forget(library);
+        }
+    }
 }
 
 /// The folders searched for cuBLAS, cuBLASLt and NVRTC beside the loader path, in order.
@@ -297,71 +334,13 @@ fn pip_nvidia_lib_dirs(prefix: &Path) -> Vec<PathBuf> {
     dirs
 }
 
-/// The first file in `roots` named like one of `library`'s candidates.
-fn find_in_roots(library: Library, roots: &[PathBuf]) -> Option<PathBuf> {
-    let names = library.candidates();
-    roots.iter().find_map(|root| {
-        names
-            .iter()
-            .map(|name| root.join(name))
-            .find(|path| path.is_file())
-    })
-}
-
-/// Opens `path` with the dynamic loader and never closes it. Returns whether it opened.
-fn open_forever(path: &Path) -> bool {
-    // SAFETY: the file is a CUDA library found by name in an install root; its initialisers
-    // only set up the library. It stays open for the life of the process (never unloaded).
-    match unsafe { libloading::Library::new(path) } {
-        Ok(library) => {
-            std::mem::forget(library);
-            true
-        }
-        Err(_) => false,
-    }
-}
-
-/// The CUDA major whose user-space libraries this build loads: 12 with the `cuda-12` feature
-/// (cudarc's CUDA 12.4 API), 13 with `cuda-13` (CUDA 13.0). cudarc builds its candidate names
-/// (`libcublas.so.<major>`) from it.
-pub const fn cuda_major() -> u32 {
-    CUDA_MAJOR
-}
-
-/// The CUDA API version of this build's bindings, as `cuDriverGetVersion` writes versions.
-pub const fn cuda_api_version() -> i32 {
-    if CUDA_MAJOR == 13 { 13000 } else { 12040 }
-}
-
-#[cfg(feature = "cuda-13")]
-const CUDA_MAJOR: u32 = 13;
-#[cfg(not(feature = "cuda-13"))]
-const CUDA_MAJOR: u32 = 12;
-/// The major of the plugin's other build, named in hints.
-const OTHER_MAJOR: u32 = if CUDA_MAJOR == 13 { 12 } else { 13 };
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn candidates_include_the_versioned_sonames() {
-        assert!(
-            Library::Driver
-                .candidates()
-                .contains(&"libcuda.so.1".to_owned())
-        );
-        let major = cuda_major();
-        assert!(
-            Library::Nvrtc
-                .candidates()
-                .contains(&format!("libnvrtc.so.{major}"))
-        );
-        assert!(
-            Library::CublasLt
-                .candidates()
-                .contains(&format!("libcublasLt.so.{major}"))
-        );
+    fn the_driver_candidates_include_its_soname() {
+        assert!(driver_candidates().contains(&"libcuda.so.1".to_owned()));
     }
 
     #[test]
@@ -369,46 +348,47 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("iris-cuda-loader-{}", std::process::id()));
         let lib = dir.join("lib/python3.11/site-packages/nvidia/cublas/lib");
         std::fs::create_dir_all(&lib).unwrap();
-        std::fs::write(lib.join("libcublasLt.so.12"), b"").unwrap();
         let roots = pip_nvidia_lib_dirs(&dir.join("lib"));
         assert_eq!(roots, vec![lib.clone()]);
-        assert_eq!(
-            find_in_roots(Library::CublasLt, &roots),
-            Some(lib.join("libcublasLt.so.12"))
-        );
-        assert_eq!(find_in_roots(Library::Nvrtc, &roots), None);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
-    fn debian_and_cu13_wheel_layouts_are_found() {
+    fn debian_and_cu13_wheel_layouts_are_found_and_each_major_by_its_name() {
         let dir = std::env::temp_dir().join(format!("iris-cuda-layouts-{}", std::process::id()));
         // CUDA 13's wheels: every library in one `nvidia/cu13/lib`, here in Debian's
         // dist-packages.
         let lib = dir.join("lib/python3.12/dist-packages/nvidia/cu13/lib");
         std::fs::create_dir_all(&lib).unwrap();
-        for library in [Library::Cublas, Library::CublasLt, Library::Nvrtc] {
-            std::fs::write(lib.join(library.file_name_for(13)), b"").unwrap();
-        }
+        // Not a loadable library: found by name, then refused by the dynamic loader.
+        std::fs::write(lib.join(Library::Nvrtc.file_name(13)), b"").unwrap();
         let roots = pip_nvidia_lib_dirs(&dir.join("lib"));
         assert_eq!(roots, vec![lib.clone()]);
-        let found = find_in_roots(Library::Nvrtc, &roots);
-        if cuda_major() == 13 {
-            assert_eq!(found, Some(lib.join("libnvrtc.so.13")));
-        } else {
-            assert_eq!(found, None, "a CUDA 12 build does not take CUDA 13's NVRTC");
-        }
+        let thirteen = open_from(Library::Nvrtc, 13, &roots, false).unwrap_err();
+        assert!(
+            matches!(&thirteen, NotOpened::Refused { path, .. } if path.ends_with("cu13/lib/libnvrtc.so.13")),
+            "{thirteen}"
+        );
+        assert_eq!(
+            open_from(Library::Nvrtc, 12, &roots, false).unwrap_err(),
+            NotOpened::NotFound {
+                file: "libnvrtc.so.12".into()
+            },
+            "CUDA 12's name is not CUDA 13's"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
-    fn a_missing_library_names_itself_and_what_was_tried() {
-        let message = missing(Library::Nvrtc).to_string();
-        let name = format!("libnvrtc.so.{}", cuda_major());
-        assert!(
-            message.starts_with(&format!("{name} not found")),
-            "{message}"
-        );
+    fn a_library_missing_from_the_loader_path_is_not_found() {
+        let err = open_from(Library::CublasLt, 99, &[], true).unwrap_err();
+        assert_eq!(err.to_string(), "libcublasLt.so.99 not found");
+    }
+
+    #[test]
+    fn a_missing_driver_names_itself_and_what_was_tried() {
+        let message = driver_missing().to_string();
+        assert!(message.starts_with("libcuda.so.1 not found"), "{message}");
         assert!(message.contains("LD_LIBRARY_PATH"), "{message}");
     }
 }

@@ -639,3 +639,155 @@ fn out_of_memory(requested: u64, code: CUresult) -> CudaError {
         code,
     }
 }
+
+/// Bytes of one page-locked slot of [`AsyncUploads`].
+const UPLOAD_SLOT_BYTES: usize = 32 << 20;
+/// Slots of [`AsyncUploads`]: a write of more than one slot fills the next while the queue
+/// copies the last.
+const UPLOAD_SLOTS: usize = 4;
+
+/// `write_async` through page-locked slots: a host function on a stream of its own (run by the
+/// driver's thread, not the caller's) copies each piece of the host's bytes into a slot, and
+/// the queue, once that has run, copies the slot to the device. The caller returns at once,
+/// the host's bytes are read before the queue passes the write (so before any later fence),
+/// and the copy into the slot overlaps the queue's earlier work.
+pub(crate) struct AsyncUploads {
+    /// The stream the host functions run on.
+    copy_stream: CUstream,
+    slots: Vec<UploadSlot>,
+    next: usize,
+}
+
+/// One page-locked slot and its two events: `filled` after the host function, on the copy
+/// stream; `free` after the device copy out of it, on the queue.
+struct UploadSlot {
+    host: *mut u8,
+    filled: Event,
+    free: Event,
+}
+
+// SAFETY: the stream, events and page-locked memory are driver objects usable from any thread
+// while the context lives; the structure is used under the device's mutex.
+unsafe impl Send for AsyncUploads {}
+
+/// What a host function copies: `len` bytes from `src` to `dst`.
+struct HostCopy {
+    src: *const u8,
+    dst: *mut u8,
+    len: usize,
+}
+
+/// The host function of [`AsyncUploads::write`].
+///
+/// # Safety
+/// `data` is a `Box<HostCopy>` leaked for this one call, whose ranges are live and disjoint.
+unsafe extern "C" fn host_copy(data: *mut c_void) {
+    // SAFETY: by the function's contract; the box is taken back once.
+    let copy = unsafe { Box::from_raw(data.cast::<HostCopy>()) };
+    // SAFETY: the source is the host's lent memory, the destination a slot no device copy
+    // reads now (the copy stream waited for the slot's `free` event).
+    unsafe { std::ptr::copy_nonoverlapping(copy.src, copy.dst, copy.len) };
+}
+
+impl AsyncUploads {
+    /// The copy stream, the events and the page-locked slots, in the current context.
+    pub(crate) fn new() -> Result<AsyncUploads, CudaError> {
+        let mut copy_stream = std::ptr::null_mut();
+        // SAFETY: creates a stream in the current context.
+        unsafe {
+            sys::cuStreamCreate(
+                &mut copy_stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        }
+        .result()
+        .call("cuStreamCreate")?;
+        let mut uploads = AsyncUploads {
+            copy_stream,
+            slots: Vec::with_capacity(UPLOAD_SLOTS),
+            next: 0,
+        };
+        for _ in 0..UPLOAD_SLOTS {
+            let event = || {
+                result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .call("cuEventCreate")
+                    .map(Event)
+            };
+            let (filled, free) = (event()?, event()?);
+            // SAFETY: a page-locked host allocation in the current context, freed on drop.
+            let host = unsafe { result::malloc_host(UPLOAD_SLOT_BYTES, 0) }
+                .map_err(|err| CudaError::driver("cuMemHostAlloc", err))?;
+            uploads.slots.push(UploadSlot {
+                host: host.cast::<u8>(),
+                filled,
+                free,
+            });
+        }
+        Ok(uploads)
+    }
+
+    /// Enqueues the copy of `bytes` host bytes at `src` to `dst` on `stream`, the queue.
+    ///
+    /// # Safety
+    /// `dst .. dst + bytes` must lie in live device memory, and `src .. src + bytes` in host
+    /// memory that stays valid and unchanged until work enqueued on `stream` after this call
+    /// has completed.
+    pub(crate) unsafe fn write(
+        &mut self,
+        dst: CUdeviceptr,
+        src: *const u8,
+        bytes: u64,
+        stream: CUstream,
+    ) -> Result<(), CudaError> {
+        let total = crate::usize_of(bytes);
+        let mut done = 0;
+        while done < total {
+            let len = (total - done).min(UPLOAD_SLOT_BYTES);
+            let slot = &self.slots[self.next];
+            self.next = (self.next + 1) % self.slots.len();
+            let copy = Box::into_raw(Box::new(HostCopy {
+                // SAFETY: within the caller's range.
+                src: unsafe { src.add(done) },
+                dst: slot.host,
+                len,
+            }));
+            // SAFETY: streams and events belong to the current context. The copy stream waits
+            // until the queue has copied the slot's last contents out (an event never recorded
+            // is complete); the host function gets the box, which it frees (on failure to
+            // enqueue, it is freed here); the queue's copy waits for the host function.
+            unsafe {
+                sys::cuStreamWaitEvent(self.copy_stream, slot.free.0, 0)
+                    .result()
+                    .call("cuStreamWaitEvent")?;
+                let launched =
+                    sys::cuLaunchHostFunc(self.copy_stream, Some(host_copy), copy.cast());
+                if launched != CUresult::CUDA_SUCCESS {
+                    drop(Box::from_raw(copy));
+                    launched.result().call("cuLaunchHostFunc")?;
+                }
+                result::event::record(slot.filled.0, self.copy_stream).call("cuEventRecord")?;
+                sys::cuStreamWaitEvent(stream, slot.filled.0, 0)
+                    .result()
+                    .call("cuStreamWaitEvent")?;
+                upload(dst + done as u64, slot.host, len as u64, stream)?;
+                result::event::record(slot.free.0, stream).call("cuEventRecord")?;
+            }
+            done += len;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for AsyncUploads {
+    fn drop(&mut self) {
+        // SAFETY: the stream was created by `new`; once it and the queue (the caller drained it)
+        // have finished, no host function or copy uses the slots, each freed once.
+        unsafe {
+            let _ = sys::cuStreamSynchronize(self.copy_stream);
+            let _ = sys::cuStreamDestroy_v2(self.copy_stream);
+            for slot in &self.slots {
+                let _ = result::free_host(slot.host.cast());
+            }
+        }
+    }
+}

@@ -18,7 +18,10 @@
 
 mod common;
 
-use common::{Libraries, child, plugin_library, run, system_driver, text};
+use common::{
+    CUDA13_DRIVER, Libraries, Library, Standin, child, plugin_library, run, standin, system_driver,
+    text,
+};
 use iris_plugin::abi::{
     Activation, ActivationArgs, BufferSlice, CopyRegion, DType, FillArgs, MatRef, property,
 };
@@ -129,18 +132,212 @@ fn opening_for_ops_without_cublas_is_a_clear_error() {
     run("no_blas", &[], Libraries::Driver);
 }
 
+/// CUDA 12's stand-in cuBLAS, cuBLASLt and NVRTC, each reporting 12.
+const CUDA12: &[Standin] = &[
+    standin(Library::Cublas, 12),
+    standin(Library::CublasLt, 12),
+    standin(Library::Nvrtc, 12),
+];
+/// CUDA 13's, each reporting 13: a host with only CUDA 13's libraries (PyTorch's cu130 wheels).
+const CUDA13: &[Standin] = &[
+    standin(Library::Cublas, 13),
+    standin(Library::CublasLt, 13),
+    standin(Library::Nvrtc, 13),
+];
+/// Both majors' complete sets.
+const BOTH: &[Standin] = &[
+    standin(Library::Cublas, 12),
+    standin(Library::CublasLt, 12),
+    standin(Library::Nvrtc, 12),
+    standin(Library::Cublas, 13),
+    standin(Library::CublasLt, 13),
+    standin(Library::Nvrtc, 13),
+];
+/// CUDA 12's complete set beside CUDA 13's cuBLAS and cuBLASLt without NVRTC.
+const TWELVE_AND_THIRTEEN_WITHOUT_NVRTC: &[Standin] = &[
+    standin(Library::Cublas, 12),
+    standin(Library::CublasLt, 12),
+    standin(Library::Nvrtc, 12),
+    standin(Library::Cublas, 13),
+    standin(Library::CublasLt, 13),
+];
+/// CUDA 12's cuBLAS with CUDA 13's cuBLASLt.
+const MIXED: &[Standin] = &[standin(Library::Cublas, 12), standin(Library::CublasLt, 13)];
+/// CUDA 12's complete set, and cuBLAS and cuBLASLt under CUDA 13's names that say 12.0.0.
+const MISNAMED_13: &[Standin] = &[
+    standin(Library::Cublas, 12),
+    standin(Library::CublasLt, 12),
+    standin(Library::Nvrtc, 12),
+    Standin {
+        library: Library::Cublas,
+        name_major: 13,
+        version_major: 12,
+    },
+    Standin {
+        library: Library::CublasLt,
+        name_major: 13,
+        version_major: 12,
+    },
+];
+
+/// Why CUDA 13 is left out under a 12.4 driver.
+const DRIVER_12: &str = "the driver supports CUDA 12.4, its libraries need 13.0 or newer";
+/// CUDA 12 is not looked at once CUDA 13's complete set loads under a 13.0 driver.
+const TWELVE_NOT_TRIED: &str = "not tried, CUDA 13 comes first with a CUDA 13.0 driver";
+
 #[test]
-fn a_host_with_only_the_other_cuda_majors_libraries_is_told_which_build_loads_them() {
-    run("other_major", &[], Libraries::OtherMajor);
+fn one_plugin_opens_over_cuda_12s_libraries_and_says_why_not_13() {
+    // A 12.4 driver: CUDA 13 is not a candidate.
+    let expected = format!("CUDA 12 (cuBLAS 12.0.0, NVRTC 12.0); CUDA 13: {DRIVER_12}");
+    let env = [
+        (EXPECT_ENV, expected.as_str()),
+        (KERNELS_ENV, "compiled sm_80"),
+    ];
+    run("libraries", &env, Libraries::Installed("cuda12", CUDA12));
+    // A 13.0 driver, and only CUDA 12's libraries: CUDA 13's are looked for first.
+    let expected = "CUDA 12 (cuBLAS 12.0.0, NVRTC 12.0); CUDA 13: libcublasLt.so.13 not found, \
+     libcublas.so.13 not found";
+    let env = [
+        (EXPECT_ENV, expected),
+        ("IRIS_STANDIN_DRIVER", CUDA13_DRIVER),
+    ];
+    run("libraries", &env, Libraries::Installed("cuda12", CUDA12));
+    // Without NVRTC the kernels come from the cache, and the description says so.
+    let expected = format!(
+        "CUDA 12 (cuBLAS 12.0.0, kernels from the cache without NVRTC: libnvrtc.so.12 not \
+         found); CUDA 13: {DRIVER_12}"
+    );
+    let env = [
+        (EXPECT_ENV, expected.as_str()),
+        (KERNELS_ENV, "cached sm_80"),
+        (CACHED_ENV, "1"),
+    ];
+    run("libraries", &env, Libraries::Full);
+    // Without NVRTC and without cached kernels, open says what is missing.
+    let env = [(
+        EXPECT_ENV,
+        "error: libnvrtc.so.12 not found (tried NVRTC of CUDA 12, the major of the cuBLAS \
+         loaded, compiles the kernels: libnvrtc.so.12 not found; searched|the kernel cache is off",
+    )];
+    run("libraries", &env, Libraries::Full);
 }
 
 #[test]
-fn a_cublas_of_another_major_under_this_builds_name_is_refused() {
-    let other = (common::other_major() * 10_000).to_string();
+fn one_plugin_opens_over_cuda_13s_libraries_and_says_why_not_12() {
+    let expected = format!("CUDA 13 (cuBLAS 13.0.0, NVRTC 13.0); CUDA 12: {TWELVE_NOT_TRIED}");
+    let env = [
+        (EXPECT_ENV, expected.as_str()),
+        (KERNELS_ENV, "compiled sm_80"),
+        ("IRIS_STANDIN_DRIVER", CUDA13_DRIVER),
+    ];
+    run("libraries", &env, Libraries::Installed("cuda13", CUDA13));
+    // A 12.x driver cannot run CUDA 13's libraries, and there are no others.
+    let expected = format!(
+        "error: no CUDA major's cuBLAS and cuBLASLt load: CUDA 13: {DRIVER_12}; CUDA 12: \
+         libcublasLt.so.12 not found, libcublas.so.12 not found (searched the dynamic loader's \
+         path"
+    );
+    let env = [(EXPECT_ENV, expected.as_str())];
+    run("libraries", &env, Libraries::Installed("cuda13", CUDA13));
+}
+
+#[test]
+fn with_both_majors_installed_the_driver_and_the_device_choose() {
+    let both = Libraries::Installed("both", BOTH);
+    // A 13.0 driver and an Ampere device: CUDA 13, its NVRTC compiling for sm_80.
+    let expected = format!("CUDA 13 (cuBLAS 13.0.0, NVRTC 13.0); CUDA 12: {TWELVE_NOT_TRIED}");
+    let env = [
+        (EXPECT_ENV, expected.as_str()),
+        (KERNELS_ENV, "compiled sm_80"),
+        ("IRIS_STANDIN_DRIVER", CUDA13_DRIVER),
+    ];
+    run("libraries", &env, both);
+    // A 12.4 driver: CUDA 12.
+    let expected = format!("CUDA 12 (cuBLAS 12.0.0, NVRTC 12.0); CUDA 13: {DRIVER_12}");
+    run("libraries", &[(EXPECT_ENV, expected.as_str())], both);
+    // A Volta device under a 13.0 driver: CUDA 13 no longer supports it.
+    let expected = "CUDA 12 (cuBLAS 12.0.0, NVRTC 12.0); CUDA 13: compute capability 7.0 is \
+     below the 7.5 its libraries support";
+    let env = [
+        (EXPECT_ENV, expected),
+        (KERNELS_ENV, "compiled sm_70"),
+        ("IRIS_STANDIN_DRIVER", CUDA13_DRIVER),
+        ("IRIS_STANDIN_CC", "70"),
+    ];
+    run("libraries", &env, both);
+    // A Blackwell device (12.0): the kernels' target follows the NVRTC of the major loaded.
+    // CUDA 13's knows sm_120; CUDA 12's (up to sm_90 in the stand-in) makes PTX for the newest
+    // architecture it knows, which the driver finishes.
+    let env = [
+        (EXPECT_ENV, "prefix: CUDA 13 (cuBLAS 13.0.0, NVRTC 13.0)"),
+        (KERNELS_ENV, "compiled sm_120"),
+        ("IRIS_STANDIN_DRIVER", CUDA13_DRIVER),
+        ("IRIS_STANDIN_CC", "120"),
+    ];
+    run("libraries", &env, both);
+    let env = [
+        (EXPECT_ENV, "prefix: CUDA 12 (cuBLAS 12.0.0, NVRTC 12.0)"),
+        (KERNELS_ENV, "compiled compute_90"),
+        ("IRIS_STANDIN_CC", "120"),
+    ];
+    run("libraries", &env, both);
+}
+
+#[test]
+fn a_major_with_nvrtc_is_preferred_to_one_without() {
+    let expected = "CUDA 12 (cuBLAS 12.0.0, NVRTC 12.0); CUDA 13: cuBLAS and cuBLASLt load but \
+     libnvrtc.so.13 not found; CUDA 12 has NVRTC";
+    let env = [
+        (EXPECT_ENV, expected),
+        (KERNELS_ENV, "compiled sm_80"),
+        ("IRIS_STANDIN_DRIVER", CUDA13_DRIVER),
+    ];
+    let libraries = Libraries::Installed("twelve-and-thirteen", TWELVE_AND_THIRTEEN_WITHOUT_NVRTC);
+    run("libraries", &env, libraries);
+}
+
+#[test]
+fn a_mixed_set_of_majors_is_refused_with_a_clear_error() {
+    let env = [
+        (
+            EXPECT_ENV,
+            "error: no CUDA major's cuBLAS and cuBLASLt load: CUDA 13: libcublas.so.13 not \
+             found; CUDA 12: libcublasLt.so.12 not found; the libraries found \
+             (libcublasLt.so.13, libcublas.so.12) are of different CUDA majors: cuBLAS and \
+             cuBLASLt must come from one CUDA release",
+        ),
+        ("IRIS_STANDIN_DRIVER", CUDA13_DRIVER),
+    ];
+    run("libraries", &env, Libraries::Installed("mixed", MIXED));
+}
+
+#[test]
+fn a_library_whose_version_disagrees_with_its_file_name_is_refused() {
+    // The only libraries there are say CUDA 13 under CUDA 12's names.
+    let env = [
+        (
+            EXPECT_ENV,
+            "error: no CUDA major's cuBLAS and cuBLASLt load: CUDA 13: the driver supports CUDA \
+             12.4, its libraries need 13.0 or newer; CUDA 12: libcublasLt.so.12 is cuBLASLt \
+             13.0.0, not CUDA 12's, libcublas.so.12 is cuBLAS 13.0.0, not CUDA 12's",
+        ),
+        ("IRIS_STANDIN_CUBLAS_VERSION", "130000"),
+    ];
+    run("libraries", &env, Libraries::Full);
+    // Misnamed CUDA 13 files beside a sound CUDA 12 set: CUDA 12 is loaded, and the
+    // description says why CUDA 13 was not.
+    let env = [
+        (
+            EXPECT_ENV,
+            "CUDA 12 (cuBLAS 12.0.0, NVRTC 12.0); CUDA 13: libcublasLt.so.13 is cuBLASLt 12.0.0, \
+             not CUDA 13's, libcublas.so.13 is cuBLAS 12.0.0, not CUDA 13's",
+        ),
+        ("IRIS_STANDIN_DRIVER", CUDA13_DRIVER),
+    ];
     run(
-        "mismatched_blas",
-        &[("IRIS_STANDIN_CUBLAS_VERSION", &other)],
-        Libraries::Full,
+        "libraries",
+        &env,
+        Libraries::Installed("misnamed13", MISNAMED_13),
     );
 }
 
@@ -183,6 +380,19 @@ fn several_threads_share_one_device() {
 #[test]
 fn staging_buffers_are_pinned_and_round_trip() {
     run("staging", &[], Libraries::Driver);
+}
+
+/// `write_async` through the page-locked slots: a write of several slots, at an odd offset,
+/// lands whole; with the driver's copies deferred (as a GPU runs them), the host functions and
+/// the device copies still run in order, before the fence the host waits for.
+#[test]
+fn async_writes_go_through_page_locked_slots_in_queue_order() {
+    run("write_async", &[], Libraries::Driver);
+    run(
+        "write_async",
+        &[("IRIS_STANDIN_DEFER", "1")],
+        Libraries::Driver,
+    );
 }
 
 #[test]
@@ -256,23 +466,20 @@ fn scenario() {
         "hidden" => refused(&plugin, "CUDA_VISIBLE_DEVICES is set and empty"),
         "old_driver" => refused(
             &plugin,
-            &format!(
-                "the driver supports CUDA 11.8, this plugin needs {}.0",
-                common::cuda_major()
-            ),
+            "the driver supports CUDA 11.8, this plugin needs 12.0",
         ),
-        "other_major" => other_major(&plugin),
+        "libraries" => libraries(&plugin),
         "not_ready" => not_ready(&plugin),
         "pinned_write" => pinned_write(&plugin),
         "free_during_synchronize" => free_during_synchronize(&plugin),
         "threads" => threads(&plugin),
         "attribute_fails" => attribute_fails(&plugin),
-        "mismatched_blas" => mismatched_blas(&plugin),
         "memory" => memory(&plugin),
         "oom" => oom(&plugin),
         "copy_failure" => copy_failure(&plugin),
         "no_blas" => no_blas(&plugin),
         "staging" => staging(&plugin),
+        "write_async" => write_async(&plugin),
         "survive" => survive(&plugin),
         other => panic!("unknown scenario {other}"),
     }
@@ -589,30 +796,59 @@ fn no_blas(plugin: &Plugin) {
     );
 }
 
-fn other_major(plugin: &Plugin) {
+/// Opens the device with all ops and compares its `cuda_libraries` property with
+/// [`EXPECT_ENV`] (a `prefix:` compares the start only), or, for `error: part|part`, expects
+/// `open` to fail as unavailable with every part in its message. [`KERNELS_ENV`] is the start
+/// of the `kernels` property; with [`CACHED_ENV`] the kernels come from the cache.
+fn libraries(plugin: &Plugin) {
+    let expected = std::env::var(EXPECT_ENV).unwrap();
     assert_eq!(plugin.probe().device_count, 1);
-    let err = plugin.open(0, &[]).unwrap_err();
-    let (major, other) = (common::cuda_major(), common::other_major());
-    // cudarc's candidates end with `.so.12` in every build: the CUDA 13 build opens CUDA 12's
-    // library and refuses it by its version; the CUDA 12 build finds no library of its name.
-    let why = [
-        format!("libcublasLt.so.{major} not found"),
-        format!("cuBLAS {other}.x was loaded"),
-    ];
-    assert!(why.iter().any(|part| err.message.contains(part)), "{err}");
-    let hint = format!("the CUDA {other} build (`--features cuda-{other}`");
-    assert!(err.message.contains(&hint), "`{hint}` in: {err}");
-    // Memory-only needs neither library.
-    plugin.open(0, &memory_only()).expect("memory-only opens");
-}
-
-fn mismatched_blas(plugin: &Plugin) {
-    let err = plugin.open(0, &[]).unwrap_err();
-    let (major, other) = (common::cuda_major(), common::other_major());
-    let expected =
-        format!("cuBLAS {other}.x was loaded, but this is the plugin's CUDA {major} build");
-    assert!(err.message.contains(&expected), "{err}");
-    assert_eq!(err.code, ErrorCode::UNSUPPORTED, "{err}");
+    let cc = std::env::var("IRIS_STANDIN_CC").map_or(80, |cc| cc.parse().unwrap());
+    let driver = std::env::var("IRIS_STANDIN_DRIVER")
+        .map_or(common::standin_driver_version(), |v| v.parse().unwrap());
+    let options = if std::env::var_os(CACHED_ENV).is_some() {
+        common::emulated_kernels(cc, driver)
+    } else {
+        Vec::new()
+    };
+    if let Some(parts) = expected.strip_prefix("error: ") {
+        let err = plugin.open(0, &options).unwrap_err();
+        assert_eq!(err.code, ErrorCode::UNAVAILABLE, "{err}");
+        for part in parts.split('|') {
+            assert!(err.message.contains(part), "`{part}` in:\n{err}");
+        }
+        assert_eq!(
+            common::standin_live_pools(),
+            0,
+            "the failed open destroyed its memory pool"
+        );
+        // Memory-only needs none of the libraries.
+        plugin.open(0, &memory_only()).expect("memory-only opens");
+        return;
+    }
+    let device = plugin.open(0, &options).expect("opens with ops");
+    let desc = device.description();
+    assert_eq!(desc.ops.len(), 9, "every op is listed");
+    let loaded = desc.property("cuda_libraries").unwrap_or_default();
+    match expected.strip_prefix("prefix: ") {
+        Some(prefix) => assert!(loaded.starts_with(prefix), "{loaded}"),
+        None => assert_eq!(loaded, expected),
+    }
+    if let Ok(kernels) = std::env::var(KERNELS_ENV) {
+        let origin = desc.property("kernels").unwrap_or_default();
+        assert!(origin.starts_with(&kernels), "{origin}");
+    }
+    // The driver bindings are 12.4 whichever major's libraries were loaded.
+    assert_eq!(desc.property("cuda_api_version"), Some("12.4"));
+    // The warm-up at open ran every GEMM path through the tables of the major loaded. A later
+    // open in the same process uses the same libraries.
+    let loaded = loaded.to_owned();
+    drop(device);
+    let again = plugin.open(0, &options).expect("opens again");
+    assert_eq!(
+        again.description().property("cuda_libraries"),
+        Some(loaded.as_str())
+    );
 }
 
 fn staging(plugin: &Plugin) {
@@ -633,6 +869,54 @@ fn staging(plugin: &Plugin) {
     drop(host);
     drop(back);
     device.synchronize().unwrap();
+}
+
+fn write_async(plugin: &Plugin) {
+    let device = std::sync::Arc::new(plugin.open(0, &memory_only()).unwrap());
+    assert!(device.has_async_write());
+    // More than three 32 MiB slots, so the slots are reused within one write.
+    const BYTES: usize = (100 << 20) + 12345;
+    let source: Vec<u8> = (0..BYTES).map(|i| (i * 7 % 251) as u8).collect();
+    let second: Vec<u8> = (0..4096).map(|i| (i % 13) as u8).collect();
+    let buf = device.alloc(BYTES as u64 + 3).unwrap();
+    {
+        let mut writes = device.async_writes();
+        assert!(
+            writes.write(buf, 3, &source).unwrap(),
+            "the plugin takes the write"
+        );
+        // A second write into the start of the same range: it lands after the first.
+        assert!(writes.write(buf, 3, &second).unwrap());
+        writes.finish().unwrap();
+    }
+    let mut back = vec![0u8; BYTES];
+    device.read(buf, 3, &mut back).unwrap();
+    assert!(back[..4096] == second[..], "the later write lands last");
+    assert!(
+        back[4096..] == source[4096..],
+        "every slot's piece lands in place"
+    );
+    // A range past the buffer is refused before anything is enqueued.
+    let mut writes = device.async_writes();
+    let err = writes.write(buf, 4, &source).unwrap_err();
+    assert!(err.message.contains("write_async"), "{err}");
+    drop(writes);
+    device.free(buf).unwrap();
+    device.synchronize().unwrap();
+
+    // `staged_writes = true` turns them down: the host stages instead.
+    let mut options = memory_only();
+    options.push(("staged_writes".to_owned(), "true".to_owned()));
+    let staged = std::sync::Arc::new(plugin.open(0, &options).unwrap());
+    let buf = staged.alloc(16).unwrap();
+    let mut writes = staged.async_writes();
+    assert!(
+        !writes.write(buf, 0, &second[..16]).unwrap(),
+        "refused as unsupported"
+    );
+    drop(writes);
+    assert!(!staged.has_async_write());
+    staged.free(buf).unwrap();
 }
 
 fn survive(plugin: &Plugin) {
@@ -661,6 +945,13 @@ fn survive(plugin: &Plugin) {
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
+
+/// What the `libraries` scenario expects (see there).
+const EXPECT_ENV: &str = "IRIS_TEST_EXPECT_LIBRARIES";
+/// The start of the `kernels` property the `libraries` scenario expects.
+const KERNELS_ENV: &str = "IRIS_TEST_EXPECT_KERNELS";
+/// Set: the `libraries` scenario opens with cached kernels.
+const CACHED_ENV: &str = "IRIS_TEST_CACHED_KERNELS";
 
 fn memory_only() -> Vec<(String, String)> {
     vec![("memory_only".to_owned(), "true".to_owned())]

@@ -5,11 +5,13 @@
 //! `outᵀ` column-major (`n x m`, leading dimension = the row stride), so the library computes
 //! `outᵀ = W · aᵀ` with `W` transposed unless `w` is stored `[k, n]`.
 //!
-//! What the library cannot fuse runs in one small kernel after it (`gemm_epilogue_*`):
+//! What the library does not fuse runs in one small kernel after it (`gemm_epilogue_*`):
 //! cuBLASLt applies the bias (from an aligned copy in the workspace when the bias is not
-//! aligned for it) and, for `gelu_tanh` (its GELU epilogue is the tanh form), the activation;
-//! cuBLAS applies neither. An output is rounded to its type once: an accumulating GEMM with an
-//! activation, and an f16/bf16 GEMM with an activation cuBLASLt does not fuse, compute the
+//! aligned for it); cuBLAS does not. Activations always run in that kernel: cuBLASLt's GELU
+//! epilogue is not the tanh formula computed in f32 (on an H200 with cuBLASLt 13.1 it left 40%
+//! of f16 and bf16 outputs off the once-rounded result, up to 125 f16 ulps, in the tails), and
+//! the libraries fuse no other activation. An output is rounded to its type once: an
+//! accumulating GEMM with an activation, and an f16/bf16 GEMM with an activation, compute the
 //! product into an f32 scratch in the workspace, then `out = act(t + bias) (+ out)` in f32.
 //! Scratch for the libraries (and that f32 product) comes from the host's workspace, sized by
 //! `gemm_workspace`, so the host accounts every byte.
@@ -17,10 +19,6 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 
-use cudarc::cublas::result as cublas;
-use cudarc::cublas::sys as cublas_sys;
-use cudarc::cublaslt::result as cublaslt;
-use cudarc::cublaslt::sys as lt_sys;
 use cudarc::driver::sys::CUstream;
 use iris_plugin::abi::{Activation, DType, GemmArgs, PluginError};
 use iris_plugin::validate::{self, Checker, Gemm};
@@ -30,6 +28,9 @@ use super::{
 };
 use crate::device::CudaDevice;
 use crate::error::CudaError;
+use crate::result::{cublas, cublaslt};
+use crate::sys::cublas as cublas_sys;
+use crate::sys::cublaslt::{self as lt_sys, CublasLt};
 
 /// Library scratch on Hopper (what NVIDIA recommends for cuBLAS there).
 const WORKSPACE_HOPPER: u64 = 32 << 20;
@@ -41,6 +42,11 @@ const MAX_ALIGNMENT_LOG2: u32 = 8;
 /// The host's workspace may start at any offset, so the plugin asks for this much minus one
 /// more and rounds the start up.
 const WORKSPACE_ALIGNMENT: u64 = 256;
+/// The split-K reduction schemes cuBLASLt's heuristic may choose: partial sums in the compute
+/// type (f32) in the workspace, or no split (`CUBLASLT_REDUCTION_SCHEME_NONE`, 0, is no bit).
+const REDUCTION_SCHEMES: u32 =
+    lt_sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+
 /// Bias addresses cuBLASLt's bias epilogue is given only when aligned this much; others are
 /// copied to an aligned place in the workspace first.
 const BIAS_ALIGNMENT: u64 = 16;
@@ -189,7 +195,7 @@ impl CudaDevice {
                 })
         } else {
             // cuBLASLt takes the bias (from an aligned copy when the bias is not aligned for
-            // it) and the tanh GELU, so the output is rounded once.
+            // it), so the output is rounded once; an f32 output takes the activation after.
             let lt_bias = if plan.lt && bias != 0 {
                 if bias % BIAS_ALIGNMENT == 0 {
                     bias
@@ -203,24 +209,18 @@ impl CudaDevice {
             } else {
                 0
             };
-            let act_fused = plan.lt && args.activation == Activation::GELU_TANH && !args.accumulate;
             let product = Product {
                 ptr: out,
                 ld: gemm.out.stride as u64,
                 f32: false,
                 beta: if args.accumulate { 1.0 } else { 0.0 },
                 bias: lt_bias,
-                gelu: act_fused,
             };
             compute
                 .product(stream, &gemm, args, &plan, &operands, product)
                 .and_then(|fused| {
                     let rest_bias = if fused.bias { 0 } else { bias };
-                    let rest_act = if fused.gelu {
-                        Activation::NONE
-                    } else {
-                        args.activation
-                    };
+                    let rest_act = args.activation;
                     if rest_bias == 0 && rest_act == Activation::NONE {
                         Ok(())
                     } else {
@@ -273,7 +273,6 @@ fn align_workspace(start: u64) -> u64 {
 #[derive(Debug, Clone, Copy)]
 struct Fused {
     bias: bool,
-    gelu: bool,
 }
 
 /// Device addresses of the inputs and the library's share of the workspace.
@@ -290,7 +289,6 @@ struct Product {
     f32: bool,
     beta: f32,
     bias: u64,
-    gelu: bool,
 }
 
 impl Product {
@@ -301,7 +299,6 @@ impl Product {
             f32: true,
             beta: 0.0,
             bias: 0,
-            gelu: false,
         }
     }
 }
@@ -351,9 +348,8 @@ impl Compute {
         }
         let lt = dtype != DType::F32 || self.tf32;
         let activated = args.activation != Activation::NONE;
-        let gelu_fused = lt && args.activation == Activation::GELU_TANH && !args.accumulate;
-        // A half-precision output rounded before an unfused activation would be rounded twice.
-        let via_scratch = activated && (args.accumulate || (dtype != DType::F32 && !gelu_fused));
+        // A half-precision output rounded before the activation would be rounded twice.
+        let via_scratch = activated && (args.accumulate || dtype != DType::F32);
         let library_workspace = if gemm.k == 0 || gemm.m == 0 || gemm.n == 0 {
             0
         } else if self.cc.0 >= 9 {
@@ -394,10 +390,7 @@ impl Compute {
         operands: &Operands,
         product: Product,
     ) -> Result<Fused, CudaError> {
-        let unfused = Fused {
-            bias: false,
-            gelu: false,
-        };
+        let unfused = Fused { bias: false };
         if !plan.lt {
             return self
                 .product_blas(gemm, args, operands, &product)
@@ -406,7 +399,6 @@ impl Compute {
         match self.product_lt(stream, gemm, args, operands, &product) {
             Ok(()) => Ok(Fused {
                 bias: product.bias != 0,
-                gelu: product.gelu,
             }),
             Err(CudaError::Blas {
                 call: "cublasLtMatmulAlgoGetHeuristic",
@@ -473,15 +465,16 @@ impl Compute {
         // host lent for this call (queue-ordered, so reusing it later is safe); all operand
         // addresses and leading dimensions describe checked views (dimensions below 2^31).
         unsafe {
-            cublas_sys::cublasSetWorkspace_v2(
-                self.blas.0,
+            cublas::set_workspace(
+                &self.libs.cublas,
+                self.blas.raw,
                 ws as *mut c_void,
                 crate::usize_of(ws_bytes),
             )
-            .result()
             .map_err(|e| CudaError::blas("cublasSetWorkspace", e))?;
             cublas::gemm_ex(
-                self.blas.0,
+                &self.libs.cublas,
+                self.blas.raw,
                 transa,
                 cublas_sys::cublasOperation_t::CUBLAS_OP_N,
                 n,
@@ -513,12 +506,11 @@ impl Compute {
         operands: &Operands,
         product: &Product,
     ) -> Result<(), CudaError> {
-        let lt_err = |call: &'static str| move |e| CudaError::blas_lt(call, e);
-        let epilogue = match (product.bias != 0, product.gelu) {
-            (false, false) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
-            (true, false) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-            (false, true) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU,
-            (true, true) => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
+        let lt_err = |call: &'static str| move |e| CudaError::blas(call, e);
+        let epilogue = if product.bias != 0 {
+            lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
+        } else {
+            lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT
         };
         let (ws, ws_bytes) = operands.library_workspace;
         let key = AlgoKey {
@@ -565,7 +557,8 @@ impl Compute {
             // SAFETY: the attribute takes a device pointer; the value outlives the call.
             unsafe {
                 cublaslt::set_matmul_desc_attribute(
-                    setup.desc.0,
+                    &self.libs.cublaslt,
+                    setup.desc.raw,
                     lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                     (&bias_ptr as *const *const c_void).cast(),
                     std::mem::size_of::<*const c_void>(),
@@ -579,22 +572,23 @@ impl Compute {
         // the algorithm was chosen for exactly these descriptors.
         unsafe {
             cublaslt::matmul(
-                self.lt.0,
-                setup.desc.0,
+                &self.libs.cublaslt,
+                self.lt.raw,
+                setup.desc.raw,
                 (&alpha as *const f32).cast(),
                 (&beta as *const f32).cast(),
                 operands.w as *const c_void,
-                setup.a_layout.0,
+                setup.a_layout.raw,
                 operands.a as *const c_void,
-                setup.b_layout.0,
+                setup.b_layout.raw,
                 product.ptr as *const c_void,
-                setup.d_layout.0,
+                setup.d_layout.raw,
                 product.ptr as *mut c_void,
-                setup.d_layout.0,
+                setup.d_layout.raw,
                 &setup.algo,
                 ws as *mut c_void,
                 crate::usize_of(ws_bytes),
-                stream as _,
+                stream.cast(),
             )
         }
         .map_err(lt_err("cublasLtMatmul"))
@@ -603,7 +597,7 @@ impl Compute {
     /// Builds cuBLASLt's descriptors for the problem `key` and asks its heuristic for an
     /// algorithm; an empty answer is [`LtPlan::UseCublas`].
     fn set_up_lt(&self, key: &AlgoKey) -> Result<LtPlan, CudaError> {
-        let lt_err = |call: &'static str| move |e| CudaError::blas_lt(call, e);
+        let lt_err = |call: &'static str| move |e| CudaError::blas(call, e);
         let dtype = DType(key.dtype);
         let data_type = match dtype {
             DType::F16 => lt_sys::cudaDataType::CUDA_R_16F,
@@ -621,10 +615,12 @@ impl Compute {
             lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
         };
         let [m, n, k, w_ld, a_ld, out_ld] = key.dims;
-        let desc = MatmulDesc(
-            cublaslt::create_matmul_desc(compute_type, lt_sys::cudaDataType::CUDA_R_32F)
+        let lib = &self.libs.cublaslt;
+        let desc = MatmulDesc {
+            lib,
+            raw: cublaslt::create_matmul_desc(lib, compute_type, lt_sys::cudaDataType::CUDA_R_32F)
                 .map_err(lt_err("cublasLtMatmulDescCreate"))?,
-        );
+        };
         let transa: i32 = if key.transa {
             cublas_sys::cublasOperation_t::CUBLAS_OP_N as i32
         } else {
@@ -632,17 +628,19 @@ impl Compute {
         };
         // A stored [k, n] when not transposed (read transposed), [n, k] when it is.
         let (a_rows, a_cols) = if key.transa { (n, k) } else { (k, n) };
-        let a_layout = Layout::new(data_type, a_rows, a_cols, w_ld)?;
-        let b_layout = Layout::new(data_type, k, m, a_ld)?;
-        let d_layout = Layout::new(out_type, n, m, out_ld)?;
-        let pref = Preference(
-            cublaslt::create_matmul_pref().map_err(lt_err("cublasLtMatmulPreferenceCreate"))?,
-        );
+        let a_layout = Layout::new(lib, data_type, a_rows, a_cols, w_ld)?;
+        let b_layout = Layout::new(lib, data_type, k, m, a_ld)?;
+        let d_layout = Layout::new(lib, out_type, n, m, out_ld)?;
+        let pref = Preference {
+            lib,
+            raw: cublaslt::create_matmul_pref(lib)
+                .map_err(lt_err("cublasLtMatmulPreferenceCreate"))?,
+        };
         // SAFETY: each attribute value is the type the attribute takes (i32 operation, u32
         // epilogue, u64 and u32 preferences) and outlives the call.
         unsafe {
             let set_desc = |attr, value: *const c_void, size| {
-                cublaslt::set_matmul_desc_attribute(desc.0, attr, value, size)
+                cublaslt::set_matmul_desc_attribute(lib, desc.raw, attr, value, size)
                     .map_err(lt_err("cublasLtMatmulDescSetAttribute"))
             };
             set_desc(
@@ -656,7 +654,7 @@ impl Compute {
                 4,
             )?;
             let set_pref = |attr, value: *const c_void, size| {
-                cublaslt::set_matmul_pref_attribute(pref.0, attr, value, size)
+                cublaslt::set_matmul_pref_attribute(lib, pref.raw, attr, value, size)
                     .map_err(lt_err("cublasLtMatmulPreferenceSetAttribute"))
             };
             set_pref(
@@ -673,20 +671,37 @@ impl Compute {
             for (attr, value) in prefs.into_iter().zip(key.alignments.iter()) {
                 set_pref(attr, (value as *const u32).cast(), 4)?;
             }
+            // Split-K partial sums only in the f32 compute type (or no split): cuBLASLt's
+            // default mask also allows summing them in place in an f16/bf16 output, which rounds
+            // every partial sum and breaks the one-rounding contract (PyTorch sets the same
+            // mask when reduced-precision reductions are disallowed).
+            let reductions = REDUCTION_SCHEMES;
+            set_pref(
+                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                (&reductions as *const u32).cast(),
+                4,
+            )?;
         }
         // SAFETY: every descriptor is alive and describes the operands.
         let heuristic = unsafe {
             cublaslt::get_matmul_algo_heuristic(
-                self.lt.0, desc.0, a_layout.0, b_layout.0, d_layout.0, d_layout.0, pref.0,
+                lib,
+                self.lt.raw,
+                desc.raw,
+                a_layout.raw,
+                b_layout.raw,
+                d_layout.raw,
+                d_layout.raw,
+                pref.raw,
             )
         };
         match heuristic {
-            Ok(heuristic) => Ok(LtPlan::Ready(Box::new(LtSetup {
+            Ok(algo) => Ok(LtPlan::Ready(Box::new(LtSetup {
                 desc,
                 a_layout,
                 b_layout,
                 d_layout,
-                algo: heuristic.algo,
+                algo,
             }))),
             Err(_) => Ok(LtPlan::UseCublas),
         }
@@ -734,28 +749,41 @@ fn alignment(ptr: u64) -> u32 {
     1u32 << ptr.trailing_zeros().min(MAX_ALIGNMENT_LOG2)
 }
 
-struct MatmulDesc(lt_sys::cublasLtMatmulDesc_t);
+/// A cuBLASLt matmul descriptor, destroyed on drop.
+struct MatmulDesc {
+    lib: &'static CublasLt,
+    raw: lt_sys::cublasLtMatmulDesc_t,
+}
 
 impl Drop for MatmulDesc {
     fn drop(&mut self) {
-        // SAFETY: created once, destroyed once.
-        let _ = unsafe { cublaslt::destroy_matmul_desc(self.0) };
+        // SAFETY: created once with `lib`, destroyed once.
+        let _ = unsafe { cublaslt::destroy_matmul_desc(self.lib, self.raw) };
     }
 }
 
-struct Preference(lt_sys::cublasLtMatmulPreference_t);
+/// A cuBLASLt matmul preference, destroyed on drop.
+struct Preference {
+    lib: &'static CublasLt,
+    raw: lt_sys::cublasLtMatmulPreference_t,
+}
 
 impl Drop for Preference {
     fn drop(&mut self) {
-        // SAFETY: created once, destroyed once.
-        let _ = unsafe { cublaslt::destroy_matmul_pref(self.0) };
+        // SAFETY: created once with `lib`, destroyed once.
+        let _ = unsafe { cublaslt::destroy_matmul_pref(self.lib, self.raw) };
     }
 }
 
-struct Layout(lt_sys::cublasLtMatrixLayout_t);
+/// A cuBLASLt matrix layout, destroyed on drop.
+struct Layout {
+    lib: &'static CublasLt,
+    raw: lt_sys::cublasLtMatrixLayout_t,
+}
 
 impl Layout {
     fn new(
+        lib: &'static CublasLt,
         dtype: lt_sys::cudaDataType,
         rows: u64,
         cols: u64,
@@ -763,16 +791,16 @@ impl Layout {
     ) -> Result<Layout, CudaError> {
         let ld = i64::try_from(ld)
             .map_err(|_| CudaError::Unsupported(format!("leading dimension {ld}")))?;
-        cublaslt::create_matrix_layout(dtype, rows, cols, ld)
-            .map(Layout)
-            .map_err(|e| CudaError::blas_lt("cublasLtMatrixLayoutCreate", e))
+        cublaslt::create_matrix_layout(lib, dtype, rows, cols, ld)
+            .map(|raw| Layout { lib, raw })
+            .map_err(|e| CudaError::blas("cublasLtMatrixLayoutCreate", e))
     }
 }
 
 impl Drop for Layout {
     fn drop(&mut self) {
-        // SAFETY: created once, destroyed once.
-        let _ = unsafe { cublaslt::destroy_matrix_layout(self.0) };
+        // SAFETY: created once with `lib`, destroyed once.
+        let _ = unsafe { cublaslt::destroy_matrix_layout(self.lib, self.raw) };
     }
 }
 

@@ -5,10 +5,12 @@
 //! signature reads them.
 //!
 //! [`Compute`] is what a device needs to run ops, created at `open` unless the device is opened
-//! memory-only: the cuBLAS and cuBLASLt handles (bound to the device's stream), the loaded
-//! kernel module, a device status word through which kernels report bad gather indices, and a
-//! growable buffer of copy descriptors for batched copies. Every op validates its arguments
-//! with [`iris_plugin::validate`] before it enqueues anything.
+//! memory-only: the CUDA libraries of the process ([`crate::libraries`]: cuBLAS, cuBLASLt and
+//! NVRTC of one CUDA major), the cuBLAS and cuBLASLt handles (bound to the device's stream),
+//! the loaded kernel module, a device status word through which kernels report bad gather
+//! indices, and a fixed buffer of copy descriptors for batched copies (allocated at `open`, so
+//! that no later call grows what the device holds; a larger batch runs as several launches).
+//! Every op validates its arguments with [`iris_plugin::validate`] before it enqueues anything.
 
 mod attention;
 mod elementwise;
@@ -20,20 +22,19 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use cudarc::cublas::result as cublas;
-use cudarc::cublas::sys as cublas_sys;
-use cudarc::cublaslt::result as cublaslt;
-use cudarc::cublaslt::sys as cublaslt_sys;
 use cudarc::driver::result;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use iris_plugin::Logger;
-use iris_plugin::abi::{DType, HeldMemory, OpKind, PluginError, Property};
+use iris_plugin::abi::{DType, HeldMemory, OpKind, PluginError, Property, property};
 use iris_plugin::validate::Mat;
 
 use crate::device::{CudaDevice, CudaOptions, Info, push_growth, used};
 use crate::error::{CudaError, DriverResultExt};
 use crate::kernels::{self, Cache, Module, Target};
+use crate::libraries::{self, CudaLibraries};
 use crate::loader::{self, Library};
+use crate::result::{cublas, cublaslt};
+use crate::sys;
 
 pub use gemm::GemmState;
 
@@ -48,6 +49,12 @@ pub const COPY_KERNEL_MIN_REGIONS: usize = 8;
 pub const COPY_ENGINE_MIN_BYTES: u64 = 64 << 10;
 /// Bytes of a region one block of the copy kernel moves (16 bytes per thread).
 const COPY_CHUNK: u64 = THREADS as u64 * 16;
+
+/// Bytes of the copy descriptor buffer: 2730 regions of three 8-byte words per launch.
+const DESCRIPTOR_BYTES: u64 = 64 << 10;
+
+/// Regions one launch of the batched-copy kernel takes from the descriptor buffer.
+const REGIONS_PER_LAUNCH: usize = (DESCRIPTOR_BYTES / 24) as usize;
 
 /// Threads per block of the elementwise, norm and gather kernels.
 pub(crate) const THREADS: u32 = 256;
@@ -64,6 +71,8 @@ pub(crate) const GRID_X_NORM: u64 = 1 << 20;
 
 /// Library handles, kernels and scratch of one device.
 pub struct Compute {
+    /// The process's cuBLAS, cuBLASLt and NVRTC.
+    libs: &'static CudaLibraries,
     lt: LtHandle,
     blas: BlasHandle,
     module: Module,
@@ -78,10 +87,6 @@ pub struct Compute {
     tf32: bool,
     cc: (i32, i32),
     kernel_origin: String,
-    cublas_version: i32,
-    cublaslt_version: usize,
-    /// NVRTC's `(major, minor)`, when it was loaded (not when the kernels came from the cache).
-    nvrtc_version: Option<(i32, i32)>,
 }
 
 // SAFETY: the library handles, module and device addresses are driver objects usable from any
@@ -92,7 +97,8 @@ unsafe impl Send for Compute {}
 unsafe impl Sync for Compute {}
 
 impl Compute {
-    /// Loads cuBLASLt, cuBLAS and the kernels for the device whose context is current.
+    /// Loads (at the process's first use) cuBLASLt, cuBLAS and NVRTC of one CUDA major, then
+    /// creates the handles and loads the kernels for the device whose context is current.
     pub(crate) fn open(
         stream: &cudarc::driver::CudaStream,
         info: &Info,
@@ -100,40 +106,42 @@ impl Compute {
         log: &Logger,
         held: &mut Vec<HeldMemory>,
     ) -> Result<Compute, CudaError> {
-        loader::require(Library::CublasLt)?;
-        loader::require(Library::Cublas)?;
+        let libs = libraries::load(info.driver_version, info.cc, log)?;
         let before = used()?;
-        let lt = LtHandle(
-            cublaslt::create_handle().map_err(|e| CudaError::blas_lt("cublasLtCreate", e))?,
-        );
+        let lt = LtHandle {
+            lib: &libs.cublaslt,
+            raw: cublaslt::create_handle(&libs.cublaslt)
+                .map_err(|e| CudaError::blas("cublasLtCreate", e))?,
+        };
         push_growth(held, "cuBLASLt handle", before)?;
         let before = used()?;
-        let blas =
-            BlasHandle(cublas::create_handle().map_err(|e| CudaError::blas("cublasCreate", e))?);
+        let blas = BlasHandle {
+            lib: &libs.cublas,
+            raw: cublas::create_handle(&libs.cublas)
+                .map_err(|e| CudaError::blas("cublasCreate", e))?,
+        };
         // SAFETY: the handle is alive and the stream belongs to the current context.
-        unsafe { cublas::set_stream(blas.0, stream.cu_stream() as _) }
+        unsafe { cublas::set_stream(&libs.cublas, blas.raw, stream.cu_stream().cast()) }
             .map_err(|e| CudaError::blas("cublasSetStream", e))?;
+        // Reductions (split-K) in the f32 accumulator type, never in an f16/bf16 output: a
+        // half-precision output is rounded once (the default math mode allows rounding partial
+        // sums to the output type).
+        // SAFETY: the handle is alive.
+        unsafe {
+            cublas::set_math_mode(
+                &libs.cublas,
+                blas.raw,
+                sys::cublas::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
+            )
+        }
+        .map_err(|e| CudaError::blas("cublasSetMathMode", e))?;
         push_growth(held, "cuBLAS handle", before)?;
-        let mut cublas_version = 0;
-        // SAFETY: the handle is alive; the pointer is valid for writes.
-        unsafe { cublas_sys::cublasGetVersion_v2(blas.0, &mut cublas_version) }
-            .result()
-            .map_err(|e| CudaError::blas("cublasGetVersion", e))?;
-        // SAFETY: a plain query without arguments.
-        let cublaslt_version = unsafe { cublaslt_sys::cublasLtGetVersion() };
-        // cudarc tries an unversioned `libcublas.so` first, which may be any release.
-        check_major(Library::Cublas, library_major(i64::from(cublas_version)))?;
-        check_major(
-            Library::CublasLt,
-            library_major(i64::try_from(cublaslt_version).unwrap_or(i64::MAX)),
-        )?;
 
         let before = used()?;
         let LoadedKernels {
             module,
             origin: kernel_origin,
-            nvrtc_version,
-        } = load_kernels(info, options, log)?;
+        } = load_kernels(info, options, log, libs)?;
         let growth = used()?.saturating_sub(before);
         if info.cc >= FLASH_ATTENTION_COMPUTE_CAPABILITY {
             allow_flash_attention_shared(&module)?;
@@ -147,8 +155,16 @@ impl Compute {
             what: "kernel status word".into(),
             bytes: DeviceWord::BYTES as u64,
         });
+        let before = used()?;
+        let descriptors = Descriptors::new()?;
+        let growth = used()?.saturating_sub(before);
+        held.push(HeldMemory {
+            what: "copy descriptors".into(),
+            bytes: growth.max(DESCRIPTOR_BYTES),
+        });
         let status_host = HostWord::new()?;
         Ok(Compute {
+            libs,
             lt,
             blas,
             module,
@@ -156,45 +172,27 @@ impl Compute {
             status_host,
             gathered: AtomicBool::new(false),
             status_read: Mutex::new(()),
-            descriptors: Mutex::new(Descriptors::default()),
+            descriptors: Mutex::new(descriptors),
             gemm: Mutex::new(GemmState::default()),
             tf32: options.tf32,
             cc: info.cc,
             kernel_origin,
-            cublas_version,
-            cublaslt_version,
-            nvrtc_version,
         })
     }
 
     /// Plugin-specific description properties.
     pub(crate) fn properties(&self) -> Vec<Property> {
         vec![
-            Property::new("cuda_libraries", self.libraries_text()),
-            Property::new("cublas_version", self.cublas_version),
-            Property::new("cublaslt_version", self.cublaslt_version),
+            Property::new("cuda_libraries", self.libs.summary()),
+            Property::new("cublas_version", self.libs.cublas_version_number()),
+            Property::new("cublaslt_version", self.libs.cublaslt_version),
             Property::new("kernels", &self.kernel_origin),
             Property::new("f32_gemm", if self.tf32 { "tf32" } else { "f32" }),
+            // cuBLASLt chooses its kernel per problem size, and the libraries load kernels
+            // (and grow local memory for them) on first use: the host should run its steps at
+            // a range of sizes before serving and before its post-start memory checkpoint.
+            Property::new(property::WARM_UP, property::WARM_UP_STEP_SIZES),
         ]
-    }
-
-    /// Which CUDA user-space libraries were loaded: `CUDA 13 (cuBLAS 13.0.2, NVRTC 13.0)`.
-    fn libraries_text(&self) -> String {
-        let mut text = format!(
-            "CUDA {} (cuBLAS {}",
-            loader::cuda_major(),
-            release_text(i64::from(self.cublas_version))
-        );
-        match self.nvrtc_version {
-            Some((major, minor)) => text.push_str(&format!(", NVRTC {major}.{minor})")),
-            None => text.push_str(", kernels from the cache without NVRTC)"),
-        }
-        text
-    }
-
-    /// Device bytes of the copy descriptor buffer.
-    pub(crate) fn descriptor_bytes(&self) -> u64 {
-        lock(&self.descriptors).bytes
     }
 
     /// Waits for `stream` with `wait` and reports a bad gather index recorded by kernels
@@ -225,19 +223,33 @@ impl Compute {
         )))
     }
 
-    /// Enqueues one kernel copying every `(src, dst, bytes)` region, each spread over
-    /// `bytes / COPY_CHUNK` blocks.
+    /// Enqueues kernels copying every `(src, dst, bytes)` region, each spread over
+    /// `bytes / COPY_CHUNK` blocks: one launch per [`REGIONS_PER_LAUNCH`] regions, each reading
+    /// its regions from the descriptor buffer after the previous launch has read it (the copy
+    /// into it and the launches are ordered on `stream`).
     pub(crate) fn copy_regions(
         &self,
         stream: CUstream,
         moves: &[(u64, u64, u64)],
     ) -> Result<(), CudaError> {
+        let descriptors = lock(&self.descriptors);
+        for part in moves.chunks(REGIONS_PER_LAUNCH) {
+            self.copy_regions_once(stream, &descriptors, part)?;
+        }
+        Ok(())
+    }
+
+    fn copy_regions_once(
+        &self,
+        stream: CUstream,
+        descriptors: &Descriptors,
+        moves: &[(u64, u64, u64)],
+    ) -> Result<(), CudaError> {
         let words: Vec<u64> = moves.iter().flat_map(|&(s, d, n)| [s, d, n]).collect();
-        let bytes = (words.len() * 8) as u64;
-        let mut descriptors = lock(&self.descriptors);
-        descriptors.reserve(stream, bytes)?;
-        // SAFETY: the descriptor buffer holds `bytes`; the pageable source is staged before the
-        // call returns. The previous batch's kernel read the buffer earlier on the same stream.
+        debug_assert!((words.len() * 8) as u64 <= DESCRIPTOR_BYTES);
+        // SAFETY: the descriptor buffer holds DESCRIPTOR_BYTES, at least `words` (the caller
+        // splits batches by REGIONS_PER_LAUNCH); the pageable source is staged before the call
+        // returns. The previous launch read the buffer earlier on the same stream.
         unsafe { result::memcpy_htod_async(descriptors.ptr, &words, stream) }
             .call("cuMemcpyHtoDAsync")?;
         let count = moves.len() as u64;
@@ -254,16 +266,6 @@ impl Compute {
             1,
         );
         self.launch(stream, "copy_regions", dims, THREADS, &mut args)
-    }
-
-    /// Releases everything (closing the device, after the queue drained).
-    pub(crate) fn close(self, stream: CUstream, log: &Logger) {
-        let descriptors = std::mem::take(&mut *lock(&self.descriptors));
-        if let Err(err) = descriptors.release(stream) {
-            log.warn(format!("close: {err}"));
-        }
-        // Handles, module and status word go with `self` (their drops ignore errors: the
-        // device is closing either way).
     }
 
     pub(crate) fn launch(
@@ -404,65 +406,28 @@ pub(crate) fn optional_addr(
     }
 }
 
-/// The major of a cuBLAS(Lt) version number (`130002` is 13.0.2).
-fn library_major(version: i64) -> i64 {
-    version / 10_000
-}
-
-/// `130002` as `13.0.2`.
-fn release_text(version: i64) -> String {
-    format!(
-        "{}.{}.{}",
-        version / 10_000,
-        (version % 10_000) / 100,
-        version % 100
-    )
-}
-
-/// Refuses a library of another CUDA major than the build's (its ABI may differ).
-fn check_major(library: Library, major: i64) -> Result<(), CudaError> {
-    if major == i64::from(loader::cuda_major()) {
-        return Ok(());
-    }
-    Err(CudaError::Unsupported(format!(
-        "{} {major}.x was loaded, but this is the plugin's CUDA {} build: it needs {} \
-         (the CUDA {major} build (`--features cuda-{major}`) loads CUDA {major}'s libraries; \
-         docs/CUDA.md)",
-        library.title(),
-        loader::cuda_major(),
-        library.file_name()
-    )))
-}
-
-/// The kernel module of a device, where it came from (for the description) and the NVRTC that
-/// was loaded, if one was.
+/// The kernel module of a device and where it came from (for the description).
 struct LoadedKernels {
     module: Module,
     origin: String,
-    nvrtc_version: Option<(i32, i32)>,
 }
 
-/// Compiles or loads from the cache the kernel module for the device.
+/// Compiles (with the NVRTC of `libs`) or loads from the cache the kernel module for the
+/// device.
 fn load_kernels(
     info: &Info,
     options: &CudaOptions,
     log: &Logger,
+    libs: &CudaLibraries,
 ) -> Result<LoadedKernels, CudaError> {
     let cache = Cache::locate(options.kernel_cache.as_deref());
     let cc = u32::try_from(info.cc.0 * 10 + info.cc.1)
         .map_err(|_| CudaError::Unsupported(format!("compute capability {:?}", info.cc)))?;
-    let nvrtc = loader::present(Library::Nvrtc);
-    let nvrtc_version = if nvrtc {
-        let version = kernels::nvrtc_version()?;
-        check_major(Library::Nvrtc, i64::from(version.0))?;
-        Some(version)
-    } else {
-        None
-    };
-    let target = if nvrtc {
-        kernels::target_for(cc, &kernels::supported_archs()?)
-    } else {
-        Target::Cubin(cc)
+    let nvrtc = libs.nvrtc.as_ref().ok();
+    let nvrtc_version = nvrtc.map(|nvrtc| nvrtc.version);
+    let target = match nvrtc {
+        Some(nvrtc) => kernels::target_for(cc, &kernels::supported_archs(&nvrtc.lib)?),
+        None => Target::Cubin(cc),
     };
     if let Some((path, image)) = cache.load(target, info.driver_version, nvrtc_version) {
         match Module::load(&image) {
@@ -475,7 +440,6 @@ fn load_kernels(
                 return Ok(LoadedKernels {
                     module,
                     origin: format!("cached {}", target.arch()),
-                    nvrtc_version,
                 });
             }
             Err(err) => log.warn(format!(
@@ -484,22 +448,28 @@ fn load_kernels(
             )),
         }
     }
-    if !nvrtc {
-        let mut missing = loader::missing(Library::Nvrtc);
-        if let CudaError::LibraryMissing { tried, .. } = &mut missing {
-            match cache.dir() {
-                Some(dir) => tried.push_str(&format!(
-                    "; and no cached kernels for {} in {}",
-                    target.arch(),
-                    dir.display()
-                )),
-                None => tried.push_str("; and the kernel cache is off"),
-            }
-        }
-        return Err(missing);
-    }
-    let (major, minor) = nvrtc_version.unwrap_or_default();
-    let compiled = kernels::compile(target, &[])?;
+    let Some(nvrtc) = nvrtc else {
+        let why = libs.nvrtc.as_ref().err().cloned().unwrap_or_default();
+        let cached = match cache.dir() {
+            Some(dir) => format!(
+                "no cached kernels for {} in {}",
+                target.arch(),
+                dir.display()
+            ),
+            None => "the kernel cache is off".to_owned(),
+        };
+        return Err(CudaError::LibraryMissing {
+            library: Library::Nvrtc.file_name(libs.major),
+            tried: format!(
+                "NVRTC of CUDA {}, the major of the cuBLAS loaded, compiles the kernels: {why}; {}; \
+                 and {cached}",
+                libs.major,
+                loader::searched()
+            ),
+        });
+    };
+    let (major, minor) = nvrtc.version;
+    let compiled = kernels::compile(&nvrtc.lib, target, &[])?;
     log.info(format!(
         "compiled {} kernels for {} with NVRTC {major}.{minor} in {} ms ({} KiB)",
         kernels::kernel_names().len(),
@@ -517,27 +487,32 @@ fn load_kernels(
     Ok(LoadedKernels {
         module,
         origin: format!("compiled {} in {} ms", target.arch(), compiled.millis),
-        nvrtc_version,
     })
 }
 
 /// A cuBLASLt handle, destroyed on drop.
-struct LtHandle(cublaslt_sys::cublasLtHandle_t);
+struct LtHandle {
+    lib: &'static sys::CublasLt,
+    raw: sys::cublaslt::cublasLtHandle_t,
+}
 
 impl Drop for LtHandle {
     fn drop(&mut self) {
-        // SAFETY: created by `create_handle`, destroyed once.
-        let _ = unsafe { cublaslt::destroy_handle(self.0) };
+        // SAFETY: created by `create_handle` with `lib`, destroyed once.
+        let _ = unsafe { cublaslt::destroy_handle(self.lib, self.raw) };
     }
 }
 
 /// A cuBLAS handle, destroyed on drop.
-struct BlasHandle(cublas_sys::cublasHandle_t);
+struct BlasHandle {
+    lib: &'static sys::Cublas,
+    raw: sys::cublas::cublasHandle_t,
+}
 
 impl Drop for BlasHandle {
     fn drop(&mut self) {
-        // SAFETY: created by `create_handle`, destroyed once.
-        let _ = unsafe { cublas::destroy_handle(self.0) };
+        // SAFETY: created by `create_handle` with `lib`, destroyed once.
+        let _ = unsafe { cublas::destroy_handle(self.lib, self.raw) };
     }
 }
 
@@ -615,41 +590,25 @@ impl Drop for DeviceWord {
     }
 }
 
-/// The device buffer batched copies read their regions from.
-#[derive(Default)]
+/// The device buffer batched copies read their regions from, [`DESCRIPTOR_BYTES`] long.
 struct Descriptors {
     ptr: CUdeviceptr,
-    bytes: u64,
 }
 
 impl Descriptors {
-    /// Grows the buffer to at least `bytes` (to the next power of two).
-    fn reserve(&mut self, stream: CUstream, bytes: u64) -> Result<(), CudaError> {
-        if bytes <= self.bytes {
-            return Ok(());
-        }
-        let grown = bytes.next_power_of_two().max(4096);
-        std::mem::take(self).release(stream)?;
-        let len =
-            usize::try_from(grown).map_err(|_| CudaError::Invalid(format!("{grown} bytes")))?;
+    fn new() -> Result<Descriptors, CudaError> {
         // SAFETY: a plain allocation in the current context.
-        let ptr = unsafe { result::malloc_sync(len) }
+        let ptr = unsafe { result::malloc_sync(crate::usize_of(DESCRIPTOR_BYTES)) }
             .map_err(|err| CudaError::driver("cuMemAlloc", err))?;
-        *self = Descriptors { ptr, bytes: grown };
-        Ok(())
+        Ok(Descriptors { ptr })
     }
+}
 
-    /// Frees the buffer once the queue no longer reads it.
-    fn release(self, stream: CUstream) -> Result<(), CudaError> {
-        if self.bytes == 0 {
-            return Ok(());
-        }
-        // SAFETY: the stream belongs to the current context; after it drains no kernel reads
-        // the buffer, which is freed once.
-        unsafe {
-            result::stream::synchronize(stream).call("cuStreamSynchronize")?;
-            result::free_sync(self.ptr).call("cuMemFree")
-        }
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `new`, freed once, after the queue drained (device close, or a
+        // failed open before anything was enqueued).
+        let _ = unsafe { result::free_sync(self.ptr) };
     }
 }
 

@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
+pub use iris_device_cuda::loader::Library;
+
 /// Environment variable naming the scenario a child runs.
 pub const SCENARIO_ENV: &str = "IRIS_STANDIN_SCENARIO";
 
@@ -18,12 +20,14 @@ pub enum Libraries {
     None,
     /// The stand-in driver alone: no kernels, no cuBLAS.
     Driver,
-    /// The stand-in driver running the kernels on the CPU, and stand-in cuBLAS and cuBLASLt.
+    /// The stand-in driver running the kernels on the CPU, and stand-in cuBLAS and cuBLASLt
+    /// under CUDA 12's names (`libcublas.so.12`), reporting version 12.0.0.
     Full,
+    /// The same driver with these stand-in libraries, in a folder of this name (one name per
+    /// set).
+    Installed(&'static str, &'static [Standin]),
     /// This machine's own CUDA installation, with the environment unchanged (GPU tests).
     System,
-    /// The stand-in driver with cuBLAS and cuBLASLt of the other CUDA major only.
-    OtherMajor,
 }
 
 /// Runs `scenario` of the current test binary in a child and fails with its output unless it
@@ -54,7 +58,7 @@ pub fn child(scenario: &str, env: &[(&str, &str)], libraries: Libraries) -> Outp
         Libraries::None => Some(empty_dir()),
         Libraries::Driver => Some(driver_dir().to_path_buf()),
         Libraries::Full => Some(full_dir().to_path_buf()),
-        Libraries::OtherMajor => Some(other_major_dir().to_path_buf()),
+        Libraries::Installed(name, standins) => Some(installed_dir(name, standins)),
     };
     if let Some(lib_dir) = lib_dir {
         command
@@ -94,8 +98,8 @@ pub fn system_driver() -> Option<String> {
     })
 }
 
-/// A counter of a stand-in library the plugin has loaded (`library`, by its name), read through
-/// its `unsigned long long symbol(void)`.
+/// A counter or last value of a stand-in library the plugin has loaded (`library`, by its
+/// name), read through its `unsigned long long symbol(void)`.
 fn standin_counter(library: &str, symbol: &str) -> u64 {
     // SAFETY: the library is a stand-in the plugin already opened; each counter symbol is an
     // `unsigned long long (void)` function without side effects.
@@ -124,12 +128,25 @@ pub fn standin_device_copies() -> u64 {
     standin_counter("libcuda.so.1", "iris_standin_device_copies")
 }
 
-/// cuBLASLt set-up calls (descriptors, layouts, preferences, heuristics) the stand-in made.
+/// cuBLASLt set-up calls (descriptors, layouts, preferences, heuristics) the stand-in of
+/// [`Libraries::Full`] made.
 pub fn standin_lt_setups() -> u64 {
-    standin_counter(
-        &format!("libcublasLt.so.{}", cuda_major()),
-        "iris_standin_lt_setups",
-    )
+    standin_counter("libcublasLt.so.12", "iris_standin_lt_setups")
+}
+
+/// cuBLASLt matmuls the stand-in ran with a GELU epilogue.
+pub fn standin_gelu_epilogues() -> u64 {
+    standin_counter("libcublasLt.so.12", "iris_standin_gelu_epilogues")
+}
+
+/// The last reduction scheme mask the plugin set on a cuBLASLt preference (7 when none was).
+pub fn standin_reduction_mask() -> u64 {
+    standin_counter("libcublasLt.so.12", "iris_standin_reduction_mask")
+}
+
+/// The last math mode the plugin gave cuBLAS.
+pub fn standin_math_mode() -> u64 {
+    standin_counter("libcublas.so.12", "iris_standin_math_mode")
 }
 
 /// The grid of the last kernel the stand-in driver's emulator ran.
@@ -158,7 +175,7 @@ pub fn plugin_library() -> PathBuf {
         .unwrap_or_else(|| panic!("{name} is built next to {}", deps.display()))
 }
 
-fn standin(name: &str) -> PathBuf {
+fn standin_source(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/standin")
         .join(name)
@@ -190,10 +207,26 @@ fn install_copy(from: &Path, to: &Path) {
     std::fs::rename(&partial, to).unwrap();
 }
 
-/// The driver version the stand-in reports by default: the plugin build's CUDA API version
-/// (12.4, or 13.0 for the CUDA 13 build), which that build accepts.
+/// The driver version the stand-in reports by default: the plugin's driver API version, 12.4.
 pub fn standin_driver_version() -> i32 {
-    iris_device_cuda::loader::cuda_api_version()
+    iris_device_cuda::device::DRIVER_API_VERSION
+}
+
+/// A driver version that runs CUDA 13's libraries, for `IRIS_STANDIN_DRIVER`.
+pub const CUDA13_DRIVER: &str = "13000";
+
+/// Options that open the emulated device with all ops: a kernel cache folder holding an entry
+/// for compute capability `cc` (`80`) and driver version `driver`. The emulating stand-in
+/// driver accepts any image and finds kernels by name, so no NVRTC is needed; without NVRTC the
+/// plugin takes the entry of any NVRTC version.
+pub fn emulated_kernels(cc: u32, driver: i32) -> Vec<(String, String)> {
+    use iris_device_cuda::kernels::{Cache, Target};
+    // Children share the folder: the cache writes a temporary file and renames it.
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("emulated-kernel-cache");
+    Cache::new(Some(dir.clone()))
+        .store(Target::Cubin(cc), driver, (12, 0), b"emulated")
+        .unwrap();
+    vec![("kernel_cache".to_owned(), dir.display().to_string())]
 }
 
 /// The `-D` define giving the stand-in driver its default version.
@@ -227,7 +260,7 @@ fn driver_dir() -> &'static Path {
                 &driver_define(),
                 "-Wl,-soname,libcuda.so.1",
             ],
-            &[standin("libcuda.c")],
+            &[standin_source("libcuda.c")],
             &library,
         );
         install_copy(&library, &dir.join("libcuda.so"));
@@ -257,7 +290,7 @@ fn full_dir() -> &'static Path {
                 "-DIRIS_STANDIN_KERNELS",
                 &driver_define(),
             ],
-            &[standin("libcuda.c")],
+            &[standin_source("libcuda.c")],
             &driver_object,
         );
         let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
@@ -275,7 +308,7 @@ fn full_dir() -> &'static Path {
                 "-Wno-unknown-pragmas",
                 &include,
             ],
-            &[standin("emu.cpp")],
+            &[standin_source("emu.cpp")],
             &emulator_object,
         );
         let library = dir.join("libcuda.so.1");
@@ -286,53 +319,117 @@ fn full_dir() -> &'static Path {
             &library,
         );
         install_copy(&library, &dir.join("libcuda.so"));
-        build_cublas(&dir, cuda_major(), cuda_major());
+        build_cublas(&dir, 12, 12);
         dir
     })
 }
 
-/// The stand-in driver alone, beside stand-in cuBLAS and cuBLASLt named for the other CUDA
-/// major than this build's: a host with only the other major's libraries.
-pub fn other_major_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = target_dir("other-major");
-        install_copy(
-            &driver_dir().join("libcuda.so.1"),
-            &dir.join("libcuda.so.1"),
-        );
-        install_copy(&driver_dir().join("libcuda.so.1"), &dir.join("libcuda.so"));
-        build_cublas(&dir, other_major(), other_major());
-        dir
+/// A stand-in cuBLAS, cuBLASLt or NVRTC: the CUDA major of its file name and the major its
+/// version reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Standin {
+    /// Which library.
+    pub library: Library,
+    /// `libcublas.so.<name_major>`.
+    pub name_major: u32,
+    /// The version's major (`<version_major>.0.0`).
+    pub version_major: u32,
+}
+
+/// A stand-in named and versioned as CUDA `major`'s `library`.
+pub const fn standin(library: Library, major: u32) -> Standin {
+    Standin {
+        library,
+        name_major: major,
+        version_major: major,
+    }
+}
+
+/// The emulating driver and `standins` in the folder `name`.
+fn installed_dir(name: &str, standins: &[Standin]) -> PathBuf {
+    let built: Vec<PathBuf> = standins.iter().map(|s| built_standin(*s)).collect();
+    prepared(name, |dir| {
+        copy_emulator_driver(dir);
+        for library in &built {
+            install_copy(library, &dir.join(library.file_name().unwrap()));
+        }
     })
 }
 
-/// This build's CUDA major (12 or 13).
-pub fn cuda_major() -> u32 {
-    iris_device_cuda::loader::cuda_major()
+/// A stand-in library, built once per process in a folder of its own kind.
+fn built_standin(standin: Standin) -> PathBuf {
+    let Standin {
+        library,
+        name_major,
+        version_major,
+    } = standin;
+    let kind = format!("{}-{name_major}-v{version_major}", library.title());
+    let dir = prepared(&kind, |dir| match library {
+        Library::Cublas | Library::CublasLt => {
+            build_cublas_as(dir, library, name_major, version_major);
+        }
+        Library::Nvrtc => {
+            let name = library.file_name(name_major);
+            let soname = format!("-Wl,-soname,{name}");
+            let version = format!("-DIRIS_STANDIN_NVRTC_MAJOR={version_major}");
+            compile(
+                &cc(),
+                &[
+                    "-shared", "-fPIC", "-O1", "-Wall", "-Werror", &soname, &version,
+                ],
+                &[standin_source("nvrtc.c")],
+                &dir.join(name),
+            );
+        }
+        Library::Driver => panic!("the driver is not a stand-in set member"),
+    });
+    dir.join(library.file_name(name_major))
 }
 
-/// The major of the plugin's other build.
-pub fn other_major() -> u32 {
-    if cuda_major() == 13 { 12 } else { 13 }
+/// The folder `name`, filled by `fill` once per process (tests run on several threads).
+fn prepared(name: &str, fill: impl FnOnce(&Path)) -> PathBuf {
+    static DONE: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let dir = target_dir(name);
+    let mut done = DONE.lock().unwrap();
+    if !done.iter().any(|finished| finished == name) {
+        // Nothing left from an earlier run of another set under this name.
+        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(&dir).unwrap();
+        fill(&dir);
+        done.push(name.to_owned());
+    }
+    dir
+}
+
+/// Copies the emulating stand-in driver into `dir` under both names cudarc tries.
+fn copy_emulator_driver(dir: &Path) {
+    let driver = emulator_driver();
+    install_copy(&driver, &dir.join("libcuda.so.1"));
+    install_copy(&driver, &dir.join("libcuda.so"));
 }
 
 /// Stand-in cuBLAS and cuBLASLt in `dir`, named `lib*.so.<name_major>`, reporting version
 /// `<version_major>.0.0`.
 fn build_cublas(dir: &Path, name_major: u32, version_major: u32) {
-    let version = format!("-DIRIS_STANDIN_CUBLAS_VERSION={}", version_major * 10_000);
-    for stem in ["libcublas", "libcublasLt"] {
-        let name = format!("{stem}.so.{name_major}");
-        let soname = format!("-Wl,-soname,{name}");
-        compile(
-            &cc(),
-            &[
-                "-shared", "-fPIC", "-O2", "-Wall", "-Werror", &soname, &version,
-            ],
-            &[standin("cublas.c"), PathBuf::from("-lm")],
-            &dir.join(name),
-        );
+    for library in [Library::Cublas, Library::CublasLt] {
+        build_cublas_as(dir, library, name_major, version_major);
     }
+}
+
+/// One stand-in of `tests/standin/cublas.c` (which has both libraries' entry points) in `dir`,
+/// named as `library` of CUDA `name_major`, reporting version `<version_major>.0.0`.
+fn build_cublas_as(dir: &Path, library: Library, name_major: u32, version_major: u32) {
+    let version = format!("-DIRIS_STANDIN_CUBLAS_VERSION={}", version_major * 10_000);
+    let name = library.file_name(name_major);
+    let soname = format!("-Wl,-soname,{name}");
+    compile(
+        &cc(),
+        &[
+            "-shared", "-fPIC", "-O2", "-Wall", "-Werror", &soname, &version,
+        ],
+        &[standin_source("cublas.c"), PathBuf::from("-lm")],
+        &dir.join(name),
+    );
 }
 
 fn empty_dir() -> PathBuf {

@@ -12,10 +12,23 @@
  * iris_standin_lt_setups() counts cuBLASLt's set-up calls (descriptor, layout and preference
  * creation, heuristic queries), for tests of the plugin's cache of them.
  *
- * Both report version IRIS_STANDIN_CUBLAS_VERSION (a compile-time define, 120400 unless given,
- * so that it matches the plugin build's CUDA major), or the value of the environment variable
- * of the same name.
+ * Like the real libraries, a handle allocates device state of its own on its first computation
+ * (cuBLAS's default workspace pool, lazily loaded kernels): IRIS_STANDIN_BLAS_LAZY_BYTES bytes
+ * (2 MiB unless set; 0 turns it off) through the stand-in driver's cuMemAlloc, freed when the
+ * handle is destroyed. The memory the plugin reports must account for it.
+ *
+ * iris_standin_gelu_epilogues() counts matmuls run with a GELU epilogue.
+ *
+ * iris_standin_math_mode() is the last mode given to cublasSetMathMode and
+ * iris_standin_reduction_mask() the last CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK set (7, all
+ * schemes, when none was), for tests of the one-rounding contract.
+ *
+ * Both report version IRIS_STANDIN_CUBLAS_VERSION (major * 10000 + minor * 100 + patch: a
+ * compile-time define, 120400 unless given, so that a library built under CUDA 13's names can
+ * say 130000), or the value of the environment variable of the same name.
  */
+#define _GNU_SOURCE
+#include <dlfcn.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,11 +44,18 @@ static int standin_version(void) {
 }
 
 static unsigned long long lt_setups;
+static int math_mode;
+static unsigned reduction_mask = 7;
+
+static unsigned long long gelu_epilogues;
 
 unsigned long long iris_standin_lt_setups(void) { return lt_setups; }
+unsigned long long iris_standin_gelu_epilogues(void) { return gelu_epilogues; }
+unsigned long long iris_standin_math_mode(void) { return (unsigned long long)math_mode; }
+unsigned long long iris_standin_reduction_mask(void) { return reduction_mask; }
 
 typedef int cublasStatus_t;
-enum { OK = 0, NOT_INITIALIZED = 1, INVALID_VALUE = 7, NOT_SUPPORTED = 15 };
+enum { OK = 0, NOT_INITIALIZED = 1, ALLOC_FAILED = 3, INVALID_VALUE = 7, NOT_SUPPORTED = 15 };
 enum { R_32F = 0, R_16F = 2, R_16BF = 14 };
 enum { OP_N = 0, OP_T = 1 };
 enum { EPI_DEFAULT = 1, EPI_BIAS = 4, EPI_GELU = 32, EPI_GELU_BIAS = 36 };
@@ -131,7 +151,28 @@ static void gemm(int ta, int tb, long m, long n, long k, double alpha, const voi
 
 /* ---- cuBLAS ---- */
 
-struct handle { int magic; };
+/* A handle and the device state it allocated on its first computation (0 until then). */
+struct handle { unsigned long long state; };
+
+typedef int (*mem_alloc_fn)(unsigned long long *, size_t);
+typedef int (*mem_free_fn)(unsigned long long);
+
+/* A symbol of the driver the process loaded (locally, as the plugin loads it). */
+static void *driver_symbol(const char *name) {
+    void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    return driver ? dlsym(driver, name) : NULL;
+}
+
+/* Allocates the handle's own device state through the driver the process loaded. */
+static cublasStatus_t first_use(struct handle *h) {
+    if (h->state) return OK;
+    const char *value = getenv("IRIS_STANDIN_BLAS_LAZY_BYTES");
+    size_t bytes = value && *value ? strtoull(value, NULL, 10) : (size_t)2 << 20;
+    if (bytes == 0) return OK;
+    mem_alloc_fn mem_alloc = (mem_alloc_fn)driver_symbol("cuMemAlloc_v2");
+    if (!mem_alloc) return NOT_INITIALIZED;
+    return mem_alloc(&h->state, bytes) == 0 ? OK : ALLOC_FAILED;
+}
 
 cublasStatus_t cublasCreate_v2(void **handle) {
     *handle = calloc(1, sizeof(struct handle));
@@ -139,7 +180,18 @@ cublasStatus_t cublasCreate_v2(void **handle) {
 }
 
 cublasStatus_t cublasDestroy_v2(void *handle) {
+    struct handle *h = handle;
+    if (h && h->state) {
+        mem_free_fn mem_free = (mem_free_fn)driver_symbol("cuMemFree_v2");
+        if (mem_free) mem_free(h->state);
+    }
     free(handle);
+    return OK;
+}
+
+cublasStatus_t cublasSetMathMode(void *handle, int mode) {
+    (void)handle;
+    math_mode = mode;
     return OK;
 }
 
@@ -149,10 +201,15 @@ cublasStatus_t cublasSetStream_v2(void *handle, void *stream) {
     return OK;
 }
 
-cublasStatus_t cublasGetVersion_v2(void *handle, int *version) {
-    (void)handle;
-    *version = standin_version();
-    return OK;
+/* libraryPropertyType: MAJOR_VERSION 0, MINOR_VERSION 1, PATCH_LEVEL 2. */
+cublasStatus_t cublasGetProperty(int type, int *value) {
+    int version = standin_version();
+    switch (type) {
+        case 0: *value = version / 10000; return OK;
+        case 1: *value = version % 10000 / 100; return OK;
+        case 2: *value = version % 100; return OK;
+        default: return INVALID_VALUE;
+    }
 }
 
 /* Both libraries refuse a workspace that is not 256-byte aligned (cuBLAS documents
@@ -169,11 +226,12 @@ cublasStatus_t cublasSetWorkspace_v2(void *handle, void *workspace, size_t bytes
 cublasStatus_t cublasGemmEx(void *handle, int ta, int tb, int m, int n, int k, const void *alpha,
                             const void *a, int at, int lda, const void *b, int bt, int ldb,
                             const void *beta, void *c, int ct, int ldc, int compute, int algo) {
-    (void)handle;
     (void)compute;
     (void)algo;
     if (!known_type(at) || bt != at || (ct != at && ct != R_32F)) return NOT_SUPPORTED;
     if (m < 0 || n < 0 || k < 0 || lda < 1 || ldb < 1 || ldc < (m > 1 ? m : 1)) return INVALID_VALUE;
+    cublasStatus_t status = first_use(handle);
+    if (status != OK) return status;
     gemm(ta, tb, m, n, k, *(const float *)alpha, a, at, lda, b, bt, ldb, *(const float *)beta, c, ct,
          ldc, c, ct, ldc, NULL, 0);
     return OK;
@@ -237,9 +295,11 @@ cublasStatus_t cublasLtMatmulPreferenceCreate(void **out) {
 
 cublasStatus_t cublasLtMatmulPreferenceSetAttribute(void *pref, int attr, const void *buf, size_t size) {
     (void)pref;
-    (void)attr;
-    (void)buf;
-    (void)size;
+    /* CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, a uint32_t */
+    if (attr == 3) {
+        if (size != 4) return INVALID_VALUE;
+        reduction_mask = *(const unsigned *)buf;
+    }
     return OK;
 }
 
@@ -270,8 +330,10 @@ cublasStatus_t cublasLtMatmul(void *handle, void *desc, const void *alpha, const
                               const void *b, void *bd, const void *beta, const void *c, void *cd,
                               void *d, void *dd, const struct heuristic *algo, void *workspace,
                               size_t workspace_bytes, void *stream) {
-    (void)handle; (void)stream;
+    (void)stream;
     if (misaligned_workspace(workspace, workspace_bytes)) return INVALID_VALUE;
+    cublasStatus_t status = first_use(handle);
+    if (status != OK) return status;
     const struct desc *op = desc;
     const struct layout *la = ad, *lb = bd, *lc = cd, *ld = dd;
     if (!algo || algo->algo[0] != 42) return INVALID_VALUE;
@@ -286,6 +348,7 @@ cublasStatus_t cublasLtMatmul(void *handle, void *desc, const void *alpha, const
     int gelu = op->epilogue == EPI_GELU || op->epilogue == EPI_GELU_BIAS;
     if (!with_bias && !gelu && op->epilogue != EPI_DEFAULT) return NOT_SUPPORTED;
     if (with_bias && !op->bias) return INVALID_VALUE;
+    if (gelu) __atomic_add_fetch(&gelu_epilogues, 1, __ATOMIC_RELAXED);
     gemm(op->ta, op->tb, m, n, k, *(const float *)alpha, a, la->type, la->ld, b, lb->type, lb->ld,
          *(const float *)beta, c, lc->type, lc->ld, d, ld->type, ld->ld, with_bias ? op->bias : NULL,
          gelu);

@@ -29,7 +29,9 @@
  *   IRIS_STANDIN_MEMORY    bytes of device memory (default 1 GiB)
  *   IRIS_STANDIN_OOM_AT    the Nth device allocation fails with CUDA_ERROR_OUT_OF_MEMORY
  *   IRIS_STANDIN_DRIVER    the driver version cuDriverGetVersion reports (default
- *                          IRIS_STANDIN_DRIVER_DEFAULT, set at build time: 12040 or 13000)
+ *                          IRIS_STANDIN_DRIVER_DEFAULT, set at build time, 12040 unless given;
+ *                          13000 or more runs CUDA 13's libraries)
+ *   IRIS_STANDIN_CC        the compute capability, as major * 10 + minor (default 80)
  *   IRIS_STANDIN_POOLS     0: the device has no memory pools (default 1)
  *   IRIS_STANDIN_FAIL_COPY a CUresult every memcpy returns (e.g. 719, launch failed)
  *   IRIS_STANDIN_DEFER     1: queue asynchronous work as described above (default 0)
@@ -72,7 +74,7 @@ static unsigned long long total_memory = 1ull << 30;
 static unsigned long long used_memory;
 static unsigned long long oom_at;
 static unsigned long long allocations;
-/* The default driver version: the first release of the plugin build's CUDA major or later. */
+/* The default driver version: CUDA 12.4, the driver API the plugin's bindings call. */
 #ifndef IRIS_STANDIN_DRIVER_DEFAULT
 #define IRIS_STANDIN_DRIVER_DEFAULT 12040
 #endif
@@ -80,6 +82,7 @@ static int driver_version = IRIS_STANDIN_DRIVER_DEFAULT;
 static int pools = 1;
 static int fail_copy;
 static int fail_attribute = -1;
+static int compute_capability = 80;
 static int live_pools;
 static int defer;
 static unsigned long long sync_delay_ms;
@@ -102,6 +105,8 @@ struct deferred {
     const void *src;
     size_t bytes;
     CUdeviceptr free_ptr; /* nonzero: a stream-ordered free */
+    void (*host_fn)(void *); /* nonzero: a host function, called with `host_data` */
+    void *host_data;
     struct deferred *next;
 };
 static struct deferred *queue_head, *queue_tail;
@@ -138,6 +143,7 @@ CUresult cuInit(unsigned int flags) {
     if (mode && strcmp(mode, "no_device") == 0) return NO_DEVICE;
     if (mode && strcmp(mode, "not_ready") == 0) return SYSTEM_NOT_READY;
     fail_attribute = (int)env_number("IRIS_STANDIN_FAIL_ATTRIBUTE", (unsigned long long)-1);
+    compute_capability = (int)env_number("IRIS_STANDIN_CC", 80);
     defer = (int)env_number("IRIS_STANDIN_DEFER", 0);
     sync_delay_ms = env_number("IRIS_STANDIN_SYNC_DELAY_MS", 0);
     devices = (int)env_number("IRIS_STANDIN_DEVICES", 1);
@@ -192,8 +198,8 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
         case 16: *value = 4; break;          /* multiprocessors */
         case 36: *value = 1000000; break;    /* memory clock, kHz */
         case 37: *value = 256; break;        /* memory bus width, bits */
-        case 75: *value = 8; break;          /* compute capability major */
-        case 76: *value = 0; break;          /* compute capability minor */
+        case 75: *value = compute_capability / 10; break; /* compute capability major */
+        case 76: *value = compute_capability % 10; break; /* compute capability minor */
         case 115: *value = pools; break;     /* memory pools supported */
         default: *value = 0;
     }
@@ -285,7 +291,9 @@ static void flush_locked(void) {
     while (queue_head) {
         struct deferred *op = queue_head;
         queue_head = op->next;
-        if (op->free_ptr) {
+        if (op->host_fn) {
+            op->host_fn(op->host_data);
+        } else if (op->free_ptr) {
             device_free(op->free_ptr);
         } else {
             memmove(op->dst, op->src, op->bytes);
@@ -532,6 +540,26 @@ CUresult cuStreamCreate(CUstream *stream, unsigned int flags) {
     GUARD();
     (void)flags;
     *stream = malloc(1);
+    return SUCCESS;
+}
+
+/* A host function: queued with the deferred work when deferring (all streams are one queue
+ * here), else called at once after the queue. */
+CUresult cuLaunchHostFunc(CUstream stream, void (*fn)(void *), void *data) {
+    GUARD();
+    (void)stream;
+    if (!fn) return INVALID_VALUE;
+    pthread_mutex_lock(&state_lock);
+    if (defer) {
+        enqueue_locked(NULL, NULL, 0, 0);
+        queue_tail->host_fn = fn;
+        queue_tail->host_data = data;
+        pthread_mutex_unlock(&state_lock);
+        return SUCCESS;
+    }
+    flush_locked();
+    pthread_mutex_unlock(&state_lock);
+    fn(data);
     return SUCCESS;
 }
 
