@@ -8,30 +8,34 @@
 #
 # A GPU node often has neither a Rust toolchain nor a network. `--archive FILE` builds, on any
 # x86-64 Linux machine with cargo, everything the checks need into one .tar.gz (well under
-# 64 MiB, stripped): the iris binary; the CUDA plugin for CUDA 12 and for CUDA 13 user-space
-# libraries, each with the plugin's GPU test binary (tests/ops.rs) and the attention timing
+# 64 MiB, stripped): the iris binary; the CUDA plugin (one library for CUDA 12's and CUDA 13's
+# user-space libraries) with its GPU test binary (tests/ops.rs) and the attention timing
 # (examples/attention_bench.rs) beside it; the golden fixtures; this script and its Python
 # helpers. On the GPU node: `tar xzf iris-gpu-check.tar.gz && iris-gpu-check/gpu-check.sh
 # --prebuilt iris-gpu-check`. Without --prebuilt the same bundle is built from this checkout
 # (target/gpu-check-bundle) and checked.
 #
 # Steps, each recorded as pass, fail or skip with its time and a detail:
-#   build        (not with --prebuilt) the bundle: cargo build of iris, the CUDA plugin for
-#                CUDA 12 and CUDA 13, its GPU tests and the attention timing
+#   build        (not with --prebuilt) the bundle: cargo build of iris, the CUDA plugin, its
+#                GPU tests and the attention timing
 #   gpu          the GPU as nvidia-smi sees it (name, driver, memory)
 #   libraries    cuBLAS and NVRTC where the host's Python keeps them (pip's nvidia/*/lib in
 #                its site-packages), named to the plugin in IRIS_CUDA_LIB_PATH
-#   plugin       which build loads here: the CUDA 12 one, else the CUDA 13 one (`iris devices`
-#                with each); its `cuda_libraries` property says what was loaded
+#   plugin       which CUDA major's libraries the plugin loaded here and why not the other
+#                (the `cuda_libraries` property `iris devices` shows), or why it has no device
 #   devices      `iris devices --json` lists the cuda plugin with at least one device
 #   plugin-check `iris plugin check cuda --json` on every ordinal (the conformance suite)
 #   ops-gpu      the plugin's GPU test scenarios (tests/ops.rs: every op against an f64 host
 #                reference; with two GPUs or more, every ordinal open at once in one process)
 #   encode       `iris encode --device cuda` against the CPU device on the golden fixtures of
 #                the three towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), in f32 and bf16
-#   bench        the seed experiment, `iris bench --device cuda`: its verdict (device memory back
-#                to the post-start baseline), 0 bytes leaked, and device memory compared with
-#                nvidia-smi before, during and after the run
+#   bench        the seed experiment, `iris bench --device cuda` on the tiny model, and
+#   bench.7b     the same at real size: the Qwen2.5-VL-7B tower (preset qwen2.5-vl-7b, dummy
+#                weights, bf16). Each is followed by its verdict step (bench.verdict,
+#                bench.7b.verdict: tools/gpu-check/bench_verdict.py): device memory back to the
+#                post-start baseline with 0 bytes leaked, as the --result-json says, and, from
+#                nvidia-smi sampled every 200 ms from before the run to after the process
+#                exited, no more than 64 MiB held after it than before it
 #   attention    attention_bench: bf16 attention, 16 heads, head dims 64/72/80/96/128, one
 #                segment of 256 to 16384 tokens; with torch, PyTorch's SDPA on the same shapes
 #                (tools/gpu-check/attention_vs_sdpa.py). bf16 at these head dims runs the
@@ -39,24 +43,29 @@
 #                TFLOPS by head dim (printed per shape), iris's time within 1.5 times SDPA's
 #                with FlashAttention-2, within 2 times with cuDNN's Hopper kernel
 #                (docs/PERFORMANCE.md has the model)
-#   transformers where Python has torch and transformers: the Qwen2-VL-2B and Qwen2.5-VL-7B
-#                towers in bf16 against transformers with its best attention on the same GPU
-#                (tools/gpu-check/towers_vs_transformers.py)
+#   transformers where Python has torch and transformers: the Qwen2-VL-2B, Qwen2.5-VL-7B and
+#                Qwen3-VL-8B towers in bf16, at 1, 4 and 32 images of 448x448 per call, against
+#                transformers with its best attention on the same GPU and inputs: each side timed
+#                in one process at steady state (median of the calls after the first, the first
+#                call reported apart), with its achieved TFLOPS and share of the GPU's bf16 peak
+#                (measured there with a bf16 matmul) (tools/gpu-check/towers_vs_transformers.py)
 #
 # It prints one summary table and writes it as JSON to DIR/summary.json (default DIR:
 # target/gpu-check, or gpu-check-results beside the bundle with --prebuilt), next to every
 # command's output. Exit status: 0 when every step that ran passed, 1 when one failed, 2 when
 # there is no usable GPU (the GPU steps are then skipped, with the plugin's reason).
-# The whole check takes under ten minutes on one GPU; --quick under five.
+# The whole check is sized for under ten minutes on one GPU, --quick for under six on an H200.
 #
-# --quick shortens the bench (200 prompts), the attention timing (1024 and 4096 tokens) and the
-# transformers comparison (2 repeats).
+# --quick shortens the tiny bench (200 prompts) and the 7B one (300 prompts at 30 requests/s,
+# 10 s of load; the default is 1000 at 20, 50 s), the attention timing (1024 and 4096 tokens)
+# and the transformers comparison (3 timed calls per case instead of 10).
 # --debug uses a debug build instead of release: for trying the script's own steps on a machine
 # without a GPU, where the release build's time buys nothing.
 # Environment: SKIP (steps not to run, comma-separated: plugin-check, ops-gpu, encode, bench,
-# attention, transformers), BENCH_ARGS (extra `iris bench` flags), ENCODE_TOLERANCE_F32 and
-# ENCODE_TOLERANCE_BF16 (relative L2 error allowed against the CPU device; defaults 1e-4 and
-# 2e-2), PYTHON (default python3).
+# attention, transformers; bench covers both benches), BENCH_ARGS (extra `iris bench` flags, for
+# both benches), ENCODE_TOLERANCE_F32 and ENCODE_TOLERANCE_BF16 (relative L2 error allowed
+# against the CPU device; defaults 1e-4 and 2e-2), SMI_GPU (the nvidia-smi index of the GPU iris
+# runs on, for the benches' cross-check; default 0), PYTHON (default python3).
 set -uo pipefail
 script_dir=$(cd "$(dirname "$0")" && pwd)
 
@@ -72,46 +81,40 @@ while [ $# -gt 0 ]; do
     --debug) profile=debug; shift ;;
     --prebuilt) prebuilt="$2"; shift 2 ;;
     --archive) archive="$2"; shift 2 ;;
-    -h|--help) sed -n '2,58p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,68p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 64 ;;
   esac
 done
 python="${PYTHON:-python3}"
 
-# make_bundle DIR STRIP: builds iris, both plugin builds with their GPU test binary and the
-# attention timing, and copies them with the fixtures and helpers into DIR. Needs the checkout.
+# make_bundle DIR STRIP: builds iris, the CUDA plugin with its GPU test binary and the attention
+# timing, and copies them with the fixtures and helpers into DIR. Needs the checkout.
 make_bundle() {
-  local dir="$1" strip="$2" root flags=() major target exe
+  local dir="$1" strip="$2" root flags=() target exe
   root=$(cd "$script_dir/.." && pwd)
   [ "$profile" = release ] && flags+=(--release)
+  target="$root/target/$profile"
   rm -rf "$dir"
-  mkdir -p "$dir/bin" "$dir/gpu-check" || return 1
+  mkdir -p "$dir/bin" "$dir/gpu-check" "$dir/cuda" || return 1
   (cd "$root" && cargo build "${flags[@]}" -p iris) || return 1
-  cp "$root/target/$profile/iris" "$dir/bin/" || return 1
-  for major in 12 13; do
-    # Each major in its own target folder: the plugin's file names carry no feature hash.
-    local features=(--target-dir "$root/target/cuda$major")
-    [ "$major" = 13 ] && features+=(--no-default-features --features cuda-13)
-    target="$root/target/cuda$major/$profile"
-    mkdir -p "$dir/cuda$major"
-    (cd "$root" && cargo build "${flags[@]}" "${features[@]}" -p iris-device-cuda --lib --example attention_bench) || return 1
-    # The test binary's path, from cargo's JSON messages.
-    exe=$(cd "$root" && cargo test "${flags[@]}" "${features[@]}" -p iris-device-cuda --test ops --no-run \
-      --message-format=json 2> /dev/null | "$python" -c '
+  cp "$target/iris" "$dir/bin/" || return 1
+  (cd "$root" && cargo build "${flags[@]}" -p iris-device-cuda --lib --example attention_bench) || return 1
+  # The test binary's path, from cargo's JSON messages.
+  exe=$(cd "$root" && cargo test "${flags[@]}" -p iris-device-cuda --test ops --no-run \
+    --message-format=json 2> /dev/null | "$python" -c '
 import json, sys
 for line in sys.stdin:
     msg = json.loads(line)
     if msg.get("reason") == "compiler-artifact" and msg.get("executable") and msg["target"]["name"] == "ops":
         print(msg["executable"])')
-    [ -n "$exe" ] || return 1
-    cp "$target/libiris_device_cuda.so" "$target/examples/attention_bench" "$dir/cuda$major/" || return 1
-    cp "$exe" "$dir/cuda$major/ops" || return 1
-  done
+  [ -n "$exe" ] || return 1
+  cp "$target/libiris_device_cuda.so" "$target/examples/attention_bench" "$dir/cuda/" || return 1
+  cp "$exe" "$dir/cuda/ops" || return 1
   cp -r "$root/tests/data/golden" "$dir/golden" || return 1
   cp "$script_dir/gpu-check.sh" "$dir/" || return 1
   cp "$script_dir"/gpu-check/*.py "$dir/gpu-check/" || return 1
   if [ "$strip" = 1 ]; then
-    strip "$dir/bin/iris" "$dir"/cuda*/libiris_device_cuda.so "$dir"/cuda*/ops "$dir"/cuda*/attention_bench || return 1
+    strip "$dir/bin/iris" "$dir/cuda/libiris_device_cuda.so" "$dir/cuda/ops" "$dir/cuda/attention_bench" || return 1
   fi
 }
 
@@ -173,6 +176,35 @@ run() {
 
 skip() { record "$1" skip 0 "$2"; }
 
+# bench_step NAME FLAGS...: `iris bench --device cuda FLAGS` as step NAME, nvidia-smi logging
+# device memory from a second before it to two seconds after its process exits, then NAME.verdict:
+# tools/gpu-check/bench_verdict.py on its --result-json (memory back to the post-start baseline,
+# 0 bytes leaked) and on the log (nothing left held once the process is gone).
+bench_step() {
+  local name="$1" smi_pid="" verdict=()
+  shift
+  local json="$out/$name.json" smi_log="$out/$name-nvidia-smi.csv"
+  rm -f "$json"
+  verdict=("$json")
+  if command -v nvidia-smi > /dev/null 2>&1; then
+    nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 200 > "$smi_log" 2>&1 &
+    smi_pid=$!
+    verdict+=("$smi_log")
+  fi
+  verdict+=(--gpu "${SMI_GPU:-0}")
+  sleep 1
+  # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags on purpose
+  run "$name" "$out/$name.log" "$iris" bench --device cuda --no-progress --result-json "$json" \
+    --plot "$out/$name-memory.svg" "$@" ${BENCH_ARGS:-}
+  sleep 2
+  if [ -n "$smi_pid" ]; then kill "$smi_pid" 2> /dev/null; wait "$smi_pid" 2> /dev/null; fi
+  if [ -s "$json" ]; then
+    run "$name.verdict" "$out/$name.verdict.log" "$python" "$bundle/gpu-check/bench_verdict.py" "${verdict[@]}"
+  else
+    skip "$name.verdict" "no $name.json: the $name step wrote no result"
+  fi
+}
+
 # wanted STEP: whether STEP is not listed in $SKIP.
 wanted() { case ",${SKIP:-}," in *",$1,"*) return 1 ;; *) return 0 ;; esac; }
 
@@ -214,8 +246,9 @@ else
   skip libraries "no nvidia/*/lib in $python's site-packages; the loader path and CUDA_HOME are used"
 fi
 
-# --- which plugin build loads here ------------------------------------------------------------
-# count_devices JSON: the cuda plugin's device count, then its reason or what it loaded.
+# --- what the plugin loaded here ----------------------------------------------------------------
+# count_devices JSON: the cuda plugin's device count, then its reason or what it loaded (which
+# CUDA major's libraries, and why not the other).
 count_devices() {
   "$python" - "$1" <<'EOF'
 import json, sys
@@ -226,24 +259,25 @@ if not cuda:
 else:
     p = cuda[0]
     loaded = [d.get("properties", {}).get("cuda_libraries", "") for d in p["devices"]]
-    print(len(p["devices"]), (p.get("reason") or "; ".join(l for l in loaded if l)).replace("\n", " "))
+    # One text per process: every device shows the libraries the process loaded.
+    loaded = "; ".join(dict.fromkeys(l for l in loaded if l))
+    print(len(p["devices"]), (p.get("reason") or loaded).replace("\n", " "))
 EOF
 }
-plugin_dir="$bundle/cuda12"
-if [ -x "$iris" ]; then
-  choice="neither build has a device here; the CUDA 12 build is used"
-  for major in 12 13; do
-    IRIS_PLUGIN_PATH="$bundle/cuda$major" "$iris" devices --json > "$out/devices.cuda$major.json" 2>&1 || continue
-    read -r found why < <(count_devices "$out/devices.cuda$major.json")
-    if [ "${found:-0}" -gt 0 ]; then
-      plugin_dir="$bundle/cuda$major"
-      choice="the CUDA $major build: $why"
-      break
-    fi
-  done
-  record plugin pass 0 "$choice"
-fi
+plugin_dir="$bundle/cuda"
 export IRIS_PLUGIN_PATH="$plugin_dir"
+if [ -x "$iris" ]; then
+  if "$iris" devices --json > "$out/devices.plugin.json" 2>&1; then
+    read -r found why < <(count_devices "$out/devices.plugin.json")
+    if [ "${found:-0}" -gt 0 ]; then
+      record plugin pass 0 "$why"
+    else
+      skip plugin "no device: ${why:-unknown}"
+    fi
+  else
+    record plugin fail 0 "iris devices failed; see $out/devices.plugin.json"
+  fi
+fi
 
 # --- iris devices -----------------------------------------------------------------------------
 devices=0
@@ -327,51 +361,16 @@ EOF
     done
   done
 
-  # --- the seed experiment ----------------------------------------------------------------------
+  # --- the seed experiment, on the tiny model and at Qwen2.5-VL-7B's size -----------------------
   if wanted bench; then
-  bench_args=(--device cuda --no-progress --result-json "$out/bench.json" --plot "$out/bench-memory.svg")
-  [ "$quick" -eq 1 ] && bench_args+=(--num-prompts 200)
-  # shellcheck disable=SC2206 # BENCH_ARGS is a list of flags on purpose
-  bench_args+=(${BENCH_ARGS:-})
-  smi_log="$out/bench-nvidia-smi.csv"
-  smi_pid=""
-  if command -v nvidia-smi > /dev/null 2>&1; then
-    nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 200 > "$smi_log" 2>&1 &
-    smi_pid=$!
-  fi
-  sleep 1
-  run bench "$out/bench.log" "$iris" bench "${bench_args[@]}"
-  sleep 2
-  if [ -n "$smi_pid" ]; then kill "$smi_pid" 2> /dev/null; wait "$smi_pid" 2> /dev/null; fi
-  if [ -s "$out/bench.json" ]; then
-    run bench.verdict "$out/bench.verdict.log" "$python" - "$out/bench.json" "$smi_log" <<'EOF'
-import json, sys
-report = json.load(open(sys.argv[1]))
-verdict, memory = report["verdict"], report["memory"]
-mib = lambda b: b / (1 << 20)
-for point in ("before_start", "after_start", "after_load", "after_reset"):
-    p = memory[point]
-    print(f"{point:<13} device used {mib(p['device_used_bytes']):10.1f} MiB, allocator reserved "
-          f"{mib(p['allocator_reserved_bytes']):10.1f} MiB, encoder cache {mib(p['encoder_cache_bytes']):8.1f} MiB")
-peak_iris = max(p["point"]["device_used_bytes"] for p in report["timeline"]) if report["timeline"] else 0
-try:
-    rows = [l.split(",") for l in open(sys.argv[2]) if l.count(",") >= 2]
-    used = [float(r[2]) for r in rows if r[1].strip() == "0"]
-except (OSError, ValueError):
-    used = []
-if used:
-    print(f"nvidia-smi (GPU 0): before {used[0]:.0f} MiB, peak {max(used):.0f} MiB, after {used[-1]:.0f} MiB; "
-          f"iris's peak device-used figure {mib(peak_iris):.0f} MiB")
-    # After the process exits every byte it held must be back.
-    if used[-1] > used[0] + 64:
-        print("nvidia-smi: memory after the run exceeds the memory before it by more than 64 MiB")
-        sys.exit(1)
-print(f"verdict: returned={verdict['returned']}, leaked {verdict['leaked_bytes']} bytes")
-sys.exit(0 if verdict["returned"] and verdict["leaked_bytes"] == 0 else 1)
-EOF
-  else
-    skip bench.verdict "no bench.json"
-  fi
+    tiny_args=()
+    [ "$quick" -eq 1 ] && tiny_args+=(--num-prompts 200)
+    bench_step bench "${tiny_args[@]}"
+    # Real size: the 7B tower with dummy weights in bf16. --quick keeps the load at 10 s (300
+    # prompts of 2 images at 30 requests/s: about 450 fresh encodes at some 7 ms each on an H200).
+    big_args=(--model qwen2.5-vl-7b --weights dummy --dtype bf16)
+    [ "$quick" -eq 1 ] && big_args+=(--num-prompts 300 --request-rate 30)
+    bench_step bench.7b "${big_args[@]}"
   else
     skip bench "in SKIP"
   fi
@@ -396,8 +395,8 @@ EOF
   if ! wanted transformers; then
     skip transformers "in SKIP"
   elif "$python" -c "import torch, transformers; assert torch.cuda.is_available()" > /dev/null 2>&1; then
-    repeats=5
-    [ "$quick" -eq 1 ] && repeats=2
+    repeats=10
+    [ "$quick" -eq 1 ] && repeats=3
     run transformers "$out/transformers.log" "$python" "$bundle/gpu-check/towers_vs_transformers.py" \
       --iris "$iris" --repeats "$repeats" --json "$out/transformers.json"
   else

@@ -1,0 +1,275 @@
+//! The Python helpers of `tools/gpu-check.sh` against what the real binary writes, so that
+//! neither side can drift from the other unnoticed (the first GPU run found a verdict step that
+//! read a key `iris bench` never wrote, and so could never pass).
+//!
+//! - `tools/gpu-check/bench_verdict.py` on a real `iris bench --result-json`, on a doctored copy
+//!   that leaked, on a report of the wrong shape, and with synthetic nvidia-smi logs.
+//! - `tools/gpu-check/towers_vs_transformers.py`: its FLOP counts, and its iris side end to end
+//!   (`--iris-only` on the CPU device with the tiny model), which reads `iris encode
+//!   --timings-json`.
+//!
+//! They need `python3` (or `$PYTHON`): CI has it, and a machine without it fails here rather
+//! than passing by doing nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+// Each test binary uses a part of the shared helpers; this one starts no server.
+#[allow(dead_code)]
+mod common;
+
+use common::{ENGINE, iris};
+
+fn folder(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("iris-gpu-check-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp folder");
+    dir
+}
+
+fn tool(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tools/gpu-check")
+        .join(name)
+}
+
+/// Runs a Python helper; a missing interpreter is a failure, not a skip.
+fn python(script: &str, args: &[&str]) -> Output {
+    let interpreter = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    Command::new(&interpreter)
+        .arg(tool(script))
+        .args(args)
+        .output()
+        .unwrap_or_else(|err| {
+            panic!("`{interpreter}` does not run ({err}); these tests need Python 3 (set PYTHON to use another)")
+        })
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+fn path_str(path: &Path) -> &str {
+    path.to_str().expect("utf-8 temp path")
+}
+
+/// nvidia-smi's `--query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits` lines
+/// for GPU 0 (with GPU 1 beside it, which the verdict must ignore).
+fn smi_log(dir: &Path, name: &str, used_mib: &[u32]) -> PathBuf {
+    let mut log = String::new();
+    for (i, used) in used_mib.iter().enumerate() {
+        log.push_str(&format!("2026/01/01 00:00:{i:02}.000, 0, {used}\n"));
+        log.push_str(&format!("2026/01/01 00:00:{i:02}.000, 1, 70000\n"));
+    }
+    let path = dir.join(name);
+    std::fs::write(&path, log).expect("log written");
+    path
+}
+
+#[test]
+fn bench_verdict_reads_what_iris_bench_writes() {
+    let dir = folder("verdict");
+    let json = dir.join("bench.json");
+    let bench = iris(&dir)
+        .arg("bench")
+        .args(ENGINE)
+        .args([
+            "--num-prompts",
+            "6",
+            "--images-per-prompt",
+            "1",
+            "--image-size",
+            "56x56",
+            "--request-rate",
+            "inf",
+            "--no-progress",
+            "--result-json",
+        ])
+        .arg(&json)
+        .output()
+        .expect("iris bench runs");
+    assert!(bench.status.success(), "{}", text(&bench));
+
+    let passed = python("bench_verdict.py", &[path_str(&json)]);
+    let out = text(&passed);
+    assert_eq!(passed.status.code(), Some(0), "{out}");
+    assert!(
+        out.contains(
+            "verdict: memory after reset returns to the post-start baseline: yes, leaked 0 bytes"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("after_reset"),
+        "the checkpoints are printed: {out}"
+    );
+
+    // The same report as if reset had not given 4 KiB back.
+    let mut report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("bench.json")).expect("JSON");
+    report["memory_returned_to_baseline"] = Value::Bool(false);
+    report["leaked_bytes"] = Value::from(4096);
+    let leaked = dir.join("leaked.json");
+    std::fs::write(&leaked, report.to_string()).expect("doctored copy written");
+    let failed = python("bench_verdict.py", &[path_str(&leaked)]);
+    let out = text(&failed);
+    assert_eq!(failed.status.code(), Some(1), "{out}");
+    assert!(out.contains("baseline: no, leaked 4096 bytes"), "{out}");
+
+    // The shape the first version of the step expected: drift is its own exit status.
+    let mut old = report.clone();
+    if let Some(map) = old.as_object_mut() {
+        map.remove("memory_returned_to_baseline");
+        map.remove("leaked_bytes");
+        map.insert(
+            "verdict".into(),
+            serde_json::json!({"returned": true, "leaked_bytes": 0}),
+        );
+    }
+    let drifted = dir.join("drifted.json");
+    std::fs::write(&drifted, old.to_string()).expect("old-shape copy written");
+    let out = python("bench_verdict.py", &[path_str(&drifted)]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("no `memory_returned_to_baseline`"),
+        "{}",
+        text(&out)
+    );
+
+    // nvidia-smi: 40 MiB more after the run than before is within the 64 MiB allowed; 65 is not.
+    let within = smi_log(&dir, "within.csv", &[1000, 9000, 9100, 1040]);
+    let out = python("bench_verdict.py", &[path_str(&json), path_str(&within)]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains("before 1000 MiB, peak 9100 MiB, after 1040 MiB"),
+        "{}",
+        text(&out)
+    );
+    let held = smi_log(&dir, "held.csv", &[1000, 9000, 9100, 1065]);
+    let out = python("bench_verdict.py", &[path_str(&json), path_str(&held)]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("by 65 MiB"), "{}", text(&out));
+    // The other GPU's figures are not this run's.
+    let out = python(
+        "bench_verdict.py",
+        &[path_str(&json), path_str(&held), "--gpu", "1"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    // A log without a sample of the GPU cannot vouch for anything.
+    let empty = smi_log(&dir, "empty.csv", &[]);
+    let out = python("bench_verdict.py", &[path_str(&json), path_str(&empty)]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tower_flops_match_the_published_towers() {
+    let dir = folder("flops");
+    let json = dir.join("flops.json");
+    let out = python(
+        "towers_vs_transformers.py",
+        &[
+            "--flops",
+            "--towers",
+            "qwen2-vl-2b,qwen2.5-vl-7b,qwen3-vl-8b",
+            "--json",
+            path_str(&json),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("written"))
+        .expect("JSON parses");
+    // One 448x448 image, worked out by hand from the vision configs.
+    for (tower, tflop) in [
+        ("qwen2-vl-2b", 1.48),
+        ("qwen2.5-vl-7b", 1.35),
+        ("qwen3-vl-8b", 0.79),
+    ] {
+        let total = v["flop_per_image"][tower]["total"]
+            .as_f64()
+            .unwrap_or(f64::NAN)
+            / 1e12;
+        assert!((total - tflop).abs() <= 0.01, "{tower}: {total} TFLOP");
+    }
+    // Qwen2.5-VL's windowed layers: 28 of them over 16 windows of 64 patches, 4 over all 1024.
+    let attention = v["flop_per_image"]["qwen2.5-vl-7b"]["attention"]
+        .as_f64()
+        .unwrap_or(f64::NAN);
+    let (d, full, window) = (1280.0, 1024.0_f64, 64.0_f64);
+    let expected = 4.0 * 4.0 * full * full * d + 28.0 * 16.0 * 4.0 * window * window * d;
+    assert!(
+        (attention - expected).abs() <= 1.0,
+        "{attention} vs {expected}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn towers_script_times_iris_in_one_process_per_batch() {
+    let dir = folder("towers");
+    let json = dir.join("towers.json");
+    let out = python(
+        "towers_vs_transformers.py",
+        &[
+            "--iris",
+            env!("CARGO_BIN_EXE_iris"),
+            "--iris-only",
+            "--device",
+            "cpu",
+            "--towers",
+            "tiny",
+            "--image-size",
+            "112",
+            "--batches",
+            "1,3",
+            "--repeats",
+            "2",
+            "--peak-tflops",
+            "1",
+            "--json",
+            path_str(&json),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("written"))
+        .expect("JSON parses");
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2, "{v}");
+    for (row, images) in rows.iter().zip([1u64, 3]) {
+        assert_eq!(row["images"], images, "{row}");
+        // 112x112 is 8x8 patches, 16 tokens after the 2x2 merge.
+        assert_eq!(row["tokens"], images * 16, "{row}");
+        let iris = &row["iris"];
+        assert_eq!(iris["calls_ms"].as_array().map(Vec::len), Some(2), "{row}");
+        assert_eq!(iris["warmup"], true, "{row}");
+        for key in [
+            "first_ms",
+            "median_ms",
+            "ms_per_image",
+            "tflops",
+            "share_of_peak",
+        ] {
+            let x = iris[key].as_f64().unwrap_or(f64::NAN);
+            assert!(x.is_finite() && x > 0.0, "{key} in {row}");
+        }
+        let per_image = iris["ms_per_image"].as_f64().unwrap_or(f64::NAN);
+        let median = iris["median_ms"].as_f64().unwrap_or(f64::NAN);
+        assert!(
+            (per_image * images as f64 - median).abs() <= 1e-9 * median,
+            "{row}"
+        );
+        assert!(row["transformers"].is_null(), "{row}");
+    }
+    assert!(
+        text(&out).contains("| tiny | 3 |"),
+        "the table has a row per batch: {}",
+        text(&out)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
