@@ -117,8 +117,14 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
             report.mode
         ),
         format!(
-            "peak activation (planned)  {}",
-            mib(report.planned_peak_activation_bytes)
+            "live tensors at the peak   {} (the arena is {:.3}x)",
+            mib(report.planned_peak_activation_bytes),
+            report.peak_activation_bytes as f64
+                / report.planned_peak_activation_bytes.max(1) as f64
+        ),
+        format!(
+            "step outputs               {} (to the encoder cache)",
+            mib(report.step_outputs_bytes)
         ),
         format!(
             "non-allocator growth       {}",

@@ -4,13 +4,18 @@
 //!
 //! Two ways to size that step ([`ProfileMode`]):
 //!
+//! Every step, at start-up as when serving, runs to a plan ([`crate::encoder::plan`]): its
+//! input, activations and workspaces at planned places of one arena block, its outputs in
+//! blocks of their own that the encoder cache keeps. The largest step's peak activation is its
+//! arena, within a few percent of the most bytes its tensors hold live at once.
+//!
 //! - **dry** (the default): the tower walks its real op sequence at the largest size with the
-//!   device's compute skipped, allocating and freeing every tensor and workspace in the order a
-//!   real run does through a [`CachingAllocator::dry_run`] copy of the allocator, which takes
-//!   the real allocator's decisions on virtual memory. Its peak (allocated or reserved, the
-//!   larger rise) is the real step's, block rounding and segment sizes included, in the time
-//!   the host needs to walk the graph. One real step on the smallest item then runs the device
-//!   for what it holds outside the allocator (contexts, library handles, packed weights).
+//!   device's compute skipped, allocating and freeing every tensor in the order a real run
+//!   does through a [`CachingAllocator::dry_run`] copy of the allocator, which takes the real
+//!   allocator's decisions on virtual memory: the arena it gets is the real step's, in the
+//!   time the host needs to walk the graph. One real step on the smallest item then runs the
+//!   device for what it holds outside the allocator (contexts, library handles, packed
+//!   weights).
 //! - **real**: the largest step runs on the device and is measured, as vLLM does it; seconds
 //!   on an accelerator, minutes to hours on a CPU.
 //!
@@ -25,8 +30,8 @@
 //! Each phase that can take long reports its progress to a [`StartupProgress`] and its time
 //! in [`StartupTimings`].
 //!
-//! The report separates weights, peak activation memory (the rise of the allocator's peak
-//! during the run), memory the driver holds outside the allocator (non-allocator growth), the
+//! The report separates weights, peak activation memory (the largest step's arena), the
+//! step's outputs, memory the driver holds outside the allocator (non-allocator growth), the
 //! encoder cache's size in tokens and bytes, and the memory available under
 //! `device_memory_utilization`. Start-up is refused, with the numbers, when the device has less
 //! free memory than that share of its total.
@@ -293,13 +298,18 @@ pub struct StartupProfile {
     pub profile: MemoryProfile,
     /// Bytes of weights on the device (allocator blocks).
     pub weights_bytes: u64,
-    /// Peak activation bytes of the largest step: measured (`real`), or the larger rise of the
-    /// dry-run allocator's allocated and reserved peaks (`dry`), which is what the real step
-    /// would take.
+    /// Peak activation bytes of the largest step: the block of its arena, where its inputs,
+    /// activations and workspaces lie at their planned places (see
+    /// [`crate::encoder::plan`]); taken by the real step (`real`) or by the dry run on the
+    /// allocator's books (`dry`), which decides as the real one does.
     pub peak_activation_bytes: u64,
-    /// The sum of live tensors' rounded sizes at their peak, from planning the step; it
-    /// leaves out what the allocator adds by reusing larger blocks and by segment sizes.
+    /// The most bytes of the step's arena tensors live at once (rounded to the allocator's
+    /// block size): the least any placement needs, which the arena exceeds by a few percent.
     pub planned_peak_activation_bytes: u64,
+    /// Bytes of the largest step's outputs (the embeddings, and deepstack rows, of its items):
+    /// blocks of their own that the encoder cache keeps, so its budget holds them, not the
+    /// activations'.
+    pub step_outputs_bytes: u64,
     /// Growth of memory held outside the allocator since the first snapshot.
     pub non_allocator_growth_bytes: u64,
     /// The largest item's grid `(t, h, w)` and its embedding tokens.
@@ -404,12 +414,8 @@ pub fn profile_startup(
     let rows = patches_per_item * items_per_batch;
     let row_len = vision.patch_row_len() as u64;
 
-    let planner = Runner::planner(Arc::clone(allocator));
-    {
-        let input = planner.tensor(request.dtype, rows, row_len)?;
-        drop(tower.forward(&planner, &input, &grids)?);
-    }
-    let planned_peak_activation_bytes = planner.planned_peak();
+    let plan = Arc::new(tower.plan_step(allocator, &grids)?);
+    let planned_peak_activation_bytes = plan.live_peak();
 
     let depth = vision.depth as u64;
     let phase = Phase::begin(
@@ -422,51 +428,47 @@ pub fn profile_startup(
         depth,
     );
     let profiler = MemoryProfiler::start(allocator, before_start, weights_bytes)?;
-    let dry_peak = match request.mode {
+    let step = match request.mode {
         ProfileMode::Dry => {
-            let dry = Runner::dry_run(allocator)?;
-            let start = dry.allocator().stats();
+            let dry = Runner::dry_run(allocator)?.step(Arc::clone(&plan));
             {
-                let input = dry.tensor(request.dtype, rows, row_len)?;
+                let input = dry.upload_placeholder(request.dtype, rows, row_len)?;
                 let outputs = tower.forward_with_progress(&dry, &input, &grids, &mut |done| {
                     progress.advance(StartupPhase::Profile, done as u64);
                     Ok(())
                 })?;
+                drop(input);
                 drop(outputs);
             }
-            let end = dry.allocator().stats();
-            let allocated = end.peak_allocated - start.allocated;
-            let reserved = end.peak_reserved - start.reserved;
+            let step = dry.step_report();
             // What the device holds outside the allocator appears only when ops run: one
             // step of the smallest item runs them all, on every weight.
             let smallest = item_grid(request, processor.factor())?;
-            let rows = u64::from(smallest[1]) * u64::from(smallest[2]);
-            let input = runner.tensor(request.dtype, rows, row_len)?;
-            drop(tower.forward(&runner, &input, &[smallest])?);
-            drop(input);
-            allocator.synchronize().map_err(EncoderError::from)?;
-            Some(allocated.max(reserved))
+            run_step(&runner, &tower, request.dtype, &[smallest])?;
+            step
         }
         ProfileMode::Real => {
-            // A mid-grey image after normalisation: the values do not change the memory used.
-            let input = runner.tensor(request.dtype, rows, row_len)?;
-            let outputs = tower.forward_with_progress(&runner, &input, &grids, &mut |done| {
-                // Waiting for each layer makes the progress the device's, not the queue's.
-                allocator.synchronize()?;
-                progress.advance(StartupPhase::Profile, done as u64);
-                Ok(())
-            })?;
-            drop(outputs);
-            drop(input);
+            let real = runner.step(Arc::clone(&plan));
+            {
+                let input = real.upload_placeholder(request.dtype, rows, row_len)?;
+                let outputs = tower.forward_with_progress(&real, &input, &grids, &mut |done| {
+                    // Waiting for each layer makes the progress the device's, not the queue's.
+                    allocator.synchronize()?;
+                    progress.advance(StartupPhase::Profile, done as u64);
+                    Ok(())
+                })?;
+                drop(input);
+                drop(outputs);
+            }
             allocator.synchronize().map_err(EncoderError::from)?;
-            None
+            real.step_report()
         }
     };
-    let measured = profiler.finish()?;
-    let profile = match dry_peak {
-        Some(peak) => measured.with_peak_increase(peak.max(measured.peak_increase)),
-        None => measured,
-    };
+    let step = step.unwrap_or_default();
+    // The step's activations are its arena, in a dry run as in a real one; its outputs go to
+    // the encoder cache, whose size is budgeted apart.
+    let peak_activation_bytes = step.arena_bytes;
+    let profile = profiler.finish()?.with_peak_increase(peak_activation_bytes);
     timings.profile_s = phase.finish();
     let warm_up = request.warm_up.runs_on(allocator.device().description());
     let mut warm_up_steps = Vec::new();
@@ -487,11 +489,8 @@ pub fn profile_startup(
         );
         for (done, grids) in ladder.iter().enumerate() {
             let rows = step_rows(grids);
-            let input = runner.tensor(request.dtype, rows, row_len)?;
-            drop(tower.forward(&runner, &input, grids)?);
-            drop(input);
             // One step at a time: the device's memory peak stays the largest step's.
-            allocator.synchronize().map_err(EncoderError::from)?;
+            run_step(&runner, &tower, request.dtype, grids)?;
             progress.advance(StartupPhase::WarmUp, done as u64 + 1);
             warm_up_steps.push(rows);
         }
@@ -513,8 +512,9 @@ pub fn profile_startup(
         mode: request.mode,
         warm_up_steps,
         weights_bytes,
-        peak_activation_bytes: profile.peak_increase,
+        peak_activation_bytes,
         planned_peak_activation_bytes,
+        step_outputs_bytes: plan.output_bytes(),
         non_allocator_growth_bytes: profile.non_allocator_increase,
         profile,
         max_item_grid: grid,
@@ -528,6 +528,23 @@ pub fn profile_startup(
         timings,
     };
     Ok((tower, report))
+}
+
+/// Runs one step of `grids` to its plan, on a placeholder input, and waits for it.
+fn run_step(
+    runner: &Runner,
+    tower: &VisionTower,
+    dtype: DType,
+    grids: &[Grid],
+) -> Result<(), EncoderError> {
+    let plan = Arc::new(tower.plan_step(runner.allocator(), grids)?);
+    let step = runner.step(plan);
+    let row_len = tower.config().patch_row_len() as u64;
+    let input = step.upload_placeholder(dtype, step_rows(grids), row_len)?;
+    drop(tower.forward(&step, &input, grids)?);
+    drop(input);
+    drop(step);
+    runner.allocator().synchronize().map_err(EncoderError::from)
 }
 
 /// The warm-up's steps, each the grids of its items: one item from `smallest` up to `largest`,

@@ -89,8 +89,9 @@ fn profile_with(
     report
 }
 
-/// The dry run's peak covers the real step's, allocated and reserved, and is in fact equal
-/// to the larger of the two: the dry-run allocator took the real one's decisions.
+/// The dry run predicts what the real step takes, exactly, and that is within 5% of the most
+/// bytes the step's tensors hold live at once: memory reserved for a step and never used is
+/// memory the encoder cache does not get.
 fn check(preset: &str, dtype: DType) {
     let spec = small_spec(preset);
     let dry = profile(&spec, dtype, ProfileMode::Dry, ProgressSink::default());
@@ -104,24 +105,29 @@ fn check(preset: &str, dtype: DType) {
     assert_eq!((dry.items_per_batch, real.items_per_batch), (2, 2));
     assert_eq!((dry.mode, real.mode), (ProfileMode::Dry, ProfileMode::Real));
 
+    // The real step's rise of the allocator's peaks: its arena and its outputs.
     let before = real.profile.before_profile;
     let after = real.profile.after_profile;
     let real_allocated = after.allocator_peak_allocated - before.allocator_allocated;
     let real_reserved = after.allocator_peak_reserved - before.allocator_reserved;
-    assert_eq!(real.peak_activation_bytes, real_allocated);
     let predicted = dry.peak_activation_bytes;
-    assert!(
-        predicted >= real_allocated && predicted >= real_reserved,
-        "{preset} {dtype}: dry-run peak {predicted} below the real step's (allocated \
-         {real_allocated}, reserved {real_reserved})"
-    );
     assert_eq!(
-        predicted,
-        real_allocated.max(real_reserved),
-        "{preset} {dtype}: the dry run should take the real allocator's decisions"
+        predicted, real.peak_activation_bytes,
+        "{preset} {dtype}: the dry run decides as the real allocator does"
     );
-    // The plan of live tensors alone does not see the allocator's additions; the dry run does.
-    assert!(predicted >= dry.planned_peak_activation_bytes);
+    assert_eq!(dry.step_outputs_bytes, real.step_outputs_bytes);
+    assert!(
+        predicted + real.step_outputs_bytes >= real_allocated.max(real_reserved),
+        "{preset} {dtype}: arena {predicted} and outputs {} below the real step's rise \
+         (allocated {real_allocated}, reserved {real_reserved})",
+        real.step_outputs_bytes
+    );
+    let live = real.planned_peak_activation_bytes;
+    assert!(
+        predicted >= live && predicted as f64 <= 1.05 * live as f64,
+        "{preset} {dtype}: arena {predicted} against a live peak of {live} ({:.3}x)",
+        predicted as f64 / live as f64
+    );
     // The budget that follows is the same whichever way the peak was found.
     assert_eq!(dry.weights_bytes, real.weights_bytes);
     assert_eq!(

@@ -12,6 +12,10 @@
 //! every tensor is allocated and freed through a [`CachingAllocator::dry_run`] copy of the
 //! allocator, which takes the real allocator's decisions on virtual memory, so its peaks
 //! (allocated and reserved) are exactly those of the same run executed.
+//!
+//! A *step* ([`Runner::step`]) follows a [`StepPlan`] made by [`Runner::plan_step`]: its
+//! tensors take their planned places in one arena block, its outputs blocks of their own
+//! (see [`super::plan`]). Executing, planning and dry runs all take steps.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -26,6 +30,7 @@ use iris_plugin::{
 };
 
 use crate::encoder::EncoderError;
+use crate::encoder::plan::{Slot, StepPlan, TraceEvent};
 use crate::memory::allocator::round_size;
 use crate::memory::{CachingAllocator, DeviceBuffer};
 
@@ -50,6 +55,21 @@ enum Storage {
     Dry(#[allow(dead_code)] DeviceBuffer),
     /// Held only for its `Drop`, which returns the planned bytes.
     Planned(#[allow(dead_code)] PlannedBlock),
+    /// A planned place in a step's arena (with no memory behind it in a dry run).
+    Arena(ArenaSlot),
+}
+
+impl Storage {
+    /// The device buffer and byte offset the storage starts at; `None` without memory.
+    fn place(&self) -> Option<(BufferHandle, u64)> {
+        match self {
+            Storage::Device(buffer) => Some((buffer.handle(), buffer.offset())),
+            Storage::Arena(slot) if !slot.arena.allocator().is_dry_run() => {
+                Some((slot.arena.handle(), slot.arena.offset() + slot.offset))
+            }
+            Storage::Arena(_) | Storage::Dry(_) | Storage::Planned(_) => None,
+        }
+    }
 }
 
 impl std::fmt::Debug for Tensor {
@@ -90,10 +110,10 @@ impl Tensor {
 
     /// The ABI view of this tensor.
     pub fn mat(&self) -> MatRef {
-        let (buf, base) = match self.storage.as_ref() {
-            Storage::Device(buffer) => (buffer.handle(), buffer.offset()),
-            Storage::Planned(_) | Storage::Dry(_) => (iris_plugin::BufferHandle::NULL, 0),
-        };
+        let (buf, base) = self
+            .storage
+            .place()
+            .unwrap_or((iris_plugin::BufferHandle::NULL, 0));
         MatRef {
             buf,
             offset: base + self.offset,
@@ -191,6 +211,8 @@ pub struct Runner {
     plan: Option<Arc<Mutex<PlanState>>>,
     /// Ops are skipped and tensors come from a dry-run allocator.
     dry: bool,
+    /// The step being run to a plan, if any.
+    step: Option<Arc<Mutex<StepState>>>,
     staging: Arc<Mutex<StagingRing>>,
 }
 
@@ -198,10 +220,14 @@ pub struct Runner {
 struct PlanState {
     live: u64,
     peak: u64,
+    /// The allocations and frees so far, when recording a step's trace.
+    trace: Option<Vec<TraceEvent>>,
+    allocations: usize,
 }
 
 struct PlannedBlock {
     bytes: u64,
+    index: usize,
     state: Arc<Mutex<PlanState>>,
 }
 
@@ -209,6 +235,56 @@ impl Drop for PlannedBlock {
     fn drop(&mut self) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         state.live -= self.bytes;
+        let index = self.index;
+        if let Some(trace) = &mut state.trace {
+            trace.push(TraceEvent::Free(index));
+        }
+    }
+}
+
+/// A step run to its plan: the arena, which slots are live, and what was measured.
+struct StepState {
+    plan: Arc<StepPlan>,
+    /// Allocations made so far.
+    next: usize,
+    /// Allocated with the first arena slot; kept until the step's runner is gone.
+    arena: Option<Arc<DeviceBuffer>>,
+    /// Live arena slots: `(index, offset, end)`.
+    live: Vec<(usize, u64, u64)>,
+    live_bytes: u64,
+    report: StepReport,
+}
+
+/// What a step run to its plan took ([`Runner::step_report`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Bytes of the arena block (0 until the first arena tensor).
+    pub arena_bytes: u64,
+    /// The most bytes of arena tensors live at once, as they came and went.
+    pub live_peak: u64,
+    /// Allocations made on their own as outputs, in bytes asked for.
+    pub output_bytes: u64,
+    /// Allocations within the plan that departed from it (another size, or their place
+    /// still held) and were made on their own instead. Allocations after the planned ones
+    /// (reading outputs back) are blocks of their own and not counted.
+    pub departures: u64,
+}
+
+/// A tensor's place in a step's arena; dropping it frees the place.
+struct ArenaSlot {
+    arena: Arc<DeviceBuffer>,
+    offset: u64,
+    bytes: u64,
+    index: usize,
+    state: Arc<Mutex<StepState>>,
+}
+
+impl Drop for ArenaSlot {
+    fn drop(&mut self) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let index = self.index;
+        state.live.retain(|&(i, ..)| i != index);
+        state.live_bytes -= self.bytes;
     }
 }
 
@@ -220,6 +296,7 @@ impl Runner {
             allocator,
             plan: None,
             dry: false,
+            step: None,
             staging: Arc::default(),
         }
     }
@@ -231,6 +308,7 @@ impl Runner {
             allocator,
             plan: Some(Arc::new(Mutex::new(PlanState::default()))),
             dry: false,
+            step: None,
             staging: Arc::default(),
         }
     }
@@ -249,8 +327,66 @@ impl Runner {
             allocator: copy,
             plan: None,
             dry: true,
+            step: None,
             staging: Arc::default(),
         })
+    }
+
+    /// Plans a step: runs `work` on a planning runner that records every allocation and
+    /// free, and places them (see [`StepPlan`]). What `work` returns is held while the plan is
+    /// made, so the tensors in it are the step's outputs; `work` must allocate exactly as the
+    /// step that follows the plan will, in the same order.
+    ///
+    /// # Errors
+    /// What `work` returns.
+    pub fn plan_step<T>(
+        allocator: &Arc<CachingAllocator>,
+        work: impl FnOnce(&Runner) -> Result<T, EncoderError>,
+    ) -> Result<StepPlan, EncoderError> {
+        let planner = Runner::planner(Arc::clone(allocator));
+        let state = planner
+            .plan
+            .clone()
+            .ok_or_else(|| shape_error("planner state"))?;
+        state.lock().unwrap_or_else(PoisonError::into_inner).trace = Some(Vec::new());
+        let outputs = work(&planner)?;
+        let trace = state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .trace
+            .take()
+            .unwrap_or_default();
+        drop(outputs);
+        Ok(StepPlan::new(&trace))
+    }
+
+    /// A runner for one step that follows `plan`: on the same device, allocator and mode
+    /// (executing or dry), with each tensor in its planned place (see [`StepPlan`]). The
+    /// arena goes back to the allocator when this runner and every tensor in it are gone.
+    pub fn step(&self, plan: Arc<StepPlan>) -> Runner {
+        Runner {
+            device: Arc::clone(&self.device),
+            allocator: Arc::clone(&self.allocator),
+            plan: None,
+            dry: self.dry,
+            step: Some(Arc::new(Mutex::new(StepState {
+                plan,
+                next: 0,
+                arena: None,
+                live: Vec::new(),
+                live_bytes: 0,
+                report: StepReport::default(),
+            }))),
+            staging: Arc::clone(&self.staging),
+        }
+    }
+
+    /// What this step runner's step took so far (`None` for a runner not made by
+    /// [`Runner::step`]).
+    pub fn step_report(&self) -> Option<StepReport> {
+        self.step
+            .as_ref()
+            .map(|step| step.lock().unwrap_or_else(PoisonError::into_inner).report)
     }
 
     /// Peak live bytes seen so far in planning mode (0 when executing).
@@ -260,7 +396,7 @@ impl Runner {
         })
     }
 
-    /// Whether ops are skipped (planning or a dry run).
+    /// Whether ops are skipped (planning or a dry run): uploads may then pass no values.
     pub fn is_planning(&self) -> bool {
         self.plan.is_some() || self.dry
     }
@@ -278,19 +414,25 @@ impl Runner {
     /// An uninitialised `rows x cols` tensor.
     pub fn tensor(&self, dtype: DType, rows: u64, cols: u64) -> Result<Tensor, EncoderError> {
         let bytes = (rows * cols * dtype_size(dtype)).max(1);
-        let storage = match &self.plan {
-            Some(state) => {
+        let storage = match (&self.plan, &self.step) {
+            (Some(state), _) => {
                 let rounded = round_size(bytes).unwrap_or(bytes);
                 let mut guard = state.lock().unwrap_or_else(PoisonError::into_inner);
                 guard.live += rounded;
                 guard.peak = guard.peak.max(guard.live);
+                let index = guard.allocations;
+                guard.allocations += 1;
+                if let Some(trace) = &mut guard.trace {
+                    trace.push(TraceEvent::Alloc(bytes));
+                }
                 Storage::Planned(PlannedBlock {
                     bytes: rounded,
+                    index,
                     state: Arc::clone(state),
                 })
             }
-            None if self.dry => Storage::Dry(self.allocator.alloc(bytes)?),
-            None => Storage::Device(self.allocator.alloc(bytes)?),
+            (None, Some(step)) => self.step_storage(step, bytes)?,
+            (None, None) => self.own_storage(bytes)?,
         };
         Ok(Tensor {
             storage: Arc::new(storage),
@@ -302,6 +444,75 @@ impl Runner {
         })
     }
 
+    /// A block of its own from the allocator (on paper in a dry run).
+    fn own_storage(&self, bytes: u64) -> Result<Storage, EncoderError> {
+        let buffer = self.allocator.alloc(bytes)?;
+        Ok(if self.dry {
+            Storage::Dry(buffer)
+        } else {
+            Storage::Device(buffer)
+        })
+    }
+
+    /// The next allocation of a step: its planned place in the arena, or a block of its own
+    /// for an output or where the run departs from the plan.
+    fn step_storage(
+        &self,
+        step: &Arc<Mutex<StepState>>,
+        bytes: u64,
+    ) -> Result<Storage, EncoderError> {
+        let mut state = step.lock().unwrap_or_else(PoisonError::into_inner);
+        let index = state.next;
+        state.next += 1;
+        let (offset, size) = match state.plan.slot(index, bytes) {
+            Some(Slot::Arena {
+                offset,
+                bytes: size,
+            }) if !state
+                .live
+                .iter()
+                .any(|&(_, start, end)| start < offset + size && offset < end) =>
+            {
+                (offset, size)
+            }
+            Some(Slot::Own { .. }) => {
+                state.report.output_bytes += bytes;
+                drop(state);
+                return self.own_storage(bytes);
+            }
+            // Past the planned work (reading outputs back): blocks of their own.
+            _ if index >= state.plan.len() => {
+                drop(state);
+                return self.own_storage(bytes);
+            }
+            _ => {
+                state.report.departures += 1;
+                tracing::debug!(index, bytes, "a step allocation departs from its plan");
+                drop(state);
+                return self.own_storage(bytes);
+            }
+        };
+        let arena = match &state.arena {
+            Some(arena) => Arc::clone(arena),
+            None => {
+                let arena = Arc::new(self.allocator.alloc_whole(state.plan.arena_bytes())?);
+                state.report.arena_bytes = arena.capacity();
+                state.arena = Some(Arc::clone(&arena));
+                arena
+            }
+        };
+        state.live.push((index, offset, offset + size));
+        state.live_bytes += size;
+        state.report.live_peak = state.report.live_peak.max(state.live_bytes);
+        Ok(Storage::Arena(ArenaSlot {
+            arena,
+            offset,
+            bytes: size,
+            index,
+            state: Arc::clone(step),
+        }))
+    }
+
     /// Uploads host f32 data as a `rows x cols` tensor of `dtype` (converted on the host).
     pub fn upload_f32(
         &self,
@@ -310,6 +521,10 @@ impl Runner {
         rows: u64,
         cols: u64,
     ) -> Result<Tensor, EncoderError> {
+        if data.is_empty() && self.is_planning() {
+            // Sizing only: the values are not needed (see `Runner::is_planning`).
+            return self.tensor(dtype, rows, cols);
+        }
         if data.len() as u64 != rows * cols {
             return Err(EncoderError::Shape(format!(
                 "upload of {} values into a {rows}x{cols} tensor",
@@ -333,8 +548,8 @@ impl Runner {
         cols: u64,
     ) -> Result<Tensor, EncoderError> {
         let tensor = self.parts_tensor(parts, dtype, rows, cols)?;
-        if let Storage::Device(buffer) = tensor.storage.as_ref() {
-            self.stage_f32(buffer.handle(), buffer.offset(), parts, dtype)?;
+        if let Some((handle, offset)) = self.target(&tensor) {
+            self.stage_f32(handle, offset, parts, dtype)?;
         }
         Ok(tensor)
     }
@@ -398,40 +613,68 @@ impl Runner {
         cols: u64,
         writes: &mut AsyncWrites<'a>,
     ) -> Result<Tensor, EncoderError> {
-        // The device reads the values' bytes as they lie in memory: little-endian f32.
-        if cfg!(target_endian = "big") || !self.device.has_async_write() {
+        if self.casts_uploads(dtype) {
+            let values = self.upload_f32_parts_lent(parts, DType::F32, rows, cols, writes)?;
+            return self.cast_upload(&values, dtype);
+        }
+        if !self.writes_uploads() {
             return self.upload_f32_parts(parts, dtype, rows, cols);
         }
-        if dtype != DType::F32 {
-            if self.is_planning() || !self.device.supports(OpKind::CAST) {
-                return self.upload_f32_parts(parts, dtype, rows, cols);
-            }
-            let values = self.upload_f32_parts_lent(parts, DType::F32, rows, cols, writes)?;
-            let out = self.tensor(dtype, rows, cols)?;
-            self.op(
-                |ws| CastArgs {
-                    src: values.mat(),
-                    out: out.mat(),
-                    workspace: ws,
-                },
-                Device::cast_workspace,
-                Device::cast,
-            )?;
-            return Ok(out);
-        }
         let tensor = self.parts_tensor(parts, dtype, rows, cols)?;
-        if let Storage::Device(buffer) = tensor.storage.as_ref() {
-            let mut offset = buffer.offset();
+        if let Some((handle, mut offset)) = self.target(&tensor) {
             for part in parts {
                 let bytes = f32_bytes(part);
-                if !writes.write(buffer.handle(), offset, bytes)? {
+                if !writes.write(handle, offset, bytes)? {
                     // The plugin turned such writes down after all: stage this part.
-                    self.stage_f32(buffer.handle(), offset, &[part], dtype)?;
+                    self.stage_f32(handle, offset, &[part], dtype)?;
                 }
                 offset += bytes.len() as u64;
             }
         }
         Ok(tensor)
+    }
+
+    /// A `rows x cols` tensor of `dtype` allocated as [`Runner::upload_f32_parts_lent`]
+    /// allocates one, in the same order, with no values written: what sizes and plans a step
+    /// whose input is uploaded that way. Its elements are unspecified.
+    pub fn upload_placeholder(
+        &self,
+        dtype: DType,
+        rows: u64,
+        cols: u64,
+    ) -> Result<Tensor, EncoderError> {
+        if self.casts_uploads(dtype) {
+            let values = self.tensor(DType::F32, rows, cols)?;
+            return self.cast_upload(&values, dtype);
+        }
+        self.tensor(dtype, rows, cols)
+    }
+
+    /// Whether uploads are written by the device's queue from host memory (see
+    /// [`Runner::upload_f32_parts_lent`]).
+    fn writes_uploads(&self) -> bool {
+        // The device reads the values' bytes as they lie in memory: little-endian f32.
+        cfg!(target_endian = "little") && self.device.has_async_write()
+    }
+
+    /// Whether an upload of `dtype` is written as f32 and cast on the device.
+    fn casts_uploads(&self, dtype: DType) -> bool {
+        dtype != DType::F32 && self.writes_uploads() && self.device.supports(OpKind::CAST)
+    }
+
+    /// `values` (f32) cast on the device into a new tensor of `dtype`.
+    fn cast_upload(&self, values: &Tensor, dtype: DType) -> Result<Tensor, EncoderError> {
+        let out = self.tensor(dtype, values.rows, values.cols)?;
+        self.op(
+            |ws| CastArgs {
+                src: values.mat(),
+                out: out.mat(),
+                workspace: ws,
+            },
+            Device::cast_workspace,
+            Device::cast,
+        )?;
+        Ok(out)
     }
 
     /// Uploads raw little-endian bytes of `dtype`.
@@ -443,8 +686,10 @@ impl Runner {
         cols: u64,
     ) -> Result<Tensor, EncoderError> {
         let tensor = self.tensor(dtype, rows, cols)?;
-        if let Storage::Device(buffer) = tensor.storage.as_ref() {
-            buffer.write(0, bytes)?;
+        match tensor.storage.as_ref() {
+            Storage::Device(buffer) => buffer.write(0, bytes)?,
+            Storage::Arena(slot) if !self.is_planning() => slot.arena.write(slot.offset, bytes)?,
+            _ => {}
         }
         Ok(tensor)
     }
@@ -811,6 +1056,15 @@ impl Runner {
         });
         run(&self.device, &args(slice))?;
         Ok(())
+    }
+
+    /// Where `tensor`'s elements start on the device, when ops run and it has memory.
+    fn target(&self, tensor: &Tensor) -> Option<(BufferHandle, u64)> {
+        if self.is_planning() {
+            return None;
+        }
+        let (handle, base) = tensor.storage.place()?;
+        Some((handle, base + tensor.offset))
     }
 
     /// The runner's staging buffers, allocated on first use.

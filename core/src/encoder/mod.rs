@@ -1,8 +1,10 @@
 //! The vision encoder: tensors and an op runner over the caching allocator ([`exec`]), host-side
-//! index arithmetic ([`layout`]) and the Qwen-VL towers as graphs of ABI ops ([`tower`]).
+//! index arithmetic ([`layout`]), step plans that place a step's tensors in one arena
+//! ([`plan`]) and the Qwen-VL towers as graphs of ABI ops ([`tower`]).
 
 pub mod exec;
 pub mod layout;
+pub mod plan;
 pub mod tower;
 
 use thiserror::Error;

@@ -12,6 +12,7 @@
 //! mergers that read hidden states at chosen layers.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use iris_plugin::{Activation, BinaryOp, DType};
 
@@ -21,6 +22,8 @@ use crate::encoder::layout::{
     Grid, expand_units, frame_cu_seqlens, interpolated_pos_embed, inverse_permutation, patches,
     rotary_positions, rotary_tables, window_layout,
 };
+use crate::encoder::plan::StepPlan;
+use crate::memory::CachingAllocator;
 use crate::model::{Family, HostTensor, HostWeights, VisionConfig};
 
 /// A vision tower with its weights resident on a device.
@@ -203,6 +206,28 @@ impl VisionTower {
         patches(grid) as u64 / self.config.merge_unit() as u64
     }
 
+    /// Plans a step on `grids` (see [`StepPlan`]) whose input is uploaded by
+    /// [`Runner::upload_f32_parts_lent`] (or made by [`Runner::upload_placeholder`]) on a runner
+    /// of `allocator`, then run by [`VisionTower::forward`] and dropped after it: the order every
+    /// step of this tower takes.
+    ///
+    /// # Errors
+    /// Grids the tower cannot run.
+    pub fn plan_step(
+        &self,
+        allocator: &Arc<CachingAllocator>,
+        grids: &[Grid],
+    ) -> Result<StepPlan, EncoderError> {
+        let rows: u64 = grids.iter().map(|g| patches(*g) as u64).sum();
+        let row_len = self.config.patch_row_len() as u64;
+        Runner::plan_step(allocator, |planner| {
+            let input = planner.upload_placeholder(self.dtype, rows, row_len)?;
+            let outputs = self.forward(planner, &input, grids)?;
+            drop(input);
+            Ok(outputs)
+        })
+    }
+
     /// Runs the tower on `pixels` (`[patches, C*T*P*P]`, the images' rows concatenated in
     /// order) for images of the given grids; one output per image, each in its own buffers.
     pub fn forward(
@@ -253,7 +278,12 @@ impl VisionTower {
         )?;
         if let Some(table) = &self.pos_table {
             let side = integer_sqrt(cfg.num_position_embeddings.unwrap_or(0));
-            let pos = interpolated_pos_embed(table, side, cfg.hidden, grids, merge);
+            // Planning sizes tensors only: the host tables are not worth computing for it.
+            let pos = if runner.is_planning() {
+                Vec::new()
+            } else {
+                interpolated_pos_embed(table, side, cfg.hidden, grids, merge)
+            };
             let pos = runner.upload_f32(&pos, self.dtype, total, hidden_size)?;
             runner.binary_in_place(&hidden, &pos, BinaryOp::ADD)?;
         }
@@ -285,7 +315,11 @@ impl VisionTower {
         #[allow(clippy::cast_possible_truncation)]
         let theta = cfg.rope_theta as f32;
         let head_dim = cfg.head_dim();
-        let (cos, sin) = rotary_tables(&positions, head_dim, theta);
+        let (cos, sin) = if runner.is_planning() {
+            (Vec::new(), Vec::new())
+        } else {
+            rotary_tables(&positions, head_dim, theta)
+        };
         let rows = total;
         let cols = head_dim as u64;
         let rotary = Rotary {

@@ -36,6 +36,8 @@ use crate::cache::device::{DeviceEncoderCache, Entry};
 use crate::cache::encoder::{EncoderCacheManagement, EncoderCacheManager};
 use crate::encoder::EncoderError;
 use crate::encoder::exec::{Runner, dtype_size};
+use crate::encoder::layout::Grid;
+use crate::encoder::plan::StepPlan;
 use crate::encoder::tower::VisionTower;
 use crate::engine::Shared;
 use crate::engine::api::{EngineError, ResetReport};
@@ -170,6 +172,8 @@ pub(crate) struct Worker {
     baseline_allocated: u64,
     /// Hashes whose outputs this step stored in the device cache.
     written: Vec<String>,
+    /// The last step's plan, by its grids: a bench or a steady load repeats its steps.
+    last_plan: Option<(Vec<Grid>, Arc<StepPlan>)>,
 }
 
 impl Worker {
@@ -193,6 +197,7 @@ impl Worker {
             by_key: HashMap::new(),
             baseline_allocated: runner.allocator().stats().allocated,
             written: Vec::new(),
+            last_plan: None,
             runner,
         }
     }
@@ -744,21 +749,27 @@ impl Worker {
         let parts: Vec<&[f32]> = batch.iter().map(|i| i.pixel_values.as_slice()).collect();
         let grids: Vec<[u32; 3]> = batch.iter().map(|image| image.grid_thw).collect();
         let rows = parts.iter().map(|p| p.len() as u64).sum::<u64>() / row_len;
+        let plan = match &self.last_plan {
+            Some((planned, plan)) if *planned == grids => Arc::clone(plan),
+            _ => {
+                let plan = Arc::new(tower.plan_step(self.runner.allocator(), &grids)?);
+                self.last_plan = Some((grids.clone(), Arc::clone(&plan)));
+                plan
+            }
+        };
+        // The step's tensors take their planned places in one arena (see `StepPlan`).
+        let step = self.runner.step(plan);
         // Where the device reads host memory as its queue runs, the pixels are not copied on
         // this thread: the device copies them, in order, ahead of the forward pass (as a copy
         // engine would), and `writes` keeps them borrowed until it has.
         let mut writes = self.runner.device().async_writes();
-        let input =
-            self.runner
-                .upload_f32_parts_lent(&parts, self.dtype, rows, row_len, &mut writes)?;
+        let input = step.upload_f32_parts_lent(&parts, self.dtype, rows, row_len, &mut writes)?;
         let started = Instant::now();
         // Forward enqueues the graph; the encoder's time is that of completed work.
-        let outputs = tower
-            .forward(&self.runner, &input, &grids)
-            .and_then(|outputs| {
-                self.sync()?;
-                Ok(outputs)
-            });
+        let outputs = tower.forward(&step, &input, &grids).and_then(|outputs| {
+            self.sync()?;
+            Ok(outputs)
+        });
         self.shared
             .encoder_time_ns
             .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
@@ -797,18 +808,15 @@ impl Worker {
         Ok(())
     }
 
-    /// Device bytes encoding `image` alone takes at its peak (input, activations, outputs),
-    /// planned without running anything.
+    /// Device bytes encoding `image` alone takes (its step's arena and its outputs), planned
+    /// without running anything.
     fn encode_bytes(&self, image: &PreprocessedImage) -> Result<u64, EncoderError> {
         let tower = self
             .tower
             .as_ref()
             .ok_or_else(|| EncoderError::Shape("the tower is asleep".to_owned()))?;
-        let planner = Runner::planner(Arc::clone(self.runner.allocator()));
-        let rows = image.num_patches() as u64;
-        let input = planner.tensor(self.dtype, rows, self.vision.patch_row_len() as u64)?;
-        drop(tower.forward(&planner, &input, &[image.grid_thw])?);
-        Ok(planner.planned_peak())
+        let plan = tower.plan_step(self.runner.allocator(), &[image.grid_thw])?;
+        Ok(plan.arena_bytes() + plan.output_bytes())
     }
 
     /// How `needed` bytes compare with what the device can give, measured after memory was

@@ -27,6 +27,12 @@
 //! [`SMALL_SIZE`]); a freed block merges with free neighbours in its segment, so a segment whose
 //! blocks are all free is one free block, which `empty_cache` returns to the device.
 //!
+//! A step's activations come as one block ([`CachingAllocator::alloc_whole`], the *whole*
+//! pool): a segment of exactly the rounded request, never split, reused whole by a request it
+//! fits, and given back (with every other idle whole segment) when a larger one is needed, so
+//! the planned arena of a step costs what its plan says and no more (see
+//! `crate::encoder::plan`).
+//!
 //! When the device reports out of memory, the allocator empties its cache and retries once
 //! (counted in [`AllocatorStats::oom_retries`]); if that fails too, it reports
 //! [`AllocError::OutOfMemory`] with the request, its own figures and the device's.
@@ -197,6 +203,8 @@ pub enum PoolKind {
     Small,
     /// Larger requests.
     Large,
+    /// Blocks taken whole ([`CachingAllocator::alloc_whole`]): one block per segment.
+    Whole,
 }
 
 /// One segment and its blocks, as [`CachingAllocator::segments`] reports them (PyTorch's
@@ -362,6 +370,63 @@ impl CachingAllocator {
         })
     }
 
+    /// Allocates one block of at least `bytes` bytes that is a segment of its own (the
+    /// *whole* pool): a step's arena. A cached whole segment is reused when it holds the
+    /// request (the smallest that does); otherwise every idle whole segment goes back to the
+    /// device first and a segment of exactly the rounded request is created, so the pool never
+    /// keeps more than the largest arena in use and its cost is the request, not a size class.
+    /// Out-of-memory is handled as in [`CachingAllocator::alloc`].
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use iris_core::memory::CachingAllocator;
+    /// let plugin = iris_plugin::Plugin::builtin(iris_device_cpu::plugin_root());
+    /// let device = Arc::new(plugin.open(0, &[("capacity".into(), "64MiB".into())])?);
+    /// let allocator = CachingAllocator::new(device);
+    /// let arena = allocator.alloc_whole(3 << 20)?;
+    /// assert_eq!(allocator.stats().reserved, 3 << 20);
+    /// drop(arena);
+    /// // A smaller arena reuses it; a larger one replaces it.
+    /// drop(allocator.alloc_whole(1 << 20)?);
+    /// drop(allocator.alloc_whole(5 << 20)?);
+    /// assert_eq!(allocator.stats().reserved, 5 << 20);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn alloc_whole(self: &Arc<Self>, bytes: u64) -> Result<DeviceBuffer, AllocError> {
+        if bytes == 0 {
+            return Err(AllocError::InvalidArgument {
+                argument: "bytes",
+                message: "an allocation must be at least 1 byte".to_owned(),
+            });
+        }
+        let rounded = round_size(bytes).ok_or_else(|| too_large(bytes))?;
+        let pool = PoolKind::Whole;
+        let mut state = self.lock();
+        let (segment, size) = match state.take_free(pool, rounded) {
+            Some((segment, _, size)) => (segment, size),
+            None => {
+                if let Err(err) = state.release_idle(&self.device, pool) {
+                    // Those segments stay reserved; the new one may still fit beside them.
+                    tracing::warn!(error = %err, "returning idle arenas to the device");
+                }
+                let (segment, size) = self.grow(&mut state, pool, bytes, rounded)?;
+                state.free_set(pool).remove(&(size, segment, 0));
+                (segment, size)
+            }
+        };
+        let (handle, capacity) = state.carve(segment, 0, size, rounded, bytes);
+        state.debug_check();
+        drop(state);
+        Ok(DeviceBuffer {
+            allocator: Arc::clone(self),
+            handle,
+            segment,
+            offset: 0,
+            len: bytes,
+            capacity,
+        })
+    }
+
     /// Waits until the device's queue has run everything submitted so far and reports the
     /// first failure of that work, including one that a memory snapshot taken on another
     /// thread ran into first (a device reports an asynchronous failure once, to whichever call
@@ -460,7 +525,12 @@ impl CachingAllocator {
         requested: u64,
         rounded: u64,
     ) -> Result<(u64, u64), AllocError> {
-        let size = segment_size(rounded).ok_or_else(|| too_large(requested))?;
+        let size = match pool {
+            PoolKind::Whole => rounded,
+            PoolKind::Small | PoolKind::Large => {
+                segment_size(rounded).ok_or_else(|| too_large(requested))?
+            }
+        };
         match state.new_segment(&self.device, pool, size, rounded) {
             Ok(segment) => return Ok(segment),
             Err(err) if err.is_out_of_memory() => {}
@@ -722,6 +792,7 @@ struct State {
     segments: BTreeMap<u64, Segment>,
     small_free: BTreeSet<FreeKey>,
     large_free: BTreeSet<FreeKey>,
+    whole_free: BTreeSet<FreeKey>,
     next_segment: u64,
     stats: AllocatorStats,
     /// A failure of queued device work that a reader on another thread (a memory snapshot)
@@ -787,6 +858,7 @@ impl State {
                 .collect(),
             small_free: self.small_free.clone(),
             large_free: self.large_free.clone(),
+            whole_free: self.whole_free.clone(),
             next_segment: self.next_segment,
             stats: self.stats,
             deferred_failure: None,
@@ -831,6 +903,7 @@ impl State {
         match pool {
             PoolKind::Small => &mut self.small_free,
             PoolKind::Large => &mut self.large_free,
+            PoolKind::Whole => &mut self.whole_free,
         }
     }
 
@@ -992,11 +1065,26 @@ impl State {
 
     /// Frees every segment that is one free block.
     fn release_cached(&mut self, device: &Device) -> Result<u64, AllocError> {
+        self.release_where(device, |_| true)
+    }
+
+    /// Frees every segment of `pool` that is one free block.
+    fn release_idle(&mut self, device: &Device, pool: PoolKind) -> Result<u64, AllocError> {
+        self.release_where(device, |seg| seg.pool == pool)
+    }
+
+    /// Frees every segment that is one free block and that `select` picks.
+    fn release_where(
+        &mut self,
+        device: &Device,
+        select: impl Fn(&Segment) -> bool,
+    ) -> Result<u64, AllocError> {
         let idle: Vec<u64> = self
             .segments
             .iter()
             .filter(|(_, seg)| {
-                seg.blocks.len() == 1
+                select(seg)
+                    && seg.blocks.len() == 1
                     && seg
                         .blocks
                         .get(&0)
@@ -1095,6 +1183,7 @@ impl State {
             .iter()
             .map(|key| (PoolKind::Small, *key))
             .chain(self.large_free.iter().map(|key| (PoolKind::Large, *key)))
+            .chain(self.whole_free.iter().map(|key| (PoolKind::Whole, *key)))
             .collect();
         if listed != free_blocks {
             return Err(format!(
@@ -1156,6 +1245,7 @@ fn should_split(pool: PoolKind, remainder: u64) -> bool {
     match pool {
         PoolKind::Small => remainder >= MIN_BLOCK_SIZE,
         PoolKind::Large => remainder > SMALL_SIZE,
+        PoolKind::Whole => false,
     }
 }
 
