@@ -12,6 +12,7 @@ use iris_plugin::Activation;
 use serde_json::{Map, Value};
 
 use super::ModelError;
+use crate::preprocess::video::{VideoLoader, VideoResize};
 use crate::preprocess::{CLIP_MEAN, CLIP_STD, ProcessorConfig};
 
 /// LayerNorm / RMSNorm epsilon of every Qwen-VL vision tower (hard-coded in transformers).
@@ -639,6 +640,23 @@ pub struct ModelSpec {
     pub processor: ProcessorConfig,
 }
 
+/// Qwen3-VL checkpoints' video pixel bounds (`video_preprocessor_config.json`'s `size`), over
+/// all frames of a video.
+pub const QWEN3_VL_VIDEO_MIN_PIXELS: u64 = 4096;
+/// See [`QWEN3_VL_VIDEO_MIN_PIXELS`].
+pub const QWEN3_VL_VIDEO_MAX_PIXELS: u64 = 25_165_824;
+
+/// How a model's videos are sampled and processed ([`ModelSpec::video_processing`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VideoProcessing {
+    /// The video processor's settings (patch geometry, pixel bounds, mean and std).
+    pub config: ProcessorConfig,
+    /// How frames are resized.
+    pub resize: VideoResize,
+    /// vLLM's loader, which chooses the frames.
+    pub loader: VideoLoader,
+}
+
 impl ModelSpec {
     /// A built-in preset by name (case-insensitive); see [`super::presets::PRESET_NAMES`].
     pub fn preset(name: &str) -> Result<ModelSpec, ModelError> {
@@ -686,6 +704,44 @@ impl ModelSpec {
         };
         spec.check_agreement(&pre_file)?;
         Ok(spec)
+    }
+
+    /// How this model's videos are sampled and processed, as vLLM selects it from the video
+    /// processor's class: Qwen2-VL and Qwen2.5-VL take `Qwen2VLVideoProcessor` with the image
+    /// processor's settings (their checkpoints ship no video configuration) and vLLM's
+    /// `qwen2_vl` loader; Qwen3-VL takes `Qwen3VLVideoProcessor` with the settings of the
+    /// `video_preprocessor_config.json` its checkpoints ship (pixel bounds 4096 and 25165824 over
+    /// all frames) and the `qwen3_vl` loader. A model directory's own
+    /// `video_preprocessor_config.json`, when `dir` has one, replaces those settings.
+    ///
+    /// # Errors
+    /// An unreadable or invalid `video_preprocessor_config.json`.
+    pub fn video_processing(&self, dir: Option<&Path>) -> Result<VideoProcessing, ModelError> {
+        let (loader, resize, mut config) = match self.vision.family {
+            Family::Qwen2Vl | Family::Qwen25Vl => (
+                VideoLoader::Qwen2Vl,
+                VideoResize::PerFrame,
+                self.processor.clone(),
+            ),
+            Family::Qwen3Vl => {
+                let mut config = self.processor.clone();
+                config.min_pixels = QWEN3_VL_VIDEO_MIN_PIXELS;
+                config.max_pixels = QWEN3_VL_VIDEO_MAX_PIXELS;
+                (VideoLoader::Qwen3Vl, VideoResize::OverAllFrames, config)
+            }
+        };
+        if let Some(path) = dir
+            .map(|dir| dir.join("video_preprocessor_config.json"))
+            .filter(|path| path.exists())
+        {
+            let json = read_json_object(&path)?;
+            config = ProcessorConfig::from_hf_json(&json, &path.display().to_string())?;
+        }
+        Ok(VideoProcessing {
+            config,
+            resize,
+            loader,
+        })
     }
 
     /// Validates the tower, the processor settings and that they agree on the patch geometry.

@@ -41,7 +41,8 @@ use std::path::PathBuf;
 use iris_plugin::DType;
 
 pub use config::{
-    Family, HiddenAct, LAYER_NORM_EPS, MAX_DEPTH, ModelSpec, ROPE_THETA, VisionConfig,
+    Family, HiddenAct, LAYER_NORM_EPS, MAX_DEPTH, ModelSpec, QWEN3_VL_VIDEO_MAX_PIXELS,
+    QWEN3_VL_VIDEO_MIN_PIXELS, ROPE_THETA, VideoProcessing, VisionConfig,
 };
 pub use dummy::{DUMMY_DEFAULT_SEED, dummy_weights};
 pub use weights::{

@@ -30,6 +30,7 @@ mod decode;
 mod error;
 mod patchify;
 mod resize;
+pub mod video;
 
 #[cfg(test)]
 mod golden_tests;
@@ -42,7 +43,7 @@ pub use decode::{
 };
 pub use error::PreprocessError;
 pub use patchify::patchify;
-pub use resize::{resize_bicubic, smart_resize};
+pub use resize::{resize_bicubic, resize_bicubic_aa_u8, smart_resize};
 
 /// Width and height in pixels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,4 +1,6 @@
-//! `smart_resize` and Pillow's bicubic resampling, bit for bit.
+//! `smart_resize` and Pillow's bicubic resampling, bit for bit; and the antialiased bicubic
+//! resampling PyTorch runs on 8-bit images (what torchvision's `resize` does in transformers'
+//! video processors), bit for bit.
 //!
 //! The resampler is a port of the algorithm in Pillow's `Resample.c` for 8-bit images:
 //! Catmull-Rom cubic (`a = -0.5`) with its support widened by the downscale factor,
@@ -82,10 +84,39 @@ pub fn smart_resize(
     }
 }
 
+/// Resizes an RGB image to `to` exactly as PyTorch's antialiased bicubic interpolation of an
+/// 8-bit image does (`torchvision.transforms.v2.functional.resize(..., BICUBIC,
+/// antialias=True)` on a `uint8` tensor on the CPU, the resize of transformers' Qwen-VL video
+/// processors): Pillow's algorithm (Keys cubic with `a = -0.5`, support widened by the
+/// downscale factor, a horizontal pass into an 8-bit intermediate, then a vertical pass), with
+/// the weights quantized to 16-bit integers at the largest precision that keeps the pass's
+/// largest weight below 2^15 instead of Pillow's 22 bits, and every source row run through the
+/// horizontal pass. The two differ by a level here and there, and by more where one side grows
+/// while the other shrinks.
+#[must_use]
+pub fn resize_bicubic_aa_u8(src: &RgbImage, to: ImageSize) -> RgbImage {
+    resample(src, to, Precision::Int16)
+}
+
 /// Resizes an RGB image to `to` exactly as Pillow's `Image.resize(to, Image.BICUBIC)` does.
 /// Returns a copy when the size does not change (as Pillow does).
 #[must_use]
 pub fn resize_bicubic(src: &RgbImage, to: ImageSize) -> RgbImage {
+    resample(src, to, Precision::Pillow)
+}
+
+/// How the filter weights are quantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Precision {
+    /// Pillow: 22 fractional bits; the horizontal pass covers only the rows the vertical one
+    /// reads.
+    Pillow,
+    /// PyTorch's `uint8` kernels: 16-bit weights with as many fractional bits as the largest
+    /// weight allows; every row through the horizontal pass.
+    Int16,
+}
+
+fn resample(src: &RgbImage, to: ImageSize, precision: Precision) -> RgbImage {
     let (sw, sh) = (src.size.width as usize, src.size.height as usize);
     let (dw, dh) = (to.width as usize, to.height as usize);
     if (sw, sh) == (dw, dh) || sw == 0 || sh == 0 || dw == 0 || dh == 0 {
@@ -98,13 +129,19 @@ pub fn resize_bicubic(src: &RgbImage, to: ImageSize) -> RgbImage {
             }
         };
     }
-    let horiz = Coeffs::new(sw, dw);
-    let vert = Coeffs::new(sh, dh);
+    let horiz = Coeffs::new(sw, dw, precision);
+    let vert = Coeffs::new(sh, dh, precision);
 
-    // Horizontal pass over only the source rows the vertical pass reads (Pillow's ybox).
+    // Horizontal pass over only the source rows the vertical pass reads (Pillow's ybox), or
+    // over every row (PyTorch, which does not crop).
     let (tmp, rows_first, tmp_h) = if dw != sw {
-        let first = vert.bounds.first().map_or(0, |b| b.0);
-        let last = vert.bounds.last().map_or(sh, |b| b.0 + b.1);
+        let (first, last) = match precision {
+            Precision::Pillow if dh != sh => (
+                vert.bounds.first().map_or(0, |b| b.0),
+                vert.bounds.last().map_or(sh, |b| b.0 + b.1),
+            ),
+            _ => (0, sh),
+        };
         let rows = last - first;
         let mut tmp = vec![0u8; dw * rows * CHANNELS];
         for (y, out_row) in tmp.chunks_exact_mut(dw * CHANNELS).enumerate() {
@@ -112,7 +149,7 @@ pub fn resize_bicubic(src: &RgbImage, to: ImageSize) -> RgbImage {
             for (x, out_px) in out_row.chunks_exact_mut(CHANNELS).enumerate() {
                 let (start, len) = horiz.bounds[x];
                 let k = &horiz.kk[x * horiz.ksize..x * horiz.ksize + len];
-                let mut ss = [ROUND_HALF; CHANNELS];
+                let mut ss = [horiz.round_half(); CHANNELS];
                 for (i, &ki) in k.iter().enumerate() {
                     let px = &in_row[(start + i) * CHANNELS..(start + i + 1) * CHANNELS];
                     for c in 0..CHANNELS {
@@ -120,7 +157,7 @@ pub fn resize_bicubic(src: &RgbImage, to: ImageSize) -> RgbImage {
                     }
                 }
                 for c in 0..CHANNELS {
-                    out_px[c] = clip8(ss[c]);
+                    out_px[c] = clip8(ss[c], horiz.bits);
                 }
             }
         }
@@ -143,11 +180,11 @@ pub fn resize_bicubic(src: &RgbImage, to: ImageSize) -> RgbImage {
         let start = start - rows_first;
         let k = &vert.kk[y * vert.ksize..y * vert.ksize + len];
         for (xc, out_v) in out_row.iter_mut().enumerate() {
-            let mut ss = ROUND_HALF;
+            let mut ss = vert.round_half();
             for (i, &ki) in k.iter().enumerate() {
                 ss += i64::from(tmp[(start + i) * stride + xc]) * ki;
             }
-            *out_v = clip8(ss);
+            *out_v = clip8(ss, vert.bits);
         }
     }
     RgbImage {
@@ -156,9 +193,9 @@ pub fn resize_bicubic(src: &RgbImage, to: ImageSize) -> RgbImage {
     }
 }
 
-/// Fixed-point precision of Pillow's 8-bit resampling (`PRECISION_BITS = 32 - 8 - 2`).
+/// Fixed-point precision of Pillow's 8-bit resampling (`PRECISION_BITS = 32 - 8 - 2`), and
+/// PyTorch's ceiling for its 16-bit weights.
 const PRECISION_BITS: u32 = 22;
-const ROUND_HALF: i64 = 1 << (PRECISION_BITS - 1);
 const BICUBIC_SUPPORT: f64 = 2.0;
 
 /// Pillow's `bicubic_filter` (Keys cubic with `a = -0.5`, i.e. Catmull-Rom).
@@ -180,17 +217,28 @@ struct Coeffs {
     ksize: usize,
     bounds: Vec<(usize, usize)>,
     kk: Vec<i64>,
+    /// Fractional bits of the weights.
+    bits: u32,
 }
 
 impl Coeffs {
-    fn new(in_size: usize, out_size: usize) -> Self {
+    /// The rounding offset added before the shift.
+    fn round_half(&self) -> i64 {
+        if self.bits == 0 {
+            0
+        } else {
+            1 << (self.bits - 1)
+        }
+    }
+
+    fn new(in_size: usize, out_size: usize, precision: Precision) -> Self {
         let scale = in_size as f64 / out_size as f64;
         let filterscale = scale.max(1.0);
         let support = BICUBIC_SUPPORT * filterscale;
         // Pillow: ksize = (int)ceil(support) * 2 + 1; support is small and positive.
         let ksize = f64_to_usize(support.ceil()) * 2 + 1;
         let mut bounds = Vec::with_capacity(out_size);
-        let mut kk = vec![0i64; out_size * ksize];
+        let mut weights = vec![0f64; out_size * ksize];
         let mut w = vec![0f64; ksize];
         let ss = 1.0 / filterscale;
         for xx in 0..out_size {
@@ -205,25 +253,47 @@ impl Coeffs {
                 ww += *wx;
             }
             for (x, wx) in w.iter().enumerate().take(len) {
-                let k = if ww == 0.0 { *wx } else { *wx / ww };
-                let fixed = k * f64::from(1u32 << PRECISION_BITS);
-                // Pillow rounds half away from zero by adding +-0.5 and truncating.
+                weights[xx * ksize + x] = if ww == 0.0 { *wx } else { *wx / ww };
+            }
+            bounds.push((xmin, len));
+        }
+        let bits = match precision {
+            Precision::Pillow => PRECISION_BITS,
+            Precision::Int16 => {
+                // PyTorch: the most fractional bits for which the largest weight, doubled,
+                // still rounds below 2^15.
+                let max = weights.iter().copied().fold(0.0f64, f64::max);
+                (0..PRECISION_BITS)
+                    .find(|&bits| f64_to_i64(0.5 + max * f64::from(1u32 << (bits + 1))) >= 1 << 15)
+                    .unwrap_or(PRECISION_BITS)
+            }
+        };
+        let kk = weights
+            .iter()
+            .map(|&k| {
+                let fixed = k * f64::from(1u32 << bits);
+                // Both round half away from zero by adding +-0.5 and truncating.
                 let rounded = if k < 0.0 {
                     (fixed - 0.5).trunc()
                 } else {
                     (fixed + 0.5).trunc()
                 };
-                kk[xx * ksize + x] = f64_to_i64(rounded);
-            }
-            bounds.push((xmin, len));
+                f64_to_i64(rounded)
+            })
+            .collect();
+        Self {
+            ksize,
+            bounds,
+            kk,
+            bits,
         }
-        Self { ksize, bounds, kk }
     }
 }
 
-fn clip8(ss: i64) -> u8 {
-    // Pillow: lookup table indexed by `ss >> PRECISION_BITS` (an arithmetic shift), clamped.
-    u8::try_from((ss >> PRECISION_BITS).clamp(0, 255)).unwrap_or(u8::MAX)
+fn clip8(ss: i64, bits: u32) -> u8 {
+    // Pillow: lookup table indexed by `ss >> bits` (an arithmetic shift), clamped; PyTorch
+    // shifts and saturates the same way.
+    u8::try_from((ss >> bits).clamp(0, 255)).unwrap_or(u8::MAX)
 }
 
 /// Saturating conversions of non-negative, already rounded f64 values. Negative values and
