@@ -17,7 +17,9 @@ use iris_core::encoder::exec::{Runner, Tensor};
 use iris_core::encoder::tower::VisionTower;
 use iris_core::memory::CachingAllocator;
 use iris_core::model::{DUMMY_DEFAULT_SEED, ModelSpec, WeightSource};
-use iris_core::preprocess::{DecodeLimits, PreprocessedImage, preprocess};
+use iris_core::preprocess::video::ffmpeg::{Ffmpeg, VideoLimits, load_video_file};
+use iris_core::preprocess::video::{SamplingOptions, preprocess_frames};
+use iris_core::preprocess::{DecodeLimits, ImageSize, preprocess};
 use iris_plugin::DType;
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 
@@ -77,9 +79,31 @@ pub struct EncodeArgs {
     /// `mm_processor_kwargs.max_pixels` does in `iris serve`).
     #[arg(long, value_name = "PIXELS")]
     pub max_pixels: Option<u64>,
+    /// Videos (any container and codec FFmpeg reads), sampled and processed as vLLM's
+    /// encoder does for the model (its loader's frames, its video processor); repeatable.
+    /// Needs the FFmpeg programs.
+    #[arg(long = "video", value_name = "FILE")]
+    pub videos: Vec<PathBuf>,
+    /// Frames per second to sample from videos (vLLM's `media_io_kwargs.video.fps`).
+    #[arg(long, value_name = "FPS", default_value_t = SamplingOptions::default().fps)]
+    pub video_fps: f64,
     /// Images (PNG, JPEG, WebP, GIF, BMP or TIFF).
-    #[arg(required = true, value_name = "IMAGE")]
+    #[arg(required_unless_present = "videos", value_name = "IMAGE")]
     pub images: Vec<PathBuf>,
+}
+
+/// One item to encode: an image or a video, preprocessed.
+struct Input {
+    /// The output tensor's name (`image.N` or `video.N`).
+    name: String,
+    path: PathBuf,
+    pixel_values: Vec<f32>,
+    grid_thw: [u32; 3],
+    original_size: ImageSize,
+    resized_size: ImageSize,
+    tokens: u32,
+    /// Frames read, for a video.
+    frames: Option<usize>,
 }
 
 /// What `--timings-json` writes: the run's set-up and the time of each tower call, in
@@ -97,7 +121,7 @@ pub struct Timings {
     pub plugin: String,
     /// Whether all images ran in one tower call (`--batch`).
     pub batch: bool,
-    /// Images given.
+    /// Items given (images and videos).
     pub images: usize,
     /// Embedding tokens of all the images: one call's with `--batch`.
     pub tokens: u64,
@@ -130,14 +154,61 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
         .context("--min-pixels/--max-pixels: bad processor settings")?;
     let limits = DecodeLimits::default();
 
-    // Preprocess everything first: a bad image fails before any device work.
-    let mut inputs = Vec::with_capacity(args.images.len());
-    for path in &args.images {
+    // Preprocess everything first: a bad image or video fails before any device work.
+    let mut inputs = Vec::with_capacity(args.images.len() + args.videos.len());
+    for (index, path) in args.images.iter().enumerate() {
         let bytes =
             std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
         let image = preprocess(&bytes, &processor, &limits)
             .with_context(|| format!("{}: cannot preprocess", path.display()))?;
-        inputs.push((path, image));
+        inputs.push(Input {
+            name: format!("image.{index}"),
+            path: path.clone(),
+            pixel_values: image.pixel_values,
+            grid_thw: image.grid_thw,
+            original_size: image.original_size,
+            resized_size: image.resized_size,
+            tokens: image.tokens,
+            frames: None,
+        });
+    }
+    if !args.videos.is_empty() {
+        let video = spec.video_processing(args.model.model_dir.as_deref())?;
+        let mut config = video.config;
+        if let Some(min_pixels) = args.min_pixels {
+            config.min_pixels = min_pixels;
+        }
+        if let Some(max_pixels) = args.max_pixels {
+            config.max_pixels = max_pixels;
+        }
+        let ffmpeg = Ffmpeg::locate()?;
+        let sampling = SamplingOptions {
+            fps: args.video_fps,
+            temporal_patch_size: config.temporal_patch_size,
+            ..SamplingOptions::default()
+        };
+        for (index, path) in args.videos.iter().enumerate() {
+            let decoded = load_video_file(
+                &ffmpeg,
+                path,
+                video.loader,
+                &sampling,
+                &VideoLimits::default(),
+            )
+            .with_context(|| format!("{}: cannot decode", path.display()))?;
+            let processed = preprocess_frames(&decoded.frames, &config, video.resize)
+                .with_context(|| format!("{}: cannot preprocess", path.display()))?;
+            inputs.push(Input {
+                name: format!("video.{index}"),
+                path: path.clone(),
+                pixel_values: processed.pixel_values,
+                grid_thw: processed.grid_thw,
+                original_size: processed.original_size,
+                resized_size: processed.resized_size,
+                tokens: processed.tokens,
+                frames: Some(decoded.frames.len()),
+            });
+        }
     }
 
     let config = global.config()?;
@@ -183,19 +254,23 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
         for (&index, parts) in group.iter().zip(host) {
             for (j, (bytes, shape)) in parts.into_iter().enumerate() {
                 let name = match j {
-                    0 => format!("image.{index}"),
-                    _ => format!("image.{index}.deepstack.{}", j - 1),
+                    0 => inputs[index].name.clone(),
+                    _ => format!("{}.deepstack.{}", inputs[index].name, j - 1),
                 };
                 tensors.push((name, bytes, shape));
             }
-            let (path, image) = &inputs[index];
+            let image = &inputs[index];
+            let path = &image.path;
             let timing = if group.len() == 1 {
                 format!("{elapsed:.3} s")
             } else {
                 format!("batch of {} in {elapsed:.3} s", group.len())
             };
+            let frames = image
+                .frames
+                .map_or_else(String::new, |n| format!("{n} frames of "));
             print_stdout(&format!(
-                "{}: {}x{} -> {}x{}, grid {:?}, {} tokens, {timing}\n",
+                "{}: {frames}{}x{} -> {}x{}, grid {:?}, {} tokens, {timing}\n",
                 path.display(),
                 image.original_size.width,
                 image.original_size.height,
@@ -228,10 +303,7 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
             plugin: plugin_label,
             batch: args.batch,
             images: inputs.len(),
-            tokens: inputs
-                .iter()
-                .map(|(_, image)| u64::from(image.tokens))
-                .sum(),
+            tokens: inputs.iter().map(|input| u64::from(input.tokens)).sum(),
             load_ms: ms(load_s),
             warmup: warmup_s.is_some(),
             // At least one image is required, so there is a first call.
@@ -262,7 +334,7 @@ fn encode_group(
     tower: &VisionTower,
     spec: &ModelSpec,
     dtype: DType,
-    inputs: &[(&PathBuf, PreprocessedImage)],
+    inputs: &[Input],
     group: &[usize],
 ) -> anyhow::Result<(Vec<Vec<HostTensor>>, f64)> {
     let row_len = spec.vision.patch_row_len() as u64;
@@ -298,18 +370,12 @@ fn spread(seconds: &[f64]) -> String {
 }
 
 /// The pixel rows and grids of the images `group` names, concatenated for one tower call.
-fn batch_inputs(
-    inputs: &[(&PathBuf, PreprocessedImage)],
-    group: &[usize],
-) -> (Vec<f32>, Vec<[u32; 3]>) {
+fn batch_inputs(inputs: &[Input], group: &[usize]) -> (Vec<f32>, Vec<[u32; 3]>) {
     let pixels = group
         .iter()
-        .flat_map(|&index| inputs[index].1.pixel_values.iter().copied())
+        .flat_map(|&index| inputs[index].pixel_values.iter().copied())
         .collect();
-    let grids = group
-        .iter()
-        .map(|&index| inputs[index].1.grid_thw)
-        .collect();
+    let grids = group.iter().map(|&index| inputs[index].grid_thw).collect();
     (pixels, grids)
 }
 

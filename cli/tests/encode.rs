@@ -327,3 +327,98 @@ fn repeat_times_one_batch_in_one_process_and_timings_json_reports_each_call() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A committed clip (see `core/tests/fixtures/video`).
+fn clip(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../core/tests/fixtures/video")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+/// FFmpeg runs here, or the test says why it skips (`.ci/run` installs it and sets
+/// `IRIS_REQUIRE_FFMPEG`, under which its absence fails).
+fn ffmpeg_runs() -> bool {
+    let runs = Command::new("ffprobe")
+        .arg("-version")
+        .output()
+        .is_ok_and(|out| out.status.success());
+    if !runs {
+        assert!(
+            std::env::var_os("IRIS_REQUIRE_FFMPEG").is_none(),
+            "IRIS_REQUIRE_FFMPEG is set but ffprobe does not run"
+        );
+        eprintln!("skipped: ffprobe does not run here (install FFmpeg)");
+    }
+    runs
+}
+
+#[test]
+fn videos_encode_with_the_models_loader_and_processor() {
+    if !ffmpeg_runs() {
+        return;
+    }
+    let dir = scratch("video");
+    let out = dir.join("out.safetensors");
+    let output = iris(&[
+        "encode",
+        "--model",
+        "tiny",
+        "--out",
+        out.to_str().expect("utf-8 path"),
+        "--video",
+        &clip("odd9.mp4"),
+    ]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // 9 frames at 12 fps sampled at 2 fps: the qwen2_vl loader's 4 frames, two temporal
+    // groups of 84x56 (6x4 patches): 2 x 24 patches, 12 tokens.
+    assert!(
+        stdout.contains("odd9.mp4: 4 frames of 80x60 -> 84x56, grid [2, 4, 6], 12 tokens"),
+        "{stdout}"
+    );
+    assert_eq!(tensor_shape(&out, "video.0")[0], 12);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_video_without_ffmpeg_or_a_corrupt_clip_is_a_clear_error() {
+    let dir = scratch("video-errors");
+    let out = dir.join("out.safetensors");
+    let output = Command::new(env!("CARGO_BIN_EXE_iris"))
+        .args(["encode", "--model", "tiny", "--out"])
+        .arg(&out)
+        .args(["--video", &clip("odd9.mp4")])
+        .env("IRIS_DEVICE", "cpu")
+        .env("IRIS_FFPROBE", dir.join("no-such-ffprobe"))
+        .output()
+        .expect("iris runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("videos need FFmpeg"), "{stderr}");
+    assert!(stderr.contains("apt-get install ffmpeg"), "{stderr}");
+
+    if ffmpeg_runs() {
+        let corrupt = dir.join("corrupt.mp4");
+        std::fs::write(&corrupt, b"not a video").expect("written");
+        let output = iris(&[
+            "encode",
+            "--model",
+            "tiny",
+            "--out",
+            out.to_str().expect("utf-8 path"),
+            "--video",
+            corrupt.to_str().expect("utf-8 path"),
+        ]);
+        assert!(!output.status.success());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains("cannot decode the video"), "{stderr}");
+        assert!(!out.exists(), "nothing written for a failed encode");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
