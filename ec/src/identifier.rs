@@ -26,6 +26,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use iris_core::preprocess::video::ffmpeg::VideoMetadata;
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
@@ -501,6 +502,134 @@ pub fn item_identifier(
     s.framed(model_id.as_bytes());
     s.hex_digest()
 }
+
+/// One video item of a request: what vLLM hashes for it when it has no uuid (or has hash
+/// factors) is the pair of the media, with its original bytes, and the loader's metadata.
+#[derive(Debug, Clone, Copy)]
+pub struct VideoSource<'a> {
+    /// The media part's `uuid`, when it has one.
+    pub uuid: Option<&'a str>,
+    /// The original encoded bytes (the clip as sent or read).
+    pub bytes: &'a [u8],
+    /// The frames read, `[frames, height, width, 3]` RGB bytes: vLLM hashes them instead of
+    /// the clip when they are fewer bytes than it.
+    pub frames: (&'a [u8], [u64; 4]),
+    /// What the loader returned with the frames.
+    pub metadata: &'a VideoMetadata,
+}
+
+/// The identifier vLLM gives video `item` of a request with `factors`, served under `model_id`:
+/// the uuid itself when there is one and no video hash factor (the request's
+/// `media_io_kwargs.video`, its `mm_processor_kwargs` but `images_kwargs` and `audio_kwargs`),
+/// else the digest of `model_id`, those factors and the item: the uuid, or the pair of the clip's
+/// bytes (or its frames, when smaller) and the loader's metadata in vLLM's order.
+///
+/// Qwen3-VL's per-video list kwargs (an `fps` or `num_frames` list in `mm_processor_kwargs`),
+/// which vLLM rehashes per video, are not covered.
+#[must_use]
+pub fn video_identifier(
+    algorithm: HashAlgorithm,
+    model_id: &str,
+    item: &VideoSource<'_>,
+    factors: &HashFactors,
+) -> String {
+    let media_io = factors
+        .media_io_kwargs
+        .as_ref()
+        .and_then(|m| m.get("video"))
+        .filter(|v| v.is_truthy());
+    let processor: Vec<&(String, JsonValue)> = factors
+        .mm_processor_kwargs
+        .iter()
+        .flat_map(OrderedJson::members)
+        .filter(|(k, _)| !NOT_VIDEO_KWARGS.contains(&k.as_str()))
+        .collect();
+    let has_factors = media_io.is_some() || !processor.is_empty();
+    if let (Some(uuid), false) = (item.uuid, has_factors) {
+        return uuid.to_owned();
+    }
+    let mut s = Stream::new(algorithm);
+    // hash_kwargs feeds the keyword arguments sorted by name.
+    if let Some(video_io) = media_io {
+        s.framed(b"media_io_kwargs");
+        s.mapping(1);
+        s.framed(b"video");
+        s.value(video_io);
+    }
+    if !processor.is_empty() {
+        s.framed(b"mm_processor_kwargs");
+        s.mapping(processor.len());
+        for (k, v) in processor {
+            s.framed(k.as_bytes());
+            s.value(v);
+        }
+    }
+    s.framed(b"model_id");
+    s.tag(TAG_LEAF);
+    s.framed(model_id.as_bytes());
+    s.framed(b"video");
+    match item.uuid {
+        Some(uuid) => {
+            s.tag(TAG_LEAF);
+            s.framed(uuid.as_bytes());
+        }
+        None => {
+            s.sequence(2);
+            // The media with its bytes: the frames when they are fewer bytes than the clip.
+            s.tag(TAG_LEAF);
+            s.framed(b"video");
+            let (frames, shape) = item.frames;
+            if (frames.len() as u64) < item.bytes.len() as u64 {
+                s.tag(TAG_LEAF);
+                s.framed(b"ndarray");
+                s.mapping(3);
+                s.framed(b"dtype");
+                s.tag(TAG_LEAF);
+                s.framed(b"|u1");
+                s.framed(b"shape");
+                s.sequence(4);
+                for dim in shape {
+                    s.tag(TAG_LEAF);
+                    s.framed(&dim.to_le_bytes());
+                }
+                s.framed(b"data");
+                s.tag(TAG_LEAF);
+                s.framed(frames);
+            } else {
+                s.tag(TAG_LEAF);
+                s.framed(item.bytes);
+            }
+            // The metadata, in the loader's order.
+            let m = item.metadata;
+            s.mapping(6);
+            s.framed(b"total_num_frames");
+            s.tag(TAG_LEAF);
+            s.framed(&i64::from(m.total_num_frames).to_le_bytes());
+            s.framed(b"fps");
+            s.tag(TAG_LEAF);
+            s.framed(&m.fps.to_le_bytes());
+            s.framed(b"duration");
+            s.tag(TAG_LEAF);
+            s.framed(&m.duration.to_le_bytes());
+            s.framed(b"video_backend");
+            s.tag(TAG_LEAF);
+            s.framed(m.video_backend.as_bytes());
+            s.framed(b"frames_indices");
+            s.sequence(m.frames_indices.len());
+            for &index in &m.frames_indices {
+                s.tag(TAG_LEAF);
+                s.framed(&i64::from(index).to_le_bytes());
+            }
+            s.framed(b"do_sample_frames");
+            s.tag(TAG_LEAF);
+            s.framed(&[u8::from(m.do_sample_frames)]);
+        }
+    }
+    s.hex_digest()
+}
+
+/// The scoped processor kwargs that are not a video's (`_HF_MODALITY_PROCESSOR_KWARGS`).
+const NOT_VIDEO_KWARGS: [&str; 2] = ["images_kwargs", "audio_kwargs"];
 
 /// The scoped processor kwargs of the modalities other than image (`_HF_MODALITY_PROCESSOR_KWARGS`).
 const OTHER_MODALITY_KWARGS: [&str; 2] = ["videos_kwargs", "audio_kwargs"];

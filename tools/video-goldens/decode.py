@@ -37,3 +37,39 @@ for clip in ["even10.mp4", "odd9.mp4", "vp9_12.webm"]:
     goldens.append(entry)
 (folder / "decode.json").write_text(json.dumps(goldens, indent=1))
 print(json.dumps(goldens, indent=1)[:1500])
+
+# --- Identifiers: vLLM's own ProcessorInputs.get_mm_hashes on the loaders' items ----------
+from vllm.multimodal.media.image import ImageMediaIO
+from vllm.multimodal.media.video import VideoMediaIO
+from vllm.multimodal.parse import MultiModalDataParser
+from vllm.multimodal.processing.inputs import ProcessorInputs
+
+identifiers = []
+factor_sets = [
+    ({}, {}),
+    ({"video": {"fps": 2}}, {}),
+    ({}, {"images_kwargs": {"max_pixels": 3136}}),
+    ({"image": {"rgba_background_color": [0, 0, 0]}}, {"videos_kwargs": {"fps": 2}}),
+]
+for clip in ["even10.mp4", "odd9.mp4", "vp9_12.webm"]:
+    data = (folder / clip).read_bytes()
+    for backend in ["qwen2_vl", "qwen3_vl"]:
+        item = VideoMediaIO(ImageMediaIO(), num_frames=32, video_backend=backend).load_bytes(data)
+        for needs_metadata in [False, True]:
+            parsed = MultiModalDataParser(video_needs_metadata=needs_metadata).parse_mm_data(
+                {"video": [item]})
+            for media_io, processor in factor_sets:
+                for uuid in [None, "clip-uuid"]:
+                    inputs = ProcessorInputs(
+                        prompt=[], mm_data_items=parsed,
+                        mm_uuid_items={"video": [uuid]} if uuid else None,
+                        hf_processor_mm_kwargs=processor, media_io_kwargs=media_io)
+                    for algorithm in ["blake3", "sha256"]:
+                        identifiers.append({
+                            "clip": clip, "loader": backend, "needs_metadata": needs_metadata,
+                            "media_io_kwargs": media_io, "mm_processor_kwargs": processor,
+                            "uuid": uuid, "algorithm": algorithm, "model_id": "Qwen/Qwen2.5-VL-3B-Instruct",
+                            "identifier": inputs.get_mm_hashes("Qwen/Qwen2.5-VL-3B-Instruct", algorithm)["video"][0],
+                        })
+(folder / "identifiers.json").write_text(json.dumps(identifiers, indent=1))
+print(len(identifiers), "identifiers")
