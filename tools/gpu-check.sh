@@ -36,6 +36,8 @@
 #                post-start baseline with 0 bytes leaked, as the --result-json says, and, from
 #                nvidia-smi sampled every 200 ms from before the run to after the process
 #                exited, no more than 64 MiB held after it than before it
+#   profile      `iris profile` dry and real at Qwen2.5-VL-7B's size (bf16): the same arena,
+#                within 5% of the live peak of the step's tensors (profile.verdict)
 #   attention    attention_bench: bf16 attention, 16 heads, head dims 64/72/80/96/128, one
 #                segment of 256 to 16384 tokens; with torch, PyTorch's SDPA on the same shapes
 #                (tools/gpu-check/attention_vs_sdpa.py). bf16 at these head dims runs the
@@ -375,6 +377,21 @@ EOF
     skip bench "in SKIP"
   fi
 
+  # --- start-up sizing: the dry profile against the real step at Qwen2.5-VL-7B's size ------------
+  # The dry run must report the arena the real step takes, exactly, and that arena must be within
+  # 5% of the live peak of the step's tensors (what the CPU tests check, here with CUDA's
+  # workspaces).
+  if wanted profile; then
+    profile_args=(--device cuda --model qwen2.5-vl-7b --weights dummy --dtype bf16 --warm-up off --json)
+    if run profile.dry "$out/profile-dry.json" "$iris" profile "${profile_args[@]}" --profile dry &&
+       run profile.real "$out/profile-real.json" "$iris" profile "${profile_args[@]}" --profile real; then
+      run profile.verdict "$out/profile-verdict.log" "$python" "$bundle/gpu-check/profile_verdict.py" \
+        "$out/profile-dry.json" "$out/profile-real.json"
+    fi
+  else
+    skip profile "in SKIP"
+  fi
+
   # --- attention against PyTorch's SDPA ---------------------------------------------------------
   if wanted attention; then
     attention_args=("$plugin_dir/libiris_device_cuda.so")
@@ -403,7 +420,7 @@ EOF
     skip transformers "Python with torch (CUDA) and transformers is not available"
   fi
 else
-  for step in plugin-check ops-gpu encode bench attention transformers; do
+  for step in plugin-check ops-gpu encode bench profile attention transformers; do
     skip "$step" "no CUDA device"
   done
 fi

@@ -4,6 +4,8 @@
 //!
 //! - `tools/gpu-check/bench_verdict.py` on a real `iris bench --result-json`, on a doctored copy
 //!   that leaked, on a report of the wrong shape, and with synthetic nvidia-smi logs.
+//! - `tools/gpu-check/profile_verdict.py` on real `iris profile --json` outputs, dry and real,
+//!   and on a doctored one.
 //! - `tools/gpu-check/towers_vs_transformers.py`: its FLOP counts, and its iris side end to end
 //!   (`--iris-only` on the CPU device with the tiny model), which reads `iris encode
 //!   --timings-json`.
@@ -271,5 +273,59 @@ fn towers_script_times_iris_in_one_process_per_batch() {
         "the table has a row per batch: {}",
         text(&out)
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `tools/gpu-check/profile_verdict.py` on the whole output (progress lines and report) of
+/// `iris profile --json`, dry and real, on the CPU device: it passes on what iris writes, and
+/// fails when the real arena differs or the arena is far above the live peak.
+#[test]
+fn profile_verdict_reads_what_iris_profile_writes() {
+    let dir = folder("profile");
+    let mut files = Vec::new();
+    for mode in ["dry", "real"] {
+        let output = iris(&dir)
+            .args(["profile", "--model", "tiny", "--json", "--profile", mode])
+            .output()
+            .expect("iris runs");
+        assert!(output.status.success(), "{}", text(&output));
+        let path = dir.join(format!("profile-{mode}.json"));
+        // As gpu-check's `run` keeps it: standard error's progress lines, then the report.
+        std::fs::write(
+            &path,
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stderr),
+                String::from_utf8_lossy(&output.stdout)
+            ),
+        )
+        .expect("written");
+        files.push(path);
+    }
+    let verdict = python(
+        "profile_verdict.py",
+        &[path_str(&files[0]), path_str(&files[1])],
+    );
+    assert!(verdict.status.success(), "{}", text(&verdict));
+    assert!(
+        text(&verdict).contains("verdict: pass"),
+        "{}",
+        text(&verdict)
+    );
+
+    // A real step whose arena differs, and an arena far above the live peak, fail.
+    let real = std::fs::read_to_string(&files[1]).expect("read");
+    let start = real.find("\n{").expect("a report") + 1;
+    let mut report: Value = serde_json::from_str(&real[start..]).expect("JSON");
+    let arena = report["peak_activation_bytes"].as_u64().expect("a peak");
+    report["peak_activation_bytes"] = Value::from(arena + 512);
+    let doctored = dir.join("profile-doctored.json");
+    std::fs::write(&doctored, report.to_string()).expect("written");
+    let verdict = python(
+        "profile_verdict.py",
+        &[path_str(&files[0]), path_str(&doctored)],
+    );
+    assert!(!verdict.status.success(), "{}", text(&verdict));
+    assert!(text(&verdict).contains("differs"), "{}", text(&verdict));
     let _ = std::fs::remove_dir_all(&dir);
 }
