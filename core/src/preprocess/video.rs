@@ -348,8 +348,8 @@ pub fn preprocess_frames(
     let mut pixel_values = vec![0f32; groups * gh * gw * row_len];
     let lut = normalize_lut(config);
     let plane = p * p;
-    for (f, frame) in frames.iter().enumerate() {
-        let resized = resize_bicubic_aa_u8(frame, resized_size);
+    let resized = resize_all(frames, resized_size);
+    for (f, resized) in resized.iter().enumerate() {
         // A count that is not a multiple of the temporal patch repeats the last frame into
         // the last group's remaining slots.
         let slots = if f + 1 == frames.len() {
@@ -395,6 +395,41 @@ pub fn preprocess_frames(
         original_size: size,
         resized_size,
         tokens,
+    })
+}
+
+/// Every frame resized to `to`, frames spread over the host's cores (each frame's resize is
+/// independent, and resizing is most of the work).
+fn resize_all(frames: &[RgbImage], to: ImageSize) -> Vec<RgbImage> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, std::num::NonZeroUsize::get)
+        .min(frames.len())
+        .max(1);
+    if threads == 1 {
+        return frames.iter().map(|f| resize_bicubic_aa_u8(f, to)).collect();
+    }
+    let chunk = frames.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = frames
+            .chunks(chunk)
+            .map(|part| {
+                scope.spawn(move || {
+                    part.iter()
+                        .map(|f| resize_bicubic_aa_u8(f, to))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|worker| {
+                // A resize does not panic (its sizes are checked above); were one to, the
+                // panic carries on here rather than being lost.
+                worker
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
     })
 }
 

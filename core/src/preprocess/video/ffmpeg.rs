@@ -239,14 +239,23 @@ impl Ffmpeg {
                 unit: "bytes",
             });
         }
-        let Some(&last) = wanted.last() else {
+        if wanted.is_empty() {
             return Ok((Vec::new(), Vec::new()));
-        };
+        }
+        // Every frame is decoded up to the last one wanted (as OpenCV grabs them), but only the
+        // wanted ones are converted to RGB and piped: the select filter drops the others before
+        // the conversion, and the output stops after the last.
+        let select = wanted
+            .iter()
+            .map(|i| format!("eq(n,{i})"))
+            .collect::<Vec<_>>()
+            .join("+");
         let mut child = Command::new(&self.ffmpeg)
             .args(["-v", "error", "-nostdin", "-i"])
             .arg(path)
             .args(["-map", "0:v:0", "-fps_mode", "passthrough"])
-            .args(["-frames:v", &(u64::from(last) + 1).to_string()])
+            .args(["-vf", &format!("select='{select}'")])
+            .args(["-frames:v", &wanted.len().to_string()])
             .args(["-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -264,9 +273,8 @@ impl Ffmpeg {
         let mut buffer = vec![0u8; frame_len];
         let mut frames = Vec::with_capacity(wanted.len());
         let mut read = Vec::with_capacity(wanted.len());
-        let mut next = wanted.iter().peekable();
-        let mut index = 0u32;
-        while next.peek().is_some() {
+        // The k-th frame out is the k-th wanted; a clip that ends early gives the first ones.
+        for &index in &wanted {
             match stdout.read_exact(&mut buffer) {
                 Ok(()) => {}
                 Err(err) if err.kind() == std::io::ErrorKind::UnexpectedEof => break,
@@ -276,15 +284,11 @@ impl Ffmpeg {
                     });
                 }
             }
-            if next.peek() == Some(&&index) {
-                next.next();
-                read.push(index);
-                frames.push(RgbImage {
-                    size: info.size,
-                    pixels: buffer.clone(),
-                });
-            }
-            index += 1;
+            read.push(index);
+            frames.push(RgbImage {
+                size: info.size,
+                pixels: buffer.clone(),
+            });
         }
         drop(stdout);
         let output = child.wait_with_output().map_err(|err| VideoError::Decode {
