@@ -482,24 +482,8 @@ pub fn item_identifier(
             s.framed(item.bytes);
         }
     }
-    if let Some(image_io) = factors.image_media_io() {
-        s.framed(b"media_io_kwargs");
-        s.mapping(1);
-        s.framed(b"image");
-        s.value(image_io);
-    }
     let processor: Vec<&(String, JsonValue)> = factors.image_processor_kwargs().collect();
-    if !processor.is_empty() {
-        s.framed(b"mm_processor_kwargs");
-        s.mapping(processor.len());
-        for (k, v) in processor {
-            s.framed(k.as_bytes());
-            s.value(v);
-        }
-    }
-    s.framed(b"model_id");
-    s.tag(TAG_LEAF);
-    s.framed(model_id.as_bytes());
+    s.factors_and_model(b"image", factors.image_media_io(), &processor, model_id);
     s.hex_digest()
 }
 
@@ -549,24 +533,9 @@ pub fn video_identifier(
         return uuid.to_owned();
     }
     let mut s = Stream::new(algorithm);
-    // hash_kwargs feeds the keyword arguments sorted by name.
-    if let Some(video_io) = media_io {
-        s.framed(b"media_io_kwargs");
-        s.mapping(1);
-        s.framed(b"video");
-        s.value(video_io);
-    }
-    if !processor.is_empty() {
-        s.framed(b"mm_processor_kwargs");
-        s.mapping(processor.len());
-        for (k, v) in processor {
-            s.framed(k.as_bytes());
-            s.value(v);
-        }
-    }
-    s.framed(b"model_id");
-    s.tag(TAG_LEAF);
-    s.framed(model_id.as_bytes());
+    // hash_kwargs feeds the keyword arguments sorted by name: the factors and model_id come
+    // before `video`.
+    s.factors_and_model(b"video", media_io, &processor, model_id);
     s.framed(b"video");
     match item.uuid {
         Some(uuid) => {
@@ -736,6 +705,35 @@ impl Stream {
                 }
             }
         }
+    }
+
+    /// The hash factors (`media_io_kwargs` as `{modality: ...}`, `mm_processor_kwargs`), each
+    /// only when present, then `model_id`: the keyword arguments that sort between `image` and
+    /// `video`.
+    fn factors_and_model(
+        &mut self,
+        modality: &[u8],
+        media_io: Option<&JsonValue>,
+        processor: &[&(String, JsonValue)],
+        model_id: &str,
+    ) {
+        if let Some(io) = media_io {
+            self.framed(b"media_io_kwargs");
+            self.mapping(1);
+            self.framed(modality);
+            self.value(io);
+        }
+        if !processor.is_empty() {
+            self.framed(b"mm_processor_kwargs");
+            self.mapping(processor.len());
+            for (k, v) in processor {
+                self.framed(k.as_bytes());
+                self.value(v);
+            }
+        }
+        self.framed(b"model_id");
+        self.tag(TAG_LEAF);
+        self.framed(model_id.as_bytes());
     }
 
     fn hex_digest(self) -> String {
