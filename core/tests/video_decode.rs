@@ -149,3 +149,45 @@ fn frames_over_the_limits_are_refused_before_decoding() {
     .expect_err("more decoded bytes than allowed");
     assert!(err.to_string().contains("4 frames of 80x60"), "{err}");
 }
+
+/// A clip cut in the middle of its frame data (its index at the front, `-movflags +faststart`,
+/// 40 frames) decodes to the frames before the cut, as OpenCV gives vLLM (which reads frame 0
+/// of the eight the qwen3_vl loader wants at this cut); cut before any whole frame, nothing is
+/// decoded, which iris refuses (vLLM goes on with no frames).
+#[test]
+fn a_clip_cut_mid_data_gives_the_frames_before_the_cut() {
+    let Some(ffmpeg) = ffmpeg() else { return };
+    let bytes = std::fs::read(fixtures().join("fast40.mp4")).expect("the clip");
+    let options = SamplingOptions::default();
+    let limits = VideoLimits::default();
+    let whole = load_video(&ffmpeg, &bytes, VideoLoader::Qwen3Vl, &options, &limits)
+        .expect("the whole clip");
+    assert_eq!(
+        whole.metadata.frames_indices,
+        [0, 6, 11, 17, 22, 28, 33, 39]
+    );
+    let cut = load_video(
+        &ffmpeg,
+        &bytes[..3500],
+        VideoLoader::Qwen3Vl,
+        &options,
+        &limits,
+    )
+    .expect("the frames before the cut");
+    assert_eq!(
+        cut.metadata.total_num_frames, 40,
+        "the index still counts them all"
+    );
+    assert_eq!(cut.metadata.frames_indices, [0]);
+    assert_eq!(cut.frames, whole.frames[..1]);
+    assert!(!cut.metadata.do_sample_frames);
+    let err = load_video(
+        &ffmpeg,
+        &bytes[..2500],
+        VideoLoader::Qwen3Vl,
+        &options,
+        &limits,
+    )
+    .expect_err("no whole frame");
+    assert!(matches!(err, VideoError::Decode { .. }), "{err}");
+}

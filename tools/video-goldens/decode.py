@@ -9,6 +9,10 @@ The clips were made with FFmpeg's lavfi `testsrc2` source:
     ffmpeg -f lavfi -i testsrc2=size=80x60:rate=12 -frames:v 9 -c:v libx264 -pix_fmt yuv420p odd9.mp4
     ffmpeg -f lavfi -i testsrc2=size=64x48:rate=8 -frames:v 12 -c:v libvpx-vp9 -b:v 200k vp9_12.webm
 
+and, for the cut-clip test of core/tests/video_decode.rs (its index at the front):
+
+    ffmpeg -f lavfi -i testsrc2=size=64x48:rate=10 -frames:v 40 -c:v libx264 -pix_fmt yuv420p -movflags +faststart fast40.mp4
+
 Run from the repository root with the venv of make.py plus opencv-python-headless and blake3:
 
     python tools/video-goldens/decode.py core/tests/fixtures/video
