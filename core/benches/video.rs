@@ -47,30 +47,26 @@ fn video(c: &mut Criterion) {
             temporal_patch_size: processing.config.temporal_patch_size,
             ..SamplingOptions::default()
         };
+        let decode = || {
+            load_video_file(
+                &ffmpeg,
+                &path,
+                processing.loader,
+                &sampling,
+                &VideoLimits::default(),
+            )
+            .expect("decoded")
+        };
         group.bench_function(format!("{preset}/decode+preprocess"), |b| {
             b.iter(|| {
-                let decoded = load_video_file(
-                    &ffmpeg,
-                    &path,
-                    processing.loader,
-                    &sampling,
-                    &VideoLimits::default(),
-                )
-                .expect("decoded");
+                let decoded = decode();
                 black_box(
                     preprocess_frames(&decoded.frames, &processing.config, processing.resize)
                         .expect("processed"),
                 )
             });
         });
-        let decoded = load_video_file(
-            &ffmpeg,
-            &path,
-            processing.loader,
-            &sampling,
-            &VideoLimits::default(),
-        )
-        .expect("decoded");
+        let decoded = decode();
         group.bench_function(format!("{preset}/preprocess"), |b| {
             b.iter(|| {
                 black_box(

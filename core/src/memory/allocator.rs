@@ -340,34 +340,7 @@ impl CachingAllocator {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn alloc(self: &Arc<Self>, bytes: u64) -> Result<DeviceBuffer, AllocError> {
-        if bytes == 0 {
-            return Err(AllocError::InvalidArgument {
-                argument: "bytes",
-                message: "an allocation must be at least 1 byte".to_owned(),
-            });
-        }
-        let rounded = round_size(bytes).ok_or_else(|| too_large(bytes))?;
-        let pool = pool_for(rounded);
-        let mut state = self.lock();
-        let (segment, offset, block_size) = match state.take_free(pool, rounded) {
-            Some(found) => found,
-            None => {
-                let (segment, size) = self.grow(&mut state, pool, bytes, rounded)?;
-                state.free_set(pool).remove(&(size, segment, 0));
-                (segment, 0, size)
-            }
-        };
-        let (handle, capacity) = state.carve(segment, offset, block_size, rounded, bytes);
-        state.debug_check();
-        drop(state);
-        Ok(DeviceBuffer {
-            allocator: Arc::clone(self),
-            handle,
-            segment,
-            offset,
-            len: bytes,
-            capacity,
-        })
+        self.alloc_from(bytes, None)
     }
 
     /// Allocates one block of at least `bytes` bytes that is a segment of its own (the
@@ -393,6 +366,17 @@ impl CachingAllocator {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn alloc_whole(self: &Arc<Self>, bytes: u64) -> Result<DeviceBuffer, AllocError> {
+        self.alloc_from(bytes, Some(PoolKind::Whole))
+    }
+
+    /// Rounds `bytes`, takes the best-fitting free block of the pool (`pool`, else the size
+    /// class's), or grows a segment for it, and carves the block. Before growing the whole pool,
+    /// its idle segments go back to the device (see [`CachingAllocator::alloc_whole`]).
+    fn alloc_from(
+        self: &Arc<Self>,
+        bytes: u64,
+        pool: Option<PoolKind>,
+    ) -> Result<DeviceBuffer, AllocError> {
         if bytes == 0 {
             return Err(AllocError::InvalidArgument {
                 argument: "bytes",
@@ -400,28 +384,30 @@ impl CachingAllocator {
             });
         }
         let rounded = round_size(bytes).ok_or_else(|| too_large(bytes))?;
-        let pool = PoolKind::Whole;
+        let pool = pool.unwrap_or_else(|| pool_for(rounded));
         let mut state = self.lock();
-        let (segment, size) = match state.take_free(pool, rounded) {
-            Some((segment, _, size)) => (segment, size),
+        let (segment, offset, block_size) = match state.take_free(pool, rounded) {
+            Some(found) => found,
             None => {
-                if let Err(err) = state.release_idle(&self.device, pool) {
+                if pool == PoolKind::Whole
+                    && let Err(err) = state.release_idle(&self.device, pool)
+                {
                     // Those segments stay reserved; the new one may still fit beside them.
                     tracing::warn!(error = %err, "returning idle arenas to the device");
                 }
                 let (segment, size) = self.grow(&mut state, pool, bytes, rounded)?;
                 state.free_set(pool).remove(&(size, segment, 0));
-                (segment, size)
+                (segment, 0, size)
             }
         };
-        let (handle, capacity) = state.carve(segment, 0, size, rounded, bytes);
+        let (handle, capacity) = state.carve(segment, offset, block_size, rounded, bytes);
         state.debug_check();
         drop(state);
         Ok(DeviceBuffer {
             allocator: Arc::clone(self),
             handle,
             segment,
-            offset: 0,
+            offset,
             len: bytes,
             capacity,
         })

@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
-use super::{SamplingOptions, VideoError, VideoLoader, sample_frames};
+use super::{SamplingOptions, VideoError, VideoLoader, f64_to_u32, sample_frames};
 use crate::preprocess::{ImageSize, RgbImage};
 
 /// vLLM's limit on one frame's pixels (`VLLM_MAX_IMAGE_PIXELS`'s default, Pillow's).
@@ -398,9 +398,4 @@ fn rate(value: &Value) -> f64 {
     let num: f64 = parts.next().and_then(|n| n.parse().ok()).unwrap_or(0.0);
     let den: f64 = parts.next().and_then(|d| d.parse().ok()).unwrap_or(1.0);
     if den == 0.0 { 0.0 } else { num / den }
-}
-
-#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-fn f64_to_u32(v: f64) -> u32 {
-    v as u32
 }
