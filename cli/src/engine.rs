@@ -13,8 +13,8 @@ use iris_core::profile::{DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileMode, WarmUpM
 
 use crate::encode::ModelArgs;
 use crate::http::engine_api::{
-    EncodeOptions, EngineError, ImageInput, ImagePlan, ImageResult, OutputLayout,
-    ProcessorOverrides,
+    DecodedVideo, EncodeOptions, EngineError, ImagePlan, ImageResult, MediaInput, OutputLayout,
+    ProcessorOverrides, SamplingOptions, VideoProcessing,
 };
 use crate::http::{self, MetricsSnapshot, ResetReport};
 use crate::settings::{GlobalArgs, registry};
@@ -91,7 +91,12 @@ impl EngineArgs {
         if !gib.is_finite() || gib < 0.0 {
             anyhow::bail!("--mm-processor-cache-gb must be 0 or more, got {gib}");
         }
-        let mut config = EngineConfig::new(self.model.spec()?, self.model.weight_source()?);
+        let spec = self.model.spec()?;
+        let video = spec
+            .video_processing(self.model.model_dir.as_deref())
+            .context("the model's video processor settings")?;
+        let mut config = EngineConfig::new(spec, self.model.weight_source()?);
+        config.video = video;
         config.dtype = self.model.dtype()?;
         config.scheduler = self.scheduler();
         config.device_memory_utilization = self.device_memory_utilization;
@@ -237,18 +242,30 @@ impl http::Engine for Engine {
     fn encode(
         &self,
         permit: Permit,
-        images: Vec<ImageInput>,
+        items: Vec<MediaInput>,
         opts: EncodeOptions,
     ) -> impl Future<Output = Result<Vec<ImageResult>, EngineError>> + Send {
-        Engine::encode_admitted(self, permit, images, opts)
+        Engine::encode_admitted(self, permit, items, opts)
     }
 
     fn plan(
         &self,
-        images: &[ImageInput],
+        items: &[MediaInput],
         overrides: &ProcessorOverrides,
     ) -> impl Future<Output = Result<Vec<ImagePlan>, EngineError>> + Send {
-        Engine::plan(self, images, overrides)
+        Engine::plan(self, items, overrides)
+    }
+
+    fn load_video(
+        &self,
+        bytes: Vec<u8>,
+        sampling: SamplingOptions,
+    ) -> impl Future<Output = Result<DecodedVideo, EngineError>> + Send {
+        Engine::load_video(self, bytes, sampling)
+    }
+
+    fn video_processing(&self) -> VideoProcessing {
+        Engine::video_processing(self).clone()
     }
 
     fn output_layout(&self) -> OutputLayout {

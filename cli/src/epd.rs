@@ -22,14 +22,17 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::Args;
+use iris_core::budget::Modality;
 use iris_core::engine::api::{
-    EncodeOptions, EngineError, ImageInput, ImagePlan, ImageResult, OutputLayout,
-    ProcessorOverrides,
+    EncodeOptions, EngineError, ImageInput, ImagePlan, ImageResult, MediaInput, OutputLayout,
+    ProcessorOverrides, VideoInput,
 };
+use iris_core::preprocess::video::ffmpeg::DecodedVideo;
+use iris_core::preprocess::video::{SamplingOptions, VideoLoader, qwen3_timestamps};
 use iris_ec::config::{ConnectorConfig, EcRole, EcTransferConfig};
 use iris_ec::identifier::{
     DEFAULT_BACKGROUND, HashAlgorithm, HashFactors, IdentifierError, ItemSource, JsonValue,
-    OrderedJson, item_identifier, merge_media_io_kwargs,
+    OrderedJson, VideoSource, item_identifier, merge_media_io_kwargs, video_identifier,
 };
 use iris_ec::mooncake::{MooncakeProducer, PushError, PushFailure, PushSpec};
 use iris_ec::storage::{
@@ -351,13 +354,15 @@ impl Producer {
     }
 }
 
-/// One image of a request, as the client sent it.
+/// One media item of a request, as the client sent it.
 #[derive(Debug, Clone)]
 pub struct Item {
-    /// The original encoded bytes.
+    /// The original encoded bytes (an image file, or a video clip).
     pub bytes: Vec<u8>,
     /// The part's `uuid`, when given.
     pub uuid: Option<String>,
+    /// An image or a video.
+    pub modality: Modality,
 }
 
 /// Where a request's items are pushed: what vLLM's proxy puts in `ec_transfer_params` when it
@@ -398,11 +403,16 @@ pub enum Stored {
     NotPublished,
 }
 
-/// One image's outcome, in request order.
+/// One item's outcome, in request order.
 #[derive(Debug, Clone)]
 pub struct Published {
     /// vLLM's identifier of the item.
     pub identifier: String,
+    /// An image or a video.
+    pub modality: Modality,
+    /// Qwen3-VL's seconds of each temporal group of a video (the `timestamps` its processor
+    /// gives and an EC consumer requires); `None` otherwise.
+    pub timestamps: Option<Vec<f64>>,
     /// Grid `[t, h, w]` in patches.
     pub grid_thw: [u32; 3],
     /// Embedding tokens (rows of the entry).
@@ -524,38 +534,54 @@ impl Epd {
         })
     }
 
-    /// vLLM's identifier of every item of `request`, in order.
+    /// vLLM's identifier of every item of a request, in order; `videos[i]` is item `i`'s
+    /// decoded video, `None` for an image.
     ///
     /// # Errors
     /// [`ProduceError::BadRequest`] for an image whose header cannot be read, or a uuid that
     /// cannot name one entry of the store.
     pub fn identifiers(
         &self,
-        request: &EpdRequest,
+        items: &[Item],
+        videos: &[Option<Arc<DecodedVideo>>],
         factors: &HashFactors,
     ) -> Result<Vec<String>, ProduceError> {
         let background = factors.background_color()?;
-        request
-            .items
+        items
             .iter()
+            .zip(videos)
             .enumerate()
-            .map(|(index, item)| {
-                let converted = iris_core::preprocess::needs_rgb_conversion(&item.bytes)
-                    .map_err(|err| ProduceError::BadRequest {
-                        code: iris_core::engine::preprocess_error_code(&err),
-                        message: format!("image {index}: {err}"),
-                    })?
-                    .then_some(background);
-                let source = ItemSource {
-                    uuid: item.uuid.as_deref(),
-                    bytes: &item.bytes,
-                    converted,
+            .map(|(index, (item, video))| {
+                let identifier = match video {
+                    Some(video) => {
+                        let source = VideoSource {
+                            uuid: item.uuid.as_deref(),
+                            bytes: &item.bytes,
+                            frames: &video.frames,
+                            metadata: &video.metadata,
+                        };
+                        video_identifier(self.algorithm, &self.model_id, &source, factors)
+                    }
+                    None => {
+                        let converted = iris_core::preprocess::needs_rgb_conversion(&item.bytes)
+                            .map_err(|err| ProduceError::BadRequest {
+                                code: iris_core::engine::preprocess_error_code(&err),
+                                message: format!("image {index}: {err}"),
+                            })?
+                            .then_some(background);
+                        let source = ItemSource {
+                            uuid: item.uuid.as_deref(),
+                            bytes: &item.bytes,
+                            converted,
+                        };
+                        item_identifier(self.algorithm, &self.model_id, &source, factors)
+                    }
                 };
-                let identifier = item_identifier(self.algorithm, &self.model_id, &source, factors);
                 check_identifier(&identifier).map_err(|reason| ProduceError::BadRequest {
                     code: "invalid_uuid",
                     message: format!(
-                        "image {index}: uuid {:?} cannot name an EC store entry: {reason}",
+                        "{} {index}: uuid {:?} cannot name an EC store entry: {reason}",
+                        item.modality,
                         item.uuid.as_deref().unwrap_or_default()
                     ),
                 })?;
@@ -578,14 +604,23 @@ impl Epd {
     ) -> Result<Vec<Published>, ProduceError> {
         let factors = self.factors(&request)?;
         let overrides = processor_overrides(&factors)?;
-        let identifiers = self.identifiers(&request, &factors)?;
+        if let Some(target) = &request.push {
+            check_target_count(target, request.items.len())?;
+        }
+        let videos = load_videos(engine, &request.items, &factors).await?;
+        let identifiers = self.identifiers(&request.items, &videos, &factors)?;
         if let Some(target) = &request.push {
             check_target(target, &identifiers)?;
         }
-        let images: Vec<ImageInput> = request
+        let described = describe(engine, &videos);
+        let images: Vec<MediaInput> = request
             .items
             .into_iter()
-            .map(|item| ImageInput { bytes: item.bytes })
+            .zip(videos)
+            .map(|(item, video)| match video {
+                Some(video) => MediaInput::Video(VideoInput { video }),
+                None => MediaInput::Image(ImageInput { bytes: item.bytes }),
+            })
             .collect();
         let plans = engine.plan(&images, &overrides).await?;
         let connector = self.producer.as_ref().map(|p| &p.connector);
@@ -600,6 +635,7 @@ impl Epd {
                     images,
                     identifiers,
                     plans,
+                    described,
                     overrides,
                 };
                 return push(engine, permit, pusher, metrics, batch, target).await;
@@ -624,8 +660,11 @@ impl Epd {
                 return Ok(identifiers
                     .into_iter()
                     .zip(results)
-                    .map(|(identifier, r)| Published {
+                    .zip(described)
+                    .map(|((identifier, r), (modality, timestamps))| Published {
                         identifier,
+                        modality,
+                        timestamps,
                         grid_thw: r.grid_thw,
                         num_tokens: r.num_tokens,
                         stored: Stored::NotPublished,
@@ -699,13 +738,18 @@ impl Epd {
             .into_iter()
             .zip(plans)
             .zip(stored)
-            .map(|((identifier, plan), stored)| Published {
-                identifier,
-                grid_thw: plan.grid_thw,
-                num_tokens: plan.num_tokens,
-                stored,
-                transfer_id: None,
-            })
+            .zip(described)
+            .map(
+                |(((identifier, plan), stored), (modality, timestamps))| Published {
+                    identifier,
+                    modality,
+                    timestamps,
+                    grid_thw: plan.grid_thw,
+                    num_tokens: plan.num_tokens,
+                    stored,
+                    transfer_id: None,
+                },
+            )
             .collect())
     }
 
@@ -773,32 +817,175 @@ impl Epd {
 
 /// One request's items and what is known of them, for [`push`].
 struct PushBatch {
-    images: Vec<ImageInput>,
+    images: Vec<MediaInput>,
     identifiers: Vec<String>,
     plans: Vec<ImagePlan>,
+    described: Vec<(Modality, Option<Vec<f64>>)>,
     overrides: ProcessorOverrides,
 }
 
-/// Refuses a push target that does not name one transfer per image, or names an `mm_hash` that
-/// is not the image's identifier, before anything is preprocessed.
+/// Decodes the request's videos, all at once (each on the blocking pool), sampling as the
+/// effective `media_io_kwargs.video` asks; `None` for each image.
+async fn load_videos<E: Engine>(
+    engine: &E,
+    items: &[Item],
+    factors: &HashFactors,
+) -> Result<Vec<Option<Arc<DecodedVideo>>>, ProduceError> {
+    if items.iter().all(|item| item.modality == Modality::Image) {
+        return Ok(vec![None; items.len()]);
+    }
+    let loader = engine.video_processing().loader;
+    let sampling = video_sampling(factors, loader)?;
+    let loads = items.iter().enumerate().map(|(index, item)| async move {
+        if item.modality == Modality::Image {
+            return Ok(None);
+        }
+        match engine.load_video(item.bytes.clone(), sampling).await {
+            Ok(video) => Ok(Some(Arc::new(video))),
+            Err(EngineError::BadInput { message, code }) => {
+                Err(ProduceError::Engine(EngineError::BadInput {
+                    message: format!("video {index}: {message}"),
+                    code,
+                }))
+            }
+            Err(other) => Err(ProduceError::Engine(other)),
+        }
+    });
+    futures::future::try_join_all(loads).await
+}
+
+/// The modality of each item and, for a Qwen3-VL video, its temporal groups' seconds (what
+/// the EC metadata carries besides the grid).
+fn describe<E: Engine>(
+    engine: &E,
+    videos: &[Option<Arc<DecodedVideo>>],
+) -> Vec<(Modality, Option<Vec<f64>>)> {
+    let video = videos
+        .iter()
+        .any(Option::is_some)
+        .then(|| engine.video_processing());
+    videos
+        .iter()
+        .map(|decoded| match (decoded, &video) {
+            (Some(decoded), Some(video)) => {
+                let timestamps = (video.loader == VideoLoader::Qwen3Vl).then(|| {
+                    qwen3_timestamps(
+                        &decoded.metadata.frames_indices,
+                        decoded.metadata.fps,
+                        video.config.temporal_patch_size,
+                    )
+                });
+                (Modality::Video, timestamps)
+            }
+            _ => (Modality::Image, None),
+        })
+        .collect()
+}
+
+/// The sampling a request's effective `media_io_kwargs.video` asks of the model's loader
+/// (vLLM's `qwen2_vl` and `qwen3_vl` loaders read `fps`, `min_frames` and `max_frames`, and
+/// ignore `num_frames`, which still changes the identifier). Keys iris does not implement are
+/// refused by name.
+///
+/// # Errors
+/// [`ProduceError::BadRequest`] naming the key.
+pub fn video_sampling(
+    factors: &HashFactors,
+    loader: VideoLoader,
+) -> Result<SamplingOptions, ProduceError> {
+    let mut sampling = SamplingOptions::default();
+    let Some(video) = factors
+        .media_io_kwargs
+        .as_ref()
+        .and_then(|m| m.get("video"))
+    else {
+        return Ok(sampling);
+    };
+    let JsonValue::Object(members) = video else {
+        return Ok(sampling);
+    };
+    let bad = |message: String| ProduceError::BadRequest {
+        code: "invalid_media_io_kwargs",
+        message,
+    };
+    let count = |key: &str, value: &JsonValue| -> Result<u32, ProduceError> {
+        let n = match value {
+            JsonValue::Int(v) => u32::try_from(*v).ok(),
+            JsonValue::UInt(v) => u32::try_from(*v).ok(),
+            _ => None,
+        };
+        n.filter(|n| *n > 0).ok_or_else(|| {
+            bad(format!(
+                "media_io_kwargs.video.{key} must be a positive integer, got {}",
+                value.kind()
+            ))
+        })
+    };
+    for (key, value) in members {
+        match key.as_str() {
+            "fps" => {
+                #[allow(clippy::cast_precision_loss)]
+                let fps = match value {
+                    JsonValue::Int(v) => Some(*v as f64),
+                    JsonValue::UInt(v) => Some(*v as f64),
+                    JsonValue::Float(v) => Some(*v),
+                    _ => None,
+                };
+                sampling.fps = fps.filter(|f| f.is_finite() && *f > 0.0).ok_or_else(|| {
+                    bad("media_io_kwargs.video.fps must be a positive number".to_owned())
+                })?;
+            }
+            "min_frames" => sampling.min_frames = count(key, value)?,
+            "max_frames" => sampling.max_frames = count(key, value)?,
+            // Read by other loaders; the Qwen loaders ignore it.
+            "num_frames" => {}
+            "video_backend" if matches!(value, JsonValue::String(name) if name == loader.name()) => {
+            }
+            "backend" if matches!(value, JsonValue::String(name) if name == "opencv") => {}
+            "video_backend" | "backend" => {
+                return Err(bad(format!(
+                    "media_io_kwargs.video.{key} is not supported: iris reads frames as vLLM's {} loader over OpenCV's FFmpeg decoding does",
+                    loader.name()
+                )));
+            }
+            other => {
+                return Err(bad(format!(
+                    "media_io_kwargs.video key `{other}` is not supported by iris (supported: fps, min_frames, max_frames, num_frames)"
+                )));
+            }
+        }
+    }
+    Ok(sampling)
+}
+
+/// Refuses a push target that does not name one transfer per item.
+fn check_target_count(target: &PushTarget, items: usize) -> Result<(), ProduceError> {
+    if target.transfer_ids.len() != items {
+        return Err(ProduceError::BadRequest {
+            code: "invalid_ec_transfer_params",
+            message: format!(
+                "ec_transfer_params.ec_items has {} entries for {items} items: the proxy sends one transfer_id per item, in order",
+                target.transfer_ids.len(),
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Refuses a push target that does not name one transfer per item, or names an `mm_hash` that
+/// is not the item's identifier, before anything is preprocessed.
 fn check_target(target: &PushTarget, identifiers: &[String]) -> Result<(), ProduceError> {
     let bad = |message: String| ProduceError::BadRequest {
         code: "invalid_ec_transfer_params",
         message,
     };
-    if target.transfer_ids.len() != identifiers.len() {
-        return Err(bad(format!(
-            "ec_transfer_params.ec_items has {} entries for {} images: the proxy sends one transfer_id per image, in order",
-            target.transfer_ids.len(),
-            identifiers.len()
-        )));
-    }
+    check_target_count(target, identifiers.len())?;
     for (index, (named, identifier)) in target.mm_hashes.iter().zip(identifiers).enumerate() {
         if let Some(named) = named
             && named != identifier
         {
             return Err(bad(format!(
-                "ec_transfer_params.ec_items[{index}].mm_hash is {named:?}, but image {index}'s identifier is {identifier:?}"
+                "ec_transfer_params.ec_items[{index}].mm_hash is {named:?}, but item {index}'s identifier is {identifier:?}"
             )));
         }
     }
@@ -819,6 +1006,7 @@ async fn push<E: Engine>(
         images,
         identifiers,
         plans,
+        described,
         overrides,
     } = batch;
     let layout = engine.output_layout();
@@ -907,20 +1095,25 @@ async fn push<E: Engine>(
         .zip(plans)
         .zip(target.transfer_ids)
         .zip(cached)
-        .map(|(((identifier, plan), transfer_id), cached)| Published {
-            identifier,
-            grid_thw: plan.grid_thw,
-            num_tokens: plan.num_tokens,
-            stored: if cached { Stored::Hit } else { Stored::Pushed },
-            transfer_id: Some(transfer_id),
-        })
+        .zip(described)
+        .map(
+            |((((identifier, plan), transfer_id), cached), (modality, timestamps))| Published {
+                identifier,
+                modality,
+                timestamps,
+                grid_thw: plan.grid_thw,
+                num_tokens: plan.num_tokens,
+                stored: if cached { Stored::Hit } else { Stored::Pushed },
+                transfer_id: Some(transfer_id),
+            },
+        )
         .collect())
 }
 
 /// One request's items and what is known of them, for [`Epd::encode_and_write`].
 struct Batch<'a> {
     producer: &'a Arc<StorageConnector>,
-    images: &'a [ImageInput],
+    images: &'a [MediaInput],
     identifiers: &'a [String],
     plans: &'a [ImagePlan],
     overrides: ProcessorOverrides,

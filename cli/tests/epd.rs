@@ -142,14 +142,41 @@ fn entry(path: &Path) -> ([usize; 2], Vec<u8>) {
     )
 }
 
-/// `iris encode --dtype bf16` of `images`, each tensor's f32 values narrowed back to bf16
-/// bytes (exact: they are widened bf16 values).
-fn iris_encode_bf16(dir: &Path, images: &[(&str, &[u8])]) -> Vec<Vec<u8>> {
+/// Asserts that the store's entry `id` holds `rows` rows, the bytes `iris encode` computed.
+fn assert_entry(encoder: &Encoder, id: &str, rows: usize, want: &[u8]) {
+    let (shape, data) = entry(
+        &encoder
+            .dir
+            .join("store")
+            .join(id)
+            .join("encoder_cache.safetensors"),
+    );
+    assert_eq!(shape, [rows, HIDDEN], "{id}");
+    assert!(
+        data == want,
+        "{id}: the stored rows differ from iris encode's"
+    );
+}
+
+/// `iris encode --dtype bf16` of `images` and `videos`, each tensor's f32 values narrowed back
+/// to bf16 bytes (exact: they are widened bf16 values); the images' tensors, then the videos'.
+fn iris_encode_bf16(
+    dir: &Path,
+    images: &[(&str, &[u8])],
+    videos: &[(&str, &[u8])],
+) -> Vec<Vec<u8>> {
     let mut paths = Vec::new();
     for (name, bytes) in images {
         let path = dir.join(name);
         std::fs::write(&path, bytes).unwrap();
         paths.push(path);
+    }
+    let mut video_args = Vec::new();
+    for (name, bytes) in videos {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        video_args.push(std::ffi::OsString::from("--video"));
+        video_args.push(path.into_os_string());
     }
     let out = dir.join("encode.safetensors");
     let output = common::iris(dir)
@@ -164,6 +191,7 @@ fn iris_encode_bf16(dir: &Path, images: &[(&str, &[u8])]) -> Vec<Vec<u8>> {
         ])
         .args(["--dtype", "bf16", "--out"])
         .arg(&out)
+        .args(&video_args)
         .args(&paths)
         .output()
         .expect("iris encode runs");
@@ -174,9 +202,12 @@ fn iris_encode_bf16(dir: &Path, images: &[(&str, &[u8])]) -> Vec<Vec<u8>> {
     );
     let bytes = std::fs::read(&out).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    (0..images.len())
-        .map(|i| {
-            let tensor = file.tensor(&format!("image.{i}")).unwrap();
+    let names = (0..images.len())
+        .map(|i| format!("image.{i}"))
+        .chain((0..videos.len()).map(|i| format!("video.{i}")));
+    names
+        .map(|name| {
+            let tensor = file.tensor(&name).unwrap();
             tensor
                 .data()
                 .chunks_exact(4)
@@ -233,23 +264,12 @@ async fn the_store_holds_exactly_what_iris_encode_computes_under_vllms_identifie
         json!([1, 6, 8])
     );
 
-    let expected = iris_encode_bf16(&encoder.dir, &[("a.png", &png), ("b.jpg", &jpg)]);
+    let expected = iris_encode_bf16(&encoder.dir, &[("a.png", &png), ("b.jpg", &jpg)], &[]);
     for (id, rows, want) in [
         ("sha-of-the-url", 6, &expected[0]),
         (hashed.as_str(), 12, &expected[1]),
     ] {
-        let (shape, data) = entry(
-            &encoder
-                .dir
-                .join("store")
-                .join(id)
-                .join("encoder_cache.safetensors"),
-        );
-        assert_eq!(shape, [rows, HIDDEN], "{id}");
-        assert!(
-            data == *want,
-            "{id}: the stored rows differ from iris encode's"
-        );
+        assert_entry(&encoder, id, rows, want);
     }
 
     // Sent again: nothing is encoded (the store has both), the reply is the same.
@@ -272,4 +292,217 @@ async fn the_store_holds_exactly_what_iris_encode_computes_under_vllms_identifie
         "{metrics}"
     );
     assert!(metrics.contains("iris_ec_store_hits_total 2"), "{metrics}");
+}
+
+/// A committed clip of the video goldens.
+fn clip(name: &str) -> Vec<u8> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../core/tests/fixtures/video")
+        .join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// vLLM 0.33's identifier of `clip` read by the `qwen2_vl` loader for `MODEL_ID` with blake3 and
+/// no uuid, under `media_io_kwargs` (the goldens its own hasher made).
+fn golden_video_identifier(clip: &str, media_io_kwargs: &Value) -> String {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../core/tests/fixtures/video/identifiers.json");
+    let goldens: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    goldens
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| {
+            c["clip"] == clip
+                && c["loader"] == "qwen2_vl"
+                && c["model_id"] == MODEL_ID
+                && c["algorithm"] == "blake3"
+                && c["uuid"].is_null()
+                && c["mm_processor_kwargs"] == json!({})
+                && c["media_io_kwargs"] == *media_io_kwargs
+        })
+        .and_then(|c| c["identifier"].as_str())
+        .unwrap_or_else(|| panic!("a golden for {clip} under {media_io_kwargs}"))
+        .to_owned()
+}
+
+fn video_part(bytes: &[u8], media: &str, uuid: Option<&str>) -> Value {
+    let mut part = json!({"type": "video_url",
+        "video_url": {"url": format!("data:{media};base64,{}", STANDARD.encode(bytes))}});
+    if let Some(uuid) = uuid {
+        part["uuid"] = json!(uuid);
+    }
+    part
+}
+
+/// Whether FFmpeg runs here; without it (and without `IRIS_REQUIRE_FFMPEG`, which `.ci/run`
+/// sets) the video tests skip, saying so.
+fn ffmpeg_runs() -> bool {
+    let runs = std::process::Command::new("ffprobe")
+        .arg("-version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !runs {
+        assert!(
+            std::env::var_os("IRIS_REQUIRE_FFMPEG").is_none(),
+            "IRIS_REQUIRE_FFMPEG is set but ffprobe does not run"
+        );
+        eprintln!("skipped: ffprobe does not run (install FFmpeg to run the video tests)");
+    }
+    runs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn videos_are_stored_as_iris_encode_computes_them_under_vllms_identifiers() {
+    if !ffmpeg_runs() {
+        return;
+    }
+    let encoder = Encoder::start("video");
+    let (even, odd, jpg) = (clip("even10.mp4"), clip("odd9.mp4"), jpeg());
+    let body = json!({
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what happens?"},
+            video_part(&even, "video/mp4", Some("clip-even")),
+            part(&jpg, "image/jpeg", None),
+            // vLLM hands any data URL's payload to the decoder, whatever its media type says.
+            video_part(&odd, "application/octet-stream", None),
+        ]}],
+    });
+    let (status, reply) = encoder.post("/v1/chat/completions", &body, None).await;
+    assert_eq!(status, 200, "{reply}");
+    let params = reply["ec_transfer_params"].as_object().unwrap();
+    assert_eq!(params.len(), 3, "{reply}");
+    let hashed = golden_video_identifier("odd9.mp4", &json!({}));
+    // `item_indices` count the request's items in order, whatever their modality (vLLM's
+    // `mm_features`).
+    for (id, index) in [("clip-even", 0), (hashed.as_str(), 2)] {
+        let entry = &params[id];
+        assert_eq!(entry["modality"], "video", "{reply}");
+        assert_eq!(entry["item_indices"], json!([index]), "{reply}");
+        let grid = entry["metadata"]["video_grid_thw"].as_array().unwrap();
+        assert_eq!(grid.len(), 3, "{reply}");
+        assert!(
+            entry["metadata"].get("timestamps").is_none(),
+            "a Qwen2-VL video has no timestamps: {reply}"
+        );
+    }
+    let image = params
+        .iter()
+        .find(|(_, v)| v["modality"] == "image")
+        .map(|(k, _)| k.clone())
+        .unwrap();
+    assert_eq!(params[&image]["item_indices"], json!([1]));
+
+    let expected = iris_encode_bf16(&encoder.dir, &[], &[("even.mp4", &even), ("odd.mp4", &odd)]);
+    for (id, want) in [("clip-even", &expected[0]), (hashed.as_str(), &expected[1])] {
+        let grid: Vec<usize> = params[id]["metadata"]["video_grid_thw"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| usize::try_from(v.as_u64().unwrap()).unwrap())
+            .collect();
+        let rows = grid.iter().product::<usize>() / 4;
+        assert_entry(&encoder, id, rows, want);
+    }
+    let usage = reply["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(usage > 12, "{reply}");
+
+    // Sampling options are vLLM's hash factors: another identifier, vLLM's.
+    let body = json!({
+        "messages": [{"role": "user", "content": [video_part(&odd, "video/mp4", None)]}],
+        "media_io_kwargs": {"video": {"fps": 2}},
+    });
+    let (status, reply) = encoder.post("/v1/chat/completions", &body, None).await;
+    assert_eq!(status, 200, "{reply}");
+    let id = golden_video_identifier("odd9.mp4", &json!({"video": {"fps": 2}}));
+    assert!(reply["ec_transfer_params"].get(&id).is_some(), "{reply}");
+
+    // Bad videos: a JSON 4xx naming the problem, nothing stored.
+    let mut cut = even.clone();
+    cut.truncate(300);
+    // One frame: vLLM's qwen2_vl loader divides by zero there (a 500); iris names it.
+    let single = encoder.dir.join("single.mp4");
+    let made = std::process::Command::new("ffmpeg")
+        .args([
+            "-v",
+            "error",
+            "-f",
+            "lavfi",
+            "-i",
+            "color=c=red:s=64x48:r=10",
+            "-frames:v",
+            "1",
+        ])
+        .arg(&single)
+        .status()
+        .expect("ffmpeg runs");
+    assert!(made.success(), "ffmpeg makes a one-frame clip");
+    let single = std::fs::read(&single).unwrap();
+    let cases = [
+        (
+            video_part(&single, "video/mp4", None),
+            json!(null),
+            400,
+            "video_too_short",
+        ),
+        (
+            video_part(&cut, "video/mp4", None),
+            json!(null),
+            400,
+            "corrupt_video",
+        ),
+        (
+            video_part(b"", "video/mp4", None),
+            json!(null),
+            400,
+            "corrupt_video",
+        ),
+        (
+            video_part(&even, "video/jpeg", None),
+            json!(null),
+            501,
+            "unsupported_video_url",
+        ),
+        (
+            video_part(&even, "video/mp4", None),
+            json!({"video": {"fps": -1}}),
+            400,
+            "invalid_media_io_kwargs",
+        ),
+        (
+            video_part(&even, "video/mp4", None),
+            json!({"video": {"video_backend": "opencv_dynamic"}}),
+            400,
+            "invalid_media_io_kwargs",
+        ),
+        (
+            json!({"type": "video_embeds", "video_embeds": {}}),
+            json!(null),
+            400,
+            "unsupported_content_part",
+        ),
+    ];
+    let before = std::fs::read_dir(encoder.dir.join("store"))
+        .unwrap()
+        .count();
+    for (part, media_io, status, code) in cases {
+        let mut body = json!({"messages": [{"role": "user", "content": [part]}]});
+        if !media_io.is_null() {
+            body["media_io_kwargs"] = media_io;
+        }
+        let (got, reply) = encoder.post("/v1/chat/completions", &body, None).await;
+        assert_eq!(
+            (got, reply["error"]["code"].as_str()),
+            (status, Some(code)),
+            "{reply}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_dir(encoder.dir.join("store"))
+            .unwrap()
+            .count(),
+        before,
+        "a refused video stores nothing"
+    );
 }

@@ -26,6 +26,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use iris_core::preprocess::RgbImage;
 use iris_core::preprocess::video::ffmpeg::VideoMetadata;
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
@@ -164,7 +165,9 @@ impl JsonValue {
         }
     }
 
-    fn kind(&self) -> &'static str {
+    /// The JSON type's name, for messages.
+    #[must_use]
+    pub fn kind(&self) -> &'static str {
         match self {
             Self::Null => "null",
             Self::Bool(_) => "a boolean",
@@ -368,10 +371,22 @@ impl HashFactors {
     }
 }
 
+/// Video decoder settings vLLM takes only at start-up: a request's are dropped.
+const VIDEO_STARTUP_ONLY: [&str; 5] = [
+    "hw_decoders",
+    "max_width",
+    "max_height",
+    "pool_size",
+    "device",
+];
+
 /// The effective `media_io_kwargs` of a request: vLLM's `merge_media_io_kwargs`, which
 /// shallow-merges each modality's object from the server's `--media-io-kwargs` with the
 /// request's (the request's keys win; the server's keep their place). `None` when neither has
-/// any entry.
+/// any entry. For `video`, as vLLM's `VideoMediaIO.merge_kwargs`: a request's start-up-only
+/// decoder settings (`hw_decoders`, `max_width`, `max_height`, `pool_size`, `device`) are
+/// dropped, and a request that sets `num_frames` without `fps` drops the server's `fps` (and
+/// the other way round).
 ///
 /// # Errors
 /// [`IdentifierError::NotAnObject`] when a modality's entry is not an object.
@@ -382,6 +397,12 @@ impl HashFactors {
 /// let request = OrderedJson::parse("request", r#"{"image": {"b": 3, "c": 4}}"#).unwrap();
 /// let merged = merge_media_io_kwargs(Some(&server), Some(&request)).unwrap().unwrap();
 /// let expected = OrderedJson::parse("x", r#"{"image": {"a": 1, "b": 3, "c": 4}}"#).unwrap();
+/// assert_eq!(merged, expected);
+///
+/// let server = OrderedJson::parse("server", r#"{"video": {"fps": 1, "max_frames": 64}}"#).unwrap();
+/// let request = OrderedJson::parse("request", r#"{"video": {"num_frames": 8, "device": "cuda"}}"#).unwrap();
+/// let merged = merge_media_io_kwargs(Some(&server), Some(&request)).unwrap().unwrap();
+/// let expected = OrderedJson::parse("x", r#"{"video": {"max_frames": 64, "num_frames": 8}}"#).unwrap();
 /// assert_eq!(merged, expected);
 /// ```
 pub fn merge_media_io_kwargs(
@@ -406,7 +427,20 @@ pub fn merge_media_io_kwargs(
             }
         };
         let mut value = entry(server)?;
-        for (k, v) in entry(request)? {
+        let mut runtime = entry(request)?;
+        if key == "video" {
+            // VideoMediaIO.merge_kwargs: start-up-only decoder settings are dropped from a
+            // request, and a request that sets one of `fps` and `num_frames` drops the
+            // other from the server's (the two interact).
+            runtime.retain(|(k, _)| !VIDEO_STARTUP_ONLY.contains(&k.as_str()));
+            let sets = |name: &str| runtime.iter().any(|(k, _)| k == name);
+            if sets("num_frames") && !sets("fps") {
+                value.retain(|(k, _)| k != "fps");
+            } else if sets("fps") && !sets("num_frames") {
+                value.retain(|(k, _)| k != "num_frames");
+            }
+        }
+        for (k, v) in runtime {
             match value.iter_mut().find(|(existing, _)| *existing == k) {
                 Some(slot) => slot.1 = v,
                 None => value.push((k, v)),
@@ -495,9 +529,9 @@ pub struct VideoSource<'a> {
     pub uuid: Option<&'a str>,
     /// The original encoded bytes (the clip as sent or read).
     pub bytes: &'a [u8],
-    /// The frames read, `[frames, height, width, 3]` RGB bytes: vLLM hashes them instead of
-    /// the clip when they are fewer bytes than it.
-    pub frames: (&'a [u8], [u64; 4]),
+    /// The frames read, all of one size: vLLM hashes them, as one `[frames, height, width, 3]`
+    /// array of RGB bytes, instead of the clip when they are fewer bytes than it.
+    pub frames: &'a [RgbImage],
     /// What the loader returned with the frames.
     pub metadata: &'a VideoMetadata,
 }
@@ -547,8 +581,13 @@ pub fn video_identifier(
             // The media with its bytes: the frames when they are fewer bytes than the clip.
             s.tag(TAG_LEAF);
             s.framed(b"video");
-            let (frames, shape) = item.frames;
-            if (frames.len() as u64) < item.bytes.len() as u64 {
+            let frames = item.frames;
+            let frame_bytes: usize = frames.iter().map(|f| f.pixels.len()).sum();
+            if frame_bytes < item.bytes.len() {
+                let (height, width) = frames
+                    .first()
+                    .map_or((0, 0), |f| (f.size.height, f.size.width));
+                let shape = [frames.len() as u64, u64::from(height), u64::from(width), 3];
                 s.tag(TAG_LEAF);
                 s.framed(b"ndarray");
                 s.mapping(3);
@@ -563,7 +602,11 @@ pub fn video_identifier(
                 }
                 s.framed(b"data");
                 s.tag(TAG_LEAF);
-                s.framed(frames);
+                // The frames as one array, framed once, fed without a copy.
+                s.length(frame_bytes);
+                for frame in frames {
+                    s.update(&frame.pixels);
+                }
             } else {
                 s.tag(TAG_LEAF);
                 s.framed(item.bytes);

@@ -59,22 +59,10 @@ fn video_identifiers_equal_vllms() {
                 )
                 .expect("decoded")
             });
-        let frames: Vec<u8> = video
-            .frames
-            .iter()
-            .flat_map(|f| f.pixels.iter().copied())
-            .collect();
-        let first = &video.frames[0].size;
-        let shape = [
-            video.frames.len() as u64,
-            u64::from(first.height),
-            u64::from(first.width),
-            3,
-        ];
         let item = VideoSource {
             uuid: case["uuid"].as_str(),
             bytes: &bytes,
-            frames: (&frames, shape),
+            frames: &video.frames,
             metadata: &video.metadata,
         };
         let factors = HashFactors {

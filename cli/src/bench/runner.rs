@@ -33,7 +33,8 @@ use super::stats::{ErrorKind, RequestError, RequestOutcome, summarize};
 use super::workload::{EncodedImage, RequestRate, Workload, arrival_offsets};
 use crate::epd::{Epd, EpdRequest, Item, ProduceError, Stored};
 use crate::http::MetricsSnapshot;
-use crate::http::engine_api::{EncodeOptions, Engine, EngineError, ImageInput};
+use crate::http::engine_api::{EncodeOptions, Engine, EngineError, ImageInput, MediaInput};
+use iris_core::budget::Modality;
 
 /// Default interval between memory samples during the load.
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
@@ -626,6 +627,7 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
                     .map(|img| Item {
                         bytes: img.bytes.to_vec(),
                         uuid: None,
+                        modality: Modality::Image,
                     })
                     .collect(),
                 ..EpdRequest::default()
@@ -648,8 +650,10 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
         }
         let inputs = images
             .iter()
-            .map(|img| ImageInput {
-                bytes: img.bytes.to_vec(),
+            .map(|img| {
+                MediaInput::Image(ImageInput {
+                    bytes: img.bytes.to_vec(),
+                })
             })
             .collect();
         let results = self

@@ -11,14 +11,19 @@
 //!
 //! Images come as `data:` URLs; `file://` URLs under `--allowed-local-media-path` and
 //! `http(s)://` URLs of hosts in `--allowed-media-domains` are read too (both off by default;
-//! fetches have a time limit and the body-size limit, and follow no redirect).
+//! fetches have a time limit and the body-size limit, and follow no redirect). Videos
+//! (`video_url` parts) come the same three ways, a data URL of any media type; they are decoded
+//! with FFmpeg, sampled as the model's vLLM loader samples them (`media_io_kwargs.video`), and
+//! published as vLLM's encoder publishes them (`modality` "video", `video_grid_thw`, and
+//! Qwen3-VL's `timestamps`).
 //!
 //! `ec_transfer_params` with `consumer_zmq` and one `transfer_id` per image (what the proxy sends
 //! when it runs with `--ec-consumer-zmq-addrs`) makes iris push each image's rows into that
 //! consumer before replying (the push connector, `ECMooncakeConnector`); the reply then names
 //! each identifier's `transfer_id`, as vLLM's producer does.
 //!
-//! Refused with a 400 that names the field: video, audio and embedding parts, `stream: true`,
+//! Refused with a 4xx that names the field: audio and embedding parts, JPEG frame lists
+//! (`data:video/jpeg`), `stream: true`,
 //! `n` other than 1, `ec_transfer_params` that are malformed or name a consumer when no push
 //! connector is configured, processor or media options iris does not implement, and any other
 //! field iris does not know. Accepted with no
@@ -35,6 +40,7 @@ use serde_json::{Map, Value, json};
 use super::error::ApiError;
 use super::request::{self, Limits};
 use crate::epd::{EpdRequest, Item, Published, PushTarget};
+use iris_core::budget::Modality;
 use iris_ec::identifier::OrderedJson;
 
 /// Fields accepted with no effect: sampling controls of a model iris does not run, and
@@ -51,6 +57,8 @@ const NO_OP_FIELDS: [&str; 7] = [
 
 /// vLLM's default image fetch timeout (`VLLM_IMAGE_FETCH_TIMEOUT`), in seconds.
 pub const DEFAULT_MEDIA_FETCH_TIMEOUT_S: u64 = 5;
+/// vLLM's default video fetch timeout (`VLLM_VIDEO_FETCH_TIMEOUT`), in seconds.
+pub const DEFAULT_VIDEO_FETCH_TIMEOUT_S: u64 = 30;
 
 /// Where images may come from besides `data:` URLs: `file://` URLs under a folder (vLLM's
 /// `--allowed-local-media-path`), `http(s)://` URLs of listed hosts (vLLM's
@@ -61,8 +69,10 @@ pub struct MediaAccess {
     pub allowed_local_media_path: Option<PathBuf>,
     /// Hosts whose `http(s)://` URLs are fetched (lower case); empty refuses every remote URL.
     pub allowed_media_domains: Vec<String>,
-    /// Time limit of one fetch, connection to last byte.
+    /// Time limit of one image fetch, connection to last byte.
     pub fetch_timeout: std::time::Duration,
+    /// Time limit of one video fetch.
+    pub video_fetch_timeout: std::time::Duration,
 }
 
 impl Default for MediaAccess {
@@ -71,6 +81,7 @@ impl Default for MediaAccess {
             allowed_local_media_path: None,
             allowed_media_domains: Vec::new(),
             fetch_timeout: std::time::Duration::from_secs(DEFAULT_MEDIA_FETCH_TIMEOUT_S),
+            video_fetch_timeout: std::time::Duration::from_secs(DEFAULT_VIDEO_FETCH_TIMEOUT_S),
         }
     }
 }
@@ -327,6 +338,7 @@ fn parse_part(
         Some(Value::String(s)) => s.as_str(),
         // vLLM infers the type of an untyped part from its payload key.
         None if part.contains_key("image_url") => "image_url",
+        None if part.contains_key("video_url") => "video_url",
         None if part.contains_key("text") => "text",
         _ => {
             return Err(ApiError::bad_request(
@@ -346,52 +358,83 @@ fn parse_part(
                 "image_url"
             };
             let ufield = format!("{field}.{key}");
-            let url = match part.get(key) {
-                Some(Value::String(s)) => s.as_str(),
-                Some(Value::Object(o)) => match o.get("url") {
-                    Some(Value::String(s)) => s.as_str(),
-                    _ => {
-                        return Err(ApiError::bad_request(
-                            "missing_field",
-                            format!("{ufield}.url must be a string"),
-                        ));
-                    }
-                },
-                None | Some(Value::Null) if uuid.is_some() => {
-                    return Err(ApiError::bad_request(
-                        "missing_image",
-                        format!(
-                            "{field} has a uuid but no image: iris encodes what it is sent, so every part needs its image"
-                        ),
-                    ));
-                }
-                _ => {
-                    return Err(ApiError::bad_request(
-                        "missing_field",
-                        format!("{ufield} must be a URL string or an object with a `url`"),
-                    ));
-                }
-            };
+            let url = part_url(field, &ufield, part.get(key), uuid.is_some(), "image")?;
             let bytes = load_image(&format!("{ufield}.url"), url, limits, media)?;
-            Ok(Some(Item { bytes, uuid }))
+            Ok(Some(Item {
+                bytes,
+                uuid,
+                modality: Modality::Image,
+            }))
         }
-        "video_url" | "video" | "video_embeds" | "input_audio" | "audio_url" | "audio_embeds" => {
+        "video_url" => {
+            let ufield = format!("{field}.video_url");
+            let url = part_url(
+                field,
+                &ufield,
+                part.get("video_url"),
+                uuid.is_some(),
+                "video",
+            )?;
+            let bytes = load_video(&format!("{ufield}.url"), url, limits, media)?;
+            Ok(Some(Item {
+                bytes,
+                uuid,
+                modality: Modality::Video,
+            }))
+        }
+        "input_audio" | "audio_url" | "audio_embeds" => Err(ApiError::bad_request(
+            "unsupported_modality",
+            format!("{field}.type is {kind:?}: iris encodes images and videos, not audio"),
+        )),
+        "image_embeds" | "video_embeds" | "image_pil" | "prompt_embeds" => {
             Err(ApiError::bad_request(
-                "unsupported_modality",
+                "unsupported_content_part",
                 format!(
-                    "{field}.type is {kind:?}: iris encodes images only (no video or audio yet)"
+                    "{field}.type is {kind:?}: an encoder instance takes images and videos, not precomputed embeddings"
                 ),
             ))
         }
-        "image_embeds" | "image_pil" | "prompt_embeds" => Err(ApiError::bad_request(
-            "unsupported_content_part",
-            format!(
-                "{field}.type is {kind:?}: an encoder instance takes images, not precomputed embeddings"
-            ),
-        )),
         other => Err(ApiError::bad_request(
             "unsupported_content_part",
-            format!("{field}.type {other:?} is not supported (\"text\" and \"image_url\" are)"),
+            format!(
+                "{field}.type {other:?} is not supported (\"text\", \"image_url\" and \"video_url\" are)"
+            ),
+        )),
+    }
+}
+
+/// The URL of a media part's payload `value` (a string, or an object with a `url`), at
+/// `ufield`; `what` names the medium in errors. A part with a uuid and no payload is refused:
+/// iris encodes what it is sent.
+fn part_url<'a>(
+    field: &str,
+    ufield: &str,
+    value: Option<&'a Value>,
+    has_uuid: bool,
+    what: &str,
+) -> Result<&'a str, ApiError> {
+    match value {
+        Some(Value::String(s)) => Ok(s.as_str()),
+        Some(Value::Object(o)) => match o.get("url") {
+            Some(Value::String(s)) => Ok(s.as_str()),
+            _ => Err(ApiError::bad_request(
+                "missing_field",
+                format!("{ufield}.url must be a string"),
+            )),
+        },
+        None | Some(Value::Null) if has_uuid => Err(ApiError::bad_request(
+            if what == "video" {
+                "missing_video"
+            } else {
+                "missing_image"
+            },
+            format!(
+                "{field} has a uuid but no {what}: iris encodes what it is sent, so every part needs its {what}"
+            ),
+        )),
+        _ => Err(ApiError::bad_request(
+            "missing_field",
+            format!("{ufield} must be a URL string or an object with a `url`"),
         )),
     }
 }
@@ -411,12 +454,59 @@ fn load_image(
             Ok(bytes)
         }
         Some("http" | "https") => {
-            let bytes = fetch_remote(field, url, limits, media)?;
+            let bytes = fetch_remote(field, url, limits, media, media.fetch_timeout)?;
             request::check_image_bytes(field, &bytes, limits)?;
             Ok(bytes)
         }
         _ => request::decode_image_url(field, url, limits).map(|image| image.bytes),
     }
+}
+
+/// Loads a video URL: a base64 `data:` URL of any media type (vLLM hands every one to the
+/// decoder), a `file://` URL under the allowed folder, or an `http(s)://` URL of an allowed
+/// host. The clip is not opened here: FFmpeg decides what it is.
+fn load_video(
+    field: &str,
+    url: &str,
+    limits: &Limits,
+    media: &MediaAccess,
+) -> Result<Vec<u8>, ApiError> {
+    let scheme = url.split_once(':').map(|(s, _)| s.to_ascii_lowercase());
+    let bytes = match scheme.as_deref() {
+        Some("file") => read_local_file(field, url, limits, media)?,
+        Some("http" | "https") => {
+            fetch_remote(field, url, limits, media, media.video_fetch_timeout)?
+        }
+        _ => {
+            let data = request::split_data_url(field, url, "data:video/<type>;base64,...")?;
+            if !data.is_base64 {
+                return Err(ApiError::new(
+                    axum::http::StatusCode::NOT_IMPLEMENTED,
+                    "not_implemented_error",
+                    "unsupported_video_url",
+                    format!("{field}: only base64 data URLs (`;base64,`) carry videos"),
+                ));
+            }
+            if data.media_type == "video/jpeg" {
+                return Err(ApiError::new(
+                    axum::http::StatusCode::NOT_IMPLEMENTED,
+                    "not_implemented_error",
+                    "unsupported_video_url",
+                    format!(
+                        "{field}: a data:video/jpeg list of JPEG frames is not supported by iris; send the clip itself (MP4, WebM, ...)"
+                    ),
+                ));
+            }
+            request::decode_base64(field, data.payload)?
+        }
+    };
+    if bytes.is_empty() {
+        return Err(ApiError::bad_request(
+            "corrupt_video",
+            format!("{field}: the video is empty"),
+        ));
+    }
+    Ok(bytes)
 }
 
 /// Fetches an `http(s)://` image of an allowed host, within the size and time limits, without
@@ -426,6 +516,7 @@ fn fetch_remote(
     url: &str,
     limits: &Limits,
     media: &MediaAccess,
+    timeout: std::time::Duration,
 ) -> Result<Vec<u8>, ApiError> {
     if media.allowed_media_domains.is_empty() {
         return Err(ApiError::bad_request(
@@ -457,7 +548,7 @@ fn fetch_remote(
         )
     };
     let agent: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(media.fetch_timeout))
+        .timeout_global(Some(timeout))
         .max_redirects(0)
         .build()
         .into();
@@ -572,10 +663,19 @@ pub fn chat_response(request_id: &str, model: &str, published: &[Published]) -> 
     let mut params = Map::new();
     for (index, item) in published.iter().enumerate() {
         let entry = params.entry(item.identifier.clone()).or_insert_with(|| {
+            // The metadata an EC consumer requires of the modality (vLLM's `embedding_fields`
+            // with role "metadata").
+            let metadata = match (item.modality, &item.timestamps) {
+                (Modality::Video, None) => json!({ "video_grid_thw": item.grid_thw }),
+                (Modality::Video, Some(timestamps)) => {
+                    json!({ "video_grid_thw": item.grid_thw, "timestamps": timestamps })
+                }
+                _ => json!({ "image_grid_thw": item.grid_thw }),
+            };
             json!({
-                "modality": "image",
+                "modality": item.modality.to_string(),
                 "item_indices": [],
-                "metadata": { "image_grid_thw": item.grid_thw },
+                "metadata": metadata,
             })
         });
         if let Some(Value::Array(indices)) = entry.get_mut("item_indices") {

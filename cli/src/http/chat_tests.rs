@@ -218,9 +218,31 @@ async fn bad_requests_are_4xx_json_and_leave_no_file() {
             "invalid_base64",
         ),
         (
-            part(json!({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}})),
+            part(json!({"type": "input_audio", "input_audio": {"data": "AAAA"}})),
             StatusCode::BAD_REQUEST,
             "unsupported_modality",
+        ),
+        (
+            part(
+                json!({"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,AAAA,AAAA"}}),
+            ),
+            StatusCode::NOT_IMPLEMENTED,
+            "unsupported_video_url",
+        ),
+        (
+            part(json!({"type": "video_url", "video_url": {"url": "data:video/mp4,AAAA"}})),
+            StatusCode::NOT_IMPLEMENTED,
+            "unsupported_video_url",
+        ),
+        (
+            part(json!({"video_url": {"url": "data:video/mp4;base64,"}})),
+            StatusCode::BAD_REQUEST,
+            "corrupt_video",
+        ),
+        (
+            part(json!({"type": "video_url", "uuid": "u"})),
+            StatusCode::BAD_REQUEST,
+            "missing_video",
         ),
         (
             part(json!({"type": "image_embeds", "image_embeds": "AAAA"})),

@@ -7,9 +7,12 @@
 use std::future::Future;
 
 pub use iris_core::engine::api::{
-    EncodeOptions, EngineError, HostTensor, ImageInput, ImagePlan, ImageResult, MemoryGauges,
-    MetricsSnapshot, OutputLayout, ProcessorOverrides, ResetReport,
+    EncodeOptions, EngineError, HostTensor, ImageInput, ImagePlan, ImageResult, MediaInput,
+    MemoryGauges, MetricsSnapshot, OutputLayout, ProcessorOverrides, ResetReport,
 };
+pub use iris_core::model::VideoProcessing;
+pub use iris_core::preprocess::video::SamplingOptions;
+pub use iris_core::preprocess::video::ffmpeg::DecodedVideo;
 
 /// The engine as the HTTP server sees it.
 pub trait Engine: Send + Sync + 'static {
@@ -18,20 +21,29 @@ pub trait Engine: Send + Sync + 'static {
     /// Takes a request slot before the request body is read: `Err(Overloaded)` beyond the
     /// engine's bounds, `Err(Dead)` once the engine died.
     fn admit(&self) -> Result<Self::Permit, EngineError>;
-    /// Encodes `images` (one admitted request), returning one result per image in order.
+    /// Encodes `items` (one admitted request), returning one result per item in order.
     fn encode(
         &self,
         permit: Self::Permit,
-        images: Vec<ImageInput>,
+        items: Vec<MediaInput>,
         opts: EncodeOptions,
     ) -> impl Future<Output = Result<Vec<ImageResult>, EngineError>> + Send;
-    /// Preprocesses `images` (through the processor cache) and reports each one's grid and
+    /// Preprocesses `items` (through the processor cache) and reports each one's grid and
     /// tokens, without encoding.
     fn plan(
         &self,
-        images: &[ImageInput],
+        items: &[MediaInput],
         overrides: &ProcessorOverrides,
     ) -> impl Future<Output = Result<Vec<ImagePlan>, EngineError>> + Send;
+    /// Decodes a clip and reads the frames the model's video loader samples, with vLLM's
+    /// metadata; `Err(Unsupported)` when the engine cannot decode videos (FFmpeg missing).
+    fn load_video(
+        &self,
+        bytes: Vec<u8>,
+        sampling: SamplingOptions,
+    ) -> impl Future<Output = Result<DecodedVideo, EngineError>> + Send;
+    /// The model's video processing (loader, resize rule, processor settings).
+    fn video_processing(&self) -> VideoProcessing;
     /// The shape and dtype of the engine's outputs.
     fn output_layout(&self) -> OutputLayout;
     /// `Ok` while the engine can serve; `Err(Dead)` or `Err(DeviceLost)` otherwise.

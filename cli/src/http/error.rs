@@ -121,6 +121,12 @@ impl From<EngineError> for ApiError {
                 retry_after_s: Some(retry_after_s),
                 ..Self::unavailable("device_out_of_memory", message)
             },
+            EngineError::Unsupported { message, code } => Self::new(
+                StatusCode::NOT_IMPLEMENTED,
+                "not_implemented_error",
+                code,
+                message,
+            ),
             EngineError::Device(_) => Self::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal_error",

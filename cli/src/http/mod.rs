@@ -116,6 +116,9 @@ pub struct ServeArgs {
     /// Time limit of one image fetch, in seconds (vLLM's `VLLM_IMAGE_FETCH_TIMEOUT`).
     #[arg(long, value_name = "SECONDS", default_value_t = chat::DEFAULT_MEDIA_FETCH_TIMEOUT_S)]
     pub media_fetch_timeout: u64,
+    /// Time limit of one video fetch, in seconds (vLLM's `VLLM_VIDEO_FETCH_TIMEOUT`).
+    #[arg(long, value_name = "SECONDS", default_value_t = chat::DEFAULT_VIDEO_FETCH_TIMEOUT_S)]
+    pub video_fetch_timeout: u64,
 }
 
 impl ServeArgs {
@@ -159,6 +162,9 @@ impl ServeArgs {
                     .filter(|d| !d.is_empty())
                     .collect(),
                 fetch_timeout: std::time::Duration::from_secs(self.media_fetch_timeout.max(1)),
+                video_fetch_timeout: std::time::Duration::from_secs(
+                    self.video_fetch_timeout.max(1),
+                ),
             },
         })
     }
@@ -273,7 +279,11 @@ async fn encode<E: Engine>(
         .map_err(|err| ApiError::internal(format!("request parsing task failed: {err}")))??;
     let results = state
         .engine
-        .encode(permit, parsed.images, parsed.options)
+        .encode(
+            permit,
+            parsed.images.into_iter().map(Into::into).collect(),
+            parsed.options,
+        )
         .await?;
     let cached = results.iter().filter(|r| r.cached).count();
     let cached = u64::try_from(cached).unwrap_or(u64::MAX);

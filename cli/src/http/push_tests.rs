@@ -264,7 +264,7 @@ async fn malformed_or_misplaced_ec_transfer_params_are_400s() {
     let cases = [
         (
             json!({"consumer_zmq": "tcp://127.0.0.1:5555", "ec_items": []}),
-            "has 0 entries for 1 images",
+            "has 0 entries for 1 items",
         ),
         (
             json!({"consumer_zmq": "127.0.0.1:5555", "ec_items": [{"transfer_id": "t"}]}),

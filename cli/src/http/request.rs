@@ -348,6 +348,55 @@ fn collect_parts<'a>(
     Ok(())
 }
 
+/// A data URL's parts: its media type (lower case), whether it says `;base64`, its payload.
+pub(crate) struct DataUrl<'a> {
+    pub media_type: String,
+    pub is_base64: bool,
+    pub payload: &'a str,
+}
+
+/// Splits `data:<media type>[;params],<data>`; `expected` names the form in errors.
+pub(crate) fn split_data_url<'a>(
+    field: &str,
+    url: &'a str,
+    expected: &str,
+) -> Result<DataUrl<'a>, ApiError> {
+    let Some(rest) = url.strip_prefix("data:").or_else(|| {
+        url.get(..5)
+            .filter(|p| p.eq_ignore_ascii_case("data:"))
+            .map(|_| &url[5..])
+    }) else {
+        return Err(ApiError::bad_request(
+            "invalid_image_url",
+            format!("{field}: expected a data URL `{expected}`"),
+        ));
+    };
+    let Some((meta, payload)) = rest.split_once(',') else {
+        return Err(ApiError::bad_request(
+            "invalid_image_url",
+            format!("{field}: the data URL has no `,` before its data"),
+        ));
+    };
+    let mut params = meta.split(';');
+    let media_type = params.next().unwrap_or("").trim().to_ascii_lowercase();
+    let is_base64 = params.any(|p| p.trim().eq_ignore_ascii_case("base64"));
+    Ok(DataUrl {
+        media_type,
+        is_base64,
+        payload,
+    })
+}
+
+/// Decodes a data URL's base64 payload (padded or not).
+pub(crate) fn decode_base64(field: &str, payload: &str) -> Result<Vec<u8>, ApiError> {
+    BASE64_LENIENT.decode(payload.trim()).map_err(|err| {
+        ApiError::bad_request(
+            "invalid_base64",
+            format!("{field}: the data is not valid base64: {err}"),
+        )
+    })
+}
+
 /// Parses `data:<media type>[;params];base64,<data>`, decodes it and checks the header.
 pub(crate) fn decode_image_url(
     field: &str,
@@ -361,25 +410,11 @@ pub(crate) fn decode_image_url(
             format!("{field}: only data URLs are accepted; iris does not fetch http(s) URLs"),
         ));
     }
-    let Some(rest) = url.strip_prefix("data:").or_else(|| {
-        url.get(..5)
-            .filter(|p| p.eq_ignore_ascii_case("data:"))
-            .map(|_| &url[5..])
-    }) else {
-        return Err(ApiError::bad_request(
-            "invalid_image_url",
-            format!("{field}: expected a data URL `data:image/<type>;base64,...`"),
-        ));
-    };
-    let Some((meta, payload)) = rest.split_once(',') else {
-        return Err(ApiError::bad_request(
-            "invalid_image_url",
-            format!("{field}: the data URL has no `,` before its data"),
-        ));
-    };
-    let mut params = meta.split(';');
-    let media_type = params.next().unwrap_or("").trim().to_ascii_lowercase();
-    let is_base64 = params.any(|p| p.trim().eq_ignore_ascii_case("base64"));
+    let DataUrl {
+        media_type,
+        is_base64,
+        payload,
+    } = split_data_url(field, url, "data:image/<type>;base64,...")?;
     if !ACCEPTED_MEDIA_TYPES.contains(&media_type.as_str()) {
         return Err(ApiError::bad_request(
             "unsupported_media_type",
@@ -395,12 +430,7 @@ pub(crate) fn decode_image_url(
             format!("{field}: the data URL must be base64 encoded (`;base64,`)"),
         ));
     }
-    let bytes = BASE64_LENIENT.decode(payload.trim()).map_err(|err| {
-        ApiError::bad_request(
-            "invalid_base64",
-            format!("{field}: the data is not valid base64: {err}"),
-        )
-    })?;
+    let bytes = decode_base64(field, payload)?;
     check_image_bytes(field, &bytes, limits)?;
     Ok(ImageInput { bytes })
 }

@@ -16,9 +16,26 @@ use serde_json::{Value, json};
 use iris_plugin::DType;
 
 use super::engine_api::{
-    EncodeOptions, Engine, EngineError, ImageInput, ImagePlan, ImageResult, MemoryGauges,
-    MetricsSnapshot, OutputLayout, ProcessorOverrides, ResetReport,
+    DecodedVideo, EncodeOptions, Engine, EngineError, ImageInput, ImagePlan, ImageResult,
+    MediaInput, MemoryGauges, MetricsSnapshot, OutputLayout, ProcessorOverrides, ResetReport,
+    SamplingOptions, VideoProcessing,
 };
+
+/// The fake engine's answer to a video: it models images only (the real engine's video path
+/// is tested against the CPU device in `cli/tests/server.rs`).
+fn no_video() -> EngineError {
+    EngineError::Unsupported {
+        message: "the test engine takes images only".to_owned(),
+        code: "video_decoder_missing",
+    }
+}
+
+fn image_of(item: &MediaInput) -> Result<&ImageInput, EngineError> {
+    match item {
+        MediaInput::Image(image) => Ok(image),
+        MediaInput::Video(_) => Err(no_video()),
+    }
+}
 
 /// Hidden size of the fake encoder outputs.
 pub(crate) const HIDDEN: u64 = 8;
@@ -225,7 +242,7 @@ impl Engine for FakeEngine {
     async fn encode(
         &self,
         (): (),
-        images: Vec<ImageInput>,
+        items: Vec<MediaInput>,
         opts: EncodeOptions,
     ) -> Result<Vec<ImageResult>, EngineError> {
         if self.is_sleeping() {
@@ -235,18 +252,35 @@ impl Engine for FakeEngine {
         // A pause like a real step's, so that concurrent requests overlap in tests.
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         let mut s = self.state.lock().unwrap();
-        images
+        items
             .iter()
-            .map(|img| Self::encode_one(&mut s, img, opts))
+            .map(|item| Self::encode_one(&mut s, image_of(item)?, opts))
             .collect()
     }
 
     async fn plan(
         &self,
-        images: &[ImageInput],
+        items: &[MediaInput],
         _overrides: &ProcessorOverrides,
     ) -> Result<Vec<ImagePlan>, EngineError> {
-        images.iter().map(Self::plan_one).collect()
+        items
+            .iter()
+            .map(|item| Self::plan_one(image_of(item)?))
+            .collect()
+    }
+
+    async fn load_video(
+        &self,
+        _bytes: Vec<u8>,
+        _sampling: SamplingOptions,
+    ) -> Result<DecodedVideo, EngineError> {
+        Err(no_video())
+    }
+
+    fn video_processing(&self) -> VideoProcessing {
+        iris_core::model::ModelSpec::preset("tiny")
+            .expect("the tiny preset exists")
+            .default_video_processing()
     }
 
     fn output_layout(&self) -> OutputLayout {

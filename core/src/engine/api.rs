@@ -7,6 +7,37 @@ pub struct ImageInput {
     pub bytes: Vec<u8>,
 }
 
+/// One video of a request, decoded: the frames its loader read and the loader's metadata
+/// (from [`Engine::load_video`](super::Engine::load_video), or from
+/// [`load_video`](crate::preprocess::video::ffmpeg::load_video) directly). The engine resizes
+/// and patchifies the frames with the model's video processor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VideoInput {
+    /// The frames and metadata; shared, since a request may keep them for its identifier too.
+    pub video: std::sync::Arc<crate::preprocess::video::ffmpeg::DecodedVideo>,
+}
+
+/// One media item of a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MediaInput {
+    /// An encoded image.
+    Image(ImageInput),
+    /// A decoded video.
+    Video(VideoInput),
+}
+
+impl From<ImageInput> for MediaInput {
+    fn from(image: ImageInput) -> Self {
+        MediaInput::Image(image)
+    }
+}
+
+impl From<VideoInput> for MediaInput {
+    fn from(video: VideoInput) -> Self {
+        MediaInput::Video(video)
+    }
+}
+
 /// Per-request options of an encode call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EncodeOptions {
@@ -128,6 +159,15 @@ pub enum EngineError {
         message: String,
         /// Seconds to wait before retrying.
         retry_after_s: u64,
+    },
+    /// The server cannot take this kind of input as installed (a video without FFmpeg): a 501
+    /// that says what to install.
+    #[error("{message}")]
+    Unsupported {
+        /// What is missing and how to get it.
+        message: String,
+        /// A stable machine-readable code, e.g. `video_decoder_missing`.
+        code: &'static str,
     },
     /// A device error other than out of memory failed the step that ran the request: a 500.
     /// The engine goes on; other requests are not affected.

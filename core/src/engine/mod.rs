@@ -55,7 +55,11 @@ use crate::cache::encoder::EncoderCacheManager;
 use crate::cache::processor::ProcessorCache;
 use crate::encoder::exec::Runner;
 use crate::memory::{CachingAllocator, MemorySnapshot};
-use crate::model::{ModelSpec, WeightSource};
+use crate::model::{ModelSpec, VideoProcessing, WeightSource};
+use crate::preprocess::video::ffmpeg::{DecodedVideo, Ffmpeg, VideoLimits, load_video};
+use crate::preprocess::video::{
+    SamplingOptions, VideoError, preprocess_frames, video_hash, video_shape,
+};
 use crate::preprocess::{
     AlphaMode, DecodeLimits, PreprocessError, PreprocessedImage, ProcessorConfig, decode_rgb,
     item_hash, preprocess_rgb,
@@ -67,8 +71,8 @@ use crate::profile::{
 use crate::scheduler::Scheduler;
 use admission::{Admission, AdmissionConfig, Permit, estimate_tokens};
 use api::{
-    EncodeOptions, EngineError, ImageInput, ImagePlan, ImageResult, MemoryGauges, MetricsSnapshot,
-    OutputLayout, ProcessorOverrides, ResetReport,
+    EncodeOptions, EngineError, ImagePlan, ImageResult, MediaInput, MemoryGauges, MetricsSnapshot,
+    OutputLayout, ProcessorOverrides, ResetReport, VideoInput,
 };
 use liveness::{Liveness, run_guarded};
 use prompt::{Assembly, Event, PromptLayout};
@@ -101,6 +105,11 @@ pub struct EngineConfig {
     pub processor_cache_bytes: u64,
     /// Decoder limits (a second line of defence behind the server's header check).
     pub decode_limits: DecodeLimits,
+    /// How videos are sampled and processed: the family's defaults, or the model directory's
+    /// `video_preprocessor_config.json` ([`ModelSpec::video_processing`]).
+    pub video: VideoProcessing,
+    /// Limits on what one video may decode to (vLLM's).
+    pub video_limits: VideoLimits,
     /// Backpressure bounds (defaults derived from the scheduler's budget).
     pub admission: AdmissionConfig,
     /// Fault injection for tests and drills: the engine-core thread panics at the start of
@@ -112,6 +121,8 @@ impl EngineConfig {
     /// A configuration with the defaults for everything but the model and its weights.
     pub fn new(spec: ModelSpec, weights: WeightSource) -> EngineConfig {
         EngineConfig {
+            video: spec.default_video_processing(),
+            video_limits: VideoLimits::default(),
             spec,
             weights,
             dtype: DType::F32,
@@ -148,6 +159,8 @@ pub enum StartError {
 pub(crate) struct Shared {
     allocator: Arc<CachingAllocator>,
     processor: Mutex<ProcessorCache<Arc<PreprocessedImage>>>,
+    /// The FFmpeg programs, found on the first video (image-only use never looks for them).
+    ffmpeg: Mutex<Option<Ffmpeg>>,
     /// 0 awake, else the sleep level.
     sleep_level: AtomicU8,
     encoder_hits: AtomicU64,
@@ -168,6 +181,26 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The processor cache's entry for `hash`.
+    fn cached(&self, hash: &str) -> Option<Arc<PreprocessedImage>> {
+        self.processor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(hash)
+            .cloned()
+    }
+
+    /// Puts `item` into the processor cache under `hash`, sized by its pixel values.
+    fn remember(&self, hash: String, item: PreprocessedImage) -> Arc<PreprocessedImage> {
+        let item = Arc::new(item);
+        let bytes = item.pixel_values.len() as u64 * 4;
+        self.processor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert_sized(hash, Arc::clone(&item), bytes);
+        item
+    }
+
     /// Called by the engine core at the start of every step: the fault-injection point of
     /// [`EngineConfig::panic_at_step`].
     pub(crate) fn before_step(&self) {
@@ -230,6 +263,7 @@ impl Engine {
         let shared = Arc::new(Shared {
             allocator: Arc::clone(&allocator),
             processor: Mutex::new(ProcessorCache::new(config.processor_cache_bytes)),
+            ffmpeg: Mutex::new(None),
             sleep_level: AtomicU8::new(0),
             encoder_hits: AtomicU64::new(0),
             encoder_misses: AtomicU64::new(0),
@@ -357,38 +391,41 @@ impl Engine {
         self.shared.admission.admit()
     }
 
-    /// Encodes one request's images; one result per image, in order. Takes its own request
-    /// slot: [`Engine::admit`] then [`Engine::encode_admitted`].
+    /// Encodes one request's items (images, or [`MediaInput`]s mixing images and videos); one
+    /// result per item, in order. Takes its own request slot: [`Engine::admit`] then
+    /// [`Engine::encode_admitted`].
     ///
     /// # Errors
     /// Those of [`Engine::admit`] and [`Engine::encode_admitted`].
-    pub async fn encode(
+    pub async fn encode<I: Into<MediaInput>>(
         &self,
-        images: Vec<ImageInput>,
+        items: Vec<I>,
         options: EncodeOptions,
     ) -> Result<Vec<ImageResult>, EngineError> {
         let permit = self.admit()?;
-        self.encode_admitted(permit, images, options).await
+        self.encode_admitted(permit, items, options).await
     }
 
-    /// Encodes one admitted request's images; one result per image, in order. The request's
-    /// tokens, estimated from the image headers, are charged to `permit` before anything is
-    /// decoded; the permit is given back when the request ends (or its future is dropped).
+    /// Encodes one admitted request's items; one result per item, in order. The request's
+    /// tokens, estimated from the image headers and the videos' frame counts and sizes, are
+    /// charged to `permit` before anything is resized; the permit is given back when the
+    /// request ends (or its future is dropped).
     ///
     /// # Errors
-    /// [`EngineError::BadInput`] for an image that cannot be decoded or preprocessed (naming
+    /// [`EngineError::BadInput`] for an item that cannot be decoded or preprocessed (naming
     /// it), [`EngineError::Overloaded`] beyond the token bound, [`EngineError::Sleeping`] while
     /// asleep, [`EngineError::Dead`] once the engine died, [`EngineError::Internal`] for a
     /// fault.
-    pub async fn encode_admitted(
+    pub async fn encode_admitted<I: Into<MediaInput>>(
         &self,
         mut permit: Permit,
-        images: Vec<ImageInput>,
+        items: Vec<I>,
         options: EncodeOptions,
     ) -> Result<Vec<ImageResult>, EngineError> {
-        if images.is_empty() {
+        let items: Vec<MediaInput> = items.into_iter().map(Into::into).collect();
+        if items.is_empty() {
             return Err(EngineError::BadInput {
-                message: "the request has no images".to_owned(),
+                message: "the request has no images or videos".to_owned(),
                 code: "no_images",
             });
         }
@@ -397,12 +434,26 @@ impl Engine {
             return Err(EngineError::Sleeping);
         }
         let processor = self.processor_for(&options.processor)?;
-        let tokens = images
+        let video = self.video_for(&options.processor, &items)?;
+        let tokens = items
             .iter()
-            .map(|image| estimate_tokens(&image.bytes, &self.config.decode_limits, &processor))
+            .map(|item| match item {
+                MediaInput::Image(image) => {
+                    estimate_tokens(&image.bytes, &self.config.decode_limits, &processor)
+                }
+                MediaInput::Video(input) => input.video.frames.first().map_or(0, |first| {
+                    video_shape(
+                        input.video.frames.len(),
+                        first.size,
+                        &video.config,
+                        video.resize,
+                    )
+                    .map_or(0, |shape| u64::from(shape.tokens))
+                }),
+            })
             .sum();
         self.shared.admission.charge(&mut permit, tokens)?;
-        let prepared = self.prepare_all(images, &options.processor).await?;
+        let prepared = self.prepare_all(items, &options.processor).await?;
 
         // Sleep may have been asked while the images were being preprocessed.
         if self.is_sleeping() {
@@ -459,19 +510,21 @@ impl Engine {
         })
     }
 
-    /// Preprocesses `images` under the request's processor settings and reports each one's
-    /// grid and tokens, without encoding. The preprocessed images go into the processor cache,
-    /// so a following [`Engine::encode_admitted`] of the same images does not decode them again.
+    /// Preprocesses `items` under the request's processor settings and reports each one's
+    /// grid and tokens, without encoding. The preprocessed items go into the processor cache,
+    /// so a following [`Engine::encode_admitted`] of the same items does not process them
+    /// again.
     ///
     /// # Errors
-    /// [`EngineError::BadInput`] for an image that cannot be decoded or preprocessed, or
+    /// [`EngineError::BadInput`] for an item that cannot be decoded or preprocessed, or
     /// processor settings the engine cannot honour; [`EngineError::Internal`] for a fault.
-    pub async fn plan(
+    pub async fn plan<I: Clone + Into<MediaInput>>(
         &self,
-        images: &[ImageInput],
+        items: &[I],
         overrides: &ProcessorOverrides,
     ) -> Result<Vec<ImagePlan>, EngineError> {
-        let prepared = self.prepare_all(images.to_vec(), overrides).await?;
+        let items = items.iter().cloned().map(Into::into).collect();
+        let prepared = self.prepare_all(items, overrides).await?;
         Ok(prepared
             .iter()
             .map(|image| ImagePlan {
@@ -532,20 +585,81 @@ impl Engine {
         Ok(processor)
     }
 
-    /// Decodes and preprocesses `images` on the blocking pool, through the processor cache.
+    /// The video processing of a request with `items`: the engine's. A request that narrows
+    /// the pixel range is refused when it has a video: the Qwen video processors read those
+    /// settings differently per family, and iris applies only what it reproduces exactly.
+    fn video_for(
+        &self,
+        overrides: &ProcessorOverrides,
+        items: &[MediaInput],
+    ) -> Result<VideoProcessing, EngineError> {
+        let has_video = items.iter().any(|i| matches!(i, MediaInput::Video(_)));
+        if has_video && (overrides.min_pixels.is_some() || overrides.max_pixels.is_some()) {
+            return Err(EngineError::BadInput {
+                message: "mm_processor_kwargs min_pixels/max_pixels are not supported in a request with videos: iris processes videos with the model's video processor settings".to_owned(),
+                code: "invalid_mm_processor_kwargs",
+            });
+        }
+        Ok(self.config.video.clone())
+    }
+
+    /// The model's video processing: its loader (which frames are read), resize rule and
+    /// processor settings.
+    #[must_use]
+    pub fn video_processing(&self) -> &VideoProcessing {
+        &self.config.video
+    }
+
+    /// Decodes `bytes` (a clip in any container FFmpeg reads) and reads the frames the model's
+    /// loader samples under `sampling` (its `temporal_patch_size` is the model's, whatever is
+    /// passed), with vLLM's metadata, on the blocking pool. FFmpeg is looked for on the first
+    /// video.
+    ///
+    /// # Errors
+    /// [`EngineError::Unsupported`] when FFmpeg is not installed, saying how to install it;
+    /// [`EngineError::BadInput`] for a clip that cannot be decoded or sampled, or decodes past
+    /// the limits; [`EngineError::Dead`] once the engine died.
+    pub async fn load_video(
+        &self,
+        bytes: Vec<u8>,
+        sampling: SamplingOptions,
+    ) -> Result<DecodedVideo, EngineError> {
+        self.shared.liveness.check()?;
+        let shared = Arc::clone(&self.shared);
+        let loader = self.config.video.loader;
+        let options = SamplingOptions {
+            temporal_patch_size: self.config.video.config.temporal_patch_size,
+            ..sampling
+        };
+        let limits = self.config.video_limits;
+        tokio::task::spawn_blocking(move || {
+            let ffmpeg = locate_ffmpeg(&shared)?;
+            load_video(&ffmpeg, &bytes, loader, &options, &limits).map_err(video_error)
+        })
+        .await
+        .map_err(|e| EngineError::Internal(format!("video decoding task failed: {e}")))?
+    }
+
+    /// Decodes and preprocesses `items` on the blocking pool, through the processor cache.
     async fn prepare_all(
         &self,
-        images: Vec<ImageInput>,
+        items: Vec<MediaInput>,
         overrides: &ProcessorOverrides,
     ) -> Result<Vec<Arc<PreprocessedImage>>, EngineError> {
         let processor = self.processor_for(overrides)?;
+        let video = self.video_for(overrides, &items)?;
         let shared = Arc::clone(&self.shared);
         let limits = self.config.decode_limits;
         tokio::task::spawn_blocking(move || {
-            images
+            items
                 .iter()
                 .enumerate()
-                .map(|(index, image)| prepare(&shared, &processor, &limits, index, &image.bytes))
+                .map(|(index, item)| match item {
+                    MediaInput::Image(image) => {
+                        prepare(&shared, &processor, &limits, index, &image.bytes)
+                    }
+                    MediaInput::Video(input) => prepare_video(&shared, &video, index, input),
+                })
                 .collect::<Result<Vec<_>, _>>()
         })
         .await
@@ -796,23 +910,81 @@ fn prepare(
     };
     let (_, rgb) = decode_rgb(bytes, limits, processor.alpha).map_err(bad)?;
     let hash = item_hash(&rgb, processor);
-    let cached = shared
-        .processor
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .get(&hash)
-        .cloned();
-    if let Some(image) = cached {
+    if let Some(image) = shared.cached(&hash) {
         return Ok(image);
     }
-    let image = Arc::new(preprocess_rgb(&rgb, processor).map_err(bad)?);
-    let bytes = image.pixel_values.len() as u64 * 4;
-    shared
-        .processor
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .insert_sized(hash, Arc::clone(&image), bytes);
-    Ok(image)
+    Ok(shared.remember(hash, preprocess_rgb(&rgb, processor).map_err(bad)?))
+}
+
+/// Preprocesses video `index` of a request (frames already decoded) through the processor
+/// cache.
+fn prepare_video(
+    shared: &Shared,
+    video: &VideoProcessing,
+    index: usize,
+    input: &VideoInput,
+) -> Result<Arc<PreprocessedImage>, EngineError> {
+    let frames = &input.video.frames;
+    let hash = video_hash(frames, &video.config, video.resize);
+    if let Some(item) = shared.cached(&hash) {
+        return Ok(item);
+    }
+    let processed = preprocess_frames(frames, &video.config, video.resize).map_err(|err| {
+        EngineError::BadInput {
+            code: video_error_code(&err),
+            message: format!("video {index}: {err}"),
+        }
+    })?;
+    let item = PreprocessedImage {
+        pixel_values: processed.pixel_values,
+        grid_thw: processed.grid_thw,
+        original_size: processed.original_size,
+        resized_size: processed.resized_size,
+        tokens: processed.tokens,
+        hash: hash.clone(),
+        modality: Modality::Video,
+    };
+    Ok(shared.remember(hash, item))
+}
+
+/// The FFmpeg programs, located once and remembered; a failed search is tried again on the
+/// next video (FFmpeg may be installed meanwhile).
+fn locate_ffmpeg(shared: &Shared) -> Result<Ffmpeg, EngineError> {
+    let mut slot = shared.ffmpeg.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(ffmpeg) = slot.as_ref() {
+        return Ok(ffmpeg.clone());
+    }
+    let ffmpeg = Ffmpeg::locate().map_err(video_error)?;
+    *slot = Some(ffmpeg.clone());
+    Ok(ffmpeg)
+}
+
+/// The engine error of a video that cannot be loaded: FFmpeg missing is the server's
+/// (a 501 that says how to install it), anything else the client's.
+fn video_error(err: VideoError) -> EngineError {
+    match err {
+        VideoError::FfmpegMissing { .. } => EngineError::Unsupported {
+            message: err.to_string(),
+            code: "video_decoder_missing",
+        },
+        other => EngineError::BadInput {
+            code: video_error_code(&other),
+            message: other.to_string(),
+        },
+    }
+}
+
+/// The stable error code of a video that cannot be loaded or preprocessed.
+pub fn video_error_code(err: &VideoError) -> &'static str {
+    match err {
+        VideoError::NoFrames | VideoError::TooFewFrames { .. } => "video_too_short",
+        VideoError::UnknownFrameRate => "video_frame_rate_unknown",
+        VideoError::InvalidOption { .. } => "invalid_video_option",
+        VideoError::TooLarge { .. } => "video_too_large",
+        VideoError::FfmpegMissing { .. } => "video_decoder_missing",
+        VideoError::Preprocess(PreprocessError::AspectRatio { .. }) => "video_aspect_ratio",
+        _ => "corrupt_video",
+    }
 }
 
 /// The stable error code of a preprocessing failure.

@@ -45,7 +45,10 @@ impl PromptLayout {
         let items = images
             .iter()
             .zip(&self.items)
-            .map(|(image, &(offset, length))| MmItem::new(image.hash.as_str(), offset, length))
+            .map(|(image, &(offset, length))| MmItem {
+                modality: image.modality,
+                ..MmItem::new(image.hash.as_str(), offset, length)
+            })
             .collect();
         NewRequest::new(self.prompt_len, items)
     }
@@ -246,6 +249,7 @@ mod tests {
             resized_size: ImageSize::new(1, 1),
             tokens,
             hash: hash.to_owned(),
+            modality: crate::budget::Modality::Image,
         })
     }
 

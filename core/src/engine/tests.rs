@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use super::*;
 use crate::encoder::tower::VisionTower;
+use crate::engine::api::ImageInput;
 use crate::model::DUMMY_DEFAULT_SEED;
+use crate::preprocess::ImageSize;
 use crate::preprocess::preprocess;
 use crate::test_support::{cpu_allocator, cpu_device, cpu_device_with};
 
@@ -63,21 +65,27 @@ const WITH_EMBEDDINGS: EncodeOptions = EncodeOptions {
 /// The tower run directly on one image: what the engine's gathered rows must equal.
 fn reference(bytes: &[u8]) -> Vec<f32> {
     let spec = ModelSpec::preset("tiny").unwrap();
+    let image = preprocess(bytes, &spec.processor, &DecodeLimits::default()).unwrap();
+    run_tower(&image.pixel_values, image.grid_thw)
+}
+
+/// The tiny tower with the test weights, run directly on one item's pixel values.
+fn run_tower(pixel_values: &[f32], grid: [u32; 3]) -> Vec<f32> {
+    let spec = ModelSpec::preset("tiny").unwrap();
     let allocator = cpu_allocator("1GiB");
     let runner = Runner::new(allocator);
     let host = config().weights.load(&spec.vision, DType::F32).unwrap();
     let tower = VisionTower::new(&runner, spec.vision.clone(), &host, DType::F32).unwrap();
-    let image = preprocess(bytes, &spec.processor, &DecodeLimits::default()).unwrap();
-    let rows = image.num_patches() as u64;
+    let rows: u64 = grid.iter().map(|&v| u64::from(v)).product();
     let pixels = runner
         .upload_f32(
-            &image.pixel_values,
+            pixel_values,
             DType::F32,
             rows,
             spec.vision.patch_row_len() as u64,
         )
         .unwrap();
-    let out = tower.forward(&runner, &pixels, &[image.grid_thw]).unwrap();
+    let out = tower.forward(&runner, &pixels, &[grid]).unwrap();
     runner.download_f32(&out[0].embeddings).unwrap()
 }
 
@@ -1038,4 +1046,214 @@ async fn the_startup_report_predicts_the_encoder_cache_bytes_of_each_family() {
             "{family}: measured vs predicted encoder cache bytes"
         );
     }
+}
+
+/// `count` frames of `w x h` whose pixels depend on the frame and `seed`, as a loader returns
+/// them (the metadata is what vLLM's `qwen2_vl` loader reports for a 10 fps clip read whole).
+fn video(count: u32, (w, h): (u32, u32), seed: u8) -> VideoInput {
+    use crate::preprocess::video::ffmpeg::VideoMetadata;
+    use crate::preprocess::{ImageSize, RgbImage};
+    let frames = (0..count)
+        .map(|f| RgbImage {
+            size: ImageSize::new(w, h),
+            pixels: (0..w * h * 3)
+                .map(|i| {
+                    (i.to_le_bytes()[0] ^ i.to_le_bytes()[1])
+                        .wrapping_mul(7)
+                        .wrapping_add(seed)
+                        .wrapping_add(u8::try_from(f % 256).unwrap_or(0).wrapping_mul(41))
+                })
+                .collect(),
+        })
+        .collect();
+    VideoInput {
+        video: Arc::new(DecodedVideo {
+            frames,
+            metadata: VideoMetadata {
+                total_num_frames: count,
+                fps: 10.0,
+                duration: f64::from(count) / 10.0,
+                video_backend: "opencv",
+                frames_indices: (0..count).collect(),
+                do_sample_frames: true,
+            },
+        }),
+    }
+}
+
+/// The tower run directly on one video's frames, processed as the engine's video processing
+/// does: what the engine's gathered rows must equal.
+fn video_reference(input: &VideoInput) -> (Vec<f32>, [u32; 3]) {
+    let processing = ModelSpec::preset("tiny")
+        .unwrap()
+        .default_video_processing();
+    let processed =
+        preprocess_frames(&input.video.frames, &processing.config, processing.resize).unwrap();
+    (
+        run_tower(&processed.pixel_values, processed.grid_thw),
+        processed.grid_thw,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_video_encodes_beside_an_image_as_the_tower_on_its_temporal_groups() {
+    let engine = engine();
+    let after_start = engine.metrics_snapshot().after_start;
+    // Five frames: an odd count, so the last temporal group repeats the last frame.
+    let clip = video(5, (84, 56), 3);
+    let image = png(56, 56, 4);
+    let items = vec![
+        MediaInput::Video(clip.clone()),
+        MediaInput::Image(input(image.clone())),
+    ];
+    let plans = engine
+        .plan(&items, &ProcessorOverrides::default())
+        .await
+        .unwrap();
+    let results = engine.encode(items, WITH_EMBEDDINGS).await.unwrap();
+    let (expected, grid) = video_reference(&clip);
+    // 84x56 -> 6x4 patches of 14 per temporal group, three groups: 3 * 24 / 4 = 18 rows.
+    assert_eq!(grid, [3, 4, 6]);
+    assert_eq!((results[0].grid_thw, results[0].num_tokens), (grid, 18));
+    assert_eq!((plans[0].grid_thw, plans[0].num_tokens), (grid, 18));
+    assert_close(&results[0].embeddings.clone().unwrap().0, &expected);
+    assert_close(
+        &results[1].embeddings.clone().unwrap().0,
+        &reference(&image),
+    );
+
+    // The same frames again: one processor-cache hit and one encoder-cache hit.
+    let again = engine
+        .encode(vec![MediaInput::Video(clip)], EncodeOptions::default())
+        .await
+        .unwrap();
+    assert!(again[0].cached);
+    assert_eq!(again[0].mm_hash, results[0].mm_hash);
+    // Other frames are another item.
+    let other = engine
+        .encode(vec![video(5, (84, 56), 4)], EncodeOptions::default())
+        .await
+        .unwrap();
+    assert!(!other[0].cached);
+    assert_ne!(other[0].mm_hash, results[0].mm_hash);
+    check(&engine).await;
+    reset_to_baseline(&engine, &after_start, "after videos").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_videos_are_refused_by_name_and_leave_nothing_behind() {
+    let engine = engine();
+    let after_start = engine.metrics_snapshot().after_start;
+    let mut mixed = video(4, (56, 56), 1);
+    let mut frames = mixed.video.frames.clone();
+    frames[2] = video(1, (84, 56), 1).video.frames[0].clone();
+    Arc::make_mut(&mut mixed.video).frames = frames;
+    let mut empty = video(1, (56, 56), 1);
+    Arc::make_mut(&mut empty.video).frames.clear();
+    let cases: Vec<(MediaInput, EncodeOptions, &str)> = vec![
+        (mixed.into(), EncodeOptions::default(), "corrupt_video"),
+        (empty.into(), EncodeOptions::default(), "video_too_short"),
+        (
+            video(4, (56, 56), 2).into(),
+            EncodeOptions {
+                processor: ProcessorOverrides {
+                    max_pixels: Some(56 * 56),
+                    ..ProcessorOverrides::default()
+                },
+                ..EncodeOptions::default()
+            },
+            "invalid_mm_processor_kwargs",
+        ),
+    ];
+    for (item, options, code) in cases {
+        match engine.encode(vec![item], options).await {
+            Err(EngineError::BadInput { code: got, message }) => {
+                assert_eq!(got, code, "{message}");
+                assert!(
+                    message.starts_with("video 0: ") || code == "invalid_mm_processor_kwargs",
+                    "{message}"
+                );
+            }
+            other => panic!("expected {code}, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        baseline_figures(&engine.gauges()),
+        baseline_figures(&after_start)
+    );
+    check(&engine).await;
+    assert_eq!(engine.memory_json()["in_flight_requests"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_video_reads_the_frames_the_models_loader_samples() {
+    let engine = engine();
+    let clip = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/video/odd9.mp4"),
+    )
+    .unwrap();
+    match engine.load_video(clip, SamplingOptions::default()).await {
+        Ok(decoded) => {
+            // The tiny model is a Qwen2-VL: its loader reads an even count of frames.
+            assert_eq!(decoded.frames.len() % 2, 0);
+            assert_eq!(decoded.metadata.frames_indices.len(), decoded.frames.len());
+            let results = engine
+                .encode(
+                    vec![VideoInput {
+                        video: Arc::new(decoded),
+                    }],
+                    EncodeOptions::default(),
+                )
+                .await
+                .unwrap();
+            assert!(results[0].num_tokens > 0);
+        }
+        Err(EngineError::Unsupported { code, message })
+            if std::env::var_os("IRIS_REQUIRE_FFMPEG").is_none() =>
+        {
+            assert_eq!(code, "video_decoder_missing");
+            eprintln!("skipped: {message}");
+            return;
+        }
+        Err(other) => panic!("the clip decodes: {other}"),
+    }
+    match engine
+        .load_video(b"not a clip".to_vec(), SamplingOptions::default())
+        .await
+    {
+        Err(EngineError::BadInput { code, .. }) => assert_eq!(code, "corrupt_video"),
+        other => panic!("expected corrupt_video, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_video_over_the_encoder_budget_is_refused_with_the_numbers() {
+    let engine = engine();
+    let after_start = engine.metrics_snapshot().after_start;
+    // 448x448 frames: 32x32 patches of 14, 256 rows per temporal group; 20 frames make 10
+    // groups, 2560 rows, over the 2048-token budget of the test configuration.
+    let clip = video(20, (448, 448), 5);
+    let processing = engine.video_processing().clone();
+    let shape = video_shape(
+        20,
+        ImageSize::new(448, 448),
+        &processing.config,
+        processing.resize,
+    )
+    .unwrap();
+    assert_eq!(shape.tokens, 2560);
+    match engine.encode(vec![clip], EncodeOptions::default()).await {
+        Err(EngineError::BadInput { code, message }) => {
+            assert_eq!(code, "video_over_budget", "{message}");
+            assert!(
+                message.starts_with("video 0: ")
+                    && message.contains("2560")
+                    && message.contains("2048"),
+                "{message}"
+            );
+        }
+        other => panic!("expected video_over_budget, got {other:?}"),
+    }
+    check(&engine).await;
+    reset_to_baseline(&engine, &after_start, "after a refused video").await;
 }

@@ -291,9 +291,18 @@ impl Worker {
                 );
             }
             Err(SchedulerError::Budget { index, source }) => {
+                let video = request
+                    .images
+                    .get(index)
+                    .is_some_and(|item| item.modality == crate::budget::Modality::Video);
+                let (what, code) = if video {
+                    ("video", "video_over_budget")
+                } else {
+                    ("image", "image_over_budget")
+                };
                 let _ = request.events.send(Event::Failed(EngineError::BadInput {
-                    message: format!("image {index}: {source}"),
-                    code: "image_over_budget",
+                    message: format!("{what} {index}: {source}"),
+                    code,
                 }));
             }
             Err(err) => {

@@ -717,7 +717,22 @@ impl ModelSpec {
     /// # Errors
     /// An unreadable or invalid `video_preprocessor_config.json`.
     pub fn video_processing(&self, dir: Option<&Path>) -> Result<VideoProcessing, ModelError> {
-        let (loader, resize, mut config) = match self.vision.family {
+        let mut video = self.default_video_processing();
+        if let Some(path) = dir
+            .map(|dir| dir.join("video_preprocessor_config.json"))
+            .filter(|path| path.exists())
+        {
+            let json = read_json_object(&path)?;
+            video.config = ProcessorConfig::from_hf_json(&json, &path.display().to_string())?;
+        }
+        Ok(video)
+    }
+
+    /// The family's video processing with its defaults, as
+    /// [`ModelSpec::video_processing`] gives it without a model directory.
+    #[must_use]
+    pub fn default_video_processing(&self) -> VideoProcessing {
+        let (loader, resize, config) = match self.vision.family {
             Family::Qwen2Vl | Family::Qwen25Vl => (
                 VideoLoader::Qwen2Vl,
                 VideoResize::PerFrame,
@@ -730,18 +745,11 @@ impl ModelSpec {
                 (VideoLoader::Qwen3Vl, VideoResize::OverAllFrames, config)
             }
         };
-        if let Some(path) = dir
-            .map(|dir| dir.join("video_preprocessor_config.json"))
-            .filter(|path| path.exists())
-        {
-            let json = read_json_object(&path)?;
-            config = ProcessorConfig::from_hf_json(&json, &path.display().to_string())?;
-        }
-        Ok(VideoProcessing {
+        VideoProcessing {
             config,
             resize,
             loader,
-        })
+        }
     }
 
     /// Validates the tower, the processor settings and that they agree on the patch geometry.

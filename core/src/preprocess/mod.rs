@@ -77,7 +77,7 @@ pub struct RgbImage {
     pub pixels: Vec<u8>,
 }
 
-/// One image ready for the vision tower.
+/// One item ready for the vision tower: an image, or a video's frames in temporal groups.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PreprocessedImage {
     /// `grid_t * grid_h * grid_w` rows of [`ProcessorConfig::patch_dim`] values, row-major.
@@ -90,8 +90,11 @@ pub struct PreprocessedImage {
     pub resized_size: ImageSize,
     /// Embedding tokens the tower produces for it: `t * h * w / merge^2`.
     pub tokens: u32,
-    /// Item hash, 64 lowercase hex digits (see [`item_hash`]).
+    /// Item hash, 64 lowercase hex digits (see [`item_hash`]; for a video,
+    /// [`video::video_hash`]).
     pub hash: String,
+    /// An image, or a video whose frames were cut into temporal groups (`grid_thw[0]` of them).
+    pub modality: crate::budget::Modality,
 }
 
 impl PreprocessedImage {
@@ -176,7 +179,22 @@ pub fn preprocess_rgb(
         resized_size,
         tokens,
         hash: item_hash(rgb, config),
+        modality: crate::budget::Modality::Image,
     })
+}
+
+/// Feeds `h` the processor settings that change `pixel_values` of any item: patch, merge and
+/// temporal sizes, min/max pixels, mean, std, rescale factor.
+pub(crate) fn hash_settings(h: &mut blake3::Hasher, config: &ProcessorConfig) {
+    h.update(&config.patch_size.to_le_bytes());
+    h.update(&config.merge_size.to_le_bytes());
+    h.update(&config.temporal_patch_size.to_le_bytes());
+    h.update(&config.min_pixels.to_le_bytes());
+    h.update(&config.max_pixels.to_le_bytes());
+    for v in config.image_mean.iter().chain(&config.image_std) {
+        h.update(&v.to_bits().to_le_bytes());
+    }
+    h.update(&config.rescale_factor.to_bits().to_le_bytes());
 }
 
 /// The item hash: blake3 over a version tag, the decoded image's dimensions and RGB bytes, and
@@ -190,15 +208,7 @@ pub fn item_hash(rgb: &RgbImage, config: &ProcessorConfig) -> String {
     h.update(&rgb.size.width.to_le_bytes());
     h.update(&rgb.size.height.to_le_bytes());
     h.update(&rgb.pixels);
-    h.update(&config.patch_size.to_le_bytes());
-    h.update(&config.merge_size.to_le_bytes());
-    h.update(&config.temporal_patch_size.to_le_bytes());
-    h.update(&config.min_pixels.to_le_bytes());
-    h.update(&config.max_pixels.to_le_bytes());
-    for v in config.image_mean.iter().chain(&config.image_std) {
-        h.update(&v.to_bits().to_le_bytes());
-    }
-    h.update(&config.rescale_factor.to_bits().to_le_bytes());
+    hash_settings(&mut h, config);
     match config.alpha {
         AlphaMode::Drop => h.update(&[0]),
         AlphaMode::CompositeWhite => h.update(&[1]),

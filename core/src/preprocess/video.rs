@@ -327,17 +327,8 @@ pub fn preprocess_frames(
             });
         }
     }
-    let count = u32::try_from(frames.len()).map_err(|_| VideoError::InvalidOption {
-        field: "frames",
-        value: frames.len().to_string(),
-        reason: "too many frames",
-    })?;
-    let resized_size = match resize {
-        VideoResize::PerFrame => {
-            smart_resize(size, config.factor(), config.min_pixels, config.max_pixels)?
-        }
-        VideoResize::OverAllFrames => smart_resize_frames(count, size, config)?,
-    };
+    let shape = video_shape(frames.len(), size, config, resize)?;
+    let resized_size = shape.resized_size;
     let temporal = config.temporal_patch_size as usize;
     let p = config.patch_size as usize;
     let m = config.merge_size as usize;
@@ -382,20 +373,88 @@ pub fn preprocess_frames(
             }
         }
     }
-    let grid_thw = [
-        u32::try_from(groups).unwrap_or(u32::MAX),
-        u32::try_from(gh).unwrap_or(u32::MAX),
-        u32::try_from(gw).unwrap_or(u32::MAX),
-    ];
-    let patches: u64 = grid_thw.iter().map(|&v| u64::from(v)).product();
-    let tokens = u32::try_from(patches / (m as u64 * m as u64)).unwrap_or(u32::MAX);
     Ok(PreprocessedVideo {
         pixel_values,
-        grid_thw,
+        grid_thw: shape.grid_thw,
         original_size: size,
         resized_size,
+        tokens: shape.tokens,
+    })
+}
+
+/// What [`preprocess_frames`] makes of a video, computed from its frame count and size alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VideoShape {
+    /// Size of every frame after resizing.
+    pub resized_size: ImageSize,
+    /// `[t, h, w]` in patches (`video_grid_thw`).
+    pub grid_thw: [u32; 3],
+    /// Embedding tokens: `t * h * w / merge^2`.
+    pub tokens: u32,
+}
+
+/// The grid and tokens [`preprocess_frames`] gives `count` frames of `size`, without touching
+/// a pixel: admission charges a video's tokens before its frames are resized.
+///
+/// # Errors
+/// As [`preprocess_frames`]'s size checks: [`VideoError::NoFrames`], [`VideoError::TooFewFrames`]
+/// and the resize's errors.
+pub fn video_shape(
+    count: usize,
+    size: ImageSize,
+    config: &ProcessorConfig,
+    resize: VideoResize,
+) -> Result<VideoShape, VideoError> {
+    if count == 0 {
+        return Err(VideoError::NoFrames);
+    }
+    let frames = u32::try_from(count).map_err(|_| VideoError::InvalidOption {
+        field: "frames",
+        value: count.to_string(),
+        reason: "too many frames",
+    })?;
+    let resized_size = match resize {
+        VideoResize::PerFrame => {
+            smart_resize(size, config.factor(), config.min_pixels, config.max_pixels)?
+        }
+        VideoResize::OverAllFrames => smart_resize_frames(frames, size, config)?,
+    };
+    let groups = frames.div_ceil(config.temporal_patch_size.max(1));
+    let grid_thw = [
+        groups,
+        resized_size.height / config.patch_size,
+        resized_size.width / config.patch_size,
+    ];
+    let patches: u64 = grid_thw.iter().map(|&v| u64::from(v)).product();
+    let merge = u64::from(config.merge_size);
+    let tokens = u32::try_from(patches / (merge * merge)).unwrap_or(u32::MAX);
+    Ok(VideoShape {
+        resized_size,
+        grid_thw,
         tokens,
     })
+}
+
+/// The engine's cache key of a video: blake3 over a version tag, the frames (count, size, RGB
+/// bytes), the processor settings that change `pixel_values` and the resize rule. As
+/// [`item_hash`](crate::preprocess::item_hash) for images; the two never collide, their tags
+/// differ. 64 lowercase hex digits.
+#[must_use]
+pub fn video_hash(frames: &[RgbImage], config: &ProcessorConfig, resize: VideoResize) -> String {
+    let mut h = blake3::Hasher::new();
+    h.update(b"iris.preprocess.video.v1\0");
+    h.update(&(frames.len() as u64).to_le_bytes());
+    for frame in frames {
+        h.update(&frame.size.width.to_le_bytes());
+        h.update(&frame.size.height.to_le_bytes());
+        h.update(&frame.pixels);
+    }
+    super::hash_settings(&mut h, config);
+    h.update(&[match resize {
+        VideoResize::PerFrame => 0,
+        VideoResize::OverAllFrames => 1,
+    }]);
+    h.finalize().to_hex().to_string()
 }
 
 /// Every frame resized to `to`, frames spread over the host's cores (each frame's resize is
