@@ -363,6 +363,9 @@ pub struct Item {
     pub uuid: Option<String>,
     /// An image or a video.
     pub modality: Modality,
+    /// A video sent as a JPEG frame list (`data:video/jpeg;base64,F1,F2,...`): `bytes` are the
+    /// base64 text after the comma, as vLLM keeps (and hashes) them.
+    pub jpeg_sequence: bool,
 }
 
 /// Where a request's items are pushed: what vLLM's proxy puts in `ec_transfer_params` when it
@@ -835,23 +838,182 @@ async fn load_videos<E: Engine>(
         return Ok(vec![None; items.len()]);
     }
     let loader = engine.video_processing().loader;
-    let sampling = video_sampling(factors, loader)?;
-    let loads = items.iter().enumerate().map(|(index, item)| async move {
-        if item.modality == Modality::Image {
-            return Ok(None);
-        }
-        match engine.load_video(item.bytes.clone(), sampling).await {
-            Ok(video) => Ok(Some(Arc::new(video))),
-            Err(EngineError::BadInput { message, code }) => {
-                Err(ProduceError::Engine(EngineError::BadInput {
-                    message: format!("video {index}: {message}"),
-                    code,
-                }))
+    let kwargs = Arc::new(video_kwargs(factors, loader)?);
+    let loads = items.iter().enumerate().map(|(index, item)| {
+        let kwargs = Arc::clone(&kwargs);
+        async move {
+            if item.modality == Modality::Image {
+                return Ok(None);
             }
-            Err(other) => Err(ProduceError::Engine(other)),
+            load_video(engine, item, kwargs)
+                .await
+                .map(|video| Some(Arc::new(video)))
+                .map_err(|err| match err {
+                    EngineError::BadInput { message, code } => {
+                        ProduceError::Engine(EngineError::BadInput {
+                            message: format!("video {index}: {message}"),
+                            code,
+                        })
+                    }
+                    other => ProduceError::Engine(other),
+                })
         }
     });
     futures::future::try_join_all(loads).await
+}
+
+/// Decodes one video item: a clip through the engine (FFmpeg), a JPEG frame list here, on
+/// the blocking pool.
+async fn load_video<E: Engine>(
+    engine: &E,
+    item: &Item,
+    kwargs: Arc<VideoKwargs>,
+) -> Result<DecodedVideo, EngineError> {
+    if !item.jpeg_sequence {
+        if kwargs.frames_indices.is_some()
+            || kwargs.total_num_frames.is_some()
+            || kwargs.duration.is_some()
+        {
+            return Err(EngineError::BadInput {
+                message: "media_io_kwargs.video frames_indices, total_num_frames and duration describe a JPEG frame list; a clip's come from its container".to_owned(),
+                code: "invalid_media_io_kwargs",
+            });
+        }
+        return engine.load_video(item.bytes.clone(), kwargs.sampling).await;
+    }
+    let payload = item.bytes.clone();
+    tokio::task::spawn_blocking(move || decode_jpeg_sequence(&payload, &kwargs))
+        .await
+        .map_err(|err| EngineError::Internal(format!("frame decoding task failed: {err}")))?
+}
+
+/// A JPEG frame list (`data:video/jpeg;base64,F1,F2,...`) as vLLM's `VideoMediaIO.load_base64`
+/// reads it: the first `num_frames` frames (all for a negative count), each decoded as an
+/// image, all of one size; the metadata from `media_io_kwargs.video` (`fps` 1, the indices
+/// `0..n`, `total_num_frames` n, `duration` `total / fps` by default), `video_backend`
+/// `jpeg_sequence`, not to be sampled again.
+///
+/// # Errors
+/// [`EngineError::BadInput`]: bad base64, a frame that is not an image iris decodes, frames of
+/// different sizes, options that disagree with the frames, frames over the decode limits.
+pub fn decode_jpeg_sequence(
+    payload: &[u8],
+    kwargs: &VideoKwargs,
+) -> Result<DecodedVideo, EngineError> {
+    use iris_core::preprocess::video::ffmpeg::{MAX_DECODED_BYTES, VideoMetadata};
+    use iris_core::preprocess::{AlphaMode, DecodeLimits, decode_rgb};
+    let bad = |code: &'static str, message: String| EngineError::BadInput { message, code };
+    let text = std::str::from_utf8(payload).map_err(|_| {
+        bad(
+            "invalid_base64",
+            "the frame list is not base64 text".to_owned(),
+        )
+    })?;
+    let parts: Vec<&str> = match usize::try_from(kwargs.num_frames) {
+        Ok(0) => {
+            return Err(bad(
+                "invalid_media_io_kwargs",
+                "media_io_kwargs.video.num_frames must be greater than 0 or -1".to_owned(),
+            ));
+        }
+        Ok(n) => text.splitn(n + 1, ',').take(n).collect(),
+        Err(_) => text.split(',').collect(),
+    };
+    let mut frames = Vec::with_capacity(parts.len());
+    let mut decoded_bytes = 0u64;
+    for (index, part) in parts.iter().enumerate() {
+        let bytes = crate::http::request::decode_base64(&format!("frame {index}"), part)
+            .map_err(|err| bad("invalid_base64", err.message))?;
+        let (_, rgb) = decode_rgb(&bytes, &DecodeLimits::default(), AlphaMode::CompositeWhite)
+            .map_err(|err| {
+                bad(
+                    iris_core::engine::preprocess_error_code(&err),
+                    format!("frame {index}: {err}"),
+                )
+            })?;
+        if let Some(first) = frames
+            .first()
+            .map(|f: &iris_core::preprocess::RgbImage| f.size)
+            && rgb.size != first
+        {
+            return Err(bad(
+                "corrupt_video",
+                format!(
+                    "frame {index} is {}x{}, the first frame {}x{}: a frame list's frames must be of one size",
+                    rgb.size.width, rgb.size.height, first.width, first.height
+                ),
+            ));
+        }
+        decoded_bytes += rgb.pixels.len() as u64;
+        if decoded_bytes > MAX_DECODED_BYTES {
+            return Err(bad(
+                "video_too_large",
+                format!(
+                    "the frames decode to more than {MAX_DECODED_BYTES} bytes (vLLM's VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES)"
+                ),
+            ));
+        }
+        frames.push(rgb);
+    }
+    let count = u32::try_from(frames.len()).unwrap_or(u32::MAX);
+    let frames_indices = match &kwargs.frames_indices {
+        Some(indices) if indices.len() != frames.len() => {
+            return Err(bad(
+                "invalid_media_io_kwargs",
+                format!(
+                    "media_io_kwargs.video.frames_indices has {} entries for the {} frames sent",
+                    indices.len(),
+                    frames.len()
+                ),
+            ));
+        }
+        Some(indices) => indices.clone(),
+        None => (0..count).collect(),
+    };
+    let total_num_frames = kwargs.total_num_frames.unwrap_or(count);
+    if total_num_frames < count {
+        return Err(bad(
+            "invalid_media_io_kwargs",
+            format!(
+                "media_io_kwargs.video.total_num_frames ({total_num_frames}) must be at least the {count} frames sent"
+            ),
+        ));
+    }
+    let fps = kwargs.fps.unwrap_or(1.0);
+    Ok(DecodedVideo {
+        frames,
+        metadata: VideoMetadata {
+            total_num_frames,
+            fps,
+            duration: kwargs
+                .duration
+                .unwrap_or_else(|| f64::from(total_num_frames) / fps),
+            video_backend: "jpeg_sequence",
+            frames_indices,
+            do_sample_frames: false,
+        },
+    })
+}
+
+/// vLLM's `num_frames` of a `VideoMediaIO`: the most frames a JPEG frame list gives.
+const DEFAULT_NUM_FRAMES: i64 = 32;
+
+/// What a request's effective `media_io_kwargs.video` asks (see [`video_kwargs`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VideoKwargs {
+    /// The loader's sampling of a clip.
+    pub sampling: SamplingOptions,
+    /// `fps` as given (a frame list's rate; 1 when absent).
+    pub fps: Option<f64>,
+    /// `num_frames`: the most frames a frame list gives (32 by default, all when negative);
+    /// the Qwen loaders ignore it for clips.
+    pub num_frames: i64,
+    /// A frame list's `frames_indices`.
+    pub frames_indices: Option<Vec<u32>>,
+    /// A frame list's `total_num_frames`.
+    pub total_num_frames: Option<u32>,
+    /// A frame list's `duration`, in seconds.
+    pub duration: Option<f64>,
 }
 
 /// The modality of each item and, for a Qwen3-VL video, its temporal groups' seconds (what
@@ -882,80 +1044,120 @@ fn describe<E: Engine>(
         .collect()
 }
 
-/// The sampling a request's effective `media_io_kwargs.video` asks of the model's loader
-/// (vLLM's `qwen2_vl` and `qwen3_vl` loaders read `fps`, `min_frames` and `max_frames`, and
-/// ignore `num_frames`, which still changes the identifier). Keys iris does not implement are
-/// refused by name.
+/// What a request's effective `media_io_kwargs.video` asks, as vLLM reads it: the `qwen2_vl`
+/// and `qwen3_vl` loaders sample clips by `fps`, `min_frames` and `max_frames` and ignore
+/// `num_frames` (which still changes the identifier); a JPEG frame list takes `num_frames`,
+/// `fps`, `frames_indices`, `total_num_frames`, `duration` and `do_sample_frames` (false).
+/// Keys iris does not implement are refused by name.
 ///
 /// # Errors
 /// [`ProduceError::BadRequest`] naming the key.
-pub fn video_sampling(
+pub fn video_kwargs(
     factors: &HashFactors,
     loader: VideoLoader,
-) -> Result<SamplingOptions, ProduceError> {
-    let mut sampling = SamplingOptions::default();
-    let Some(video) = factors
+) -> Result<VideoKwargs, ProduceError> {
+    let mut kwargs = VideoKwargs {
+        sampling: SamplingOptions::default(),
+        fps: None,
+        num_frames: DEFAULT_NUM_FRAMES,
+        frames_indices: None,
+        total_num_frames: None,
+        duration: None,
+    };
+    let members = match factors
         .media_io_kwargs
         .as_ref()
         .and_then(|m| m.get("video"))
-    else {
-        return Ok(sampling);
-    };
-    let JsonValue::Object(members) = video else {
-        return Ok(sampling);
+    {
+        Some(JsonValue::Object(members)) => members.as_slice(),
+        _ => &[],
     };
     let bad = |message: String| ProduceError::BadRequest {
         code: "invalid_media_io_kwargs",
         message,
     };
+    let int = |value: &JsonValue| match value {
+        JsonValue::Int(v) => Some(*v),
+        JsonValue::UInt(v) => i64::try_from(*v).ok(),
+        _ => None,
+    };
     let count = |key: &str, value: &JsonValue| -> Result<u32, ProduceError> {
-        let n = match value {
-            JsonValue::Int(v) => u32::try_from(*v).ok(),
-            JsonValue::UInt(v) => u32::try_from(*v).ok(),
-            _ => None,
-        };
-        n.filter(|n| *n > 0).ok_or_else(|| {
-            bad(format!(
-                "media_io_kwargs.video.{key} must be a positive integer, got {}",
-                value.kind()
-            ))
-        })
+        int(value)
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|n| *n > 0)
+            .ok_or_else(|| {
+                bad(format!(
+                    "media_io_kwargs.video.{key} must be a positive integer, got {}",
+                    value.kind()
+                ))
+            })
     };
     for (key, value) in members {
         match key.as_str() {
             "fps" => {
                 #[allow(clippy::cast_precision_loss)]
                 let fps = match value {
-                    JsonValue::Int(v) => Some(*v as f64),
-                    JsonValue::UInt(v) => Some(*v as f64),
                     JsonValue::Float(v) => Some(*v),
-                    _ => None,
+                    other => int(other).map(|v| v as f64),
                 };
-                sampling.fps = fps.filter(|f| f.is_finite() && *f > 0.0).ok_or_else(|| {
+                let fps = fps.filter(|f| f.is_finite() && *f > 0.0).ok_or_else(|| {
                     bad("media_io_kwargs.video.fps must be a positive number".to_owned())
                 })?;
+                kwargs.sampling.fps = fps;
+                kwargs.fps = Some(fps);
             }
-            "min_frames" => sampling.min_frames = count(key, value)?,
-            "max_frames" => sampling.max_frames = count(key, value)?,
-            // Read by other loaders; the Qwen loaders ignore it.
-            "num_frames" => {}
+            "min_frames" => kwargs.sampling.min_frames = count(key, value)?,
+            "max_frames" => kwargs.sampling.max_frames = count(key, value)?,
+            "num_frames" => {
+                kwargs.num_frames = int(value).ok_or_else(|| {
+                    bad("media_io_kwargs.video.num_frames must be an integer".to_owned())
+                })?;
+            }
+            "frames_indices" => {
+                let indices = match value {
+                    JsonValue::Array(items) => items
+                        .iter()
+                        .map(|v| int(v).and_then(|v| u32::try_from(v).ok()))
+                        .collect::<Option<Vec<u32>>>(),
+                    _ => None,
+                };
+                kwargs.frames_indices = Some(indices.ok_or_else(|| {
+                    bad(
+                        "media_io_kwargs.video.frames_indices must be a list of frame indices"
+                            .to_owned(),
+                    )
+                })?);
+            }
+            "total_num_frames" => kwargs.total_num_frames = Some(count(key, value)?),
+            // vLLM hashes the value as given: a float here keeps iris's metadata equal to it.
+            "duration" => match value {
+                JsonValue::Float(v) if v.is_finite() && *v >= 0.0 => kwargs.duration = Some(*v),
+                _ => {
+                    return Err(bad(
+                        "media_io_kwargs.video.duration must be a non-negative number written with a decimal point (e.g. 3.0)"
+                            .to_owned(),
+                    ));
+                }
+            },
+            "do_sample_frames" if matches!(value, JsonValue::Bool(false)) => {}
             "video_backend" if matches!(value, JsonValue::String(name) if name == loader.name()) => {
             }
             "backend" if matches!(value, JsonValue::String(name) if name == "opencv") => {}
-            "video_backend" | "backend" => {
+            "video_backend" | "backend" | "do_sample_frames" => {
                 return Err(bad(format!(
-                    "media_io_kwargs.video.{key} is not supported: iris reads frames as vLLM's {} loader over OpenCV's FFmpeg decoding does",
+                    "media_io_kwargs.video.{key} = {} is not supported: iris reads frames as vLLM's {} loader over OpenCV's FFmpeg decoding does",
+                    value.kind(),
                     loader.name()
                 )));
             }
             other => {
                 return Err(bad(format!(
-                    "media_io_kwargs.video key `{other}` is not supported by iris (supported: fps, min_frames, max_frames, num_frames)"
+                    "media_io_kwargs.video key `{other}` is not supported by iris (supported: fps, min_frames, max_frames, num_frames, and for JPEG frame lists frames_indices, total_num_frames, duration)"
                 )));
             }
         }
     }
-    Ok(sampling)
+    Ok(kwargs)
 }
 
 /// Refuses a push target that does not name one transfer per item.
@@ -1237,5 +1439,156 @@ mod tests {
             ..EpdArgs::default()
         };
         assert!(media.resolve("tiny", None).is_err());
+    }
+
+    /// JPEG frame lists decode, carry metadata and get identifiers as vLLM 0.33's
+    /// `VideoMediaIO.load_base64` and hasher give them (`tools/video-goldens/jpeg_sequence.py`).
+    #[test]
+    fn jpeg_frame_lists_match_vllms_frames_metadata_and_identifiers() {
+        use base64::Engine as _;
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../core/tests/fixtures/video/jpeg_sequence.json");
+        let goldens: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        let payload = goldens["payload"].as_str().unwrap();
+        for (index, case) in goldens["cases"].as_array().unwrap().iter().enumerate() {
+            let epd = EpdArgs {
+                model_id: Some(case["model_id"].as_str().unwrap().to_owned()),
+                ..EpdArgs::default()
+            }
+            .resolve("tiny", None)
+            .unwrap();
+            let request = EpdRequest {
+                media_io_kwargs: Some(
+                    OrderedJson::parse(
+                        "media_io_kwargs",
+                        case["media_io_kwargs_json"].as_str().unwrap(),
+                    )
+                    .unwrap(),
+                ),
+                ..EpdRequest::default()
+            };
+            let factors = epd.factors(&request).unwrap();
+            let kwargs = video_kwargs(&factors, VideoLoader::Qwen2Vl).unwrap();
+            let video = decode_jpeg_sequence(payload.as_bytes(), &kwargs).unwrap();
+            let shape = &case["shape"];
+            assert_eq!(
+                video.frames.len() as u64,
+                shape[0].as_u64().unwrap(),
+                "case {index}"
+            );
+            // Pillow's frames, within the few levels by which iris's JPEG decoder differs from
+            // libjpeg-turbo's (docs/ARCHITECTURE.md; 4 on these gradients).
+            let pillow = base64::engine::general_purpose::STANDARD
+                .decode(case["frames"].as_str().unwrap())
+                .unwrap();
+            let ours: Vec<u8> = video
+                .frames
+                .iter()
+                .flat_map(|f| {
+                    assert_eq!(
+                        (u64::from(f.size.height), u64::from(f.size.width)),
+                        (shape[1].as_u64().unwrap(), shape[2].as_u64().unwrap())
+                    );
+                    f.pixels.iter().copied()
+                })
+                .collect();
+            assert_eq!(ours.len(), pillow.len());
+            let worst = ours.iter().zip(&pillow).map(|(a, b)| a.abs_diff(*b)).max();
+            assert!(
+                worst <= Some(4),
+                "case {index}: {worst:?} levels from Pillow's frames"
+            );
+            let m = &video.metadata;
+            let want = &case["metadata"];
+            assert_eq!(
+                serde_json::json!({
+                    "total_num_frames": m.total_num_frames,
+                    "fps": m.fps,
+                    "duration": m.duration,
+                    "video_backend": m.video_backend,
+                    "frames_indices": m.frames_indices,
+                    "do_sample_frames": m.do_sample_frames,
+                }),
+                *want
+            );
+            let item = Item {
+                bytes: payload.as_bytes().to_vec(),
+                uuid: None,
+                modality: Modality::Video,
+                jpeg_sequence: true,
+            };
+            let identifiers = epd
+                .identifiers(&[item], &[Some(Arc::new(video))], &factors)
+                .unwrap();
+            assert_eq!(
+                identifiers[0],
+                case["identifier"].as_str().unwrap(),
+                "{case}"
+            );
+        }
+
+        // What vLLM refuses, iris refuses by name.
+        let parse = |text: &str| HashFactors {
+            mm_processor_kwargs: None,
+            media_io_kwargs: Some(OrderedJson::parse("media_io_kwargs", text).unwrap()),
+        };
+        for (text, needle) in [
+            (r#"{"video": {"num_frames": 0}}"#, "num_frames"),
+            (
+                r#"{"video": {"frames_indices": [0, 1]}}"#,
+                "frames_indices has 2 entries",
+            ),
+            (
+                r#"{"video": {"total_num_frames": 2}}"#,
+                "total_num_frames (2)",
+            ),
+        ] {
+            let kwargs = video_kwargs(&parse(text), VideoLoader::Qwen2Vl).unwrap();
+            let err = decode_jpeg_sequence(payload.as_bytes(), &kwargs).unwrap_err();
+            assert!(err.to_string().contains(needle), "{text}: {err}");
+        }
+        for text in [
+            r#"{"video": {"duration": 3}}"#,
+            r#"{"video": {"do_sample_frames": true}}"#,
+            r#"{"video": {"frames_indices": "all"}}"#,
+            r#"{"video": {"decoder": "x"}}"#,
+        ] {
+            let err = video_kwargs(&parse(text), VideoLoader::Qwen2Vl).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    ProduceError::BadRequest {
+                        code: "invalid_media_io_kwargs",
+                        ..
+                    }
+                ),
+                "{text}: {err}"
+            );
+        }
+        let two_sizes = [
+            payload.split(',').next().unwrap(),
+            &base64::engine::general_purpose::STANDARD.encode(png_of(8, 8)),
+        ]
+        .join(",");
+        let err = decode_jpeg_sequence(
+            two_sizes.as_bytes(),
+            &video_kwargs(&parse("{}"), VideoLoader::Qwen2Vl).unwrap(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("of one size"), "{err}");
+    }
+
+    fn png_of(w: u32, h: u32) -> Vec<u8> {
+        let mut out = Vec::new();
+        image::ImageEncoder::write_image(
+            image::codecs::png::PngEncoder::new(&mut out),
+            &vec![7u8; (w * h * 3) as usize],
+            w,
+            h,
+            image::ExtendedColorType::Rgb8,
+        )
+        .unwrap();
+        out
     }
 }

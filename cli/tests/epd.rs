@@ -418,6 +418,31 @@ async fn videos_are_stored_as_iris_encode_computes_them_under_vllms_identifiers(
     let id = golden_video_identifier("odd9.mp4", &json!({"video": {"fps": 2}}));
     assert!(reply["ec_transfer_params"].get(&id).is_some(), "{reply}");
 
+    // A JPEG frame list: vLLM's frames, metadata and identifier (tools/video-goldens).
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../core/tests/fixtures/video/jpeg_sequence.json");
+    let goldens: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let payload = goldens["payload"].as_str().unwrap();
+    let url = format!("data:video/jpeg;base64,{payload}");
+    let body = json!({
+        "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}]}],
+    });
+    let (status, reply) = encoder.post("/v1/chat/completions", &body, None).await;
+    assert_eq!(status, 200, "{reply}");
+    let id = goldens["cases"][0]["identifier"].as_str().unwrap();
+    let entry = &reply["ec_transfer_params"][id];
+    assert_eq!(entry["modality"], "video", "{reply}");
+    // Three 64x48 frames: two temporal groups (the last frame repeated) of 2x2 merged blocks.
+    assert_eq!(entry["metadata"]["video_grid_thw"][0], 2, "{reply}");
+    assert!(
+        encoder
+            .dir
+            .join("store")
+            .join(id)
+            .join("encoder_cache.safetensors")
+            .is_file()
+    );
+
     // Bad videos: a JSON 4xx naming the problem, nothing stored.
     let mut cut = even.clone();
     cut.truncate(300);
@@ -459,10 +484,11 @@ async fn videos_are_stored_as_iris_encode_computes_them_under_vllms_identifiers(
             "corrupt_video",
         ),
         (
+            // A clip sent as a JPEG frame list: its one "frame" is not an image.
             video_part(&even, "video/jpeg", None),
             json!(null),
-            501,
-            "unsupported_video_url",
+            400,
+            "unknown_image_format",
         ),
         (
             video_part(&even, "video/mp4", None),

@@ -628,6 +628,7 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
                         bytes: img.bytes.to_vec(),
                         uuid: None,
                         modality: Modality::Image,
+                        jpeg_sequence: false,
                     })
                     .collect(),
                 ..EpdRequest::default()

@@ -22,8 +22,7 @@
 //! consumer before replying (the push connector, `ECMooncakeConnector`); the reply then names
 //! each identifier's `transfer_id`, as vLLM's producer does.
 //!
-//! Refused with a 4xx that names the field: audio and embedding parts, JPEG frame lists
-//! (`data:video/jpeg`), `stream: true`,
+//! Refused with a 4xx that names the field: audio and embedding parts, `stream: true`,
 //! `n` other than 1, `ec_transfer_params` that are malformed or name a consumer when no push
 //! connector is configured, processor or media options iris does not implement, and any other
 //! field iris does not know. Accepted with no
@@ -364,6 +363,7 @@ fn parse_part(
                 bytes,
                 uuid,
                 modality: Modality::Image,
+                jpeg_sequence: false,
             }))
         }
         "video_url" => {
@@ -375,11 +375,12 @@ fn parse_part(
                 uuid.is_some(),
                 "video",
             )?;
-            let bytes = load_video(&format!("{ufield}.url"), url, limits, media)?;
+            let (bytes, jpeg_sequence) = load_video(&format!("{ufield}.url"), url, limits, media)?;
             Ok(Some(Item {
                 bytes,
                 uuid,
                 modality: Modality::Video,
+                jpeg_sequence,
             }))
         }
         "input_audio" | "audio_url" | "audio_embeds" => Err(ApiError::bad_request(
@@ -464,13 +465,14 @@ fn load_image(
 
 /// Loads a video URL: a base64 `data:` URL of any media type (vLLM hands every one to the
 /// decoder), a `file://` URL under the allowed folder, or an `http(s)://` URL of an allowed
-/// host. The clip is not opened here: FFmpeg decides what it is.
+/// host. The clip is not opened here: FFmpeg decides what it is. A `data:video/jpeg` URL is a
+/// list of base64 JPEG frames: its text is returned as is, with `true`.
 fn load_video(
     field: &str,
     url: &str,
     limits: &Limits,
     media: &MediaAccess,
-) -> Result<Vec<u8>, ApiError> {
+) -> Result<(Vec<u8>, bool), ApiError> {
     let scheme = url.split_once(':').map(|(s, _)| s.to_ascii_lowercase());
     let bytes = match scheme.as_deref() {
         Some("file") => read_local_file(field, url, limits, media)?,
@@ -488,14 +490,13 @@ fn load_video(
                 ));
             }
             if data.media_type == "video/jpeg" {
-                return Err(ApiError::new(
-                    axum::http::StatusCode::NOT_IMPLEMENTED,
-                    "not_implemented_error",
-                    "unsupported_video_url",
-                    format!(
-                        "{field}: a data:video/jpeg list of JPEG frames is not supported by iris; send the clip itself (MP4, WebM, ...)"
-                    ),
-                ));
+                if data.payload.trim().is_empty() {
+                    return Err(ApiError::bad_request(
+                        "corrupt_video",
+                        format!("{field}: the frame list is empty"),
+                    ));
+                }
+                return Ok((data.payload.as_bytes().to_vec(), true));
             }
             request::decode_base64(field, data.payload)?
         }
@@ -506,7 +507,7 @@ fn load_video(
             format!("{field}: the video is empty"),
         ));
     }
-    Ok(bytes)
+    Ok((bytes, false))
 }
 
 /// Fetches an `http(s)://` image of an allowed host, within the size and time limits, without

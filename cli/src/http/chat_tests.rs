@@ -226,8 +226,8 @@ async fn bad_requests_are_4xx_json_and_leave_no_file() {
             part(
                 json!({"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,AAAA,AAAA"}}),
             ),
-            StatusCode::NOT_IMPLEMENTED,
-            "unsupported_video_url",
+            StatusCode::BAD_REQUEST,
+            "unknown_image_format",
         ),
         (
             part(json!({"type": "video_url", "video_url": {"url": "data:video/mp4,AAAA"}})),
