@@ -408,6 +408,33 @@ async fn videos_are_stored_as_iris_encode_computes_them_under_vllms_identifiers(
     let usage = reply["usage"]["prompt_tokens"].as_u64().unwrap();
     assert!(usage > 12, "{reply}");
 
+    // iris's own /v1/encode takes the same clip, beside an image, and returns the same rows.
+    let body = json!({
+        "images": [format!("data:image/jpeg;base64,{}", STANDARD.encode(&jpg))],
+        "videos": [format!("data:video/mp4;base64,{}", STANDARD.encode(&even))],
+        "return_embeddings": "f32",
+    });
+    let (status, encoded) = encoder.post("/v1/encode", &body, None).await;
+    assert_eq!(status, 200, "{encoded}");
+    assert_eq!(encoded["usage"]["num_videos"], 1, "{encoded}");
+    let video = &encoded["videos"][0];
+    assert_eq!(video["index"], 1);
+    assert_eq!(
+        video["grid_thw"],
+        params["clip-even"]["metadata"]["video_grid_thw"]
+    );
+    let data = STANDARD
+        .decode(video["embeddings"]["data"].as_str().unwrap())
+        .unwrap();
+    let narrowed: Vec<u8> = data
+        .chunks_exact(4)
+        .flat_map(|c| half::bf16::from_f32(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes())
+        .collect();
+    assert!(
+        narrowed == expected[0],
+        "/v1/encode's rows differ from iris encode --video's"
+    );
+
     // Sampling options are vLLM's hash factors: another identifier, vLLM's.
     let body = json!({
         "messages": [{"role": "user", "content": [video_part(&odd, "video/mp4", None)]}],

@@ -8,7 +8,7 @@ use std::future::Future;
 
 pub use iris_core::engine::api::{
     EncodeOptions, EngineError, HostTensor, ImageInput, ImagePlan, ImageResult, MediaInput,
-    MemoryGauges, MetricsSnapshot, OutputLayout, ProcessorOverrides, ResetReport,
+    MemoryGauges, MetricsSnapshot, OutputLayout, ProcessorOverrides, ResetReport, VideoInput,
 };
 pub use iris_core::model::VideoProcessing;
 pub use iris_core::preprocess::video::SamplingOptions;

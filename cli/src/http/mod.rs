@@ -62,6 +62,7 @@ pub use metrics::{HttpMetrics, MetricsError};
 pub use request::Limits;
 
 use crate::epd::{Epd, ProduceError, Stored};
+use engine_api::{EngineError, MediaInput, SamplingOptions, VideoInput};
 
 /// Environment variable read for the API key when `--api-key` is not given.
 pub const API_KEY_ENV: &str = "IRIS_API_KEY";
@@ -277,19 +278,43 @@ async fn encode<E: Engine>(
     let parsed = tokio::task::spawn_blocking(move || request::parse_encode_request(&body, &limits))
         .await
         .map_err(|err| ApiError::internal(format!("request parsing task failed: {err}")))??;
-    let results = state
-        .engine
-        .encode(
-            permit,
-            parsed.images.into_iter().map(Into::into).collect(),
-            parsed.options,
-        )
-        .await?;
+    let videos: Vec<bool> = parsed
+        .items
+        .iter()
+        .map(|item| matches!(item, request::RequestItem::Video(_)))
+        .collect();
+    // Clips are decoded (each on the blocking pool, all at once) with the model's loader and
+    // vLLM's default sampling.
+    let engine = &state.engine;
+    let items = futures::future::try_join_all(parsed.items.into_iter().enumerate().map(
+        |(index, item)| async move {
+            match item {
+                request::RequestItem::Image(image) => Ok(MediaInput::Image(image)),
+                request::RequestItem::Video(bytes) => engine
+                    .load_video(bytes, SamplingOptions::default())
+                    .await
+                    .map(|video| {
+                        MediaInput::Video(VideoInput {
+                            video: Arc::new(video),
+                        })
+                    })
+                    .map_err(|err| match err {
+                        EngineError::BadInput { message, code } => EngineError::BadInput {
+                            message: format!("video {index}: {message}"),
+                            code,
+                        },
+                        other => other,
+                    }),
+            }
+        },
+    ))
+    .await?;
+    let results = state.engine.encode(permit, items, parsed.options).await?;
     let cached = results.iter().filter(|r| r.cached).count();
     let cached = u64::try_from(cached).unwrap_or(u64::MAX);
     let total = u64::try_from(results.len()).unwrap_or(u64::MAX);
     state.metrics.observe_images(cached, total - cached);
-    Ok(Json(request::encode_response(&results)))
+    Ok(Json(request::encode_response(&results, &videos)))
 }
 
 async fn chat_completions<E: Engine>(

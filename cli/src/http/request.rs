@@ -58,11 +58,20 @@ impl Default for Limits {
     }
 }
 
+/// One item of an encode request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestItem {
+    /// An image, its header checked.
+    Image(ImageInput),
+    /// A video clip's bytes (decoded by the engine, with FFmpeg).
+    Video(Vec<u8>),
+}
+
 /// A parsed and checked encode request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EncodeRequest {
-    /// The images, decoded from base64, in request order.
-    pub images: Vec<ImageInput>,
+    /// The images and videos, decoded from base64, in request order.
+    pub items: Vec<RequestItem>,
     /// Options for the engine.
     pub options: EncodeOptions,
 }
@@ -77,13 +86,40 @@ pub fn parse_encode_request(body: &[u8], limits: &Limits) -> Result<EncodeReques
         return_embeddings: parse_return_embeddings(&obj)?,
         ..EncodeOptions::default()
     };
-    let urls = collect_image_urls(&obj)?;
+    let urls = collect_urls(&obj)?;
     check_image_count(urls.len(), limits)?;
-    let images = urls
+    let items = urls
         .into_iter()
-        .map(|(field, url)| decode_image_url(&field, url, limits))
+        .map(|(field, url, video)| {
+            if video {
+                decode_video_url(&field, url).map(RequestItem::Video)
+            } else {
+                decode_image_url(&field, url, limits).map(RequestItem::Image)
+            }
+        })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(EncodeRequest { images, options })
+    Ok(EncodeRequest { items, options })
+}
+
+/// Decodes a video data URL: base64, any media type but a JPEG frame list.
+fn decode_video_url(field: &str, url: &str) -> Result<Vec<u8>, ApiError> {
+    let data = split_data_url(field, url, "data:video/<type>;base64,...")?;
+    if !data.is_base64 || data.media_type == "video/jpeg" {
+        return Err(ApiError::bad_request(
+            "unsupported_video_url",
+            format!(
+                "{field}: /v1/encode takes a clip as a base64 data URL (a JPEG frame list goes to /v1/chat/completions)"
+            ),
+        ));
+    }
+    let bytes = decode_base64(field, data.payload)?;
+    if bytes.is_empty() {
+        return Err(ApiError::bad_request(
+            "corrupt_video",
+            format!("{field}: the video is empty"),
+        ));
+    }
+    Ok(bytes)
 }
 
 /// Parses a request body that must be a JSON object.
@@ -132,9 +168,11 @@ pub(crate) fn check_image_count(count: usize, limits: &Limits) -> Result<(), Api
     Ok(())
 }
 
-/// Builds the JSON response for an encode call.
-pub fn encode_response(results: &[ImageResult]) -> Value {
-    let images: Vec<Value> = results
+/// Builds the JSON response for an encode call: the images' results under `images`, and the
+/// videos' (`videos[i]` true for item `i`) under `videos` when there are any, each with its
+/// `index` in the request.
+pub fn encode_response(results: &[ImageResult], videos: &[bool]) -> Value {
+    let entries: Vec<(bool, Value)> = results
         .iter()
         .enumerate()
         .map(|(index, r)| {
@@ -152,14 +190,22 @@ pub fn encode_response(results: &[ImageResult]) -> Value {
                     Value::Array(r.deepstack.iter().map(tensor_json).collect()),
                 );
             }
-            item
+            (videos.get(index).copied().unwrap_or(false), item)
         })
         .collect();
     let num_tokens: u64 = results.iter().map(|r| r.num_tokens).sum();
-    json!({
+    let (video_entries, image_entries): (Vec<_>, Vec<_>) =
+        entries.into_iter().partition(|(video, _)| *video);
+    let images: Vec<Value> = image_entries.into_iter().map(|(_, v)| v).collect();
+    let mut response = json!({
         "images": images,
-        "usage": { "num_images": results.len(), "num_tokens": num_tokens },
-    })
+        "usage": { "num_images": images.len(), "num_tokens": num_tokens },
+    });
+    if !video_entries.is_empty() {
+        response["usage"]["num_videos"] = json!(video_entries.len());
+        response["videos"] = Value::Array(video_entries.into_iter().map(|(_, v)| v).collect());
+    }
+    response
 }
 
 /// Encodes a tensor as `{"dtype": "f32", "shape": [t, h], "data": base64 of little-endian f32}`.
@@ -230,31 +276,39 @@ fn parse_return_embeddings(obj: &Map<String, Value>) -> Result<bool, ApiError> {
     }
 }
 
-/// Collects `(field path, url)` pairs from whichever request form is used.
-fn collect_image_urls(obj: &Map<String, Value>) -> Result<Vec<(String, &str)>, ApiError> {
-    let forms = ["images", "messages", "content"];
+/// Collects `(field path, url, is a video)` from whichever request form is used.
+fn collect_urls(obj: &Map<String, Value>) -> Result<Vec<(String, &str, bool)>, ApiError> {
+    let forms = ["images", "videos", "messages", "content"];
     let present: Vec<&str> = forms
         .iter()
         .copied()
         .filter(|k| obj.contains_key(*k))
         .collect();
+    let list = |key: &str| -> Result<Vec<(String, &str, bool)>, ApiError> {
+        expect_array(&obj[key], key)?
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let field = format!("{key}[{i}]");
+                let url = v
+                    .as_str()
+                    .ok_or_else(|| wrong_type(&field, "a data URL string", v))?;
+                Ok((field, url, key == "videos"))
+            })
+            .collect()
+    };
     match present.as_slice() {
         [] => Err(ApiError::bad_request(
             "missing_field",
-            "the request needs one of the fields `images`, `messages` or `content`",
+            "the request needs one of the fields `images` (and/or `videos`), `messages` or `content`",
         )),
-        ["images"] => {
-            let list = expect_array(&obj["images"], "images")?;
-            list.iter()
-                .enumerate()
-                .map(|(i, v)| {
-                    let field = format!("images[{i}]");
-                    let url = v
-                        .as_str()
-                        .ok_or_else(|| wrong_type(&field, "a data URL string", v))?;
-                    Ok((field, url))
-                })
-                .collect()
+        // The list form: the images, then the videos.
+        ["images"] => list("images"),
+        ["videos"] => list("videos"),
+        ["images", "videos"] => {
+            let mut out = list("images")?;
+            out.extend(list("videos")?);
+            Ok(out)
         }
         ["messages"] => {
             let mut out = Vec::new();
@@ -291,7 +345,7 @@ fn collect_image_urls(obj: &Map<String, Value>) -> Result<Vec<(String, &str)>, A
 fn collect_parts<'a>(
     content: &'a Value,
     field: &str,
-    out: &mut Vec<(String, &'a str)>,
+    out: &mut Vec<(String, &'a str, bool)>,
 ) -> Result<(), ApiError> {
     for (p, part) in expect_array(content, field)?.iter().enumerate() {
         let pfield = format!("{field}[{p}]");
@@ -306,9 +360,9 @@ fn collect_parts<'a>(
         })?;
         match kind {
             "text" => {}
-            "image_url" => {
-                let ufield = format!("{pfield}.image_url");
-                let url = match part.get("image_url") {
+            "image_url" | "video_url" => {
+                let ufield = format!("{pfield}.{kind}");
+                let url = match part.get(kind) {
                     Some(Value::String(s)) => s.as_str(),
                     Some(Value::Object(o)) => {
                         let f = format!("{ufield}.url");
@@ -333,13 +387,13 @@ fn collect_parts<'a>(
                         ));
                     }
                 };
-                out.push((format!("{ufield}.url"), url));
+                out.push((format!("{ufield}.url"), url, kind == "video_url"));
             }
             other => {
                 return Err(ApiError::bad_request(
                     "unsupported_content_part",
                     format!(
-                        "{pfield}.type is {other:?}; only \"text\" and \"image_url\" are accepted"
+                        "{pfield}.type is {other:?}; only \"text\", \"image_url\" and \"video_url\" are accepted"
                     ),
                 ));
             }
@@ -563,9 +617,15 @@ mod tests {
             "return_embeddings": "f32"}),
         )
         .unwrap();
-        assert_eq!(a.images, vec![ImageInput { bytes: img.clone() }]);
-        assert_eq!(b.images.len(), 2);
-        assert_eq!(b.images[1].bytes, img);
+        assert_eq!(
+            a.items,
+            vec![RequestItem::Image(ImageInput { bytes: img.clone() })]
+        );
+        assert_eq!(b.items.len(), 2);
+        assert_eq!(
+            b.items[1],
+            RequestItem::Image(ImageInput { bytes: img.clone() })
+        );
         assert!(!a.options.return_embeddings);
         assert!(c.options.return_embeddings);
     }
@@ -578,7 +638,10 @@ mod tests {
             STANDARD.encode(&img).trim_end_matches('=')
         );
         assert_eq!(
-            parse(json!({"images": [url]})).unwrap().images[0].bytes,
+            match &parse(json!({"images": [url]})).unwrap().items[0] {
+                RequestItem::Image(image) => image.bytes.clone(),
+                RequestItem::Video(_) => panic!("an image"),
+            },
             img
         );
     }
