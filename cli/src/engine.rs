@@ -67,6 +67,74 @@ pub struct EngineArgs {
     /// admitted. Default: 4 x --max-num-batched-tokens.
     #[arg(long, value_name = "TOKENS")]
     pub max_pending_tokens: Option<u64>,
+    #[command(flatten)]
+    pub mm_limits: MmLimitArgs,
+}
+
+/// Flags that bound the multimodal items of a prompt (vLLM's), which the start-up profile
+/// sizes the largest item from.
+#[derive(Debug, Clone, Default, Args)]
+pub struct MmLimitArgs {
+    /// Items of each modality one request may carry, as vLLM's flag: JSON such as
+    /// `{"image": 16, "video": 0}` (or `{"video": {"count": 0}}`); 999 for a modality not named.
+    /// A modality at 0 is refused and left out of the start-up profile: `{"video": 0}` sizes
+    /// the engine for images only (vLLM profiles Qwen2/2.5-VL with a 14-frame video).
+    #[arg(long, value_name = "JSON")]
+    pub limit_mm_per_prompt: Option<String>,
+    /// The language model's context, in tokens: bounds the frames of the largest video the
+    /// profile sizes (Qwen2/2.5-VL), as vLLM's `--max-model-len`. Default: no bound (the
+    /// 14-frame cap decides).
+    #[arg(long, value_name = "TOKENS")]
+    pub max_model_len: Option<u64>,
+}
+
+impl MmLimitArgs {
+    /// Applies the flags to `scheduler`.
+    ///
+    /// # Errors
+    /// A `--limit-mm-per-prompt` that is not such a JSON object, or a zero `--max-model-len`.
+    pub fn apply(&self, scheduler: &mut SchedulerConfig) -> anyhow::Result<()> {
+        if let Some(len) = self.max_model_len {
+            anyhow::ensure!(len > 0, "--max-model-len must be at least 1");
+            scheduler.max_model_len = len;
+        }
+        let Some(text) = &self.limit_mm_per_prompt else {
+            return Ok(());
+        };
+        let value: serde_json::Value = serde_json::from_str(text)
+            .with_context(|| format!("--limit-mm-per-prompt is not JSON: {text}"))?;
+        let serde_json::Value::Object(map) = value else {
+            anyhow::bail!("--limit-mm-per-prompt must be a JSON object such as {{\"video\": 0}}");
+        };
+        for (key, value) in &map {
+            let count = match value {
+                serde_json::Value::Object(options) => {
+                    if let Some(other) = options.keys().find(|k| *k != "count") {
+                        anyhow::bail!(
+                            "--limit-mm-per-prompt {key}.{other}: iris takes only `count` (the dummy-item options of vLLM's profile are not supported)"
+                        );
+                    }
+                    options.get("count").and_then(serde_json::Value::as_u64)
+                }
+                other => other.as_u64(),
+            }
+            .with_context(|| {
+                format!("--limit-mm-per-prompt {key} must be a count (0 or more), got {value}")
+            })?;
+            match key.as_str() {
+                "image" => scheduler.limit_mm_per_prompt.image = count,
+                "video" => scheduler.limit_mm_per_prompt.video = count,
+                other => {
+                    anyhow::bail!("--limit-mm-per-prompt {other}: iris takes image and video items")
+                }
+            }
+        }
+        anyhow::ensure!(
+            scheduler.limit_mm_per_prompt.image > 0 || scheduler.limit_mm_per_prompt.video > 0,
+            "--limit-mm-per-prompt leaves no modality: at least one of image and video must be above 0"
+        );
+        Ok(())
+    }
 }
 
 impl EngineArgs {
@@ -99,6 +167,7 @@ impl EngineArgs {
         config.video = video;
         config.dtype = self.model.dtype()?;
         config.scheduler = self.scheduler();
+        self.mm_limits.apply(&mut config.scheduler)?;
         config.device_memory_utilization = self.device_memory_utilization;
         config.profile_mode = self.profile_mode;
         config.warm_up = self.warm_up;

@@ -47,6 +47,8 @@ pub struct ProfileArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    mm_limits: crate::engine::MmLimitArgs,
 }
 
 /// Runs `iris profile`.
@@ -54,12 +56,16 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
     let dtype = args.model.dtype()?;
     let spec = args.model.spec()?;
     let weights = args.model.weight_source()?;
-    let scheduler = SchedulerConfig {
+    let mut scheduler = SchedulerConfig {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
         encoder_cache_size: args.encoder_cache_size,
         ..SchedulerConfig::default()
     };
+    args.mm_limits.apply(&mut scheduler)?;
+    let video = spec
+        .video_processing(args.model.model_dir.as_deref())
+        .context("the model's video processor settings")?;
     let config = global.config()?;
     let device = registry(&config).open_selected(&config)?;
     let device_name = format!("{} ({})", device.description().name, device.plugin().name());
@@ -74,6 +80,7 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
         mode: args.profile_mode,
         warm_up: args.warm_up,
         progress: crate::progress::startup_progress(),
+        video,
     };
     let (tower, report) =
         profile_startup(&allocator, &request).context("start-up profiling failed")?;
@@ -108,8 +115,20 @@ pub fn run(global: &GlobalArgs, args: &ProfileArgs) -> anyhow::Result<ExitCode> 
         ),
         format!("weights                    {}", mib(report.weights_bytes)),
         format!(
-            "largest item               grid {grid:?}, {} tokens; {} per batch",
-            report.max_item_tokens, report.items_per_batch
+            "largest item               {} grid {grid:?}, {} tokens; {} per batch (the {} set the peak)",
+            report.max_item_modality,
+            report.max_item_tokens,
+            report.items_per_batch,
+            report.max_item_modality
+        ),
+        format!(
+            "largest item per modality  {}",
+            report
+                .modality_max_tokens
+                .iter()
+                .map(|(m, t)| format!("{m} {t} tokens"))
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
         format!(
             "peak activation            {} ({} profile)",

@@ -20,9 +20,22 @@ fn iris(args: &[&str], config: Option<&str>) -> Output {
         .expect("iris runs")
 }
 
+/// Images only: the figures below are the largest image's.
+const NO_VIDEO: [&str; 2] = ["--limit-mm-per-prompt", r#"{"video": 0}"#];
+
 #[test]
 fn tiny_profile_reports_every_figure() {
-    let output = iris(&["profile", "--model", "tiny", "--json"], None);
+    let output = iris(
+        &[
+            "profile",
+            "--model",
+            "tiny",
+            "--json",
+            NO_VIDEO[0],
+            NO_VIDEO[1],
+        ],
+        None,
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     let report: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
@@ -33,6 +46,7 @@ fn tiny_profile_reports_every_figure() {
     };
     // tiny: 896x896 at most -> a 64x64 grid, 1024 tokens; 8192 tokens a step -> 8 items.
     assert_eq!(report["max_item_grid"], serde_json::json!([1, 64, 64]));
+    assert_eq!(report["max_item_modality"], "image");
     assert_eq!(u("max_item_tokens"), 1024);
     assert_eq!(u("items_per_batch"), 8);
     assert_eq!(u("encoder_cache_tokens"), 8192);
@@ -67,7 +81,7 @@ fn tiny_profile_reports_every_figure() {
         );
     }
     assert!(
-        stderr.contains("dry run of the largest step: grid [1, 64, 64] (1024 tokens) x 8"),
+        stderr.contains("dry run of the largest step: image grid [1, 64, 64] (1024 tokens) x 8"),
         "{stderr}"
     );
     for key in ["read_weights_s", "upload_weights_s", "profile_s"] {
@@ -77,7 +91,16 @@ fn tiny_profile_reports_every_figure() {
 
     // The measured run of the same step: the dry run's peak is not below it.
     let output = iris(
-        &["profile", "--model", "tiny", "--profile", "real", "--json"],
+        &[
+            "profile",
+            "--model",
+            "tiny",
+            "--profile",
+            "real",
+            "--json",
+            NO_VIDEO[0],
+            NO_VIDEO[1],
+        ],
         None,
     );
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -89,6 +112,56 @@ fn tiny_profile_reports_every_figure() {
         measured, real_peak,
         "the dry run's arena is the real step's"
     );
+}
+
+#[test]
+fn by_default_vllms_largest_video_sets_the_profile() {
+    // vLLM's profiling video for a Qwen2-VL: 14 frames of the largest image, 7 temporal
+    // groups of 1024 tokens; one such item a step (8192 // 7168).
+    let output = iris(&["profile", "--model", "tiny", "--json"], None);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    assert_eq!(report["max_item_modality"], "video", "{report}");
+    assert_eq!(report["max_item_grid"], serde_json::json!([7, 64, 64]));
+    assert_eq!(report["max_item_tokens"], 7168);
+    assert_eq!(report["items_per_batch"], 1);
+    assert_eq!(
+        report["modality_max_tokens"],
+        serde_json::json!([["image", 1024], ["video", 7168]])
+    );
+    // A 4096-token context holds four groups, eight frames.
+    let output = iris(
+        &["profile", "--model", "tiny", "--max-model-len", "4096"],
+        None,
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    assert!(
+        stdout
+            .contains("video grid [4, 64, 64], 4096 tokens; 2 per batch (the video set the peak)"),
+        "{stdout}"
+    );
+    for (limit, needle) in [
+        (r#"{"video": 0, "image": 0}"#, "leaves no modality"),
+        (r#"{"audio": 1}"#, "image and video"),
+        (
+            r#"{"video": {"count": 1, "num_frames": 8}}"#,
+            "only `count`",
+        ),
+        ("video", "not JSON"),
+    ] {
+        let output = iris(
+            &["profile", "--model", "tiny", "--limit-mm-per-prompt", limit],
+            None,
+        );
+        assert!(!output.status.success(), "{limit}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(needle), "{limit}: {stderr}");
+    }
 }
 
 #[test]

@@ -116,6 +116,8 @@ pub struct SchedulerConfig {
     /// KV-cache blocks, counted as vLLM's `num_gpu_blocks` (one of them is the null block no
     /// request gets); `None`: unlimited, so no request is ever preempted.
     pub num_kv_blocks: Option<u64>,
+    /// Items of each modality per prompt (`--limit-mm-per-prompt`).
+    pub limit_mm_per_prompt: MmLimits,
 }
 
 impl Default for SchedulerConfig {
@@ -131,12 +133,14 @@ impl Default for SchedulerConfig {
             policy: Policy::Vllm,
             kv_block_size: DEFAULT_KV_BLOCK_SIZE,
             num_kv_blocks: None,
+            limit_mm_per_prompt: MmLimits::default(),
         }
     }
 }
 
 /// A kind of multimodal input.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum Modality {
     /// A still image.
@@ -151,6 +155,39 @@ impl fmt::Display for Modality {
             Modality::Image => "image",
             Modality::Video => "video",
         })
+    }
+}
+
+/// vLLM's default `--limit-mm-per-prompt` count of every modality.
+pub const DEFAULT_LIMIT_PER_PROMPT: u64 = 999;
+
+/// vLLM's `--limit-mm-per-prompt` counts: the items of each modality one prompt may carry. A
+/// modality at 0 is refused and left out of the start-up profile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MmLimits {
+    /// Images per prompt.
+    pub image: u64,
+    /// Videos per prompt.
+    pub video: u64,
+}
+
+impl Default for MmLimits {
+    fn default() -> Self {
+        MmLimits {
+            image: DEFAULT_LIMIT_PER_PROMPT,
+            video: DEFAULT_LIMIT_PER_PROMPT,
+        }
+    }
+}
+
+impl MmLimits {
+    /// The count of `modality`.
+    #[must_use]
+    pub fn get(&self, modality: Modality) -> u64 {
+        match modality {
+            Modality::Image => self.image,
+            Modality::Video => self.video,
+        }
     }
 }
 

@@ -57,7 +57,8 @@ use crate::memory::{
     AllocError, CachingAllocator, MemoryProfile, MemoryProfiler, MemorySnapshot,
     check_free_at_start, requested_memory,
 };
-use crate::model::{ModelError, ModelSpec, WeightSource};
+use crate::model::{ModelError, ModelSpec, VideoProcessing, WeightSource};
+use crate::preprocess::video::VideoResize;
 use crate::preprocess::{ImageSize, PreprocessError, smart_resize};
 
 /// Side of the square image whose resize gives a model's largest item: far larger than any
@@ -281,6 +282,8 @@ pub struct ProfileRequest {
     pub warm_up: WarmUpMode,
     /// Where progress goes.
     pub progress: ProgressSink,
+    /// How videos are processed (the largest video item's size derives from it).
+    pub video: VideoProcessing,
 }
 
 /// The start-up report.
@@ -316,6 +319,12 @@ pub struct StartupProfile {
     pub max_item_grid: Grid,
     /// Embedding tokens of the largest item.
     pub max_item_tokens: u64,
+    /// The modality of the largest item, which set the profiled step (vLLM profiles the
+    /// modality with the most tokens per item).
+    pub max_item_modality: Modality,
+    /// The largest item's embedding tokens of each modality in the profile (those whose
+    /// `--limit-mm-per-prompt` count is not 0).
+    pub modality_max_tokens: Vec<(Modality, u64)>,
     /// Items in the profiling batch (`max_items_per_batch`).
     pub items_per_batch: u64,
     /// Encoder compute budget per step, in embedding tokens.
@@ -399,18 +408,39 @@ pub fn profile_startup(
     let weights_bytes = allocator.stats().allocated - before_start.allocator_allocated;
 
     let processor = &request.spec.processor;
-    let largest = item_grid(request, HUGE_IMAGE_SIDE)?;
-    let grid = largest;
-    let max_item_tokens = tower.tokens(grid);
-    let budget = EncoderBudget::new(
-        &request.scheduler,
-        &[(Modality::Image, ModalityLimits::new(max_item_tokens))],
-    )?;
+    let largest = largest_items(request, &tower)?;
+    let (max_item_modality, grid, max_item_tokens) = largest
+        .iter()
+        .copied()
+        .fold(
+            None,
+            |best: Option<(Modality, Grid, u64)>, item| match best {
+                Some(b) if b.2 >= item.2 => Some(b),
+                _ => Some(item),
+            },
+        )
+        .ok_or(BudgetError::Zero {
+            name: "limit_mm_per_prompt (every modality)",
+        })?;
+    let limits = &request.scheduler.limit_mm_per_prompt;
+    let modalities: Vec<(Modality, ModalityLimits)> = largest
+        .iter()
+        .map(|&(modality, _, tokens)| {
+            (
+                modality,
+                ModalityLimits {
+                    max_tokens_per_item: tokens,
+                    limit_per_prompt: limits.get(modality),
+                },
+            )
+        })
+        .collect();
+    let budget = EncoderBudget::new(&request.scheduler, &modalities)?;
     let items_per_batch = budget
-        .modality(Modality::Image)
+        .modality(max_item_modality)
         .map_or(1, |m| m.max_items_per_batch);
     let grids: Vec<Grid> = (0..items_per_batch).map(|_| grid).collect();
-    let patches_per_item = u64::from(grid[1]) * u64::from(grid[2]);
+    let patches_per_item = grid.iter().map(|&v| u64::from(v)).product::<u64>();
     let rows = patches_per_item * items_per_batch;
     let row_len = vision.patch_row_len() as u64;
 
@@ -422,7 +452,7 @@ pub fn profile_startup(
         progress,
         StartupPhase::Profile,
         &format!(
-            "{} run of the largest step: grid {grid:?} ({max_item_tokens} tokens) x {items_per_batch}",
+            "{} run of the largest step: {max_item_modality} grid {grid:?} ({max_item_tokens} tokens) x {items_per_batch}",
             request.mode
         ),
         depth,
@@ -519,6 +549,8 @@ pub fn profile_startup(
         profile,
         max_item_grid: grid,
         max_item_tokens,
+        max_item_modality,
+        modality_max_tokens: largest.iter().map(|&(m, _, t)| (m, t)).collect(),
         items_per_batch,
         encoder_compute_budget: budget.compute_budget(),
         encoder_cache_tokens,
@@ -574,6 +606,10 @@ fn warm_up_ladder(
             break;
         }
     }
+    // A video's temporal groups make the largest item larger than one frame's grid.
+    if largest[0] > 1 {
+        ladder.push(vec![largest]);
+    }
     let mut items = 1;
     while items < items_per_batch {
         items = (items * 2).min(items_per_batch);
@@ -588,6 +624,78 @@ fn step_rows(grids: &[Grid]) -> u64 {
         .iter()
         .map(|[t, h, w]| u64::from(*t) * u64::from(*h) * u64::from(*w))
         .sum()
+}
+
+/// vLLM's `_MAX_FRAMES_PER_VIDEO`: the most frames of Qwen2/2.5-VL's profiling video.
+pub const MAX_PROFILE_VIDEO_FRAMES: u64 = 14;
+
+/// The largest item of each modality whose `--limit-mm-per-prompt` count is not 0, as vLLM's
+/// `get_mm_max_tokens_per_item` sizes them: `(modality, grid, tokens)`.
+///
+/// - Image: the processor's largest resize.
+/// - Video, Qwen2/2.5-VL: the largest image's frames, as many as fit `max_model_len` (counted
+///   in temporal groups of the largest image's tokens), at most 14, at least 1 (padded to a
+///   temporal group).
+/// - Video, Qwen3-VL: two frames of the largest image within the video processor's budget
+///   over both (`longest_edge / temporal_patch_size` pixels per frame), as vLLM's dummy video.
+fn largest_items(
+    request: &ProfileRequest,
+    tower: &VisionTower,
+) -> Result<Vec<(Modality, Grid, u64)>, ProfileError> {
+    let limits = &request.scheduler.limit_mm_per_prompt;
+    let mut items = Vec::new();
+    let image = item_grid(request, HUGE_IMAGE_SIDE)?;
+    let image_tokens = tower.tokens(image);
+    if limits.image > 0 {
+        items.push((Modality::Image, image, image_tokens));
+    }
+    if limits.video > 0 {
+        let video = &request.video;
+        let grid = match video.resize {
+            VideoResize::PerFrame => {
+                let temporal = u64::from(video.config.temporal_patch_size.max(1));
+                let groups_that_fit = request.scheduler.max_model_len / image_tokens.max(1);
+                let frames = if groups_that_fit == 0 {
+                    1
+                } else {
+                    groups_that_fit.saturating_mul(temporal)
+                };
+                let frames = frames.clamp(1, MAX_PROFILE_VIDEO_FRAMES);
+                let groups = u32::try_from(frames.div_ceil(temporal)).unwrap_or(u32::MAX);
+                [groups, image[1], image[2]]
+            }
+            VideoResize::OverAllFrames => {
+                let config = &video.config;
+                let unit = config.factor();
+                let per_frame = config.max_pixels / u64::from(config.temporal_patch_size.max(1));
+                let (h, w) = most_features(per_frame / u64::from(unit * unit));
+                [
+                    1,
+                    h * unit / config.patch_size,
+                    w * unit / config.patch_size,
+                ]
+            }
+        };
+        items.push((Modality::Video, grid, tower.tokens(grid)));
+    }
+    Ok(items)
+}
+
+/// vLLM's `get_image_size_with_most_features` in merge windows: the factor pair `(h, w)`,
+/// `h <= w`, closest to square of the most windows up to `windows` whose ratio is at most 200.
+fn most_features(windows: u64) -> (u32, u32) {
+    for n in (1..=windows).rev() {
+        let root = n.isqrt();
+        let h = (1..=root).rev().find(|d| n % d == 0).unwrap_or(1);
+        let w = n / h;
+        if w <= 200 * h {
+            return (
+                u32::try_from(h).unwrap_or(u32::MAX),
+                u32::try_from(w).unwrap_or(u32::MAX),
+            );
+        }
+    }
+    (1, 1)
 }
 
 /// The grid `(1, h, w)` in patches of an image of `side x side` after the processor's resize.

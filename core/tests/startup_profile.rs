@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use iris_core::budget::SchedulerConfig;
+use iris_core::budget::{MmLimits, Modality, SchedulerConfig};
 use iris_core::memory::CachingAllocator;
 use iris_core::model::{ModelSpec, WeightSource};
 use iris_core::profile::{
@@ -67,19 +67,37 @@ fn profile_with(
     warm_up: WarmUpMode,
     progress: ProgressSink,
 ) -> StartupProfile {
+    // Two largest items a step (64 tokens each): a batch, not one item, is what is sized.
+    // Images only here; `a_video_step_is_sized_as_it_runs` profiles a video.
+    let scheduler = SchedulerConfig {
+        max_num_batched_tokens: 128,
+        limit_mm_per_prompt: MmLimits {
+            video: 0,
+            ..MmLimits::default()
+        },
+        ..SchedulerConfig::default()
+    };
+    profile_scheduled(spec, dtype, mode, warm_up, progress, scheduler)
+}
+
+fn profile_scheduled(
+    spec: &ModelSpec,
+    dtype: DType,
+    mode: ProfileMode,
+    warm_up: WarmUpMode,
+    progress: ProgressSink,
+    scheduler: SchedulerConfig,
+) -> StartupProfile {
     let request = ProfileRequest {
         spec: spec.clone(),
         weights: WeightSource::Dummy { seed: 7 },
         dtype,
-        // Two largest items a step (64 tokens each): a batch, not one item, is what is sized.
-        scheduler: SchedulerConfig {
-            max_num_batched_tokens: 128,
-            ..SchedulerConfig::default()
-        },
+        scheduler,
         device_memory_utilization: 0.9,
         mode,
         warm_up,
         progress,
+        video: spec.default_video_processing(),
     };
     let allocator = allocator();
     let (tower, report) = profile_startup(&allocator, &request).expect("start-up profiling");
@@ -300,5 +318,42 @@ fn every_phase_reports_its_progress_to_its_total_and_its_time() {
     assert!(
         t.read_weights_s >= 0.0 && t.upload_weights_s >= 0.0 && t.profile_s > 0.0,
         "{t:?}"
+    );
+}
+
+/// The largest video (here two temporal groups of the largest image, as a 128-token context
+/// holds) is one item of several attention segments: its dry run decides as its real run
+/// allocates, as an image step's does.
+#[test]
+fn a_video_step_is_sized_as_it_runs() {
+    let spec = small_spec("qwen2.5-vl-3b");
+    let run = |mode| {
+        let scheduler = SchedulerConfig {
+            max_num_batched_tokens: 128,
+            max_model_len: 128,
+            ..SchedulerConfig::default()
+        };
+        profile_scheduled(
+            &spec,
+            DType::F32,
+            mode,
+            WarmUpMode::Off,
+            ProgressSink::default(),
+            scheduler,
+        )
+    };
+    let (dry, real) = (run(ProfileMode::Dry), run(ProfileMode::Real));
+    assert_eq!(dry.max_item_modality, Modality::Video);
+    assert_eq!(
+        (dry.max_item_grid, dry.max_item_tokens, dry.items_per_batch),
+        ([2, SIDE_PATCHES, SIDE_PATCHES], 128, 1)
+    );
+    assert_eq!(dry.peak_activation_bytes, real.peak_activation_bytes);
+    assert_eq!(dry.step_outputs_bytes, real.step_outputs_bytes);
+    let live = real.planned_peak_activation_bytes;
+    assert!(
+        dry.peak_activation_bytes >= live && dry.peak_activation_bytes as f64 <= 1.05 * live as f64,
+        "arena {} against a live peak of {live}",
+        dry.peak_activation_bytes
     );
 }

@@ -433,6 +433,7 @@ impl Engine {
         if self.is_sleeping() {
             return Err(EngineError::Sleeping);
         }
+        self.check_counts(&items)?;
         let processor = self.processor_for(&options.processor)?;
         let video = self.video_for(&options.processor, &items)?;
         let tokens = items
@@ -523,7 +524,8 @@ impl Engine {
         items: &[I],
         overrides: &ProcessorOverrides,
     ) -> Result<Vec<ImagePlan>, EngineError> {
-        let items = items.iter().cloned().map(Into::into).collect();
+        let items: Vec<MediaInput> = items.iter().cloned().map(Into::into).collect();
+        self.check_counts(&items)?;
         let prepared = self.prepare_all(items, overrides).await?;
         Ok(prepared
             .iter()
@@ -583,6 +585,29 @@ impl Engine {
             .validate()
             .map_err(|err| bad(format!("mm_processor_kwargs: {err}")))?;
         Ok(processor)
+    }
+
+    /// Refuses a request with more items of a modality than `--limit-mm-per-prompt` allows
+    /// (none, for a modality at 0), as vLLM refuses such a prompt.
+    fn check_counts(&self, items: &[MediaInput]) -> Result<(), EngineError> {
+        let limits = &self.config.scheduler.limit_mm_per_prompt;
+        let videos = items
+            .iter()
+            .filter(|i| matches!(i, MediaInput::Video(_)))
+            .count() as u64;
+        let images = items.len() as u64 - videos;
+        for (modality, count) in [(Modality::Image, images), (Modality::Video, videos)] {
+            let limit = limits.get(modality);
+            if count > limit {
+                return Err(EngineError::BadInput {
+                    message: format!(
+                        "at most {limit} {modality}(s) may be provided in one request (--limit-mm-per-prompt), got {count}"
+                    ),
+                    code: "mm_limit_exceeded",
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The video processing of a request with `items`: the engine's. A request that narrows
@@ -1012,16 +1037,25 @@ fn start_worker(
         mode: config.profile_mode,
         warm_up: config.warm_up,
         progress: config.progress.clone(),
+        video: config.video.clone(),
     };
     let (tower, profile) = profile_startup(&allocator, &request)?;
-    let budget = EncoderBudget::new(
-        &config.scheduler,
-        &[(
-            Modality::Image,
-            ModalityLimits::new(profile.max_item_tokens),
-        )],
-    )
-    .map_err(|e| StartError::Scheduler(e.to_string()))?;
+    let limits = &config.scheduler.limit_mm_per_prompt;
+    let modalities: Vec<(Modality, ModalityLimits)> = profile
+        .modality_max_tokens
+        .iter()
+        .map(|&(modality, tokens)| {
+            (
+                modality,
+                ModalityLimits {
+                    max_tokens_per_item: tokens,
+                    limit_per_prompt: limits.get(modality),
+                },
+            )
+        })
+        .collect();
+    let budget = EncoderBudget::new(&config.scheduler, &modalities)
+        .map_err(|e| StartError::Scheduler(e.to_string()))?;
     let manager = EncoderCacheManager::new(crate::budget::BudgetPolicy::cache_size(&budget));
     let scheduler = Scheduler::new(config.scheduler.clone(), budget, manager);
     let runner = Runner::new(allocator);

@@ -1022,6 +1022,8 @@ async fn the_startup_report_predicts_the_encoder_cache_bytes_of_each_family() {
         );
         cfg.scheduler.max_num_batched_tokens = 64;
         cfg.scheduler.encoder_cache_size = Some(64);
+        // Images only: a profiled video would set the largest item.
+        cfg.scheduler.limit_mm_per_prompt.video = 0;
         let engine = Engine::start(cfg, device()).expect("the engine starts");
         let startup = engine.startup();
         assert_eq!(
@@ -1228,7 +1230,12 @@ async fn load_video_reads_the_frames_the_models_loader_samples() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_video_over_the_encoder_budget_is_refused_with_the_numbers() {
-    let engine = engine();
+    // A 2048-token context: the profiled video is 4 frames of the largest image, 2048 tokens,
+    // the budget.
+    let mut cfg = config();
+    cfg.scheduler.max_model_len = 2048;
+    let engine = Engine::start(cfg, device()).expect("the engine starts");
+    assert_eq!(engine.startup().encoder_compute_budget, 2048);
     let after_start = engine.metrics_snapshot().after_start;
     // 448x448 frames: 32x32 patches of 14, 256 rows per temporal group; 20 frames make 10
     // groups, 2560 rows, over the 2048-token budget of the test configuration.
@@ -1256,4 +1263,80 @@ async fn a_video_over_the_encoder_budget_is_refused_with_the_numbers() {
     }
     check(&engine).await;
     reset_to_baseline(&engine, &after_start, "after a refused video").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_startup_profile_sizes_the_largest_video_as_vllm_does_unless_video_is_off() {
+    // The tiny model is a Qwen2-VL: its largest image is 896x896, 64x64 patches, 1024 tokens;
+    // vLLM's profiling video is 14 frames of it, 7 temporal groups, 7168 tokens.
+    let engine = engine();
+    let startup = engine.startup();
+    assert_eq!(startup.max_item_modality, Modality::Video);
+    assert_eq!(
+        (startup.max_item_grid, startup.max_item_tokens),
+        ([7, 64, 64], 7168)
+    );
+    assert_eq!(
+        startup.modality_max_tokens,
+        [(Modality::Image, 1024), (Modality::Video, 7168)]
+    );
+    assert_eq!(startup.encoder_compute_budget, 7168);
+    drop(engine);
+
+    // A 3000-token context fits two temporal groups: 4 frames.
+    let mut cfg = config();
+    cfg.scheduler.max_model_len = 3000;
+    let engine = Engine::start(cfg, device()).expect("the engine starts");
+    assert_eq!(engine.startup().max_item_grid, [2, 64, 64]);
+    drop(engine);
+
+    // Video off: images set the profile, and a video is refused by name.
+    let mut cfg = config();
+    cfg.scheduler.limit_mm_per_prompt.video = 0;
+    let engine = Engine::start(cfg, device()).expect("the engine starts");
+    let startup = engine.startup();
+    assert_eq!(
+        (startup.max_item_modality, startup.max_item_grid),
+        (Modality::Image, [1, 64, 64])
+    );
+    assert_eq!(startup.modality_max_tokens, [(Modality::Image, 1024)]);
+    match engine
+        .encode(vec![video(4, (56, 56), 1)], EncodeOptions::default())
+        .await
+    {
+        Err(EngineError::BadInput { code, message }) => {
+            assert_eq!(code, "mm_limit_exceeded", "{message}");
+            assert!(message.contains("at most 0 video(s)"), "{message}");
+        }
+        other => panic!("expected mm_limit_exceeded, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen3_vl_profile_sizes_vllms_two_frame_dummy_video() {
+    // Qwen3-VL's video processor spreads 25165824 pixels over the frames: vLLM's dummy video
+    // is two frames of 12582912 pixels each, 4096x3072 (128x96 windows of 32), 12288 tokens,
+    // fewer than the largest image's 16384: the image sets the profile.
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/golden/qwen3_vl");
+    let mut spec = ModelSpec::from_hf_dir(&dir).expect("the golden config parses");
+    spec.processor.max_pixels = 16_777_216;
+    let mut cfg = EngineConfig::new(
+        spec,
+        WeightSource::Dummy {
+            seed: DUMMY_DEFAULT_SEED,
+        },
+    );
+    assert_eq!(cfg.video.config.max_pixels, 25_165_824);
+    cfg.scheduler.max_num_batched_tokens = 16_384;
+    let engine = Engine::start(cfg, device()).expect("the engine starts");
+    let startup = engine.startup();
+    assert_eq!(
+        startup.modality_max_tokens,
+        [(Modality::Image, 16_384), (Modality::Video, 12_288)]
+    );
+    assert_eq!(
+        (startup.max_item_modality, startup.max_item_grid),
+        (Modality::Image, [1, 256, 256])
+    );
 }
