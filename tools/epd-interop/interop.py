@@ -655,7 +655,8 @@ def run_checks(args, iris, iris_url, proxy_url, recorder, store, work, served) -
     before = sorted(p.name for p in store.iterdir())
     bad = [
         ("bad base64", chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], served)),
-        ("unsupported part", chat([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}], served)),
+        ("unsupported part", chat([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}], served)),
+        ("corrupt video", chat([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}], served)),
         ("uuid with a slash", chat([image_part("rgb.png", images["rgb.png"], "../escape")], served)),
         ("not an image", chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"not an image").decode()}}], served)),
     ]  # fmt: skip
