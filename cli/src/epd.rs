@@ -848,18 +848,21 @@ async fn load_videos<E: Engine>(
             load_video(engine, item, kwargs)
                 .await
                 .map(|video| Some(Arc::new(video)))
-                .map_err(|err| match err {
-                    EngineError::BadInput { message, code } => {
-                        ProduceError::Engine(EngineError::BadInput {
-                            message: format!("video {index}: {message}"),
-                            code,
-                        })
-                    }
-                    other => ProduceError::Engine(other),
-                })
+                .map_err(|err| ProduceError::Engine(name_video(index, err)))
         }
     });
     futures::future::try_join_all(loads).await
+}
+
+/// `err` of video `index` of a request, naming the video when it is the client's.
+pub(crate) fn name_video(index: usize, err: EngineError) -> EngineError {
+    match err {
+        EngineError::BadInput { message, code } => EngineError::BadInput {
+            message: format!("video {index}: {message}"),
+            code,
+        },
+        other => other,
+    }
 }
 
 /// Decodes one video item: a clip through the engine (FFmpeg), a JPEG frame list here, on
@@ -1174,14 +1177,13 @@ fn check_target_count(target: &PushTarget, items: usize) -> Result<(), ProduceEr
     Ok(())
 }
 
-/// Refuses a push target that does not name one transfer per item, or names an `mm_hash` that
-/// is not the item's identifier, before anything is preprocessed.
+/// Refuses a push target that names an `mm_hash` that is not the item's identifier, before
+/// anything is preprocessed (its count was checked by [`check_target_count`]).
 fn check_target(target: &PushTarget, identifiers: &[String]) -> Result<(), ProduceError> {
     let bad = |message: String| ProduceError::BadRequest {
         code: "invalid_ec_transfer_params",
         message,
     };
-    check_target_count(target, identifiers.len())?;
     for (index, (named, identifier)) in target.mm_hashes.iter().zip(identifiers).enumerate() {
         if let Some(named) = named
             && named != identifier

@@ -62,7 +62,7 @@ pub use metrics::{HttpMetrics, MetricsError};
 pub use request::Limits;
 
 use crate::epd::{Epd, ProduceError, Stored};
-use engine_api::{EngineError, MediaInput, SamplingOptions, VideoInput};
+use engine_api::{MediaInput, SamplingOptions, VideoInput};
 
 /// Environment variable read for the API key when `--api-key` is not given.
 pub const API_KEY_ENV: &str = "IRIS_API_KEY";
@@ -298,13 +298,7 @@ async fn encode<E: Engine>(
                             video: Arc::new(video),
                         })
                     })
-                    .map_err(|err| match err {
-                        EngineError::BadInput { message, code } => EngineError::BadInput {
-                            message: format!("video {index}: {message}"),
-                            code,
-                        },
-                        other => other,
-                    }),
+                    .map_err(|err| crate::epd::name_video(index, err)),
             }
         },
     ))
