@@ -37,16 +37,23 @@ impl Drop for Encoder {
 }
 
 impl Encoder {
+    /// `iris serve` with the shared-storage connector writing to `<dir>/store`.
     fn start(name: &str) -> Encoder {
+        Self::start_with(name, |dir| {
+            json!({
+                "ec_connector": "ECExampleConnector",
+                "ec_role": "ec_producer",
+                "ec_connector_extra_config": {"shared_storage_path": dir.join("store")},
+            })
+        })
+    }
+
+    /// `iris serve` with the `--ec-transfer-config` that `config` makes for its folder.
+    fn start_with(name: &str, config: impl FnOnce(&Path) -> Value) -> Encoder {
         let dir = std::env::temp_dir().join(format!("iris-epd-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("store")).expect("store folder");
-        let config = json!({
-            "ec_connector": "ECExampleConnector",
-            "ec_role": "ec_producer",
-            "ec_connector_extra_config": {"shared_storage_path": dir.join("store")},
-        })
-        .to_string();
+        let config = config(&dir).to_string();
         let stderr_path = dir.join("stderr.txt");
         let stderr = std::fs::File::create(&stderr_path).expect("stderr file");
         let extra = [
@@ -558,4 +565,88 @@ async fn videos_are_stored_as_iris_encode_computes_them_under_vllms_identifiers(
         before,
         "a refused video stores nothing"
     );
+}
+
+/// The push connector with a video: the proxy's `ec_transfer_params` name a consumer, iris
+/// encodes the clip and writes its rows into the consumer's slab, as vLLM's
+/// `ECMooncakeConnector` producer does for any item; the rows equal `iris encode --video`'s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_video_is_pushed_to_the_consumer_as_iris_encode_computes_it() {
+    if !ffmpeg_runs() {
+        return;
+    }
+    let consumer = iris_ec::mooncake::consumer::TestConsumer::start(1, 1 << 20, 2)
+        .await
+        .expect("the consumer starts");
+    let encoder = Encoder::start_with("push-video", |_| {
+        json!({
+            "ec_connector": "ECMooncakeConnector",
+            "ec_role": "ec_producer",
+            "ec_connector_extra_config": {"mooncake_protocol": "tcp", "control_timeout_s": 10},
+        })
+    });
+    let (even, jpg) = (clip("even10.mp4"), jpeg());
+    // As vLLM's proxy sends it: every item with a uuid, one transfer id per item.
+    let body = json!({
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": [
+            video_part(&even, "video/mp4", Some("push-even")),
+            part(&jpg, "image/jpeg", Some("push-photo")),
+        ]}],
+        "ec_transfer_params": {
+            "consumer_zmq": consumer.consumer_zmq(),
+            "ec_items": [{"transfer_id": "t-video"}, {"transfer_id": "t-image"}],
+        },
+    });
+    let (status, reply) = encoder.post("/v1/chat/completions", &body, None).await;
+    assert_eq!(status, 200, "{reply}");
+    let params = &reply["ec_transfer_params"];
+    assert_eq!(params["push-even"]["modality"], "video", "{reply}");
+    assert_eq!(params["push-even"]["transfer_id"], "t-video", "{reply}");
+    assert_eq!(params["push-photo"]["transfer_id"], "t-image", "{reply}");
+    let grid: Vec<u64> = params["push-even"]["metadata"]["video_grid_thw"]
+        .as_array()
+        .expect("a video grid")
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let tokens = grid.iter().product::<u64>() / 4;
+
+    let expected = iris_encode_bf16(&encoder.dir, &[("photo.jpg", &jpg)], &[("even.mp4", &even)]);
+    let (rows, shape, dtype) = consumer
+        .resident(0, "push-even")
+        .expect("the video's rows are in the consumer's slab");
+    assert_eq!(shape, vec![tokens, HIDDEN as u64]);
+    assert_eq!(dtype, "bfloat16");
+    assert!(
+        rows == expected[1],
+        "pushed video rows differ from iris encode --video's"
+    );
+    let (rows, _, _) = consumer
+        .resident(0, "push-photo")
+        .expect("the image's rows");
+    assert!(
+        rows == expected[0],
+        "pushed image rows differ from iris encode's"
+    );
+    assert_eq!(consumer.live_reservations(), 0, "nothing left reserved");
+
+    // A corrupt clip: a JSON 400 naming it; nothing pushed, nothing left reserved.
+    let writes = consumer.writes().len();
+    let mut cut = even.clone();
+    cut.truncate(300);
+    let body = json!({
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": [video_part(&cut, "video/mp4", Some("push-cut"))]}],
+        "ec_transfer_params": {
+            "consumer_zmq": consumer.consumer_zmq(),
+            "ec_items": [{"transfer_id": "t-cut"}],
+        },
+    });
+    let (status, reply) = encoder.post("/v1/chat/completions", &body, None).await;
+    assert_eq!(status, 400, "{reply}");
+    assert_eq!(reply["error"]["code"], "corrupt_video", "{reply}");
+    assert_eq!(consumer.writes().len(), writes);
+    assert!(consumer.resident(0, "push-cut").is_none());
+    assert_eq!(consumer.live_reservations(), 0);
 }

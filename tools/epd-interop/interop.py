@@ -12,15 +12,19 @@ forwards and answers a valid `chat.completion`. The checks (one PASS/FAIL line e
 status 1 on any failure):
 
   response   every iris reply validates as vLLM's `ChatCompletionResponse` and carries
-             `ec_transfer_params` for every image of the request
-  (a) rewrite each forwarded media part is an `image_embeds` part whose `image_grid_thw` is the
-             grid iris returned for it, and whose uuid names a file iris wrote (the uuid itself,
-             or vLLM's hash of it when the request has hash factors, as the consumer computes it)
+             `ec_transfer_params` for every image and video of the request
+  (a) rewrite each forwarded media part is an `image_embeds` (`video_embeds`) part whose
+             `image_grid_thw` (`video_grid_thw`) is the grid iris returned for it, and whose uuid
+             names a file iris wrote (the uuid itself, or vLLM's hash of it when the request has
+             hash factors, as the consumer computes it)
   (b) connector every written file loads through vLLM's `ECExampleConnector` (worker role,
              `start_load_caches`), `[t*h*w/4, width]`, bf16; nothing else is in the store
-  (c) rows   each file's rows equal `iris encode --dtype bf16` of the same image, bit for bit
+  (c) rows   each file's rows equal `iris encode --dtype bf16` of the same image or clip, bit
+             for bit
   (d) hashes identifiers of hashed items (no uuid, or uuid with processor kwargs) equal vLLM's
-             `MultiModalHasher` over what `ImageMediaIO` makes of the same bytes
+             `MultiModalHasher` over what `ImageMediaIO` makes of the same bytes, and for
+             videos `ProcessorInputs.get_mm_hashes` over what `VideoMediaIO` (the model's
+             loader) makes of them
   refusals   bad requests get 4xx JSON and leave no file behind
 
 Needs a Python with vLLM 0.33.0 (no GPU needed), aiohttp and Pillow; downloads nothing.
@@ -52,6 +56,11 @@ from pathlib import Path
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 PROXY_RELATIVE = "examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"
+# The committed test clips: H.264 MP4 with an even and an odd frame count, VP9 WebM.
+CLIPS = Path(__file__).resolve().parents[2] / "core/tests/fixtures/video"
+CLIP_NAMES = ("even10.mp4", "odd9.mp4", "vp9_12.webm")
+# vLLM's loader for the tiny model's family (Qwen2.5-VL); `--video-loader` for other models.
+DEFAULT_VIDEO_LOADER = "qwen2_vl"
 REQUEST_TIMEOUT_S = 300
 
 
@@ -110,8 +119,32 @@ def image_part(name: str, data: bytes, uuid: str | None = None) -> dict:
     return part
 
 
+def load_clips() -> dict[str, bytes]:
+    """The committed clips, by file name."""
+    return {name: (CLIPS / name).read_bytes() for name in CLIP_NAMES}
+
+
+def video_part(name: str, data: bytes, uuid: str | None = None) -> dict:
+    mime = "video/webm" if name.endswith(".webm") else "video/mp4"
+    url = f"data:{mime};base64,{base64.b64encode(data).decode()}"
+    part = {"type": "video_url", "video_url": {"url": url}}
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
+
+
+def part_kind(part: dict) -> str:
+    """`image` or `video`: the modality of a media part as sent."""
+    return "video" if part.get("type") == "video_url" else "image"
+
+
+def part_bytes(part: dict) -> bytes:
+    url = part[f"{part_kind(part)}_url"]["url"]
+    return base64.b64decode(url.split(",", 1)[1])
+
+
 def chat(parts: list[dict], model: str, **extra) -> dict:
-    content = [{"type": "text", "text": "Describe the images."}, *parts]
+    content = [{"type": "text", "text": "Describe the media."}, *parts]
     return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
 
 
@@ -338,6 +371,12 @@ def main() -> int:
         help="the consumers' --model string, hashed into identifiers",
     )
     parser.add_argument("--hasher", default="blake3", choices=["blake3", "sha256", "sha512"])
+    parser.add_argument(
+        "--video-loader",
+        default=DEFAULT_VIDEO_LOADER,
+        choices=["qwen2_vl", "qwen3_vl"],
+        help="vLLM's video loader for --model's family (qwen2_vl for tiny and Qwen2/2.5-VL)",
+    )
     parser.add_argument("--work-dir", help="keep the store, logs and recorded exchanges here")
     parser.add_argument("--startup-timeout", type=float, default=600)
     args = parser.parse_args()
@@ -450,6 +489,10 @@ def run_checks(args, iris, iris_url, proxy_url, recorder, store, work, served) -
     (work / "images").mkdir()
     for name, data in images.items():
         (work / "images" / name).write_bytes(data)
+    clips = load_clips()
+    (work / "videos").mkdir()
+    for name, data in clips.items():
+        (work / "videos" / name).write_bytes(data)
     small_max_pixels = 56 * 56 * 4
 
     # ---- requests through the proxy -----------------------------------------------------
@@ -486,6 +529,18 @@ def run_checks(args, iris, iris_url, proxy_url, recorder, store, work, served) -
                 mm_processor_kwargs={"max_pixels": small_max_pixels},
             ),
         ),
+        (
+            # The proxy sends each video in its own encoder request, the images together.
+            "videos: an H.264 clip with a uuid, a VP9 clip, an image",
+            chat(
+                [
+                    video_part("even10.mp4", clips["even10.mp4"], "interop-even"),
+                    video_part("vp9_12.webm", clips["vp9_12.webm"]),
+                    image_part("rgb.png", images["rgb.png"]),
+                ],
+                served,
+            ),
+        ),
     ]
     for name, body in proxied:
         before = len(recorder.encoder_exchanges)
@@ -516,6 +571,15 @@ def run_checks(args, iris, iris_url, proxy_url, recorder, store, work, served) -
                 media_io_kwargs={"image": {"rgba_background_color": [0, 0, 0]}},
             ),
         ),
+        ("direct, videos hashed", chat([video_part(n, clips[n]) for n in CLIP_NAMES], served)),
+        (
+            "direct, a video sampled at 4 fps beside an image",
+            chat(
+                [video_part("even10.mp4", clips["even10.mp4"]), image_part("grey.png", images["grey.png"])],
+                served,
+                media_io_kwargs={"video": {"fps": 4}},
+            ),
+        ),
     ]
     direct_exchanges = []
     for name, body in direct:
@@ -524,16 +588,16 @@ def run_checks(args, iris, iris_url, proxy_url, recorder, store, work, served) -
         if status != 200:
             checks.fail("response", f"direct request {name!r}: HTTP {status}: {str(reply)[:2000]}")
 
-    # Every exchange with iris: its image parts in order, the options, iris's reply.
+    # Every exchange with iris: its media parts in order, the options, iris's reply.
     exchanges = [
         {"request": e["request"], "status": e["status"], "reply": e["reply"], "name": "via proxy"}
         for e in recorder.encoder_exchanges
     ] + direct_exchanges
 
     # ---- the replies --------------------------------------------------------------------
-    # identifier -> (grid, image bytes name, processor kwargs) for every item iris published
+    # identifier -> (kind, grid, file name, options) for every item iris published
     published: dict[str, dict] = {}
-    by_bytes = {data: name for name, data in images.items()}
+    by_bytes = {data: name for name, data in (images | clips).items()}
     for ex in exchanges:
         if ex["status"] != 200:
             continue
@@ -551,18 +615,20 @@ def run_checks(args, iris, iris_url, proxy_url, recorder, store, work, served) -
         for ident, entry in params.items():
             for k in entry.get("item_indices", []):
                 seen_indices[k] = (ident, entry)
-            if entry.get("modality") != "image":
-                checks.fail("response", f"{ex['name']}: {ident}: modality {entry.get('modality')!r}")
         for k, part in enumerate(parts):
             if k not in seen_indices:
                 checks.fail("response", f"{ex['name']}: item {k} missing from ec_transfer_params {params}")
                 continue
             ident, entry = seen_indices[k]
-            grid = (entry.get("metadata") or {}).get("image_grid_thw")
-            data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
+            kind = part_kind(part)
+            if entry.get("modality") != kind:
+                checks.fail("response", f"{ex['name']}: {ident}: modality {entry.get('modality')!r}, sent a {kind}")
+            grid = (entry.get("metadata") or {}).get(f"{kind}_grid_thw")
+            data = part_bytes(part)
             published[ident] = {
+                "kind": kind,
                 "grid": grid,
-                "image": by_bytes.get(data),
+                "name": by_bytes.get(data),
                 "mm_processor_kwargs": ex["request"].get("mm_processor_kwargs") or {},
                 "media_io_kwargs": ex["request"].get("media_io_kwargs") or {},
                 "uuid": part.get("uuid"),
@@ -595,32 +661,39 @@ def run_checks(args, iris, iris_url, proxy_url, recorder, store, work, served) -
     checks.close("(d) hashes", f"{hashed} hashed identifiers equal vLLM's MultiModalHasher ({args.hasher}, model id {args.model_id!r})")
 
     # ---- (a) what the proxy forwarded ---------------------------------------------------
-    rewritten = 0
-    for n, ((name, body), fwd) in enumerate(zip(proxied, recorder.decode_requests)):
-        sent = media_parts(body)
-        fwd_parts = [
-            p for m in fwd["request"].get("messages", []) if isinstance(m.get("content"), list)
-            for p in m["content"] if p.get("type") != "text"
-        ]  # fmt: skip
-        enc = next(
-            (e for e in exchanges if e["name"] == "via proxy" and e["request"].get("mm_processor_kwargs") == body.get("mm_processor_kwargs") and len(media_parts(e["request"])) == len(sent) and e["status"] == 200 and [p["image_url"]["url"] for p in media_parts(e["request"])] == [p["image_url"]["url"] for p in sent]),
-            None,
-        )  # fmt: skip
-        if enc is None:
-            checks.fail("(a) rewrite", f"request {name!r}: no successful encoder exchange for it")
+    # The proxy fans a request out (its images in one encoder request, each video in its own),
+    # giving every item a uuid: an item's identifier is found by its bytes, uuid and options.
+    encoded: dict[tuple, str] = {}
+    for ex in exchanges:
+        if ex["name"] != "via proxy" or ex["status"] != 200:
             continue
+        options = json.dumps(ex["request"].get("mm_processor_kwargs") or {}, sort_keys=True)
+        for j, part in enumerate(media_parts(ex["request"])):
+            ident = ex.get("identifiers", {}).get(j)
+            if ident is not None:
+                encoded[(part_bytes(part), part.get("uuid"), options)] = ident
+    rewritten = 0
+    for (name, body), fwd in zip(proxied, recorder.decode_requests):
+        sent = media_parts(body)
+        fwd_parts = media_parts(fwd["request"])
+        options = json.dumps(body.get("mm_processor_kwargs") or {}, sort_keys=True)
         if len(fwd_parts) != len(sent):
             checks.fail("(a) rewrite", f"request {name!r}: {len(sent)} media parts sent, {len(fwd_parts)} forwarded")
-        for k, part in enumerate(fwd_parts):
-            if part.get("type") != "image_embeds":
-                checks.fail("(a) rewrite", f"request {name!r} part {k}: forwarded as {part.get('type')!r}: {json.dumps(part)[:300]}")
+        for k, (orig, part) in enumerate(zip(sent, fwd_parts)):
+            kind = part_kind(orig)
+            if part.get("type") != f"{kind}_embeds":
+                checks.fail("(a) rewrite", f"request {name!r} part {k}: a {kind} forwarded as {part.get('type')!r}: {json.dumps(part)[:300]}")
                 continue
-            ident = enc.get("identifiers", {}).get(k)
+            ident = encoded.get((part_bytes(orig), part.get("uuid"), options))
+            if ident is None:
+                checks.fail("(a) rewrite", f"request {name!r} part {k}: no successful encoder exchange carried it (uuid {part.get('uuid')!r})")
+                continue
             grid = published.get(ident, {}).get("grid")
-            fwd_grid = (part.get("image_embeds") or {}).get("image_grid_thw")
+            fwd_grid = (part.get(f"{kind}_embeds") or {}).get(f"{kind}_grid_thw")
             if fwd_grid != grid:
                 checks.fail("(a) rewrite", f"request {name!r} part {k}: forwarded grid {fwd_grid}, iris returned {grid}")
-            # The identifier the consumer computes from the forwarded part.
+            # The identifier the consumer computes from the forwarded part: the uuid, or vLLM's
+            # hash of it with the request's factors (the same function for both modalities).
             consumer_id = vllm_identifier(MultiModalHasher, ImageMediaIO, args, fwd["request"], part)
             if consumer_id != ident:
                 checks.fail("(a) rewrite", f"request {name!r} part {k}: consumer identifier {consumer_id}, iris wrote {ident}")
@@ -629,7 +702,7 @@ def run_checks(args, iris, iris_url, proxy_url, recorder, store, work, served) -
             rewritten += 1
     if len(recorder.decode_requests) != len(proxied):
         checks.fail("(a) rewrite", f"{len(proxied)} requests sent, {len(recorder.decode_requests)} reached the decode server")
-    checks.close("(a) rewrite", f"{rewritten} forwarded parts are image_embeds with iris's grid and a written file's identifier")
+    checks.close("(a) rewrite", f"{rewritten} forwarded parts are image_embeds/video_embeds with iris's grid and a written file's identifier")
 
     # ---- (b) every file through vLLM's ECExampleConnector -------------------------------
     loaded = load_through_connector(store, checks)
@@ -685,16 +758,19 @@ def media_parts(request: dict) -> list[dict]:
 
 
 def vllm_identifier(hasher, media_io, args, request: dict, part: dict) -> str:
-    """The identifier vLLM 0.33 gives an online image part (`ProcessorInputs.get_mm_hashes`)."""
+    """The identifier vLLM 0.33 gives an online image or video part, as
+    `ProcessorInputs.get_mm_hashes` computes it: the uuid verbatim when the item's modality has
+    no hash factors, else `MultiModalHasher.hash_kwargs` over the uuid, or over what the media
+    loader makes of the bytes (`ImageMediaIO`; `VideoMediaIO` with the model's video loader),
+    with the modality's `media_io_kwargs` and the processor kwargs not scoped to another
+    modality."""
+    kind = part_kind(part)
     factors = {}
-    io_kwargs = (request.get("media_io_kwargs") or {}).get("image") or {}
+    io_kwargs = (request.get("media_io_kwargs") or {}).get(kind) or {}
     if io_kwargs:
-        factors["media_io_kwargs"] = {"image": io_kwargs}
-    proc_kwargs = {
-        k: v
-        for k, v in (request.get("mm_processor_kwargs") or {}).items()
-        if k not in ("videos_kwargs", "audio_kwargs")
-    }
+        factors["media_io_kwargs"] = {kind: io_kwargs}
+    others = {"images_kwargs", "videos_kwargs", "audio_kwargs"} - {f"{kind}s_kwargs"}
+    proc_kwargs = {k: v for k, v in (request.get("mm_processor_kwargs") or {}).items() if k not in others}
     if proc_kwargs:
         factors["mm_processor_kwargs"] = proc_kwargs
     uuid = part.get("uuid")
@@ -702,10 +778,23 @@ def vllm_identifier(hasher, media_io, args, request: dict, part: dict) -> str:
         return uuid
     if uuid is not None:
         item = uuid
+    elif kind == "image":
+        item = media_io(**io_kwargs).load_bytes(part_bytes(part))
     else:
-        url = part["image_url"]["url"]
-        item = media_io(**io_kwargs).load_bytes(base64.b64decode(url.split(",", 1)[1]))
-    return hasher.hash_kwargs(args.hasher, model_id=args.model_id, image=item, **factors)
+        item = vllm_video_item(args, io_kwargs, part_bytes(part))
+    return hasher.hash_kwargs(args.hasher, model_id=args.model_id, **{kind: item}, **factors)
+
+
+def vllm_video_item(args, io_kwargs: dict, data: bytes):
+    """What vLLM hashes for a video: `VideoMediaIO`'s item (the loader's frames and metadata,
+    with the original bytes) as `MultiModalDataParser` hands it to the hasher."""
+    from vllm.multimodal.media.image import ImageMediaIO
+    from vllm.multimodal.media.video import VideoMediaIO
+    from vllm.multimodal.parse import MultiModalDataParser
+
+    loaded = VideoMediaIO(ImageMediaIO(), video_backend=args.video_loader, **io_kwargs).load_bytes(data)
+    parsed = MultiModalDataParser(video_needs_metadata=False).parse_mm_data({"video": [loaded]})
+    return parsed["video"].get_all_items_for_hash()[0]
 
 
 def load_through_connector(store: Path, checks: Checks) -> dict:
@@ -754,41 +843,55 @@ def load_through_connector(store: Path, checks: Checks) -> dict:
 def encode_and_compare(iris, args, published, loaded, work, checks, check="(c) rows") -> int:
     """Runs `iris encode` once per distinct processor setting and compares rows bit for bit.
 
-    `published` maps identifiers to their image file name and options, `loaded` to the tensor
-    received for them; failures are reported under `check`.
+    `published` maps identifiers to their kind (`image` or `video`), file name (under
+    `work/images` or `work/videos`) and options, `loaded` to the tensor received for them;
+    failures are reported under `check`. A video's `media_io_kwargs.video.fps` is `iris encode
+    --video-fps`; items with other media options are not compared (iris encode has none).
     """
     import torch
     from safetensors.torch import load_file
 
+    def encodable(info: dict) -> bool:
+        # Only the item's own modality's options apply to it.
+        options = info["media_io_kwargs"].get(info["kind"]) or {}
+        return not options or (info["kind"] == "video" and set(options) == {"fps"})
+
     groups: dict[str, list[str]] = {}
     for ident, info in published.items():
-        if ident not in loaded:
+        if ident not in loaded or not encodable(info):
             continue
-        if info["media_io_kwargs"]:
-            continue  # iris encode has no media options; counted out below
-        key = json.dumps(info["mm_processor_kwargs"], sort_keys=True)
+        fps = (info["media_io_kwargs"].get("video") or {}).get("fps") if info["kind"] == "video" else None
+        key = json.dumps({"proc": info["mm_processor_kwargs"], "fps": fps}, sort_keys=True)
         groups.setdefault(key, []).append(ident)
-    skipped = [i for i, info in published.items() if info["media_io_kwargs"]]
+    skipped = [i for i, info in published.items() if not encodable(info)]
     if skipped:
-        print(f"(c) not compared (iris encode has no media_io_kwargs): {len(skipped)} item(s)")
+        print(f"(c) not compared (iris encode has no such media_io_kwargs): {len(skipped)} item(s)")
     compared = 0
     for n, (key, idents) in enumerate(groups.items()):
-        kwargs = json.loads(key)
+        options = json.loads(key)
         extra = []
         for opt in ("min_pixels", "max_pixels"):
-            if opt in kwargs:
-                extra += [f"--{opt.replace('_', '-')}", str(kwargs[opt])]
-        names = sorted({published[i]["image"] for i in idents})
+            if opt in options["proc"]:
+                extra += [f"--{opt.replace('_', '-')}", str(options["proc"][opt])]
+        if options["fps"] is not None:
+            extra += ["--video-fps", str(options["fps"])]
+        names = {
+            kind: sorted({published[i]["name"] for i in idents if published[i]["kind"] == kind})
+            for kind in ("image", "video")
+        }
         out = work / f"encode-{n}.safetensors"
         cmd = [str(iris), "encode", "--model", args.model, "--dtype", args.dtype, "--out", str(out), *extra]
-        cmd += [str(work / "images" / name) for name in names]
+        cmd += [str(work / "images" / name) for name in names["image"]]
+        for name in names["video"]:
+            cmd += ["--video", str(work / "videos" / name)]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             checks.fail(check, f"{' '.join(cmd)}: status {run.returncode}: {run.stderr[-1500:]}")
             continue
         tensors = load_file(str(out))
         for ident in idents:
-            ref = tensors[f"image.{names.index(published[ident]['image'])}"]
+            info = published[ident]
+            ref = tensors[f"{info['kind']}.{names[info['kind']].index(info['name'])}"]
             got = loaded[ident]
             if ref.dtype != torch.float32:
                 checks.fail(check, f"iris encode wrote {ref.dtype}, expected f32")
@@ -803,7 +906,7 @@ def encode_and_compare(iris, args, published, loaded, work, checks, check="(c) r
                 )
                 checks.fail(
                     check,
-                    f"{ident} ({published[ident]['image']}, {key}): file {tuple(got.shape)} vs "
+                    f"{ident} ({info['kind']} {info['name']}, {key}): file {tuple(got.shape)} vs "
                     f"iris encode {tuple(ref.shape)}, max abs diff {diff}",
                 )
             compared += 1

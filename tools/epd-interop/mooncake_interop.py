@@ -10,9 +10,9 @@ Runs on loopback, with ports chosen free:
 The stand-in decode server embeds vLLM's real `ECMooncakeConnector` as an `ec_consumer`, in
 both roles (SCHEDULER and WORKER), built from a small config with a CPU receive slab. Its
 worker services listen at the control address the proxy names to iris, so iris pushes each
-image's rows into it over ZMQ control messages and Mooncake's P2P handshake and TCP write.
-When the proxy forwards the decode request (media rewritten to `image_embeds`, with
-`ec_transfer_params.ec_items`), the stand-in runs the consumer's scheduler/worker loop
+item's rows into it over ZMQ control messages and Mooncake's P2P handshake and TCP write.
+When the proxy forwards the decode request (media rewritten to `image_embeds` and
+`video_embeds`, with `ec_transfer_params.ec_items`), the stand-in runs the consumer's scheduler/worker loop
 (`ensure_cache_available`, `build_connector_meta`, `bind_connector_metadata`,
 `start_load_caches`, `build_connector_worker_meta`, `update_connector_output`) until every
 item is in its encoder cache, records the tensors, ends the request as vLLM does
@@ -86,11 +86,15 @@ from interop import (
     free_port,
     http_json,
     image_part,
+    load_clips,
     make_images,
     media_parts,
+    part_bytes,
+    part_kind,
     serving_app,
     stand_in_completion,
     start_site,
+    video_part,
     wait_http,
     wait_listening,
 )
@@ -257,16 +261,17 @@ class ConsumerStandIn:
         features = []
         offset = 1  # a text token before the first image
         for k, (item, part) in enumerate(zip(items, parts)):
-            grid = (part.get("image_embeds") or {}).get("image_grid_thw")
-            if part.get("type") != "image_embeds" or not isinstance(grid, list) or len(grid) != 3:
+            modality = {"image_embeds": "image", "video_embeds": "video"}.get(part.get("type"))
+            grid = (part.get(f"{modality}_embeds") or {}).get(f"{modality}_grid_thw")
+            if modality is None or not isinstance(grid, list) or len(grid) != 3:
                 return 400, {
-                    "error": f"part {k} is not an image_embeds part with a grid: {json.dumps(part)[:300]}"
+                    "error": f"part {k} is not an image_embeds or video_embeds part with a grid: {json.dumps(part)[:300]}"
                 }
             tokens = grid[0] * grid[1] * grid[2] // (MERGE * MERGE)
             features.append(
                 types.SimpleNamespace(
                     identifier=str(item["mm_hash"]),
-                    modality="image",
+                    modality=modality,
                     mm_position=types.SimpleNamespace(offset=offset, length=tokens),
                 )
             )
@@ -795,6 +800,10 @@ def run_checks(args, iris, encoder_url, proxy_url, recorder, standin, producer, 
     (work / "images").mkdir()
     for name in used:
         (work / "images" / name).write_bytes(images[name])
+    clips = load_clips()
+    (work / "videos").mkdir()
+    for name, data in clips.items():
+        (work / "videos" / name).write_bytes(data)
 
     # ---- requests through the proxy -----------------------------------------------------
     proxied = [
@@ -819,6 +828,15 @@ def run_checks(args, iris, encoder_url, proxy_url, recorder, standin, producer, 
             ),
         ),
     ]
+    if iris is not None:
+        # The proxy sends the video in its own encoder request; the self-test producer has no
+        # video processor, so only iris gets one.
+        proxied.append(
+            (
+                "a video and an image",
+                chat([video_part("odd9.mp4", clips["odd9.mp4"]), image_part("grey.png", images["grey.png"])], served),
+            )
+        )
     for n, (name, body) in enumerate(proxied):
         before = len(recorder.encoder_exchanges)
         status, reply = http_json(
@@ -830,8 +848,8 @@ def run_checks(args, iris, encoder_url, proxy_url, recorder, standin, producer, 
             checks.fail("response", f"proxy request {name!r}: no encoder request reached the producer")
 
     # ---- the replies --------------------------------------------------------------------
-    by_bytes = {data: name for name, data in images.items()}
-    published: dict[str, dict] = {}  # identifier -> image name, grid
+    by_bytes = {data: name for name, data in (images | clips).items()}
+    published: dict[str, dict] = {}  # identifier -> kind, file name, grid
     for ex in recorder.encoder_exchanges:
         request, reply = ex["request"], ex["reply"]
         label = f"encoder request {request.get('ec_transfer_params', {}).get('ec_items')}"
@@ -852,17 +870,18 @@ def run_checks(args, iris, encoder_url, proxy_url, recorder, standin, producer, 
         for ident, entry in params.items():
             for k in entry.get("item_indices", []):
                 seen[k] = ident
-            if entry.get("modality") != "image":
-                checks.fail("response", f"{label}: {ident}: modality {entry.get('modality')!r}")
         for k, part in enumerate(parts):
             ident = seen.get(k)
             if ident is None:
                 checks.fail("response", f"{label}: item {k} missing from ec_transfer_params {params}")
                 continue
-            data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
+            kind = part_kind(part)
+            if params[ident].get("modality") != kind:
+                checks.fail("response", f"{label}: {ident}: modality {params[ident].get('modality')!r}, sent a {kind}")
             published[ident] = {
-                "image": by_bytes.get(data),
-                "grid": (params[ident].get("metadata") or {}).get("image_grid_thw"),
+                "kind": kind,
+                "name": by_bytes.get(part_bytes(part)),
+                "grid": (params[ident].get("metadata") or {}).get(f"{kind}_grid_thw"),
                 "mm_processor_kwargs": request.get("mm_processor_kwargs") or {},
                 "media_io_kwargs": request.get("media_io_kwargs") or {},
             }
@@ -933,7 +952,7 @@ def run_checks(args, iris, encoder_url, proxy_url, recorder, standin, producer, 
         widths.add(tensor.shape[1])
     for ident in published:
         if ident not in loaded:
-            checks.fail("pushes", f"{ident} ({published[ident]['image']}): never loaded by the consumer")
+            checks.fail("pushes", f"{ident} ({published[ident]['name']}): never loaded by the consumer")
     reserves = [
         c for c in standin.control
         if (c["request"] or {}).get("op") in ("reserve", "reserve_batch")
@@ -1036,7 +1055,7 @@ def run_checks(args, iris, encoder_url, proxy_url, recorder, standin, producer, 
         items[got["transfer_id"]] = {
             "mm_hash": got["mm_hash"],
             "transfer_id": got["transfer_id"],
-            "image": published.get(got["mm_hash"], {}).get("image"),
+            "image": published.get(got["mm_hash"], {}).get("name"),
             "shape": list(got["tensor"].shape),
             "dtype": str(got["tensor"].dtype).removeprefix("torch."),
             "rows_hex": tensor_bytes(got["tensor"]).hex(),
