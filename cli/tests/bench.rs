@@ -259,3 +259,99 @@ fn inject_faults_soaks_the_engine_and_counts_every_request() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Prompts of an image and a clip (synthetic H.264, half the slots repeated), one at a time.
+const VIDEO_WORKLOAD: [&str; 21] = [
+    "--num-prompts",
+    "6",
+    "--images-per-prompt",
+    "1",
+    "--image-size",
+    "112x112",
+    "--videos-per-prompt",
+    "1",
+    "--video-size",
+    "64x48",
+    "--video-frames",
+    "8",
+    "--video-fps",
+    "4",
+    "--repeat-ratio",
+    "0.5",
+    "--request-rate",
+    "inf",
+    "--max-concurrency",
+    "1",
+    "--no-progress",
+];
+
+#[test]
+fn videos_in_process_over_http_and_through_the_store_agree_and_return_memory() {
+    if !common::ffmpeg_runs() {
+        return;
+    }
+    let local_dir = folder("video-local");
+    let (local_out, local) = bench_workload(&local_dir, &ENGINE, &VIDEO_WORKLOAD);
+    let text = stdout(&local_out);
+    assert!(local_out.status.success(), "{text}");
+    assert!(
+        text.contains(
+            "6 prompts x 1 images (3 distinct) + 1 videos (3 distinct), 6 repeated slots"
+        ),
+        "{text}"
+    );
+    assert!(text.contains(" videos/s, "), "{text}");
+    assert!(
+        text.trim_end()
+            .ends_with("memory after reset returns to the post-start baseline: yes"),
+        "{text}"
+    );
+
+    let remote_dir = folder("video-remote");
+    let (_server, url) = serve(&remote_dir);
+    let (remote_out, remote) = bench_workload(&remote_dir, &["--url", &url], &VIDEO_WORKLOAD);
+    assert!(remote_out.status.success(), "{}", stdout(&remote_out));
+
+    // As vLLM's encoder instance: every distinct item written once, the repeats store hits.
+    let store_dir = folder("video-store");
+    std::fs::create_dir_all(store_dir.join("store")).unwrap();
+    let config = serde_json::json!({
+        "ec_connector": "ECExampleConnector",
+        "ec_role": "ec_producer",
+        "ec_connector_extra_config": {"shared_storage_path": store_dir.join("store")},
+    })
+    .to_string();
+    let epd: Vec<&str> = ENGINE
+        .iter()
+        .copied()
+        .chain(["--ec-transfer-config", &config])
+        .collect();
+    let (store_out, stored) = bench_workload(&store_dir, &epd, &VIDEO_WORKLOAD);
+    let store_text = stdout(&store_out);
+    assert!(store_out.status.success(), "{store_text}");
+    assert!(
+        store_text.contains("EC store:   6 entries written"),
+        "{store_text}"
+    );
+    let entries = std::fs::read_dir(store_dir.join("store")).unwrap().count();
+    assert_eq!(entries, 6, "three images and three clips");
+
+    for v in [&local, &remote, &stored] {
+        assert_eq!(v["requests"]["completed"], 6, "{v}");
+        assert_eq!(v["requests"]["failed"], 0, "{v}");
+        assert_eq!(v["videos"]["completed"], 6, "{v}");
+        assert_eq!(v["config"]["videos_per_prompt"], 1, "{v}");
+        assert_eq!(v["config"]["distinct_videos"], 3, "{v}");
+        assert_eq!(v["memory_returned_to_baseline"], true, "{v}");
+        assert_eq!(v["leaked_bytes"], 0, "{v}");
+    }
+    for key in ["/images/cached", "/videos/cached", "/tokens"] {
+        assert_eq!(local.pointer(key), remote.pointer(key), "{key}");
+        assert_eq!(local.pointer(key), stored.pointer(key), "{key}");
+    }
+    // One at a time, so every repeated clip is an encoder cache hit (a store hit in the third).
+    assert_eq!(local["videos"]["cached"], 3, "{local}");
+    for dir in [&local_dir, &remote_dir, &store_dir] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

@@ -5,6 +5,10 @@ use std::process::{Command, Output};
 
 use safetensors::SafeTensors;
 
+// Each test binary uses a part of the shared helpers; this one starts no server.
+#[allow(dead_code)]
+mod common;
+
 /// A fresh folder for one test's files.
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("iris-encode-{name}-{}", std::process::id()));
@@ -337,26 +341,9 @@ fn clip(name: &str) -> String {
         .to_string()
 }
 
-/// FFmpeg runs here, or the test says why it skips (`.ci/run` installs it and sets
-/// `IRIS_REQUIRE_FFMPEG`, under which its absence fails).
-fn ffmpeg_runs() -> bool {
-    let runs = Command::new("ffprobe")
-        .arg("-version")
-        .output()
-        .is_ok_and(|out| out.status.success());
-    if !runs {
-        assert!(
-            std::env::var_os("IRIS_REQUIRE_FFMPEG").is_none(),
-            "IRIS_REQUIRE_FFMPEG is set but ffprobe does not run"
-        );
-        eprintln!("skipped: ffprobe does not run here (install FFmpeg)");
-    }
-    runs
-}
-
 #[test]
 fn videos_encode_with_the_models_loader_and_processor() {
-    if !ffmpeg_runs() {
+    if !common::ffmpeg_runs() {
         return;
     }
     let dir = scratch("video");
@@ -403,7 +390,7 @@ fn a_video_without_ffmpeg_or_a_corrupt_clip_is_a_clear_error() {
     assert!(stderr.contains("videos need FFmpeg"), "{stderr}");
     assert!(stderr.contains("apt-get install ffmpeg"), "{stderr}");
 
-    if ffmpeg_runs() {
+    if common::ffmpeg_runs() {
         let corrupt = dir.join("corrupt.mp4");
         std::fs::write(&corrupt, b"not a video").expect("written");
         let output = iris(&[

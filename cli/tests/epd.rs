@@ -342,26 +342,9 @@ fn video_part(bytes: &[u8], media: &str, uuid: Option<&str>) -> Value {
     part
 }
 
-/// Whether FFmpeg runs here; without it (and without `IRIS_REQUIRE_FFMPEG`, which `.ci/run`
-/// sets) the video tests skip, saying so.
-fn ffmpeg_runs() -> bool {
-    let runs = std::process::Command::new("ffprobe")
-        .arg("-version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !runs {
-        assert!(
-            std::env::var_os("IRIS_REQUIRE_FFMPEG").is_none(),
-            "IRIS_REQUIRE_FFMPEG is set but ffprobe does not run"
-        );
-        eprintln!("skipped: ffprobe does not run (install FFmpeg to run the video tests)");
-    }
-    runs
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn videos_are_stored_as_iris_encode_computes_them_under_vllms_identifiers() {
-    if !ffmpeg_runs() {
+    if !common::ffmpeg_runs() {
         return;
     }
     let encoder = Encoder::start("video");
@@ -572,7 +555,7 @@ async fn videos_are_stored_as_iris_encode_computes_them_under_vllms_identifiers(
 /// `ECMooncakeConnector` producer does for any item; the rows equal `iris encode --video`'s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_video_is_pushed_to_the_consumer_as_iris_encode_computes_it() {
-    if !ffmpeg_runs() {
+    if !common::ffmpeg_runs() {
         return;
     }
     let consumer = iris_ec::mooncake::consumer::TestConsumer::start(1, 1 << 20, 2)

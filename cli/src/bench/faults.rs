@@ -164,8 +164,10 @@ mod tests {
         RequestOutcome {
             latency: Duration::ZERO,
             images: 1,
+            videos: 0,
             tokens: 0,
             cached_images: 0,
+            cached_videos: 0,
             error: Some(RequestError {
                 kind,
                 message: message.to_owned(),

@@ -1,7 +1,8 @@
 //! `iris bench`: the user's manual experiment (memory before start, after start, after a load
 //! test, after reset) as one command with a verdict.
 //!
-//! - [`workload`]: synthetic images or a dataset directory, repeats, Poisson arrivals.
+//! - [`workload`]: synthetic images and clips or dataset directories, repeats, Poisson
+//!   arrivals.
 //! - [`runner`]: the load generator over a [`runner::BenchTarget`] (HTTP for `--url`), with
 //!   memory sampling, the checkpoints and `reset_all`.
 //! - [`stats`]: latency percentiles and throughput.
@@ -25,7 +26,7 @@ use iris_core::engine::admission::AdmissionConfig;
 
 use report::BenchReport;
 use runner::RunOptions;
-use workload::{ImageFormat, ImageSize, ImageSource, RequestRate, WorkloadSpec};
+use workload::{ImageFormat, ImageSize, ImageSource, RequestRate, VideoSource, WorkloadSpec};
 
 /// Flags of `iris bench` (names follow `vllm bench serve` where the meaning is the same).
 #[derive(Debug, Clone, clap::Args)]
@@ -53,7 +54,26 @@ pub struct BenchArgs {
     /// Use the image files (.png, .jpg, .jpeg, .webp) of this directory instead of synthetic ones.
     #[arg(long, conflicts_with = "image_size")]
     pub dataset: Option<PathBuf>,
-    /// Share of image slots that reuse an image from an earlier prompt, from 0 to 1.
+    /// Videos in each prompt, after its images (0: images only). Synthetic clips need the
+    /// FFmpeg programs; the engine decodes every video with them.
+    #[arg(long, default_value_t = 0)]
+    pub videos_per_prompt: usize,
+    /// Frame size of synthetic clips, WIDTHxHEIGHT with even sides.
+    #[arg(long, default_value = "448x448")]
+    pub video_size: ImageSize,
+    /// Frames of each synthetic clip (a camera panning across a synthetic image, H.264).
+    #[arg(long, default_value_t = 32,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(workload::MAX_SYNTHETIC_FRAMES)))]
+    pub video_frames: u32,
+    /// Frame rate of synthetic clips; vLLM's Qwen-VL loaders sample 2 frames a second of it.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=240))]
+    pub video_fps: u32,
+    /// Use the clips (.mp4, .m4v, .webm, .mkv, .mov, .avi) of this directory instead of
+    /// synthetic ones.
+    #[arg(long, conflicts_with_all = ["video_size", "video_frames", "video_fps"])]
+    pub video_dataset: Option<PathBuf>,
+    /// Share of image (and of video) slots that reuse an item from an earlier prompt, from 0
+    /// to 1.
     #[arg(long, default_value_t = 0.25)]
     pub repeat_ratio: f64,
     /// Requests per second (Poisson arrivals), or `inf` to send every prompt at once.
@@ -94,10 +114,20 @@ impl BenchArgs {
                 format: self.image_format,
             },
         };
+        let video_source = match &self.video_dataset {
+            Some(dir) => VideoSource::Dataset(dir.clone()),
+            None => VideoSource::Synthetic {
+                size: self.video_size,
+                frames: self.video_frames,
+                fps: self.video_fps,
+            },
+        };
         WorkloadSpec {
             source,
+            video_source,
             num_prompts: self.num_prompts,
             images_per_prompt: self.images_per_prompt,
+            videos_per_prompt: self.videos_per_prompt,
             repeat_ratio: self.repeat_ratio,
             seed: self.seed,
         }
@@ -243,7 +273,9 @@ fn store_summary(stats: &iris_ec::storage::StoreStats) -> String {
 /// engine: the bench measures the engine under the load it offers, and the engine's own default
 /// bounds (sized for a server's bursts) would turn that load into refusals as soon as the
 /// machine serves less than the offered rate. The token bound counts every image at the
-/// processor's largest size. Bounds set by flag or config file take precedence.
+/// processor's largest size, and every video as its largest frames, as many groups of them as
+/// the loader may sample (a synthetic clip's frames, else vLLM's most). Bounds set by flag or
+/// config file take precedence.
 ///
 /// # Errors
 /// An unusable model flag.
@@ -251,15 +283,31 @@ fn workload_admission(
     bench: &BenchArgs,
     engine: &crate::engine::EngineArgs,
 ) -> anyhow::Result<AdmissionConfig> {
-    let processor = engine.model.spec()?.processor;
-    let factor = u64::from(processor.factor().max(1));
-    let tokens_per_image = (processor.max_pixels / (factor * factor)).max(1);
-    let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX).max(1);
-    let requests = count(bench.num_prompts);
+    let spec = engine.model.spec()?;
+    let most_tokens = |config: &iris_core::preprocess::ProcessorConfig| {
+        let factor = u64::from(config.factor().max(1));
+        (config.max_pixels / (factor * factor)).max(1)
+    };
+    let tokens_per_image = most_tokens(&spec.processor);
+    let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+    let requests = count(bench.num_prompts).max(1);
     let images = requests.saturating_mul(count(bench.images_per_prompt));
+    let mut tokens = images.saturating_mul(tokens_per_image);
+    if bench.videos_per_prompt > 0 {
+        let video = spec.video_processing(engine.model.model_dir.as_deref())?;
+        let frames = match bench.video_dataset {
+            Some(_) => iris_core::preprocess::video::MAX_FRAMES,
+            None => bench.video_frames,
+        };
+        let groups = u64::from(frames.div_ceil(video.config.temporal_patch_size.max(1)));
+        let videos = requests.saturating_mul(count(bench.videos_per_prompt));
+        tokens = tokens.saturating_add(
+            videos.saturating_mul(groups.saturating_mul(most_tokens(&video.config))),
+        );
+    }
     Ok(AdmissionConfig {
         max_queued_requests: Some(requests),
-        max_pending_tokens: Some(images.saturating_mul(tokens_per_image)),
+        max_pending_tokens: Some(tokens.max(1)),
     })
 }
 
@@ -301,9 +349,19 @@ pub async fn run_against<T: runner::BenchTarget>(
     args: &BenchArgs,
 ) -> anyhow::Result<u8> {
     let spec = args.workload_spec();
+    let started = std::time::Instant::now();
     let workload = tokio::task::spawn_blocking(move || workload::build_workload(&spec))
         .await
         .context("building the workload")??;
+    let clips = workload.distinct(iris_core::budget::Modality::Video);
+    if clips > 0 {
+        // Making synthetic clips takes FFmpeg a while: say where the time before the load went.
+        eprintln!(
+            "workload: {} distinct images and {clips} distinct videos ready in {:.1} s",
+            workload.distinct(iris_core::budget::Modality::Image),
+            started.elapsed().as_secs_f64()
+        );
+    }
     let report = runner::run_bench(target, &workload, &args.run_options()).await?;
     finish(&report, args)
 }

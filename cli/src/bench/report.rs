@@ -225,9 +225,13 @@ pub struct RunInfo {
     pub num_prompts: usize,
     /// Images per prompt.
     pub images_per_prompt: usize,
+    /// Videos per prompt (after its images).
+    pub videos_per_prompt: usize,
     /// Distinct images in the workload.
     pub distinct_images: usize,
-    /// Slots that reuse an earlier prompt's image.
+    /// Distinct videos in the workload.
+    pub distinct_videos: usize,
+    /// Slots that reuse an earlier prompt's image or video.
     pub repeated_slots: usize,
     /// `--request-rate` as given (`inf` or requests per second).
     pub request_rate: String,
@@ -355,6 +359,7 @@ impl BenchReport {
             },
             "capacity": self.capacity(),
             "images": { "completed": s.images, "cached": s.cached_images },
+            "videos": { "completed": s.videos, "cached": s.cached_videos },
             "tokens": s.tokens,
             "duration_s": s.duration.as_secs_f64(),
             "throughput": s.throughput,
@@ -391,14 +396,26 @@ impl BenchReport {
         let conc = i
             .max_concurrency
             .map_or_else(|| "unlimited".to_owned(), |n| n.to_string());
+        let mut items = Vec::new();
+        if i.images_per_prompt > 0 || i.videos_per_prompt == 0 {
+            items.push(format!(
+                "{} images ({} distinct)",
+                i.images_per_prompt, i.distinct_images
+            ));
+        }
+        if i.videos_per_prompt > 0 {
+            items.push(format!(
+                "{} videos ({} distinct)",
+                i.videos_per_prompt, i.distinct_videos
+            ));
+        }
         // Writing to a String cannot fail.
         let _ = writeln!(
             out,
-            "target {}: {} prompts x {} images ({} distinct, {} repeated slots), request rate {}, max concurrency {}, seed {}",
+            "target {}: {} prompts x {}, {} repeated slots, request rate {}, max concurrency {}, seed {}",
             i.target,
             i.num_prompts,
-            i.images_per_prompt,
-            i.distinct_images,
+            items.join(" + "),
             i.repeated_slots,
             i.request_rate,
             conc,
@@ -425,9 +442,14 @@ impl BenchReport {
             let _ = writeln!(out, "    error: {e}");
         }
         let t = &s.throughput;
+        let videos = if i.videos_per_prompt > 0 {
+            format!(" {:.2} videos/s,", t.videos_per_s)
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             out,
-            "throughput: {:.2} requests/s, {:.2} images/s, {:.1} embedding tokens/s",
+            "throughput: {:.2} requests/s, {:.2} images/s,{videos} {:.1} embedding tokens/s",
             t.requests_per_s, t.images_per_s, t.tokens_per_s
         );
         let l = &s.latency_ms;
@@ -638,8 +660,10 @@ mod tests {
         let outcomes = [RequestOutcome {
             latency: Duration::from_millis(12),
             images: 2,
+            videos: 0,
             tokens: 64,
             cached_images: 1,
+            cached_videos: 0,
             error: None,
         }];
         let memory = checkpoints(after_reset);
@@ -648,7 +672,9 @@ mod tests {
                 target: "in-process".into(),
                 num_prompts: 1,
                 images_per_prompt: 2,
+                videos_per_prompt: 0,
                 distinct_images: 2,
+                distinct_videos: 0,
                 repeated_slots: 0,
                 request_rate: "inf".into(),
                 max_concurrency: None,
@@ -678,6 +704,9 @@ mod tests {
             "/requests/failed",
             "/throughput/requests_per_s",
             "/throughput/images_per_s",
+            "/throughput/videos_per_s",
+            "/videos/completed",
+            "/videos/cached",
             "/throughput/tokens_per_s",
             "/latency_ms/p50",
             "/latency_ms/p90",

@@ -30,11 +30,14 @@ use super::report::{
     TimedPoint, verdict,
 };
 use super::stats::{ErrorKind, RequestError, RequestOutcome, summarize};
-use super::workload::{EncodedImage, RequestRate, Workload, arrival_offsets};
+use super::workload::{EncodedMedia, RequestRate, Workload, arrival_offsets};
 use crate::epd::{Epd, EpdRequest, Item, ProduceError, Stored};
 use crate::http::MetricsSnapshot;
-use crate::http::engine_api::{EncodeOptions, Engine, EngineError, ImageInput, MediaInput};
+use crate::http::engine_api::{
+    EncodeOptions, Engine, EngineError, ImageInput, MediaInput, VideoInput,
+};
 use iris_core::budget::Modality;
+use iris_core::preprocess::video::SamplingOptions;
 
 /// Default interval between memory samples during the load.
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
@@ -45,7 +48,7 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
 /// The error code of a 503 that refuses a request beyond the server's admission bounds.
 const OVERLOADED_CODE: &str = "overloaded";
 
-/// What the bench needs from one encoded image.
+/// What the bench needs from one encoded image or video.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EncodedItem {
     /// The item's content hash.
@@ -136,10 +139,10 @@ pub enum RunError {
 pub trait BenchTarget: Send + Sync + 'static {
     /// `in-process` or the URL, for the report.
     fn describe(&self) -> String;
-    /// Encodes one prompt's images.
+    /// Encodes one prompt's images and videos, returning one result per item in order.
     fn encode(
         &self,
-        images: Vec<Arc<EncodedImage>>,
+        items: Vec<Arc<EncodedMedia>>,
     ) -> impl Future<Output = Result<Vec<EncodedItem>, TargetError>> + Send;
     /// The engine's start-up checkpoints.
     fn startup_memory(&self) -> impl Future<Output = Result<StartupMemory, TargetError>> + Send;
@@ -254,7 +257,7 @@ pub async fn run_bench<T: BenchTarget>(
         let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
             break;
         };
-        let images = workload.prompt_images(index);
+        let items = workload.prompt_items(index);
         let plan = if opts.inject_faults {
             faults::plan(opts.seed, index)
         } else {
@@ -267,19 +270,19 @@ pub async fn run_bench<T: BenchTarget>(
         let target = Arc::clone(&target);
         let progress = progress.clone();
         tasks.push(tokio::spawn(async move {
-            let count = u64::try_from(images.len()).unwrap_or(u64::MAX);
+            let modalities: Vec<Modality> = items.iter().map(|item| item.modality).collect();
             let sent = Instant::now();
             let result = match plan.abort_after {
                 // Dropping the call is the client hanging up.
-                Some(after) => tokio::time::timeout(after, target.encode(images))
+                Some(after) => tokio::time::timeout(after, target.encode(items))
                     .await
                     .unwrap_or(Err(TargetError::Aborted)),
-                None => target.encode(images).await,
+                None => target.encode(items).await,
             };
             let latency = sent.elapsed();
             drop(permit);
             progress.inc(1);
-            outcome(latency, count, result)
+            outcome(latency, &modalities, result)
         }));
     }
     let mut outcomes = Vec::with_capacity(tasks.len());
@@ -287,8 +290,10 @@ pub async fn run_bench<T: BenchTarget>(
         outcomes.push(task.await.unwrap_or_else(|err| RequestOutcome {
             latency: Duration::ZERO,
             images: 0,
+            videos: 0,
             tokens: 0,
             cached_images: 0,
+            cached_videos: 0,
             error: Some(RequestError::failed(format!("request task failed: {err}"))),
         }));
     }
@@ -353,8 +358,10 @@ pub async fn run_bench<T: BenchTarget>(
         info: RunInfo {
             target: target.describe(),
             num_prompts,
-            images_per_prompt: workload.prompts.first().map_or(0, Vec::len),
-            distinct_images: workload.images.len(),
+            images_per_prompt: workload.per_prompt(Modality::Image),
+            videos_per_prompt: workload.per_prompt(Modality::Video),
+            distinct_images: workload.distinct(Modality::Image),
+            distinct_videos: workload.distinct(Modality::Video),
             repeated_slots: workload.repeated_slots,
             request_rate: opts.request_rate.to_string(),
             max_concurrency: opts.max_concurrency,
@@ -505,60 +512,82 @@ impl BenchTarget for HttpTarget {
         self.base.clone()
     }
 
-    async fn encode(
-        &self,
-        images: Vec<Arc<EncodedImage>>,
-    ) -> Result<Vec<EncodedItem>, TargetError> {
-        let urls: Vec<String> = images
-            .iter()
-            .map(|img| {
-                format!(
-                    "data:{};base64,{}",
-                    img.media_type,
-                    STANDARD.encode(&img.bytes)
-                )
-            })
-            .collect();
-        let body = json!({ "images": urls }).to_string().into_bytes();
+    async fn encode(&self, items: Vec<Arc<EncodedMedia>>) -> Result<Vec<EncodedItem>, TargetError> {
+        let url = |item: &EncodedMedia| {
+            format!(
+                "data:{};base64,{}",
+                item.media_type,
+                STANDARD.encode(&item.bytes)
+            )
+        };
+        let of = |modality: Modality| -> Vec<String> {
+            items
+                .iter()
+                .filter(|item| item.modality == modality)
+                .map(|item| url(item))
+                .collect()
+        };
+        let (images, videos) = (of(Modality::Image), of(Modality::Video));
+        let mut body = json!({ "images": images });
+        if !videos.is_empty() {
+            body["videos"] = json!(videos);
+        }
         let v = self
-            .call(hyper::Method::POST, "/v1/encode", Some(body))
+            .call(
+                hyper::Method::POST,
+                "/v1/encode",
+                Some(body.to_string().into_bytes()),
+            )
             .await?;
         let bad = |message: String| TargetError::BadResponse {
             path: "/v1/encode".into(),
             message,
         };
-        let items = v
-            .get("images")
-            .and_then(Value::as_array)
-            .ok_or_else(|| bad("no `images` array".into()))?;
-        if items.len() != images.len() {
-            return Err(bad(format!(
-                "{} results for {} images",
-                items.len(),
-                images.len()
-            )));
-        }
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| {
-                Ok(EncodedItem {
+        // Each result names its item's place in the request (`index`); images went first.
+        let mut results: Vec<Option<EncodedItem>> = vec![None; items.len()];
+        for key in ["images", "videos"] {
+            let listed = match v.get(key) {
+                Some(list) => list
+                    .as_array()
+                    .ok_or_else(|| bad(format!("`{key}` is not an array")))?,
+                None if key == "videos" => continue,
+                None => return Err(bad("no `images` array".into())),
+            };
+            for (i, item) in listed.iter().enumerate() {
+                let field = |name: &str| bad(format!("{key}[{i}].{name}"));
+                let index = item
+                    .get("index")
+                    .and_then(Value::as_u64)
+                    .and_then(|n| usize::try_from(n).ok())
+                    .filter(|&n| n < items.len())
+                    .ok_or_else(|| field("index"))?;
+                results[index] = Some(EncodedItem {
                     mm_hash: item
                         .get("mm_hash")
                         .and_then(Value::as_str)
-                        .ok_or_else(|| bad(format!("images[{i}].mm_hash")))?
+                        .ok_or_else(|| field("mm_hash"))?
                         .to_owned(),
                     num_tokens: item
                         .get("num_tokens")
                         .and_then(Value::as_u64)
-                        .ok_or_else(|| bad(format!("images[{i}].num_tokens")))?,
+                        .ok_or_else(|| field("num_tokens"))?,
                     cached: item
                         .get("cached")
                         .and_then(Value::as_bool)
-                        .ok_or_else(|| bad(format!("images[{i}].cached")))?,
-                })
-            })
-            .collect()
+                        .ok_or_else(|| field("cached"))?,
+                });
+            }
+        }
+        let answered = results.iter().flatten().count();
+        if answered != items.len() {
+            return Err(bad(format!(
+                "{answered} results for {} items ({} images, {} videos)",
+                items.len(),
+                images.len(),
+                videos.len()
+            )));
+        }
+        Ok(results.into_iter().flatten().collect())
     }
 
     async fn startup_memory(&self) -> Result<StartupMemory, TargetError> {
@@ -611,10 +640,7 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
         "in-process".to_owned()
     }
 
-    async fn encode(
-        &self,
-        images: Vec<Arc<EncodedImage>>,
-    ) -> Result<Vec<EncodedItem>, TargetError> {
+    async fn encode(&self, items: Vec<Arc<EncodedMedia>>) -> Result<Vec<EncodedItem>, TargetError> {
         let engine_error = |e: EngineError| match e {
             EngineError::Overloaded => TargetError::Refused(e.to_string()),
             _ => TargetError::Engine(e.to_string()),
@@ -622,12 +648,12 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
         let permit = self.engine.admit().map_err(engine_error)?;
         if let Some(epd) = &self.epd {
             let request = EpdRequest {
-                items: images
+                items: items
                     .iter()
-                    .map(|img| Item {
-                        bytes: img.bytes.to_vec(),
+                    .map(|item| Item {
+                        bytes: item.bytes.to_vec(),
                         uuid: None,
-                        modality: Modality::Image,
+                        modality: item.modality,
                         jpeg_sequence: false,
                     })
                     .collect(),
@@ -649,14 +675,33 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
                 })
                 .collect());
         }
-        let inputs = images
-            .iter()
-            .map(|img| {
-                MediaInput::Image(ImageInput {
-                    bytes: img.bytes.to_vec(),
-                })
-            })
-            .collect();
+        // Clips are decoded as `/v1/encode` decodes them: each on the blocking pool, all at
+        // once, with the model's loader and vLLM's default sampling.
+        let engine = self.engine.as_ref();
+        let inputs = futures::future::try_join_all(items.iter().enumerate().map(
+            |(index, item)| async move {
+                match item.modality {
+                    Modality::Image => Ok(MediaInput::Image(ImageInput {
+                        bytes: item.bytes.to_vec(),
+                    })),
+                    Modality::Video => engine
+                        .load_video(item.bytes.to_vec(), SamplingOptions::default())
+                        .await
+                        .map(|video| {
+                            MediaInput::Video(VideoInput {
+                                video: Arc::new(video),
+                            })
+                        })
+                        .map_err(|err| crate::epd::name_video(index, err)),
+                    other => Err(EngineError::BadInput {
+                        message: format!("item {index}: iris bench sends no {other:?} items"),
+                        code: "unsupported_modality",
+                    }),
+                }
+            },
+        ))
+        .await
+        .map_err(engine_error)?;
         let results = self
             .engine
             .encode(permit, inputs, EncodeOptions::default())
@@ -746,25 +791,40 @@ fn offered_rate(offsets: &[Duration]) -> Option<f64> {
     (span > 0.0).then(|| (offsets.len() - 1) as f64 / span)
 }
 
+/// The outcome of a request whose items had `modalities`, in order.
 fn outcome(
     latency: Duration,
-    images: u64,
+    modalities: &[Modality],
     result: Result<Vec<EncodedItem>, TargetError>,
 ) -> RequestOutcome {
+    let count = |wanted: Modality, cached: Option<&[EncodedItem]>| {
+        let n = modalities
+            .iter()
+            .enumerate()
+            .filter(|&(i, &m)| {
+                m == wanted && cached.is_none_or(|items| items.get(i).is_some_and(|r| r.cached))
+            })
+            .count();
+        u64::try_from(n).unwrap_or(u64::MAX)
+    };
+    let (images, videos) = (count(Modality::Image, None), count(Modality::Video, None));
     match result {
         Ok(items) => RequestOutcome {
             latency,
             images,
+            videos,
             tokens: items.iter().map(|i| i.num_tokens).sum(),
-            cached_images: u64::try_from(items.iter().filter(|i| i.cached).count())
-                .unwrap_or(u64::MAX),
+            cached_images: count(Modality::Image, Some(&items)),
+            cached_videos: count(Modality::Video, Some(&items)),
             error: None,
         },
         Err(err) => RequestOutcome {
             latency,
             images,
+            videos,
             tokens: 0,
             cached_images: 0,
+            cached_videos: 0,
             error: Some(RequestError {
                 kind: match err {
                     TargetError::Refused(_) => ErrorKind::Refused,

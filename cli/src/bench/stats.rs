@@ -17,10 +17,14 @@ pub struct RequestOutcome {
     pub latency: Duration,
     /// Images in the request.
     pub images: u64,
+    /// Videos in the request.
+    pub videos: u64,
     /// Embedding tokens the response reported (0 when failed).
     pub tokens: u64,
     /// Images the response marked as served from the encoder cache.
     pub cached_images: u64,
+    /// Videos the response marked as served from the encoder cache.
+    pub cached_videos: u64,
     /// Why the request did not complete; `None` when it did.
     pub error: Option<RequestError>,
 }
@@ -80,6 +84,8 @@ pub struct Throughput {
     pub requests_per_s: f64,
     /// Images of completed requests per second.
     pub images_per_s: f64,
+    /// Videos of completed requests per second.
+    pub videos_per_s: f64,
     /// Embedding tokens of completed requests per second.
     pub tokens_per_s: f64,
 }
@@ -97,10 +103,14 @@ pub struct RunStats {
     pub failed: u64,
     /// Images in completed requests.
     pub images: u64,
+    /// Videos in completed requests.
+    pub videos: u64,
     /// Embedding tokens in completed requests.
     pub tokens: u64,
     /// Images answered from the encoder cache, as the responses said.
     pub cached_images: u64,
+    /// Videos answered from the encoder cache, as the responses said.
+    pub cached_videos: u64,
     /// Wall time of the load phase.
     pub duration: Duration,
     /// Latency of completed requests.
@@ -181,6 +191,7 @@ pub fn summarize(outcomes: &[RequestOutcome], duration: Duration) -> RunStats {
         .map(|e| e.message.clone());
     let completed = u64::try_from(ok.len()).unwrap_or(u64::MAX);
     let images: u64 = ok.iter().map(|o| o.images).sum();
+    let videos: u64 = ok.iter().map(|o| o.videos).sum();
     let tokens: u64 = ok.iter().map(|o| o.tokens).sum();
     let secs = duration.as_secs_f64();
     let rate = |count: u64| if secs > 0.0 { count as f64 / secs } else { 0.0 };
@@ -191,13 +202,16 @@ pub fn summarize(outcomes: &[RequestOutcome], duration: Duration) -> RunStats {
         aborted: count(ErrorKind::Aborted),
         failed: count(ErrorKind::Failed),
         images,
+        videos,
         tokens,
         cached_images: ok.iter().map(|o| o.cached_images).sum(),
+        cached_videos: ok.iter().map(|o| o.cached_videos).sum(),
         duration,
         latency_ms: latency_summary(&latencies),
         throughput: Throughput {
             requests_per_s: rate(completed),
             images_per_s: rate(images),
+            videos_per_s: rate(videos),
             tokens_per_s: rate(tokens),
         },
         errors,
@@ -213,8 +227,10 @@ mod tests {
         RequestOutcome {
             latency: Duration::from_millis(ms),
             images,
+            videos: 0,
             tokens,
             cached_images: 0,
+            cached_videos: 0,
             error: None,
         }
     }
@@ -234,7 +250,15 @@ mod tests {
 
     #[test]
     fn summary_counts_only_completed_requests() {
-        let mut outcomes = vec![ok(10, 2, 100), ok(30, 2, 50), ok(20, 1, 10)];
+        let mut outcomes = vec![
+            ok(10, 2, 100),
+            ok(30, 2, 50),
+            RequestOutcome {
+                videos: 3,
+                cached_videos: 1,
+                ..ok(20, 1, 10)
+            },
+        ];
         for _ in 0..2 {
             outcomes.push(RequestOutcome {
                 error: Some(RequestError::failed("HTTP 500")),
@@ -255,6 +279,7 @@ mod tests {
         }
         let s = summarize(&outcomes, Duration::from_secs(2));
         assert_eq!((s.completed, s.failed, s.images, s.tokens), (3, 2, 5, 160));
+        assert_eq!((s.videos, s.cached_videos), (3, 1));
         assert_eq!((s.refused, s.aborted), (1, 1));
         assert_eq!(s.errors, vec!["HTTP 500".to_owned()]);
         assert_eq!(s.refusal.as_deref(), Some("overloaded"));
@@ -263,6 +288,7 @@ mod tests {
             Throughput {
                 requests_per_s: 1.5,
                 images_per_s: 2.5,
+                videos_per_s: 1.5,
                 tokens_per_s: 80.0
             }
         );

@@ -1,15 +1,18 @@
-//! The bench workload: which images each prompt sends, and when each prompt is sent.
+//! The bench workload: which images and videos each prompt sends, and when each prompt is sent.
 //!
 //! Images are synthetic (structured content: a two-colour gradient at a random angle, filled
 //! rectangles and discs, and per-pixel noise, so that encoders and compressors see realistic
-//! data) or read from a directory of PNG, JPEG and WebP files. Everything is deterministic given
-//! the seed: the same flags give the same bytes, the same repeats and the same arrival times.
+//! data) or read from a directory of PNG, JPEG and WebP files. Videos (`--videos-per-prompt`)
+//! are synthetic H.264 clips, a camera panning across such an image, encoded by the FFmpeg
+//! program, or read from a directory of clips. Everything is deterministic given the seed: the
+//! same flags give the same bytes, the same repeats and the same arrival times.
 //!
 //! Repeats (`--repeat-ratio`): of all image slots, `round(ratio x slots)` reuse an image first
 //! sent by an earlier prompt (so the first prompt's slots never repeat, which caps the share at
 //! `(prompts - 1) / prompts`); the slots and the reused images are drawn uniformly with the seed.
-//! Every other slot gets a fresh image. With `--dataset`, fresh images cycle through the files in
-//! name order, so a run needing more fresh images than there are files repeats files too.
+//! Every other slot gets a fresh image. Video slots repeat in the same way, drawn apart. With
+//! `--dataset` (`--video-dataset`), fresh items cycle through the files in name order, so a run
+//! needing more fresh items than there are files repeats files too.
 //!
 //! Arrivals (`--request-rate`): a Poisson process, i.e. exponential gaps with mean `1 / rate`;
 //! the first prompt is sent at once. `inf` sends every prompt at once.
@@ -22,6 +25,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use image::{ExtendedColorType, ImageEncoder, RgbImage};
+use iris_core::budget::Modality;
+use iris_core::preprocess::video::ffmpeg::Ffmpeg;
 
 /// Largest side accepted for a synthetic image.
 pub const MAX_SYNTHETIC_SIDE: u32 = 16384;
@@ -29,6 +34,19 @@ pub const MAX_SYNTHETIC_SIDE: u32 = 16384;
 const JPEG_QUALITY: u8 = 90;
 /// File extensions read from `--dataset`.
 pub const DATASET_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "webp"];
+/// File extensions read from `--video-dataset`, with the media types of their data URLs.
+pub const VIDEO_EXTENSIONS: [(&str, &str); 6] = [
+    ("mp4", "video/mp4"),
+    ("m4v", "video/mp4"),
+    ("webm", "video/webm"),
+    ("mkv", "video/x-matroska"),
+    ("mov", "video/quicktime"),
+    ("avi", "video/x-msvideo"),
+];
+/// Most frames of a synthetic clip.
+pub const MAX_SYNTHETIC_FRAMES: u32 = 3600;
+/// Pixels the camera moves per frame across a synthetic clip's scene.
+const PAN_PER_FRAME: u32 = 2;
 
 /// Why a workload could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -80,6 +98,31 @@ pub enum WorkloadError {
     DatasetEmpty {
         /// The directory.
         path: PathBuf,
+    },
+    /// The video dataset directory holds no clips.
+    #[error("video dataset directory {path} holds no .mp4, .m4v, .webm, .mkv, .mov or .avi files")]
+    VideoDatasetEmpty {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// A synthetic clip's size is odd: H.264 in 4:2:0 halves both sides for chroma.
+    #[error("video size {size} must have even sides (H.264 4:2:0 halves both for chroma)")]
+    OddVideoSize {
+        /// The size given.
+        size: ImageSize,
+    },
+    /// The FFmpeg program, needed to make synthetic clips, does not run.
+    #[error("making synthetic videos: {0}; or give clips with --video-dataset")]
+    FfmpegMissing(String),
+    /// FFmpeg failed to encode a synthetic clip.
+    #[error("encoding a synthetic {size} clip of {frames} frames with FFmpeg (libx264): {message}")]
+    VideoEncode {
+        /// Frame size.
+        size: ImageSize,
+        /// Frames.
+        frames: u32,
+        /// What failed.
+        message: String,
     },
     /// A dataset file cannot be read.
     #[error("cannot read dataset file {path}: {source}")]
@@ -256,63 +299,114 @@ pub enum ImageSource {
     Dataset(PathBuf),
 }
 
+/// Where videos come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum VideoSource {
+    /// H.264 clips made here: a camera panning across a synthetic image.
+    Synthetic {
+        /// Frame size (even sides).
+        size: ImageSize,
+        /// Frames per clip.
+        frames: u32,
+        /// Frames per second the clip declares.
+        fps: u32,
+    },
+    /// Clips from a directory ([`VIDEO_EXTENSIONS`]), in name order.
+    Dataset(PathBuf),
+}
+
+#[cfg(test)]
+impl VideoSource {
+    /// The flags' default synthetic clip: 32 frames of 448x448 at 8 fps (4 s), of which vLLM's
+    /// Qwen-VL loaders sample 8 at their default 2 fps.
+    pub const DEFAULT: Self = Self::Synthetic {
+        size: ImageSize {
+            width: 448,
+            height: 448,
+        },
+        frames: 32,
+        fps: 8,
+    };
+}
+
 /// What to build.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkloadSpec {
     /// Image source.
     pub source: ImageSource,
+    /// Video source.
+    pub video_source: VideoSource,
     /// Number of prompts (requests).
     pub num_prompts: usize,
     /// Images in each prompt.
     pub images_per_prompt: usize,
+    /// Videos in each prompt, after its images.
+    pub videos_per_prompt: usize,
     /// Share of image slots reused from earlier prompts, in `[0, 1]`.
     pub repeat_ratio: f64,
     /// Seed of every random choice.
     pub seed: u64,
 }
 
-/// One encoded image file.
+/// One encoded image or video file.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EncodedImage {
+pub struct EncodedMedia {
+    /// Image or video.
+    pub modality: Modality,
     /// The file bytes.
     pub bytes: Arc<[u8]>,
     /// Media type for data URLs.
     pub media_type: &'static str,
-    /// Where it came from: a file name or `synthetic WxH #i`.
+    /// Where it came from: a file name, `synthetic WxH #i` or `synthetic WxHxF clip #i`.
     pub label: String,
 }
 
 /// The built workload.
 #[derive(Debug, Clone)]
 pub struct Workload {
-    /// Distinct images, by id.
-    pub images: Vec<Arc<EncodedImage>>,
-    /// For each prompt, the ids of its images in order.
+    /// Distinct items, by id: the images, then the videos.
+    pub items: Vec<Arc<EncodedMedia>>,
+    /// For each prompt, the ids of its items in order (its images, then its videos).
     pub prompts: Vec<Vec<usize>>,
-    /// Slots that reuse an image from an earlier prompt.
+    /// Slots that reuse an item from an earlier prompt.
     pub repeated_slots: usize,
 }
 
 impl Workload {
     #[cfg(test)]
-    /// Image slots over all prompts.
+    /// Item slots over all prompts.
     pub fn total_slots(&self) -> usize {
         self.prompts.iter().map(Vec::len).sum()
     }
 
-    /// The images of prompt `index`.
-    pub fn prompt_images(&self, index: usize) -> Vec<Arc<EncodedImage>> {
+    /// The items of prompt `index`.
+    pub fn prompt_items(&self, index: usize) -> Vec<Arc<EncodedMedia>> {
         self.prompts
             .get(index)
-            .map(|ids| ids.iter().map(|&i| Arc::clone(&self.images[i])).collect())
+            .map(|ids| ids.iter().map(|&i| Arc::clone(&self.items[i])).collect())
             .unwrap_or_default()
+    }
+
+    /// Distinct items of `modality`.
+    pub fn distinct(&self, modality: Modality) -> usize {
+        self.items.iter().filter(|i| i.modality == modality).count()
+    }
+
+    /// Items of `modality` in the first prompt (every prompt has as many).
+    pub fn per_prompt(&self, modality: Modality) -> usize {
+        self.prompts.first().map_or(0, |ids| {
+            ids.iter()
+                .filter(|&&i| self.items[i].modality == modality)
+                .count()
+        })
     }
 }
 
-/// Builds the workload: generates or reads the images and assigns them to prompts.
+/// Builds the workload: generates or reads the images and videos and assigns them to prompts.
 ///
 /// # Errors
-/// [`WorkloadError`] for out-of-range counts, an unreadable or empty dataset, or an encoder error.
+/// [`WorkloadError`] for out-of-range counts, an unreadable or empty dataset, an encoder error,
+/// or synthetic videos without FFmpeg.
 pub fn build_workload(spec: &WorkloadSpec) -> Result<Workload, WorkloadError> {
     if spec.num_prompts == 0 {
         return Err(out_of_range(
@@ -321,11 +415,11 @@ pub fn build_workload(spec: &WorkloadSpec) -> Result<Workload, WorkloadError> {
             "it must be at least 1",
         ));
     }
-    if spec.images_per_prompt == 0 {
+    if spec.images_per_prompt + spec.videos_per_prompt == 0 {
         return Err(out_of_range(
             "--images-per-prompt",
             spec.images_per_prompt,
-            "it must be at least 1",
+            "it must be at least 1 unless --videos-per-prompt is",
         ));
     }
     if !(0.0..=1.0).contains(&spec.repeat_ratio) {
@@ -335,8 +429,46 @@ pub fn build_workload(spec: &WorkloadSpec) -> Result<Workload, WorkloadError> {
             "it must be between 0 and 1",
         ));
     }
-    let (prompts, fresh, repeated_slots) = assign_slots(spec);
-    let images = match &spec.source {
+    let (image_prompts, fresh_images, image_repeats) = assign_slots(
+        spec.num_prompts,
+        spec.images_per_prompt,
+        spec.repeat_ratio,
+        spec.seed,
+    );
+    // The video slots' draws are their own, so adding videos leaves the images' as they were.
+    let (video_prompts, fresh_videos, video_repeats) = assign_slots(
+        spec.num_prompts,
+        spec.videos_per_prompt,
+        spec.repeat_ratio,
+        spec.seed ^ 0x7669_6465_6f73,
+    );
+    let mut items = fresh_image_items(spec, fresh_images)?;
+    let first_video = items.len();
+    items.extend(fresh_video_items(spec, fresh_videos)?);
+    let prompts = image_prompts
+        .into_iter()
+        .zip(video_prompts)
+        .map(|(mut ids, videos)| {
+            ids.extend(videos.into_iter().map(|v| first_video + v));
+            ids
+        })
+        .collect();
+    Ok(Workload {
+        items,
+        prompts,
+        repeated_slots: image_repeats + video_repeats,
+    })
+}
+
+/// The workload's `fresh` distinct images.
+fn fresh_image_items(
+    spec: &WorkloadSpec,
+    fresh: usize,
+) -> Result<Vec<Arc<EncodedMedia>>, WorkloadError> {
+    if fresh == 0 {
+        return Ok(Vec::new());
+    }
+    match &spec.source {
         ImageSource::Synthetic { sizes, format } => {
             if sizes.is_empty() {
                 return Err(WorkloadError::NoSizes);
@@ -344,17 +476,16 @@ pub fn build_workload(spec: &WorkloadSpec) -> Result<Workload, WorkloadError> {
             (0..fresh)
                 .map(|i| {
                     let size = sizes[i % sizes.len()];
-                    let seed = spec.seed
-                        ^ (u64::try_from(i).unwrap_or(u64::MAX))
-                            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
-                    let bytes = encode_image(&synthetic_image(size, seed), *format)?;
-                    Ok(Arc::new(EncodedImage {
+                    let bytes =
+                        encode_image(&synthetic_image(size, item_seed(spec.seed, i)), *format)?;
+                    Ok(Arc::new(EncodedMedia {
+                        modality: Modality::Image,
                         bytes: bytes.into(),
                         media_type: format.media_type(),
                         label: format!("synthetic {size} #{i}"),
                     }))
                 })
-                .collect::<Result<Vec<_>, WorkloadError>>()?
+                .collect()
         }
         ImageSource::Dataset(dir) => {
             let files = list_dataset(dir)?;
@@ -363,14 +494,193 @@ pub fn build_workload(spec: &WorkloadSpec) -> Result<Workload, WorkloadError> {
                 .iter()
                 .map(|path| load_file(path).map(Arc::new))
                 .collect::<Result<Vec<_>, _>>()?;
-            (0..fresh).map(|i| Arc::clone(&loaded[i % used])).collect()
+            Ok((0..fresh).map(|i| Arc::clone(&loaded[i % used])).collect())
         }
+    }
+}
+
+/// The workload's `fresh` distinct videos.
+fn fresh_video_items(
+    spec: &WorkloadSpec,
+    fresh: usize,
+) -> Result<Vec<Arc<EncodedMedia>>, WorkloadError> {
+    if fresh == 0 {
+        return Ok(Vec::new());
+    }
+    match &spec.video_source {
+        VideoSource::Synthetic { size, frames, fps } => {
+            let ffmpeg =
+                Ffmpeg::locate().map_err(|err| WorkloadError::FfmpegMissing(err.to_string()))?;
+            let make = |i: usize| {
+                // Apart from the images' seeds, so a clip never pans across a sent image.
+                let seed = item_seed(spec.seed ^ 0x636c_6970, i);
+                let bytes = synthetic_clip(&ffmpeg, *size, *frames, *fps, seed)?;
+                Ok(Arc::new(EncodedMedia {
+                    modality: Modality::Video,
+                    bytes: bytes.into(),
+                    media_type: "video/mp4",
+                    label: format!("synthetic {size}x{frames} clip #{i}"),
+                }))
+            };
+            // One FFmpeg (one encoding thread) per core at a time; each clip's bytes depend on
+            // its seed alone, so the order they are made in changes nothing.
+            let workers = std::thread::available_parallelism()
+                .map_or(1, std::num::NonZero::get)
+                .min(fresh);
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            let mut made: Vec<(usize, Result<Arc<EncodedMedia>, WorkloadError>)> =
+                std::thread::scope(|scope| {
+                    let handles: Vec<_> = (0..workers)
+                        .map(|_| {
+                            scope.spawn(|| {
+                                let mut done = Vec::new();
+                                loop {
+                                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                    if i >= fresh {
+                                        break done;
+                                    }
+                                    let clip = make(i);
+                                    let failed = clip.is_err();
+                                    done.push((i, clip));
+                                    if failed {
+                                        // The others stop at their next clip.
+                                        next.store(fresh, std::sync::atomic::Ordering::Relaxed);
+                                    }
+                                }
+                            })
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .flat_map(|h| h.join().unwrap_or_default())
+                        .collect()
+                });
+            made.sort_by_key(|(i, _)| *i);
+            let clips = made
+                .into_iter()
+                .map(|(_, clip)| clip)
+                .collect::<Result<Vec<_>, _>>()?;
+            if clips.len() < fresh {
+                return Err(WorkloadError::VideoEncode {
+                    size: *size,
+                    frames: *frames,
+                    message: "a clip-making thread stopped".into(),
+                });
+            }
+            Ok(clips)
+        }
+        VideoSource::Dataset(dir) => {
+            let files = list_video_dataset(dir)?;
+            let used = fresh.min(files.len());
+            let loaded = files[..used]
+                .iter()
+                .map(|(path, media_type)| {
+                    load_file(path).map(|file| {
+                        Arc::new(EncodedMedia {
+                            modality: Modality::Video,
+                            media_type,
+                            ..file
+                        })
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((0..fresh).map(|i| Arc::clone(&loaded[i % used])).collect())
+        }
+    }
+}
+
+/// The seed of fresh item `index`.
+fn item_seed(seed: u64, index: usize) -> u64 {
+    seed ^ (u64::try_from(index).unwrap_or(u64::MAX)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// A synthetic H.264 clip (MP4): `frames` frames of `size`, a camera panning
+/// [`PAN_PER_FRAME`] pixels a frame across a synthetic image drawn from `seed`, encoded by
+/// FFmpeg's libx264 in one thread (so the bytes depend on the seed alone).
+///
+/// # Errors
+/// [`WorkloadError::OddVideoSize`], or [`WorkloadError::VideoEncode`] when FFmpeg fails.
+pub fn synthetic_clip(
+    ffmpeg: &Ffmpeg,
+    size: ImageSize,
+    frames: u32,
+    fps: u32,
+    seed: u64,
+) -> Result<Vec<u8>, WorkloadError> {
+    if size.width % 2 == 1 || size.height % 2 == 1 {
+        return Err(WorkloadError::OddVideoSize { size });
+    }
+    let failed = |message: String| WorkloadError::VideoEncode {
+        size,
+        frames,
+        message,
     };
-    Ok(Workload {
-        images,
-        prompts,
-        repeated_slots,
-    })
+    let scene = synthetic_image(
+        ImageSize {
+            width: size.width + PAN_PER_FRAME * frames,
+            height: size.height,
+        },
+        seed,
+    );
+    let (w, h) = (size.width as usize, size.height as usize);
+    let scene_row = scene.width() as usize * 3;
+    let mut raw = Vec::with_capacity(w * h * 3 * frames as usize);
+    for f in 0..frames as usize {
+        let left = f * PAN_PER_FRAME as usize * 3;
+        for row in scene.as_raw().chunks_exact(scene_row) {
+            raw.extend_from_slice(&row[left..left + w * 3]);
+        }
+    }
+    let out = tempfile::Builder::new()
+        .prefix("iris-bench-clip-")
+        .suffix(".mp4")
+        .tempfile()
+        .map_err(|err| failed(format!("a temporary file for the clip: {err}")))?;
+    let mut child = std::process::Command::new(ffmpeg.ffmpeg_program())
+        .args(["-v", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24"])
+        .args([
+            "-s",
+            &size.to_string(),
+            "-r",
+            &fps.to_string(),
+            "-i",
+            "pipe:0",
+        ])
+        .args([
+            "-c:v", "libx264", "-pix_fmt", "yuv420p", "-threads", "1", "-f", "mp4",
+        ])
+        .arg(out.path())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|err| {
+            failed(format!(
+                "cannot run {}: {err}",
+                ffmpeg.ffmpeg_program().display()
+            ))
+        })?;
+    // Frames go in on a thread while FFmpeg's errors are read here: neither pipe can fill up.
+    let mut stdin = child
+        .stdin
+        .take()
+        .ok_or_else(|| failed("no stdin".into()))?;
+    let writer = std::thread::spawn(move || std::io::Write::write_all(&mut stdin, &raw));
+    let output = child
+        .wait_with_output()
+        .map_err(|err| failed(format!("waiting for FFmpeg: {err}")))?;
+    let written = writer.join();
+    if !output.status.success() {
+        Err(failed(format!(
+            "{}: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )))
+    } else if !matches!(written, Ok(Ok(()))) {
+        Err(failed("FFmpeg stopped reading the frames".into()))
+    } else {
+        std::fs::read(out.path()).map_err(|err| failed(format!("reading the clip: {err}")))
+    }
 }
 
 /// Arrival offsets from the start of the run, one per prompt, non-decreasing.
@@ -393,6 +703,40 @@ pub fn arrival_offsets(num_prompts: usize, rate: RequestRate, seed: u64) -> Vec<
 /// # Errors
 /// [`WorkloadError::DatasetUnreadable`] or [`WorkloadError::DatasetEmpty`].
 pub fn list_dataset(dir: &Path) -> Result<Vec<PathBuf>, WorkloadError> {
+    let files = list_files(dir, |ext| DATASET_EXTENSIONS.contains(&ext).then_some(()))?;
+    if files.is_empty() {
+        return Err(WorkloadError::DatasetEmpty {
+            path: dir.to_owned(),
+        });
+    }
+    Ok(files.into_iter().map(|(path, ())| path).collect())
+}
+
+/// Lists the clips of `dir` in name order, with their media types.
+///
+/// # Errors
+/// [`WorkloadError::DatasetUnreadable`] or [`WorkloadError::VideoDatasetEmpty`].
+pub fn list_video_dataset(dir: &Path) -> Result<Vec<(PathBuf, &'static str)>, WorkloadError> {
+    let files = list_files(dir, |ext| {
+        VIDEO_EXTENSIONS
+            .iter()
+            .find(|(known, _)| *known == ext)
+            .map(|(_, media_type)| *media_type)
+    })?;
+    if files.is_empty() {
+        return Err(WorkloadError::VideoDatasetEmpty {
+            path: dir.to_owned(),
+        });
+    }
+    Ok(files)
+}
+
+/// The files of `dir` whose lower-case extension `pick` accepts, with what it says of them, in
+/// name order.
+fn list_files<T>(
+    dir: &Path,
+    pick: impl Fn(&str) -> Option<T>,
+) -> Result<Vec<(PathBuf, T)>, WorkloadError> {
     let unreadable = |source| WorkloadError::DatasetUnreadable {
         path: dir.to_owned(),
         source,
@@ -400,20 +744,16 @@ pub fn list_dataset(dir: &Path) -> Result<Vec<PathBuf>, WorkloadError> {
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(unreadable)? {
         let path = entry.map_err(unreadable)?.path();
-        let ext = path
+        let picked = path
             .extension()
             .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase);
-        if path.is_file() && ext.is_some_and(|e| DATASET_EXTENSIONS.contains(&e.as_str())) {
-            files.push(path);
+            .map(str::to_ascii_lowercase)
+            .and_then(|ext| pick(&ext));
+        if let (true, Some(what)) = (path.is_file(), picked) {
+            files.push((path, what));
         }
     }
-    if files.is_empty() {
-        return Err(WorkloadError::DatasetEmpty {
-            path: dir.to_owned(),
-        });
-    }
-    files.sort();
+    files.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(files)
 }
 
@@ -558,16 +898,16 @@ impl Shape {
     }
 }
 
-/// Assigns image ids to slots: returns prompts, the number of fresh images, and repeated slots.
-fn assign_slots(spec: &WorkloadSpec) -> (Vec<Vec<usize>>, usize, usize) {
-    let (n, k) = (spec.num_prompts, spec.images_per_prompt);
+/// Assigns item ids to `k` slots in each of `n` prompts: returns prompts, the number of fresh
+/// items, and repeated slots.
+fn assign_slots(n: usize, k: usize, ratio: f64, seed: u64) -> (Vec<Vec<usize>>, usize, usize) {
     let total = n * k;
     let eligible = total - k;
-    let wanted = (spec.repeat_ratio * total as f64).round();
+    let wanted = (ratio * total as f64).round();
     // `wanted` is in [0, total] since the ratio is in [0, 1].
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     let repeats = (wanted as usize).min(eligible);
-    let mut rng = SplitMix64::new(spec.seed);
+    let mut rng = SplitMix64::new(seed);
     // Partial Fisher-Yates over the eligible slots (those after the first prompt).
     let mut order: Vec<usize> = (k..total).collect();
     for i in 0..repeats {
@@ -600,7 +940,7 @@ fn assign_slots(spec: &WorkloadSpec) -> (Vec<Vec<usize>>, usize, usize) {
     (prompts, next_fresh, repeats)
 }
 
-fn load_file(path: &Path) -> Result<EncodedImage, WorkloadError> {
+fn load_file(path: &Path) -> Result<EncodedMedia, WorkloadError> {
     let bytes = std::fs::read(path).map_err(|source| WorkloadError::FileUnreadable {
         path: path.to_owned(),
         source,
@@ -619,7 +959,8 @@ fn load_file(path: &Path) -> Result<EncodedImage, WorkloadError> {
         || path.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    Ok(EncodedImage {
+    Ok(EncodedMedia {
+        modality: Modality::Image,
         bytes: bytes.into(),
         media_type,
         label,
@@ -658,7 +999,9 @@ mod tests {
                 format: ImageFormat::Png,
             },
             num_prompts: n,
+            video_source: VideoSource::DEFAULT,
             images_per_prompt: k,
+            videos_per_prompt: 0,
             repeat_ratio: ratio,
             seed: 7,
         }
@@ -699,8 +1042,8 @@ mod tests {
         let w = build_workload(&s).unwrap();
         assert_eq!(w.total_slots(), 30);
         assert_eq!(w.repeated_slots, 12);
-        assert_eq!(w.images.len(), 18);
-        let mut first_seen = vec![usize::MAX; w.images.len()];
+        assert_eq!(w.items.len(), 18);
+        let mut first_seen = vec![usize::MAX; w.items.len()];
         for (p, ids) in w.prompts.iter().enumerate() {
             for &id in ids {
                 first_seen[id] = first_seen[id].min(p);
@@ -719,7 +1062,7 @@ mod tests {
         assert!(w.prompts[0].iter().all(|&id| first_seen[id] == 0));
         let again = build_workload(&s).unwrap();
         assert_eq!(again.prompts, w.prompts);
-        assert_eq!(again.images, w.images);
+        assert_eq!(again.items, w.items);
         let other = build_workload(&WorkloadSpec { seed: 8, ..s }).unwrap();
         assert_ne!(other.prompts, w.prompts);
     }
@@ -728,9 +1071,9 @@ mod tests {
     fn repeat_share_is_capped_by_the_first_prompt() {
         let w = build_workload(&spec(4, 2, 1.0)).unwrap();
         assert_eq!(w.repeated_slots, 6);
-        assert_eq!(w.images.len(), 2);
+        assert_eq!(w.items.len(), 2);
         let none = build_workload(&spec(4, 2, 0.0)).unwrap();
-        assert_eq!(none.images.len(), 8);
+        assert_eq!(none.items.len(), 8);
         assert!(build_workload(&spec(4, 2, 1.5)).is_err());
         assert!(build_workload(&spec(0, 2, 0.0)).is_err());
     }
@@ -739,7 +1082,7 @@ mod tests {
     fn synthetic_images_decode_to_their_size_and_differ() {
         let w = build_workload(&spec(2, 2, 0.0)).unwrap();
         let dims: Vec<(u32, u32)> = w
-            .images
+            .items
             .iter()
             .map(|img| {
                 image::load_from_memory(&img.bytes)
@@ -749,7 +1092,7 @@ mod tests {
             })
             .collect();
         assert_eq!(dims, vec![(40, 30), (16, 64), (40, 30), (16, 64)]);
-        assert_ne!(w.images[0].bytes, w.images[2].bytes);
+        assert_ne!(w.items[0].bytes, w.items[2].bytes);
         let img = synthetic_image(
             ImageSize {
                 width: 64,
@@ -796,9 +1139,9 @@ mod tests {
             ..spec(3, 1, 0.0)
         };
         let w = build_workload(&s).unwrap();
-        let labels: Vec<&str> = w.images.iter().map(|i| i.label.as_str()).collect();
+        let labels: Vec<&str> = w.items.iter().map(|i| i.label.as_str()).collect();
         assert_eq!(labels, ["a.jpg", "b.PNG", "a.jpg"]);
-        assert_eq!(w.images[1].media_type, "image/png");
+        assert_eq!(w.items[1].media_type, "image/png");
         let empty = dir.join("empty");
         std::fs::create_dir_all(&empty).unwrap();
         let err = build_workload(&WorkloadSpec {
@@ -808,6 +1151,144 @@ mod tests {
         .unwrap_err();
         assert!(matches!(err, WorkloadError::DatasetEmpty { .. }), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The FFmpeg programs, or `None` (saying why) where they do not run and
+    /// `IRIS_REQUIRE_FFMPEG`, which `.ci/run` sets, is unset.
+    fn ffmpeg() -> Option<Ffmpeg> {
+        match Ffmpeg::locate() {
+            Ok(found) => Some(found),
+            Err(err) if std::env::var_os("IRIS_REQUIRE_FFMPEG").is_none() => {
+                eprintln!("skipped: {err}");
+                None
+            }
+            Err(err) => panic!("IRIS_REQUIRE_FFMPEG is set: {err}"),
+        }
+    }
+
+    fn video_spec(n: usize, images: usize, videos: usize, ratio: f64) -> WorkloadSpec {
+        WorkloadSpec {
+            video_source: VideoSource::Synthetic {
+                size: ImageSize {
+                    width: 64,
+                    height: 48,
+                },
+                frames: 6,
+                fps: 3,
+            },
+            videos_per_prompt: videos,
+            ..spec(n, images, ratio)
+        }
+    }
+
+    #[test]
+    fn synthetic_videos_are_h264_clips_that_pan_and_follow_the_images() {
+        use iris_core::preprocess::video::ffmpeg::{VideoLimits, load_video};
+        use iris_core::preprocess::video::{SamplingOptions, VideoLoader};
+        let Some(ffmpeg) = ffmpeg() else { return };
+        let s = video_spec(6, 2, 1, 0.5);
+        let w = build_workload(&s).unwrap();
+        assert_eq!(w.per_prompt(Modality::Image), 2);
+        assert_eq!(w.per_prompt(Modality::Video), 1);
+        // Each prompt: its images, then its video.
+        for ids in &w.prompts {
+            let kinds: Vec<Modality> = ids.iter().map(|&i| w.items[i].modality).collect();
+            assert_eq!(kinds, [Modality::Image, Modality::Image, Modality::Video]);
+        }
+        // Half of the 18 slots repeat; the first prompt's never do.
+        assert_eq!(w.repeated_slots, 9);
+        assert_eq!(w.distinct(Modality::Image) + w.distinct(Modality::Video), 9);
+        let clip = w
+            .items
+            .iter()
+            .find(|i| i.modality == Modality::Video)
+            .unwrap();
+        assert_eq!(clip.media_type, "video/mp4");
+        // Every frame, as vLLM's loader would read them at the clip's own rate.
+        let sampling = SamplingOptions {
+            fps: 3.0,
+            ..SamplingOptions::default()
+        };
+        let decoded = load_video(
+            &ffmpeg,
+            &clip.bytes,
+            VideoLoader::Qwen3Vl,
+            &sampling,
+            &VideoLimits::default(),
+        )
+        .unwrap();
+        assert_eq!(decoded.metadata.total_num_frames, 6);
+        assert!((decoded.metadata.fps - 3.0).abs() < 1e-9);
+        let size = decoded.frames[0].size;
+        assert_eq!((size.width, size.height), (64, 48));
+        assert_ne!(decoded.frames[0], decoded.frames[1], "the camera pans");
+        // The same flags make the same bytes; another seed other clips.
+        let again = build_workload(&s).unwrap();
+        assert_eq!(again.items, w.items);
+        let other = build_workload(&WorkloadSpec { seed: 8, ..s }).unwrap();
+        assert_ne!(
+            other.items.iter().find(|i| i.modality == Modality::Video),
+            Some(clip)
+        );
+        // Videos alone.
+        let only = build_workload(&video_spec(2, 0, 2, 0.0)).unwrap();
+        assert_eq!(only.distinct(Modality::Video), 4);
+        assert_eq!(only.distinct(Modality::Image), 0);
+    }
+
+    #[test]
+    fn bad_video_workloads_are_refused_with_the_reason() {
+        let err = build_workload(&video_spec(2, 0, 0, 0.0)).unwrap_err();
+        assert!(err.to_string().contains("--videos-per-prompt"), "{err}");
+        let odd = WorkloadSpec {
+            video_source: VideoSource::Synthetic {
+                size: ImageSize {
+                    width: 63,
+                    height: 48,
+                },
+                frames: 4,
+                fps: 2,
+            },
+            ..video_spec(1, 1, 1, 0.0)
+        };
+        if ffmpeg().is_some() {
+            let err = build_workload(&odd).unwrap_err();
+            assert!(matches!(err, WorkloadError::OddVideoSize { .. }), "{err}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("b.WEBM"), b"clip b").unwrap();
+        std::fs::write(dir.path().join("a.mp4"), b"clip a").unwrap();
+        std::fs::write(dir.path().join("a.png"), b"an image").unwrap();
+        let listed = list_video_dataset(dir.path()).unwrap();
+        let names: Vec<(String, &str)> = listed
+            .iter()
+            .map(|(p, t)| (p.file_name().unwrap().to_string_lossy().into_owned(), *t))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("a.mp4".to_owned(), "video/mp4"),
+                ("b.WEBM".to_owned(), "video/webm")
+            ]
+        );
+        let w = build_workload(&WorkloadSpec {
+            video_source: VideoSource::Dataset(dir.path().to_owned()),
+            ..video_spec(3, 0, 1, 0.0)
+        })
+        .unwrap();
+        let labels: Vec<&str> = w.items.iter().map(|i| i.label.as_str()).collect();
+        assert_eq!(labels, ["a.mp4", "b.WEBM", "a.mp4"]);
+        assert!(w.items.iter().all(|i| i.modality == Modality::Video));
+        let empty = tempfile::tempdir().unwrap();
+        let err = build_workload(&WorkloadSpec {
+            video_source: VideoSource::Dataset(empty.path().to_owned()),
+            ..video_spec(1, 0, 1, 0.0)
+        })
+        .unwrap_err();
+        assert!(
+            matches!(err, WorkloadError::VideoDatasetEmpty { .. }),
+            "{err}"
+        );
     }
 
     #[test]

@@ -83,3 +83,26 @@ pub fn spawn_serve(
         }
     }
 }
+
+/// Whether the FFmpeg programs run here; without them (and without `IRIS_REQUIRE_FFMPEG`,
+/// which `.ci/run` sets, under which their absence fails) a video test skips, saying so.
+// Not every test binary decodes videos.
+#[allow(dead_code)]
+pub fn ffmpeg_runs() -> bool {
+    let runs = ["ffmpeg", "ffprobe"].iter().all(|program| {
+        Command::new(program)
+            .arg("-version")
+            .output()
+            .is_ok_and(|out| out.status.success())
+    });
+    if !runs {
+        assert!(
+            std::env::var_os("IRIS_REQUIRE_FFMPEG").is_none(),
+            "IRIS_REQUIRE_FFMPEG is set but ffmpeg or ffprobe does not run"
+        );
+        eprintln!(
+            "skipped: ffmpeg or ffprobe does not run here (install FFmpeg to run the video tests)"
+        );
+    }
+    runs
+}

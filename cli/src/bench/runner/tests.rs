@@ -5,7 +5,9 @@ use std::collections::HashSet;
 use std::sync::atomic::AtomicUsize;
 
 use super::*;
-use crate::bench::workload::{ImageFormat, ImageSize, ImageSource, WorkloadSpec, build_workload};
+use crate::bench::workload::{
+    ImageFormat, ImageSize, ImageSource, VideoSource, WorkloadSpec, build_workload,
+};
 use crate::http::test_engine::FakeEngine;
 use crate::http::{Limits, ServerConfig};
 
@@ -45,7 +47,7 @@ impl BenchTarget for MemTarget {
 
     async fn encode(
         &self,
-        images: Vec<Arc<EncodedImage>>,
+        images: Vec<Arc<EncodedMedia>>,
     ) -> Result<Vec<EncodedItem>, TargetError> {
         let n = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_in_flight.fetch_max(n, Ordering::SeqCst);
@@ -111,8 +113,10 @@ fn workload(prompts: usize, per_prompt: usize, repeat: f64) -> Workload {
             ],
             format: ImageFormat::Png,
         },
+        video_source: VideoSource::DEFAULT,
         num_prompts: prompts,
         images_per_prompt: per_prompt,
+        videos_per_prompt: 0,
         repeat_ratio: repeat,
         seed: 11,
     })
@@ -306,7 +310,8 @@ async fn http_target_reports_a_leak() {
     assert_eq!(report.exit_code(), 1);
     // A bad encode answer is a counted failure, not a crash.
     let bad = HttpTarget::new(&url, None).unwrap();
-    let img = Arc::new(EncodedImage {
+    let img = Arc::new(EncodedMedia {
+        modality: Modality::Image,
         bytes: Arc::from(&b"not an image"[..]),
         media_type: "image/png",
         label: "junk".into(),

@@ -120,6 +120,11 @@ impl Ffmpeg {
         Ok(found)
     }
 
+    /// The `ffmpeg` program found, for callers that encode with it (`iris bench`'s clips).
+    pub fn ffmpeg_program(&self) -> &Path {
+        &self.ffmpeg
+    }
+
     /// Reads the clip's frame count, rate and size as OpenCV's FFmpeg backend reports them.
     ///
     /// # Errors
