@@ -435,6 +435,21 @@ async fn videos_are_stored_as_iris_encode_computes_them_under_vllms_identifiers(
     let id = golden_video_identifier("odd9.mp4", &json!({"video": {"fps": 2}}));
     assert!(reply["ec_transfer_params"].get(&id).is_some(), "{reply}");
 
+    // A flat max_pixels reaches the video processor too (vLLM routes it to `videos_kwargs`):
+    // each 80x60 frame is bounded to 56x56 pixels, so one 4x2 patch grid per temporal group.
+    let body = json!({
+        "messages": [{"role": "user", "content": [video_part(&odd, "video/mp4", None)]}],
+        "mm_processor_kwargs": {"max_pixels": 3136},
+    });
+    let (status, reply) = encoder.post("/v1/chat/completions", &body, None).await;
+    assert_eq!(status, 200, "{reply}");
+    let (_, entry) = reply["ec_transfer_params"]
+        .as_object()
+        .and_then(|params| params.iter().next())
+        .expect("one entry");
+    let grid = &entry["metadata"]["video_grid_thw"];
+    assert_eq!((&grid[1], &grid[2]), (&json!(2), &json!(4)), "{reply}");
+
     // A JPEG frame list: vLLM's frames, metadata and identifier (tools/video-goldens).
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../core/tests/fixtures/video/jpeg_sequence.json");

@@ -573,6 +573,11 @@ def run_checks(args, iris, iris_url, proxy_url, recorder, store, work, served) -
         ),
         ("direct, videos hashed", chat([video_part(n, clips[n]) for n in CLIP_NAMES], served)),
         (
+            # A flat max_pixels reaches the video processor too (vLLM routes it to videos_kwargs).
+            "direct, a video with max_pixels",
+            chat([video_part("odd9.mp4", clips["odd9.mp4"])], served, mm_processor_kwargs={"max_pixels": 56 * 56}),
+        ),
+        (
             "direct, a video sampled at 4 fps beside an image",
             chat(
                 [video_part("even10.mp4", clips["even10.mp4"]), image_part("grey.png", images["grey.png"])],

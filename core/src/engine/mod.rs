@@ -434,7 +434,7 @@ impl Engine {
             return Err(EngineError::Sleeping);
         }
         self.check_counts(&items)?;
-        let processor = self.processor_for(&options.processor)?;
+        let processor = self.processor_for(&options.processor, &items)?;
         let video = self.video_for(&options.processor, &items)?;
         let tokens = items
             .iter()
@@ -546,14 +546,17 @@ impl Engine {
         }
     }
 
-    /// The processor settings of a request: the model's, with the request's overrides checked
-    /// and applied.
+    /// The image processor settings of a request with `items`: the model's, with the request's
+    /// overrides checked and applied when it has an image (a video-only request's overrides
+    /// are the video processor's, checked by [`Self::video_for`]).
     fn processor_for(
         &self,
         overrides: &ProcessorOverrides,
+        items: &[MediaInput],
     ) -> Result<ProcessorConfig, EngineError> {
         let mut processor = self.processor.clone();
-        if overrides.is_empty() {
+        let has_image = items.iter().any(|i| matches!(i, MediaInput::Image(_)));
+        if overrides.is_empty() || !has_image {
             return Ok(processor);
         }
         let bad = |message: String| EngineError::BadInput {
@@ -610,22 +613,45 @@ impl Engine {
         Ok(())
     }
 
-    /// The video processing of a request with `items`: the engine's. A request that narrows
-    /// the pixel range is refused when it has a video: the Qwen video processors read those
-    /// settings differently per family, and iris applies only what it reproduces exactly.
+    /// The video processing of a request with `items`: the engine's, with the request's
+    /// `min_pixels`/`max_pixels`. vLLM routes flat `mm_processor_kwargs` to the image and the
+    /// video processor alike, and both Qwen video processors take them as their `size` edges:
+    /// Qwen2/2.5-VL bound each frame, Qwen3-VL all frames together (its resize rule). A
+    /// `max_pixels` above the model's video setting is refused, as for images: the engine's
+    /// budgets were sized for it.
     fn video_for(
         &self,
         overrides: &ProcessorOverrides,
         items: &[MediaInput],
     ) -> Result<VideoProcessing, EngineError> {
+        let mut video = self.config.video.clone();
         let has_video = items.iter().any(|i| matches!(i, MediaInput::Video(_)));
-        if has_video && (overrides.min_pixels.is_some() || overrides.max_pixels.is_some()) {
-            return Err(EngineError::BadInput {
-                message: "mm_processor_kwargs min_pixels/max_pixels are not supported in a request with videos: iris processes videos with the model's video processor settings".to_owned(),
-                code: "invalid_mm_processor_kwargs",
-            });
+        if !has_video {
+            return Ok(video);
         }
-        Ok(self.config.video.clone())
+        let bad = |message: String| EngineError::BadInput {
+            message,
+            code: "invalid_mm_processor_kwargs",
+        };
+        if let Some(max_pixels) = overrides.max_pixels {
+            if max_pixels > self.config.video.config.max_pixels {
+                return Err(bad(format!(
+                    "mm_processor_kwargs.max_pixels {max_pixels} is above the model's video max_pixels {}, for which the engine's budgets were sized",
+                    self.config.video.config.max_pixels
+                )));
+            }
+            video.config.max_pixels = max_pixels;
+        }
+        if let Some(min_pixels) = overrides.min_pixels {
+            video.config.min_pixels = min_pixels;
+        }
+        if video.config.min_pixels > video.config.max_pixels {
+            return Err(bad(format!(
+                "mm_processor_kwargs: the video min_pixels {} is above its max_pixels {}",
+                video.config.min_pixels, video.config.max_pixels
+            )));
+        }
+        Ok(video)
     }
 
     /// The model's video processing: its loader (which frames are read), resize rule and
@@ -671,7 +697,7 @@ impl Engine {
         items: Vec<MediaInput>,
         overrides: &ProcessorOverrides,
     ) -> Result<Vec<Arc<PreprocessedImage>>, EngineError> {
-        let processor = self.processor_for(overrides)?;
+        let processor = self.processor_for(overrides, &items)?;
         let video = self.video_for(overrides, &items)?;
         let shared = Arc::clone(&self.shared);
         let limits = self.config.decode_limits;

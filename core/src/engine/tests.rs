@@ -1126,7 +1126,10 @@ async fn a_video_encodes_beside_an_image_as_the_tower_on_its_temporal_groups() {
 
     // The same frames again: one processor-cache hit and one encoder-cache hit.
     let again = engine
-        .encode(vec![MediaInput::Video(clip)], EncodeOptions::default())
+        .encode(
+            vec![MediaInput::Video(clip.clone())],
+            EncodeOptions::default(),
+        )
         .await
         .unwrap();
     assert!(again[0].cached);
@@ -1138,6 +1141,43 @@ async fn a_video_encodes_beside_an_image_as_the_tower_on_its_temporal_groups() {
         .unwrap();
     assert!(!other[0].cached);
     assert_ne!(other[0].mm_hash, results[0].mm_hash);
+
+    // The request's max_pixels bounds each frame (Qwen2.5-VL's video processor): 84x56 frames
+    // under 56x56 pixels shrink to 56x28, 4x2 patches, as the processor with that setting
+    // makes them.
+    let narrowed = ProcessorOverrides {
+        max_pixels: Some(56 * 56),
+        ..ProcessorOverrides::default()
+    };
+    let small = engine
+        .encode(
+            vec![MediaInput::Video(clip.clone())],
+            EncodeOptions {
+                processor: narrowed,
+                ..WITH_EMBEDDINGS
+            },
+        )
+        .await
+        .unwrap();
+    let mut processing = ModelSpec::preset("tiny")
+        .unwrap()
+        .default_video_processing();
+    processing.config.max_pixels = 56 * 56;
+    let processed =
+        preprocess_frames(&clip.video.frames, &processing.config, processing.resize).unwrap();
+    assert_eq!(processed.grid_thw, [3, 2, 4]);
+    assert_eq!(small[0].grid_thw, processed.grid_thw);
+    assert_close(
+        &small[0].embeddings.clone().unwrap().0,
+        &run_tower(&processed.pixel_values, processed.grid_thw),
+    );
+    // Another processing is another processor-cache entry, not the default's.
+    assert!(!small[0].cached);
+    let plans = engine
+        .plan(&[MediaInput::Video(clip.clone())], &narrowed)
+        .await
+        .unwrap();
+    assert_eq!(plans[0].grid_thw, processed.grid_thw);
     check(&engine).await;
     reset_to_baseline(&engine, &after_start, "after videos").await;
 }
@@ -1156,9 +1196,29 @@ async fn bad_videos_are_refused_by_name_and_leave_nothing_behind() {
         (mixed.into(), EncodeOptions::default(), "corrupt_video"),
         (empty.into(), EncodeOptions::default(), "video_too_short"),
         (
+            // Above the model's video max_pixels, for which the budgets were sized.
             video(4, (56, 56), 2).into(),
             EncodeOptions {
                 processor: ProcessorOverrides {
+                    max_pixels: Some(
+                        ModelSpec::preset("tiny")
+                            .unwrap()
+                            .default_video_processing()
+                            .config
+                            .max_pixels
+                            + 1,
+                    ),
+                    ..ProcessorOverrides::default()
+                },
+                ..EncodeOptions::default()
+            },
+            "invalid_mm_processor_kwargs",
+        ),
+        (
+            video(4, (56, 56), 2).into(),
+            EncodeOptions {
+                processor: ProcessorOverrides {
+                    min_pixels: Some(56 * 56 * 4),
                     max_pixels: Some(56 * 56),
                     ..ProcessorOverrides::default()
                 },
