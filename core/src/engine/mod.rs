@@ -454,7 +454,7 @@ impl Engine {
             })
             .sum();
         self.shared.admission.charge(&mut permit, tokens)?;
-        let prepared = self.prepare_all(items, &options.processor).await?;
+        let prepared = self.prepare_all(items, processor, video).await?;
 
         // Sleep may have been asked while the images were being preprocessed.
         if self.is_sleeping() {
@@ -526,7 +526,9 @@ impl Engine {
     ) -> Result<Vec<ImagePlan>, EngineError> {
         let items: Vec<MediaInput> = items.iter().cloned().map(Into::into).collect();
         self.check_counts(&items)?;
-        let prepared = self.prepare_all(items, overrides).await?;
+        let processor = self.processor_for(overrides, &items)?;
+        let video = self.video_for(overrides, &items)?;
+        let prepared = self.prepare_all(items, processor, video).await?;
         Ok(prepared
             .iter()
             .map(|image| ImagePlan {
@@ -691,14 +693,14 @@ impl Engine {
         .map_err(|e| EngineError::Internal(format!("video decoding task failed: {e}")))?
     }
 
-    /// Decodes and preprocesses `items` on the blocking pool, through the processor cache.
+    /// Decodes and preprocesses `items` on the blocking pool, through the processor cache, with
+    /// the request's image `processor` and `video` processing.
     async fn prepare_all(
         &self,
         items: Vec<MediaInput>,
-        overrides: &ProcessorOverrides,
+        processor: ProcessorConfig,
+        video: VideoProcessing,
     ) -> Result<Vec<Arc<PreprocessedImage>>, EngineError> {
-        let processor = self.processor_for(overrides, &items)?;
-        let video = self.video_for(overrides, &items)?;
         let shared = Arc::clone(&self.shared);
         let limits = self.config.decode_limits;
         tokio::task::spawn_blocking(move || {
