@@ -124,9 +124,16 @@ fn in_process_and_url_runs_agree_and_return_memory_to_the_baseline() {
         "/memory/after_start/device_used_bytes",
         "/memory/after_start/allocator_reserved_bytes",
         "/memory/after_reset/allocator_allocated_bytes",
+        "/engine/encoder_flops",
     ] {
         assert_eq!(local.pointer(key), remote.pointer(key), "{key}");
     }
+    // The tower's FLOPs over its time, against the CPU device's timed FMA roof.
+    assert!(local["engine"]["encoder_flops"].as_u64().unwrap() > 0);
+    assert!(local["engine"]["encoder_tflops"].as_f64().unwrap() > 0.0);
+    assert!(local["engine"]["peak_share"].as_f64().unwrap() > 0.0);
+    assert_eq!(local["engine"]["peak_source"], "device");
+    assert!(text.contains("of the device's peak"), "{text}");
     // The workload repeats half its slots one request at a time: the caches must have hit.
     assert!(local["cache"]["processor_hit_rate"].as_f64().unwrap() > 0.2);
     assert!(local["images"]["cached"].as_u64().unwrap() > 0);

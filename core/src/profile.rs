@@ -361,6 +361,29 @@ pub enum ProfileError {
     /// Sizing the largest item.
     #[error(transparent)]
     Preprocess(#[from] PreprocessError),
+    /// The largest step is vLLM's dummy video for the model, and it does not fit.
+    #[error(
+        "the largest item is vLLM's dummy video for this model, grid {grid:?} ({tokens} tokens), and its step does not fit: {error}; limit_mm_per_prompt {{\"video\": 0}} sizes the engine for images only (and refuses videos), max_model_len bounds the video's frames"
+    )]
+    VideoDoesNotFit {
+        /// The dummy video's grid.
+        grid: Grid,
+        /// Its embedding tokens.
+        tokens: u64,
+        /// The out-of-memory error (a field, not a `source`: the message already carries it).
+        error: Box<ProfileError>,
+    },
+}
+
+impl ProfileError {
+    /// Whether the device (or the dry run's account of it) ran out of memory.
+    fn is_out_of_memory(&self) -> bool {
+        matches!(
+            self,
+            ProfileError::Memory(AllocError::OutOfMemory { .. })
+                | ProfileError::Encoder(EncoderError::Alloc(AllocError::OutOfMemory { .. }))
+        )
+    }
 }
 
 /// Profiles start-up on the allocator's device and returns the loaded tower with the report.
@@ -444,7 +467,23 @@ pub fn profile_startup(
     let rows = patches_per_item * items_per_batch;
     let row_len = vision.patch_row_len() as u64;
 
-    let plan = Arc::new(tower.plan_step(allocator, &grids)?);
+    // A video step that does not fit says which item it was and how to leave it out.
+    let name_video = |err: ProfileError| {
+        if max_item_modality == Modality::Video && err.is_out_of_memory() {
+            ProfileError::VideoDoesNotFit {
+                grid,
+                tokens: max_item_tokens,
+                error: Box::new(err),
+            }
+        } else {
+            err
+        }
+    };
+    let plan = Arc::new(
+        tower
+            .plan_step(allocator, &grids)
+            .map_err(|e| name_video(e.into()))?,
+    );
     let planned_peak_activation_bytes = plan.live_peak();
 
     let depth = vision.depth as u64;
@@ -458,42 +497,47 @@ pub fn profile_startup(
         depth,
     );
     let profiler = MemoryProfiler::start(allocator, before_start, weights_bytes)?;
-    let step = match request.mode {
-        ProfileMode::Dry => {
-            let dry = Runner::dry_run(allocator)?.step(Arc::clone(&plan));
-            {
-                let input = dry.upload_placeholder(request.dtype, rows, row_len)?;
-                let outputs = tower.forward_with_progress(&dry, &input, &grids, &mut |done| {
-                    progress.advance(StartupPhase::Profile, done as u64);
-                    Ok(())
-                })?;
-                drop(input);
-                drop(outputs);
+    let step = (|| -> Result<_, ProfileError> {
+        Ok(match request.mode {
+            ProfileMode::Dry => {
+                let dry = Runner::dry_run(allocator)?.step(Arc::clone(&plan));
+                {
+                    let input = dry.upload_placeholder(request.dtype, rows, row_len)?;
+                    let outputs =
+                        tower.forward_with_progress(&dry, &input, &grids, &mut |done| {
+                            progress.advance(StartupPhase::Profile, done as u64);
+                            Ok(())
+                        })?;
+                    drop(input);
+                    drop(outputs);
+                }
+                let step = dry.step_report();
+                // What the device holds outside the allocator appears only when ops run: one
+                // step of the smallest item runs them all, on every weight.
+                let smallest = item_grid(request, processor.factor())?;
+                run_step(&runner, &tower, request.dtype, &[smallest])?;
+                step
             }
-            let step = dry.step_report();
-            // What the device holds outside the allocator appears only when ops run: one
-            // step of the smallest item runs them all, on every weight.
-            let smallest = item_grid(request, processor.factor())?;
-            run_step(&runner, &tower, request.dtype, &[smallest])?;
-            step
-        }
-        ProfileMode::Real => {
-            let real = runner.step(Arc::clone(&plan));
-            {
-                let input = real.upload_placeholder(request.dtype, rows, row_len)?;
-                let outputs = tower.forward_with_progress(&real, &input, &grids, &mut |done| {
-                    // Waiting for each layer makes the progress the device's, not the queue's.
-                    allocator.synchronize()?;
-                    progress.advance(StartupPhase::Profile, done as u64);
-                    Ok(())
-                })?;
-                drop(input);
-                drop(outputs);
+            ProfileMode::Real => {
+                let real = runner.step(Arc::clone(&plan));
+                {
+                    let input = real.upload_placeholder(request.dtype, rows, row_len)?;
+                    let outputs =
+                        tower.forward_with_progress(&real, &input, &grids, &mut |done| {
+                            // Waiting for each layer makes the progress the device's, not the queue's.
+                            allocator.synchronize()?;
+                            progress.advance(StartupPhase::Profile, done as u64);
+                            Ok(())
+                        })?;
+                    drop(input);
+                    drop(outputs);
+                }
+                allocator.synchronize().map_err(EncoderError::from)?;
+                real.step_report()
             }
-            allocator.synchronize().map_err(EncoderError::from)?;
-            real.step_report()
-        }
-    };
+        })
+    })()
+    .map_err(name_video)?;
     let step = step.unwrap_or_default();
     // The step's activations are its arena, in a dry run as in a real one; its outputs go to
     // the encoder cache, whose size is budgeted apart.

@@ -357,3 +357,57 @@ fn a_video_step_is_sized_as_it_runs() {
         dry.peak_activation_bytes
     );
 }
+
+/// A dummy video the device cannot hold is named as such, with the two settings that leave it
+/// out or shrink it; nothing stays allocated; sized for images only, the same device starts.
+#[test]
+fn a_video_step_that_does_not_fit_names_the_video_and_the_way_out() {
+    let spec = ModelSpec::preset("tiny").expect("the preset exists");
+    let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
+    let device = plugin
+        .open(0, &[("capacity".into(), "96MiB".into())])
+        .expect("the CPU device opens");
+    let allocator = CachingAllocator::new(Arc::new(device));
+    let request = |video| ProfileRequest {
+        spec: spec.clone(),
+        weights: WeightSource::Dummy { seed: 7 },
+        dtype: DType::F32,
+        scheduler: SchedulerConfig {
+            max_num_batched_tokens: 1024,
+            limit_mm_per_prompt: MmLimits {
+                video,
+                ..MmLimits::default()
+            },
+            ..SchedulerConfig::default()
+        },
+        device_memory_utilization: 0.9,
+        mode: ProfileMode::Dry,
+        warm_up: WarmUpMode::Off,
+        progress: ProgressSink::default(),
+        video: spec.default_video_processing(),
+    };
+    let err = match profile_startup(&allocator, &request(999)) {
+        Ok((_, report)) => panic!("a 96 MiB device held the video step: {report:?}"),
+        Err(err) => err,
+    };
+    let text = err.to_string();
+    assert!(
+        matches!(
+            err,
+            iris_core::profile::ProfileError::VideoDoesNotFit { tokens: 7168, .. }
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("limit_mm_per_prompt {\"video\": 0}") && text.contains("max_model_len"),
+        "{text}"
+    );
+    assert_eq!(
+        allocator.stats().allocated,
+        0,
+        "the failed start left blocks"
+    );
+    let (tower, report) = profile_startup(&allocator, &request(0)).expect("images only fit");
+    assert_eq!(report.max_item_modality, Modality::Image);
+    drop(tower);
+}

@@ -327,6 +327,23 @@ unsafe fn copy_between(src: &Region, src_start: usize, dst: &Region, dst_start: 
     }
 }
 
+impl CpuDevice {
+    /// The `peak_flops` property: one core's timed f32 multiply-add roof for the tier's SIMD
+    /// times the threads; bf16 at the native dot's measured speed where the tier runs it, else
+    /// at f32's (the kernels widen bf16 and f16 to f32).
+    fn peak_flops(&self) -> Option<String> {
+        let f32_peak =
+            crate::isa::f32_core_roof(self.tier.simd())? * self.options.threads.max(1) as f64;
+        let bf16_peak = match self.tier {
+            Tier::Avx512Bf16 | Tier::Amx => f32_peak * crate::isa::bf16_dot_speed().unwrap_or(1.0),
+            _ => f32_peak,
+        };
+        Some(format!(
+            "f32={f32_peak:.4e},bf16={bf16_peak:.4e},f16={f32_peak:.4e}"
+        ))
+    }
+}
+
 impl iris_plugin::Backend for CpuDevice {
     fn describe(&self) -> DeviceDesc {
         DeviceDesc {
@@ -347,6 +364,10 @@ impl iris_plugin::Backend for CpuDevice {
             .chain(
                 crate::isa::bf16_dot_speed()
                     .map(|speed| Property::new(BF16_DOT_SPEED, format!("{speed:.2}"))),
+            )
+            .chain(
+                self.peak_flops()
+                    .map(|peak| Property::new(property::PEAK_FLOPS, peak)),
             )
             .collect::<Vec<_>>()
             .into(),
@@ -789,5 +810,36 @@ mod tests {
         assert_eq!(options.queue, QueueMode::Sync);
         assert_eq!(options.queue_delay, Duration::from_micros(250));
         assert!(options.faults.any());
+    }
+
+    #[test]
+    fn peak_flops_is_the_timed_roof_for_every_float_dtype() {
+        use iris_plugin::Backend as _;
+        let figure = |threads: &str| {
+            let options = CpuOptions::parse(&[("threads", threads), ("capacity", "1MiB")]).unwrap();
+            let device = CpuDevice::open(options, iris_plugin::Logger::discard()).unwrap();
+            let desc = device.describe();
+            let value = desc
+                .properties
+                .iter()
+                .find(|p| p.key.as_str() == property::PEAK_FLOPS)
+                .map(|p| p.value.to_string())
+                .expect("the CPU device reports its peak on x86-64");
+            ["f32", "bf16", "f16"].map(|dtype| {
+                property::peak_flops(&value, dtype).unwrap_or_else(|| panic!("{dtype} in {value}"))
+            })
+        };
+        let [f32_one, _, f16_one] = figure("1");
+        // Any x86-64 core multiplies and adds faster than 100 MFLOP/s, and none at 10 TFLOP/s.
+        assert!((1e8..1e13).contains(&f32_one), "{f32_one}");
+        // f16 is widened to f32: its roof is f32's.
+        assert_eq!(f16_one, f32_one);
+        // One core's roof, times the threads (the roof is timed once per process).
+        let [f32_two, ..] = figure("2");
+        // (Both are written to five significant figures.)
+        assert!(
+            (f32_two / f32_one - 2.0).abs() < 1e-3,
+            "{f32_two} vs {f32_one}"
+        );
     }
 }

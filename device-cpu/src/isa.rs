@@ -278,6 +278,28 @@ pub fn bf16_dot_speed() -> Option<f64> {
     })
 }
 
+/// The dense f32 FLOP/s one core reaches with `simd`'s multiply-adds (fused where the SIMD has
+/// them): the roof the matrix products run against, timed once per process and SIMD level.
+/// `None` off x86-64.
+pub fn f32_core_roof(simd: Simd) -> Option<f64> {
+    static ROOFS: [std::sync::OnceLock<Option<f64>>; 3] = [
+        std::sync::OnceLock::new(),
+        std::sync::OnceLock::new(),
+        std::sync::OnceLock::new(),
+    ];
+    let slot = match simd {
+        Simd::Baseline => 0,
+        Simd::Avx2 => 1,
+        Simd::Avx512 => 2,
+    };
+    *ROOFS[slot].get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        return Some(probe::f32_roof(simd));
+        #[cfg(not(target_arch = "x86_64"))]
+        None
+    })
+}
+
 /// Throughput loops: [`roof::CHAINS`] independent chains of one arithmetic instruction each,
 /// more than its latency times its ports, nothing loaded from memory. The device times two of
 /// them for [`bf16_dot_speed`]; the benches report them as the roof their ops are held against.
@@ -368,6 +390,25 @@ mod probe {
         }
         // Per instruction: 16 lanes x 2 flops for the FMA, 16 lanes x 2 pairs x 2 for the dot.
         (64.0 / dot) / (32.0 / fma)
+    }
+
+    /// FLOP/s of one core running `simd`'s f32 loop; the caller's tier checked the SIMD.
+    pub(super) fn f32_roof(simd: super::Simd) -> f64 {
+        // Flops per instruction (the baseline's per multiply and add pair).
+        let (flops, run): (f64, fn(u64) -> f32) = match simd {
+            // SAFETY (each arm): the device runs the tier whose SIMD this is only where the CPU
+            // has it (`Tier::supported`).
+            super::Simd::Avx512 => (32.0, |steps| unsafe { roof::fma_avx512(steps) }),
+            super::Simd::Avx2 => (16.0, |steps| unsafe { roof::fma_avx2(steps) }),
+            super::Simd::Baseline => (8.0, |steps| unsafe { roof::mul_add_sse2(steps) }),
+        };
+        // More runs than the ratio takes: this figure is absolute, and the fastest of a few
+        // 0.1 ms runs on a shared machine still varies by some 10%.
+        let best = (0..RUNS * 8)
+            .map(|_| timed(|| run(black_box(STEPS))))
+            .fold(f64::INFINITY, f64::min);
+        // `CHAINS` and `STEPS` are small constants, exact in f64.
+        flops * roof::CHAINS as f64 * STEPS as f64 / best
     }
 
     fn timed(f: impl FnOnce() -> f32) -> f64 {

@@ -531,6 +531,35 @@ pub mod property {
     pub const WARM_UP: &str = "warm_up";
     /// [`WARM_UP`]'s value asking for steps of a range of sizes.
     pub const WARM_UP_STEP_SIZES: &str = "step_sizes";
+    /// The dense matrix-product FLOP/s the device can reach per storage dtype, as
+    /// `dtype=flops` pairs separated by commas (`f32=1.9e11,bf16=3.8e11`): what a host holds a
+    /// step's achieved FLOP/s against. How the device knows it is its own (the CPU device times
+    /// its FMA roof at open); absent when it does not.
+    pub const PEAK_FLOPS: &str = "peak_flops";
+
+    /// The FLOP/s a [`PEAK_FLOPS`] value gives `dtype` (e.g. `bf16`); `None` when the value
+    /// names no positive finite figure for it.
+    pub fn peak_flops(value: &str, dtype: &str) -> Option<f64> {
+        value.split(',').find_map(|pair| {
+            let (name, flops) = pair.split_once('=')?;
+            let flops: f64 = flops.trim().parse().ok()?;
+            (name.trim() == dtype && flops.is_finite() && flops > 0.0).then_some(flops)
+        })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn peak_flops_reads_the_dtypes_figure() {
+            let value = "f32=1.5e11, bf16 = 3e11,f16=x,i32=-1";
+            assert_eq!(super::peak_flops(value, "f32"), Some(1.5e11));
+            assert_eq!(super::peak_flops(value, "bf16"), Some(3e11));
+            assert_eq!(super::peak_flops(value, "f16"), None);
+            assert_eq!(super::peak_flops(value, "i32"), None);
+            assert_eq!(super::peak_flops(value, "f64"), None);
+            assert_eq!(super::peak_flops("", "f32"), None);
+        }
+    }
 }
 
 /// One region of a batched device-to-device copy, in bytes; each region names its own source

@@ -304,6 +304,8 @@ def main():
     parser.add_argument("--iris-only", action="store_true", help="time iris alone: no torch, no transformers")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's bf16 peak instead of measuring it")
     parser.add_argument("--flops", action="store_true", help="print each tower's FLOPs per image and exit")
+    parser.add_argument("--measure-peak", action="store_true",
+                        help="print the GPU's measured bf16 peak in TFLOPS (for iris bench --peak-tflops) and exit")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     towers = [t for t in args.towers.split(",") if t]
@@ -315,6 +317,9 @@ def main():
         parser.error("--repeats and every batch size must be at least 1")
     if args.flops:
         print_flops(towers, args.image_size, args.json)
+        return 0
+    if args.measure_peak:
+        print(f"{measure_peak():.1f}")
         return 0
 
     results = {"device": args.device, "dtype": args.dtype, "image_size": args.image_size, "repeats": args.repeats,

@@ -102,6 +102,20 @@ pub struct BenchArgs {
     /// expected and unexpected errors; exits 1 on an unexpected error or leaked bytes.
     #[arg(long)]
     pub inject_faults: bool,
+    /// The device's dense peak in TFLOP/s at the engine's dtype, which the encoder's achieved
+    /// TFLOP/s are held against, instead of the one the device reports (a measured product's
+    /// figure, say; the CUDA device reports none yet).
+    #[arg(long, value_parser = positive_tflops)]
+    pub peak_tflops: Option<f64>,
+}
+
+/// `--peak-tflops`: a positive finite number.
+fn positive_tflops(text: &str) -> Result<f64, String> {
+    text.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .ok_or_else(|| format!("{text:?} is not a positive number of TFLOP/s"))
 }
 
 impl BenchArgs {
@@ -142,6 +156,7 @@ impl BenchArgs {
             sample_interval: std::time::Duration::from_millis(self.sample_interval_ms),
             show_progress: !self.no_progress,
             inject_faults: self.inject_faults,
+            peak_tflops: self.peak_tflops,
         }
     }
 }

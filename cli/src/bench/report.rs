@@ -136,6 +136,10 @@ pub struct EngineCounters {
     pub step_time_ns: u64,
     /// Time in the tower's forward passes, ns.
     pub encoder_time_ns: u64,
+    /// FLOPs of those forward passes.
+    pub encoder_flops: u64,
+    /// The device's dense FLOP/s at the engine's dtype, if it reports one.
+    pub peak_flops: Option<u64>,
 }
 
 /// Where the engine's step time went during the load.
@@ -150,11 +154,27 @@ pub struct StepStats {
     /// Share of step time outside the tower (scheduling, cache upkeep, gathering, delivery),
     /// from 0 to 1; 0 without steps.
     pub overhead_share: f64,
+    /// FLOPs of the tower's forward passes (the tower's FLOP count, as the GPU check counts).
+    pub encoder_flops: u64,
+    /// Those FLOPs over the encoder's time, in TFLOP/s; 0 without encoder time.
+    pub encoder_tflops: f64,
+    /// The peak they are held against, in TFLOP/s: `--peak-tflops`, else the device's
+    /// `peak_flops` at the engine's dtype; `None` when neither gives one.
+    pub peak_tflops: Option<f64>,
+    /// Where the peak came from: `device` or `--peak-tflops`.
+    pub peak_source: Option<&'static str>,
+    /// `encoder_tflops / peak_tflops`.
+    pub peak_share: Option<f64>,
 }
 
 impl StepStats {
-    /// Figures for the load phase from counters read before and after it.
-    pub fn between(before: &EngineCounters, after: &EngineCounters) -> Self {
+    /// Figures for the load phase from counters read before and after it; `peak_tflops`, when
+    /// given, replaces the device's peak.
+    pub fn between(
+        before: &EngineCounters,
+        after: &EngineCounters,
+        peak_tflops: Option<f64>,
+    ) -> Self {
         let step_ns = after.step_time_ns.saturating_sub(before.step_time_ns);
         let encoder_ns = after.encoder_time_ns.saturating_sub(before.encoder_time_ns);
         let overhead_share = if step_ns == 0 {
@@ -162,12 +182,53 @@ impl StepStats {
         } else {
             step_ns.saturating_sub(encoder_ns) as f64 / step_ns as f64
         };
+        let encoder_flops = after.encoder_flops.saturating_sub(before.encoder_flops);
+        let encoder_tflops = if encoder_ns == 0 {
+            0.0
+        } else {
+            // FLOP per ns is GFLOP/s.
+            encoder_flops as f64 / encoder_ns as f64 / 1e3
+        };
+        let (peak_tflops, peak_source) = match (peak_tflops, after.peak_flops) {
+            (Some(given), _) => (Some(given), Some("--peak-tflops")),
+            (None, Some(flops)) => (Some(flops as f64 / 1e12), Some("device")),
+            (None, None) => (None, None),
+        };
         Self {
             steps: after.steps.saturating_sub(before.steps),
             step_time_s: step_ns as f64 / 1e9,
             encoder_time_s: encoder_ns as f64 / 1e9,
             overhead_share,
+            encoder_flops,
+            encoder_tflops,
+            peak_tflops,
+            peak_source,
+            peak_share: peak_tflops
+                .filter(|peak| *peak > 0.0)
+                .map(|peak| encoder_tflops / peak),
         }
+    }
+
+    /// The report's `encoder:` line: FLOPs, achieved TFLOP/s and their share of the peak.
+    pub fn encoder_line(&self) -> String {
+        let peak = match (self.peak_tflops, self.peak_share, self.peak_source) {
+            (Some(peak), Some(share), Some("device")) => format!(
+                "{:.1}% of the device's peak ({peak:.3} TFLOPS at the engine's dtype, its peak_flops)",
+                share * 100.0
+            ),
+            (Some(peak), Some(share), _) => format!(
+                "{:.1}% of the peak given by --peak-tflops ({peak:.3} TFLOPS)",
+                share * 100.0
+            ),
+            _ => "no peak to hold it against (the device reports none; --peak-tflops gives one)"
+                .to_owned(),
+        };
+        format!(
+            "encoder:    {:.3} TFLOP in {:.2} s of forward passes: {:.3} TFLOPS achieved, {peak}",
+            self.encoder_flops as f64 / 1e12,
+            self.encoder_time_s,
+            self.encoder_tflops
+        )
     }
 }
 
@@ -482,6 +543,7 @@ impl BenchReport {
             st.encoder_time_s,
             st.overhead_share * 100.0
         );
+        let _ = writeln!(out, "{}", st.encoder_line());
         if let Some(faults) = &self.faults {
             out.push_str(&faults.render_text());
         }
@@ -645,15 +707,42 @@ mod tests {
             steps: 4,
             step_time_ns: 2_000,
             encoder_time_ns: 1_500,
+            encoder_flops: 3_000_000,
+            peak_flops: Some(4_000_000_000_000),
         };
         let c = CacheStats::between(&before, &after);
         assert_eq!(c.processor_hit_rate, 0.75);
         assert_eq!(c.encoder_hit_rate, 0.25);
         assert_eq!(c.evictions(), 3);
         assert_eq!(CacheStats::between(&after, &after).encoder_hit_rate, 0.0);
-        let st = StepStats::between(&before, &after);
+        let st = StepStats::between(&before, &after, None);
         assert_eq!((st.steps, st.overhead_share), (4, 0.25));
-        assert_eq!(StepStats::between(&after, &after).overhead_share, 0.0);
+        assert_eq!(StepStats::between(&after, &after, None).overhead_share, 0.0);
+        // 3e6 FLOP in 1.5 us: 2 TFLOPS, half the device's 4.
+        assert!((st.encoder_tflops - 2.0).abs() < 1e-12, "{st:?}");
+        assert_eq!(
+            (st.peak_tflops, st.peak_source),
+            (Some(4.0), Some("device"))
+        );
+        assert!((st.peak_share.unwrap() - 0.5).abs() < 1e-12);
+        assert!(
+            st.encoder_line().contains("50.0% of the device's peak"),
+            "{}",
+            st.encoder_line()
+        );
+        let given = StepStats::between(&before, &after, Some(8.0));
+        assert_eq!(given.peak_source, Some("--peak-tflops"));
+        assert!((given.peak_share.unwrap() - 0.25).abs() < 1e-12);
+        let none = StepStats::between(
+            &before,
+            &EngineCounters {
+                peak_flops: None,
+                ..after
+            },
+            None,
+        );
+        assert_eq!(none.peak_share, None);
+        assert!(none.encoder_line().contains("--peak-tflops gives one"));
     }
 
     fn report(after_reset: MemoryPoint) -> BenchReport {
@@ -713,6 +802,8 @@ mod tests {
             "/latency_ms/p99",
             "/cache/processor_hit_rate",
             "/engine/overhead_share",
+            "/engine/encoder_flops",
+            "/engine/encoder_tflops",
             "/cache/encoder_hit_rate",
             "/cache/evictions",
             "/leaked_bytes",

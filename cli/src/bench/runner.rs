@@ -166,6 +166,8 @@ pub fn counters_of(m: &MetricsSnapshot) -> EngineCounters {
         steps: m.steps,
         step_time_ns: m.step_time_ns,
         encoder_time_ns: m.encoder_time_ns,
+        encoder_flops: m.encoder_flops,
+        peak_flops: m.peak_flops,
     }
 }
 
@@ -184,6 +186,8 @@ pub struct RunOptions {
     pub show_progress: bool,
     /// Abandon and reset at random while the load runs ([`super::faults`]).
     pub inject_faults: bool,
+    /// The device's peak in TFLOP/s, instead of the one it reports (`--peak-tflops`).
+    pub peak_tflops: Option<f64>,
 }
 
 impl Default for RunOptions {
@@ -195,6 +199,7 @@ impl Default for RunOptions {
             sample_interval: DEFAULT_SAMPLE_INTERVAL,
             show_progress: true,
             inject_faults: false,
+            peak_tflops: None,
         }
     }
 }
@@ -373,7 +378,7 @@ pub async fn run_bench<T: BenchTarget>(
             .inject_faults
             .then(|| faults::FaultReport::new(&outcomes, &reset_results)),
         cache: CacheStats::between(&counters_before, &counters_after),
-        steps: StepStats::between(&counters_before, &counters_after),
+        steps: StepStats::between(&counters_before, &counters_after, opts.peak_tflops),
         verdict: verdict(&memory),
         memory,
         timeline,

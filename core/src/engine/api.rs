@@ -256,6 +256,14 @@ pub struct MetricsSnapshot {
     /// Of that, time in the vision tower's forward passes, in ns.
     #[serde(default)]
     pub encoder_time_ns: u64,
+    /// Floating-point operations of those forward passes, as the tower's FLOP count
+    /// ([`crate::model::VisionConfig::flops`]) has them.
+    #[serde(default)]
+    pub encoder_flops: u64,
+    /// The device's dense FLOP/s at the engine's dtype (its `peak_flops` property), whole;
+    /// `None` when the device reports none.
+    #[serde(default)]
+    pub peak_flops: Option<u64>,
     /// Backpressure: the bounds and what is pending against them.
     #[serde(default)]
     pub admission: AdmissionStats,

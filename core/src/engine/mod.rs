@@ -170,6 +170,7 @@ pub(crate) struct Shared {
     steps: AtomicU64,
     step_time_ns: AtomicU64,
     encoder_time_ns: AtomicU64,
+    encoder_flops: AtomicU64,
     encoder_cache_bytes: AtomicU64,
     encoder_cache_entries: AtomicU64,
     encoder_cache_capacity_tokens: AtomicU64,
@@ -230,6 +231,8 @@ pub struct Engine {
     processor: ProcessorConfig,
     startup: StartupProfile,
     device_name: String,
+    /// The device's dense FLOP/s at the engine's dtype, as its `peak_flops` property says.
+    peak_flops: Option<u64>,
     plugin_name: String,
     out_hidden: usize,
     deepstack_levels: usize,
@@ -257,7 +260,20 @@ impl Engine {
     /// # Errors
     /// [`StartError`] with the numbers when memory is short, or what failed.
     pub fn start(config: EngineConfig, device: Device) -> Result<Engine, StartError> {
-        let device_name = device.description().name.to_string();
+        let description = device.description();
+        let device_name = description.name.to_string();
+        let dtype_name = config.dtype.to_string();
+        let peak_flops = description
+            .properties
+            .iter()
+            .find(|(key, _)| key == iris_plugin::abi::property::PEAK_FLOPS)
+            .and_then(|(_, value)| iris_plugin::abi::property::peak_flops(value, &dtype_name))
+            // `peak_flops` gave a positive finite figure; `as` saturates past u64's range.
+            .map(|flops| {
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let whole = flops.round() as u64;
+                whole
+            });
         let plugin_name = device.plugin().name().to_owned();
         let allocator = CachingAllocator::new(Arc::new(device));
         let shared = Arc::new(Shared {
@@ -272,6 +288,7 @@ impl Engine {
             steps: AtomicU64::new(0),
             step_time_ns: AtomicU64::new(0),
             encoder_time_ns: AtomicU64::new(0),
+            encoder_flops: AtomicU64::new(0),
             encoder_cache_bytes: AtomicU64::new(0),
             encoder_cache_entries: AtomicU64::new(0),
             encoder_cache_capacity_tokens: AtomicU64::new(0),
@@ -327,6 +344,7 @@ impl Engine {
             config,
             startup,
             device_name,
+            peak_flops,
             plugin_name,
         })
     }
@@ -844,6 +862,8 @@ impl Engine {
             steps: s.steps.load(Ordering::Relaxed),
             step_time_ns: s.step_time_ns.load(Ordering::Relaxed),
             encoder_time_ns: s.encoder_time_ns.load(Ordering::Relaxed),
+            encoder_flops: s.encoder_flops.load(Ordering::Relaxed),
+            peak_flops: self.peak_flops,
             admission: s.admission.stats(),
             memory: self.gauges(),
             before_start: gauges_of_snapshot(Some(&self.startup.before_start)),
@@ -892,6 +912,7 @@ impl Engine {
                 WeightSource::Safetensors(paths) => format!("{} safetensors path(s)", paths.len()),
             },
             "device": self.device_name,
+            "peak_flops": self.peak_flops,
             "plugin": self.plugin_name,
             "scheduler": {
                 "max_num_batched_tokens": s.max_num_batched_tokens,

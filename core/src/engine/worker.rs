@@ -783,6 +783,10 @@ impl Worker {
             .encoder_time_ns
             .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
         let outputs = outputs?;
+        let flops = grids.iter().map(|grid| self.vision.flops(*grid)).sum();
+        self.shared
+            .encoder_flops
+            .fetch_add(flops, Ordering::Relaxed);
         // The queue has drained: this returns at once.
         writes.finish()?;
         drop(input);

@@ -204,6 +204,66 @@ impl VisionConfig {
         self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
     }
 
+    /// Floating-point operations of one item of `grid` (`[t, h, w]` in patches) through the
+    /// tower, counted as `tools/gpu-check/towers_vs_transformers.py --flops` counts them:
+    /// matrix products as `2 m n k` (patch embedding, qkv, projection, MLP, the mergers),
+    /// attention as `4 s^2 hidden` per layer and segment of `s` patches (a temporal group, or in
+    /// Qwen2.5-VL's windowed layers a window). Norms, activations, softmax and position
+    /// embeddings, each well under 1%, are left out. What `iris bench` divides by the encoder's
+    /// time for its achieved FLOP/s.
+    pub fn flops(&self, grid: [u32; 3]) -> u64 {
+        let [t, h, w] = grid.map(u64::from);
+        let wide = |v: usize| u64::try_from(v).unwrap_or(u64::MAX);
+        let (d, i, out, depth) = (
+            wide(self.hidden),
+            wide(self.intermediate),
+            wide(self.out_hidden),
+            wide(self.depth),
+        );
+        let m = wide(self.merge_unit());
+        let s = h * w;
+        let n = t * s;
+        let patch_embed = 2 * n * wide(self.patch_row_len()) * d;
+        let qkv = depth * 2 * n * d * 3 * d;
+        let proj = depth * 2 * n * d * d;
+        // Qwen2.5-VL's SwiGLU MLP has three matrices, the others two.
+        let matrices = if self.family == Family::Qwen25Vl {
+            3
+        } else {
+            2
+        };
+        let mlp = depth * 2 * n * d * i * matrices;
+        let window = self
+            .window_size
+            .filter(|_| self.family == Family::Qwen25Vl)
+            .map(|window| wide(window / self.spatial_merge_size.max(1) / self.patch_size.max(1)));
+        let (full_layers, windowed) = match window {
+            Some(unit) if unit > 0 => {
+                let merge = wide(self.spatial_merge_size.max(1));
+                // Window sides in merged tokens, the last one ragged.
+                let sides = |len: u64| {
+                    let mut sides = vec![unit; usize::try_from(len / unit).unwrap_or(0)];
+                    if !len.is_multiple_of(unit) {
+                        sides.push(len % unit);
+                    }
+                    sides
+                };
+                let (rows, cols) = (sides(h / merge), sides(w / merge));
+                let windowed: u64 = rows
+                    .iter()
+                    .flat_map(|r| cols.iter().map(move |c| r * c * m))
+                    .map(|len| 4 * len * len * d)
+                    .sum();
+                (wide(self.fullatt_block_indexes.len()), windowed)
+            }
+            _ => (depth, 0),
+        };
+        let attention = t * (full_layers * 4 * s * s * d + (depth - full_layers) * windowed);
+        let mergers = 1 + wide(self.deepstack_visual_indexes.len());
+        let merger = mergers * 2 * (n / m) * (m * d * m * d + m * d * out);
+        patch_embed + qkv + proj + mlp + attention + merger
+    }
+
     /// Checks every value a tower depends on; the error names the Hugging Face key.
     pub fn validate(&self) -> Result<(), ModelError> {
         let fam = self.family;
@@ -1136,5 +1196,42 @@ mod tests {
             serde_json::from_str(r#"{"model_type":"qwen2_vl","depth":2.5}"#).unwrap();
         let err = vision_from_hf_config(&map, "config.json").unwrap_err();
         assert!(err.to_string().contains("`depth`"), "{err}");
+    }
+
+    #[test]
+    fn tower_flops_are_the_gpu_checks_count() {
+        // `python tools/gpu-check/towers_vs_transformers.py --flops --towers
+        // qwen2-vl-2b,qwen2.5-vl-7b,qwen3-vl-8b,tiny --image-size S --json F`: one S x S image.
+        let cases: [(&str, u32, u64); 14] = [
+            ("qwen2-vl-2b", 448, 1_480_819_998_720),
+            ("qwen2.5-vl-7b", 448, 1_346_937_815_040),
+            ("qwen3-vl-8b", 448, 786_695_454_720),
+            ("tiny", 448, 867_172_352),
+            ("qwen2-vl-2b", 224, 337_992_744_960),
+            ("qwen2.5-vl-7b", 224, 332_707_921_920),
+            ("qwen3-vl-8b", 224, 182_335_168_512),
+            ("qwen2-vl-2b", 896, 7_984_864_296_960),
+            ("qwen2.5-vl-7b", 896, 5_645_449_297_920),
+            ("qwen3-vl-8b", 896, 4_064_458_309_632),
+            ("tiny", 896, 9_911_140_352),
+            // 392 / 28 = 14 merged tokens a side: Qwen2.5-VL's last windows are ragged.
+            ("qwen2-vl-2b", 392, 1_102_924_677_120),
+            ("qwen2.5-vl-7b", 392, 1_026_404_843_520),
+            ("tiny", 392, 567_590_912),
+        ];
+        for (preset, side, want) in cases {
+            let vision = crate::model::ModelSpec::preset(preset).unwrap().vision;
+            let patches = side / u32::try_from(vision.patch_size).unwrap();
+            assert_eq!(
+                vision.flops([1, patches, patches]),
+                want,
+                "{preset} at {side}x{side}"
+            );
+        }
+        // A video's temporal groups are segments of their own: t groups cost t images.
+        let vision = crate::model::ModelSpec::preset("qwen2.5-vl-7b")
+            .unwrap()
+            .vision;
+        assert_eq!(vision.flops([3, 28, 28]), 3 * vision.flops([1, 28, 28]));
     }
 }
