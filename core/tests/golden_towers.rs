@@ -2,7 +2,10 @@
 //!
 //! `tests/data/golden/<model>/` holds a small random-weight checkpoint (config, preprocessor
 //! config, safetensors with Hugging Face names) and `golden.safetensors` with the pixel values
-//! and grids of two images and the tower's outputs, produced by `tools/golden/make_golden.py`.
+//! and grids of two images and the tower's outputs, produced by `tools/golden/make_golden.py`;
+//! `tests/data/golden/video/<model>.safetensors` holds a five-frame video's (three temporal
+//! groups, the last frame repeated) through the family's video processor and the same tower,
+//! by `tools/golden/make_video_golden.py`.
 //! The tower must agree to a relative error of 1e-4 in f32, and in bf16 (weights and
 //! activations rounded to bf16, products on the CPU device's native bf16 kernels where the CPU
 //! has them) to [`BF16_TOLERANCE`] of the same f32 outputs.
@@ -14,7 +17,9 @@ use iris_core::encoder::exec::Runner;
 use iris_core::encoder::layout::Grid;
 use iris_core::encoder::tower::VisionTower;
 use iris_core::memory::CachingAllocator;
-use iris_core::model::{ModelSpec, WeightSource};
+use iris_core::model::{Family, ModelSpec, WeightSource};
+use iris_core::preprocess::video::{VideoResize, preprocess_frames};
+use iris_core::preprocess::{ImageSize, RgbImage};
 use iris_plugin::{DType, Plugin};
 use safetensors::SafeTensors;
 
@@ -79,12 +84,22 @@ fn relative_errors(actual: &[f32], expected: &[f32]) -> (f64, f64) {
 }
 
 fn check_model(model: &str, dtype: DType, tolerance: f64) {
+    check_golden(
+        model,
+        &format!("{model}/golden.safetensors"),
+        dtype,
+        tolerance,
+    );
+}
+
+/// The tower on the pixel values of `file` (under the golden folder) against its outputs.
+fn check_golden(model: &str, file: &str, dtype: DType, tolerance: f64) {
     let dir = golden_dir(model);
     let spec = ModelSpec::from_hf_dir(&dir).expect("golden config parses");
     let weights = WeightSource::Safetensors(vec![dir.clone()])
         .load(&spec.vision, dtype)
         .expect("golden weights load");
-    let bytes = std::fs::read(dir.join("golden.safetensors")).expect("golden outputs exist");
+    let bytes = std::fs::read(dir.join("..").join(file)).expect("golden outputs exist");
     let golden = SafeTensors::deserialize(&bytes).expect("golden outputs parse");
     let grids = grids(&golden);
     let pixels = f32s(&golden, "pixel_values");
@@ -185,4 +200,86 @@ fn qwen3_vl_matches_transformers() {
 #[test]
 fn qwen3_vl_in_bf16_stays_within_bf16_tolerance() {
     check_model("qwen3_vl", DType::BF16, BF16_TOLERANCE);
+}
+
+/// iris's video processing of the golden's frames gives transformers' pixel values, bit for
+/// bit: the family's resize rule and the checkpoint's patch geometry and normalization, with the
+/// bounds `make_video_golden.py` gave the processor.
+fn check_video_processing(model: &str) {
+    let spec = ModelSpec::from_hf_dir(&golden_dir(model)).expect("golden config parses");
+    let bytes = std::fs::read(golden_dir("video").join(format!("{model}.safetensors")))
+        .expect("the video golden exists");
+    let golden = SafeTensors::deserialize(&bytes).expect("the video golden parses");
+    let view = golden.tensor("frames").expect("frames");
+    let (h, w) = (view.shape()[1], view.shape()[2]);
+    let frames: Vec<RgbImage> = view
+        .data()
+        .chunks_exact(h * w * 3)
+        .map(|pixels| RgbImage {
+            size: ImageSize::new(u32::try_from(w).unwrap(), u32::try_from(h).unwrap()),
+            pixels: pixels.to_vec(),
+        })
+        .collect();
+    let mut config = spec.processor.clone();
+    let unit = u64::from(config.factor());
+    let (resize, frames_budgeted) = match spec.vision.family {
+        Family::Qwen3Vl => (VideoResize::OverAllFrames, frames.len() as u64),
+        _ => (VideoResize::PerFrame, 1),
+    };
+    // The processor's bounds were the frames' own size (in merge units, a side of `unit`).
+    let units = (h as u64 / unit) * (w as u64 / unit);
+    config.min_pixels = unit * unit;
+    config.max_pixels = unit * unit * units * frames_budgeted;
+    let video = preprocess_frames(&frames, &config, resize).expect("processed");
+    assert_eq!(grids(&golden), vec![video.grid_thw], "{model}: grid");
+    let expected = f32s(&golden, "pixel_values");
+    assert_eq!(video.pixel_values.len(), expected.len(), "{model}: values");
+    let differing = video
+        .pixel_values
+        .iter()
+        .zip(&expected)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(
+        differing, 0,
+        "{model}: pixel values differ from transformers'"
+    );
+}
+
+/// Frames to pixel values to rows: iris's processing and tower against transformers'.
+fn check_video(model: &str) {
+    check_video_processing(model);
+    check_golden(
+        model,
+        &format!("video/{model}.safetensors"),
+        DType::F32,
+        TOLERANCE,
+    );
+}
+
+#[test]
+fn qwen2_vl_video_matches_transformers() {
+    check_video("qwen2_vl");
+}
+
+#[test]
+fn qwen2_5_vl_video_matches_transformers() {
+    check_video("qwen2_5_vl");
+}
+
+#[test]
+fn qwen3_vl_video_matches_transformers() {
+    check_video("qwen3_vl");
+}
+
+#[test]
+fn videos_in_bf16_stay_within_bf16_tolerance() {
+    for model in ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"] {
+        check_golden(
+            model,
+            &format!("video/{model}.safetensors"),
+            DType::BF16,
+            BF16_TOLERANCE,
+        );
+    }
 }
