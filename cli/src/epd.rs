@@ -505,9 +505,31 @@ pub fn processor_overrides(factors: &HashFactors) -> Result<ProcessorOverrides, 
         match key.as_str() {
             "min_pixels" => overrides.min_pixels = Some(pixels()?),
             "max_pixels" => overrides.max_pixels = Some(pixels()?),
+            // vLLM hands these to the video processor, which samples nothing from frames its
+            // loader already chose (`do_sample_frames` false): they change the identifier (a
+            // hash factor), not the rows. Where the loader read every frame, Qwen3-VL's
+            // processor re-samples with them; `check_sampling_kwargs` refuses that case.
+            "fps" => {
+                let rate = match value {
+                    JsonValue::Int(v) => Some(*v as f64),
+                    JsonValue::UInt(v) => Some(*v as f64),
+                    JsonValue::Float(v) => Some(*v),
+                    _ => None,
+                };
+                if !rate.is_some_and(|r| r.is_finite() && r > 0.0) {
+                    return Err(bad(
+                        "mm_processor_kwargs.fps must be a positive number (one for every video; per-video lists are not supported)".to_owned(),
+                    ));
+                }
+            }
+            "num_frames" => {
+                pixels().map_err(|_| {
+                    bad("mm_processor_kwargs.num_frames must be a positive integer (one for every video; per-video lists are not supported)".to_owned())
+                })?;
+            }
             other => {
                 return Err(bad(format!(
-                    "mm_processor_kwargs key `{other}` is not supported by iris (supported: min_pixels, max_pixels)"
+                    "mm_processor_kwargs key `{other}` is not supported by iris (supported: min_pixels, max_pixels, fps, num_frames)"
                 )));
             }
         }
@@ -611,6 +633,7 @@ impl Epd {
             check_target_count(target, request.items.len())?;
         }
         let videos = load_videos(engine, &request.items, &factors).await?;
+        check_sampling_kwargs(engine.video_processing().loader, &videos, &factors)?;
         let identifiers = self.identifiers(&request.items, &videos, &factors)?;
         if let Some(target) = &request.push {
             check_target(target, &identifiers)?;
@@ -852,6 +875,41 @@ async fn load_videos<E: Engine>(
         }
     });
     futures::future::try_join_all(loads).await
+}
+
+/// Refuses `mm_processor_kwargs` `fps`/`num_frames` for a Qwen3-VL video whose loader read
+/// every frame: vLLM then lets transformers' processor sample the frames itself, with those
+/// settings, which iris does not reproduce. Elsewhere they are hash factors only.
+///
+/// # Errors
+/// [`ProduceError::BadRequest`] naming the video and the way out (`media_io_kwargs.video`).
+fn check_sampling_kwargs(
+    loader: VideoLoader,
+    videos: &[Option<Arc<DecodedVideo>>],
+    factors: &HashFactors,
+) -> Result<(), ProduceError> {
+    let sets_sampling = factors
+        .mm_processor_kwargs
+        .as_ref()
+        .map(OrderedJson::members)
+        .unwrap_or_default()
+        .iter()
+        .any(|(key, _)| key == "fps" || key == "num_frames");
+    if loader != VideoLoader::Qwen3Vl || !sets_sampling {
+        return Ok(());
+    }
+    match videos
+        .iter()
+        .position(|v| v.as_ref().is_some_and(|v| v.metadata.do_sample_frames))
+    {
+        Some(index) => Err(ProduceError::BadRequest {
+            code: "invalid_mm_processor_kwargs",
+            message: format!(
+                "video {index}: its loader read every frame, so mm_processor_kwargs fps/num_frames would have Qwen3-VL's processor sample the frames again, which iris does not do; give the sampling as media_io_kwargs.video instead"
+            ),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// `err` of video `index` of a request, naming the video when it is the client's.
@@ -1403,6 +1461,61 @@ mod tests {
             serde_json::json!(flag_store.path())
         );
         assert_eq!(from_flag.served_model_name, "Qwen/Qwen2.5-VL-3B-Instruct");
+    }
+
+    fn processor_kwargs(text: &str) -> HashFactors {
+        HashFactors {
+            mm_processor_kwargs: Some(OrderedJson::parse("mm_processor_kwargs", text).unwrap()),
+            media_io_kwargs: None,
+        }
+    }
+
+    #[test]
+    fn sampling_processor_kwargs_are_hash_factors_unless_qwen3_would_resample() {
+        // Scalars are taken (they change the identifier, not the processing).
+        for ok in [
+            r#"{"fps": 1}"#,
+            r#"{"fps": 0.5, "num_frames": 8}"#,
+            r#"{"max_pixels": 3136, "fps": 2.0}"#,
+        ] {
+            let overrides = processor_overrides(&processor_kwargs(ok)).unwrap();
+            assert_eq!(overrides.min_pixels, None, "{ok}");
+        }
+        for (bad, needle) in [
+            (r#"{"fps": [1, 2]}"#, "per-video lists"),
+            (r#"{"fps": 0}"#, "positive number"),
+            (r#"{"num_frames": 2.5}"#, "positive integer"),
+            (r#"{"num_frames": [4]}"#, "per-video lists"),
+            (r#"{"do_sample_frames": true}"#, "`do_sample_frames`"),
+        ] {
+            let err = processor_overrides(&processor_kwargs(bad)).unwrap_err();
+            assert!(err.to_string().contains(needle), "{bad}: {err}");
+        }
+        let video = |do_sample_frames| {
+            Some(Arc::new(DecodedVideo {
+                frames: Vec::new(),
+                metadata: iris_core::preprocess::video::ffmpeg::VideoMetadata {
+                    total_num_frames: 4,
+                    fps: 2.0,
+                    duration: 2.0,
+                    video_backend: "opencv",
+                    frames_indices: vec![0, 1, 2, 3],
+                    do_sample_frames,
+                },
+            }))
+        };
+        let fps = processor_kwargs(r#"{"fps": 1}"#);
+        let sampled = [None, video(false)];
+        let every_frame = [None, video(true)];
+        assert!(check_sampling_kwargs(VideoLoader::Qwen3Vl, &sampled, &fps).is_ok());
+        assert!(check_sampling_kwargs(VideoLoader::Qwen2Vl, &every_frame, &fps).is_ok());
+        let err = check_sampling_kwargs(VideoLoader::Qwen3Vl, &every_frame, &fps).unwrap_err();
+        assert!(
+            err.to_string().starts_with("video 1: ") && err.to_string().contains("media_io_kwargs"),
+            "{err}"
+        );
+        let pixels = processor_kwargs(r#"{"max_pixels": 3136}"#);
+        assert!(check_sampling_kwargs(VideoLoader::Qwen3Vl, &every_frame, &pixels).is_ok());
     }
 
     #[test]

@@ -578,6 +578,15 @@ def run_checks(args, iris, iris_url, proxy_url, recorder, store, work, served) -
             chat([video_part("odd9.mp4", clips["odd9.mp4"])], served, mm_processor_kwargs={"max_pixels": 56 * 56}),
         ),
         (
+            # A processor fps: a hash factor; the loader's frames are processed as they are.
+            "direct, a video and an image with mm_processor_kwargs fps",
+            chat(
+                [video_part("vp9_12.webm", clips["vp9_12.webm"]), image_part("photo.jpg", images["photo.jpg"])],
+                served,
+                mm_processor_kwargs={"fps": 1},
+            ),
+        ),
+        (
             "direct, a video sampled at 4 fps beside an image",
             chat(
                 [video_part("even10.mp4", clips["even10.mp4"]), image_part("grey.png", images["grey.png"])],

@@ -288,7 +288,7 @@ async fn bad_requests_are_4xx_json_and_leave_no_file() {
         ),
         (
             json!({"messages": [{"role": "user", "content": [image_part(&good, None)]}],
-                   "mm_processor_kwargs": {"fps": 2}}),
+                   "mm_processor_kwargs": {"do_sample_frames": true}}),
             StatusCode::BAD_REQUEST,
             "invalid_mm_processor_kwargs",
         ),
