@@ -510,13 +510,7 @@ pub fn processor_overrides(factors: &HashFactors) -> Result<ProcessorOverrides, 
             // hash factor), not the rows. Where the loader read every frame, Qwen3-VL's
             // processor re-samples with them; `check_sampling_kwargs` refuses that case.
             "fps" => {
-                let rate = match value {
-                    JsonValue::Int(v) => Some(*v as f64),
-                    JsonValue::UInt(v) => Some(*v as f64),
-                    JsonValue::Float(v) => Some(*v),
-                    _ => None,
-                };
-                if !rate.is_some_and(|r| r.is_finite() && r > 0.0) {
+                if !value.as_f64().is_some_and(|r| r.is_finite() && r > 0.0) {
                     return Err(bad(
                         "mm_processor_kwargs.fps must be a positive number (one for every video; per-video lists are not supported)".to_owned(),
                     ));
@@ -1156,14 +1150,12 @@ pub fn video_kwargs(
     for (key, value) in members {
         match key.as_str() {
             "fps" => {
-                #[allow(clippy::cast_precision_loss)]
-                let fps = match value {
-                    JsonValue::Float(v) => Some(*v),
-                    other => int(other).map(|v| v as f64),
-                };
-                let fps = fps.filter(|f| f.is_finite() && *f > 0.0).ok_or_else(|| {
-                    bad("media_io_kwargs.video.fps must be a positive number".to_owned())
-                })?;
+                let fps = value
+                    .as_f64()
+                    .filter(|f| f.is_finite() && *f > 0.0)
+                    .ok_or_else(|| {
+                        bad("media_io_kwargs.video.fps must be a positive number".to_owned())
+                    })?;
                 kwargs.sampling.fps = fps;
                 kwargs.fps = Some(fps);
             }

@@ -165,6 +165,20 @@ impl JsonValue {
         }
     }
 
+    /// The value of a number as an `f64` (integers rounded to the nearest one); `None` for
+    /// anything else.
+    #[must_use]
+    pub fn as_f64(&self) -> Option<f64> {
+        // A number past 2^53 loses its low bits, as Python's `float()` of it does.
+        #[allow(clippy::cast_precision_loss)]
+        match self {
+            Self::Int(v) => Some(*v as f64),
+            Self::UInt(v) => Some(*v as f64),
+            Self::Float(v) => Some(*v),
+            _ => None,
+        }
+    }
+
     /// The JSON type's name, for messages.
     #[must_use]
     pub fn kind(&self) -> &'static str {

@@ -33,11 +33,9 @@ use super::stats::{ErrorKind, RequestError, RequestOutcome, summarize};
 use super::workload::{EncodedMedia, RequestRate, Workload, arrival_offsets};
 use crate::epd::{Epd, EpdRequest, Item, ProduceError, Stored};
 use crate::http::MetricsSnapshot;
-use crate::http::engine_api::{
-    EncodeOptions, Engine, EngineError, ImageInput, MediaInput, VideoInput,
-};
+use crate::http::engine_api::{EncodeOptions, Engine, EngineError, ImageInput};
+use crate::http::request::{RequestItem, media_inputs};
 use iris_core::budget::Modality;
-use iris_core::preprocess::video::SamplingOptions;
 
 /// Default interval between memory samples during the load.
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
@@ -680,33 +678,20 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
                 })
                 .collect());
         }
-        // Clips are decoded as `/v1/encode` decodes them: each on the blocking pool, all at
-        // once, with the model's loader and vLLM's default sampling.
-        let engine = self.engine.as_ref();
-        let inputs = futures::future::try_join_all(items.iter().enumerate().map(
-            |(index, item)| async move {
-                match item.modality {
-                    Modality::Image => Ok(MediaInput::Image(ImageInput {
-                        bytes: item.bytes.to_vec(),
-                    })),
-                    Modality::Video => engine
-                        .load_video(item.bytes.to_vec(), SamplingOptions::default())
-                        .await
-                        .map(|video| {
-                            MediaInput::Video(VideoInput {
-                                video: Arc::new(video),
-                            })
-                        })
-                        .map_err(|err| crate::epd::name_video(index, err)),
-                    other => Err(EngineError::BadInput {
-                        message: format!("item {index}: iris bench sends no {other:?} items"),
-                        code: "unsupported_modality",
-                    }),
-                }
-            },
-        ))
-        .await
-        .map_err(engine_error)?;
+        // Clips are decoded as `/v1/encode` decodes them.
+        let requested = items
+            .iter()
+            .map(|item| match item.modality {
+                Modality::Video => RequestItem::Video(item.bytes.to_vec()),
+                // The workload makes images and videos only.
+                _ => RequestItem::Image(ImageInput {
+                    bytes: item.bytes.to_vec(),
+                }),
+            })
+            .collect();
+        let inputs = media_inputs(self.engine.as_ref(), requested)
+            .await
+            .map_err(engine_error)?;
         let results = self
             .engine
             .encode(permit, inputs, EncodeOptions::default())

@@ -27,13 +27,19 @@ use std::time::Duration;
 use image::{ExtendedColorType, ImageEncoder, RgbImage};
 use iris_core::budget::Modality;
 use iris_core::preprocess::video::ffmpeg::Ffmpeg;
+use rayon::iter::{IntoParallelIterator, ParallelIterator};
 
 /// Largest side accepted for a synthetic image.
 pub const MAX_SYNTHETIC_SIDE: u32 = 16384;
 /// JPEG quality of synthetic images.
 const JPEG_QUALITY: u8 = 90;
-/// File extensions read from `--dataset`.
-pub const DATASET_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "webp"];
+/// File extensions read from `--dataset`, with the media types of their data URLs.
+pub const DATASET_EXTENSIONS: [(&str, &str); 4] = [
+    ("png", "image/png"),
+    ("jpg", "image/jpeg"),
+    ("jpeg", "image/jpeg"),
+    ("webp", "image/webp"),
+];
 /// File extensions read from `--video-dataset`, with the media types of their data URLs.
 pub const VIDEO_EXTENSIONS: [(&str, &str); 6] = [
     ("mp4", "video/mp4"),
@@ -487,15 +493,7 @@ fn fresh_image_items(
                 })
                 .collect()
         }
-        ImageSource::Dataset(dir) => {
-            let files = list_dataset(dir)?;
-            let used = fresh.min(files.len());
-            let loaded = files[..used]
-                .iter()
-                .map(|path| load_file(path).map(Arc::new))
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok((0..fresh).map(|i| Arc::clone(&loaded[i % used])).collect())
-        }
+        ImageSource::Dataset(dir) => cycle_files(&list_dataset(dir)?, Modality::Image, fresh),
     }
 }
 
@@ -524,69 +522,25 @@ fn fresh_video_items(
             };
             // One FFmpeg (one encoding thread) per core at a time; each clip's bytes depend on
             // its seed alone, so the order they are made in changes nothing.
-            let workers = std::thread::available_parallelism()
-                .map_or(1, std::num::NonZero::get)
-                .min(fresh);
-            let next = std::sync::atomic::AtomicUsize::new(0);
-            let mut made: Vec<(usize, Result<Arc<EncodedMedia>, WorkloadError>)> =
-                std::thread::scope(|scope| {
-                    let handles: Vec<_> = (0..workers)
-                        .map(|_| {
-                            scope.spawn(|| {
-                                let mut done = Vec::new();
-                                loop {
-                                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                    if i >= fresh {
-                                        break done;
-                                    }
-                                    let clip = make(i);
-                                    let failed = clip.is_err();
-                                    done.push((i, clip));
-                                    if failed {
-                                        // The others stop at their next clip.
-                                        next.store(fresh, std::sync::atomic::Ordering::Relaxed);
-                                    }
-                                }
-                            })
-                        })
-                        .collect();
-                    handles
-                        .into_iter()
-                        .flat_map(|h| h.join().unwrap_or_default())
-                        .collect()
-                });
-            made.sort_by_key(|(i, _)| *i);
-            let clips = made
-                .into_iter()
-                .map(|(_, clip)| clip)
-                .collect::<Result<Vec<_>, _>>()?;
-            if clips.len() < fresh {
-                return Err(WorkloadError::VideoEncode {
-                    size: *size,
-                    frames: *frames,
-                    message: "a clip-making thread stopped".into(),
-                });
-            }
-            Ok(clips)
+            (0..fresh).into_par_iter().map(make).collect()
         }
-        VideoSource::Dataset(dir) => {
-            let files = list_video_dataset(dir)?;
-            let used = fresh.min(files.len());
-            let loaded = files[..used]
-                .iter()
-                .map(|(path, media_type)| {
-                    load_file(path).map(|file| {
-                        Arc::new(EncodedMedia {
-                            modality: Modality::Video,
-                            media_type,
-                            ..file
-                        })
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok((0..fresh).map(|i| Arc::clone(&loaded[i % used])).collect())
-        }
+        VideoSource::Dataset(dir) => cycle_files(&list_video_dataset(dir)?, Modality::Video, fresh),
     }
+}
+
+/// `fresh` items of `modality` from `files` (with their media types), in turn: each file is
+/// read once, and a run needing more items than there are files repeats them.
+fn cycle_files(
+    files: &[(PathBuf, &'static str)],
+    modality: Modality,
+    fresh: usize,
+) -> Result<Vec<Arc<EncodedMedia>>, WorkloadError> {
+    let used = fresh.min(files.len());
+    let loaded = files[..used]
+        .iter()
+        .map(|(path, media_type)| load_file(path, modality, media_type).map(Arc::new))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((0..fresh).map(|i| Arc::clone(&loaded[i % used])).collect())
 }
 
 /// The seed of fresh item `index`.
@@ -698,18 +652,18 @@ pub fn arrival_offsets(num_prompts: usize, rate: RequestRate, seed: u64) -> Vec<
         .collect()
 }
 
-/// Lists the image files of `dir` in name order.
+/// Lists the image files of `dir` in name order, with their media types.
 ///
 /// # Errors
 /// [`WorkloadError::DatasetUnreadable`] or [`WorkloadError::DatasetEmpty`].
-pub fn list_dataset(dir: &Path) -> Result<Vec<PathBuf>, WorkloadError> {
-    let files = list_files(dir, |ext| DATASET_EXTENSIONS.contains(&ext).then_some(()))?;
+pub fn list_dataset(dir: &Path) -> Result<Vec<(PathBuf, &'static str)>, WorkloadError> {
+    let files = list_files(dir, &DATASET_EXTENSIONS)?;
     if files.is_empty() {
         return Err(WorkloadError::DatasetEmpty {
             path: dir.to_owned(),
         });
     }
-    Ok(files.into_iter().map(|(path, ())| path).collect())
+    Ok(files)
 }
 
 /// Lists the clips of `dir` in name order, with their media types.
@@ -717,12 +671,7 @@ pub fn list_dataset(dir: &Path) -> Result<Vec<PathBuf>, WorkloadError> {
 /// # Errors
 /// [`WorkloadError::DatasetUnreadable`] or [`WorkloadError::VideoDatasetEmpty`].
 pub fn list_video_dataset(dir: &Path) -> Result<Vec<(PathBuf, &'static str)>, WorkloadError> {
-    let files = list_files(dir, |ext| {
-        VIDEO_EXTENSIONS
-            .iter()
-            .find(|(known, _)| *known == ext)
-            .map(|(_, media_type)| *media_type)
-    })?;
+    let files = list_files(dir, &VIDEO_EXTENSIONS)?;
     if files.is_empty() {
         return Err(WorkloadError::VideoDatasetEmpty {
             path: dir.to_owned(),
@@ -731,12 +680,18 @@ pub fn list_video_dataset(dir: &Path) -> Result<Vec<(PathBuf, &'static str)>, Wo
     Ok(files)
 }
 
-/// The files of `dir` whose lower-case extension `pick` accepts, with what it says of them, in
-/// name order.
-fn list_files<T>(
+/// The files of `dir` whose lower-case extension `types` names, with its media type, in name
+/// order.
+fn list_files(
     dir: &Path,
-    pick: impl Fn(&str) -> Option<T>,
-) -> Result<Vec<(PathBuf, T)>, WorkloadError> {
+    types: &[(&str, &'static str)],
+) -> Result<Vec<(PathBuf, &'static str)>, WorkloadError> {
+    let pick = |ext: &str| {
+        types
+            .iter()
+            .find(|(known, _)| *known == ext)
+            .map(|(_, media_type)| *media_type)
+    };
     let unreadable = |source| WorkloadError::DatasetUnreadable {
         path: dir.to_owned(),
         source,
@@ -940,27 +895,21 @@ fn assign_slots(n: usize, k: usize, ratio: f64, seed: u64) -> (Vec<Vec<usize>>, 
     (prompts, next_fresh, repeats)
 }
 
-fn load_file(path: &Path) -> Result<EncodedMedia, WorkloadError> {
+fn load_file(
+    path: &Path,
+    modality: Modality,
+    media_type: &'static str,
+) -> Result<EncodedMedia, WorkloadError> {
     let bytes = std::fs::read(path).map_err(|source| WorkloadError::FileUnreadable {
         path: path.to_owned(),
         source,
     })?;
-    let ext = path
-        .extension()
-        .and_then(|e| e.to_str())
-        .unwrap_or("")
-        .to_ascii_lowercase();
-    let media_type = match ext.as_str() {
-        "png" => "image/png",
-        "webp" => "image/webp",
-        _ => "image/jpeg",
-    };
     let label = path.file_name().map_or_else(
         || path.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
     Ok(EncodedMedia {
-        modality: Modality::Image,
+        modality,
         bytes: bytes.into(),
         media_type,
         label,

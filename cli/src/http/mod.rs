@@ -62,7 +62,6 @@ pub use metrics::{HttpMetrics, MetricsError};
 pub use request::Limits;
 
 use crate::epd::{Epd, ProduceError, Stored};
-use engine_api::{MediaInput, SamplingOptions, VideoInput};
 
 /// Environment variable read for the API key when `--api-key` is not given.
 pub const API_KEY_ENV: &str = "IRIS_API_KEY";
@@ -283,26 +282,7 @@ async fn encode<E: Engine>(
         .iter()
         .map(|item| matches!(item, request::RequestItem::Video(_)))
         .collect();
-    // Clips are decoded (each on the blocking pool, all at once) with the model's loader and
-    // vLLM's default sampling.
-    let engine = &state.engine;
-    let items = futures::future::try_join_all(parsed.items.into_iter().enumerate().map(
-        |(index, item)| async move {
-            match item {
-                request::RequestItem::Image(image) => Ok(MediaInput::Image(image)),
-                request::RequestItem::Video(bytes) => engine
-                    .load_video(bytes, SamplingOptions::default())
-                    .await
-                    .map(|video| {
-                        MediaInput::Video(VideoInput {
-                            video: Arc::new(video),
-                        })
-                    })
-                    .map_err(|err| crate::epd::name_video(index, err)),
-            }
-        },
-    ))
-    .await?;
+    let items = request::media_inputs(state.engine.as_ref(), parsed.items).await?;
     let results = state.engine.encode(permit, items, parsed.options).await?;
     let cached = results.iter().filter(|r| r.cached).count();
     let cached = u64::try_from(cached).unwrap_or(u64::MAX);

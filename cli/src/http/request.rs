@@ -14,7 +14,10 @@ use base64::engine::DecodePaddingMode;
 use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig, STANDARD};
 use serde_json::{Map, Value, json};
 
-use super::engine_api::{EncodeOptions, HostTensor, ImageInput, ImageResult};
+use super::engine_api::{
+    EncodeOptions, EngineError, HostTensor, ImageInput, ImageResult, MediaInput, SamplingOptions,
+    VideoInput,
+};
 use super::error::ApiError;
 
 /// Default request body limit: 64 MiB.
@@ -65,6 +68,38 @@ pub enum RequestItem {
     Image(ImageInput),
     /// A video clip's bytes (decoded by the engine, with FFmpeg).
     Video(Vec<u8>),
+}
+
+/// The engine's inputs for `items`, in order: images as they are, clips decoded (each on the
+/// blocking pool, all at once) with the model's loader and vLLM's default sampling, as
+/// `/v1/encode` takes them. A clip's client error names it (`video N: ...`).
+///
+/// # Errors
+/// The first clip the engine cannot decode.
+pub async fn media_inputs<E: super::engine_api::Engine>(
+    engine: &E,
+    items: Vec<RequestItem>,
+) -> Result<Vec<MediaInput>, EngineError> {
+    futures::future::try_join_all(
+        items
+            .into_iter()
+            .enumerate()
+            .map(|(index, item)| async move {
+                match item {
+                    RequestItem::Image(image) => Ok(MediaInput::Image(image)),
+                    RequestItem::Video(bytes) => engine
+                        .load_video(bytes, SamplingOptions::default())
+                        .await
+                        .map(|video| {
+                            MediaInput::Video(VideoInput {
+                                video: std::sync::Arc::new(video),
+                            })
+                        })
+                        .map_err(|err| crate::epd::name_video(index, err)),
+                }
+            }),
+    )
+    .await
 }
 
 /// A parsed and checked encode request.
