@@ -1,8 +1,11 @@
 //! Host-side index arithmetic of the Qwen-VL towers: rotary positions, attention segments,
 //! Qwen2.5-VL's window reordering and Qwen3-VL's interpolated position embeddings.
 //!
-//! All of it depends only on the grids of a batch, so it is computed on the host once per call
-//! and handed to the ops as borrowed slices.
+//! All of it depends only on the grids of a batch, so it is computed on the host once per call.
+//! The per-token tables (position embeddings, rotary angles) are computed once per distinct
+//! key ([`Distinct`]) and gathered into token order on the device.
+
+use std::collections::HashMap;
 
 /// A grid `(t, h, w)` in patches.
 pub type Grid = [u32; 3];
@@ -148,60 +151,113 @@ pub fn inverse_permutation(index: &[u32]) -> Vec<u32> {
     inverse
 }
 
-/// Qwen3-VL's learned position embeddings, bilinearly interpolated from a `side x side` table
-/// (`table` is `side * side` rows of `dim` f32) to each grid, in merge-window order and repeated
-/// per frame: `[patches, dim]` flat. Follows transformers' `fast_pos_embed_interpolate`,
-/// including torch's `linspace` arithmetic in f32.
-pub fn interpolated_pos_embed(
+/// Rows of a step-wide table that a few distinct keys determine: each distinct key once, in
+/// order of first appearance, and for every token the row of the keys' table it takes. A
+/// step's tokens share keys (images of one size share their position embeddings, tokens at
+/// one `[row, col]` their rotary angles, frames of a video both), so the host computes and
+/// uploads only the distinct rows and the device gathers each token's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Distinct<K> {
+    /// The distinct keys, in order of first appearance.
+    pub keys: Vec<K>,
+    /// For each token, its row in the table of the keys' rows.
+    pub index: Vec<u32>,
+}
+
+/// The distinct `[h, w]` frame sizes of `grids` (Qwen3-VL's position embeddings depend on
+/// nothing else): a key stands for `h * w` rows in merge-window order, its frames' tokens take
+/// them in that order.
+pub fn distinct_frames(grids: &[Grid]) -> Distinct<[u32; 2]> {
+    let mut keys = Vec::new();
+    let mut base_of: HashMap<[u32; 2], u32> = HashMap::new();
+    let mut rows = 0u32;
+    let mut index = Vec::with_capacity(grids.iter().map(|g| patches(*g)).sum());
+    for &[t, h, w] in grids {
+        let base = *base_of.entry([h, w]).or_insert_with(|| {
+            keys.push([h, w]);
+            let base = rows;
+            rows += h * w;
+            base
+        });
+        for _ in 0..t {
+            index.extend(base..base + h * w);
+        }
+    }
+    Distinct { keys, index }
+}
+
+/// The distinct `[row, col]` pairs of `positions` (as from [`rotary_positions`]): a key is one
+/// row of the rotary tables, each token takes its pair's.
+pub fn distinct_positions(positions: &[u32]) -> Distinct<[u32; 2]> {
+    let (mut max_row, mut max_col) = (0u32, 0u32);
+    for pair in positions.chunks_exact(2) {
+        max_row = max_row.max(pair[0]);
+        max_col = max_col.max(pair[1]);
+    }
+    // Positions are rows and columns of a step's grids: a dense map of every pair up to the
+    // largest is small (a 128x128 grid has 16384), and cheaper than hashing each token.
+    let width = max_col as usize + 1;
+    let mut row_of = vec![u32::MAX; (max_row as usize + 1) * width];
+    let mut keys = Vec::new();
+    let mut index = Vec::with_capacity(positions.len() / 2);
+    for pair in positions.chunks_exact(2) {
+        let slot = &mut row_of[pair[0] as usize * width + pair[1] as usize];
+        if *slot == u32::MAX {
+            // At most one key per token, and tokens are counted in u32 everywhere.
+            #[allow(clippy::cast_possible_truncation)]
+            let row = keys.len() as u32;
+            *slot = row;
+            keys.push([pair[0], pair[1]]);
+        }
+        index.push(*slot);
+    }
+    Distinct { keys, index }
+}
+
+/// Qwen3-VL's learned position embeddings of one `h x w` frame, bilinearly interpolated from a
+/// `side x side` table (`table` is `side * side` rows of `dim` f32), in merge-window order:
+/// `[h * w, dim]` flat. Follows transformers' `fast_pos_embed_interpolate`, including torch's
+/// `linspace` arithmetic in f32 and its summation order.
+pub fn interpolated_frame(
     table: &[f32],
     side: usize,
     dim: usize,
-    grids: &[Grid],
+    [h, w]: [u32; 2],
     merge: u32,
 ) -> Vec<f32> {
-    let total: usize = grids.iter().map(|g| patches(*g)).sum();
-    let mut out = Vec::with_capacity(total * dim);
-    for &[t, h, w] in grids {
-        let hs = linspace(side, h as usize);
-        let ws = linspace(side, w as usize);
-        // Row-major [h, w, dim] interpolation first, then reorder into merge windows.
-        let mut grid = vec![0f32; h as usize * w as usize * dim];
-        for (y, &hy) in hs.iter().enumerate() {
-            let (h0, h1, dh) = corners(hy, side);
-            for (x, &wx) in ws.iter().enumerate() {
-                let (w0, w1, dw) = corners(wx, side);
-                let weights = [
-                    (1.0 - dh) * (1.0 - dw),
-                    (1.0 - dh) * dw,
-                    dh * (1.0 - dw),
-                    dh * dw,
-                ];
-                let rows = [
-                    h0 * side + w0,
-                    h0 * side + w1,
-                    h1 * side + w0,
-                    h1 * side + w1,
-                ];
-                let cell = &mut grid[(y * w as usize + x) * dim..][..dim];
-                for (c, value) in cell.iter_mut().enumerate() {
-                    // Summation order of transformers: ((p0 + p1) + p2) + p3.
-                    let mut acc = table[rows[0] * dim + c] * weights[0];
-                    for k in 1..4 {
-                        acc += table[rows[k] * dim + c] * weights[k];
-                    }
-                    *value = acc;
-                }
-            }
-        }
-        for _ in 0..t {
-            for block_row in 0..h / merge {
-                for block_col in 0..w / merge {
-                    for i in 0..merge {
-                        for j in 0..merge {
-                            let y = (block_row * merge + i) as usize;
-                            let x = (block_col * merge + j) as usize;
-                            out.extend_from_slice(&grid[(y * w as usize + x) * dim..][..dim]);
-                        }
+    let corners_h: Vec<_> = linspace(side, h as usize)
+        .into_iter()
+        .map(|y| corners(y, side))
+        .collect();
+    let corners_w: Vec<_> = linspace(side, w as usize)
+        .into_iter()
+        .map(|x| corners(x, side))
+        .collect();
+    let mut out = vec![0f32; h as usize * w as usize * dim];
+    let mut at = 0;
+    for block_row in 0..h / merge {
+        for block_col in 0..w / merge {
+            for i in 0..merge {
+                for j in 0..merge {
+                    let (h0, h1, dh) = corners_h[(block_row * merge + i) as usize];
+                    let (w0, w1, dw) = corners_w[(block_col * merge + j) as usize];
+                    let [w00, w01, w10, w11] = [
+                        (1.0 - dh) * (1.0 - dw),
+                        (1.0 - dh) * dw,
+                        dh * (1.0 - dw),
+                        dh * dw,
+                    ];
+                    let row = |r: usize| &table[r * dim..][..dim];
+                    let (t00, t01) = (row(h0 * side + w0), row(h0 * side + w1));
+                    let (t10, t11) = (row(h1 * side + w0), row(h1 * side + w1));
+                    let cell = &mut out[at..at + dim];
+                    at += dim;
+                    // Summation order of transformers: ((p0 + p1) + p2) + p3. Zipped slices
+                    // leave the compiler no bounds checks, so the loop is vectorised.
+                    for ((((value, &a), &b), &c), &d) in
+                        cell.iter_mut().zip(t00).zip(t01).zip(t10).zip(t11)
+                    {
+                        *value = ((a * w00 + b * w01) + c * w10) + d * w11;
                     }
                 }
             }
@@ -317,6 +373,67 @@ mod tests {
         }
     }
 
+    /// Each token's row of the distinct table, gathered as the device does.
+    fn gather(table: &[f32], width: usize, index: &[u32]) -> Vec<f32> {
+        index
+            .iter()
+            .flat_map(|&row| &table[row as usize * width..][..width])
+            .copied()
+            .collect()
+    }
+
+    #[test]
+    fn distinct_rotary_rows_gathered_equal_every_tokens_own_bit_for_bit() {
+        // Two images of one size, a two-frame video of another, and a turned image.
+        let grids = [[1, 4, 6], [2, 6, 4], [1, 4, 6], [1, 2, 8]];
+        let positions = rotary_positions(&grids, 2);
+        let distinct = distinct_positions(&positions);
+        assert_eq!(distinct.index.len(), positions.len() / 2);
+        // 24 pairs of the 4x6 grid, 24 of 6x4 (16 shared with it), 16 of 2x8 (columns 6 and 7
+        // new).
+        assert_eq!(distinct.keys.len(), 24 + 8 + 4);
+        let flat: Vec<u32> = distinct.keys.iter().flatten().copied().collect();
+        let head_dim = 72;
+        let (cos, sin) = rotary_tables(&flat, head_dim, 10_000.0);
+        let (full_cos, full_sin) = rotary_tables(&positions, head_dim, 10_000.0);
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        assert_eq!(
+            bits(gather(&cos, head_dim, &distinct.index)),
+            bits(full_cos)
+        );
+        assert_eq!(
+            bits(gather(&sin, head_dim, &distinct.index)),
+            bits(full_sin)
+        );
+    }
+
+    #[test]
+    fn distinct_frames_share_rows_across_images_and_frames() {
+        let grids = [[1, 4, 6], [2, 6, 4], [1, 4, 6]];
+        let distinct = distinct_frames(&grids);
+        assert_eq!(distinct.keys, vec![[4, 6], [6, 4]]);
+        let first: Vec<u32> = (0..24).collect();
+        let second: Vec<u32> = (24..48).collect();
+        let expected = [&first[..], &second, &second, &first].concat();
+        assert_eq!(distinct.index, expected);
+    }
+
+    #[test]
+    fn interpolated_frames_are_in_merge_window_order() {
+        // A 2x2 table at its own size with merge 2 is one window: rows in row-major order; at
+        // 2x4, two windows of the bilinear columns 0, 1/3, 2/3 and 1.
+        let (side, dim) = (2, 1);
+        let table = vec![0.0f32, 3.0, 6.0, 9.0];
+        assert_eq!(interpolated_frame(&table, side, dim, [2, 2], 2), table);
+        let out = interpolated_frame(&table, side, dim, [2, 4], 2);
+        let window = |x0: f32, x1: f32| [x0, x1, 6.0 + x0, 6.0 + x1];
+        let third = 1.0f32 / 3.0;
+        let expected = [window(0.0, 3.0 * third), window(3.0 * (1.0 - third), 3.0)].concat();
+        for (got, want) in out.iter().zip(&expected) {
+            assert!((got - want).abs() < 1e-6, "{out:?} against {expected:?}");
+        }
+    }
+
     #[test]
     fn frames_are_separate_segments() {
         assert_eq!(
@@ -355,7 +472,7 @@ mod tests {
         let side = 4;
         let dim = 2;
         let table: Vec<f32> = (0..side * side * dim).map(|v| v as f32).collect();
-        let out = interpolated_pos_embed(&table, side, dim, &[[1, 4, 4]], 1);
+        let out = interpolated_frame(&table, side, dim, [4, 4], 1);
         assert_eq!(out, table);
     }
 }

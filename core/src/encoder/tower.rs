@@ -19,8 +19,8 @@ use iris_plugin::{Activation, BinaryOp, DType};
 use crate::encoder::EncoderError;
 use crate::encoder::exec::{Runner, Segments, Tensor, encode_f32};
 use crate::encoder::layout::{
-    Grid, expand_units, frame_cu_seqlens, interpolated_pos_embed, inverse_permutation, patches,
-    rotary_positions, rotary_tables, window_layout,
+    Grid, distinct_frames, distinct_positions, expand_units, frame_cu_seqlens, interpolated_frame,
+    inverse_permutation, patches, rotary_positions, rotary_tables, window_layout,
 };
 use crate::encoder::plan::StepPlan;
 use crate::memory::CachingAllocator;
@@ -34,8 +34,8 @@ pub struct VisionTower {
     /// Each weight's shape as loaded, so that [`VisionTower::to_host`] gives back the same
     /// host tensors.
     shapes: HashMap<String, Vec<usize>>,
-    /// Qwen3-VL's position table stays on the host: interpolation to each grid is index
-    /// arithmetic, done there once per batch.
+    /// Qwen3-VL's position table stays on the host: interpolation to each frame size is index
+    /// arithmetic, done there once per distinct size of a batch.
     pos_table: Option<Vec<f32>>,
     weight_bytes: u64,
 }
@@ -278,13 +278,27 @@ impl VisionTower {
         )?;
         if let Some(table) = &self.pos_table {
             let side = integer_sqrt(cfg.num_position_embeddings.unwrap_or(0));
-            // Planning sizes tensors only: the host tables are not worth computing for it.
-            let pos = if runner.is_planning() {
+            // Each distinct frame size is interpolated once and gathered into every frame of
+            // that size on the device. Planning sizes tensors only: the host tables are not
+            // worth computing for it.
+            let frames = distinct_frames(grids);
+            let distinct_rows: u64 = frames.keys.iter().map(|&[h, w]| u64::from(h * w)).sum();
+            let tables: Vec<Vec<f32>> = if runner.is_planning() {
                 Vec::new()
             } else {
-                interpolated_pos_embed(table, side, cfg.hidden, grids, merge)
+                frames
+                    .keys
+                    .iter()
+                    .map(|&frame| interpolated_frame(table, side, cfg.hidden, frame, merge))
+                    .collect()
             };
-            let pos = runner.upload_f32(&pos, self.dtype, total, hidden_size)?;
+            let pos = gathered(
+                runner,
+                &tables,
+                self.dtype,
+                [distinct_rows, hidden_size],
+                &frames.index,
+            )?;
             runner.binary_in_place(&hidden, &pos, BinaryOp::ADD)?;
         }
 
@@ -315,16 +329,32 @@ impl VisionTower {
         #[allow(clippy::cast_possible_truncation)]
         let theta = cfg.rope_theta as f32;
         let head_dim = cfg.head_dim();
+        // Tokens at one [row, col] share their angles: each distinct pair's row is computed
+        // once and gathered into token order on the device.
+        let pairs = distinct_positions(&positions);
         let (cos, sin) = if runner.is_planning() {
             (Vec::new(), Vec::new())
         } else {
-            rotary_tables(&positions, head_dim, theta)
+            let flat: Vec<u32> = pairs.keys.iter().flatten().copied().collect();
+            rotary_tables(&flat, head_dim, theta)
         };
-        let rows = total;
+        let distinct_rows = pairs.keys.len() as u64;
         let cols = head_dim as u64;
         let rotary = Rotary {
-            cos: runner.upload_f32(&cos, DType::F32, rows, cols)?,
-            sin: runner.upload_f32(&sin, DType::F32, rows, cols)?,
+            cos: gathered(
+                runner,
+                &[cos],
+                DType::F32,
+                [distinct_rows, cols],
+                &pairs.index,
+            )?,
+            sin: gathered(
+                runner,
+                &[sin],
+                DType::F32,
+                [distinct_rows, cols],
+                &pairs.index,
+            )?,
         };
 
         let mut deepstack = Vec::new();
@@ -556,6 +586,30 @@ impl VisionTower {
     fn optional(&self, name: &str) -> Option<&Tensor> {
         self.weights.get(name)
     }
+}
+
+/// A `[index.len(), cols]` tensor of `dtype` whose row `i` is row `index[i]` of the host table
+/// `parts` (concatenated, `rows x cols` in all): the table is uploaded and its rows gathered on
+/// the device, or uploaded as it is where `index` keeps every row in place (one image). `parts`
+/// is empty while planning.
+fn gathered(
+    runner: &Runner,
+    parts: &[Vec<f32>],
+    dtype: DType,
+    [rows, cols]: [u64; 2],
+    index: &[u32],
+) -> Result<Tensor, EncoderError> {
+    let table = if runner.is_planning() {
+        runner.tensor(dtype, rows, cols)?
+    } else {
+        let parts: Vec<&[f32]> = parts.iter().map(Vec::as_slice).collect();
+        runner.upload_f32_parts(&parts, dtype, rows, cols)?
+    };
+    let in_place = index.len() as u64 == rows && index.iter().zip(0u32..).all(|(&i, j)| i == j);
+    if in_place {
+        return Ok(table);
+    }
+    runner.gather_rows(&table, &runner.indices(index)?)
 }
 
 fn integer_sqrt(value: usize) -> usize {
