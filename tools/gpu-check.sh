@@ -51,6 +51,12 @@
 #                in one process at steady state (median of the calls after the first, the first
 #                call reported apart), with its achieved TFLOPS and share of the GPU's bf16 peak
 #                (measured there with a bf16 matmul) (tools/gpu-check/towers_vs_transformers.py)
+#   serving      `iris bench` on each tower at full steps (dummy weights, bf16, 960 distinct
+#                images of 448x448 at --request-rate inf; --quick: Qwen3-VL-8B, 480 images), its
+#                achieved TFLOPS against the measured peak, each with its memory verdict
+#   kernels      where ncu (Nsight Compute) runs: every kernel of one Qwen3-VL-8B pass over 41
+#                images of 448x448, timed by ncu and summed by category beside the per-kernel
+#                model (tools/gpu-check/kernel_model.py)
 #
 # It prints one summary table and writes it as JSON to DIR/summary.json (default DIR:
 # target/gpu-check, or gpu-check-results beside the bundle with --prebuilt), next to every
@@ -431,8 +437,53 @@ EOF
   else
     skip transformers "Python with torch (CUDA) and transformers is not available"
   fi
+
+  # --- the towers at the serving step: iris bench's achieved TFLOPS ------------------------------
+  # Each tower's goal is stated at full 8192-token steps of 448x448 images: distinct images (no
+  # cache hits) at --request-rate inf. --quick runs the Qwen3-VL tower only.
+  if wanted serving; then
+    serving_towers=(qwen2-vl-2b qwen2.5-vl-7b qwen3-vl-8b)
+    serving_prompts=480
+    [ "$quick" -eq 1 ] && serving_towers=(qwen3-vl-8b) && serving_prompts=240
+    [ -n "${peak:-}" ] || peak=$("$python" "$bundle/gpu-check/towers_vs_transformers.py" --measure-peak 2> "$out/peak.log" || true)
+    serving_peak=()
+    case "$peak" in '' | *[!0-9.]*) ;; *) serving_peak=(--peak-tflops "$peak") ;; esac
+    for tower in "${serving_towers[@]}"; do
+      bench_step "serving.$tower" --model "$tower" --weights dummy --dtype bf16 \
+        --limit-mm-per-prompt '{"video": 0}' --num-prompts "$serving_prompts" --images-per-prompt 2 \
+        --image-size 448x448 --repeat-ratio 0 --request-rate inf "${serving_peak[@]}"
+    done
+  else
+    skip serving "in SKIP"
+  fi
+
+  # --- per kernel: Nsight Compute over one Qwen3-VL pass, beside the model ----------------------
+  # One `iris encode --batch` of 41 images of 448x448 (the 8192-token step's), every kernel's
+  # gpu__time_duration under ncu, summed by category by tools/gpu-check/kernel_model.py beside
+  # its model of the same pass.
+  if ! wanted kernels; then
+    skip kernels "in SKIP"
+  elif ! command -v ncu > /dev/null 2>&1; then
+    skip kernels "Nsight Compute (ncu) is not on PATH"
+  else
+    image448="$out/image-448.png"
+    "$python" -c "import sys; sys.path.insert(0, sys.argv[1]); from towers_vs_transformers import write_png; write_png(sys.argv[2], 448)" \
+      "$bundle/gpu-check" "$image448"
+    images41=()
+    for _ in $(seq 41); do images41+=("$image448"); done
+    csv="$out/kernels-qwen3-vl-8b.csv"
+    rm -f "$csv"
+    if run kernels.ncu "$out/kernels-ncu.log" ncu --csv --log-file "$csv" --metrics gpu__time_duration.sum \
+         "$iris" encode --device cuda --model qwen3-vl-8b --weights dummy --dtype bf16 --batch \
+         --out "$out/kernels-out.safetensors" "${images41[@]}"; then
+      run kernels "$out/kernels.log" "$python" "$bundle/gpu-check/kernel_model.py" --towers qwen3-vl-8b \
+        --images 41 --ncu "$csv" --json "$out/kernels.json"
+    elif grep -q "ERR_NVGPUCTRPERM" "$out/kernels-ncu.log" "$csv" 2> /dev/null; then
+      skip kernels "ncu may not read the GPU's counters here (ERR_NVGPUCTRPERM: run as root, or load nvidia with NVreg_RestrictProfilingToAdminUsers=0)"
+    fi
+  fi
 else
-  for step in plugin-check ops-gpu encode bench profile attention transformers; do
+  for step in plugin-check ops-gpu encode bench profile attention transformers serving kernels; do
     skip "$step" "no CUDA device"
   done
 fi

@@ -9,6 +9,8 @@
 //! - `tools/gpu-check/towers_vs_transformers.py`: its FLOP counts, and its iris side end to end
 //!   (`--iris-only` on the CPU device with the tiny model), which reads `iris encode
 //!   --timings-json`.
+//! - `tools/gpu-check/kernel_model.py`: its kernels carry the towers' FLOP count, and it sums
+//!   an Nsight Compute CSV by category (or says the file is not one).
 //!
 //! They need `python3` (or `$PYTHON`): CI has it, and a machine without it fails here rather
 //! than passing by doing nothing.
@@ -47,6 +49,18 @@ fn python(script: &str, args: &[&str]) -> Output {
         .unwrap_or_else(|err| {
             panic!("`{interpreter}` does not run ({err}); these tests need Python 3 (set PYTHON to use another)")
         })
+}
+
+/// Runs a Python helper that must succeed and write JSON to `json`; returns that JSON and the
+/// helper's output.
+fn python_json(script: &str, args: &[&str], json: &Path) -> (Value, String) {
+    let out = python(script, args);
+    assert!(out.status.success(), "{}", text(&out));
+    let written = std::fs::read_to_string(json).expect("the helper wrote its JSON");
+    (
+        serde_json::from_str(&written).expect("JSON parses"),
+        text(&out),
+    )
 }
 
 fn text(output: &Output) -> String {
@@ -174,19 +188,14 @@ fn bench_verdict_reads_what_iris_bench_writes() {
 fn tower_flops_match_the_published_towers() {
     let dir = folder("flops");
     let json = dir.join("flops.json");
-    let out = python(
-        "towers_vs_transformers.py",
-        &[
-            "--flops",
-            "--towers",
-            "qwen2-vl-2b,qwen2.5-vl-7b,qwen3-vl-8b",
-            "--json",
-            path_str(&json),
-        ],
-    );
-    assert!(out.status.success(), "{}", text(&out));
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("written"))
-        .expect("JSON parses");
+    let args = [
+        "--flops",
+        "--towers",
+        "qwen2-vl-2b,qwen2.5-vl-7b,qwen3-vl-8b",
+        "--json",
+        path_str(&json),
+    ];
+    let (v, _) = python_json("towers_vs_transformers.py", &args, &json);
     // One 448x448 image, worked out by hand from the vision configs.
     for (tower, tflop) in [
         ("qwen2-vl-2b", 1.48),
@@ -327,5 +336,129 @@ fn profile_verdict_reads_what_iris_profile_writes() {
     );
     assert!(!verdict.status.success(), "{}", text(&verdict));
     assert!(text(&verdict).contains("differs"), "{}", text(&verdict));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn kernel_model_counts_the_towers_flops_and_sums_ncu_by_category() {
+    let dir = folder("kernels");
+    let json = dir.join("model.json");
+    let args = [
+        "--towers",
+        "qwen2-vl-2b,qwen2.5-vl-7b,qwen3-vl-8b",
+        "--json",
+        path_str(&json),
+    ];
+    let (v, _) = python_json("kernel_model.py", &args, &json);
+    // (tower, images of the 8192-token step, blocks, mergers).
+    for (i, (tower, images, depth, mergers)) in [
+        ("qwen2-vl-2b", 32, 32, 1),
+        ("qwen2.5-vl-7b", 32, 32, 1),
+        ("qwen3-vl-8b", 41, 27, 4),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let model = &v[i];
+        assert_eq!(model["tower"], tower);
+        assert_eq!(model["images"], images, "{tower}");
+        // The kernels' FLOPs are the tower's count, for the whole pass.
+        let counted: f64 = model["kernels"]
+            .as_array()
+            .expect("kernels")
+            .iter()
+            .map(|k| k["gflop"].as_f64().unwrap_or(f64::NAN))
+            .sum();
+        let expected =
+            model["flop_per_image"].as_f64().unwrap_or(f64::NAN) * f64::from(images) / 1e9;
+        assert!(
+            (counted - expected).abs() <= expected * 1e-9,
+            "{tower}: {counted} GFLOP in kernels, {expected} counted"
+        );
+        let launches = |category: &str| model["categories"][category]["launches"].as_u64();
+        assert_eq!(launches("attention"), Some(depth), "{tower}");
+        assert_eq!(launches("norm"), Some(2 * depth + mergers), "{tower}");
+        // Each block's qkv, proj and two or three MLP products, the patch embedding, and two
+        // per merger.
+        let mlp = if tower == "qwen2.5-vl-7b" { 3 } else { 2 };
+        assert_eq!(
+            launches("gemm"),
+            Some(1 + depth * (2 + mlp) + 2 * mergers),
+            "{tower}"
+        );
+        let per_image = model["model_ms_per_image"].as_f64().unwrap_or(f64::NAN);
+        assert!(
+            per_image > 0.5 && per_image < 10.0,
+            "{tower}: {per_image} ms"
+        );
+    }
+
+    // Nsight Compute's CSV (the details page with one metric): its log lines unquoted, times in
+    // whatever unit ncu chose per row.
+    let header = "\"ID\",\"Process ID\",\"Process Name\",\"Host Name\",\"Kernel Name\",\"Context\",\"Stream\",\"Block Size\",\"Grid Size\",\"Device\",\"CC\",\"Section Name\",\"Metric Name\",\"Metric Unit\",\"Metric Value\"";
+    let row = |id: u32, kernel: &str, unit: &str, value: &str| {
+        format!(
+            "\"{id}\",\"4242\",\"iris\",\"127.0.0.1\",\"{kernel}\",\"1\",\"13\",\"(256, 1, 1)\",\"(64, 1, 1)\",\"0\",\"9.0\",\"Command line profiler metrics\",\"gpu__time_duration.sum\",\"{unit}\",\"{value}\""
+        )
+    };
+    let csv = [
+        "==PROF== Connected to process 4242 (iris)".to_owned(),
+        header.to_owned(),
+        row(
+            0,
+            "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas",
+            "msecond",
+            "1.5",
+        ),
+        row(
+            1,
+            "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT",
+            "usecond",
+            "500",
+        ),
+        row(2, "flash_attention_bf16_72", "usecond", "410.5"),
+        row(3, "gemm_epilogue_bf16", "nsecond", "20,000"),
+        row(4, "norm_bf16", "usecond", "12"),
+        row(5, "rotary_bf16", "usecond", "8"),
+        row(6, "gather_b2", "usecond", "4"),
+        "==PROF== Disconnected from process 4242".to_owned(),
+    ]
+    .join("\n");
+    let ncu = dir.join("ncu.csv");
+    std::fs::write(&ncu, csv).expect("csv written");
+    let json = dir.join("measured.json");
+    let args = [
+        "--towers",
+        "qwen3-vl-8b",
+        "--images",
+        "41",
+        "--ncu",
+        path_str(&ncu),
+        "--json",
+        path_str(&json),
+    ];
+    let (v, printed) = python_json("kernel_model.py", &args, &json);
+    let measured = &v[0]["ncu"];
+    let seconds = |category: &str| measured[category]["seconds"].as_f64().unwrap_or(f64::NAN);
+    let launches = |category: &str| measured[category]["launches"].as_u64();
+    assert!((seconds("gemm") - 2.0e-3).abs() < 1e-12, "{measured}");
+    assert_eq!(launches("gemm"), Some(2));
+    assert!((seconds("attention") - 410.5e-6).abs() < 1e-12);
+    assert!((seconds("gemm_epilogue") - 20e-6).abs() < 1e-12);
+    assert_eq!(launches("norm"), Some(1));
+    assert_eq!(launches("rotary"), Some(1));
+    assert_eq!(launches("gather"), Some(1));
+    assert_eq!(launches("other"), Some(0));
+    assert!(printed.contains("ncu ms/image"), "{printed}");
+
+    // A file that is not ncu's CSV is an error that says so, not an empty table.
+    std::fs::write(&ncu, "iris: no such device\n").expect("written");
+    let out = python("kernel_model.py", &args);
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("no gpu__time_duration.sum rows"),
+        "{}",
+        text(&out)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
