@@ -108,7 +108,7 @@ struct Input {
 
 /// What `--timings-json` writes: the run's set-up and the time of each tower call, in
 /// milliseconds from the upload of the pixels to the read-back of the last output (the same
-/// span the printed times cover).
+/// span the printed times cover), and of its forward pass alone.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Timings {
     /// The `--model` preset or the `--model-dir` path.
@@ -135,6 +135,13 @@ pub struct Timings {
     pub first_call_ms: f64,
     /// Every call after the warm-up, in order: one per image, or the batch `--repeat` times.
     pub calls_ms: Vec<f64>,
+    /// The forward pass of the first call alone (see `forward_ms`).
+    pub first_forward_ms: f64,
+    /// The forward pass alone of each call in `calls_ms`: from the pixels on the device (the
+    /// upload waited for) to every output on the device (the device waited for), without the
+    /// upload and the read-back to host f32. What a serving step spends in the tower, and the
+    /// span a framework's model call covers when its inputs and outputs stay on the device.
+    pub forward_ms: Vec<f64>,
 }
 
 /// Runs `iris encode`.
@@ -243,14 +250,15 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
     } else {
         (0..inputs.len()).map(|index| vec![index]).collect()
     };
-    let warmup_s = match (args.warmup, groups.first()) {
+    let warmup = match (args.warmup, groups.first()) {
         (true, Some(first)) => Some(call(first)?.1),
         _ => None,
     };
-    let mut calls_s = Vec::new();
+    let mut calls: Vec<CallTimes> = Vec::new();
     for group in &groups {
-        let (host, elapsed) = call(group)?;
-        calls_s.push(elapsed);
+        let (host, times) = call(group)?;
+        calls.push(times);
+        let elapsed = times.call_s;
         for (&index, parts) in group.iter().zip(host) {
             for (j, (bytes, shape)) in parts.into_iter().enumerate() {
                 let name = match j {
@@ -284,18 +292,22 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
     // `--repeat` requires `--batch`, so there is one group to run again.
     if let Some(group) = groups.first().filter(|_| args.repeat > 1) {
         for _ in 1..args.repeat {
-            calls_s.push(call(group)?.1);
+            calls.push(call(group)?.1);
         }
+        let calls_s: Vec<f64> = calls.iter().map(|c| c.call_s).collect();
+        let forward_s: Vec<f64> = calls.iter().map(|c| c.forward_s).collect();
         print_stdout(&format!(
-            "{} calls of the batch of {}: {}\n",
-            calls_s.len(),
+            "{} calls of the batch of {}: {}; forward pass alone: {}\n",
+            calls.len(),
             group.len(),
-            spread(&calls_s)
+            spread(&calls_s),
+            spread(&forward_s)
         ))?;
     }
     drop(tower);
     if let Some(path) = &args.timings_json {
         let ms = |s: f64| s * 1e3;
+        let first = warmup.or(calls.first().copied());
         let timings = Timings {
             model: args.model.model_id(),
             dtype: dtype.to_string(),
@@ -305,10 +317,12 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
             images: inputs.len(),
             tokens: inputs.iter().map(|input| u64::from(input.tokens)).sum(),
             load_ms: ms(load_s),
-            warmup: warmup_s.is_some(),
+            warmup: warmup.is_some(),
             // At least one image is required, so there is a first call.
-            first_call_ms: ms(warmup_s.or(calls_s.first().copied()).unwrap_or(0.0)),
-            calls_ms: calls_s.iter().copied().map(ms).collect(),
+            first_call_ms: ms(first.map_or(0.0, |c| c.call_s)),
+            calls_ms: calls.iter().map(|c| ms(c.call_s)).collect(),
+            first_forward_ms: ms(first.map_or(0.0, |c| c.forward_s)),
+            forward_ms: calls.iter().map(|c| ms(c.forward_s)).collect(),
         };
         let text = serde_json::to_string_pretty(&timings)?;
         std::fs::write(path, text + "\n")
@@ -326,9 +340,19 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
 /// A tensor's bytes (little-endian f32) and shape, as read back from the device.
 type HostTensor = (Vec<u8>, Vec<usize>);
 
+/// The time of one tower call.
+#[derive(Debug, Clone, Copy)]
+struct CallTimes {
+    /// Upload, forward pass and read-back of every output: the whole call.
+    call_s: f64,
+    /// The forward pass alone, the device waited for before and after it.
+    forward_s: f64,
+}
+
 /// One tower call over the images `group` names: upload, forward, and read-back of every
-/// output (embeddings, then deepstack features), which waits for the device, so the seconds
-/// returned cover the whole encode.
+/// output (embeddings, then deepstack features), which waits for the device, so the call's
+/// time covers the whole encode; the forward pass is timed apart, between two waits for the
+/// device.
 fn encode_group(
     runner: &Runner,
     tower: &VisionTower,
@@ -336,13 +360,17 @@ fn encode_group(
     dtype: DType,
     inputs: &[Input],
     group: &[usize],
-) -> anyhow::Result<(Vec<Vec<HostTensor>>, f64)> {
+) -> anyhow::Result<(Vec<Vec<HostTensor>>, CallTimes)> {
     let row_len = spec.vision.patch_row_len() as u64;
     let started = Instant::now();
     let (pixels, grids) = batch_inputs(inputs, group);
     let rows = pixels.len() as u64 / row_len;
     let input = runner.upload_f32(&pixels, dtype, rows, row_len)?;
+    runner.allocator().synchronize()?;
+    let forward_started = Instant::now();
     let outputs = tower.forward(runner, &input, &grids)?;
+    runner.allocator().synchronize()?;
+    let forward_s = forward_started.elapsed().as_secs_f64();
     drop(input);
     let mut host = Vec::with_capacity(outputs.len());
     for output in &outputs {
@@ -352,7 +380,8 @@ fn encode_group(
         }
         host.push(parts);
     }
-    Ok((host, started.elapsed().as_secs_f64()))
+    let call_s = started.elapsed().as_secs_f64();
+    Ok((host, CallTimes { call_s, forward_s }))
 }
 
 /// `median 0.007 s, min 0.007 s, max 0.008 s` over `seconds` (not empty).

@@ -293,6 +293,18 @@ fn repeat_times_one_batch_in_one_process_and_timings_json_reports_each_call() {
     assert!(calls.iter().all(finite_positive), "{t}");
     assert!(finite_positive(&t["first_call_ms"]), "{t}");
     assert!(finite_positive(&t["load_ms"]), "{t}");
+    // Each call's forward pass alone, within the call.
+    let forward = t["forward_ms"].as_array().expect("forward_ms");
+    assert_eq!(forward.len(), 3, "{t}");
+    for (f, c) in forward.iter().zip(calls) {
+        assert!(finite_positive(f), "{t}");
+        assert!(f.as_f64() <= c.as_f64(), "{t}");
+    }
+    assert!(
+        t["first_forward_ms"].as_f64() <= t["first_call_ms"].as_f64(),
+        "{t}"
+    );
+    assert!(stdout.contains("; forward pass alone: median "), "{stdout}");
 
     // Without --warmup the first call is the first timed one; one call per image without --batch.
     let result = iris(&[
@@ -316,6 +328,7 @@ fn repeat_times_one_batch_in_one_process_and_timings_json_reports_each_call() {
     assert_eq!(t["warmup"], false, "{t}");
     assert_eq!(t["calls_ms"].as_array().map(Vec::len), Some(2), "{t}");
     assert_eq!(t["first_call_ms"], t["calls_ms"][0], "{t}");
+    assert_eq!(t["first_forward_ms"], t["forward_ms"][0], "{t}");
 
     // --repeat means repeating one batch: without --batch it is refused, as is 0.
     for bad in [&["--repeat", "2"][..], &["--batch", "--repeat", "0"][..]] {
