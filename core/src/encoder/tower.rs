@@ -12,7 +12,9 @@
 //! mergers that read hidden states at chosen layers.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use lru::LruCache;
 
 use iris_plugin::{Activation, BinaryOp, DType};
 
@@ -37,6 +39,8 @@ pub struct VisionTower {
     /// Qwen3-VL's position table stays on the host: interpolation to each frame size is index
     /// arithmetic, done there once per distinct size of a batch.
     pos_table: Option<Vec<f32>>,
+    /// The interpolated tables of recent frame sizes.
+    pos_frames: FrameCache,
     weight_bytes: u64,
 }
 
@@ -115,6 +119,7 @@ impl VisionTower {
             weights: HashMap::new(),
             shapes: HashMap::new(),
             pos_table: None,
+            pos_frames: FrameCache::new(FRAME_CACHE_BYTES),
             weight_bytes: 0,
         }
     }
@@ -283,18 +288,23 @@ impl VisionTower {
             // worth computing for it.
             let frames = distinct_frames(grids);
             let distinct_rows: u64 = frames.keys.iter().map(|&[h, w]| u64::from(h * w)).sum();
-            let tables: Vec<Vec<f32>> = if runner.is_planning() {
+            let tables: Vec<Arc<Vec<f32>>> = if runner.is_planning() {
                 Vec::new()
             } else {
                 frames
                     .keys
                     .iter()
-                    .map(|&frame| interpolated_frame(table, side, cfg.hidden, frame, merge))
+                    .map(|&frame| {
+                        self.pos_frames.get_or_insert(frame, || {
+                            interpolated_frame(table, side, cfg.hidden, frame, merge)
+                        })
+                    })
                     .collect()
             };
+            let parts: Vec<&[f32]> = tables.iter().map(|t| t.as_slice()).collect();
             let pos = gathered(
                 runner,
-                &tables,
+                &parts,
                 self.dtype,
                 [distinct_rows, hidden_size],
                 &frames.index,
@@ -343,14 +353,14 @@ impl VisionTower {
         let rotary = Rotary {
             cos: gathered(
                 runner,
-                &[cos],
+                &[&cos],
                 DType::F32,
                 [distinct_rows, cols],
                 &pairs.index,
             )?,
             sin: gathered(
                 runner,
-                &[sin],
+                &[&sin],
                 DType::F32,
                 [distinct_rows, cols],
                 &pairs.index,
@@ -588,13 +598,71 @@ impl VisionTower {
     }
 }
 
+/// Host bytes the interpolated position tables of recent frame sizes may hold: 17 frame sizes
+/// of 448x448 images at Qwen3-VL-8B's width (3.6 MB each), or one of 1792x1792.
+const FRAME_CACHE_BYTES: usize = 64 << 20;
+
+/// Qwen3-VL's interpolated position embeddings of the frame sizes used most recently, bounded
+/// in bytes: a size seen before costs a step no host work (interpolating one 448x448 frame at
+/// width 1152 took 1.5 ms of a Zen 3 core), which matters most to a step of one image. A table
+/// larger than the bound is made every time and not kept.
+struct FrameCache {
+    state: Mutex<FrameCacheState>,
+    capacity: usize,
+}
+
+struct FrameCacheState {
+    tables: LruCache<[u32; 2], Arc<Vec<f32>>>,
+    bytes: usize,
+}
+
+impl FrameCache {
+    fn new(capacity: usize) -> FrameCache {
+        FrameCache {
+            state: Mutex::new(FrameCacheState {
+                tables: LruCache::unbounded(),
+                bytes: 0,
+            }),
+            capacity,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FrameCacheState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The table of `frame`, made by `make` (outside the lock) when it is not held.
+    fn get_or_insert(&self, frame: [u32; 2], make: impl FnOnce() -> Vec<f32>) -> Arc<Vec<f32>> {
+        if let Some(table) = self.lock().tables.get(&frame) {
+            return Arc::clone(table);
+        }
+        let table = Arc::new(make());
+        let bytes = |table: &Vec<f32>| table.len() * std::mem::size_of::<f32>();
+        if bytes(&table) <= self.capacity {
+            let mut state = self.lock();
+            if let Some(old) = state.tables.put(frame, Arc::clone(&table)) {
+                // Another step made the same table meanwhile.
+                state.bytes -= bytes(&old);
+            }
+            state.bytes += bytes(&table);
+            while state.bytes > self.capacity {
+                let Some((_, evicted)) = state.tables.pop_lru() else {
+                    break;
+                };
+                state.bytes -= bytes(&evicted);
+            }
+        }
+        table
+    }
+}
+
 /// A `[index.len(), cols]` tensor of `dtype` whose row `i` is row `index[i]` of the host table
 /// `parts` (concatenated, `rows x cols` in all): the table is uploaded and its rows gathered on
 /// the device, or uploaded as it is where `index` keeps every row in place (one image). `parts`
 /// is empty while planning.
 fn gathered(
     runner: &Runner,
-    parts: &[Vec<f32>],
+    parts: &[&[f32]],
     dtype: DType,
     [rows, cols]: [u64; 2],
     index: &[u32],
@@ -602,8 +670,7 @@ fn gathered(
     let table = if runner.is_planning() {
         runner.tensor(dtype, rows, cols)?
     } else {
-        let parts: Vec<&[f32]> = parts.iter().map(Vec::as_slice).collect();
-        runner.upload_f32_parts(&parts, dtype, rows, cols)?
+        runner.upload_f32_parts(parts, dtype, rows, cols)?
     };
     let in_place = index.len() as u64 == rows && index.iter().zip(0u32..).all(|(&i, j)| i == j);
     if in_place {
@@ -622,4 +689,36 @@ fn integer_sqrt(value: usize) -> usize {
 
 fn shape(what: &str) -> EncoderError {
     EncoderError::Shape(format!("{what} does not fit in memory"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_cache_keeps_recent_sizes_within_its_bytes() {
+        // Room for 100 f32: tables of 40 values, so two fit and a third evicts the oldest.
+        let cache = FrameCache::new(400);
+        let made = std::cell::Cell::new(0);
+        let table = |value: f32| {
+            made.set(made.get() + 1);
+            vec![value; 40]
+        };
+        let first = cache.get_or_insert([2, 2], || table(1.0));
+        let again = cache.get_or_insert([2, 2], || table(9.0));
+        assert!(Arc::ptr_eq(&first, &again));
+        assert_eq!(made.get(), 1, "a held size is not made again");
+        cache.get_or_insert([2, 4], || table(2.0));
+        cache.get_or_insert([2, 2], || table(9.0)); // now the most recent
+        cache.get_or_insert([4, 4], || table(3.0)); // evicts [2, 4]
+        assert_eq!(made.get(), 3);
+        let held: Vec<[u32; 2]> = cache.lock().tables.iter().map(|(k, _)| *k).collect();
+        assert_eq!(held, vec![[4, 4], [2, 2]]);
+        assert_eq!(cache.lock().bytes, 320);
+        // A table over the bound is made and returned, not kept.
+        let big = cache.get_or_insert([8, 8], || vec![0.0; 200]);
+        assert_eq!(big.len(), 200);
+        assert_eq!(cache.lock().tables.len(), 2);
+        assert_eq!(cache.lock().bytes, 320);
+    }
 }
