@@ -381,9 +381,10 @@ EOF
     # of 114688 tokens).
     big_args=(--model qwen2.5-vl-7b --weights dummy --dtype bf16 --limit-mm-per-prompt '{"video": 0}')
     [ "$quick" -eq 1 ] && big_args+=(--num-prompts 300 --request-rate 30)
-    # The CUDA device reports no peak of its own yet: the bench holds the encoder's achieved
-    # TFLOPS against an 8192^3 bf16 product's, measured by torch in a process that has exited
-    # before the bench starts (so it holds no device memory the memory check would see).
+    # The CUDA device's own peak is the datasheet kind (SMs x clock x dense rate, about 1.35x
+    # what a product reaches): the bench holds the encoder's achieved TFLOPS against an 8192^3
+    # bf16 product's instead, measured by torch in a process that has exited before the bench
+    # starts (so it holds no device memory the memory check would see).
     peak=$("$python" "$bundle/gpu-check/towers_vs_transformers.py" --measure-peak 2> "$out/peak.log" || true)
     case "$peak" in
       '' | *[!0-9.]*) echo "no measured peak (see $out/peak.log): bench.7b reports no share of peak" ;;

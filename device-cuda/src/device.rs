@@ -97,6 +97,8 @@ pub struct Info {
     pub sms: i32,
     /// Peak memory bandwidth in bytes per second (0 when the driver does not say).
     pub bandwidth: u64,
+    /// The SMs' highest clock in kHz, as the driver reports it (0 when it does not say).
+    pub clock_khz: i32,
     /// `cuDriverGetVersion`, e.g. 12040.
     pub driver_version: i32,
 }
@@ -193,12 +195,21 @@ impl CudaDevice {
             log.warn(format!("open: memory bandwidth unknown: {err}"));
             0
         });
+        let clock_khz = attribute(
+            &ctx,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE,
+        )
+        .unwrap_or_else(|err| {
+            log.warn(format!("open: SM clock unknown: {err}"));
+            0
+        });
         let info = Info {
             name: ctx.name().call("cuDeviceGetName")?,
             total_memory: total as u64,
             cc,
             sms,
             bandwidth,
+            clock_khz,
             driver_version,
         };
         let before = used()?;
@@ -498,6 +509,9 @@ impl CudaDevice {
                 property::MEMORY_BANDWIDTH,
                 self.info.bandwidth,
             ));
+        }
+        if let Some(peak) = peak_flops(&self.info) {
+            properties.push(Property::new(property::PEAK_FLOPS, peak));
         }
         if let Some(compute) = &self.compute {
             properties.extend(compute.properties());
@@ -998,6 +1012,42 @@ fn bandwidth(ctx: &CudaContext) -> Result<u64, CudaError> {
     Ok(clock_khz * 1000 * 2 * (bus_bits / 8))
 }
 
+/// Dense FLOP per clock per SM of the architectures whose every part runs products at one
+/// rate: tensor cores on f16 and bf16 with f32 accumulation, and the CUDA cores' f32 FMAs (f32
+/// products run on them: TF32 only when asked). A100/A30 (sm_80) and H100/H200/H800/GH200
+/// (sm_90). Of sm_86 and sm_89, GeForce parts accumulate f16 and bf16 products in f32 at half the
+/// rate of the data-center parts of the same architecture, and the attributes cannot tell
+/// them apart, so they get none (and a host gives the peak itself, as `iris bench
+/// --peak-tflops`).
+fn dense_flops_per_clock(cc: (i32, i32)) -> Option<(u64, u64)> {
+    match cc {
+        (8, 0) => Some((2048, 128)),
+        (9, 0) => Some((4096, 256)),
+        _ => None,
+    }
+}
+
+/// The `peak_flops` property: SMs x the highest SM clock the driver reports x the
+/// architecture's dense rate. An upper bound, as a datasheet's figure is: a product of the
+/// largest sizes reaches about 80% of it (an H200 reports 132 SMs at 1980 MHz, 1070 TFLOPS
+/// bf16; an 8192^3 bf16 product measured 758 to 790).
+fn peak_flops(info: &Info) -> Option<String> {
+    let (tensor, fma) = dense_flops_per_clock(info.cc)?;
+    let (Ok(sms), Ok(khz)) = (u64::try_from(info.sms), u64::try_from(info.clock_khz)) else {
+        return None;
+    };
+    if sms == 0 || khz == 0 {
+        return None;
+    }
+    let per_second = |per_clock: u64| sms * khz * 1000 * per_clock;
+    Some(format!(
+        "f32={:e},f16={:e},bf16={:e}",
+        per_second(fma),
+        per_second(tensor),
+        per_second(tensor)
+    ))
+}
+
 /// Why `CUDA_VISIBLE_DEVICES` may explain seeing no device, for probe messages.
 pub fn visible_devices_note() -> String {
     match std::env::var("CUDA_VISIBLE_DEVICES") {
@@ -1058,6 +1108,36 @@ pub fn probe_devices() -> Result<u32, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peak_flops_follows_the_architecture_sms_and_clock() {
+        let info = |cc, sms, clock_khz| Info {
+            name: "GPU".to_owned(),
+            total_memory: 1 << 30,
+            cc,
+            sms,
+            bandwidth: 0,
+            clock_khz,
+            driver_version: 13000,
+        };
+        // An H200 as its driver reports it: 132 SMs at 1980 MHz.
+        let h200 = peak_flops(&info((9, 0), 132, 1_980_000)).expect("sm_90 has a peak");
+        let bf16 = property::peak_flops(&h200, "bf16").expect("bf16");
+        assert!((bf16 - 1.070_530_56e15).abs() < 1.0, "{h200}");
+        assert_eq!(property::peak_flops(&h200, "f16"), Some(bf16));
+        let f32 = property::peak_flops(&h200, "f32").expect("f32");
+        assert!((f32 - 6.690_816e13).abs() < 1.0, "{h200}");
+        // An A100 SXM: 108 SMs at 1410 MHz, 312 TFLOPS dense bf16 on its datasheet.
+        let a100 = peak_flops(&info((8, 0), 108, 1_410_000)).expect("sm_80 has a peak");
+        let bf16 = property::peak_flops(&a100, "bf16").expect("bf16");
+        assert!((bf16 / 1e12 - 311.87).abs() < 0.01, "{a100}");
+        // Architectures whose parts differ, and drivers that say nothing, give none.
+        for (cc, sms, clock) in [((8, 6), 84, 1_740_000), ((8, 9), 142, 2_520_000)] {
+            assert_eq!(peak_flops(&info(cc, sms, clock)), None, "{cc:?}");
+        }
+        assert_eq!(peak_flops(&info((9, 0), 0, 1_980_000)), None);
+        assert_eq!(peak_flops(&info((9, 0), 132, 0)), None);
+    }
 
     #[test]
     fn options_parse_and_unknown_keys_are_named() {

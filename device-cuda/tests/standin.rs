@@ -56,8 +56,8 @@ fn a_system_whose_fabric_manager_is_down_is_unavailable_with_a_hint() {
 
 #[test]
 fn informational_attributes_that_fail_do_not_fail_open() {
-    // 16: the SM count; 36: the memory clock (bandwidth).
-    for attribute in ["16", "36"] {
+    // 16: the SM count; 36: the memory clock (bandwidth); 13: the SM clock (peak FLOP/s).
+    for attribute in ["16", "36", "13"] {
         run(
             "attribute_fails",
             &[("IRIS_STANDIN_FAIL_ATTRIBUTE", attribute)],
@@ -537,6 +537,16 @@ fn memory(plugin: &Plugin) {
         desc.property_u64(property::MEMORY_BANDWIDTH),
         Some(64_000_000_000)
     );
+    // Compute capability 8.0 (A100's rates): 4 SMs at 1.5 GHz, 2048 dense tensor-core FLOP per
+    // clock and SM in f16 and bf16, 128 FMA FLOP in f32.
+    let peak = desc.property(property::PEAK_FLOPS).expect("peak_flops");
+    for (dtype, flops) in [("f32", 7.68e11), ("f16", 1.2288e13), ("bf16", 1.2288e13)] {
+        assert_eq!(
+            property::peak_flops(peak, dtype),
+            Some(flops),
+            "{dtype} in {peak}"
+        );
+    }
 
     let start = device.mem_info().unwrap();
     assert_eq!(start.total, 64 << 20);
@@ -769,12 +779,15 @@ fn attribute_fails(plugin: &Plugin) {
         .expect("opens without the attribute");
     let desc = device.description();
     let failed = std::env::var("IRIS_STANDIN_FAIL_ATTRIBUTE").unwrap();
-    let absent = if failed == "16" {
-        property::COMPUTE_UNITS
-    } else {
-        property::MEMORY_BANDWIDTH
+    let absent: &[&str] = match failed.as_str() {
+        // Without the SM count there is no peak either.
+        "16" => &[property::COMPUTE_UNITS, property::PEAK_FLOPS],
+        "13" => &[property::PEAK_FLOPS],
+        _ => &[property::MEMORY_BANDWIDTH],
     };
-    assert_eq!(desc.property(absent), None, "{absent} is left out");
+    for absent in absent {
+        assert_eq!(desc.property(absent), None, "{absent} is left out");
+    }
     assert_eq!(desc.property(property::COMPUTE_CAPABILITY), Some("8.0"));
 }
 

@@ -104,7 +104,7 @@ pub struct BenchArgs {
     pub inject_faults: bool,
     /// The device's dense peak in TFLOP/s at the engine's dtype, which the encoder's achieved
     /// TFLOP/s are held against, instead of the one the device reports (a measured product's
-    /// figure, say; the CUDA device reports none yet).
+    /// figure, say: the CUDA device's is the datasheet kind, SMs x clock x dense rate).
     #[arg(long, value_parser = positive_tflops)]
     pub peak_tflops: Option<f64>,
 }

@@ -195,6 +195,7 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
     (void)device;
     if (attribute == fail_attribute) return INVALID_VALUE;
     switch (attribute) {
+        case 13: *value = 1500000; break;    /* SM clock, kHz */
         case 16: *value = 4; break;          /* multiprocessors */
         case 36: *value = 1000000; break;    /* memory clock, kHz */
         case 37: *value = 256; break;        /* memory bus width, bits */
