@@ -472,15 +472,24 @@ EOF
       "$bundle/gpu-check" "$image448"
     images41=()
     for _ in $(seq 41); do images41+=("$image448"); done
-    csv="$out/kernels-qwen3-vl-8b.csv"
+    csv="$out/kernels-qwen3-vl-8b.csv" ncu_log="$out/kernels-ncu.log"
     rm -f "$csv"
-    if run kernels.ncu "$out/kernels-ncu.log" ncu --csv --log-file "$csv" --metrics gpu__time_duration.sum \
-         "$iris" encode --device cuda --model qwen3-vl-8b --weights dummy --dtype bf16 --batch \
-         --out "$out/kernels-out.safetensors" "${images41[@]}"; then
+    # ncu reports a profiling permission it lacks as an error line and may still exit 0: that
+    # case is the host's set-up, a skip with the remedy; any other failure is the step's.
+    ncu_start=$(date +%s)
+    ncu --csv --log-file "$csv" --metrics gpu__time_duration.sum \
+      "$iris" encode --device cuda --model qwen3-vl-8b --weights dummy --dtype bf16 --batch \
+      --out "$out/kernels-out.safetensors" "${images41[@]}" > "$ncu_log" 2>&1
+    ncu_status=$?
+    ncu_seconds=$(( $(date +%s) - ncu_start ))
+    if grep -q "ERR_NVGPUCTRPERM" "$ncu_log" "$csv" 2> /dev/null; then
+      skip kernels "ncu may not read the GPU's counters here (ERR_NVGPUCTRPERM: run as root, or load nvidia with NVreg_RestrictProfilingToAdminUsers=0)"
+    elif [ "$ncu_status" -ne 0 ]; then
+      record kernels.ncu fail "$ncu_seconds" "exit $ncu_status; $(tail -n 3 "$ncu_log" | tr '\n' ' ')"
+    else
+      record kernels.ncu pass "$ncu_seconds" "csv: $csv"
       run kernels "$out/kernels.log" "$python" "$bundle/gpu-check/kernel_model.py" --towers qwen3-vl-8b \
         --images 41 --ncu "$csv" --json "$out/kernels.json"
-    elif grep -q "ERR_NVGPUCTRPERM" "$out/kernels-ncu.log" "$csv" 2> /dev/null; then
-      skip kernels "ncu may not read the GPU's counters here (ERR_NVGPUCTRPERM: run as root, or load nvidia with NVreg_RestrictProfilingToAdminUsers=0)"
     fi
   fi
 else
