@@ -19,7 +19,7 @@ use lru::LruCache;
 use iris_plugin::{Activation, BinaryOp, DType};
 
 use crate::encoder::EncoderError;
-use crate::encoder::exec::{Runner, Segments, Tensor, encode_f32};
+use crate::encoder::exec::{Runner, Segments, Tensor, dtype_size, encode_f32};
 use crate::encoder::layout::{
     Grid, distinct_frames, distinct_positions, expand_units, frame_cu_seqlens, interpolated_frame,
     inverse_permutation, patches, rotary_positions, rotary_tables, window_layout,
@@ -136,16 +136,15 @@ impl VisionTower {
             self.pos_table = Some(tensor.to_f32());
             return Ok(());
         }
-        let first = tensor.shape.first().copied().unwrap_or(1) as u64;
-        let rest: u64 = tensor.shape.iter().skip(1).map(|&d| d as u64).product();
-        // Vectors (norm weights, biases) become single rows so they broadcast; higher ranks
-        // (the Conv3d patch embedding) flatten to [out, in].
-        let (rows, cols) = if tensor.shape.len() == 1 {
-            (1, first)
-        } else {
-            (first, rest)
+        let (rows, cols) = matrix_shape(&tensor.shape);
+        let device_tensor = match self.padded_shape(name, (rows, cols)) {
+            Some(padded) => {
+                let size = usize::try_from(dtype_size(tensor.dtype)).map_err(|_| shape("dtype"))?;
+                let bytes = resize_block(&tensor.bytes, size, (rows, cols), padded)?;
+                runner.upload_bytes(&bytes, tensor.dtype, padded.0, padded.1)?
+            }
+            None => runner.upload_bytes(&tensor.bytes, tensor.dtype, rows, cols)?,
         };
-        let device_tensor = runner.upload_bytes(&tensor.bytes, tensor.dtype, rows, cols)?;
         self.weight_bytes += device_tensor.bytes();
         self.weights.insert(name.to_owned(), device_tensor);
         Ok(())
@@ -161,7 +160,13 @@ impl VisionTower {
                 .get(name)
                 .cloned()
                 .ok_or_else(|| EncoderError::MissingWeight(name.clone()))?;
-            let bytes = runner.download_bytes(tensor)?;
+            let mut bytes = runner.download_bytes(tensor)?;
+            let loaded = matrix_shape(&shape);
+            if loaded != (tensor.rows(), tensor.cols()) {
+                // A padded MLP weight: the loaded block is its top left.
+                let size = usize::try_from(dtype_size(self.dtype)).map_err(|_| shape_error())?;
+                bytes = resize_block(&bytes, size, (tensor.rows(), tensor.cols()), loaded)?;
+            }
             tensors.insert(
                 name.clone(),
                 HostTensor {
@@ -576,6 +581,33 @@ impl VisionTower {
         )
     }
 
+    /// The device shape of a block's MLP weight whose inner width (`intermediate`) is not a
+    /// multiple of [`INNER_ALIGN`]: its inner dimension padded with zeros to the next one, so
+    /// that every row of the MLP's products starts 16-byte aligned in f16 and bf16 (Hopper's
+    /// TMA needs strides of whole 16 bytes; without them cuBLASLt runs its older kernels).
+    /// Qwen2.5-VL-3B and 7B's 3420 becomes 3424. Whatever the first product's zero rows and
+    /// the activation leave in the padding (finite values) meets zero columns of the second
+    /// product, so the outputs are the unpadded ones. `None` for every other weight.
+    fn padded_shape(&self, name: &str, (rows, cols): (u64, u64)) -> Option<(u64, u64)> {
+        let inner = self.config.intermediate as u64;
+        let padded = inner.next_multiple_of(INNER_ALIGN);
+        let (_, suffix) = name.strip_prefix("blocks.")?.split_once('.')?;
+        let (first, second): (&[&str], &str) = match self.config.family {
+            Family::Qwen2Vl => (&["mlp.fc1"], "mlp.fc2"),
+            Family::Qwen25Vl => (&["mlp.gate_proj", "mlp.up_proj"], "mlp.down_proj"),
+            Family::Qwen3Vl => (&["mlp.linear_fc1"], "mlp.linear_fc2"),
+        };
+        if padded == inner {
+            return None;
+        }
+        match suffix.rsplit_once('.')? {
+            (module, "weight") if first.contains(&module) && rows == inner => Some((padded, cols)),
+            (module, "bias") if first.contains(&module) && cols == inner => Some((rows, padded)),
+            (module, "weight") if module == second && cols == inner => Some((rows, padded)),
+            _ => None,
+        }
+    }
+
     fn norm(&self, runner: &Runner, prefix: &str, x: &Tensor) -> Result<Tensor, EncoderError> {
         let weight = self.weight(&format!("{prefix}.weight"))?;
         // Norm epsilons are 1e-6 in every Qwen-VL tower; f32 holds them exactly enough.
@@ -596,6 +628,56 @@ impl VisionTower {
     fn optional(&self, name: &str) -> Option<&Tensor> {
         self.weights.get(name)
     }
+}
+
+/// Elements the MLP's inner width is padded to a multiple of (see
+/// [`VisionTower::padded_shape`]): 32 bytes of f16 or bf16, so also Ascend's 16-element cube
+/// blocks.
+const INNER_ALIGN: u64 = 16;
+
+/// A weight's shape as the `[rows, cols]` matrix it is uploaded as: vectors (norm weights,
+/// biases) become single rows so they broadcast; higher ranks (the Conv3d patch embedding)
+/// flatten to `[out, in]`.
+fn matrix_shape(shape: &[usize]) -> (u64, u64) {
+    let first = shape.first().copied().unwrap_or(1) as u64;
+    let rest: u64 = shape.iter().skip(1).map(|&d| d as u64).product();
+    if shape.len() == 1 {
+        (1, first)
+    } else {
+        (first, rest)
+    }
+}
+
+/// The row-major `from` matrix of `size`-byte elements as a `to` matrix: the block both share
+/// copied, the rest zero (padding when `to` is larger, cropping when it is smaller).
+fn resize_block(
+    bytes: &[u8],
+    size: usize,
+    from: (u64, u64),
+    to: (u64, u64),
+) -> Result<Vec<u8>, EncoderError> {
+    let dims = |(rows, cols): (u64, u64)| {
+        let rows = usize::try_from(rows).map_err(|_| shape_error())?;
+        let cols = usize::try_from(cols).map_err(|_| shape_error())?;
+        Ok::<_, EncoderError>((rows, cols))
+    };
+    let ((rows, cols), (new_rows, new_cols)) = (dims(from)?, dims(to)?);
+    if bytes.len() != rows * cols * size {
+        return Err(EncoderError::Shape(format!(
+            "{} bytes are not a {rows}x{cols} matrix of {size}-byte elements",
+            bytes.len()
+        )));
+    }
+    let mut out = vec![0u8; new_rows * new_cols * size];
+    let width = cols.min(new_cols) * size;
+    for row in 0..rows.min(new_rows) {
+        out[row * new_cols * size..][..width].copy_from_slice(&bytes[row * cols * size..][..width]);
+    }
+    Ok(out)
+}
+
+fn shape_error() -> EncoderError {
+    EncoderError::Shape("a weight's dimensions exceed this machine's address space".to_owned())
 }
 
 /// Host bytes the interpolated position tables of recent frame sizes may hold: 17 frame sizes
