@@ -214,7 +214,7 @@ def main():
         print(f"\n{name}: {images} images of {args.image_size}x{args.image_size} ({images * tokens} tokens), "
               f"{flops_image / 1e12:.3f} TFLOP an image; model {total_ms / images:.2f} ms an image "
               f"({result['model_share_of_peak']:.0%} of {args.peak_tflops:.0f} TFLOPS), "
-              f"goal (50% of peak) {goal_ms:.2f} ms")
+              f"serving-step goal (50% of peak) {goal_ms:.2f} ms")
         try:
             measured = read_ncu(args.ncu) if args.ncu else None
         except (OSError, ValueError, KeyError) as err:
