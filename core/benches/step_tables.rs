@@ -27,8 +27,7 @@ fn pos_embed(table: &[f32], side: usize, dim: usize, grids: &[Grid]) -> usize {
 fn rotary(grids: &[Grid], head_dim: usize) -> usize {
     let positions = rotary_positions(grids, 2);
     let pairs = distinct_positions(&positions);
-    let flat: Vec<u32> = pairs.keys.iter().flatten().copied().collect();
-    let (cos, sin) = rotary_tables(&flat, head_dim, 10_000.0);
+    let (cos, sin) = rotary_tables(pairs.keys.as_flattened(), head_dim, 10_000.0);
     cos.len() + sin.len() + pairs.index.len()
 }
 

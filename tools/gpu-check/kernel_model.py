@@ -125,7 +125,7 @@ def kernels(t, images, grid_h, grid_w):
     return ks
 
 
-def model(ks, images, peak, bandwidth, gemm_share, attention_tflops, memory_share, launch_us):
+def model(ks, peak, bandwidth, gemm_share, attention_tflops, memory_share, launch_us):
     """Modelled seconds of each kernel row: (row, seconds)."""
     timed = []
     for name, category, count, flops, traffic in ks:
@@ -192,7 +192,7 @@ def main():
         tokens = grid_h * grid_w // (MERGE * MERGE)
         images = args.images or max(1, 8192 // tokens)
         ks = kernels(t, images, grid_h, grid_w)
-        timed = model(ks, images, args.peak_tflops, args.bandwidth_tbs, args.gemm_share,
+        timed = model(ks, args.peak_tflops, args.bandwidth_tbs, args.gemm_share,
                       args.attention_tflops, args.memory_share, args.launch_us)
         flops_image = sum(tower_flops(t, grid_h, grid_w).values())
         by_category = {c: {"launches": 0, "gflop": 0.0, "gb": 0.0, "model_ms": 0.0} for c in CATEGORIES}

@@ -392,9 +392,8 @@ mod tests {
         // 24 pairs of the 4x6 grid, 24 of 6x4 (16 shared with it), 16 of 2x8 (columns 6 and 7
         // new).
         assert_eq!(distinct.keys.len(), 24 + 8 + 4);
-        let flat: Vec<u32> = distinct.keys.iter().flatten().copied().collect();
         let head_dim = 72;
-        let (cos, sin) = rotary_tables(&flat, head_dim, 10_000.0);
+        let (cos, sin) = rotary_tables(distinct.keys.as_flattened(), head_dim, 10_000.0);
         let (full_cos, full_sin) = rotary_tables(&positions, head_dim, 10_000.0);
         let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
         assert_eq!(

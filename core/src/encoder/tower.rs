@@ -139,8 +139,7 @@ impl VisionTower {
         let (rows, cols) = matrix_shape(&tensor.shape);
         let device_tensor = match self.padded_shape(name, (rows, cols)) {
             Some(padded) => {
-                let size = usize::try_from(dtype_size(tensor.dtype)).map_err(|_| shape("dtype"))?;
-                let bytes = resize_block(&tensor.bytes, size, (rows, cols), padded)?;
+                let bytes = resize_block(&tensor.bytes, tensor.dtype, (rows, cols), padded)?;
                 runner.upload_bytes(&bytes, tensor.dtype, padded.0, padded.1)?
             }
             None => runner.upload_bytes(&tensor.bytes, tensor.dtype, rows, cols)?,
@@ -164,8 +163,7 @@ impl VisionTower {
             let loaded = matrix_shape(&shape);
             if loaded != (tensor.rows(), tensor.cols()) {
                 // A padded MLP weight: the loaded block is its top left.
-                let size = usize::try_from(dtype_size(self.dtype)).map_err(|_| shape_error())?;
-                bytes = resize_block(&bytes, size, (tensor.rows(), tensor.cols()), loaded)?;
+                bytes = resize_block(&bytes, self.dtype, (tensor.rows(), tensor.cols()), loaded)?;
             }
             tensors.insert(
                 name.clone(),
@@ -350,8 +348,7 @@ impl VisionTower {
         let (cos, sin) = if runner.is_planning() {
             (Vec::new(), Vec::new())
         } else {
-            let flat: Vec<u32> = pairs.keys.iter().flatten().copied().collect();
-            rotary_tables(&flat, head_dim, theta)
+            rotary_tables(pairs.keys.as_flattened(), head_dim, theta)
         };
         let distinct_rows = pairs.keys.len() as u64;
         let cols = head_dim as u64;
@@ -591,15 +588,15 @@ impl VisionTower {
     fn padded_shape(&self, name: &str, (rows, cols): (u64, u64)) -> Option<(u64, u64)> {
         let inner = self.config.intermediate as u64;
         let padded = inner.next_multiple_of(INNER_ALIGN);
+        if padded == inner {
+            return None;
+        }
         let (_, suffix) = name.strip_prefix("blocks.")?.split_once('.')?;
         let (first, second): (&[&str], &str) = match self.config.family {
             Family::Qwen2Vl => (&["mlp.fc1"], "mlp.fc2"),
             Family::Qwen25Vl => (&["mlp.gate_proj", "mlp.up_proj"], "mlp.down_proj"),
             Family::Qwen3Vl => (&["mlp.linear_fc1"], "mlp.linear_fc2"),
         };
-        if padded == inner {
-            return None;
-        }
         match suffix.rsplit_once('.')? {
             (module, "weight") if first.contains(&module) && rows == inner => Some((padded, cols)),
             (module, "bias") if first.contains(&module) && cols == inner => Some((rows, padded)),
@@ -648,20 +645,18 @@ fn matrix_shape(shape: &[usize]) -> (u64, u64) {
     }
 }
 
-/// The row-major `from` matrix of `size`-byte elements as a `to` matrix: the block both share
+/// The row-major `from` matrix of `dtype` elements as a `to` matrix: the block both share
 /// copied, the rest zero (padding when `to` is larger, cropping when it is smaller).
 fn resize_block(
     bytes: &[u8],
-    size: usize,
+    dtype: DType,
     from: (u64, u64),
     to: (u64, u64),
 ) -> Result<Vec<u8>, EncoderError> {
-    let dims = |(rows, cols): (u64, u64)| {
-        let rows = usize::try_from(rows).map_err(|_| shape_error())?;
-        let cols = usize::try_from(cols).map_err(|_| shape_error())?;
-        Ok::<_, EncoderError>((rows, cols))
-    };
-    let ((rows, cols), (new_rows, new_cols)) = (dims(from)?, dims(to)?);
+    let fit = |v: u64| usize::try_from(v).map_err(|_| shape("weight"));
+    let size = fit(dtype_size(dtype))?;
+    let ((rows, cols), (new_rows, new_cols)) =
+        ((fit(from.0)?, fit(from.1)?), (fit(to.0)?, fit(to.1)?));
     if bytes.len() != rows * cols * size {
         return Err(EncoderError::Shape(format!(
             "{} bytes are not a {rows}x{cols} matrix of {size}-byte elements",
@@ -674,10 +669,6 @@ fn resize_block(
         out[row * new_cols * size..][..width].copy_from_slice(&bytes[row * cols * size..][..width]);
     }
     Ok(out)
-}
-
-fn shape_error() -> EncoderError {
-    EncoderError::Shape("a weight's dimensions exceed this machine's address space".to_owned())
 }
 
 /// Host bytes the interpolated position tables of recent frame sizes may hold: 17 frame sizes
