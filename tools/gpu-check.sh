@@ -39,7 +39,9 @@
 #   profile      `iris profile` dry and real at Qwen2.5-VL-7B's size (bf16): the same arena,
 #                within 5% of the live peak of the step's tensors (profile.verdict)
 #   attention    attention_bench: bf16 attention, 16 heads, head dims 64/72/80/96/128, one
-#                segment of 256 to 16384 tokens; with torch, PyTorch's SDPA on the same shapes
+#                segment of 256 to 16384 tokens, and the towers' packed launches at the serving
+#                step (41x784 at 72, 8x1024 and 512x64 at 80), each with the 64-query kernel and,
+#                at 64/72/80, the 128-query one; with torch, PyTorch's SDPA on the same shapes
 #                (tools/gpu-check/attention_vs_sdpa.py). bf16 at these head dims runs the
 #                tensor-core kernel; expected on an H100 at 1024 tokens and more: 220 to 380
 #                TFLOPS by head dim (printed per shape), iris's time within 1.5 times SDPA's

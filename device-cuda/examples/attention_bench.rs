@@ -6,11 +6,17 @@
 //! attention_bench PLUGIN.so [--ordinal N] [--quick]
 //! ```
 //!
-//! Each shape is one segment of `tokens` tokens with 16 heads, bf16, timed over repeated calls
-//! after a warm-up call, with the queue drained before and after; FLOPs count the two matrix
-//! products, `4 · tokens² · head_dim · heads`. bf16 at these head dims runs the tensor-core
-//! kernel on sm_80 and later; each line carries the TFLOPS docs/PERFORMANCE.md's model expects
-//! of it on an H100 (`expected_h100_tflops`, for 1024 tokens and more; null below).
+//! Each shape is `segments` packed segments of `tokens` tokens each with 16 heads, bf16: one
+//! segment at a range of lengths, and the towers' own launches at their serving step (41
+//! Qwen3-VL-8B images of 784 tokens at head dim 72, 8 Qwen2-VL-2B images of 1024 at 80, and
+//! 512 Qwen2.5-VL windows of 64 at 80). Each is timed over repeated calls after a warm-up call,
+//! with the queue drained before and after, once per tensor-core kernel (`queries` per block:
+//! 64, and 128 where that kernel exists, each from a device opened with that
+//! `attention_queries`); FLOPs count the two matrix products,
+//! `4 · segments · tokens² · head_dim · heads`. bf16 at these head dims runs the tensor-core
+//! kernels on sm_80 and later; the 64-query lines of one segment carry the TFLOPS
+//! docs/PERFORMANCE.md's model expects on an H100 (`expected_h100_tflops`, for 1024 tokens and
+//! more; null elsewhere).
 
 // Timing arithmetic: token counts and call counts far below 2^52, so the casts are exact.
 #![allow(
@@ -22,6 +28,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use iris_device_cuda::kernels::{FLASH_ATTENTION_Q128_SIZES, FLASH_ATTENTION_QUERIES};
 use iris_plugin::abi::{AttentionArgs, BufferHandle, BufferSlice, DType, MatRef};
 use iris_plugin::{Device, load_library};
 
@@ -31,6 +38,9 @@ const HEAD_DIMS: [u64; 5] = [64, 72, 80, 96, 128];
 const EXPECTED_H100_TFLOPS: [&str; 5] = ["220-300", "220-300", "240-320", "260-340", "280-380"];
 /// The shortest segment the expected range applies to.
 const EXPECTED_FROM_TOKENS: u64 = 1024;
+/// The towers' attention launches at the 8192-token serving step of 448x448 images: segments,
+/// tokens per segment, head dim.
+const TOWER_SHAPES: [(u64, u64, u64); 3] = [(41, 784, 72), (8, 1024, 80), (512, 64, 80)];
 
 fn main() {
     if let Err(err) = run() {
@@ -59,23 +69,48 @@ fn run() -> Result<(), String> {
     }
     let plugin = plugin.ok_or("usage: attention_bench PLUGIN.so [--ordinal N] [--quick]")?;
     let plugin = load_library(&plugin).map_err(|err| err.to_string())?;
-    let device = plugin.open(ordinal, &[]).map_err(|err| err.to_string())?;
+    let devices = FLASH_ATTENTION_QUERIES
+        .iter()
+        .map(|queries| {
+            let options = [("attention_queries".to_owned(), queries.to_string())];
+            let device = plugin
+                .open(ordinal, &options)
+                .map_err(|err| err.to_string())?;
+            Ok((*queries, device))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
     let lengths: &[u64] = if quick {
         &[1024, 4096]
     } else {
         &[256, 1024, 4096, 16384]
     };
+    let mut shapes = Vec::new();
     for (&head_dim, expected) in HEAD_DIMS.iter().zip(EXPECTED_H100_TFLOPS) {
         for &tokens in lengths {
-            let seconds = time(&device, tokens, head_dim)?;
-            let flops = 4.0 * (tokens * tokens * head_dim * HEADS) as f64;
-            let expected = if tokens >= EXPECTED_FROM_TOKENS {
-                format!("\"{expected}\"")
-            } else {
-                "null".to_owned()
+            shapes.push((1, tokens, head_dim, Some(expected)));
+        }
+    }
+    shapes.extend(
+        TOWER_SHAPES.map(|(segments, tokens, head_dim)| (segments, tokens, head_dim, None)),
+    );
+    for (segments, tokens, head_dim, expected) in shapes {
+        for (queries, device) in &devices {
+            if *queries > FLASH_ATTENTION_QUERIES[0]
+                && !FLASH_ATTENTION_Q128_SIZES.contains(&head_dim)
+            {
+                continue;
+            }
+            let seconds = time(device, segments, tokens, head_dim)?;
+            let flops = 4.0 * (segments * tokens * tokens * head_dim * HEADS) as f64;
+            let expected = match expected {
+                Some(range) if tokens >= EXPECTED_FROM_TOKENS && *queries == 64 => {
+                    format!("\"{range}\"")
+                }
+                _ => "null".to_owned(),
             };
             println!(
-                "{{\"dtype\": \"bf16\", \"heads\": {HEADS}, \"head_dim\": {head_dim}, \"tokens\": {tokens}, \
+                "{{\"dtype\": \"bf16\", \"heads\": {HEADS}, \"head_dim\": {head_dim}, \
+                 \"segments\": {segments}, \"tokens\": {tokens}, \"queries\": {queries}, \
                  \"ms\": {:.4}, \"tflops\": {:.2}, \"expected_h100_tflops\": {expected}}}",
                 seconds * 1e3,
                 flops / seconds / 1e12
@@ -85,11 +120,12 @@ fn run() -> Result<(), String> {
     Ok(())
 }
 
-/// Median seconds of one attention call over one segment of `tokens` tokens.
-fn time(device: &Device, tokens: u64, head_dim: u64) -> Result<f64, String> {
+/// Median seconds of one attention call over `segments` packed segments of `tokens` tokens.
+fn time(device: &Device, segments: u64, tokens: u64, head_dim: u64) -> Result<f64, String> {
     let err = |e: iris_plugin::DeviceError| e.to_string();
     let width = HEADS * head_dim;
-    let bytes = tokens * width * 2;
+    let rows = segments * tokens;
+    let bytes = rows * width * 2;
     let buffers: Vec<BufferHandle> = (0..4)
         .map(|_| device.alloc(bytes))
         .collect::<Result<_, _>>()
@@ -101,11 +137,13 @@ fn time(device: &Device, tokens: u64, head_dim: u64) -> Result<f64, String> {
     for buf in &buffers[..3] {
         device.write(*buf, 0, &fill).map_err(err)?;
     }
-    let cu = [0u32, u32::try_from(tokens).map_err(|_| "too many tokens")?];
-    let cu_device = device.alloc(8).map_err(err)?;
+    let cu: Vec<u32> = (0..=segments)
+        .map(|s| u32::try_from(s * tokens).map_err(|_| "too many tokens"))
+        .collect::<Result<_, _>>()?;
     let cu_bytes: Vec<u8> = cu.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let cu_device = device.alloc(cu_bytes.len() as u64).map_err(err)?;
     device.write(cu_device, 0, &cu_bytes).map_err(err)?;
-    let mat = |buf| MatRef::contiguous(buf, 0, DType::BF16, tokens, width);
+    let mat = |buf| MatRef::contiguous(buf, 0, DType::BF16, rows, width);
     let args = AttentionArgs {
         q: mat(buffers[0]),
         k: mat(buffers[1]),
@@ -115,7 +153,7 @@ fn time(device: &Device, tokens: u64, head_dim: u64) -> Result<f64, String> {
         head_dim,
         scale: 1.0 / (head_dim as f32).sqrt(),
         cu_seqlens: cu.as_slice().into(),
-        cu_seqlens_device: MatRef::vector(cu_device, 0, DType::I32, 2),
+        cu_seqlens_device: MatRef::vector(cu_device, 0, DType::I32, cu.len() as u64),
         max_seqlen: tokens,
         workspace: BufferSlice::EMPTY,
     };

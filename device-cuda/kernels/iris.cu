@@ -425,19 +425,25 @@ __device__ __forceinline__ void attention_impl(const void* q, i64 qs, const void
 // ---------------------------------------------------------------------------------------------
 // Variable-length attention on tensor cores, for f16 and bf16 (FlashAttention-2 style, sm_80+).
 //
-// A block of 4 warps takes 64 queries of one head of one segment, 16 per warp (one MMA row
-// block); the grid and `cu_seqlens` are as for attention_impl. Each warp keeps its queries as
-// MMA A fragments in registers for the whole pass. Keys and values stream through shared
-// memory in tiles of 64 rows of DK + 8 elements (the 8 put consecutive rows on different banks
-// for ldmatrix), two stages: the next tile loads with cp.async while the current one is
-// computed. Per tile and warp: S = Q·Kᵀ by mma.m16n8k16 (K fragments by ldmatrix), an online
-// softmax in f32 (exp2 of S · scale · log2 e minus the running maximum, one FFMA per score),
-// P rounded to the storage type in registers, where the accumulator layout of S is already the
-// A layout of P (so P never touches shared memory), and O += P·V (V fragments by
-// ldmatrix.trans). DK is the head dim padded to the MMA's k of 16 (72 runs as 80); padding
-// columns and keys past the segment are zeros in shared memory, and keys past the segment are
-// masked to minus infinity before the softmax. `scale` must be positive (the plugin sends
-// other scales to attention_impl).
+// A block of 4 warps takes 16 · RB queries per warp (RB row blocks of one MMA's 16 rows: 64 or
+// 128 queries) of one head of one segment; the grid and `cu_seqlens` are as for attention_impl.
+// Keys and values stream through shared memory in tiles of 64 rows of DK + 8 elements (the 8
+// put consecutive rows on different banks for ldmatrix), two stages: the next tile loads with
+// cp.async while the current one is computed. Per tile and warp: S = Q·Kᵀ by mma.m16n8k16 (K
+// fragments by ldmatrix, each used by all RB row blocks), an online softmax in f32 (exp2 of
+// S · scale · log2 e minus the running maximum, one FFMA per score), P rounded to the storage
+// type in registers, where the accumulator layout of S is already the A layout of P (so P never
+// touches shared memory), and O += P·V (V fragments by ldmatrix.trans, shared the same way).
+// Q stays in registers as MMA A fragments for the whole pass where RB = 1; where RB = 2 it
+// would not leave registers for twice the accumulators, so it stays in shared memory and is
+// read by ldmatrix per tile (as FlashAttention-2 does). DK is the head dim padded to the MMA's k of 16 (72 runs
+// as 80); padding columns and keys past the segment are zeros in shared memory, and keys past
+// the segment are masked to minus infinity before the softmax. `scale` must be positive (the
+// plugin sends other scales to attention_impl).
+//
+// Every query row goes through the same instructions in the same order whatever RB is: the two
+// variants give the same bits, which the plugin checks on the device when it opens (RB = 2
+// halves the shared-memory reads per MMA; RB = 1 makes twice the blocks, for small launches).
 //
 // The warp-wide instructions are behind the small functions below (mma_16816, ldmatrix_x4,
 // ldmatrix_x4_trans, cp_async_16 ...), which the CPU emulator of the stand-in driver
@@ -445,7 +451,6 @@ __device__ __forceinline__ void attention_impl(const void* q, i64 qs, const void
 // ---------------------------------------------------------------------------------------------
 
 #define FA_WARPS 4
-#define FA_BQ (FA_WARPS * 16)
 #define FA_BK 64
 #define FA_THREADS (FA_WARPS * 32)
 #define FA_PAD 8
@@ -456,10 +461,10 @@ extern __shared__ __align__(16) unsigned char iris_dynamic_shared[];
 __device__ __forceinline__ unsigned char* dynamic_shared() { return iris_dynamic_shared; }
 
 // The shared-window address of a generic pointer into shared memory.
+// (The intrinsic, not inline PTX: the compiler sees through it, so addresses that differ by a
+// constant share one register instead of each keeping its own conversion.)
 __device__ __forceinline__ u32 shared_address(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 g; cvta.to.shared.u64 g, %1; cvt.u32.u64 %0, g; }" : "=r"(a) : "l"(p));
-    return a;
+    return (u32)__cvta_generic_to_shared(p);
 }
 
 #if __CUDA_ARCH__ >= 800
@@ -530,6 +535,15 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 #define IRIS_TENSOR_CORES 0
 #endif
 
+// Whether this compilation has the 128-query kernels' bodies: sm_80 and sm_90 on (the data-centre
+// parts), or the emulator. On sm_86 and sm_89 the assembler spills them, so they are built empty
+// there and the plugin never launches them (`kernels::q128_runs_on`).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ == 800 || __CUDA_ARCH__ >= 900
+#define IRIS_Q128 1
+#else
+#define IRIS_Q128 0
+#endif
+
 #if IRIS_TENSOR_CORES
 // One 64-row tile of K and of V (rows row0 .. row0 + 63 of the segment, the head's first DK
 // columns) into shared memory rows of DK + FA_PAD elements: 16-byte chunks, DK / 16 of each
@@ -572,9 +586,38 @@ __device__ __forceinline__ void fa_load_tiles(u16* kdst, u16* vdst, const u16* k
         }
     }
 }
+
+// The block's BQ query rows (row0 .. row0 + BQ - 1 of the segment) into shared memory, laid out
+// and zero-padded as fa_load_tiles lays out K.
+template <int DK, int BQ>
+__device__ __forceinline__ void fa_load_queries(u16* dst, const u16* q, i64 qs, i64 row0,
+                                                int rows, int head_dim, bool async) {
+    constexpr int CHUNKS = DK / 8;
+    static_assert(BQ * CHUNKS % FA_THREADS == 0, "whole chunks per thread");
+#pragma unroll 1
+    for (int it = 0; it < BQ * CHUNKS / FA_THREADS; ++it) {
+        const int e = threadIdx.x + it * FA_THREADS;
+        const int r = e / CHUNKS;
+        const int c = (e - r * CHUNKS) * 8;
+        u16* d = dst + r * (DK + FA_PAD) + c;
+        if (r < rows && c < head_dim) {
+            const u16* src = q + (row0 + r) * qs + c;
+            if (async) {
+                cp_async_16(d, src);
+            } else {
+                uint4 chunk;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) ((u16*)&chunk)[i] = src[i];
+                *(uint4*)d = chunk;
+            }
+        } else {
+            *(uint4*)d = uint4{0u, 0u, 0u, 0u};
+        }
+    }
+}
 #endif
 
-template <bool BF16, int DK, int DV>
+template <bool BF16, int DK, int DV, int RB>
 __device__ __forceinline__ void flash_attention_impl(const u16* q, i64 qs, const u16* k, i64 ks,
                                                      const u16* v, i64 vs, u16* out, i64 os,
                                                      const int* cu_seqlens, int head_dim,
@@ -582,17 +625,21 @@ __device__ __forceinline__ void flash_attention_impl(const u16* q, i64 qs, const
 #if !IRIS_TENSOR_CORES
     return;  // tensor-core kernels need sm_80; the plugin never launches them below
 #else
+    if (RB > 1 && !IRIS_Q128) return;  // not launched on this architecture (IRIS_Q128)
     constexpr int RS = DK + FA_PAD;          // shared row stride in elements
     constexpr int TILE = FA_BK * RS;         // elements of one K or V tile
     constexpr int KSTEPS = DK / 16;          // k steps of Q·Kᵀ
     constexpr int NV = DV / 8;               // column groups of O
-    u16* smem = (u16*)dynamic_shared();      // K stage 0, K stage 1, V stage 0, V stage 1
+    constexpr int BQ = FA_WARPS * 16 * RB;   // queries per block
+    constexpr bool Q_SHARED = RB > 1;
+    u16* smem = (u16*)dynamic_shared();      // K stage 0, K stage 1, V stage 0, V stage 1, [Q]
+    u16* qsm = smem + 4 * TILE;
 
     const int seg = blockIdx.z;
     const int head = blockIdx.y;
     const i64 start = cu_seqlens[seg];
     const int len = cu_seqlens[seg + 1] - cu_seqlens[seg];
-    const int q0 = blockIdx.x * FA_BQ;
+    const int q0 = blockIdx.x * BQ;
     if (q0 >= len) return;
 
     const int lane = threadIdx.x & 31;
@@ -601,38 +648,58 @@ __device__ __forceinline__ void flash_attention_impl(const u16* q, i64 qs, const
     const int t = lane & 3;   // fragment column pair
     const i64 col0 = (i64)head * head_dim;
     const float sl = scale * LOG2E;
-    const int qw = q0 + warp * 16;  // this warp's first query
-    const bool active = qw < len;   // warp-uniform
+    const int qw = q0 + warp * 16 * RB;  // this warp's first query (row block rb: + 16 rb)
+    const bool active = qw < len;        // warp-uniform
+    const u16* qb = q + start * qs + col0;
     const u16* kb = k + start * ks + col0;
     const u16* vb = v + start * vs + col0;
     const bool async = ((((u64)kb | (u64)vb) & 15u) == 0u) && ((ks | vs) & 7) == 0;
 
-    // Q fragments: a[0] row g, columns 2t, 2t + 1; a[1] row g + 8; a[2], a[3] columns + 8.
-    u32 qf[KSTEPS][4];
+    // Q fragments in registers: a[0] row g, columns 2t, 2t + 1; a[1] row g + 8; a[2], a[3]
+    // columns + 8. With Q_SHARED the array is not used (the compiler drops it).
+    u32 qf[RB][Q_SHARED ? 1 : KSTEPS][4];
+    if (!Q_SHARED) {
 #pragma unroll
-    for (int s = 0; s < KSTEPS; ++s)
+        for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int row = qw + g + (r & 1) * 8;
-            const int col = s * 16 + t * 2 + (r >> 1) * 8;
-            u32 lo = 0u, hi = 0u;
-            if (row < len) {
-                const u16* p = q + (start + row) * qs + col0 + col;
-                if (col < head_dim) lo = p[0];
-                if (col + 1 < head_dim) hi = p[1];
-            }
-            qf[s][r] = lo | (hi << 16);
+            for (int s = 0; s < (Q_SHARED ? 1 : KSTEPS); ++s)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int row = qw + rb * 16 + g + (r & 1) * 8;
+                    const int col = s * 16 + t * 2 + (r >> 1) * 8;
+                    u32 lo = 0u, hi = 0u;
+                    if (row < len) {
+                        const u16* p = qb + row * qs + col;
+                        if (col < head_dim) lo = p[0];
+                        if (col + 1 < head_dim) hi = p[1];
+                    }
+                    qf[rb][s][r] = lo | (hi << 16);
+                }
+    }
+
+    float o[RB][NV][4];
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+        for (int n = 0; n < NV; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[rb][n][i] = 0.0f;
+    float m_run[RB][2];  // running maximum of S · sl, rows g and g + 8 of each row block
+    float l_run[RB][2];  // this lane's part of the running sum
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m_run[rb][r] = -IRIS_INF;
+            l_run[rb][r] = 0.0f;
         }
 
-    float o[NV][4];
-#pragma unroll
-    for (int n = 0; n < NV; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
-    float m_run[2] = {-IRIS_INF, -IRIS_INF};  // running maximum of S · sl, rows g and g + 8
-    float l_run[2] = {0.0f, 0.0f};            // this lane's part of the running sum
-
     const int tiles = (len + FA_BK - 1) / FA_BK;
+    if (Q_SHARED) {
+        const bool q_async = (((u64)qb & 15u) == 0u) && (qs & 7) == 0;
+        fa_load_queries<DK, BQ>(qsm, qb, qs, q0, len - q0 < BQ ? len - q0 : BQ, head_dim,
+                                q_async);
+    }
     fa_load_tiles<DK>(smem, smem + 2 * TILE, kb, ks, vb, vs, 0, len < FA_BK ? len : FA_BK,
                       head_dim, async);
     cp_async_commit();
@@ -656,70 +723,94 @@ __device__ __forceinline__ void flash_attention_impl(const u16* q, i64 qs, const
         const u16* vsm = smem + (2 + (tile & 1)) * TILE;
 
         // S = Q·Kᵀ: 8 groups of 8 keys; one ldmatrix_x4 gives the B fragments of two groups.
-        float sc[8][4];
+        float sc[RB][8][4];
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) sc[j][i] = 0.0f;
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) sc[rb][j][i] = 0.0f;
 #pragma unroll
         for (int s = 0; s < KSTEPS; ++s) {
+            const int m = lane >> 3;
+            u32 qa[RB][4];
+#pragma unroll
+            for (int rb = 0; rb < RB; ++rb) {
+                if (Q_SHARED) {
+                    // Matrix m: rows 8 (m % 2) + lane % 8 of the row block, columns
+                    // 16s + 8 (m / 2): registers in the A fragment's order.
+                    const u16* row = qsm + ((qw - q0) + rb * 16 + (m & 1) * 8 + (lane & 7)) * RS +
+                                     s * 16 + (m >> 1) * 8;
+                    ldmatrix_x4(qa[rb], row);
+                } else {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) qa[rb][r] = qf[rb][Q_SHARED ? 0 : s][r];
+                }
+            }
 #pragma unroll
             for (int j = 0; j < 8; j += 2) {
-                // Matrix m = lane / 8: keys 8j + 8 (m / 2) + lane % 8, columns 16s + 8 (m % 2).
-                const int m = lane >> 3;
+                // Matrix m: keys 8j + 8 (m / 2) + lane % 8, columns 16s + 8 (m % 2).
                 const u16* row = ksm + (j * 8 + (m >> 1) * 8 + (lane & 7)) * RS + s * 16 + (m & 1) * 8;
                 u32 b[4];
                 ldmatrix_x4(b, row);
-                mma_16816<BF16>(sc[j], qf[s], b, sc[j]);
-                mma_16816<BF16>(sc[j + 1], qf[s], b + 2, sc[j + 1]);
+#pragma unroll
+                for (int rb = 0; rb < RB; ++rb) {
+                    mma_16816<BF16>(sc[rb][j], qa[rb], b, sc[rb][j]);
+                    mma_16816<BF16>(sc[rb][j + 1], qa[rb], b + 2, sc[rb][j + 1]);
+                }
             }
         }
 
         // Online softmax; element i of group j is key k0 + 8j + 2t + (i & 1), row g + 8 (i / 2).
-        float mx[2] = {-IRIS_INF, -IRIS_INF};
+        u32 pf[RB][4][4];
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int rb = 0; rb < RB; ++rb) {
+            float mx[2] = {-IRIS_INF, -IRIS_INF};
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                if (k0 + j * 8 + t * 2 + (i & 1) >= len) sc[j][i] = -IRIS_INF;
-                mx[i >> 1] = fmaxf(mx[i >> 1], sc[j][i]);
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    if (k0 + j * 8 + t * 2 + (i & 1) >= len) sc[rb][j][i] = -IRIS_INF;
+                    mx[i >> 1] = fmaxf(mx[i >> 1], sc[rb][j][i]);
+                }
+            float alpha[2], neg_m[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float m_new = fmaxf(m_run[rb][r], mx[r] * sl);  // sl > 0: max commutes
+                alpha[r] = exp2f(m_run[rb][r] - m_new);
+                m_run[rb][r] = m_new;
+                neg_m[r] = -m_new;
             }
-        float alpha[2], neg_m[2];
+            float sum[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m_run[r], mx[r] * sl);  // sl > 0: max commutes with it
-            alpha[r] = exp2f(m_run[r] - m_new);
-            m_run[r] = m_new;
-            neg_m[r] = -m_new;
-        }
-        float sum[2] = {0.0f, 0.0f};
+            for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+                for (int i = 0; i < 4; ++i) {
+                    sc[rb][j][i] = exp2f(fmaf(sc[rb][j][i], sl, neg_m[i >> 1]));
+                    sum[i >> 1] += sc[rb][j][i];
+                }
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                sc[j][i] = exp2f(fmaf(sc[j][i], sl, neg_m[i >> 1]));
-                sum[i >> 1] += sc[j][i];
-            }
+            for (int r = 0; r < 2; ++r) l_run[rb][r] = l_run[rb][r] * alpha[r] + sum[r];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + sum[r];
+            for (int n = 0; n < NV; ++n)
 #pragma unroll
-        for (int n = 0; n < NV; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i >> 1];
+                for (int i = 0; i < 4; ++i) o[rb][n][i] *= alpha[i >> 1];
 
-        // O += P·V over 4 steps of 16 keys. P's A fragment for keys 16s .. 16s + 15 is the S
-        // accumulators of groups 2s and 2s + 1; one ldmatrix_x4_trans gives the B fragments of
-        // two key steps for one group of 8 columns.
-        u32 pf[4][4];
+            // P's A fragment for keys 16s .. 16s + 15 is the S accumulators of groups 2s and
+            // 2s + 1.
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            pf[s][0] = pack2<BF16>(sc[2 * s][0], sc[2 * s][1]);
-            pf[s][1] = pack2<BF16>(sc[2 * s][2], sc[2 * s][3]);
-            pf[s][2] = pack2<BF16>(sc[2 * s + 1][0], sc[2 * s + 1][1]);
-            pf[s][3] = pack2<BF16>(sc[2 * s + 1][2], sc[2 * s + 1][3]);
+            for (int s = 0; s < 4; ++s) {
+                pf[rb][s][0] = pack2<BF16>(sc[rb][2 * s][0], sc[rb][2 * s][1]);
+                pf[rb][s][1] = pack2<BF16>(sc[rb][2 * s][2], sc[rb][2 * s][3]);
+                pf[rb][s][2] = pack2<BF16>(sc[rb][2 * s + 1][0], sc[rb][2 * s + 1][1]);
+                pf[rb][s][3] = pack2<BF16>(sc[rb][2 * s + 1][2], sc[rb][2 * s + 1][3]);
+            }
         }
+
+        // O += P·V over 4 steps of 16 keys; one ldmatrix_x4_trans gives the B fragments of two
+        // key steps for one group of 8 columns.
 #pragma unroll
         for (int s = 0; s < 4; s += 2) {
 #pragma unroll
@@ -728,37 +819,44 @@ __device__ __forceinline__ void flash_attention_impl(const u16* q, i64 qs, const
                 const u16* row = vsm + (s * 16 + (lane >> 3) * 8 + (lane & 7)) * RS + n * 8;
                 u32 b[4];
                 ldmatrix_x4_trans(b, row);
-                mma_16816<BF16>(o[n], pf[s], b, o[n]);
-                mma_16816<BF16>(o[n], pf[s + 1], b + 2, o[n]);
+#pragma unroll
+                for (int rb = 0; rb < RB; ++rb) {
+                    mma_16816<BF16>(o[rb][n], pf[rb][s], b, o[rb][n]);
+                    mma_16816<BF16>(o[rb][n], pf[rb][s + 1], b + 2, o[rb][n]);
+                }
             }
         }
     }
     if (!active) return;
 
-    // O / l, stored as pairs of columns 8n + 2t, + 1 for rows g and g + 8.
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        inv[r] = 1.0f / l;
-    }
+    // O / l, stored as pairs of columns 8n + 2t, + 1 for rows g and g + 8 of each row block.
     const bool pairs = (((u64)out & 3u) == 0u) && ((os | col0) & 1) == 0;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = qw + g + r * 8;
-        if (row >= len) continue;
-        u16* dst = out + (start + row) * os + col0;
+    for (int rb = 0; rb < RB; ++rb) {
+        float inv[2];
 #pragma unroll
-        for (int n = 0; n < NV; ++n) {
-            const int col = n * 8 + t * 2;
-            const u32 packed = pack2<BF16>(o[n][2 * r] * inv[r], o[n][2 * r + 1] * inv[r]);
-            if (pairs) {
-                *(u32*)(dst + col) = packed;
-            } else {
-                dst[col] = (u16)packed;
-                dst[col + 1] = (u16)(packed >> 16);
+        for (int r = 0; r < 2; ++r) {
+            float l = l_run[rb][r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            inv[r] = 1.0f / l;
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = qw + rb * 16 + g + r * 8;
+            if (row >= len) continue;
+            u16* dst = out + (start + row) * os + col0;
+#pragma unroll
+            for (int n = 0; n < NV; ++n) {
+                const int col = n * 8 + t * 2;
+                const u32 packed =
+                    pack2<BF16>(o[rb][n][2 * r] * inv[r], o[rb][n][2 * r + 1] * inv[r]);
+                if (pairs) {
+                    *(u32*)(dst + col) = packed;
+                } else {
+                    dst[col] = (u16)packed;
+                    dst[col + 1] = (u16)(packed >> 16);
+                }
             }
         }
     }
@@ -864,24 +962,31 @@ ATTENTION_SIZES(f32, F32)
 ATTENTION_SIZES(f16, F16)
 ATTENTION_SIZES(bf16, BF16)
 
-// Tensor-core attention: flash_attention_<dtype>_<head dim>, for the head dims it is built for
-// (DK: the head dim padded to 16). Dynamic shared memory: 4 * 64 * (DK + 8) * 2 bytes.
-#define FLASH_KERNEL(NAME, BF16, DV, DK)                                                         \
+// Tensor-core attention: flash_attention_<dtype>_<head dim> (64 queries per block) and
+// flash_attention_q128_<dtype>_<head dim> (128), for the head dims they are built for (DK: the
+// head dim padded to 16). Dynamic shared memory: 4 * 64 * (DK + 8) * 2 bytes, plus
+// 128 * (DK + 8) * 2 for the queries of the 128-query kernels. There are no 128-query kernels at
+// head dims 96 and 128: twice their accumulators (O and S: 96 + 64 or 128 + 64 registers per
+// thread) leave too few registers for the rest, and the assembler spills.
+#define FLASH_KERNEL(PREFIX, NAME, BF16, DV, DK, RB)                                           \
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                    \
-        flash_attention_##NAME##_##DV(const void* q, i64 qs, const void* k, i64 ks,            \
-                                      const void* v, i64 vs, void* out, i64 os,                \
-                                      const int* cu_seqlens, int head_dim, float scale) {      \
-        flash_attention_impl<BF16, DK, DV>((const u16*)q, qs, (const u16*)k, ks,               \
-                                           (const u16*)v, vs, (u16*)out, os, cu_seqlens,       \
-                                           head_dim, scale);                                   \
+        PREFIX##NAME##_##DV(const void* q, i64 qs, const void* k, i64 ks, const void* v,       \
+                            i64 vs, void* out, i64 os, const int* cu_seqlens, int head_dim,     \
+                            float scale) {                                                     \
+        flash_attention_impl<BF16, DK, DV, RB>((const u16*)q, qs, (const u16*)k, ks,           \
+                                               (const u16*)v, vs, (u16*)out, os, cu_seqlens,   \
+                                               head_dim, scale);                               \
     }
 
-#define FLASH_SIZES(NAME, BF16)     \
-    FLASH_KERNEL(NAME, BF16, 64, 64) \
-    FLASH_KERNEL(NAME, BF16, 72, 80) \
-    FLASH_KERNEL(NAME, BF16, 80, 80) \
-    FLASH_KERNEL(NAME, BF16, 96, 96) \
-    FLASH_KERNEL(NAME, BF16, 128, 128)
+#define FLASH_SIZES(NAME, BF16)                                     \
+    FLASH_KERNEL(flash_attention_, NAME, BF16, 64, 64, 1)           \
+    FLASH_KERNEL(flash_attention_, NAME, BF16, 72, 80, 1)           \
+    FLASH_KERNEL(flash_attention_, NAME, BF16, 80, 80, 1)           \
+    FLASH_KERNEL(flash_attention_, NAME, BF16, 96, 96, 1)           \
+    FLASH_KERNEL(flash_attention_, NAME, BF16, 128, 128, 1)         \
+    FLASH_KERNEL(flash_attention_q128_, NAME, BF16, 64, 64, 2)      \
+    FLASH_KERNEL(flash_attention_q128_, NAME, BF16, 72, 80, 2)      \
+    FLASH_KERNEL(flash_attention_q128_, NAME, BF16, 80, 80, 2)
 
 FLASH_SIZES(f16, false)
 FLASH_SIZES(bf16, true)

@@ -54,11 +54,27 @@ pub struct CudaOptions {
     /// Answer `write_async` with "unsupported", so that the host converts and stages every
     /// upload itself on its own thread (as before ABI 2.2): for comparisons.
     pub staged_writes: bool,
+    /// Queries per block of the tensor-core attention kernels.
+    pub attention_queries: AttentionQueries,
+}
+
+/// Which tensor-core attention kernels run: 64 queries per block, 128, or the choice per call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AttentionQueries {
+    /// 128 queries per block where a launch has enough of them to fill the device twice over
+    /// (each block does twice the work of a 64-query block with the same shared-memory reads),
+    /// 64 otherwise.
+    #[default]
+    Auto,
+    /// Always this many (64 or 128) where the kernel is available (128: where it passed its
+    /// check at open).
+    Fixed(u64),
 }
 
 impl CudaOptions {
-    /// Parses `key = value` options: `tf32`, `memory_only` and `staged_writes` (`true`/`false`) and
-    /// `kernel_cache` (a folder or `off`). Unknown keys are errors naming the key.
+    /// Parses `key = value` options: `tf32`, `memory_only` and `staged_writes` (`true`/`false`),
+    /// `kernel_cache` (a folder or `off`) and `attention_queries` (`auto`, `64` or `128`).
+    /// Unknown keys are errors naming the key.
     pub fn parse(pairs: &[(&str, &str)]) -> Result<CudaOptions, PluginError> {
         let mut options = CudaOptions::default();
         for (key, value) in pairs {
@@ -72,10 +88,18 @@ impl CudaOptions {
                     }
                     options.kernel_cache = Some(value.trim().to_owned());
                 }
+                "attention_queries" => {
+                    options.attention_queries = match value.trim() {
+                        "auto" => AttentionQueries::Auto,
+                        "64" => AttentionQueries::Fixed(64),
+                        "128" => AttentionQueries::Fixed(128),
+                        _ => return Err(invalid_option(key, value, "`auto`, `64` or `128`")),
+                    }
+                }
                 other => {
                     return Err(PluginError::invalid_argument(format!(
                         "open: unknown option `{other}` (known: tf32, kernel_cache, memory_only, \
-                         staged_writes)"
+                         staged_writes, attention_queries)"
                     )));
                 }
             }
@@ -299,7 +323,8 @@ impl CudaDevice {
     }
 
     /// Runs each GEMM path once on small operands (cuBLASLt for f16, bf16 and TF32, with and
-    /// without its bias and GELU epilogues; cuBLAS for f32; the plugin's epilogue kernel), then
+    /// without its bias and GELU epilogues; cuBLAS for f32; the plugin's epilogue kernel) and
+    /// checks the 128-query attention kernels against the 64-query ones, then
     /// records what the device holds beyond that as a held item. cuBLAS and cuBLASLt allocate
     /// device state of their own on a handle's first computation (cuBLAS's default workspace
     /// pool, kernels loaded on first use): without this it would appear with the first
@@ -314,7 +339,28 @@ impl CudaDevice {
         memory::wait(self.cu_stream())?;
         let before = used()?;
         let mut buffers = Vec::new();
-        let ran = self.warm_up_gemms(&mut buffers).map_err(fail);
+        let mut ran = self.warm_up_gemms(&mut buffers).map_err(fail);
+        // The 128-query attention kernels serve only once they have given the 64-query kernels'
+        // bits on this device (which also loads both before the post-start checkpoint).
+        let has_flash = self
+            .compute
+            .as_ref()
+            .is_some_and(Compute::has_flash_attention);
+        if ran.is_ok() && has_flash {
+            match self.check_attention_kernels(&mut buffers) {
+                Ok(checked) => {
+                    if let Some(compute) = self.compute.as_mut() {
+                        compute.q128 = checked;
+                    }
+                }
+                Err(err) => {
+                    ran = Err(CudaError::Unavailable(format!(
+                        "the attention kernels' check failed: {}",
+                        err.message
+                    )))
+                }
+            }
+        }
         let mut freed = Ok(());
         for buf in buffers {
             if let Err(err) = self.memory.free(self.cu_stream(), buf) {
@@ -544,7 +590,7 @@ impl CudaDevice {
 
     /// Waits for the queue and reports a bad gather index; errors name `op`, the ABI call that
     /// waited (`synchronize` or `read`).
-    fn synchronize_impl(&self, op: &str) -> Result<(), PluginError> {
+    pub(crate) fn synchronize_impl(&self, op: &str) -> Result<(), PluginError> {
         let wait = || {
             // Only the frees enqueued before the wait are known to have run after it.
             let waited = self.memory.pending();
@@ -1148,6 +1194,15 @@ mod tests {
         assert!(err.message.contains("`tf23`"), "{}", err.message);
         let err = CudaOptions::parse(&[("memory_only", "maybe")]).unwrap_err();
         assert!(err.message.contains("memory_only"), "{}", err.message);
+        assert_eq!(options.attention_queries, AttentionQueries::Auto);
+        let options = CudaOptions::parse(&[("attention_queries", "128")]).unwrap();
+        assert_eq!(options.attention_queries, AttentionQueries::Fixed(128));
+        let err = CudaOptions::parse(&[("attention_queries", "96")]).unwrap_err();
+        assert!(
+            err.message.contains("attention_queries") && err.message.contains("`96`"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]

@@ -45,18 +45,48 @@ pub const ATTENTION_SIZES: [u64; 6] = [32, 64, 72, 80, 96, 128];
 /// Head dims of the tensor-core attention kernels (`flash_attention_<f16|bf16>_<head dim>`),
 /// each its own instantiation.
 pub const FLASH_ATTENTION_SIZES: [u64; 5] = [64, 72, 80, 96, 128];
+/// Head dims of the 128-query tensor-core attention kernels (`flash_attention_q128_<f16|bf16>_<head
+/// dim>`): not 96 and 128, where twice the accumulators leave too few registers (the
+/// assembler spills at 96 on sm_80 and at 128 everywhere). The towers' head dims are 72 and 80.
+pub const FLASH_ATTENTION_Q128_SIZES: [u64; 3] = [64, 72, 80];
+/// Whether the 128-query attention kernels run on compute capability `cc`: 8.0 and 9.0 on. On
+/// 8.6 and 8.9 the assembler spills their registers, so the source builds them empty there.
+pub fn q128_runs_on(cc: (i32, i32)) -> bool {
+    cc == (8, 0) || cc >= (9, 0)
+}
+
 /// Storage types of the tensor-core attention kernels.
 pub const FLASH_ATTENTION_TYPES: [&str; 2] = ["f16", "bf16"];
-/// Queries per block of the tensor-core attention kernels (4 warps of 16).
-pub const FLASH_ATTENTION_QUERIES: u64 = 64;
+/// Queries per block of the tensor-core attention kernels: 64 for `flash_attention_<dtype>_<head
+/// dim>` (4 warps of 16 queries), 128 for `flash_attention_q128_<dtype>_<head dim>` (4 warps of
+/// 32, each K and V fragment read from shared memory serving two MMAs more).
+pub const FLASH_ATTENTION_QUERIES: [u64; 2] = [64, 128];
 
-/// Dynamic shared memory of the tensor-core attention kernel for `head_dim`: two stages of K and
-/// V tiles of 64 rows of the head dim padded to 16, plus 8, in 16-bit elements.
-pub fn flash_attention_shared_bytes(head_dim: u64) -> u32 {
+/// The name of the tensor-core attention kernel for `dtype`, `head_dim` and `queries` per block
+/// (one of [`FLASH_ATTENTION_QUERIES`]).
+pub fn flash_attention_name(dtype: &str, head_dim: u64, queries: u64) -> String {
+    if queries > FLASH_ATTENTION_QUERIES[0] {
+        format!("flash_attention_q{queries}_{dtype}_{head_dim}")
+    } else {
+        format!("flash_attention_{dtype}_{head_dim}")
+    }
+}
+
+/// Dynamic shared memory of the tensor-core attention kernel for `head_dim` and `queries` per
+/// block: two stages of K and V tiles of 64 rows of the head dim padded to 16, plus 8, in 16-bit
+/// elements; the 128-query kernels keep their queries there too (the registers could not hold
+/// them beside twice the accumulators).
+pub fn flash_attention_shared_bytes(head_dim: u64, queries: u64) -> u32 {
     const TILE_ROWS: u64 = 64;
     const ROW_PAD: u64 = 8;
     const TILES: u64 = 4;
-    let bytes = TILES * TILE_ROWS * (head_dim.next_multiple_of(16) + ROW_PAD) * 2;
+    let padded = head_dim.next_multiple_of(16);
+    let query_rows = if queries > FLASH_ATTENTION_QUERIES[0] {
+        queries
+    } else {
+        0
+    };
+    let bytes = (TILES * TILE_ROWS + query_rows) * (padded + ROW_PAD) * 2;
     u32::try_from(bytes).unwrap_or(u32::MAX)
 }
 
@@ -76,7 +106,18 @@ pub fn kernel_names() -> Vec<String> {
     }
     for dtype in FLASH_ATTENTION_TYPES {
         for size in FLASH_ATTENTION_SIZES {
-            names.push(format!("flash_attention_{dtype}_{size}"));
+            names.push(flash_attention_name(
+                dtype,
+                size,
+                FLASH_ATTENTION_QUERIES[0],
+            ));
+        }
+        for size in FLASH_ATTENTION_Q128_SIZES {
+            names.push(flash_attention_name(
+                dtype,
+                size,
+                FLASH_ATTENTION_QUERIES[1],
+            ));
         }
     }
     for width in ["b1", "b2", "b4"] {
@@ -521,12 +562,40 @@ mod tests {
     }
 
     #[test]
+    fn attention_kernels_are_named_and_sized_by_their_queries() {
+        assert_eq!(
+            flash_attention_name("bf16", 80, 64),
+            "flash_attention_bf16_80"
+        );
+        assert_eq!(
+            flash_attention_name("f16", 72, 128),
+            "flash_attention_q128_f16_72"
+        );
+        // Two stages of K and V, 64 rows of 80 + 8; the 128-query kernel adds its queries.
+        assert_eq!(flash_attention_shared_bytes(72, 64), 4 * 64 * 88 * 2);
+        assert_eq!(
+            flash_attention_shared_bytes(80, 128),
+            (4 * 64 + 128) * 88 * 2
+        );
+        // Within the 99 KiB a block may have on sm_86 and sm_89.
+        for size in FLASH_ATTENTION_Q128_SIZES {
+            assert!(
+                flash_attention_shared_bytes(size, 128) <= 99 << 10,
+                "{size}"
+            );
+        }
+        assert!(q128_runs_on((8, 0)) && q128_runs_on((9, 0)) && q128_runs_on((10, 0)));
+        assert!(!q128_runs_on((8, 6)) && !q128_runs_on((8, 9)) && !q128_runs_on((7, 5)));
+    }
+
+    #[test]
     fn every_kernel_in_the_source_is_listed() {
         let names = kernel_names();
         assert_eq!(
             names.len(),
             1 + 3 * (5 + 3 + ATTENTION_SIZES.len())
-                + FLASH_ATTENTION_TYPES.len() * FLASH_ATTENTION_SIZES.len()
+                + FLASH_ATTENTION_TYPES.len()
+                    * (FLASH_ATTENTION_SIZES.len() + FLASH_ATTENTION_Q128_SIZES.len())
                 + 3
         );
         for name in [
@@ -538,6 +607,7 @@ mod tests {
             "cast",
             "attention",
             "flash_attention",
+            "flash_attention_q128",
             "gather",
             "copy_regions",
         ] {

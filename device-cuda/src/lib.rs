@@ -46,7 +46,7 @@ pub(crate) mod ops;
 pub mod result;
 pub mod sys;
 
-pub use device::{CudaDevice, CudaOptions};
+pub use device::{AttentionQueries, CudaDevice, CudaOptions};
 
 #[cfg(not(target_pointer_width = "64"))]
 compile_error!("the CUDA plugin needs a 64-bit target: CUDA 12 has no 32-bit host platform");

@@ -68,6 +68,15 @@ fn attention_matches_the_reference_for_every_head_dim() {
     run("attention", &[], Libraries::Full);
 }
 
+#[test]
+fn a_128_query_attention_kernel_that_differs_at_open_does_not_serve() {
+    run(
+        "wrong_q128",
+        &[("IRIS_STANDIN_WRONG_KERNEL", "flash_attention_q128_bf16_80")],
+        Libraries::Full,
+    );
+}
+
 /// The emulator's own model of `mma.m16n8k16` and `ldmatrix` (tests/standin/emu.cpp), apart
 /// from any kernel of the plugin: `emu_check_mma_<type>` (tests/standin/emu_check.cu) builds
 /// fragments of a known A and B by the PTX ISA's formulas, directly and through `ldmatrix`
@@ -265,6 +274,7 @@ fn scenario() {
         "elementwise" => elementwise(&device),
         "movement" => movement(&device),
         "attention" => attention(&device),
+        "wrong_q128" => wrong_q128(&device),
         "status" => status(&device),
         "accounting" => accounting(&device),
         other => panic!("unknown scenario {other}"),
@@ -289,9 +299,20 @@ fn open() -> Device {
 
 /// [`open`] for device `ordinal`.
 fn open_ordinal(ordinal: u32) -> Device {
+    open_with(ordinal, &[])
+}
+
+/// [`open`] for device `ordinal` with these options besides.
+fn open_with(ordinal: u32, extra: &[(&str, &str)]) -> Device {
+    let extra: Vec<(String, String)> = extra
+        .iter()
+        .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+        .collect();
     if std::env::var_os(GPU_ENV).is_some() {
         let plugin = load_library(&plugin_library()).unwrap();
-        let device = plugin.open(ordinal, &[]).expect("opens the GPU with ops");
+        let device = plugin
+            .open(ordinal, &extra)
+            .expect("opens the GPU with ops");
         let desc = device.description();
         assert_eq!(desc.ops.len(), 9, "every op is listed");
         eprintln!(
@@ -301,7 +322,8 @@ fn open_ordinal(ordinal: u32) -> Device {
         return device;
     }
     let plugin = load_library(&plugin_library()).unwrap();
-    let options = common::emulated_kernels(80, common::standin_driver_version());
+    let mut options = common::emulated_kernels(80, common::standin_driver_version());
+    options.extend(extra);
     let device = plugin.open(ordinal, &options).expect("opens with ops");
     let desc = device.description();
     assert_eq!(desc.ops.len(), 9, "every op is listed");
@@ -1140,24 +1162,91 @@ fn attention(device: &Device) {
             }
         }
     }
-    // The tensor-core kernel: segments of 1, 17, 64, 65 and 300 tokens in one call (a single
-    // query, partial query and key tiles, exactly one tile, one row past it, several tiles).
+    // The tensor-core kernels, 64 and 128 queries per block: segments of 1, 17, 64, 65 and 300
+    // tokens in one call (a single query, partial query and key tiles, exactly one tile, one
+    // row past it, several tiles; the 128-query blocks of the last have one, two and a quarter
+    // of a warp's rows).
+    let note = q128_note(device);
+    assert!(
+        note.starts_with(
+            "head dims 64, 72, 80 (the 64-query kernel's bits at open) \
+             (attention_queries = auto)"
+        ),
+        "every 128-query kernel passed its check at open: {note}"
+    );
     let cu = [0, 1, 18, 82, 147, 447];
-    for dtype in [DType::BF16, DType::F16] {
-        for hd in [64usize, 72, 80, 96, 128] {
-            // Views one element into their buffers: rows not 16-byte aligned, so the tiles
-            // load element by element instead of by cp.async.
-            let offset = usize::from(dtype == DType::F16 && hd == 80);
-            attention_case(device, dtype, hd, &cu, offset);
-            if !on_gpu() {
-                assert_eq!(
-                    common::standin_last_grid(),
-                    [300u32.div_ceil(64), 2, 5],
-                    "{dtype} head_dim {hd}: the tensor-core kernel's grid (64 queries per block)"
-                );
+    for queries in [64u32, 128] {
+        let fixed = open_with(0, &[("attention_queries", &queries.to_string())]);
+        for dtype in [DType::BF16, DType::F16] {
+            for hd in [64usize, 72, 80, 96, 128] {
+                // Views one element into their buffers: rows not 16-byte aligned, so the tiles
+                // load element by element instead of by cp.async.
+                let offset = usize::from(dtype == DType::F16 && (hd == 80 || hd == 128));
+                attention_case(&fixed, dtype, hd, &cu, offset);
+                // No 128-query kernels at head dims 96 and 128: they run 64.
+                let queries = if hd >= 96 { 64 } else { queries };
+                if !on_gpu() {
+                    assert_eq!(
+                        common::standin_last_grid(),
+                        [300u32.div_ceil(queries), 2, 5],
+                        "{dtype} head_dim {hd}: the tensor-core kernel's grid ({queries} queries \
+                         per block)"
+                    );
+                }
             }
         }
+        drop(fixed);
     }
+    // `auto`: 128 queries where the blocks fill every SM twice (the stand-in has 4): 14 blocks
+    // above, 2 here.
+    attention_case(device, DType::BF16, 72, &cu, 0);
+    let grid_large = common::standin_last_grid();
+    if !on_gpu() {
+        assert_eq!(
+            grid_large,
+            [300u32.div_ceil(128), 2, 5],
+            "a large launch runs 128 queries per block"
+        );
+    }
+    let small = [0, 100];
+    attention_case(device, DType::BF16, 72, &small, 0);
+    let grid_small = common::standin_last_grid();
+    if !on_gpu() {
+        assert_eq!(
+            grid_small,
+            [2, 2, 1],
+            "a small launch runs 64 queries per block"
+        );
+    }
+}
+
+/// A 128-query attention kernel that computes wrong on the device (the stand-in flips a bit of
+/// its output) fails its check at open: `iris devices` says so, and attention at its head dim
+/// runs the 64-query kernel, right, even where the options ask for 128.
+fn wrong_q128(device: &Device) {
+    let note = q128_note(device);
+    assert!(
+        note.starts_with(
+            "head dims 64, 72 (the 64-query kernel's bits at open); 64 \
+             queries instead for bf16 80: 1 of 10480 outputs differ from the 64-query kernel's"
+        ),
+        "{note}"
+    );
+    let fixed = open_with(0, &[("attention_queries", "128")]);
+    let cu = [0, 1, 18, 82, 147, 447];
+    attention_case(&fixed, DType::BF16, 80, &cu, 0);
+    assert_eq!(common::standin_last_grid(), [300u32.div_ceil(64), 2, 5]);
+    attention_case(&fixed, DType::BF16, 72, &cu, 0);
+    assert_eq!(common::standin_last_grid(), [300u32.div_ceil(128), 2, 5]);
+}
+
+/// The device's `attention_q128` property: which 128-query attention kernels serve.
+fn q128_note(device: &Device) -> String {
+    device
+        .description()
+        .property("attention_q128")
+        .unwrap_or_default()
+        .to_owned()
 }
 
 /// One attention call over `cu` (2 heads of `hd`; q, k and v column blocks of one fused qkv

@@ -1,21 +1,29 @@
 //! Variable-length attention, the segment bounds read from `cu_seqlens` on the device.
 //!
 //! f16 and bf16 at head dims 64, 72, 80, 96 and 128 with a positive scale, on sm_80 and later,
-//! run the tensor-core kernel `flash_attention_<dtype>_<head dim>` (64 queries of one head of
-//! one segment per block, `mma.sync` and `ldmatrix`, K and V tiles double-buffered by
-//! `cp.async` in dynamic shared memory). Everything else runs `attention_<dtype>_<size>`
-//! (32 queries per block, f32 compute).
+//! run a tensor-core kernel (`mma.sync` and `ldmatrix`, K and V tiles double-buffered by
+//! `cp.async` in dynamic shared memory): `flash_attention_<dtype>_<head dim>` with 64 queries of
+//! one head of one segment per block, or `flash_attention_q128_<dtype>_<head dim>` with 128,
+//! which reads each K and V fragment from shared memory once for twice the MMAs. Both give the
+//! same bits; the 128-query kernel serves once the device's open has checked that on the device,
+//! and (option `attention_queries = auto`) where its blocks fill every SM at least twice, since
+//! a launch of fewer, longer blocks leaves SMs idle (one 448x448 image's 16 heads of 784 tokens
+//! make 112 such blocks, fewer than an H200's 132 SMs). Everything else runs
+//! `attention_<dtype>_<size>` (32 queries per block, f32 compute).
 
-use iris_plugin::abi::{AttentionArgs, DType, PluginError};
+use iris_plugin::abi::{AttentionArgs, BufferHandle, BufferSlice, DType, MatRef, PluginError};
 use iris_plugin::validate;
 
 use super::{
-    ATTENTION_QUERIES, ATTENTION_THREADS, GRID_YZ, addr, dim, dtype_name, grid, kernel_args,
+    ATTENTION_QUERIES, ATTENTION_THREADS, GRID_YZ, WideAttention, addr, dim, dtype_name, grid,
+    kernel_args,
 };
-use crate::device::CudaDevice;
+use crate::device::{AttentionQueries, CudaDevice};
 use crate::kernels::{
-    ATTENTION_SIZES, FLASH_ATTENTION_QUERIES, FLASH_ATTENTION_SIZES, flash_attention_shared_bytes,
+    ATTENTION_SIZES, FLASH_ATTENTION_Q128_SIZES, FLASH_ATTENTION_QUERIES, FLASH_ATTENTION_SIZES,
+    flash_attention_name, flash_attention_shared_bytes,
 };
+use crate::memory;
 
 kernel_args! {
     /// `attention_<dtype>_<size>(q, qs, k, ks, v, vs, out, os, cu_seqlens, head_dim, scale)`
@@ -26,8 +34,21 @@ kernel_args! {
     }
 }
 
+/// A 128-query launch is chosen (`auto`) when its blocks are at least this many times the SMs.
+const Q128_BLOCKS_PER_SM: u64 = 2;
+
 impl CudaDevice {
     pub(crate) fn attention_impl(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
+        self.attention_with(args, None)
+    }
+
+    /// Attention with the tensor-core kernel of `queries` per block where given (the check at
+    /// open), else as the device's options and the launch's size choose.
+    pub(crate) fn attention_with(
+        &self,
+        args: &AttentionArgs<'_>,
+        queries: Option<u64>,
+    ) -> Result<(), PluginError> {
         let op = "attention";
         let att = self.with_checker(op, |check| validate::attention(check, args))?;
         let compute = self.compute(op)?;
@@ -73,10 +94,32 @@ impl CudaDevice {
             && args.scale > 0.0
             && compute.has_flash_attention();
         let (name, queries, shared) = if flash {
+            let queries = queries.unwrap_or_else(|| {
+                let wide = FLASH_ATTENTION_QUERIES[1];
+                // Only head dims with a 128-query kernel that passed its check at open.
+                let ready = compute.q128.ready.contains(&head_dim);
+                let choose = match compute.attention_queries() {
+                    AttentionQueries::Fixed(queries) => queries == wide,
+                    AttentionQueries::Auto => {
+                        let blocks: u64 = att
+                            .segments
+                            .iter()
+                            .map(|&(_, length)| (length as u64).div_ceil(wide))
+                            .sum::<u64>()
+                            * heads;
+                        blocks >= Q128_BLOCKS_PER_SM * compute.sms()
+                    }
+                };
+                if ready && choose {
+                    wide
+                } else {
+                    FLASH_ATTENTION_QUERIES[0]
+                }
+            });
             (
-                format!("flash_attention_{dtype}_{head_dim}"),
-                FLASH_ATTENTION_QUERIES,
-                flash_attention_shared_bytes(head_dim),
+                flash_attention_name(dtype, head_dim, queries),
+                queries,
+                flash_attention_shared_bytes(head_dim, queries),
             )
         } else {
             (format!("attention_{dtype}_{size}"), ATTENTION_QUERIES, 0)
@@ -98,4 +141,193 @@ impl CudaDevice {
             )
             .map_err(|err| err.into_plugin(op))
     }
+}
+
+/// Segment bounds of the open-time check: a 130-token segment (two 128-query blocks, the second
+/// with one active warp; three key tiles, the last partial) and a one-token one.
+const CHECK_SEGMENTS: [u32; 3] = [0, 130, 131];
+/// Heads of the open-time check: one (every block runs alone; the tests cover more heads).
+const CHECK_HEADS: u64 = 1;
+
+impl CudaDevice {
+    /// Runs each 128-query attention kernel the device can load against the 64-query kernel of
+    /// its head dim and type on the same inputs, and keeps those whose outputs are the same bits
+    /// (they compute every row alike), with a note saying what was found for `iris devices`.
+    /// A 128-query launch the driver refuses (resources) counts as a difference; any other
+    /// failure fails the check (and a fault of a kernel, sticky in CUDA, the open). Buffers it
+    /// allocates go into `buffers`.
+    pub(crate) fn check_attention_kernels(
+        &self,
+        buffers: &mut Vec<BufferHandle>,
+    ) -> Result<WideAttention, PluginError> {
+        let op = "open";
+        let compute = self.compute(op)?;
+        let mut checked = WideAttention {
+            loadable: compute.q128.loadable.clone(),
+            ..WideAttention::default()
+        };
+        let mut failures = Vec::new();
+        let tokens = u64::from(CHECK_SEGMENTS[CHECK_SEGMENTS.len() - 1]);
+        let mut alloc = |bytes: u64| -> Result<BufferHandle, PluginError> {
+            let buf = self
+                .memory
+                .alloc(self.cu_stream(), bytes)
+                .map_err(|err| err.into_plugin(op))?;
+            buffers.push(buf);
+            Ok(buf)
+        };
+        let bounds: Vec<u8> = CHECK_SEGMENTS
+            .iter()
+            .flat_map(|&b| (b as i32).to_le_bytes())
+            .collect();
+        let check_max_seqlen = CHECK_SEGMENTS
+            .windows(2)
+            .map(|pair| u64::from(pair[1] - pair[0]))
+            .max()
+            .unwrap_or(0);
+        let cu_device = alloc(bounds.len() as u64)?;
+        self.write_check(cu_device, &bounds)?;
+        for head_dim in compute.q128.loadable.clone() {
+            let width = CHECK_HEADS * head_dim;
+            let qkv = alloc(tokens * 3 * width * 2)?;
+            let outs = [alloc(tokens * width * 2)?, alloc(tokens * width * 2)?];
+            let mut same = true;
+            for (dtype, name) in [(DType::BF16, "bf16"), (DType::F16, "f16")] {
+                self.write_check(qkv, &check_values(dtype, tokens * 3 * width, head_dim))?;
+                // q, k and v: column blocks of one fused buffer, as the towers pass them.
+                let part = |index: u64| MatRef {
+                    buf: qkv,
+                    offset: index * width * 2,
+                    dtype,
+                    rows: tokens,
+                    cols: width,
+                    row_stride: 3 * width,
+                };
+                let mut results = Vec::new();
+                // Each output starts with its own pattern, so that rows a kernel leaves
+                // unwritten differ too.
+                for (queries, out, pattern) in FLASH_ATTENTION_QUERIES
+                    .into_iter()
+                    .zip(outs)
+                    .zip([0x00, 0xff])
+                    .map(|((queries, out), pattern)| (queries, out, pattern))
+                {
+                    let size = usize::try_from(tokens * width * 2).unwrap_or(0);
+                    self.write_check(out, &vec![pattern; size])?;
+                    let args = AttentionArgs {
+                        q: part(0),
+                        k: part(1),
+                        v: part(2),
+                        out: MatRef::contiguous(out, 0, dtype, tokens, width),
+                        heads: CHECK_HEADS,
+                        head_dim,
+                        scale: 1.0 / (head_dim as f32).sqrt(),
+                        cu_seqlens: CHECK_SEGMENTS[..].into(),
+                        cu_seqlens_device: MatRef::vector(
+                            cu_device,
+                            0,
+                            DType::I32,
+                            CHECK_SEGMENTS.len() as u64,
+                        ),
+                        max_seqlen: check_max_seqlen,
+                        workspace: BufferSlice::EMPTY,
+                    };
+                    match self.attention_with(&args, Some(queries)) {
+                        Ok(()) => {}
+                        Err(err) if queries > FLASH_ATTENTION_QUERIES[0] => {
+                            failures.push(format!("{name} {head_dim}: {}", err.message));
+                            same = false;
+                            break;
+                        }
+                        Err(err) => return Err(err),
+                    }
+                    let mut bytes = vec![0u8; size];
+                    self.read_check(out, &mut bytes)?;
+                    results.push(bytes);
+                }
+                if let [narrow, wide] = &results[..] {
+                    let differing = narrow
+                        .chunks_exact(2)
+                        .zip(wide.chunks_exact(2))
+                        .filter(|(a, b)| a != b)
+                        .count();
+                    if differing > 0 {
+                        failures.push(format!(
+                            "{name} {head_dim}: {differing} of {} outputs differ from the \
+                             64-query kernel's",
+                            tokens * width
+                        ));
+                        same = false;
+                    }
+                }
+            }
+            if same {
+                checked.ready.push(head_dim);
+            }
+        }
+        let list = |dims: &[u64]| {
+            dims.iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut note = if checked.ready.is_empty() {
+            "none".to_owned()
+        } else {
+            format!(
+                "head dims {} (the 64-query kernel's bits at open)",
+                list(&checked.ready)
+            )
+        };
+        if !failures.is_empty() {
+            note.push_str(&format!("; 64 queries instead for {}", failures.join("; ")));
+        }
+        if checked.loadable.is_empty() {
+            note.clone_from(&compute.q128.note);
+        } else if checked.loadable.len() < FLASH_ATTENTION_Q128_SIZES.len() {
+            note.push_str(&format!("; not loaded: {}", compute.q128.note));
+        }
+        checked.note = note;
+        Ok(checked)
+    }
+
+    fn write_check(&self, buf: BufferHandle, bytes: &[u8]) -> Result<(), PluginError> {
+        let ptr = self.view("open", buf)?.at(0);
+        memory::write_from_host(ptr, bytes, self.cu_stream()).map_err(|err| err.into_plugin("open"))
+    }
+
+    fn read_check(&self, buf: BufferHandle, bytes: &mut [u8]) -> Result<(), PluginError> {
+        let ptr = self.view("open", buf)?.at(0);
+        // SAFETY: `bytes` stays borrowed until the stream is synchronised below.
+        unsafe { memory::read_to_host(bytes, ptr, self.cu_stream()) }
+            .map_err(|err| err.into_plugin("open"))?;
+        self.synchronize_impl("open")
+    }
+}
+
+/// `count` 16-bit values of `dtype` with random signs and mantissas and magnitudes from 1/8 to
+/// 4 (so that scores differ and no exponent overflows), from a fixed seed. (Every pattern fits
+/// 16 bits: sign bit 15, exponent and mantissa below it.)
+fn check_values(dtype: DType, count: u64, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let (bias, mantissa_bits) = if dtype == DType::BF16 {
+        (127, 7)
+    } else {
+        (15, 10)
+    };
+    (0..count)
+        .flat_map(|_| {
+            // xorshift64*
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            let r = state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32;
+            let sign = (r & 1) << 15;
+            let exponent = (bias - 3 + (r >> 1) % 5) << mantissa_bits;
+            let mantissa = (r >> 4) & ((1 << mantissa_bits) - 1);
+            u16::try_from(sign | exponent | mantissa)
+                .unwrap_or(0)
+                .to_le_bytes()
+        })
+        .collect()
 }

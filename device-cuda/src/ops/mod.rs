@@ -22,13 +22,13 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use cudarc::driver::result;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use cudarc::driver::{DriverError, result};
 use iris_plugin::Logger;
 use iris_plugin::abi::{DType, HeldMemory, OpKind, PluginError, Property, property};
 use iris_plugin::validate::Mat;
 
-use crate::device::{CudaDevice, CudaOptions, Info, push_growth, used};
+use crate::device::{AttentionQueries, CudaDevice, CudaOptions, Info, push_growth, used};
 use crate::error::{CudaError, DriverResultExt};
 use crate::kernels::{self, Cache, Module, Target};
 use crate::libraries::{self, CudaLibraries};
@@ -87,6 +87,24 @@ pub struct Compute {
     tf32: bool,
     cc: (i32, i32),
     kernel_origin: String,
+    /// Streaming multiprocessors, for the attention kernels' choice of block size.
+    sms: u64,
+    attention_queries: AttentionQueries,
+    /// The 128-query attention kernels: which head dims they serve, and what the check said.
+    pub(crate) q128: WideAttention,
+}
+
+/// Head dims whose 128-query attention kernel serves: none until the device's open has run it
+/// against the 64-query kernel (`CudaDevice::check_attention_kernels`), then those that gave the
+/// same bits.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct WideAttention {
+    /// Head dims that passed.
+    pub(crate) ready: Vec<u64>,
+    /// Head dims whose kernel can run at all on this device (its shared memory fits).
+    pub(crate) loadable: Vec<u64>,
+    /// What `iris devices` shows: the kernels in use, and why any is not.
+    pub(crate) note: String,
 }
 
 // SAFETY: the library handles, module and device addresses are driver objects usable from any
@@ -143,8 +161,29 @@ impl Compute {
             origin: kernel_origin,
         } = load_kernels(info, options, log, libs)?;
         let growth = used()?.saturating_sub(before);
+        let mut q128 = WideAttention {
+            note: format!(
+                "none: no tensor-core attention below compute capability {}.{}",
+                FLASH_ATTENTION_COMPUTE_CAPABILITY.0, FLASH_ATTENTION_COMPUTE_CAPABILITY.1
+            ),
+            ..WideAttention::default()
+        };
         if info.cc >= FLASH_ATTENTION_COMPUTE_CAPABILITY {
-            allow_flash_attention_shared(&module)?;
+            let (loadable, refused) = allow_flash_attention_shared(&module)?;
+            q128.note = if !kernels::q128_runs_on(info.cc) {
+                format!(
+                    "none: not built for compute capability {}.{} (the kernels spill registers \
+                     there)",
+                    info.cc.0, info.cc.1
+                )
+            } else if refused.is_empty() {
+                "not checked yet".to_owned()
+            } else {
+                format!("head dims {refused}: more shared memory than the device gives a block")
+            };
+            if kernels::q128_runs_on(info.cc) {
+                q128.loadable = loadable;
+            }
         }
         held.push(HeldMemory {
             what: "kernels".into(),
@@ -177,6 +216,9 @@ impl Compute {
             tf32: options.tf32,
             cc: info.cc,
             kernel_origin,
+            sms: u64::try_from(info.sms).unwrap_or(0),
+            attention_queries: options.attention_queries,
+            q128,
         })
     }
 
@@ -188,6 +230,17 @@ impl Compute {
             Property::new("cublaslt_version", self.libs.cublaslt_version),
             Property::new("kernels", &self.kernel_origin),
             Property::new("f32_gemm", if self.tf32 { "tf32" } else { "f32" }),
+            Property::new(
+                "attention_q128",
+                format!(
+                    "{} (attention_queries = {})",
+                    self.q128.note,
+                    match self.attention_queries {
+                        AttentionQueries::Auto => "auto".to_owned(),
+                        AttentionQueries::Fixed(queries) => queries.to_string(),
+                    }
+                ),
+            ),
             // cuBLASLt chooses its kernel per problem size, and the libraries load kernels
             // (and grow local memory for them) on first use: the host should run its steps at
             // a range of sizes before serving and before its post-start memory checkpoint.
@@ -300,6 +353,16 @@ impl Compute {
             .call("cuLaunchKernel")
     }
 
+    /// Streaming multiprocessors (0 when the driver did not say).
+    pub(crate) fn sms(&self) -> u64 {
+        self.sms
+    }
+
+    /// The `attention_queries` option.
+    pub(crate) fn attention_queries(&self) -> AttentionQueries {
+        self.attention_queries
+    }
+
     /// Whether the tensor-core attention kernels run on this device (sm_80 and later).
     pub(crate) fn has_flash_attention(&self) -> bool {
         self.cc >= FLASH_ATTENTION_COMPUTE_CAPABILITY
@@ -311,24 +374,46 @@ impl Compute {
 pub(crate) const FLASH_ATTENTION_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
 
 /// Lets each tensor-core attention kernel have the dynamic shared memory it launches with:
-/// above 48 KiB (head dims 96 and 128) a kernel needs the function's opt-in.
-fn allow_flash_attention_shared(module: &Module) -> Result<(), CudaError> {
+/// above 48 KiB (head dims 96 and 128) a kernel needs the function's opt-in. A 64-query kernel
+/// that cannot have it fails the open; a 128-query one is left out (sm_86 and sm_89 give a block
+/// at most 99 KiB; every kernel fits it today, but a larger one would be refused there). Returns
+/// the head dims
+/// whose 128-query kernels can run, and the others as text.
+fn allow_flash_attention_shared(module: &Module) -> Result<(Vec<u64>, String), CudaError> {
+    let allow = |name: &str, bytes: u32| -> Result<Result<(), DriverError>, CudaError> {
+        let function = module.function(name)?;
+        // SAFETY: the function comes from the loaded module, which outlives the call.
+        Ok(unsafe {
+            result::function::set_function_attribute(
+                function,
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                i32::try_from(bytes).unwrap_or(i32::MAX),
+            )
+        })
+    };
+    let [narrow, wide] = kernels::FLASH_ATTENTION_QUERIES;
     for size in kernels::FLASH_ATTENTION_SIZES {
-        let bytes = kernels::flash_attention_shared_bytes(size);
+        let bytes = kernels::flash_attention_shared_bytes(size, narrow);
         for dtype in kernels::FLASH_ATTENTION_TYPES {
-            let function = module.function(&format!("flash_attention_{dtype}_{size}"))?;
-            // SAFETY: the function comes from the loaded module, which outlives the call.
-            unsafe {
-                result::function::set_function_attribute(
-                    function,
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    i32::try_from(bytes).unwrap_or(i32::MAX),
-                )
-            }
-            .call("cuFuncSetAttribute")?;
+            allow(&kernels::flash_attention_name(dtype, size, narrow), bytes)?
+                .call("cuFuncSetAttribute")?;
         }
     }
-    Ok(())
+    let mut loadable = Vec::new();
+    let mut refused = Vec::new();
+    for size in kernels::FLASH_ATTENTION_Q128_SIZES {
+        let bytes = kernels::flash_attention_shared_bytes(size, wide);
+        let mut fits = true;
+        for dtype in kernels::FLASH_ATTENTION_TYPES {
+            fits &= allow(&kernels::flash_attention_name(dtype, size, wide), bytes)?.is_ok();
+        }
+        if fits {
+            loadable.push(size);
+        } else {
+            refused.push(size.to_string());
+        }
+    }
+    Ok((loadable, refused.join(", ")))
 }
 
 /// A kernel's parameters, each passed to `cuLaunchKernel` by address with its own type and size,

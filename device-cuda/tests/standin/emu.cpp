@@ -407,7 +407,8 @@ static constexpr Launcher launcher_of(R (*)(A...)) {
 #define FLASH_NAMES(NAME)                                                                    \
     KERNEL(flash_attention_##NAME##_64) KERNEL(flash_attention_##NAME##_72)                  \
     KERNEL(flash_attention_##NAME##_80) KERNEL(flash_attention_##NAME##_96)                  \
-    KERNEL(flash_attention_##NAME##_128)
+    KERNEL(flash_attention_##NAME##_128) KERNEL(flash_attention_q128_##NAME##_64)            \
+    KERNEL(flash_attention_q128_##NAME##_72) KERNEL(flash_attention_q128_##NAME##_80)
 
 static const std::map<std::string, Launcher> &kernels() {
     static const std::map<std::string, Launcher> table = {
@@ -490,6 +491,15 @@ int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsign
                 blockIdx = {x, y, z};
                 if (!emu::run_block(bx)) return 719;  // CUDA_ERROR_LAUNCH_FAILED: a deadlock
             }
+    // IRIS_STANDIN_WRONG_KERNEL names an attention kernel that computes wrong, as a kernel
+    // miscompiled for or racing on some GPU would: the lowest bit of its first output element
+    // (parameter 6, `out`) flips after it runs.
+    static const char *wrong = std::getenv("IRIS_STANDIN_WRONG_KERNEL");
+    if (wrong != nullptr) {
+        auto named = kernels().find(wrong);
+        if (named != kernels().end() && function == (void *)&named->second)
+            **static_cast<unsigned short **>(params[6]) ^= 1;
+    }
     return 0;
 }
 }

@@ -36,6 +36,8 @@
  *   IRIS_STANDIN_FAIL_COPY a CUresult every memcpy returns (e.g. 719, launch failed)
  *   IRIS_STANDIN_DEFER     1: queue asynchronous work as described above (default 0)
  *   IRIS_STANDIN_SYNC_DELAY_MS  cuStreamSynchronize returns this long after the queue ran
+ *   IRIS_STANDIN_WRONG_KERNEL   an attention kernel (by name) whose first output element gets
+ *                          its lowest bit flipped after each launch (emu.cpp): a wrong kernel
  */
 #include <pthread.h>
 #include <stdint.h>
