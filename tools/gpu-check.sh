@@ -36,6 +36,10 @@
 #                post-start baseline with 0 bytes leaked, as the --result-json says, and, from
 #                nvidia-smi sampled every 200 ms from before the run to after the process
 #                exited, no more than 64 MiB held after it than before it
+#   first        single 448x448 images one after another (12 requests, one at a time) through
+#                Qwen2.5-VL-7B and Qwen3-VL-8B (--quick: Qwen3-VL only), dummy weights, bf16:
+#                after start-up, the slowest request within 1.2 times the median
+#                (bench_verdict.py --first-within), memory as for the benches
 #   profile      `iris profile` dry and real at Qwen2.5-VL-7B's size (bf16): the same arena,
 #                within 5% of the live peak of the step's tensors (profile.verdict)
 #   attention    attention_bench: bf16 attention, 16 heads, head dims 64/72/80/96/128, one
@@ -72,8 +76,8 @@
 # --debug uses a debug build instead of release: for trying the script's own steps on a machine
 # without a GPU, where the release build's time buys nothing.
 # Environment: SKIP (steps not to run, comma-separated: plugin-check, ops-gpu, encode, bench,
-# attention, transformers; bench covers both benches), BENCH_ARGS (extra `iris bench` flags, for
-# both benches), ENCODE_TOLERANCE_F32 and ENCODE_TOLERANCE_BF16 (relative L2 error allowed
+# first, profile, attention, transformers, serving, kernels; bench covers both benches),
+# BENCH_ARGS (extra `iris bench` flags, for both benches), ENCODE_TOLERANCE_F32 and ENCODE_TOLERANCE_BF16 (relative L2 error allowed
 # against the CPU device; defaults 1e-4 and 2e-2), SMI_GPU (the nvidia-smi index of the GPU iris
 # runs on, for the benches' cross-check; default 0), PYTHON (default python3).
 set -uo pipefail
@@ -190,12 +194,13 @@ skip() { record "$1" skip 0 "$2"; }
 # device memory from a second before it to two seconds after its process exits, then NAME.verdict:
 # tools/gpu-check/bench_verdict.py on its --result-json (memory back to the post-start baseline,
 # 0 bytes leaked) and on the log (nothing left held once the process is gone).
+# VERDICT_ARGS (an array, set by the caller) adds flags to the verdict.
 bench_step() {
   local name="$1" smi_pid="" verdict=()
   shift
   local json="$out/$name.json" smi_log="$out/$name-nvidia-smi.csv"
   rm -f "$json"
-  verdict=("$json")
+  verdict=("$json" "${VERDICT_ARGS[@]}")
   if command -v nvidia-smi > /dev/null 2>&1; then
     nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 200 > "$smi_log" 2>&1 &
     smi_pid=$!
@@ -214,6 +219,8 @@ bench_step() {
     skip "$name.verdict" "no $name.json: the $name step wrote no result"
   fi
 }
+
+VERDICT_ARGS=()
 
 # wanted STEP: whether STEP is not listed in $SKIP.
 wanted() { case ",${SKIP:-}," in *",$1,"*) return 1 ;; *) return 0 ;; esac; }
@@ -397,6 +404,23 @@ EOF
     skip bench "in SKIP"
   fi
 
+  # --- first requests: after start-up, the first image costs what the next ones do ------------
+  # Single 448x448 images one after another: a request that pays what start-up left undone
+  # (a library's search for a new problem size, kernels loaded on first use) is the slowest.
+  if wanted first; then
+    first_towers=(qwen2.5-vl-7b qwen3-vl-8b)
+    [ "$quick" -eq 1 ] && first_towers=(qwen3-vl-8b)
+    VERDICT_ARGS=(--first-within 1.2)
+    for tower in "${first_towers[@]}"; do
+      bench_step "first.$tower" --model "$tower" --weights dummy --dtype bf16 \
+        --limit-mm-per-prompt '{"video": 0}' --num-prompts 12 --images-per-prompt 1 \
+        --image-size 448x448 --repeat-ratio 0 --max-concurrency 1 --request-rate inf
+    done
+    VERDICT_ARGS=()
+  else
+    skip first "in SKIP"
+  fi
+
   # --- start-up sizing: the dry profile against the real step at Qwen2.5-VL-7B's size ------------
   # The dry run must report the arena the real step takes, exactly, and that arena must be within
   # 5% of the live peak of the step's tensors (what the CPU tests check, here with CUDA's
@@ -495,7 +519,7 @@ EOF
     fi
   fi
 else
-  for step in plugin-check ops-gpu encode bench profile attention transformers serving kernels; do
+  for step in plugin-check ops-gpu encode bench first profile attention transformers serving kernels; do
     skip "$step" "no CUDA device"
   done
 fi

@@ -158,6 +158,37 @@ fn bench_verdict_reads_what_iris_bench_writes() {
         text(&out)
     );
 
+    // --first-within: the slowest request against the median.
+    let mut even = report.clone();
+    even["memory_returned_to_baseline"] = Value::Bool(true);
+    even["leaked_bytes"] = Value::from(0);
+    even["latency_ms"]["p50"] = Value::from(10.0);
+    even["latency_ms"]["max"] = Value::from(11.5);
+    let even_path = dir.join("even.json");
+    std::fs::write(&even_path, even.to_string()).expect("doctored copy written");
+    let out = python(
+        "bench_verdict.py",
+        &[path_str(&even_path), "--first-within", "1.2"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains("slowest 11.5 ms, median 10.0 ms (1.15x"),
+        "{}",
+        text(&out)
+    );
+    even["latency_ms"]["max"] = Value::from(31.4);
+    std::fs::write(&even_path, even.to_string()).expect("doctored copy written");
+    let out = python(
+        "bench_verdict.py",
+        &[path_str(&even_path), "--first-within", "1.2"],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("the slowest request took 3.14 times the median"),
+        "{}",
+        text(&out)
+    );
+
     // nvidia-smi: 40 MiB more after the run than before is within the 64 MiB allowed; 65 is not.
     let within = smi_log(&dir, "within.csv", &[1000, 9000, 9100, 1040]);
     let out = python("bench_verdict.py", &[path_str(&json), path_str(&within)]);

@@ -3,6 +3,7 @@
 
 Usage (tools/gpu-check.sh calls it after each bench step):
     python3 tools/gpu-check/bench_verdict.py BENCH_JSON [NVIDIA_SMI_CSV] [--gpu INDEX]
+        [--first-within RATIO]
 
 BENCH_JSON is what `iris bench --result-json` writes (cli/src/bench/report.rs, `to_json`): the
 verdict is its top-level `memory_returned_to_baseline` and `leaked_bytes` (device used,
@@ -15,6 +16,10 @@ started before the bench and stopped after its process exited: once the process 
 byte it held must be back, so the last sample of GPU INDEX (default 0) may exceed the first by
 at most SLACK_MIB (64 MiB: the driver's own bookkeeping moves by a few MiB). A log given without
 any sample of that GPU fails: the cross-check was asked for and could not be done.
+
+With --first-within RATIO (the `first` step: single-image requests one after another), the
+slowest request's latency (`latency_ms.max`, the first request's when start-up left it work)
+must also be at most RATIO times the median (`latency_ms.p50`).
 
 Exit status: 0 when memory returned and 0 bytes leaked (and nvidia-smi agrees), 1 when not,
 2 when BENCH_JSON lacks a key the verdict needs (the report and this script have drifted apart).
@@ -41,7 +46,8 @@ def field(obj, key, kind, where):
     value = obj[key]
     # bool is an int in Python; a count must not be one.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise Drift(f"{where}.{key} is {value!r}, not {kind.__name__}")
+        name = kind.__name__ if isinstance(kind, type) else "a number"
+        raise Drift(f"{where}.{key} is {value!r}, not {name}")
     return value
 
 
@@ -57,7 +63,10 @@ def read_report(path):
         points[name] = {key: field(point, key, int, f"memory.{name}") for key in POINT_KEYS}
     timeline = field(report, "timeline", list, "bench.json")
     used = [field(field(p, "point", dict, "timeline[]"), "device_used_bytes", int, "timeline[].point") for p in timeline]
-    return returned, leaked, points, used
+    latency = field(report, "latency_ms", dict, "bench.json")
+    slowest = field(latency, "max", (int, float), "latency_ms")
+    median = field(latency, "p50", (int, float), "latency_ms")
+    return returned, leaked, points, used, (slowest, median)
 
 
 def smi_samples(path, gpu):
@@ -84,10 +93,12 @@ def main():
     parser.add_argument("bench_json")
     parser.add_argument("nvidia_smi_csv", nargs="?")
     parser.add_argument("--gpu", type=int, default=0, help="the nvidia-smi index of the GPU the bench ran on")
+    parser.add_argument("--first-within", type=float, metavar="RATIO",
+                        help="the slowest request may take at most RATIO times the median")
     args = parser.parse_args()
 
     try:
-        returned, leaked, points, timeline = read_report(args.bench_json)
+        returned, leaked, points, timeline, (slowest, median) = read_report(args.bench_json)
     except Drift as err:
         print(f"{args.bench_json}: {err}; is it what `iris bench --result-json` writes today?")
         return 2
@@ -116,6 +127,14 @@ def main():
             if used[-1] > used[0] + SLACK_MIB:
                 problems.append(f"nvidia-smi: memory after the run exceeds the memory before it by "
                                 f"{used[-1] - used[0]:.0f} MiB (more than {SLACK_MIB} MiB)")
+
+    if args.first_within is not None:
+        ratio = slowest / median if median > 0 else float("inf")
+        print(f"latency: slowest {slowest:.1f} ms, median {median:.1f} ms ({ratio:.2f}x; at most "
+              f"{args.first_within:.2f}x)")
+        if ratio > args.first_within:
+            problems.append(f"the slowest request took {ratio:.2f} times the median (at most "
+                            f"{args.first_within:.2f}): start-up left work to the first requests")
 
     answer = "yes" if returned else "no"
     print(f"verdict: memory after reset returns to the post-start baseline: {answer}, leaked {leaked} bytes")

@@ -259,7 +259,9 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
 static CUresult device_alloc(CUdeviceptr *ptr, size_t bytes) {
     allocations++;
     if ((oom_at && allocations == oom_at) || bytes > total_memory - used_memory) return OUT_OF_MEMORY;
-    void *memory = malloc(bytes ? bytes : 1);
+    /* 256-byte aligned, as the driver aligns every allocation (the libraries' choices depend
+     * on the operands' alignment). */
+    void *memory = aligned_alloc(256, bytes ? (bytes + 255) / 256 * 256 : 256);
     struct allocation *entry = malloc(sizeof *entry);
     if (!memory || !entry) {
         free(memory);
