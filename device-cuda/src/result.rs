@@ -465,43 +465,6 @@ pub mod cublaslt {
         }
     }
 
-    /// `cublasLtMatmulAlgoCheck`: whether `algo` (chosen for another problem) computes this
-    /// one, and the workspace bytes it then needs.
-    ///
-    /// # Safety
-    ///
-    /// The handle, descriptor and layouts are alive.
-    #[allow(clippy::too_many_arguments)] // the C function's parameters, in its order
-    pub unsafe fn check_matmul_algo(
-        lib: &CublasLt,
-        handle: cublasLtHandle_t,
-        desc: cublasLtMatmulDesc_t,
-        a: cublasLtMatrixLayout_t,
-        b: cublasLtMatrixLayout_t,
-        c: cublasLtMatrixLayout_t,
-        d: cublasLtMatrixLayout_t,
-        algo: &cublasLtMatmulAlgo_t,
-    ) -> Result<usize, BlasStatus> {
-        // Zeroed, not uninitialised: the library documents the workspace size and waves it
-        // writes, not the state. (All fields are integers and floats, for which zero is valid.)
-        let mut found = MaybeUninit::<HeuristicResult>::zeroed();
-        // SAFETY: as the caller promises; `found` has room for the one result.
-        unsafe {
-            BlasStatus((lib.cublasLtMatmulAlgoCheck)(
-                handle,
-                desc,
-                a,
-                b,
-                c,
-                d,
-                algo,
-                found.as_mut_ptr(),
-            ))
-            .result()?;
-            Ok(found.assume_init().workspaceSize)
-        }
-    }
-
     /// `cublasLtMatmul`: `D = alpha · (A · B) + beta · C`.
     ///
     /// # Safety

@@ -36,29 +36,6 @@ fn gemm_matches_the_reference_on_every_path() {
     run("gemm", &[], Libraries::Full);
 }
 
-/// A GEMM of a row count not seen before takes cuBLASLt's algorithm of the next larger one: no
-/// heuristic query and no library kernel loaded after the sizes start-up runs (the stand-in
-/// cuBLASLt's heuristic names a kernel per row count, each holding 1 MiB once loaded).
-#[test]
-fn gemms_of_new_row_counts_reuse_the_algorithm_of_a_larger_one() {
-    run(
-        "gemm_sizes",
-        &[("IRIS_STANDIN_LT_KERNEL_BYTES", "1048576")],
-        Libraries::Full,
-    );
-}
-
-/// Where cuBLASLt refuses the larger row count's algorithm for the new one, its heuristic
-/// chooses.
-#[test]
-fn a_refused_algorithm_sends_a_new_row_count_to_the_heuristic() {
-    run(
-        "gemm_sizes",
-        &[("IRIS_STANDIN_LT_CHECK_REFUSE", "1")],
-        Libraries::Full,
-    );
-}
-
 #[test]
 fn gemm_falls_back_to_cublas_when_cublaslt_has_no_algorithm() {
     run("gemm", &[("IRIS_STANDIN_LT_NO_ALGO", "1")], Libraries::Full);
@@ -298,7 +275,6 @@ fn scenario() {
         "movement" => movement(&device),
         "attention" => attention(&device),
         "wrong_q128" => wrong_q128(&device),
-        "gemm_sizes" => gemm_sizes(&device),
         "status" => status(&device),
         "accounting" => accounting(&device),
         other => panic!("unknown scenario {other}"),
@@ -470,94 +446,6 @@ fn status(device: &Device) {
         before,
         "blocking device-to-host copies were made"
     );
-}
-
-/// See `gemms_of_new_row_counts_reuse_the_algorithm_of_a_larger_one`.
-fn gemm_sizes(device: &Device) {
-    let refused = std::env::var_os("IRIS_STANDIN_LT_CHECK_REFUSE").is_some();
-    let (k, n) = (32, 48);
-    let w = Tensor::upload(device, DType::BF16, n, k, k, 0, &Rng(21).values(n * k, 1.0));
-    let product = |m: usize| {
-        let a = Tensor::upload(
-            device,
-            DType::BF16,
-            m,
-            k,
-            k,
-            0,
-            &Rng(m as u64).values(m * k, 1.0),
-        );
-        let out = Tensor::upload(device, DType::BF16, m, n, n, 0, &vec![0.0; m * n]);
-        let mut args = GemmArgs {
-            a: a.view,
-            w: w.view,
-            bias: MatRef::NONE,
-            out: out.view,
-            activation: Activation::NONE,
-            accumulate: false,
-            w_transposed: false,
-            w_constant: true,
-            workspace: BufferSlice::EMPTY,
-        };
-        let bytes = device.gemm_workspace(&args).unwrap();
-        let workspace = device.alloc(bytes.max(1)).unwrap();
-        args.workspace = BufferSlice {
-            buf: workspace,
-            offset: 0,
-            bytes,
-        };
-        device.gemm(&args).unwrap();
-        let got = out.download(device);
-        let expected: Vec<f64> = (0..m * n)
-            .map(|i| (0..k).map(|l| a.at(i / n, l) * w.at(i % n, l)).sum())
-            .collect();
-        within(
-            &format!("gemm m = {m}"),
-            DType::BF16,
-            &got,
-            &expected,
-            k as f64,
-        )
-        .unwrap();
-        device.free(workspace).unwrap();
-        a.free(device);
-        out.free(device);
-        device.synchronize().unwrap();
-    };
-    let used = || {
-        let info = device.mem_info().unwrap();
-        info.total - info.free
-    };
-    // The sizes start-up would have run.
-    product(64);
-    product(16);
-    let (heuristics, checks, memory) = (
-        common::standin_lt_heuristics(),
-        common::standin_lt_checks(),
-        used(),
-    );
-    // Between them and below them: 64's algorithm and 16's.
-    product(40);
-    product(8);
-    assert_eq!(common::standin_lt_checks(), checks + 2);
-    if refused {
-        assert_eq!(common::standin_lt_heuristics(), heuristics + 2);
-    } else {
-        assert_eq!(
-            common::standin_lt_heuristics(),
-            heuristics,
-            "no heuristic query for row counts below one seen"
-        );
-        assert_eq!(used(), memory, "no library kernel loaded for them");
-    }
-    // Above every size seen: the heuristic, and (here) a kernel of its own.
-    product(100);
-    let extra = if refused { 3 } else { 1 };
-    assert_eq!(common::standin_lt_heuristics(), heuristics + extra);
-    if !refused {
-        assert_eq!(used(), memory + (1 << 20));
-    }
-    w.free(device);
 }
 
 fn gemm(device: &Device) {

@@ -16,7 +16,7 @@
 //! Scratch for the libraries (and that f32 product) comes from the host's workspace, sized by
 //! `gemm_workspace`, so the host accounts every byte.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ffi::c_void;
 
 use cudarc::driver::sys::CUstream;
@@ -63,21 +63,9 @@ kernel_args! {
 /// cuBLASLt set-ups already made, by problem: its descriptors, layouts and algorithm, or that
 /// cuBLASLt has no algorithm for it and cuBLAS computes it. Building them costs several library
 /// calls and a heuristic search; a tower runs the same few problems thousands of times.
-///
-/// A problem with a row count (`m`, the tokens) not seen before takes the algorithm the
-/// heuristic chose for the next larger row count of the same problem otherwise, where cuBLASLt
-/// accepts it for this one (`cublasLtMatmulAlgoCheck`) within the workspace: the heuristic is
-/// asked only for a problem larger than any seen. Start-up runs the tower at a ladder of step
-/// sizes, doubling the rows, up to the largest step; after it, a request of any size then
-/// neither searches nor loads a kernel of the library that start-up did not load (on an H200 a
-/// first Qwen3-VL image of 784 rows, between two sizes of the ladder, took 38 ms against 12 ms
-/// for the next ones, and what the library loads after the post-start checkpoint no reset gives
-/// back).
 #[derive(Default)]
 pub struct GemmState {
     plans: HashMap<AlgoKey, LtPlan>,
-    /// The heuristic's choices: by problem with `m` zeroed, then by `m`.
-    chosen: HashMap<AlgoKey, BTreeMap<u64, lt_sys::cublasLtMatmulAlgo_t>>,
 }
 
 /// What cuBLASLt was found to do for one problem.
@@ -549,13 +537,10 @@ impl Compute {
         };
         // The bias pointer is set on the shared descriptor and read by the matmul enqueued
         // right after: both under the lock.
-        let mut guard = lock(&self.gemm);
-        let state = &mut *guard;
+        let mut state = lock(&self.gemm);
         let plan = match state.plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
-            std::collections::hash_map::Entry::Vacant(entry) => {
-                entry.insert(self.set_up_lt(&key, &mut state.chosen)?)
-            }
+            std::collections::hash_map::Entry::Vacant(entry) => entry.insert(self.set_up_lt(&key)?),
         };
         let setup = match plan {
             LtPlan::Ready(setup) => setup,
@@ -609,14 +594,9 @@ impl Compute {
         .map_err(lt_err("cublasLtMatmul"))
     }
 
-    /// Builds cuBLASLt's descriptors for the problem `key` and takes the algorithm chosen for
-    /// the next larger row count of the same problem (see [`GemmState`]), or asks the heuristic
-    /// for one and records it in `chosen`; an empty answer is [`LtPlan::UseCublas`].
-    fn set_up_lt(
-        &self,
-        key: &AlgoKey,
-        chosen: &mut HashMap<AlgoKey, BTreeMap<u64, lt_sys::cublasLtMatmulAlgo_t>>,
-    ) -> Result<LtPlan, CudaError> {
+    /// Builds cuBLASLt's descriptors for the problem `key` and asks its heuristic for an
+    /// algorithm; an empty answer is [`LtPlan::UseCublas`].
+    fn set_up_lt(&self, key: &AlgoKey) -> Result<LtPlan, CudaError> {
         let lt_err = |call: &'static str| move |e| CudaError::blas(call, e);
         let dtype = DType(key.dtype);
         let data_type = match dtype {
@@ -651,14 +631,6 @@ impl Compute {
         let a_layout = Layout::new(lib, data_type, a_rows, a_cols, w_ld)?;
         let b_layout = Layout::new(lib, data_type, k, m, a_ld)?;
         let d_layout = Layout::new(lib, out_type, n, m, out_ld)?;
-        let family = AlgoKey {
-            dims: [0, n, k, w_ld, a_ld, out_ld],
-            ..*key
-        };
-        let borrowed = chosen
-            .get(&family)
-            .and_then(|sizes| sizes.range(m..).next())
-            .map(|(_, algo)| *algo);
         let pref = Preference {
             lib,
             raw: cublaslt::create_matmul_pref(lib)
@@ -710,30 +682,6 @@ impl Compute {
                 4,
             )?;
         }
-        if let Some(algo) = borrowed {
-            // SAFETY: every descriptor is alive and describes the operands.
-            let fits = unsafe {
-                cublaslt::check_matmul_algo(
-                    lib,
-                    self.lt.raw,
-                    desc.raw,
-                    a_layout.raw,
-                    b_layout.raw,
-                    d_layout.raw,
-                    d_layout.raw,
-                    &algo,
-                )
-            };
-            if matches!(fits, Ok(bytes) if bytes as u64 <= key.workspace) {
-                return Ok(LtPlan::Ready(Box::new(LtSetup {
-                    desc,
-                    a_layout,
-                    b_layout,
-                    d_layout,
-                    algo,
-                })));
-            }
-        }
         // SAFETY: every descriptor is alive and describes the operands.
         let heuristic = unsafe {
             cublaslt::get_matmul_algo_heuristic(
@@ -748,16 +696,13 @@ impl Compute {
             )
         };
         match heuristic {
-            Ok(algo) => {
-                chosen.entry(family).or_default().insert(m, algo);
-                Ok(LtPlan::Ready(Box::new(LtSetup {
-                    desc,
-                    a_layout,
-                    b_layout,
-                    d_layout,
-                    algo,
-                })))
-            }
+            Ok(algo) => Ok(LtPlan::Ready(Box::new(LtSetup {
+                desc,
+                a_layout,
+                b_layout,
+                d_layout,
+                algo,
+            }))),
             Err(_) => Ok(LtPlan::UseCublas),
         }
     }

@@ -65,16 +65,6 @@ super::table! {
             *mut HeuristicResult,
             *mut c_int,
         ) -> c_int;
-        fn cublasLtMatmulAlgoCheck(
-            cublasLtHandle_t,
-            cublasLtMatmulDesc_t,
-            cublasLtMatrixLayout_t,
-            cublasLtMatrixLayout_t,
-            cublasLtMatrixLayout_t,
-            cublasLtMatrixLayout_t,
-            *const cublasLtMatmulAlgo_t,
-            *mut HeuristicResult,
-        ) -> c_int;
         fn cublasLtMatmul(
             cublasLtHandle_t,
             cublasLtMatmulDesc_t,

@@ -134,16 +134,6 @@ pub fn standin_lt_setups() -> u64 {
     standin_counter("libcublasLt.so.12", "iris_standin_lt_setups")
 }
 
-/// cuBLASLt heuristic queries the stand-in of [`Libraries::Full`] answered.
-pub fn standin_lt_heuristics() -> u64 {
-    standin_counter("libcublasLt.so.12", "iris_standin_lt_heuristics")
-}
-
-/// `cublasLtMatmulAlgoCheck` calls the stand-in of [`Libraries::Full`] answered.
-pub fn standin_lt_checks() -> u64 {
-    standin_counter("libcublasLt.so.12", "iris_standin_lt_checks")
-}
-
 /// cuBLASLt matmuls the stand-in ran with a GELU epilogue.
 pub fn standin_gelu_epilogues() -> u64 {
     standin_counter("libcublasLt.so.12", "iris_standin_gelu_epilogues")

@@ -10,16 +10,7 @@
  * does for layouts or alignments it does not take).
  *
  * iris_standin_lt_setups() counts cuBLASLt's set-up calls (descriptor, layout and preference
- * creation, heuristic queries), for tests of the plugin's cache of them;
- * iris_standin_lt_heuristics() the heuristic queries alone and iris_standin_lt_checks() the
- * cublasLtMatmulAlgoCheck calls.
- *
- * The heuristic's algorithm names the problem's row count (the output layout's columns, the
- * plugin's M), as a real heuristic may choose another kernel for every size; the first matmul
- * of a handle with each algorithm loads "its kernel": IRIS_STANDIN_LT_KERNEL_BYTES bytes (0
- * unless set) through the stand-in driver's cuMemAlloc, held until the handle is destroyed,
- * like a lazily loaded library kernel. cublasLtMatmulAlgoCheck accepts any of the stand-in's algorithms for
- * any problem (IRIS_STANDIN_LT_CHECK_REFUSE=1: none) and reports no workspace.
+ * creation, heuristic queries), for tests of the plugin's cache of them.
  *
  * Like the real libraries, a handle allocates device state of its own on its first computation
  * (cuBLAS's default workspace pool, lazily loaded kernels): IRIS_STANDIN_BLAS_LAZY_BYTES bytes
@@ -53,16 +44,12 @@ static int standin_version(void) {
 }
 
 static unsigned long long lt_setups;
-static unsigned long long lt_heuristics;
-static unsigned long long lt_checks;
 static int math_mode;
 static unsigned reduction_mask = 7;
 
 static unsigned long long gelu_epilogues;
 
 unsigned long long iris_standin_lt_setups(void) { return lt_setups; }
-unsigned long long iris_standin_lt_heuristics(void) { return lt_heuristics; }
-unsigned long long iris_standin_lt_checks(void) { return lt_checks; }
 unsigned long long iris_standin_gelu_epilogues(void) { return gelu_epilogues; }
 unsigned long long iris_standin_math_mode(void) { return (unsigned long long)math_mode; }
 unsigned long long iris_standin_reduction_mask(void) { return reduction_mask; }
@@ -165,14 +152,7 @@ static void gemm(int ta, int tb, long m, long n, long k, double alpha, const voi
 /* ---- cuBLAS ---- */
 
 /* A handle and the device state it allocated on its first computation (0 until then). */
-/* A handle's lazily allocated state, and the "kernels" its matmuls loaded (by algorithm). */
-#define MAX_KERNELS 256
-struct handle {
-    unsigned long long state;
-    uint64_t kernel_ids[MAX_KERNELS];
-    unsigned long long kernel_memory[MAX_KERNELS];
-    int kernels_loaded;
-};
+struct handle { unsigned long long state; };
 
 typedef int (*mem_alloc_fn)(unsigned long long *, size_t);
 typedef int (*mem_free_fn)(unsigned long long);
@@ -263,11 +243,7 @@ struct desc { int ta, tb; unsigned epilogue; const void *bias; };
 struct layout { int type; uint64_t rows, cols; int64_t ld; };
 
 cublasStatus_t cublasLtCreate(void **handle) { return cublasCreate_v2(handle); }
-static void unload_kernels(struct handle *h);
-cublasStatus_t cublasLtDestroy(void *handle) {
-    if (handle) unload_kernels(handle);
-    return cublasDestroy_v2(handle);
-}
+cublasStatus_t cublasLtDestroy(void *handle) { return cublasDestroy_v2(handle); }
 size_t cublasLtGetVersion(void) { return (size_t)standin_version(); }
 
 cublasStatus_t cublasLtMatmulDescCreate(void **out, int compute, int scale) {
@@ -339,53 +315,14 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(void *handle, void *desc, void *a,
                                               void *d, void *pref, int requested,
                                               struct heuristic *results, int *count) {
     __atomic_add_fetch(&lt_setups, 1, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&lt_heuristics, 1, __ATOMIC_RELAXED);
-    (void)handle; (void)desc; (void)a; (void)b; (void)c; (void)pref;
+    (void)handle; (void)desc; (void)a; (void)b; (void)c; (void)d; (void)pref;
     if (requested < 1) return INVALID_VALUE;
     const char *no_algo = getenv("IRIS_STANDIN_LT_NO_ALGO");
     if (no_algo && strcmp(no_algo, "1") == 0) return NOT_SUPPORTED;
     memset(results, 0, sizeof *results);
     results->algo[0] = 42;
-    results->algo[1] = ((const struct layout *)d)->cols;
     results->waves = 1.0f;
     *count = 1;
-    return OK;
-}
-
-cublasStatus_t cublasLtMatmulAlgoCheck(void *handle, void *desc, void *a, void *b, void *c, void *d,
-                                       const struct heuristic *algo, struct heuristic *result) {
-    __atomic_add_fetch(&lt_checks, 1, __ATOMIC_RELAXED);
-    (void)handle; (void)desc; (void)a; (void)b; (void)c; (void)d;
-    const char *refuse = getenv("IRIS_STANDIN_LT_CHECK_REFUSE");
-    if (refuse && strcmp(refuse, "1") == 0) return NOT_SUPPORTED;
-    if (!algo || algo->algo[0] != 42) return INVALID_VALUE;
-    memset(result, 0, sizeof *result);
-    memcpy(result->algo, algo->algo, sizeof result->algo);
-    result->waves = 1.0f;
-    return OK;
-}
-
-/* Frees the memory of every kernel the handle's matmuls loaded. */
-static void unload_kernels(struct handle *h) {
-    mem_free_fn mem_free = (mem_free_fn)driver_symbol("cuMemFree_v2");
-    for (int i = 0; i < h->kernels_loaded; ++i)
-        if (mem_free) mem_free(h->kernel_memory[i]);
-    h->kernels_loaded = 0;
-}
-
-/* Loads the kernel of `algo` on the handle's first use of it (IRIS_STANDIN_LT_KERNEL_BYTES of
- * device memory). */
-static cublasStatus_t load_kernel(struct handle *h, uint64_t algo) {
-    const char *value = getenv("IRIS_STANDIN_LT_KERNEL_BYTES");
-    size_t bytes = value && *value ? strtoull(value, NULL, 10) : 0;
-    if (bytes == 0) return OK;
-    for (int i = 0; i < h->kernels_loaded; ++i)
-        if (h->kernel_ids[i] == algo) return OK;
-    if (h->kernels_loaded == MAX_KERNELS) return ALLOC_FAILED;
-    mem_alloc_fn mem_alloc = (mem_alloc_fn)driver_symbol("cuMemAlloc_v2");
-    if (!mem_alloc) return NOT_INITIALIZED;
-    if (mem_alloc(&h->kernel_memory[h->kernels_loaded], bytes) != 0) return ALLOC_FAILED;
-    h->kernel_ids[h->kernels_loaded++] = algo;
     return OK;
 }
 
@@ -400,8 +337,6 @@ cublasStatus_t cublasLtMatmul(void *handle, void *desc, const void *alpha, const
     const struct desc *op = desc;
     const struct layout *la = ad, *lb = bd, *lc = cd, *ld = dd;
     if (!algo || algo->algo[0] != 42) return INVALID_VALUE;
-    status = load_kernel(handle, algo->algo[1]);
-    if (status != OK) return status;
     long m = (long)ld->rows, n = (long)ld->cols;
     long k = op->ta == OP_N ? (long)la->cols : (long)la->rows;
     long am = op->ta == OP_N ? (long)la->rows : (long)la->cols;
