@@ -14,6 +14,7 @@
 #include <ucontext.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -233,7 +234,11 @@ template <bool BF16>
 static void mma_16816(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]);
 static void ldmatrix_x4(unsigned r[4], const unsigned short *row);
 static void ldmatrix_x4_trans(unsigned r[4], const unsigned short *row);
-static void cp_async_16(void *dst, const void *src) { std::memcpy(dst, src, 16); }
+static void check_shared(const void *p, std::size_t bytes, const char *what);
+static void cp_async_16(void *dst, const void *src) {
+    check_shared(dst, 16, "cp.async");
+    std::memcpy(dst, src, 16);
+}
 static void cp_async_commit() {}
 static void cp_async_wait_all() {}
 template <bool BF16>
@@ -308,6 +313,24 @@ unsigned short half_of(unsigned reg, unsigned i) { return (unsigned short)(i & 1
 
 static unsigned char *dynamic_shared() { return emu::shared_bytes.data(); }
 
+// Where a GPU would fault (or read another block's data): `p .. p + bytes` starting inside the
+// launch's dynamic shared memory, or within 64 KiB past its end, but not ending inside it. The
+// emulator aborts with the kernel's block and thread. (Static __shared__ arrays, which only
+// emu_check.cu uses, live elsewhere and are not checked.)
+static void check_shared(const void *p, std::size_t bytes, const char *what) {
+    auto base = reinterpret_cast<std::uintptr_t>(emu::shared_bytes.data());
+    auto size = emu::shared_bytes.size();
+    auto at = reinterpret_cast<std::uintptr_t>(p);
+    if (at < base || at >= base + size + (64u << 10)) return;
+    if (at + bytes <= base + size) return;
+    std::fprintf(stderr,
+                 "emulator: %s at shared byte %zu (%zu bytes) is outside the launch's %zu bytes "
+                 "of dynamic shared memory (block %u,%u,%u thread %u)\n",
+                 what, (std::size_t)(at - base), bytes, size, blockIdx.x, blockIdx.y, blockIdx.z,
+                 threadIdx.x);
+    std::abort();
+}
+
 template <bool BF16>
 static void mma_16816(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
     emu::LaneSlot &mine = emu::lane_slots[threadIdx.x];
@@ -346,6 +369,7 @@ static void mma_16816(float d[4], const unsigned a[4], const unsigned b[2], cons
 // With .trans the matrix is read column-major: row 2 (l % 4) and 2 (l % 4) + 1, column l / 4.
 template <bool TRANS>
 static void ldmatrix(unsigned r[4], const unsigned short *row) {
+    check_shared(row, 16, "ldmatrix");
     emu::LaneSlot &mine = emu::lane_slots[threadIdx.x];
     mine.row = row;
     emu::warp_collective([](emu::LaneSlot *warp) {
