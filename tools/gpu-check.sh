@@ -59,7 +59,8 @@
 #                (measured there with a bf16 matmul) (tools/gpu-check/towers_vs_transformers.py)
 #   serving      `iris bench` on each tower at full steps (dummy weights, bf16, 960 distinct
 #                images of 448x448 at --request-rate inf; --quick: Qwen3-VL-8B, 480 images), its
-#                achieved TFLOPS against the measured peak, each with its memory verdict
+#                achieved TFLOPS against the measured peak, each with its memory verdict; and
+#                Qwen3-VL-8B again with `attention_queries = "64"` (serving.qwen3-vl-8b.q64)
 #   kernels      where ncu (Nsight Compute) runs: every kernel of one Qwen3-VL-8B pass over 41
 #                images of 448x448, timed by ncu and summed by category beside the per-kernel
 #                model (tools/gpu-check/kernel_model.py)
@@ -475,11 +476,17 @@ EOF
     [ -n "${peak:-}" ] || peak=$("$python" "$bundle/gpu-check/towers_vs_transformers.py" --measure-peak 2> "$out/peak.log" || true)
     serving_peak=()
     case "$peak" in '' | *[!0-9.]*) ;; *) serving_peak=(--peak-tflops "$peak") ;; esac
+    serving_args=(--weights dummy --dtype bf16 --limit-mm-per-prompt '{"video": 0}'
+      --num-prompts "$serving_prompts" --images-per-prompt 2 --image-size 448x448 --repeat-ratio 0
+      --request-rate inf "${serving_peak[@]}")
     for tower in "${serving_towers[@]}"; do
-      bench_step "serving.$tower" --model "$tower" --weights dummy --dtype bf16 \
-        --limit-mm-per-prompt '{"video": 0}' --num-prompts "$serving_prompts" --images-per-prompt 2 \
-        --image-size 448x448 --repeat-ratio 0 --request-rate inf "${serving_peak[@]}"
+      bench_step "serving.$tower" --model "$tower" "${serving_args[@]}"
     done
+    # The same Qwen3-VL step with the 64-query attention kernel only: what the 128-query one
+    # (which `auto` runs at this step) changes end to end.
+    q64_config="$out/attention-q64.toml"
+    printf '[plugins.cuda]\nattention_queries = "64"\n' > "$q64_config"
+    bench_step "serving.qwen3-vl-8b.q64" --config "$q64_config" --model qwen3-vl-8b "${serving_args[@]}"
   else
     skip serving "in SKIP"
   fi
