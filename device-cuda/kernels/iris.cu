@@ -436,14 +436,15 @@ __device__ __forceinline__ void attention_impl(const void* q, i64 qs, const void
 // touches shared memory), and O += P·V (V fragments by ldmatrix.trans, shared the same way).
 // Q stays in registers as MMA A fragments for the whole pass where RB = 1; where RB = 2 it
 // would not leave registers for twice the accumulators, so it stays in shared memory and is
-// read by ldmatrix per tile (as FlashAttention-2 does). DK is the head dim padded to the MMA's k of 16 (72 runs
-// as 80); padding columns and keys past the segment are zeros in shared memory, and keys past
-// the segment are masked to minus infinity before the softmax. `scale` must be positive (the
-// plugin sends other scales to attention_impl).
+// read by ldmatrix per tile (as FlashAttention-2 does). DK is the head dim padded to the MMA's
+// k of 16 (72 runs as 80); padding columns and keys past the segment are zeros in shared
+// memory, and keys past the segment are masked to minus infinity before the softmax. `scale`
+// must be positive (the plugin sends other scales to attention_impl).
 //
 // Every query row goes through the same instructions in the same order whatever RB is: the two
 // variants give the same bits, which the plugin checks on the device when it opens (RB = 2
-// halves the shared-memory reads per MMA; RB = 1 makes twice the blocks, for small launches).
+// reads each K and V fragment once for both row blocks and each tile once per 128 queries;
+// RB = 1 makes twice the blocks, for small launches).
 //
 // The warp-wide instructions are behind the small functions below (mma_16816, ldmatrix_x4,
 // ldmatrix_x4_trans, cp_async_16 ...), which the CPU emulator of the stand-in driver
