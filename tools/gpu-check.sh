@@ -62,8 +62,8 @@
 #                achieved TFLOPS against the measured peak, each with its memory verdict; and
 #                Qwen3-VL-8B again with `attention_queries = "64"` (serving.qwen3-vl-8b.q64)
 #   kernels      where ncu (Nsight Compute) runs: every kernel of one Qwen3-VL-8B pass over 41
-#                images of 448x448, timed by ncu and summed by category beside the per-kernel
-#                model (tools/gpu-check/kernel_model.py)
+#                images of 448x448, timed by ncu (with its DRAM bytes and SM throughput) and
+#                summed by category beside the per-kernel model (tools/gpu-check/kernel_model.py)
 #
 # It prints one summary table and writes it as JSON to DIR/summary.json (default DIR:
 # target/gpu-check, or gpu-check-results beside the bundle with --prebuilt), next to every
@@ -493,8 +493,8 @@ EOF
 
   # --- per kernel: Nsight Compute over one Qwen3-VL pass, beside the model ----------------------
   # One `iris encode --batch` of 41 images of 448x448 (the 8192-token step's), every kernel's
-  # gpu__time_duration under ncu, summed by category by tools/gpu-check/kernel_model.py beside
-  # its model of the same pass.
+  # gpu__time_duration, DRAM bytes and SM throughput under ncu, summed by category by
+  # tools/gpu-check/kernel_model.py beside its model of the same pass.
   if ! wanted kernels; then
     skip kernels "in SKIP"
   elif ! command -v ncu > /dev/null 2>&1; then
@@ -510,7 +510,8 @@ EOF
     # ncu reports a profiling permission it lacks as an error line and may still exit 0: that
     # case is the host's set-up, a skip with the remedy; any other failure is the step's.
     ncu_start=$(date +%s)
-    ncu --csv --log-file "$csv" --metrics gpu__time_duration.sum \
+    ncu --csv --log-file "$csv" \
+      --metrics gpu__time_duration.sum,dram__bytes.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
       "$iris" encode --device cuda --model qwen3-vl-8b --weights dummy --dtype bf16 --batch \
       --out "$out/kernels-out.safetensors" "${images41[@]}" > "$ncu_log" 2>&1
     ncu_status=$?

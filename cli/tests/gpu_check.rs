@@ -439,10 +439,13 @@ fn kernel_model_counts_the_towers_flops_and_sums_ncu_by_category() {
     // Nsight Compute's CSV (the details page with one metric): its log lines unquoted, times in
     // whatever unit ncu chose per row.
     let header = "\"ID\",\"Process ID\",\"Process Name\",\"Host Name\",\"Kernel Name\",\"Context\",\"Stream\",\"Block Size\",\"Grid Size\",\"Device\",\"CC\",\"Section Name\",\"Metric Name\",\"Metric Unit\",\"Metric Value\"";
-    let row = |id: u32, kernel: &str, unit: &str, value: &str| {
+    let metric_row = |id: u32, kernel: &str, metric: &str, unit: &str, value: &str| {
         format!(
-            "\"{id}\",\"4242\",\"iris\",\"127.0.0.1\",\"{kernel}\",\"1\",\"13\",\"(256, 1, 1)\",\"(64, 1, 1)\",\"0\",\"9.0\",\"Command line profiler metrics\",\"gpu__time_duration.sum\",\"{unit}\",\"{value}\""
+            "\"{id}\",\"4242\",\"iris\",\"127.0.0.1\",\"{kernel}\",\"1\",\"13\",\"(256, 1, 1)\",\"(64, 1, 1)\",\"0\",\"9.0\",\"Command line profiler metrics\",\"{metric}\",\"{unit}\",\"{value}\""
         )
+    };
+    let row = |id: u32, kernel: &str, unit: &str, value: &str| {
+        metric_row(id, kernel, "gpu__time_duration.sum", unit, value)
     };
     let csv = [
         "==PROF== Connected to process 4242 (iris)".to_owned(),
@@ -460,7 +463,24 @@ fn kernel_model_counts_the_towers_flops_and_sums_ncu_by_category() {
             "500",
         ),
         row(2, "flash_attention_bf16_72", "usecond", "410.5"),
+        // The attention kernel's DRAM bytes and SM throughput; the epilogue's bytes in another
+        // unit.
+        metric_row(
+            2,
+            "flash_attention_bf16_72",
+            "dram__bytes.sum",
+            "Mbyte",
+            "205.25",
+        ),
+        metric_row(
+            2,
+            "flash_attention_bf16_72",
+            "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+            "%",
+            "61.5",
+        ),
         row(3, "gemm_epilogue_bf16", "nsecond", "20,000"),
+        metric_row(3, "gemm_epilogue_bf16", "dram__bytes.sum", "Gbyte", "0.06"),
         row(4, "norm_bf16", "usecond", "12"),
         row(5, "rotary_bf16", "usecond", "8"),
         row(6, "gather_b2", "usecond", "4"),
@@ -483,6 +503,7 @@ fn kernel_model_counts_the_towers_flops_and_sums_ncu_by_category() {
     let (v, printed) = python_json("kernel_model.py", &args, &json);
     let measured = &v[0]["ncu"];
     let seconds = |category: &str| measured[category]["seconds"].as_f64().unwrap_or(f64::NAN);
+    let dram = |category: &str| measured[category]["bytes"].as_f64();
     let launches = |category: &str| measured[category]["launches"].as_u64();
     assert!((seconds("gemm") - 2.0e-3).abs() < 1e-12, "{measured}");
     assert_eq!(launches("gemm"), Some(2));
@@ -493,6 +514,16 @@ fn kernel_model_counts_the_towers_flops_and_sums_ncu_by_category() {
     assert_eq!(launches("gather"), Some(1));
     assert_eq!(launches("other"), Some(0));
     assert!(printed.contains("ncu ms/image"), "{printed}");
+    // DRAM bytes and their rate where ncu gave them: 205.25 MB in 410.5 µs is 0.50 TB/s; the
+    // attention kernel's SMs 61.5% busy. None for categories without such rows.
+    assert_eq!(dram("attention"), Some(205.25e6));
+    assert_eq!(dram("gemm_epilogue"), Some(0.06e9));
+    assert_eq!(dram("gemm"), None);
+    assert_eq!(measured["attention"]["sm_pct"].as_f64(), Some(61.5));
+    assert!(
+        printed.contains("| 1 | 0.010 | 0.21 | 0.50 | 62% |"),
+        "{printed}"
+    );
 
     // A file that is not ncu's CSV is an error that says so, not an empty table.
     std::fs::write(&ncu, "iris: no such device\n").expect("written");

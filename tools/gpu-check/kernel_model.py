@@ -19,7 +19,11 @@ attention at the 163 to 184 TFLOPS it measured at 4096 tokens (shorter segments 
 
 With `--ncu CSV` (Nsight Compute's `--csv --metrics gpu__time_duration.sum` output for the same
 pass, as tools/gpu-check.sh's `kernels` step writes it) the measured kernel times are summed by
-the same categories and printed beside the model.
+the same categories and printed beside the model. Where the CSV also has `dram__bytes.sum` and
+`sm__throughput.avg.pct_of_peak_sustained_elapsed` (the step asks for both), each category also
+gets the bytes it moved to and from device memory, their rate, and its SMs' busiest unit as a
+share of peak, weighted by time: a category near the bandwidth with idle SMs is memory-bound, one
+with busy SMs and little traffic is bound by its instructions.
 
 Usage:
     python3 tools/gpu-check/kernel_model.py --towers qwen3-vl-8b --image-size 448
@@ -137,29 +141,54 @@ def model(ks, peak, bandwidth, gemm_share, attention_tflops, memory_share, launc
 
 
 def read_ncu(path):
-    """Measured seconds and launches per category from Nsight Compute's CSV (one row per kernel and
-    metric; the `Kernel Name`, `Metric Name` and `Metric Value` columns, `Metric Unit` in ns, us,
-    ms or s; `--print-units base` gives ns)."""
-    scale = {"ns": 1e-9, "nsecond": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3,
-             "second": 1.0, "s": 1.0}
+    """Measured seconds, launches, DRAM bytes and time-weighted SM throughput (%) per category
+    from Nsight Compute's CSV (one row per kernel and metric; the `ID`, `Kernel Name`, `Metric
+    Name`, `Metric Unit` and `Metric Value` columns; times in ns, us, ms or s, bytes in byte,
+    Kbyte, Mbyte or Gbyte; `--print-units base` gives ns and bytes). Bytes and throughput are
+    None for a category whose kernels the CSV gives no such rows for."""
+    time_scale = {"ns": 1e-9, "nsecond": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3,
+                  "ms": 1e-3, "second": 1.0, "s": 1.0}
+    byte_scale = {"byte": 1.0, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "b": 1.0}
     with open(path, newline="") as f:
         lines = [line for line in f if line.startswith('"')]  # ncu's own log lines are not quoted
     reader = csv.DictReader(lines)
-    measured = {c: [0.0, 0] for c in CATEGORIES}
-    seen = 0
+    kernels = {}  # ID -> {"category", "seconds", "bytes", "sm_pct"}
     for row in reader:
-        if row.get("Metric Name") != "gpu__time_duration.sum":
+        metric = row.get("Metric Name")
+        if metric not in ("gpu__time_duration.sum", "dram__bytes.sum",
+                          "sm__throughput.avg.pct_of_peak_sustained_elapsed"):
             continue
-        unit = row.get("Metric Unit", "ns").strip().lower()
-        if unit not in scale:
-            raise ValueError(f"{path}: unknown time unit {unit!r}")
+        unit = row.get("Metric Unit", "").strip().lower()
         value = float(row["Metric Value"].replace(",", ""))
-        entry = measured[category_of(row["Kernel Name"])]
-        entry[0] += value * scale[unit]
-        entry[1] += 1
-        seen += 1
-    if not seen:
+        kernel = kernels.setdefault(row.get("ID", str(len(kernels))),
+                                    {"category": category_of(row["Kernel Name"])})
+        if metric == "gpu__time_duration.sum":
+            if unit not in time_scale:
+                raise ValueError(f"{path}: unknown time unit {unit!r}")
+            kernel["seconds"] = value * time_scale[unit]
+        elif metric == "dram__bytes.sum":
+            if unit not in byte_scale:
+                raise ValueError(f"{path}: unknown byte unit {unit!r}")
+            kernel["bytes"] = value * byte_scale[unit]
+        else:
+            kernel["sm_pct"] = value
+    timed = [k for k in kernels.values() if "seconds" in k]
+    if not timed:
         raise ValueError(f"{path} has no gpu__time_duration.sum rows: is it ncu --csv output?")
+    measured = {c: {"seconds": 0.0, "launches": 0, "bytes": None, "sm_pct": None} for c in CATEGORIES}
+    weighted = {c: [0.0, 0.0] for c in CATEGORIES}  # sum of pct * seconds, seconds with a pct
+    for kernel in timed:
+        entry = measured[kernel["category"]]
+        entry["seconds"] += kernel["seconds"]
+        entry["launches"] += 1
+        if "bytes" in kernel:
+            entry["bytes"] = (entry["bytes"] or 0.0) + kernel["bytes"]
+        if "sm_pct" in kernel:
+            weighted[kernel["category"]][0] += kernel["sm_pct"] * kernel["seconds"]
+            weighted[kernel["category"]][1] += kernel["seconds"]
+    for category, (pct_seconds, seconds) in weighted.items():
+        if seconds > 0:
+            measured[category]["sm_pct"] = pct_seconds / seconds
     return measured
 
 
@@ -222,8 +251,8 @@ def main():
         header = "| category | launches | GFLOP | GB | model ms/image |"
         rule = "|---|---|---|---|---|"
         if measured:
-            header += " ncu launches | ncu ms/image |"
-            rule += "---|---|"
+            header += " ncu launches | ncu ms/image | ncu DRAM GB | ncu TB/s | ncu SM busy |"
+            rule += "---|---|---|---|---|"
         print(header)
         print(rule)
         for category in CATEGORIES:
@@ -231,15 +260,19 @@ def main():
             line = (f"| {category} | {entry['launches']} | {entry['gflop']:.0f} | {entry['gb']:.2f} "
                     f"| {entry['model_ms'] / images:.3f} |")
             if measured:
-                seconds, launches = measured[category]
-                line += f" {launches} | {seconds * 1e3 / images:.3f} |"
-            if entry["launches"] or (measured and measured[category][1]):
+                m = measured[category]
+                seconds, dram = m["seconds"], m["bytes"]
+                rate = f"{dram / seconds / 1e12:.2f}" if dram is not None and seconds > 0 else "-"
+                busy = f"{m['sm_pct']:.0f}%" if m["sm_pct"] is not None else "-"
+                gb = f"{dram / 1e9:.2f}" if dram is not None else "-"
+                line += f" {m['launches']} | {seconds * 1e3 / images:.3f} | {gb} | {rate} | {busy} |"
+            if entry["launches"] or (measured and measured[category]["launches"]):
                 print(line)
         if measured:
-            kernel_s = sum(seconds for seconds, _ in measured.values())
+            kernel_s = sum(m["seconds"] for m in measured.values())
             print(f"kernels measured: {kernel_s * 1e3 / images:.2f} ms an image against the model's "
                   f"{total_ms / images:.2f} (launch gaps and host time are not in ncu's sum)")
-            result["ncu"] = {c: {"seconds": s, "launches": n} for c, (s, n) in measured.items()}
+            result["ncu"] = measured
         results.append(result)
     if args.json:
         with open(args.json, "w") as f:
