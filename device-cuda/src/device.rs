@@ -63,7 +63,8 @@ pub struct CudaOptions {
 pub enum AttentionQueries {
     /// 128 queries per block where a launch has enough of them to fill the device twice over
     /// (a block reads each K and V tile once for twice the queries of a 64-query block, but a
-    /// launch has half the blocks), 64 otherwise.
+    /// launch has half the blocks) and its segments fill three quarters of their rows, 64
+    /// otherwise.
     #[default]
     Auto,
     /// Always this many (64 or 128) where the kernel is available (128: where it passed its

@@ -1197,25 +1197,36 @@ fn attention(device: &Device) {
         }
         drop(fixed);
     }
-    // `auto`: 128 queries where the blocks fill every SM twice (the stand-in has 4): 14 blocks
-    // above, 2 here.
-    attention_case(device, DType::BF16, 72, &cu, 0);
-    let grid_large = common::standin_last_grid();
-    if !on_gpu() {
-        assert_eq!(
-            grid_large,
-            [300u32.div_ceil(128), 2, 5],
-            "a large launch runs 128 queries per block"
-        );
-    }
+    // `auto`: 128 queries where the blocks fill every SM twice (the stand-in has 4) and the
+    // segments fill three quarters of their query rows: 300 and 200 tokens make 5 blocks a head
+    // (10 with 2 heads) of 640 rows, 500 used.
+    let long = [0, 300, 500];
+    attention_case(device, DType::BF16, 72, &long, 0);
+    let grid_long = common::standin_last_grid();
+    // Two heads of one 100-token segment: 2 blocks.
     let small = [0, 100];
     attention_case(device, DType::BF16, 72, &small, 0);
     let grid_small = common::standin_last_grid();
+    // Four 130-token segments: 16 blocks, their rows barely half used (as Qwen2.5-VL's 64-token
+    // windows use half; a grid of one block per window would not show which kernel ran).
+    let halves: Vec<u32> = (0..=4).map(|w| w * 130).collect();
+    attention_case(device, DType::BF16, 80, &halves, 0);
+    let grid_halves = common::standin_last_grid();
     if !on_gpu() {
+        assert_eq!(
+            grid_long,
+            [300u32.div_ceil(128), 2, 2],
+            "long segments run 128 queries per block"
+        );
         assert_eq!(
             grid_small,
             [2, 2, 1],
             "a small launch runs 64 queries per block"
+        );
+        assert_eq!(
+            grid_halves,
+            [130u32.div_ceil(64), 2, 4],
+            "segments that fill half the 128-query blocks run 64 queries per block"
         );
     }
 }

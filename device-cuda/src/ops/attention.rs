@@ -8,7 +8,8 @@
 //! same bits; the 128-query kernel serves once the device's open has checked that on the device,
 //! and (option `attention_queries = auto`) where its blocks fill every SM at least twice, since
 //! a launch of fewer, longer blocks leaves SMs idle (one 448x448 image's 16 heads of 784 tokens
-//! make 112 such blocks, fewer than an H200's 132 SMs). Everything else runs
+//! make 112 such blocks, fewer than an H200's 132 SMs), and where the segments fill at least
+//! three quarters of the blocks' query rows (not Qwen2.5-VL's 64-token windows). Everything else runs
 //! `attention_<dtype>_<size>` (32 queries per block, f32 compute).
 
 use iris_plugin::abi::{AttentionArgs, BufferHandle, BufferSlice, DType, MatRef, PluginError};
@@ -34,8 +35,12 @@ kernel_args! {
     }
 }
 
-/// A 128-query launch is chosen (`auto`) when its blocks are at least this many times the SMs.
+/// A 128-query launch is chosen (`auto`) when its blocks are at least this many times the SMs,
 const Q128_BLOCKS_PER_SM: u64 = 2;
+/// and its blocks' query rows at least this share used (`Q128_FILL.0 / Q128_FILL.1`): a
+/// block whose segment ends early leaves warps without queries, which a 64-query block would
+/// have spread over all four (Qwen2.5-VL's 64-token windows fill half a 128-query block).
+const Q128_FILL: (u64, u64) = (3, 4);
 
 impl CudaDevice {
     pub(crate) fn attention_impl(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
@@ -101,13 +106,16 @@ impl CudaDevice {
                 let choose = match compute.attention_queries() {
                     AttentionQueries::Fixed(queries) => queries == wide,
                     AttentionQueries::Auto => {
-                        let blocks: u64 = att
+                        let per_head: u64 = att
                             .segments
                             .iter()
                             .map(|&(_, length)| (length as u64).div_ceil(wide))
-                            .sum::<u64>()
-                            * heads;
-                        blocks >= Q128_BLOCKS_PER_SM * compute.sms()
+                            .sum();
+                        let rows = per_head * wide;
+                        let queries: u64 =
+                            att.segments.iter().map(|&(_, length)| length as u64).sum();
+                        let filled = queries * Q128_FILL.1 >= rows * Q128_FILL.0;
+                        filled && per_head * heads >= Q128_BLOCKS_PER_SM * compute.sms()
                     }
                 };
                 if ready && choose {
