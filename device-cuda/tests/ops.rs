@@ -1169,8 +1169,8 @@ fn attention(device: &Device) {
     let note = q128_note(device);
     assert!(
         note.starts_with(
-            "head dims 64, 72, 80 (the 64-query kernel's bits at open) \
-             (attention_queries = auto)"
+            "head dims 64, 72, 80 (the same bits as the 64-query kernel at open); \
+             attention_queries = auto"
         ),
         "every 128-query kernel passed its check at open: {note}"
     );
@@ -1238,7 +1238,7 @@ fn wrong_q128(device: &Device) {
     let note = q128_note(device);
     assert!(
         note.starts_with(
-            "head dims 64, 72 (the 64-query kernel's bits at open); 64 \
+            "head dims 64, 72 (the same bits as the 64-query kernel at open); 64 \
              queries instead for bf16 80: 1 of 10480 outputs differ from the 64-query kernel's"
         ),
         "{note}"

@@ -283,7 +283,7 @@ impl CudaDevice {
             "none".to_owned()
         } else {
             format!(
-                "head dims {} (the 64-query kernel's bits at open)",
+                "head dims {} (the same bits as the 64-query kernel at open)",
                 list(&checked.ready)
             )
         };

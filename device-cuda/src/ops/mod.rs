@@ -233,7 +233,7 @@ impl Compute {
             Property::new(
                 "attention_q128",
                 format!(
-                    "{} (attention_queries = {})",
+                    "{}; attention_queries = {}",
                     self.q128.note,
                     match self.attention_queries {
                         AttentionQueries::Auto => "auto".to_owned(),
