@@ -591,7 +591,7 @@ impl CudaDevice {
 
     /// Waits for the queue and reports a bad gather index; errors name `op`, the ABI call that
     /// waited (`synchronize` or `read`).
-    pub(crate) fn synchronize_impl(&self, op: &str) -> Result<(), PluginError> {
+    fn synchronize_impl(&self, op: &str) -> Result<(), PluginError> {
         let wait = || {
             // Only the frees enqueued before the wait are known to have run after it.
             let waited = self.memory.pending();

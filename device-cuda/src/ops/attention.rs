@@ -9,22 +9,22 @@
 //! and (option `attention_queries = auto`) where its blocks fill every SM at least twice, since
 //! a launch of fewer, longer blocks leaves SMs idle (one 448x448 image's 16 heads of 784 tokens
 //! make 112 such blocks, fewer than an H200's 132 SMs), and where the segments fill at least
-//! three quarters of the blocks' query rows (not Qwen2.5-VL's 64-token windows). Everything else runs
-//! `attention_<dtype>_<size>` (32 queries per block, f32 compute).
+//! three quarters of the blocks' query rows (not Qwen2.5-VL's 64-token windows). Everything
+//! else runs `attention_<dtype>_<size>` (32 queries per block, f32 compute).
 
+use iris_plugin::Backend;
 use iris_plugin::abi::{AttentionArgs, BufferHandle, BufferSlice, DType, MatRef, PluginError};
 use iris_plugin::validate;
 
 use super::{
-    ATTENTION_QUERIES, ATTENTION_THREADS, GRID_YZ, WideAttention, addr, dim, dtype_name, grid,
-    kernel_args,
+    ATTENTION_QUERIES, ATTENTION_THREADS, Compute, GRID_YZ, WideAttention, addr, dim, dtype_name,
+    grid, kernel_args,
 };
 use crate::device::{AttentionQueries, CudaDevice};
 use crate::kernels::{
     ATTENTION_SIZES, FLASH_ATTENTION_Q128_SIZES, FLASH_ATTENTION_QUERIES, FLASH_ATTENTION_SIZES,
     flash_attention_name, flash_attention_shared_bytes,
 };
-use crate::memory;
 
 kernel_args! {
     /// `attention_<dtype>_<size>(q, qs, k, ks, v, vs, out, os, cu_seqlens, head_dim, scale)`
@@ -41,6 +41,33 @@ const Q128_BLOCKS_PER_SM: u64 = 2;
 /// block whose segment ends early leaves warps without queries, which a 64-query block would
 /// have spread over all four (Qwen2.5-VL's 64-token windows fill half a 128-query block).
 const Q128_FILL: (u64, u64) = (3, 4);
+
+impl Compute {
+    /// Queries per block of the tensor-core kernel for a launch at `head_dim` over `segments`
+    /// (`(start, length)`) and `heads`: 128 where that kernel passed its check at open and the
+    /// `attention_queries` option asks for it, or (`auto`) the launch fills every SM twice with
+    /// 128-query blocks whose rows its segments mostly use; else 64.
+    fn flash_queries(&self, head_dim: u64, segments: &[(usize, usize)], heads: u64) -> u64 {
+        let [narrow, wide] = FLASH_ATTENTION_QUERIES;
+        let choose = match self.attention_queries {
+            AttentionQueries::Fixed(queries) => queries == wide,
+            AttentionQueries::Auto => {
+                let per_head: u64 = segments
+                    .iter()
+                    .map(|&(_, length)| (length as u64).div_ceil(wide))
+                    .sum();
+                let queries: u64 = segments.iter().map(|&(_, length)| length as u64).sum();
+                let filled = queries * Q128_FILL.1 >= per_head * wide * Q128_FILL.0;
+                filled && per_head * heads >= Q128_BLOCKS_PER_SM * self.sms
+            }
+        };
+        if choose && self.q128.ready.contains(&head_dim) {
+            wide
+        } else {
+            narrow
+        }
+    }
+}
 
 impl CudaDevice {
     pub(crate) fn attention_impl(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
@@ -99,31 +126,8 @@ impl CudaDevice {
             && args.scale > 0.0
             && compute.has_flash_attention();
         let (name, queries, shared) = if flash {
-            let queries = queries.unwrap_or_else(|| {
-                let wide = FLASH_ATTENTION_QUERIES[1];
-                // Only head dims with a 128-query kernel that passed its check at open.
-                let ready = compute.q128.ready.contains(&head_dim);
-                let choose = match compute.attention_queries() {
-                    AttentionQueries::Fixed(queries) => queries == wide,
-                    AttentionQueries::Auto => {
-                        let per_head: u64 = att
-                            .segments
-                            .iter()
-                            .map(|&(_, length)| (length as u64).div_ceil(wide))
-                            .sum();
-                        let rows = per_head * wide;
-                        let queries: u64 =
-                            att.segments.iter().map(|&(_, length)| length as u64).sum();
-                        let filled = queries * Q128_FILL.1 >= rows * Q128_FILL.0;
-                        filled && per_head * heads >= Q128_BLOCKS_PER_SM * compute.sms()
-                    }
-                };
-                if ready && choose {
-                    wide
-                } else {
-                    FLASH_ATTENTION_QUERIES[0]
-                }
-            });
+            let queries =
+                queries.unwrap_or_else(|| compute.flash_queries(head_dim, &att.segments, heads));
             (
                 flash_attention_name(dtype, head_dim, queries),
                 queries,
@@ -194,14 +198,14 @@ impl CudaDevice {
             .max()
             .unwrap_or(0);
         let cu_device = alloc(bounds.len() as u64)?;
-        self.write_check(cu_device, &bounds)?;
+        self.write(cu_device, 0, &bounds)?;
         for head_dim in compute.q128.loadable.clone() {
             let width = CHECK_HEADS * head_dim;
             let qkv = alloc(tokens * 3 * width * 2)?;
             let outs = [alloc(tokens * width * 2)?, alloc(tokens * width * 2)?];
             let mut same = true;
             for (dtype, name) in [(DType::BF16, "bf16"), (DType::F16, "f16")] {
-                self.write_check(qkv, &check_values(dtype, tokens * 3 * width, head_dim))?;
+                self.write(qkv, 0, &check_values(dtype, tokens * 3 * width, head_dim))?;
                 // q, k and v: column blocks of one fused buffer, as the towers pass them.
                 let part = |index: u64| MatRef {
                     buf: qkv,
@@ -214,14 +218,12 @@ impl CudaDevice {
                 let mut results = Vec::new();
                 // Each output starts with its own pattern, so that rows a kernel leaves
                 // unwritten differ too.
-                for (queries, out, pattern) in FLASH_ATTENTION_QUERIES
-                    .into_iter()
-                    .zip(outs)
-                    .zip([0x00, 0xff])
-                    .map(|((queries, out), pattern)| (queries, out, pattern))
+                let patterns = [0x00, 0xff];
+                for ((queries, out), pattern) in
+                    FLASH_ATTENTION_QUERIES.into_iter().zip(outs).zip(patterns)
                 {
                     let size = usize::try_from(tokens * width * 2).unwrap_or(0);
-                    self.write_check(out, &vec![pattern; size])?;
+                    self.write(out, 0, &vec![pattern; size])?;
                     let args = AttentionArgs {
                         q: part(0),
                         k: part(1),
@@ -250,7 +252,7 @@ impl CudaDevice {
                         Err(err) => return Err(err),
                     }
                     let mut bytes = vec![0u8; size];
-                    self.read_check(out, &mut bytes)?;
+                    self.read(out, 0, &mut bytes)?;
                     results.push(bytes);
                 }
                 if let [narrow, wide] = &results[..] {
@@ -297,19 +299,6 @@ impl CudaDevice {
         }
         checked.note = note;
         Ok(checked)
-    }
-
-    fn write_check(&self, buf: BufferHandle, bytes: &[u8]) -> Result<(), PluginError> {
-        let ptr = self.view("open", buf)?.at(0);
-        memory::write_from_host(ptr, bytes, self.cu_stream()).map_err(|err| err.into_plugin("open"))
-    }
-
-    fn read_check(&self, buf: BufferHandle, bytes: &mut [u8]) -> Result<(), PluginError> {
-        let ptr = self.view("open", buf)?.at(0);
-        // SAFETY: `bytes` stays borrowed until the stream is synchronised below.
-        unsafe { memory::read_to_host(bytes, ptr, self.cu_stream()) }
-            .map_err(|err| err.into_plugin("open"))?;
-        self.synchronize_impl("open")
     }
 }
 

@@ -87,7 +87,8 @@ pub struct Compute {
     tf32: bool,
     cc: (i32, i32),
     kernel_origin: String,
-    /// Streaming multiprocessors, for the attention kernels' choice of block size.
+    /// Streaming multiprocessors (0 when the driver did not say), for the attention kernels'
+    /// choice of block size.
     sms: u64,
     attention_queries: AttentionQueries,
     /// The 128-query attention kernels: which head dims they serve, and what the check said.
@@ -351,16 +352,6 @@ impl Compute {
         // was checked against a live buffer by the caller.
         unsafe { result::launch_kernel(function, grid, (block, 1, 1), shared, stream, &mut params) }
             .call("cuLaunchKernel")
-    }
-
-    /// Streaming multiprocessors (0 when the driver did not say).
-    pub(crate) fn sms(&self) -> u64 {
-        self.sms
-    }
-
-    /// The `attention_queries` option.
-    pub(crate) fn attention_queries(&self) -> AttentionQueries {
-        self.attention_queries
     }
 
     /// Whether the tensor-core attention kernels run on this device (sm_80 and later).
