@@ -79,30 +79,94 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
 #endif
 }
 
+// A GPU faults on an access not aligned to its size (and the fault is sticky: the context is
+// lost). The CPU emulator of the stand-in driver defines this to check every vector access here.
+#ifndef IRIS_CHECK_ALIGNED
+#define IRIS_CHECK_ALIGNED(p, bytes)
+#endif
+
+// Storage types: one element (`load`, `store`), or four consecutive ones in one access of four
+// times the element's size (`load4`, `store4`: 16 bytes of f32, 8 of f16 or bf16). The four-wide
+// forms need the address aligned to four elements; the plugin passes `lanes = 4` to a kernel
+// only when every view it touches is (docs/CUDA.md, "Elementwise kernels").
 struct F32 {
     static __device__ __forceinline__ float load(const void* p, i64 i) {
         return ((const float*)p)[i];
     }
     static __device__ __forceinline__ void store(void* p, i64 i, float v) { ((float*)p)[i] = v; }
+    static __device__ __forceinline__ void load4(const void* p, i64 i, float* v) {
+        IRIS_CHECK_ALIGNED((const float*)p + i, 16);
+        const float4 c = *(const float4*)((const float*)p + i);
+        v[0] = c.x;
+        v[1] = c.y;
+        v[2] = c.z;
+        v[3] = c.w;
+    }
+    static __device__ __forceinline__ void store4(void* p, i64 i, const float* v) {
+        IRIS_CHECK_ALIGNED((float*)p + i, 16);
+        *(float4*)((float*)p + i) = float4{v[0], v[1], v[2], v[3]};
+    }
 };
 
-struct F16 {
+// The 16-bit formats' conversions, for Half16.
+struct F16Bits {
+    static __device__ __forceinline__ float to_f32(u16 h) { return f16_to_f32(h); }
+    static __device__ __forceinline__ u16 from_f32(float f) { return f32_to_f16(f); }
+};
+struct BF16Bits {
+    static __device__ __forceinline__ float to_f32(u16 h) { return bf16_to_f32(h); }
+    static __device__ __forceinline__ u16 from_f32(float f) { return f32_to_bf16(f); }
+};
+
+// A 16-bit storage type; four elements are two 32-bit words, the lower address in the lower
+// half.
+template <class B>
+struct Half16 {
     static __device__ __forceinline__ float load(const void* p, i64 i) {
-        return f16_to_f32(((const u16*)p)[i]);
+        return B::to_f32(((const u16*)p)[i]);
     }
     static __device__ __forceinline__ void store(void* p, i64 i, float v) {
-        ((u16*)p)[i] = f32_to_f16(v);
+        ((u16*)p)[i] = B::from_f32(v);
+    }
+    static __device__ __forceinline__ void load4(const void* p, i64 i, float* v) {
+        IRIS_CHECK_ALIGNED((const u16*)p + i, 8);
+        const uint2 c = *(const uint2*)((const u16*)p + i);
+        v[0] = B::to_f32((u16)c.x);
+        v[1] = B::to_f32((u16)(c.x >> 16));
+        v[2] = B::to_f32((u16)c.y);
+        v[3] = B::to_f32((u16)(c.y >> 16));
+    }
+    static __device__ __forceinline__ void store4(void* p, i64 i, const float* v) {
+        IRIS_CHECK_ALIGNED((u16*)p + i, 8);
+        *(uint2*)((u16*)p + i) = uint2{(u32)B::from_f32(v[0]) | ((u32)B::from_f32(v[1]) << 16),
+                                       (u32)B::from_f32(v[2]) | ((u32)B::from_f32(v[3]) << 16)};
     }
 };
 
-struct BF16 {
-    static __device__ __forceinline__ float load(const void* p, i64 i) {
-        return bf16_to_f32(((const u16*)p)[i]);
-    }
-    static __device__ __forceinline__ void store(void* p, i64 i, float v) {
-        ((u16*)p)[i] = f32_to_bf16(v);
-    }
+typedef Half16<F16Bits> F16;
+typedef Half16<BF16Bits> BF16;
+
+// `N` consecutive elements (1, or 4 in one access) of storage type S, as f32.
+template <int N>
+struct Lanes {
+    static const int n = N;
 };
+template <class S>
+__device__ __forceinline__ void load_lanes(Lanes<1>, const void* p, i64 i, float* v) {
+    v[0] = S::load(p, i);
+}
+template <class S>
+__device__ __forceinline__ void load_lanes(Lanes<4>, const void* p, i64 i, float* v) {
+    S::load4(p, i, v);
+}
+template <class S>
+__device__ __forceinline__ void store_lanes(Lanes<1>, void* p, i64 i, const float* v) {
+    S::store(p, i, v[0]);
+}
+template <class S>
+__device__ __forceinline__ void store_lanes(Lanes<4>, void* p, i64 i, const float* v) {
+    S::store4(p, i, v);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Reductions and activations
@@ -151,112 +215,270 @@ __device__ __forceinline__ float activate(float x, int kind) {
 
 // ---------------------------------------------------------------------------------------------
 // Norms: one block per row (grid-stride over rows), two passes over the row for the statistics.
+// Each thread reads `N` consecutive columns at a time (N = 4: one 8- or 16-byte load).
 // ---------------------------------------------------------------------------------------------
 
-template <class S>
-__device__ __forceinline__ void norm_impl(const void* x, i64 xs, void* out, i64 os, const void* w,
-                                          const void* b, i64 rows, i64 cols, float eps, int rms) {
-    __shared__ float scratch[32];
+template <class S, int N>
+__device__ __forceinline__ void norm_rows(const void* x, i64 xs, void* out, i64 os, const void* w,
+                                          const void* b, i64 rows, i64 cols, float eps, int rms,
+                                          float* scratch) {
+    const Lanes<N> lanes;
+    const i64 first = (i64)threadIdx.x * N;
+    const i64 step = (i64)blockDim.x * N;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const i64 xo = r * xs;
         float mean = 0.0f;
         if (!rms) {
             float s = 0.0f;
-            for (i64 c = threadIdx.x; c < cols; c += blockDim.x) s += S::load(x, xo + c);
+            for (i64 c = first; c < cols; c += step) {
+                float v[N];
+                load_lanes<S>(lanes, x, xo + c, v);
+#pragma unroll
+                for (int k = 0; k < N; ++k) s += v[k];
+            }
             mean = block_sum(s, scratch) / (float)cols;
         }
         float q = 0.0f;
-        for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
-            float d = S::load(x, xo + c) - mean;
-            q += d * d;
+        for (i64 c = first; c < cols; c += step) {
+            float v[N];
+            load_lanes<S>(lanes, x, xo + c, v);
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                const float d = v[k] - mean;
+                q += d * d;
+            }
         }
-        float inv = 1.0f / sqrtf(block_sum(q, scratch) / (float)cols + eps);
-        for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
-            float v = (S::load(x, xo + c) - mean) * inv * S::load(w, c);
-            if (b) v += S::load(b, c);
-            S::store(out, r * os + c, v);
+        const float inv = 1.0f / sqrtf(block_sum(q, scratch) / (float)cols + eps);
+        for (i64 c = first; c < cols; c += step) {
+            float v[N], g[N], o[N];
+            load_lanes<S>(lanes, x, xo + c, v);
+            load_lanes<S>(lanes, w, c, g);
+#pragma unroll
+            for (int k = 0; k < N; ++k) o[k] = (v[k] - mean) * inv * g[k];
+            if (b) {
+                float bb[N];
+                load_lanes<S>(lanes, b, c, bb);
+#pragma unroll
+                for (int k = 0; k < N; ++k) o[k] += bb[k];
+            }
+            store_lanes<S>(lanes, out, r * os + c, o);
         }
     }
 }
 
+template <class S>
+__device__ __forceinline__ void norm_impl(const void* x, i64 xs, void* out, i64 os, const void* w,
+                                          const void* b, i64 rows, i64 cols, float eps, int rms,
+                                          int lanes) {
+    __shared__ float scratch[32];
+    if (lanes == 4) {
+        norm_rows<S, 4>(x, xs, out, os, w, b, rows, cols, eps, rms, scratch);
+    } else {
+        norm_rows<S, 1>(x, xs, out, os, w, b, rows, cols, eps, rms, scratch);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
-// Elementwise kernels over [rows, cols] views: blockIdx.y strides rows, x strides columns.
+// Elementwise kernels over [rows, cols] views, in groups of `lanes` columns of one row.
+//
+// lanes = 1: blockIdx.y strides rows, x strides columns, one element per thread. lanes = 4:
+// each thread takes four columns at once, one 8- or 16-byte access per view, over the flattened
+// [rows, cols / 4] groups (grid x only). One 2-byte element per thread keeps too few bytes in
+// flight for a GPU's memory; four give each access 8 or 16. The plugin passes 4 only when every
+// view's address and row stride are multiples of four elements, cols is too, and there are fewer
+// than 2^31 groups, so that 32-bit indices suffice here.
 // ---------------------------------------------------------------------------------------------
 
-#define ROWS_LOOP for (i64 r = blockIdx.y; r < rows; r += gridDim.y)
-#define COLS_LOOP                                                           \
-    for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < cols; \
-         c += (i64)gridDim.x * blockDim.x)
+// Calls `body(r, c, Lanes<N>())` for every group of N columns starting at (r, c).
+template <class Body>
+__device__ __forceinline__ void for_each_group(i64 rows, i64 cols, int lanes, const Body& body) {
+    if (lanes == 4) {
+        const u32 per_row = (u32)(cols >> 2);
+        const u32 groups = (u32)rows * per_row;
+        for (u32 g = blockIdx.x * blockDim.x + threadIdx.x; g < groups;
+             g += gridDim.x * blockDim.x) {
+            const u32 r = g / per_row;
+            body((i64)r, (i64)(g - r * per_row) * 4, Lanes<4>());
+        }
+        return;
+    }
+    for (i64 r = blockIdx.y; r < rows; r += gridDim.y) {
+        for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < cols;
+             c += (i64)gridDim.x * blockDim.x) {
+            body(r, c, Lanes<1>());
+        }
+    }
+}
+
+// Each kernel's work on one group, as a function object (NVRTC takes no lambdas in device code
+// without extended-lambda support): `operator()(r, c, Lanes<N>())` does N columns from (r, c).
+
+template <class S>
+struct Activate {
+    const void* x;
+    i64 xs;
+    void* out;
+    i64 os;
+    int kind;
+    template <int N>
+    __device__ __forceinline__ void operator()(i64 r, i64 c, Lanes<N> w) const {
+        float v[N];
+        load_lanes<S>(w, x, r * xs + c, v);
+#pragma unroll
+        for (int k = 0; k < N; ++k) v[k] = activate(v[k], kind);
+        store_lanes<S>(w, out, r * os + c, v);
+    }
+};
 
 template <class S>
 __device__ __forceinline__ void activation_impl(const void* x, i64 xs, void* out, i64 os,
-                                                i64 rows, i64 cols, int kind) {
-    ROWS_LOOP {
-        COLS_LOOP { S::store(out, r * os + c, activate(S::load(x, r * xs + c), kind)); }
-    }
+                                                i64 rows, i64 cols, int kind, int lanes) {
+    for_each_group(rows, cols, lanes, Activate<S>{x, xs, out, os, kind});
 }
 
 // `bs` is 0 when `b` is one row broadcast over every row of `a`. `op`: 0 add, 1 multiply.
 template <class S>
-__device__ __forceinline__ void binary_impl(const void* a, i64 as, const void* b, i64 bs,
-                                            void* out, i64 os, i64 rows, i64 cols, int op) {
-    ROWS_LOOP {
-        COLS_LOOP {
-            float x = S::load(a, r * as + c);
-            float y = S::load(b, r * bs + c);
-            S::store(out, r * os + c, op == 0 ? x + y : x * y);
-        }
+struct Binary {
+    const void* a;
+    i64 as;
+    const void* b;
+    i64 bs;
+    void* out;
+    i64 os;
+    int op;
+    template <int N>
+    __device__ __forceinline__ void operator()(i64 r, i64 c, Lanes<N> w) const {
+        float x[N], y[N];
+        load_lanes<S>(w, a, r * as + c, x);
+        load_lanes<S>(w, b, r * bs + c, y);
+#pragma unroll
+        for (int k = 0; k < N; ++k) x[k] = op == 0 ? x[k] + y[k] : x[k] * y[k];
+        store_lanes<S>(w, out, r * os + c, x);
     }
+};
+
+template <class S>
+__device__ __forceinline__ void binary_impl(const void* a, i64 as, const void* b, i64 bs,
+                                            void* out, i64 os, i64 rows, i64 cols, int op,
+                                            int lanes) {
+    for_each_group(rows, cols, lanes, Binary<S>{a, as, b, bs, out, os, op});
 }
 
 template <class S, class D>
-__device__ __forceinline__ void cast_impl(const void* src, i64 ss, void* out, i64 os, i64 rows,
-                                          i64 cols) {
-    ROWS_LOOP {
-        COLS_LOOP { D::store(out, r * os + c, S::load(src, r * ss + c)); }
+struct Cast {
+    const void* src;
+    i64 ss;
+    void* out;
+    i64 os;
+    template <int N>
+    __device__ __forceinline__ void operator()(i64 r, i64 c, Lanes<N> w) const {
+        float v[N];
+        load_lanes<S>(w, src, r * ss + c, v);
+        store_lanes<D>(w, out, r * os + c, v);
     }
+};
+
+template <class S, class D>
+__device__ __forceinline__ void cast_impl(const void* src, i64 ss, void* out, i64 os, i64 rows,
+                                          i64 cols, int lanes) {
+    for_each_group(rows, cols, lanes, Cast<S, D>{src, ss, out, os});
 }
 
 // The part of a gemm cuBLAS(Lt) cannot fuse: out = act(src + bias) (+ out when accumulating).
 // `src` is the product: an f32 [rows, cols] scratch (`src_f32`), or `out` itself, or null for
 // an empty product (k = 0).
 template <class S>
+struct Epilogue {
+    const void* src;
+    int src_f32;
+    i64 ss;
+    void* out;
+    i64 os;
+    const void* bias;
+    int kind;
+    int accumulate;
+    template <int N>
+    __device__ __forceinline__ void operator()(i64 r, i64 c, Lanes<N> w) const {
+        float v[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) v[k] = 0.0f;
+        if (src) {
+            if (src_f32) {
+                load_lanes<F32>(w, src, r * ss + c, v);
+            } else {
+                load_lanes<S>(w, src, r * ss + c, v);
+            }
+        }
+        if (bias) {
+            float b[N];
+            load_lanes<S>(w, bias, c, b);
+#pragma unroll
+            for (int k = 0; k < N; ++k) v[k] += b[k];
+        }
+#pragma unroll
+        for (int k = 0; k < N; ++k) v[k] = activate(v[k], kind);
+        if (accumulate) {
+            float o[N];
+            load_lanes<S>(w, out, r * os + c, o);
+#pragma unroll
+            for (int k = 0; k < N; ++k) v[k] += o[k];
+        }
+        store_lanes<S>(w, out, r * os + c, v);
+    }
+};
+
+template <class S>
 __device__ __forceinline__ void gemm_epilogue_impl(const void* src, int src_f32, i64 ss,
                                                    void* out, i64 os, const void* bias, i64 rows,
-                                                   i64 cols, int kind, int accumulate) {
-    ROWS_LOOP {
-        COLS_LOOP {
-            float v = 0.0f;
-            if (src) v = src_f32 ? ((const float*)src)[r * ss + c] : S::load(src, r * ss + c);
-            if (bias) v += S::load(bias, c);
-            v = activate(v, kind);
-            if (accumulate) v += S::load(out, r * os + c);
-            S::store(out, r * os + c, v);
-        }
-    }
+                                                   i64 cols, int kind, int accumulate,
+                                                   int lanes) {
+    for_each_group(rows, cols, lanes,
+                   Epilogue<S>{src, src_f32, ss, out, os, bias, kind, accumulate});
 }
 
 // Rotary embedding from f32 cos/sin tables [tokens, head_dim], in place on x
-// [tokens, heads * head_dim]: each thread rotates one pair (j, j + head_dim / 2) of one head.
+// [tokens, heads * head_dim]: each group is `lanes` pairs (j, j + head_dim / 2) of one head
+// (lanes = 4 needs head_dim / 2 to be a multiple of 4, so that a group stays in one head).
+template <class S>
+struct Rotate {
+    void* x;
+    i64 xs;
+    const float* cs;
+    i64 css;
+    const float* sn;
+    i64 sns;
+    i64 half;
+    i64 head_dim;
+    template <int N>
+    __device__ __forceinline__ void operator()(i64 r, i64 c, Lanes<N> w) const {
+        // 32-bit division on the four-wide path, whose columns fit 32 bits.
+        const i64 h = N == 4 ? (i64)((u32)c / (u32)half) : c / half;
+        const i64 j = c - h * half;
+        const i64 base = r * xs + h * head_dim;
+        float x1[N], x2[N], c1[N], c2[N], s1[N], s2[N], y1[N], y2[N];
+        load_lanes<S>(w, x, base + j, x1);
+        load_lanes<S>(w, x, base + j + half, x2);
+        load_lanes<F32>(w, cs, r * css + j, c1);
+        load_lanes<F32>(w, cs, r * css + j + half, c2);
+        load_lanes<F32>(w, sn, r * sns + j, s1);
+        load_lanes<F32>(w, sn, r * sns + j + half, s2);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            y1[k] = x1[k] * c1[k] - x2[k] * s1[k];
+            y2[k] = x2[k] * c2[k] + x1[k] * s2[k];
+        }
+        store_lanes<S>(w, x, base + j, y1);
+        store_lanes<S>(w, x, base + j + half, y2);
+    }
+};
+
 template <class S>
 __device__ __forceinline__ void rotary_impl(void* x, i64 xs, const float* cs, i64 css,
                                             const float* sn, i64 sns, i64 rows, i64 heads,
-                                            i64 head_dim) {
+                                            i64 head_dim, int lanes) {
     const i64 half = head_dim / 2;
-    const i64 cols = heads * half;
-    ROWS_LOOP {
-        COLS_LOOP {
-            const i64 h = c / half;
-            const i64 j = c - h * half;
-            const i64 base = r * xs + h * head_dim;
-            float x1 = S::load(x, base + j);
-            float x2 = S::load(x, base + j + half);
-            float c1 = cs[r * css + j], c2 = cs[r * css + j + half];
-            float s1 = sn[r * sns + j], s2 = sn[r * sns + j + half];
-            S::store(x, base + j, x1 * c1 - x2 * s1);
-            S::store(x, base + j + half, x2 * c2 + x1 * s2);
-        }
-    }
+    for_each_group(rows, heads * half, lanes,
+                   Rotate<S>{x, xs, cs, css, sn, sns, half, head_dim});
 }
 
 // out[i] = src[idx[i]] by element type T of the dtype's size. A bad index writes zeros and
@@ -264,11 +486,14 @@ __device__ __forceinline__ void rotary_impl(void* x, i64 xs, const float* cs, i6
 template <class T>
 __device__ __forceinline__ void gather_impl(const T* src, i64 ss, i64 src_rows, T* out, i64 os,
                                             const int* idx, i64 rows, i64 cols, u32* status) {
-    ROWS_LOOP {
+    for (i64 r = blockIdx.y; r < rows; r += gridDim.y) {
         const int from = idx[r];
         const bool ok = from >= 0 && (i64)from < src_rows;
         if (!ok && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, 1u);
-        COLS_LOOP { out[r * os + c] = ok ? src[(i64)from * ss + c] : (T)0; }
+        for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < cols;
+             c += (i64)gridDim.x * blockDim.x) {
+            out[r * os + c] = ok ? src[(i64)from * ss + c] : (T)0;
+        }
     }
 }
 
@@ -903,40 +1128,45 @@ extern "C" __global__ void __launch_bounds__(256) copy_regions(const u64* region
 #define FLOAT_KERNELS(NAME, S)                                                                    \
     extern "C" __global__ void __launch_bounds__(256)                                            \
         norm_##NAME(const void* x, i64 xs, void* out, i64 os, const void* w, const void* b,      \
-                    i64 rows, i64 cols, float eps, int rms) {                                    \
-        norm_impl<S>(x, xs, out, os, w, b, rows, cols, eps, rms);                                \
+                    i64 rows, i64 cols, float eps, int rms, int lanes) {                         \
+        norm_impl<S>(x, xs, out, os, w, b, rows, cols, eps, rms, lanes);                         \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                            \
         activation_##NAME(const void* x, i64 xs, void* out, i64 os, i64 rows, i64 cols,         \
-                          int kind) {                                                            \
-        activation_impl<S>(x, xs, out, os, rows, cols, kind);                                    \
+                          int kind, int lanes) {                                                 \
+        activation_impl<S>(x, xs, out, os, rows, cols, kind, lanes);                             \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                            \
         binary_##NAME(const void* a, i64 as, const void* b, i64 bs, void* out, i64 os, i64 rows, \
-                      i64 cols, int op) {                                                        \
-        binary_impl<S>(a, as, b, bs, out, os, rows, cols, op);                                   \
+                      i64 cols, int op, int lanes) {                                             \
+        binary_impl<S>(a, as, b, bs, out, os, rows, cols, op, lanes);                            \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                            \
         gemm_epilogue_##NAME(const void* src, int src_f32, i64 ss, void* out, i64 os,            \
-                             const void* bias, i64 rows, i64 cols, int kind, int accumulate) {   \
-        gemm_epilogue_impl<S>(src, src_f32, ss, out, os, bias, rows, cols, kind, accumulate);   \
+                             const void* bias, i64 rows, i64 cols, int kind, int accumulate,     \
+                             int lanes) {                                                        \
+        gemm_epilogue_impl<S>(src, src_f32, ss, out, os, bias, rows, cols, kind, accumulate,    \
+                              lanes);                                                            \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                            \
         rotary_##NAME(void* x, i64 xs, const float* cs, i64 css, const float* sn, i64 sns,       \
-                      i64 rows, i64 heads, i64 head_dim) {                                       \
-        rotary_impl<S>(x, xs, cs, css, sn, sns, rows, heads, head_dim);                          \
+                      i64 rows, i64 heads, i64 head_dim, int lanes) {                            \
+        rotary_impl<S>(x, xs, cs, css, sn, sns, rows, heads, head_dim, lanes);                   \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                            \
-        cast_f32_##NAME(const void* src, i64 ss, void* out, i64 os, i64 rows, i64 cols) {        \
-        cast_impl<F32, S>(src, ss, out, os, rows, cols);                                         \
+        cast_f32_##NAME(const void* src, i64 ss, void* out, i64 os, i64 rows, i64 cols,          \
+                        int lanes) {                                                             \
+        cast_impl<F32, S>(src, ss, out, os, rows, cols, lanes);                                  \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                            \
-        cast_f16_##NAME(const void* src, i64 ss, void* out, i64 os, i64 rows, i64 cols) {        \
-        cast_impl<F16, S>(src, ss, out, os, rows, cols);                                         \
+        cast_f16_##NAME(const void* src, i64 ss, void* out, i64 os, i64 rows, i64 cols,          \
+                        int lanes) {                                                             \
+        cast_impl<F16, S>(src, ss, out, os, rows, cols, lanes);                                  \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                            \
-        cast_bf16_##NAME(const void* src, i64 ss, void* out, i64 os, i64 rows, i64 cols) {       \
-        cast_impl<BF16, S>(src, ss, out, os, rows, cols);                                        \
+        cast_bf16_##NAME(const void* src, i64 ss, void* out, i64 os, i64 rows, i64 cols,         \
+                         int lanes) {                                                            \
+        cast_impl<BF16, S>(src, ss, out, os, rows, cols, lanes);                                 \
     }
 
 FLOAT_KERNELS(f32, F32)

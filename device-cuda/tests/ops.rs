@@ -286,6 +286,30 @@ fn scenario() {
 const GPU_ENV: &str = "IRIS_TEST_REAL_GPU";
 
 /// Whether this child runs on a real GPU (not the stand-in, whose counters tests may read).
+/// Runs `f` and says whether the stand-in's emulator ran four-wide vector accesses in it; `None`
+/// on a GPU, which does not count them.
+fn runs_wide(f: impl FnOnce()) -> Option<bool> {
+    if on_gpu() {
+        f();
+        return None;
+    }
+    let before = common::standin_vector_accesses();
+    f();
+    Some(common::standin_vector_accesses() > before)
+}
+
+/// Fails unless the path `runs_wide` saw is the one expected (four columns per thread or one).
+fn expect_path(ran_wide: Option<bool>, wide: bool, what: &str) {
+    if let Some(ran_wide) = ran_wide {
+        assert_eq!(
+            ran_wide,
+            wide,
+            "{what}: expected {} per thread",
+            if wide { "four columns" } else { "one column" }
+        );
+    }
+}
+
 fn on_gpu() -> bool {
     std::env::var_os(GPU_ENV).is_some()
 }
@@ -465,8 +489,10 @@ fn gemm(device: &Device) {
     }
     // Every case runs, and each broken contract is reported, before the scenario fails.
     let mut failures = Vec::new();
+    let vector_accesses = (!on_gpu()).then(common::standin_vector_accesses);
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        // (m, k, n, activation, bias, accumulate, w_transposed, strided)
+        // (m, k, n, activation, bias, accumulate, w_transposed, strided): the epilogue kernel
+        // takes four columns per thread in the aligned cases of n = 8 and 24, one in the others.
         let cases = [
             (33, 70, 47, Activation::NONE, false, false, false, false),
             (33, 70, 47, Activation::GELU_TANH, true, false, false, false),
@@ -648,6 +674,12 @@ fn gemm(device: &Device) {
             "GELU epilogues requested"
         );
     }
+    if let Some(before) = vector_accesses {
+        assert!(
+            common::standin_vector_accesses() > before,
+            "no gemm epilogue took four columns per thread"
+        );
+    }
     assert!(
         failures.is_empty(),
         "{} gemm case(s) broke the contract:\n{}",
@@ -659,17 +691,22 @@ fn gemm(device: &Device) {
 fn elementwise(device: &Device) {
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let mut rng = Rng(3);
-        // Norms at a tower width and an odd one, one in place.
-        for (rows, cols, in_place) in [(5, 1280, false), (3, 37, true)] {
+        // Norms at a tower width, with a row stride that leaves rows unaligned for four-wide
+        // loads and one that does not, and at an odd width in place.
+        for (rows, cols, stride, in_place, wide) in [
+            (5, 1280, 1283, false, false),
+            (5, 1280, 1284, false, true),
+            (3, 37, 40, true, false),
+        ] {
             for rms in [false, true] {
                 let x = Tensor::upload(
                     device,
                     dtype,
                     rows,
                     cols,
-                    cols + 3,
+                    stride,
                     0,
-                    &rng.values(rows * (cols + 3), 2.0),
+                    &rng.values(rows * stride, 2.0),
                 );
                 let weight =
                     Tensor::upload(device, dtype, 1, cols, cols, 0, &rng.values(cols, 1.0));
@@ -698,12 +735,19 @@ fn elementwise(device: &Device) {
                     eps: 1e-6,
                     workspace: BufferSlice::EMPTY,
                 };
-                if rms {
-                    assert_eq!(device.rms_norm_workspace(&args).unwrap(), 0);
-                    device.rms_norm(&args).unwrap();
-                } else {
-                    device.layer_norm(&args).unwrap();
-                }
+                let ran_wide = runs_wide(|| {
+                    if rms {
+                        assert_eq!(device.rms_norm_workspace(&args).unwrap(), 0);
+                        device.rms_norm(&args).unwrap();
+                    } else {
+                        device.layer_norm(&args).unwrap();
+                    }
+                });
+                expect_path(
+                    ran_wide,
+                    wide,
+                    &format!("norm {dtype} [{rows}, {cols}] / {stride}"),
+                );
                 let got = out.as_ref().unwrap_or(&x).download(device);
                 let mut expected = Vec::new();
                 for r in 0..rows {
@@ -736,29 +780,54 @@ fn elementwise(device: &Device) {
                 }
             }
         }
-        // Every activation, from a strided view into a contiguous one.
-        for activation in [
+        // Every activation, from a strided view into a contiguous one: rows of 310 elements
+        // (one at a time), of 304 (four at a time), and of 304 starting two elements past an
+        // aligned address (one at a time: a four-wide access there would fault on a GPU).
+        for (activation, stride, offset) in [
             Activation::GELU_ERF,
             Activation::GELU_TANH,
             Activation::QUICK_GELU,
             Activation::SILU,
-        ] {
-            let x = Tensor::upload(device, dtype, 7, 300, 310, 8, &rng.values(7 * 310 + 8, 4.0));
+        ]
+        .into_iter()
+        .flat_map(|activation| {
+            [
+                (activation, 310, 8),
+                (activation, 304, 8),
+                (activation, 304, 2),
+            ]
+        }) {
+            let x = Tensor::upload(
+                device,
+                dtype,
+                7,
+                300,
+                stride,
+                offset,
+                &rng.values(7 * stride + offset, 4.0),
+            );
             let out = Tensor::upload(device, dtype, 7, 300, 300, 0, &vec![0.0; 2100]);
-            device
-                .activation(&ActivationArgs {
-                    x: x.view,
-                    out: out.view,
-                    activation,
-                    workspace: BufferSlice::EMPTY,
-                })
-                .unwrap();
+            let ran_wide = runs_wide(|| {
+                device
+                    .activation(&ActivationArgs {
+                        x: x.view,
+                        out: out.view,
+                        activation,
+                        workspace: BufferSlice::EMPTY,
+                    })
+                    .unwrap()
+            });
+            expect_path(
+                ran_wide,
+                stride == 304 && offset == 8,
+                &format!("activation {activation:?} {dtype} / {stride} + {offset}"),
+            );
             let expected: Vec<f64> = (0..7)
                 .flat_map(|r| (0..300).map(move |c| (r, c)))
                 .map(|(r, c)| act(activation, x.at(r, c)))
                 .collect();
             close(
-                &format!("activation {activation:?} {dtype}"),
+                &format!("activation {activation:?} {dtype} / {stride} + {offset}"),
                 dtype,
                 &out.download(device),
                 &expected,
@@ -767,51 +836,66 @@ fn elementwise(device: &Device) {
             x.free(device);
             out.free(device);
         }
-        // Add with a broadcast row; multiply in place.
-        let a = Tensor::upload(device, dtype, 6, 50, 50, 0, &rng.values(300, 1.0));
-        let row = Tensor::upload(device, dtype, 1, 50, 50, 0, &rng.values(50, 1.0));
-        let b = Tensor::upload(device, dtype, 6, 50, 50, 0, &rng.values(300, 1.0));
-        let out = Tensor::upload(device, dtype, 6, 50, 50, 0, &vec![0.0; 300]);
-        device
-            .binary(&BinaryArgs {
-                a: a.view,
-                b: row.view,
-                out: out.view,
-                op: BinaryOp::ADD,
-                workspace: BufferSlice::EMPTY,
-            })
-            .unwrap();
-        let expected: Vec<f64> = (0..300)
-            .map(|i| a.at(i / 50, i % 50) + row.at(0, i % 50))
-            .collect();
-        close(
-            &format!("add broadcast {dtype}"),
-            dtype,
-            &out.download(device),
-            &expected,
-            1.0,
-        );
-        device
-            .binary(&BinaryArgs {
-                a: a.view,
-                b: b.view,
-                out: a.view,
-                op: BinaryOp::MUL,
-                workspace: BufferSlice::EMPTY,
-            })
-            .unwrap();
-        let expected: Vec<f64> = (0..300)
-            .map(|i| a.at(i / 50, i % 50) * b.at(i / 50, i % 50))
-            .collect();
-        close(
-            &format!("mul in place {dtype}"),
-            dtype,
-            &a.download(device),
-            &expected,
-            1.0,
-        );
-        for t in [a, row, b, out] {
-            t.free(device);
+        // Add with a broadcast row; multiply in place: 50 columns one at a time, 48 four at a
+        // time.
+        for cols in [50, 48] {
+            let n = 6 * cols;
+            let wide = cols % 4 == 0;
+            let a = Tensor::upload(device, dtype, 6, cols, cols, 0, &rng.values(n, 1.0));
+            let row = Tensor::upload(device, dtype, 1, cols, cols, 0, &rng.values(cols, 1.0));
+            let b = Tensor::upload(device, dtype, 6, cols, cols, 0, &rng.values(n, 1.0));
+            let out = Tensor::upload(device, dtype, 6, cols, cols, 0, &vec![0.0; n]);
+            let ran_wide = runs_wide(|| {
+                device
+                    .binary(&BinaryArgs {
+                        a: a.view,
+                        b: row.view,
+                        out: out.view,
+                        op: BinaryOp::ADD,
+                        workspace: BufferSlice::EMPTY,
+                    })
+                    .unwrap()
+            });
+            expect_path(
+                ran_wide,
+                wide,
+                &format!("add broadcast {dtype} [6, {cols}]"),
+            );
+            let expected: Vec<f64> = (0..n)
+                .map(|i| a.at(i / cols, i % cols) + row.at(0, i % cols))
+                .collect();
+            close(
+                &format!("add broadcast {dtype} [6, {cols}]"),
+                dtype,
+                &out.download(device),
+                &expected,
+                1.0,
+            );
+            let ran_wide = runs_wide(|| {
+                device
+                    .binary(&BinaryArgs {
+                        a: a.view,
+                        b: b.view,
+                        out: a.view,
+                        op: BinaryOp::MUL,
+                        workspace: BufferSlice::EMPTY,
+                    })
+                    .unwrap()
+            });
+            expect_path(ran_wide, wide, &format!("mul in place {dtype} [6, {cols}]"));
+            let expected: Vec<f64> = (0..n)
+                .map(|i| a.at(i / cols, i % cols) * b.at(i / cols, i % cols))
+                .collect();
+            close(
+                &format!("mul in place {dtype} [6, {cols}]"),
+                dtype,
+                &a.download(device),
+                &expected,
+                1.0,
+            );
+            for t in [a, row, b, out] {
+                t.free(device);
+            }
         }
     }
 }
@@ -819,69 +903,61 @@ fn elementwise(device: &Device) {
 fn movement(device: &Device) {
     let mut rng = Rng(5);
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        // Rotary from tables: 7 tokens, 3 heads of 16.
-        let (tokens, heads, hd) = (7, 3, 16);
-        let x = Tensor::upload(
-            device,
-            dtype,
-            tokens,
-            heads * hd,
-            heads * hd + 4,
-            0,
-            &rng.values(tokens * (heads * hd + 4), 1.0),
-        );
-        let cos = Tensor::upload(
-            device,
-            DType::F32,
-            tokens,
-            hd,
-            hd,
-            0,
-            &rng.values(tokens * hd, 1.0),
-        );
-        let sin = Tensor::upload(
-            device,
-            DType::F32,
-            tokens,
-            hd,
-            hd,
-            0,
-            &rng.values(tokens * hd, 1.0),
-        );
-        device
-            .rotary(&RotaryArgs {
-                x: x.view,
-                heads: heads as u64,
-                head_dim: hd as u64,
-                cos: cos.view,
-                sin: sin.view,
-                workspace: BufferSlice::EMPTY,
-            })
-            .unwrap();
-        let mut expected = Vec::new();
-        for t in 0..tokens {
-            for h in 0..heads {
-                for j in 0..hd {
-                    let half = hd / 2;
-                    let v = x.at(t, h * hd + j);
-                    let rotated = if j < half {
-                        -x.at(t, h * hd + j + half)
-                    } else {
-                        x.at(t, h * hd + j - half)
-                    };
-                    expected.push(v * cos.at(t, j) + rotated * sin.at(t, j));
+        // Rotary from tables: 7 tokens, 3 heads of 16 (half a head is 8: four pairs per
+        // thread), and 2 heads of 12 (half is 6: one pair per thread).
+        for (heads, hd) in [(3, 16), (2, 12)] {
+            let tokens = 7;
+            let x = Tensor::upload(
+                device,
+                dtype,
+                tokens,
+                heads * hd,
+                heads * hd + 4,
+                0,
+                &rng.values(tokens * (heads * hd + 4), 1.0),
+            );
+            let [cos, sin] = [(); 2].map(|()| {
+                let values = rng.values(tokens * hd, 1.0);
+                Tensor::upload(device, DType::F32, tokens, hd, hd, 0, &values)
+            });
+            let ran_wide = runs_wide(|| {
+                device
+                    .rotary(&RotaryArgs {
+                        x: x.view,
+                        heads: heads as u64,
+                        head_dim: hd as u64,
+                        cos: cos.view,
+                        sin: sin.view,
+                        workspace: BufferSlice::EMPTY,
+                    })
+                    .unwrap()
+            });
+            expect_path(ran_wide, hd == 16, &format!("rotary {dtype} head_dim {hd}"));
+            let mut expected = Vec::new();
+            for t in 0..tokens {
+                for h in 0..heads {
+                    for j in 0..hd {
+                        let half = hd / 2;
+                        let v = x.at(t, h * hd + j);
+                        let rotated = if j < half {
+                            -x.at(t, h * hd + j + half)
+                        } else {
+                            x.at(t, h * hd + j - half)
+                        };
+                        expected.push(v * cos.at(t, j) + rotated * sin.at(t, j));
+                    }
                 }
             }
-        }
-        close(
-            &format!("rotary {dtype}"),
-            dtype,
-            &x.download(device),
-            &expected,
-            2.0,
-        );
-        for t in [x, cos, sin] {
-            t.free(device);
+            close(
+                &format!("rotary {dtype} head_dim {hd}"),
+                dtype,
+                &x.download(device),
+                &expected,
+                2.0,
+            );
+            for t in [x, cos, sin] {
+                t.free(device);
+            }
         }
 
         // Gather with repeated and out-of-order indices.
@@ -934,21 +1010,35 @@ fn movement(device: &Device) {
         src.free(device);
         out.free(device);
 
-        // Casts to every float dtype.
-        for to in [DType::F32, DType::F16, DType::BF16] {
-            let src = Tensor::upload(device, dtype, 4, 33, 40, 0, &rng.values(160, 3.0));
-            let out = Tensor::upload(device, to, 4, 33, 33, 0, &vec![0.0; 132]);
-            device
-                .cast(&CastArgs {
-                    src: src.view,
-                    out: out.view,
-                    workspace: BufferSlice::EMPTY,
-                })
-                .unwrap();
-            let expected: Vec<f64> = (0..132)
-                .map(|i| round(to, src.at(i / 33, i % 33)))
+        // Casts to every float dtype, 33 columns (one at a time) and 32 (four at a time).
+        for (to, cols) in [DType::F32, DType::F16, DType::BF16]
+            .into_iter()
+            .flat_map(|to| [(to, 33), (to, 32)])
+        {
+            let src = Tensor::upload(device, dtype, 4, cols, 40, 0, &rng.values(160, 3.0));
+            let out = Tensor::upload(device, to, 4, cols, cols, 0, &vec![0.0; 4 * cols]);
+            let ran_wide = runs_wide(|| {
+                device
+                    .cast(&CastArgs {
+                        src: src.view,
+                        out: out.view,
+                        workspace: BufferSlice::EMPTY,
+                    })
+                    .unwrap()
+            });
+            expect_path(
+                ran_wide,
+                cols == 32,
+                &format!("cast {dtype} -> {to} [4, {cols}]"),
+            );
+            let expected: Vec<f64> = (0..4 * cols)
+                .map(|i| round(to, src.at(i / cols, i % cols)))
                 .collect();
-            assert_eq!(out.download(device), expected, "cast {dtype} -> {to}");
+            assert_eq!(
+                out.download(device),
+                expected,
+                "cast {dtype} -> {to} [4, {cols}]"
+            );
             src.free(device);
             out.free(device);
         }

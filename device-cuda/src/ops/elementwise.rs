@@ -7,25 +7,28 @@ use std::sync::atomic::Ordering;
 use iris_plugin::abi::{ActivationArgs, BinaryArgs, CastArgs, GatherArgs, PluginError};
 use iris_plugin::validate;
 
-use super::{THREADS, addr, dim, dtype_name, grid_2d, kernel_args};
+use super::{Access, THREADS, addr, dim, dtype_name, grid_2d, kernel_args, lanes, lanes_grid};
 use crate::device::CudaDevice;
 
 kernel_args! {
-    /// `activation_<dtype>(x, xs, out, os, rows, cols, kind)`.
-    struct ActivationKernel { x: u64, xs: i64, out: u64, os: i64, rows: i64, cols: i64, kind: i32 }
-}
-
-kernel_args! {
-    /// `binary_<dtype>(a, as, b, bs, out, os, rows, cols, op)`: `bs` 0 broadcasts b's row.
-    struct BinaryKernel {
-        a: u64, a_stride: i64, b: u64, b_stride: i64, out: u64, os: i64, rows: i64, cols: i64,
-        op: i32,
+    /// `activation_<dtype>(x, xs, out, os, rows, cols, kind, lanes)`.
+    struct ActivationKernel {
+        x: u64, xs: i64, out: u64, os: i64, rows: i64, cols: i64, kind: i32, lanes: i32,
     }
 }
 
 kernel_args! {
-    /// `cast_<from>_<to>(src, ss, out, os, rows, cols)`.
-    struct CastKernel { src: u64, ss: i64, out: u64, os: i64, rows: i64, cols: i64 }
+    /// `binary_<dtype>(a, as, b, bs, out, os, rows, cols, op, lanes)`: `bs` 0 broadcasts b's
+    /// row.
+    struct BinaryKernel {
+        a: u64, a_stride: i64, b: u64, b_stride: i64, out: u64, os: i64, rows: i64, cols: i64,
+        op: i32, lanes: i32,
+    }
+}
+
+kernel_args! {
+    /// `cast_<from>_<to>(src, ss, out, os, rows, cols, lanes)`.
+    struct CastKernel { src: u64, ss: i64, out: u64, os: i64, rows: i64, cols: i64, lanes: i32 }
 }
 
 kernel_args! {
@@ -44,21 +47,29 @@ impl CudaDevice {
         if x.is_empty() {
             return Ok(());
         }
+        let (x_addr, out_addr) = (addr(self, op, &x)?, addr(self, op, &out)?);
+        let (rows, cols) = (x.rows as u64, x.cols as u64);
+        let lanes = lanes(
+            rows,
+            cols,
+            &[Access::of(x_addr, &x), Access::of(out_addr, &out)],
+        );
         let mut launch = ActivationKernel {
-            x: addr(self, op, &x)?,
+            x: x_addr,
             xs: dim(x.stride),
-            out: addr(self, op, &out)?,
+            out: out_addr,
             os: dim(out.stride),
             rows: dim(x.rows),
             cols: dim(x.cols),
             kind: i32::try_from(args.activation.0).unwrap_or(0),
+            lanes: lanes as i32,
         };
         let name = format!("activation_{}", dtype_name(x.dtype));
         compute
             .launch(
                 self.cu_stream(),
                 &name,
-                grid_2d(x.rows as u64, x.cols as u64),
+                lanes_grid(rows, cols, lanes),
                 THREADS,
                 &mut launch,
             )
@@ -73,23 +84,40 @@ impl CudaDevice {
         if a.is_empty() {
             return Ok(());
         }
+        let (a_addr, b_addr, out_addr) = (
+            addr(self, op, &a)?,
+            addr(self, op, &b)?,
+            addr(self, op, &out)?,
+        );
+        let b_stride = if checked.broadcast { 0 } else { b.stride };
+        let (rows, cols) = (a.rows as u64, a.cols as u64);
+        let b_access = Access {
+            stride: b_stride as u64,
+            ..Access::of(b_addr, &b)
+        };
+        let lanes = lanes(
+            rows,
+            cols,
+            &[Access::of(a_addr, &a), b_access, Access::of(out_addr, &out)],
+        );
         let mut launch = BinaryKernel {
-            a: addr(self, op, &a)?,
+            a: a_addr,
             a_stride: dim(a.stride),
-            b: addr(self, op, &b)?,
-            b_stride: if checked.broadcast { 0 } else { dim(b.stride) },
-            out: addr(self, op, &out)?,
+            b: b_addr,
+            b_stride: dim(b_stride),
+            out: out_addr,
             os: dim(out.stride),
             rows: dim(a.rows),
             cols: dim(a.cols),
             op: i32::try_from(args.op.0).unwrap_or(0),
+            lanes: lanes as i32,
         };
         let name = format!("binary_{}", dtype_name(a.dtype));
         compute
             .launch(
                 self.cu_stream(),
                 &name,
-                grid_2d(a.rows as u64, a.cols as u64),
+                lanes_grid(rows, cols, lanes),
                 THREADS,
                 &mut launch,
             )
@@ -140,20 +168,28 @@ impl CudaDevice {
         if src.is_empty() || out.same_as(&src) {
             return Ok(());
         }
+        let (src_addr, out_addr) = (addr(self, op, &src)?, addr(self, op, &out)?);
+        let (rows, cols) = (src.rows as u64, src.cols as u64);
+        let lanes = lanes(
+            rows,
+            cols,
+            &[Access::of(src_addr, &src), Access::of(out_addr, &out)],
+        );
         let mut launch = CastKernel {
-            src: addr(self, op, &src)?,
+            src: src_addr,
             ss: dim(src.stride),
-            out: addr(self, op, &out)?,
+            out: out_addr,
             os: dim(out.stride),
             rows: dim(src.rows),
             cols: dim(src.cols),
+            lanes: lanes as i32,
         };
         let name = format!("cast_{}_{}", dtype_name(src.dtype), dtype_name(out.dtype));
         compute
             .launch(
                 self.cu_stream(),
                 &name,
-                grid_2d(src.rows as u64, src.cols as u64),
+                lanes_grid(rows, cols, lanes),
                 THREADS,
                 &mut launch,
             )

@@ -24,7 +24,8 @@ use iris_plugin::abi::{Activation, DType, GemmArgs, PluginError};
 use iris_plugin::validate::{self, Checker, Gemm};
 
 use super::{
-    Compute, THREADS, addr, dim, dtype_name, grid_2d, i64_of, kernel_args, lock, optional_addr,
+    Access, Compute, THREADS, addr, dim, dtype_name, i64_of, kernel_args, lanes, lanes_grid, lock,
+    optional_addr,
 };
 use crate::device::CudaDevice;
 use crate::error::CudaError;
@@ -52,11 +53,11 @@ const REDUCTION_SCHEMES: u32 =
 const BIAS_ALIGNMENT: u64 = 16;
 
 kernel_args! {
-    /// `gemm_epilogue_<dtype>(src, src_f32, ss, out, os, bias, rows, cols, kind, accumulate)`:
-    /// `out = act(src + bias) (+ out)`; `src` 0 is a zero product, `bias` 0 none.
+    /// `gemm_epilogue_<dtype>(src, src_f32, ss, out, os, bias, rows, cols, kind, accumulate,
+    /// lanes)`: `out = act(src + bias) (+ out)`; `src` 0 is a zero product, `bias` 0 none.
     struct EpilogueKernel {
         src: u64, src_f32: i32, ss: i64, out: u64, os: i64, bias: u64, rows: i64, cols: i64,
-        kind: i32, accumulate: i32,
+        kind: i32, accumulate: i32, lanes: i32,
     }
 }
 
@@ -721,6 +722,24 @@ impl Compute {
         kind: Activation,
         accumulate: bool,
     ) -> Result<(), CudaError> {
+        let out_bytes = gemm.out.dtype.size().unwrap_or(4);
+        let (rows, cols) = (gemm.m as u64, gemm.n as u64);
+        let mut views = vec![Access::of(out, &gemm.out)];
+        if src != 0 {
+            views.push(Access {
+                addr: src,
+                stride: src_stride,
+                elem_bytes: if src_f32 { 4 } else { out_bytes },
+            });
+        }
+        if bias != 0 {
+            views.push(Access {
+                addr: bias,
+                stride: 0,
+                elem_bytes: out_bytes,
+            });
+        }
+        let lanes = lanes(rows, cols, &views);
         let mut launch = EpilogueKernel {
             src,
             src_f32: i32::from(src_f32),
@@ -732,12 +751,13 @@ impl Compute {
             cols: dim(gemm.n),
             kind: i32::try_from(kind.0).unwrap_or(0),
             accumulate: i32::from(accumulate),
+            lanes: lanes as i32,
         };
         let name = format!("gemm_epilogue_{}", dtype_name(gemm.out.dtype));
         self.launch(
             stream,
             &name,
-            grid_2d(gemm.m as u64, gemm.n as u64),
+            lanes_grid(rows, cols, lanes),
             THREADS,
             &mut launch,
         )

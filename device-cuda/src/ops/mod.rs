@@ -66,6 +66,11 @@ pub(crate) const ATTENTION_QUERIES: u64 = 32;
 pub(crate) const GRID_YZ: u64 = 65_535;
 /// Column blocks of an elementwise grid at most (the kernels stride over the rest).
 pub(crate) const GRID_X_ELEMENTWISE: u64 = 1024;
+/// Blocks of a four-wide elementwise grid at most (the kernels stride over the rest).
+pub(crate) const GRID_X_GROUPS: u64 = 1 << 16;
+/// Columns a thread of an elementwise, norm or rotary kernel takes at once where every view
+/// allows it ([`lanes`]): one access of 8 (f16, bf16) or 16 bytes (f32) per view.
+pub(crate) const WIDE_LANES: u32 = 4;
 /// Row blocks of a norm grid at most (the kernel strides over the rest).
 pub(crate) const GRID_X_NORM: u64 = 1 << 20;
 
@@ -462,6 +467,59 @@ pub(crate) fn grid_2d(rows: u64, cols: u64) -> (u32, u32, u32) {
     )
 }
 
+/// One view an elementwise kernel reads or writes: its first element's device address, its row
+/// stride in elements and its element size in bytes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Access {
+    pub addr: u64,
+    pub stride: u64,
+    pub elem_bytes: u64,
+}
+
+impl Access {
+    /// A checked view at device address `addr`.
+    pub(crate) fn of(addr: u64, mat: &Mat) -> Access {
+        Access {
+            addr,
+            stride: mat.stride as u64,
+            elem_bytes: mat.dtype.size().unwrap_or(4),
+        }
+    }
+}
+
+/// Columns per thread for a kernel over `groups` rows of `cols` columns touching `views`:
+/// [`WIDE_LANES`] when `cols`, every view's row stride and every view's address (in its own
+/// elements) are multiples of it, so that each group is one aligned access (a GPU faults on a
+/// misaligned one), and the kernels' 32-bit group index covers the whole grid; otherwise 1.
+pub(crate) fn lanes(rows: u64, cols: u64, views: &[Access]) -> u32 {
+    let wide = u64::from(WIDE_LANES);
+    let aligned = views
+        .iter()
+        .all(|v| v.stride.is_multiple_of(wide) && v.addr.is_multiple_of(wide * v.elem_bytes));
+    let fits = rows
+        .checked_mul(cols / wide)
+        .is_some_and(|groups| groups < 1 << 31);
+    if cols.is_multiple_of(wide) && aligned && fits {
+        WIDE_LANES
+    } else {
+        1
+    }
+}
+
+/// The grid of an elementwise kernel over `[rows, cols]` taking `lanes` columns per thread:
+/// [`grid_2d`] for one, the flattened groups in x for [`WIDE_LANES`].
+pub(crate) fn lanes_grid(rows: u64, cols: u64, lanes: u32) -> (u32, u32, u32) {
+    if lanes == 1 {
+        return grid_2d(rows, cols);
+    }
+    let groups = rows * (cols / u64::from(lanes));
+    (
+        grid(groups.div_ceil(u64::from(THREADS)), GRID_X_GROUPS),
+        1,
+        1,
+    )
+}
+
 pub(crate) fn dtype_name(dtype: DType) -> &'static str {
     dtype.name().unwrap_or("f32")
 }
@@ -693,4 +751,46 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(addr: u64, stride: u64, elem_bytes: u64) -> Access {
+        Access {
+            addr,
+            stride,
+            elem_bytes,
+        }
+    }
+
+    #[test]
+    fn four_lanes_only_where_every_access_is_aligned() {
+        // bf16 out (8-byte groups) and an f32 source (16-byte groups), both aligned.
+        let bf16 = view(0x1000, 1152, 2);
+        let f32 = view(0x2000, 1152, 4);
+        assert_eq!(lanes(8192, 1152, &[bf16, f32]), WIDE_LANES);
+        // A broadcast row (stride 0) is aligned wherever its address is.
+        assert_eq!(lanes(8192, 1152, &[bf16, view(0x3008, 0, 2)]), WIDE_LANES);
+        // An address one bf16 element past alignment; an f32 one 8 bytes past.
+        assert_eq!(lanes(8192, 1152, &[view(0x1002, 1152, 2)]), 1);
+        assert_eq!(lanes(8192, 1152, &[bf16, view(0x2008, 1152, 4)]), 1);
+        // A row stride that moves the next row off alignment (a column slice of width 1150).
+        assert_eq!(lanes(8192, 1152, &[view(0x1000, 1150, 2)]), 1);
+        // Columns not a multiple of four.
+        assert_eq!(lanes(8192, 1150, &[view(0x1000, 1152, 2)]), 1);
+        // More groups than the kernels' 32-bit index covers.
+        assert_eq!(lanes(1 << 22, 1 << 11, &[bf16]), 1);
+        assert_eq!(lanes((1 << 22) - 1, 1 << 11, &[bf16]), WIDE_LANES);
+    }
+
+    #[test]
+    fn four_lane_grids_cover_every_group_in_x() {
+        assert_eq!(lanes_grid(3, 10, 1), grid_2d(3, 10));
+        // 8192 rows of 4304 columns: 8,814,592 groups, 34,432 blocks of 256.
+        assert_eq!(lanes_grid(8192, 4304, WIDE_LANES), (34_432, 1, 1));
+        // Capped: the kernels stride over the rest.
+        assert_eq!(lanes_grid(1 << 20, 1 << 12, WIDE_LANES), (1 << 16, 1, 1));
+    }
 }

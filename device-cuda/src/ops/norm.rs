@@ -3,14 +3,17 @@
 use iris_plugin::abi::{NormArgs, PluginError};
 use iris_plugin::validate;
 
-use super::{GRID_X_NORM, THREADS, addr, dim, dtype_name, grid, kernel_args, optional_addr};
+use super::{
+    Access, GRID_X_NORM, THREADS, addr, dim, dtype_name, grid, kernel_args, lanes, optional_addr,
+};
 use crate::device::CudaDevice;
 
 kernel_args! {
-    /// `norm_<dtype>(x, xs, out, os, w, b, rows, cols, eps, rms)`: `b` is 0 without a bias.
+    /// `norm_<dtype>(x, xs, out, os, w, b, rows, cols, eps, rms, lanes)`: `b` is 0 without a
+    /// bias; `lanes` columns per thread and access.
     struct NormKernel {
         x: u64, xs: i64, out: u64, os: i64, weight: u64, bias: u64, rows: i64, cols: i64,
-        eps: f32, rms: i32,
+        eps: f32, rms: i32, lanes: i32,
     }
 }
 
@@ -26,17 +29,39 @@ impl CudaDevice {
         if norm.x.is_empty() {
             return Ok(());
         }
+        let x = addr(self, op, &norm.x)?;
+        let out = addr(self, op, &norm.out)?;
+        let weight = addr(self, op, &norm.weight)?;
+        let bias = optional_addr(self, op, &norm.bias)?;
+        // The weight and bias are single rows: their strides do not matter.
+        let mut views = vec![
+            Access::of(x, &norm.x),
+            Access::of(out, &norm.out),
+            Access {
+                stride: 0,
+                ..Access::of(weight, &norm.weight)
+            },
+        ];
+        if let Some(b) = &norm.bias {
+            views.push(Access {
+                stride: 0,
+                ..Access::of(bias, b)
+            });
+        }
+        // A block takes a row, so only the columns and the alignment decide (one row of groups).
+        let lanes = lanes(1, norm.x.cols as u64, &views);
         let mut launch = NormKernel {
-            x: addr(self, op, &norm.x)?,
+            x,
             xs: dim(norm.x.stride),
-            out: addr(self, op, &norm.out)?,
+            out,
             os: dim(norm.out.stride),
-            weight: addr(self, op, &norm.weight)?,
-            bias: optional_addr(self, op, &norm.bias)?,
+            weight,
+            bias,
             rows: dim(norm.x.rows),
             cols: dim(norm.x.cols),
             eps: args.eps,
             rms: i32::from(rms),
+            lanes: lanes as i32,
         };
         let name = format!("norm_{}", dtype_name(norm.x.dtype));
         compute

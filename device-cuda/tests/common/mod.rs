@@ -164,6 +164,20 @@ pub fn standin_last_grid() -> [u32; 3] {
     grid
 }
 
+/// How many four-wide vector loads and stores the stand-in's emulator has run so far: tests
+/// compare it before and after a launch to tell which of a kernel's paths ran.
+pub fn standin_vector_accesses() -> u64 {
+    // SAFETY: as in `standin_last_grid`; the symbol is its
+    // `unsigned long long iris_standin_vector_accesses(void)`.
+    unsafe {
+        let driver = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
+        let count: libloading::Symbol<unsafe extern "C" fn() -> u64> = driver
+            .get(b"iris_standin_vector_accesses")
+            .expect("the stand-in emulator's vector access count");
+        count()
+    }
+}
+
 /// The plugin library cargo built beside the test binary.
 pub fn plugin_library() -> PathBuf {
     let exe = std::env::current_exe().unwrap();

@@ -35,6 +35,9 @@ struct alignas(16) float4 {
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
 
 // The running fiber's indices: the scheduler sets threadIdx before it switches to a fiber.
 static uint3 threadIdx;
@@ -250,6 +253,20 @@ static unsigned pack2(float lo, float hi);
 #define __launch_bounds__(n)
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
+
+// A vector access a GPU would fault on (its address not a multiple of its size): the emulator
+// aborts with the kernel's block and thread.
+// Counted, so that tests can tell which of a kernel's paths ran.
+static unsigned long long vector_accesses;
+static void check_aligned(const void *p, std::size_t bytes) {
+    ++vector_accesses;
+    if (reinterpret_cast<std::uintptr_t>(p) % bytes == 0) return;
+    std::fprintf(stderr,
+                 "emulator: %zu-byte vector access at %p is misaligned (block %u,%u,%u thread %u)\n",
+                 bytes, p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
+    std::abort();
+}
+#define IRIS_CHECK_ALIGNED(p, bytes) check_aligned((p), (bytes))
 
 #include "iris.cu"
 
@@ -487,6 +504,9 @@ void iris_standin_last_grid(unsigned *out) {
     out[1] = last_grid[1];
     out[2] = last_grid[2];
 }
+
+// Vector accesses (the kernels' four-wide loads and stores) since the library loaded.
+unsigned long long iris_standin_vector_accesses(void) { return vector_accesses; }
 
 int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                    unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
