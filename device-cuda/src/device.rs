@@ -7,6 +7,7 @@
 //! Errors of enqueued work are sticky in CUDA: they surface at the next driver call, at the
 //! latest at `synchronize`.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result;
@@ -24,7 +25,7 @@ use iris_plugin::{Backend, Logger};
 use crate::error::{CudaError, DriverResultExt};
 use crate::loader;
 use crate::memory::{self, AsyncUploads, DeviceView, Fences, HostBuffers, Memory};
-use crate::ops::Compute;
+use crate::ops::{Compute, WIDE_LANES};
 
 /// The driver API version of the plugin's driver bindings (cudarc's CUDA 12.4 API), as
 /// `cuDriverGetVersion` writes versions. Every 12.x and 13.x driver runs it; CUDA 13's own
@@ -41,7 +42,7 @@ pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (7, 0);
 pub const BF16_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
 
 /// Options of [`CudaDevice::open`], from the `[plugins.cuda]` table of the config.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CudaOptions {
     /// Let f32 GEMMs use TF32 tensor cores (faster, about 10 bits of mantissa). Default: off,
     /// f32 GEMMs compute in full f32.
@@ -56,6 +57,24 @@ pub struct CudaOptions {
     pub staged_writes: bool,
     /// Queries per block of the tensor-core attention kernels.
     pub attention_queries: AttentionQueries,
+    /// The most columns per thread the elementwise kernels (GEMM epilogue, norms, rotary,
+    /// activations, add and multiply, casts) take: 4 (the default; where the views are aligned
+    /// and the open-time check passed) or 1 (one element per thread, as before; for
+    /// comparisons).
+    pub elementwise_lanes: u32,
+}
+
+impl Default for CudaOptions {
+    fn default() -> CudaOptions {
+        CudaOptions {
+            tf32: false,
+            kernel_cache: None,
+            memory_only: false,
+            staged_writes: false,
+            attention_queries: AttentionQueries::default(),
+            elementwise_lanes: WIDE_LANES,
+        }
+    }
 }
 
 /// Which tensor-core attention kernels run: 64 queries per block, 128, or the choice per call.
@@ -74,7 +93,8 @@ pub enum AttentionQueries {
 
 impl CudaOptions {
     /// Parses `key = value` options: `tf32`, `memory_only` and `staged_writes` (`true`/`false`),
-    /// `kernel_cache` (a folder or `off`) and `attention_queries` (`auto`, `64` or `128`).
+    /// `kernel_cache` (a folder or `off`), `attention_queries` (`auto`, `64` or `128`) and
+    /// `elementwise_lanes` (`4` or `1`).
     /// Unknown keys are errors naming the key.
     pub fn parse(pairs: &[(&str, &str)]) -> Result<CudaOptions, PluginError> {
         let mut options = CudaOptions::default();
@@ -97,10 +117,17 @@ impl CudaOptions {
                         _ => return Err(invalid_option(key, value, "`auto`, `64` or `128`")),
                     }
                 }
+                "elementwise_lanes" => {
+                    options.elementwise_lanes = match value.trim() {
+                        "4" => 4,
+                        "1" => 1,
+                        _ => return Err(invalid_option(key, value, "`4` or `1`")),
+                    }
+                }
                 other => {
                     return Err(PluginError::invalid_argument(format!(
                         "open: unknown option `{other}` (known: tf32, kernel_cache, memory_only, \
-                         staged_writes, attention_queries)"
+                         staged_writes, attention_queries, elementwise_lanes)"
                     )));
                 }
             }
@@ -362,6 +389,35 @@ impl CudaDevice {
                 }
             }
         }
+        // The elementwise kernels take four columns per thread only once both widths have
+        // given the same results on this device (which also loads them before the post-start
+        // checkpoint), and only where the options allow it.
+        if ran.is_ok() {
+            let allowed = self
+                .compute
+                .as_ref()
+                .map_or(1, |compute| compute.lanes_allowed);
+            let checked = if allowed < WIDE_LANES {
+                Ok((1, "1 (elementwise_lanes = 1)".to_owned()))
+            } else {
+                self.check_elementwise_lanes(&mut buffers)
+                    .map(|differing| lanes_verdict(&differing))
+            };
+            match checked {
+                Ok((lanes, note)) => {
+                    if let Some(compute) = self.compute.as_mut() {
+                        compute.lanes_cap.store(lanes, Ordering::Release);
+                        compute.lanes_note = note;
+                    }
+                }
+                Err(err) => {
+                    ran = Err(CudaError::Unavailable(format!(
+                        "the elementwise kernels' check failed: {}",
+                        err.message
+                    )))
+                }
+            }
+        }
         let mut freed = Ok(());
         for buf in buffers {
             if let Err(err) = self.memory.free(self.cu_stream(), buf) {
@@ -383,6 +439,21 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// A buffer of at least `bytes` for the checks and warm-ups of `open`, recorded in `buffers`
+    /// for [`CudaDevice::warm_up`] to free.
+    pub(crate) fn alloc_for_open(
+        &self,
+        buffers: &mut Vec<BufferHandle>,
+        bytes: u64,
+    ) -> Result<BufferHandle, PluginError> {
+        let buf = self
+            .memory
+            .alloc(self.cu_stream(), bytes.max(1))
+            .map_err(|err| err.into_plugin("open"))?;
+        buffers.push(buf);
+        Ok(buf)
+    }
+
     /// The GEMMs of [`CudaDevice::warm_up`]; the buffers it allocates go into `buffers`.
     fn warm_up_gemms(&self, buffers: &mut Vec<BufferHandle>) -> Result<(), PluginError> {
         const ROWS: u64 = 8;
@@ -391,14 +462,7 @@ impl CudaDevice {
         if self.info.cc >= BF16_COMPUTE_CAPABILITY {
             dtypes.push(DType::BF16);
         }
-        let mut alloc = |bytes: u64| -> Result<BufferHandle, PluginError> {
-            let buf = self
-                .memory
-                .alloc(self.cu_stream(), bytes.max(1))
-                .map_err(|err| err.into_plugin("open"))?;
-            buffers.push(buf);
-            Ok(buf)
-        };
+        let mut alloc = |bytes: u64| self.alloc_for_open(buffers, bytes);
         for dtype in dtypes {
             let size = dtype.size().unwrap_or(4);
             let matrix = |buf, rows| MatRef::contiguous(buf, 0, dtype, rows, COLS);
@@ -1152,6 +1216,25 @@ pub fn probe_devices() -> Result<u32, String> {
     }
 }
 
+/// The elementwise kernels' width after their check at open, and what `iris devices` says of
+/// it: four columns per thread where no kernel differed, one (naming those that did) otherwise.
+fn lanes_verdict(differing: &[String]) -> (u32, String) {
+    if differing.is_empty() {
+        (
+            WIDE_LANES,
+            "4 where the views are aligned (the same results as 1 at open)".to_owned(),
+        )
+    } else {
+        (
+            1,
+            format!(
+                "1: four columns per thread differed from one at open in {}",
+                differing.join(", ")
+            ),
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1203,6 +1286,28 @@ mod tests {
             err.message.contains("attention_queries") && err.message.contains("`96`"),
             "{}",
             err.message
+        );
+        assert_eq!(CudaOptions::default().elementwise_lanes, 4);
+        let options = CudaOptions::parse(&[("elementwise_lanes", "1")]).unwrap();
+        assert_eq!(options.elementwise_lanes, 1);
+        let err = CudaOptions::parse(&[("elementwise_lanes", "8")]).unwrap_err();
+        assert!(
+            err.message.contains("elementwise_lanes") && err.message.contains("`8`"),
+            "{}",
+            err.message
+        );
+    }
+
+    #[test]
+    fn the_elementwise_width_follows_the_open_time_check() {
+        let (lanes, note) = lanes_verdict(&[]);
+        assert_eq!(lanes, 4);
+        assert!(note.starts_with("4 where the views are aligned"), "{note}");
+        let (lanes, note) = lanes_verdict(&["rotary_f16 (3 of 512 outputs differ)".to_owned()]);
+        assert_eq!(lanes, 1);
+        assert!(
+            note.ends_with("in rotary_f16 (3 of 512 outputs differ)"),
+            "{note}"
         );
     }
 

@@ -77,6 +77,15 @@ fn a_128_query_attention_kernel_that_differs_at_open_does_not_serve() {
     );
 }
 
+#[test]
+fn an_elementwise_kernel_whose_four_wide_path_differs_at_open_runs_one_wide() {
+    run(
+        "wrong_wide",
+        &[("IRIS_STANDIN_WRONG_WIDE", "activation_bf16:2")],
+        Libraries::Full,
+    );
+}
+
 /// The emulator's own model of `mma.m16n8k16` and `ldmatrix` (tests/standin/emu.cpp), apart
 /// from any kernel of the plugin: `emu_check_mma_<type>` (tests/standin/emu_check.cu) builds
 /// fragments of a known A and B by the PTX ISA's formulas, directly and through `ldmatrix`
@@ -275,6 +284,7 @@ fn scenario() {
         "movement" => movement(&device),
         "attention" => attention(&device),
         "wrong_q128" => wrong_q128(&device),
+        "wrong_wide" => wrong_wide(&device),
         "status" => status(&device),
         "accounting" => accounting(&device),
         other => panic!("unknown scenario {other}"),
@@ -285,7 +295,6 @@ fn scenario() {
 /// Set in children that run on a real GPU.
 const GPU_ENV: &str = "IRIS_TEST_REAL_GPU";
 
-/// Whether this child runs on a real GPU (not the stand-in, whose counters tests may read).
 /// Runs `f` and says whether the stand-in's emulator ran four-wide vector accesses in it; `None`
 /// on a GPU, which does not count them.
 fn runs_wide(f: impl FnOnce()) -> Option<bool> {
@@ -310,6 +319,7 @@ fn expect_path(ran_wide: Option<bool>, wide: bool, what: &str) {
     }
 }
 
+/// Whether this child runs on a real GPU (not the stand-in, whose counters tests may read).
 fn on_gpu() -> bool {
     std::env::var_os(GPU_ENV).is_some()
 }
@@ -689,6 +699,32 @@ fn gemm(device: &Device) {
 }
 
 fn elementwise(device: &Device) {
+    assert_eq!(
+        device_property(device, "elementwise_lanes"),
+        "4 where the views are aligned (the same results as 1 at open)"
+    );
+    // `elementwise_lanes = 1` holds every kernel at one column per thread.
+    let narrow = open_with(0, &[("elementwise_lanes", "1")]);
+    assert_eq!(
+        device_property(&narrow, "elementwise_lanes"),
+        "1 (elementwise_lanes = 1)"
+    );
+    let x = Tensor::upload(&narrow, DType::F32, 4, 64, 64, 0, &[1.5; 256]);
+    let ran_wide = runs_wide(|| {
+        narrow
+            .binary(&BinaryArgs {
+                a: x.view,
+                b: x.view,
+                out: x.view,
+                op: BinaryOp::MUL,
+                workspace: BufferSlice::EMPTY,
+            })
+            .unwrap()
+    });
+    expect_path(ran_wide, false, "mul with elementwise_lanes = 1");
+    assert_eq!(x.download(&narrow), vec![2.25; 256]);
+    x.free(&narrow);
+    drop(narrow);
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let mut rng = Rng(3);
         // Norms at a tower width, with a row stride that leaves rows unaligned for four-wide
@@ -1256,7 +1292,7 @@ fn attention(device: &Device) {
     // tokens in one call (a single query, partial query and key tiles, exactly one tile, one
     // row past it, several tiles; the 128-query blocks of the last have one, two and a quarter
     // of a warp's rows).
-    let note = q128_note(device);
+    let note = device_property(device, "attention_q128");
     assert!(
         note.starts_with(
             "head dims 64, 72, 80 (the same bits as the 64-query kernel at open); \
@@ -1325,7 +1361,7 @@ fn attention(device: &Device) {
 /// its output) fails its check at open: `iris devices` says so, and attention at its head dim
 /// runs the 64-query kernel, right, even where the options ask for 128.
 fn wrong_q128(device: &Device) {
-    let note = q128_note(device);
+    let note = device_property(device, "attention_q128");
     assert!(
         note.starts_with(
             "head dims 64, 72 (the same bits as the 64-query kernel at open); 64 \
@@ -1341,11 +1377,49 @@ fn wrong_q128(device: &Device) {
     assert_eq!(common::standin_last_grid(), [300u32.div_ceil(128), 2, 5]);
 }
 
-/// The device's `attention_q128` property: which 128-query attention kernels serve.
-fn q128_note(device: &Device) -> String {
+/// An elementwise kernel whose four-wide path computes wrong on the device (the stand-in flips a
+/// bit of its output) fails the check at open: `iris devices` names it, and every elementwise
+/// kernel runs one column per thread, right.
+fn wrong_wide(device: &Device) {
+    assert_eq!(
+        device_property(device, "elementwise_lanes"),
+        "1: four columns per thread differed from one at open in activation_bf16 (1 of 512 \
+         outputs differ)"
+    );
+    let x = Tensor::upload(device, DType::BF16, 4, 64, 64, 0, &Rng(9).values(256, 2.0));
+    let out = Tensor::upload(device, DType::BF16, 4, 64, 64, 0, &[0.0; 256]);
+    let ran_wide = runs_wide(|| {
+        device
+            .activation(&ActivationArgs {
+                x: x.view,
+                out: out.view,
+                activation: Activation::SILU,
+                workspace: BufferSlice::EMPTY,
+            })
+            .unwrap()
+    });
+    expect_path(ran_wide, false, "activation after a failed check");
+    let expected: Vec<f64> = (0..256)
+        .map(|i| act(Activation::SILU, x.at(i / 64, i % 64)))
+        .collect();
+    close(
+        "activation after a failed check",
+        DType::BF16,
+        &out.download(device),
+        &expected,
+        1.0,
+    );
+    x.free(device);
+    out.free(device);
+}
+
+/// One of the device's description properties: `attention_q128` (which 128-query attention
+/// kernels serve), `elementwise_lanes` (how many columns per thread the elementwise kernels take,
+/// and why).
+fn device_property(device: &Device, key: &str) -> String {
     device
         .description()
-        .property("attention_q128")
+        .property(key)
         .unwrap_or_default()
         .to_owned()
 }

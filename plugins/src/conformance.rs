@@ -620,7 +620,9 @@ fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
     }
 }
 
-fn decode(dtype: DType, bytes: &[u8]) -> Vec<f32> {
+/// Little-endian values of `dtype` (f16, bf16, else f32) as f32: how the suite reads results,
+/// and how a plugin may read its own checks' results.
+pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f32> {
     match dtype {
         DType::F16 => bytes
             .chunks_exact(2)

@@ -180,14 +180,7 @@ impl CudaDevice {
         };
         let mut failures = Vec::new();
         let tokens = u64::from(CHECK_SEGMENTS[CHECK_SEGMENTS.len() - 1]);
-        let mut alloc = |bytes: u64| -> Result<BufferHandle, PluginError> {
-            let buf = self
-                .memory
-                .alloc(self.cu_stream(), bytes)
-                .map_err(|err| err.into_plugin(op))?;
-            buffers.push(buf);
-            Ok(buf)
-        };
+        let mut alloc = |bytes: u64| self.alloc_for_open(buffers, bytes);
         let bounds: Vec<u8> = CHECK_SEGMENTS
             .iter()
             .flat_map(|&b| (b as i32).to_le_bytes())
@@ -305,7 +298,7 @@ impl CudaDevice {
 /// `count` 16-bit values of `dtype` with random signs and mantissas and magnitudes from 1/8 to
 /// 4 (so that scores differ and no exponent overflows), from a fixed seed. (Every pattern fits
 /// 16 bits: sign bit 15, exponent and mantissa below it.)
-fn check_values(dtype: DType, count: u64, seed: u64) -> Vec<u8> {
+pub(crate) fn check_values(dtype: DType, count: u64, seed: u64) -> Vec<u8> {
     let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let (bias, mantissa_bits) = if dtype == DType::BF16 {
         (127, 7)

@@ -24,7 +24,7 @@ use iris_plugin::abi::{Activation, DType, GemmArgs, PluginError};
 use iris_plugin::validate::{self, Checker, Gemm};
 
 use super::{
-    Access, Compute, THREADS, addr, dim, dtype_name, i64_of, kernel_args, lanes, lanes_grid, lock,
+    Access, Compute, THREADS, addr, dim, dtype_name, i64_of, kernel_args, lanes_grid, lock,
     optional_addr,
 };
 use crate::device::CudaDevice;
@@ -739,7 +739,7 @@ impl Compute {
                 elem_bytes: out_bytes,
             });
         }
-        let lanes = lanes(rows, cols, &views);
+        let lanes = self.lanes(rows, cols, &views);
         let mut launch = EpilogueKernel {
             src,
             src_f32: i32::from(src_f32),

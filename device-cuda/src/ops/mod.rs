@@ -19,7 +19,7 @@ mod norm;
 mod rotary;
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
@@ -98,6 +98,16 @@ pub struct Compute {
     attention_queries: AttentionQueries,
     /// The 128-query attention kernels: which head dims they serve, and what the check said.
     pub(crate) q128: WideAttention,
+    /// The most columns per thread the elementwise kernels may take ([`lanes`]): 1 until the
+    /// device's open has run them four-wide against one-wide on the same inputs
+    /// (`CudaDevice::check_elementwise_lanes`), [`WIDE_LANES`] once they gave the same results,
+    /// unless option `elementwise_lanes = 1` holds it at 1. The check sets it to each width in
+    /// turn.
+    pub(crate) lanes_cap: AtomicU32,
+    /// The option `elementwise_lanes`: the widest the elementwise kernels may go.
+    pub(crate) lanes_allowed: u32,
+    /// What `iris devices` shows of the elementwise kernels' width: in use, and why.
+    pub(crate) lanes_note: String,
 }
 
 /// Head dims whose 128-query attention kernel serves: none until the device's open has run it
@@ -225,6 +235,9 @@ impl Compute {
             sms: u64::try_from(info.sms).unwrap_or(0),
             attention_queries: options.attention_queries,
             q128,
+            lanes_cap: AtomicU32::new(1),
+            lanes_allowed: options.elementwise_lanes,
+            lanes_note: "1 (not checked)".to_owned(),
         })
     }
 
@@ -247,6 +260,7 @@ impl Compute {
                     }
                 ),
             ),
+            Property::new("elementwise_lanes", &self.lanes_note),
             // cuBLASLt chooses its kernel per problem size, and the libraries load kernels
             // (and grow local memory for them) on first use: the host should run its steps at
             // a range of sizes before serving and before its post-start memory checkpoint.
@@ -483,6 +497,18 @@ impl Access {
             addr,
             stride: mat.stride as u64,
             elem_bytes: mat.dtype.size().unwrap_or(4),
+        }
+    }
+}
+
+impl Compute {
+    /// Columns per thread for an elementwise kernel: [`lanes`], within what the device's open
+    /// proved and the options allow.
+    pub(crate) fn lanes(&self, rows: u64, cols: u64, views: &[Access]) -> u32 {
+        if self.lanes_cap.load(Ordering::Acquire) < WIDE_LANES {
+            1
+        } else {
+            lanes(rows, cols, views)
         }
     }
 }

@@ -4,7 +4,7 @@ use iris_plugin::abi::{NormArgs, PluginError};
 use iris_plugin::validate;
 
 use super::{
-    Access, GRID_X_NORM, THREADS, addr, dim, dtype_name, grid, kernel_args, lanes, optional_addr,
+    Access, GRID_X_NORM, THREADS, addr, dim, dtype_name, grid, kernel_args, optional_addr,
 };
 use crate::device::CudaDevice;
 
@@ -49,7 +49,7 @@ impl CudaDevice {
             });
         }
         // A block takes a row, so only the columns and the alignment decide (one row of groups).
-        let lanes = lanes(1, norm.x.cols as u64, &views);
+        let lanes = compute.lanes(1, norm.x.cols as u64, &views);
         let mut launch = NormKernel {
             x,
             xs: dim(norm.x.stride),

@@ -3,7 +3,7 @@
 use iris_plugin::abi::{PluginError, RotaryArgs};
 use iris_plugin::validate;
 
-use super::{Access, THREADS, WIDE_LANES, addr, dim, dtype_name, kernel_args, lanes, lanes_grid};
+use super::{Access, THREADS, WIDE_LANES, addr, dim, dtype_name, kernel_args, lanes_grid};
 use crate::device::CudaDevice;
 
 kernel_args! {
@@ -34,7 +34,7 @@ impl CudaDevice {
         // A group of pairs must stay within one head's half: `half` a multiple of the lanes
         // (then every group's first column, and its partner half a head on, is too).
         let lanes = if half.is_multiple_of(u64::from(WIDE_LANES)) {
-            lanes(
+            compute.lanes(
                 rows,
                 pairs,
                 &[

@@ -438,7 +438,18 @@ static constexpr Launcher launcher_of(R (*)(A...)) {
     return &invoke<K, A...>;
 }
 
-#define KERNEL(name) {#name, launcher_of<name>(name)},
+template <typename R, typename... A>
+static constexpr unsigned arity_of(R (*)(A...)) {
+    return sizeof...(A);
+}
+
+// A kernel: how to run it from the driver's parameter array, and how many parameters it takes.
+struct Kernel {
+    Launcher run;
+    unsigned arity;
+};
+
+#define KERNEL(name) {#name, Kernel{launcher_of<name>(name), arity_of(name)}},
 #define FLOAT_NAMES(NAME)                                                                    \
     KERNEL(norm_##NAME) KERNEL(activation_##NAME) KERNEL(binary_##NAME)                     \
     KERNEL(gemm_epilogue_##NAME) KERNEL(rotary_##NAME) KERNEL(cast_f32_##NAME)              \
@@ -451,8 +462,8 @@ static constexpr Launcher launcher_of(R (*)(A...)) {
     KERNEL(flash_attention_##NAME##_128) KERNEL(flash_attention_q128_##NAME##_64)            \
     KERNEL(flash_attention_q128_##NAME##_72) KERNEL(flash_attention_q128_##NAME##_80)
 
-static const std::map<std::string, Launcher> &kernels() {
-    static const std::map<std::string, Launcher> table = {
+static const std::map<std::string, Kernel> &kernels() {
+    static const std::map<std::string, Kernel> table = {
         KERNEL(copy_regions) FLOAT_NAMES(f32) FLOAT_NAMES(f16) FLOAT_NAMES(bf16)
         FLASH_NAMES(f16) FLASH_NAMES(bf16)
         KERNEL(gather_b1) KERNEL(gather_b2) KERNEL(gather_b4)
@@ -525,7 +536,8 @@ int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsign
     last_grid[0] = gx;
     last_grid[1] = gy;
     last_grid[2] = gz;
-    emu::kernel = *static_cast<const Launcher *>(function);
+    const Kernel &launched = *static_cast<const Kernel *>(function);
+    emu::kernel = launched.run;
     emu::kernel_params = params;
     gridDim = {gx, gy, gz};
     blockDim = {bx, by, bz};
@@ -543,6 +555,21 @@ int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsign
         auto named = kernels().find(wrong);
         if (named != kernels().end() && function == (void *)&named->second)
             **static_cast<unsigned short **>(params[6]) ^= 1;
+    }
+    // IRIS_STANDIN_WRONG_WIDE=<kernel>:<parameter> names an elementwise kernel whose four-wide
+    // path computes wrong: after it runs with `lanes` (its last parameter) 4, the lowest bit of
+    // the first element of its output (the parameter of that index) flips.
+    static const char *wrong_wide = std::getenv("IRIS_STANDIN_WRONG_WIDE");
+    if (wrong_wide != nullptr) {
+        std::string spec = wrong_wide;
+        auto colon = spec.find(':');
+        auto named = kernels().find(spec.substr(0, colon));
+        if (colon != std::string::npos && named != kernels().end() &&
+            function == (void *)&named->second &&
+            *static_cast<int *>(params[launched.arity - 1]) == 4) {
+            unsigned out = (unsigned)std::atoi(spec.c_str() + colon + 1);
+            **static_cast<unsigned short **>(params[out]) ^= 1;
+        }
     }
     return 0;
 }
