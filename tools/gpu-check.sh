@@ -61,6 +61,7 @@
 #                images of 448x448 at --request-rate inf; --quick: Qwen3-VL-8B, 480 images), its
 #                achieved TFLOPS against the measured peak, each with its memory verdict; and
 #                Qwen3-VL-8B again with `attention_queries = "64"` (serving.qwen3-vl-8b.q64)
+#                and with `elementwise_lanes = "1"` (serving.qwen3-vl-8b.lanes1)
 #   kernels      where ncu (Nsight Compute) runs: every kernel of one Qwen3-VL-8B pass over 41
 #                images of 448x448, timed by ncu (with its DRAM bytes and SM throughput) and
 #                summed by category beside the per-kernel model (tools/gpu-check/kernel_model.py)
@@ -487,6 +488,11 @@ EOF
     q64_config="$out/attention-q64.toml"
     printf '[plugins.cuda]\nattention_queries = "64"\n' > "$q64_config"
     bench_step "serving.qwen3-vl-8b.q64" --config "$q64_config" --model qwen3-vl-8b "${serving_args[@]}"
+    # And with one column per thread in the elementwise kernels (epilogue, norms, rotary): what
+    # the four-wide path changes end to end.
+    lanes1_config="$out/elementwise-lanes1.toml"
+    printf '[plugins.cuda]\nelementwise_lanes = "1"\n' > "$lanes1_config"
+    bench_step "serving.qwen3-vl-8b.lanes1" --config "$lanes1_config" --model qwen3-vl-8b "${serving_args[@]}"
   else
     skip serving "in SKIP"
   fi
