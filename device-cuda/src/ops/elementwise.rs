@@ -1,6 +1,10 @@
 //! Elementwise ops and row movement: activations, binary ops (with a broadcast row), casts
 //! between the float types, and row gathers by device indices (a bad index is flagged in the
 //! device status word and reported at the next synchronisation).
+//!
+//! Also the open-time check of the elementwise kernels' four-columns-per-thread path (these ops',
+//! the norms', rotary's and the GEMM epilogue's) against their one-column path, which decides
+//! whether the four-wide path serves ([`super::lanes`]).
 
 use std::sync::atomic::Ordering;
 
