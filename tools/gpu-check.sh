@@ -106,10 +106,14 @@ python="${PYTHON:-python3}"
 # make_bundle DIR STRIP: builds iris, the CUDA plugin with its GPU test binary and the attention
 # timing, and copies them with the fixtures and helpers into DIR. Needs the checkout.
 make_bundle() {
-  local dir="$1" strip="$2" root flags=() target exe
+  local dir="$1" strip="$2" root flags=() target exe target_dir
   root=$(cd "$script_dir/.." && pwd)
   [ "$profile" = release ] && flags+=(--release)
-  target="$root/target/$profile"
+  # Where cargo puts its output: CARGO_TARGET_DIR when set (relative to the checkout, where
+  # cargo runs below), else the checkout's target folder.
+  target_dir="${CARGO_TARGET_DIR:-target}"
+  case "$target_dir" in /*) ;; *) target_dir="$root/$target_dir" ;; esac
+  target="$target_dir/$profile"
   rm -rf "$dir"
   mkdir -p "$dir/bin" "$dir/gpu-check" "$dir/cuda" || return 1
   (cd "$root" && cargo build "${flags[@]}" -p iris) || return 1

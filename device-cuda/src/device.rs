@@ -1,5 +1,5 @@
 //! The CUDA device: options, opening, description, memory, transfers, fills, staging and
-//! fences. Ops live in [`crate::ops`].
+//! fences. Ops live in the private `ops` module.
 //!
 //! One opened device is the primary context of its ordinal and one non-blocking stream, the
 //! ABI's in-order queue. The context is bound to the calling thread at the top of every entry
