@@ -393,11 +393,7 @@ impl CudaDevice {
         // given the same results on this device (which also loads them before the post-start
         // checkpoint), and only where the options allow it.
         if ran.is_ok() {
-            let allowed = self
-                .compute
-                .as_ref()
-                .map_or(1, |compute| compute.lanes_allowed);
-            let checked = if allowed < WIDE_LANES {
+            let checked = if self.options.elementwise_lanes < WIDE_LANES {
                 Ok((1, "1 (elementwise_lanes = 1)".to_owned()))
             } else {
                 self.check_elementwise_lanes(&mut buffers)

@@ -244,6 +244,15 @@ impl Checked {
             Checked::LayerNorm => "norm",
         }
     }
+
+    /// The dtype of this kernel's output in the check of `dtype`: the cast's is the other one.
+    fn out_dtype(self, dtype: DType) -> DType {
+        match (self, dtype) {
+            (Checked::Cast, DType::F32) => DType::BF16,
+            (Checked::Cast, _) => DType::F32,
+            _ => dtype,
+        }
+    }
 }
 
 /// The check's operands in one dtype.
@@ -255,6 +264,25 @@ struct CheckOperands {
     bias: BufferHandle,
     tables: BufferHandle,
     workspace: BufferSlice,
+}
+
+impl CheckOperands {
+    /// The check's GEMM: `out = silu(x · wᵀ + bias) + out`, whose activation and accumulation
+    /// the epilogue kernel computes from the library's f32 product.
+    fn gemm_args(&self, out: BufferHandle) -> GemmArgs {
+        let dtype = self.dtype;
+        GemmArgs {
+            a: MatRef::contiguous(self.x, 0, dtype, CHECK_ROWS, CHECK_COLS),
+            w: MatRef::contiguous(self.w, 0, dtype, CHECK_COLS, CHECK_COLS),
+            bias: MatRef::contiguous(self.bias, 0, dtype, 1, CHECK_COLS),
+            out: MatRef::contiguous(out, 0, dtype, CHECK_ROWS, CHECK_COLS),
+            activation: Activation::SILU,
+            accumulate: true,
+            w_transposed: false,
+            w_constant: true,
+            workspace: self.workspace,
+        }
+    }
 }
 
 impl CudaDevice {
@@ -297,7 +325,7 @@ impl CudaDevice {
             // cuBLASLt has no bf16 GEMM before compute capability 8.0 (the device offers none).
             let gemm_runs = dtype != DType::BF16 || self.info.cc >= BF16_COMPUTE_CAPABILITY;
             let bytes = if gemm_runs {
-                self.gemm_workspace_impl(&self.check_gemm_args(&operands, operands.x))?
+                self.gemm_workspace_impl(&operands.gemm_args(operands.x))?
             } else {
                 0
             };
@@ -315,6 +343,7 @@ impl CudaDevice {
                 if kernel == Checked::GemmEpilogue && !gemm_runs {
                     continue;
                 }
+                let out_dtype = kernel.out_dtype(dtype);
                 let mut results = Vec::new();
                 for (lanes, out, pattern) in [(1, outs[0], 0x00u8), (WIDE_LANES, outs[1], 0xff)] {
                     // Each output starts with its own pattern, so that elements a path leaves
@@ -329,7 +358,6 @@ impl CudaDevice {
                     let ran = self.run_checked(kernel, &operands, out);
                     compute.lanes_cap.store(1, Ordering::Release);
                     ran?;
-                    let out_dtype = self.checked_out_dtype(kernel, dtype);
                     let mut bytes = vec![0u8; usize_of(n * out_dtype.size().unwrap_or(4))];
                     self.read(out, 0, &mut bytes)?;
                     results.push(decode(out_dtype, &bytes));
@@ -337,7 +365,6 @@ impl CudaDevice {
                 let [narrow, wide] = &results[..] else {
                     continue;
                 };
-                let out_dtype = self.checked_out_dtype(kernel, dtype);
                 let bad = narrow
                     .iter()
                     .zip(wide)
@@ -361,32 +388,6 @@ impl CudaDevice {
             }
         }
         Ok(differing)
-    }
-
-    /// The dtype of `kernel`'s output in the check of `dtype`.
-    fn checked_out_dtype(&self, kernel: Checked, dtype: DType) -> DType {
-        match (kernel, dtype) {
-            (Checked::Cast, DType::F32) => DType::BF16,
-            (Checked::Cast, _) => DType::F32,
-            _ => dtype,
-        }
-    }
-
-    /// The check's GEMM: `out = silu(x · wᵀ + bias) + out`, whose activation and accumulation
-    /// the epilogue kernel computes from the library's f32 product.
-    fn check_gemm_args(&self, operands: &CheckOperands, out: BufferHandle) -> GemmArgs {
-        let dtype = operands.dtype;
-        GemmArgs {
-            a: MatRef::contiguous(operands.x, 0, dtype, CHECK_ROWS, CHECK_COLS),
-            w: MatRef::contiguous(operands.w, 0, dtype, CHECK_COLS, CHECK_COLS),
-            bias: MatRef::contiguous(operands.bias, 0, dtype, 1, CHECK_COLS),
-            out: MatRef::contiguous(out, 0, dtype, CHECK_ROWS, CHECK_COLS),
-            activation: Activation::SILU,
-            accumulate: true,
-            w_transposed: false,
-            w_constant: true,
-            workspace: operands.workspace,
-        }
     }
 
     /// Runs one kernel of the check into `out`.
@@ -418,13 +419,7 @@ impl CudaDevice {
             }),
             Checked::Cast => self.cast_impl(&CastArgs {
                 src: mat(operands.x),
-                out: MatRef::contiguous(
-                    out,
-                    0,
-                    self.checked_out_dtype(kernel, dtype),
-                    CHECK_ROWS,
-                    CHECK_COLS,
-                ),
+                out: MatRef::contiguous(out, 0, kernel.out_dtype(dtype), CHECK_ROWS, CHECK_COLS),
                 workspace: BufferSlice::EMPTY,
             }),
             Checked::Rotary => self.rotary_impl(&RotaryArgs {
@@ -435,7 +430,7 @@ impl CudaDevice {
                 sin: table(CHECK_ROWS * CHECK_COLS * 4),
                 workspace: BufferSlice::EMPTY,
             }),
-            Checked::GemmEpilogue => self.gemm_impl(&self.check_gemm_args(operands, out)),
+            Checked::GemmEpilogue => self.gemm_impl(&operands.gemm_args(out)),
             Checked::LayerNorm => self.norm_impl(
                 "layer_norm",
                 &NormArgs {

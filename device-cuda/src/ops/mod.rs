@@ -104,8 +104,6 @@ pub struct Compute {
     /// unless option `elementwise_lanes = 1` holds it at 1. The check sets it to each width in
     /// turn.
     pub(crate) lanes_cap: AtomicU32,
-    /// The option `elementwise_lanes`: the widest the elementwise kernels may go.
-    pub(crate) lanes_allowed: u32,
     /// What `iris devices` shows of the elementwise kernels' width: in use, and why.
     pub(crate) lanes_note: String,
 }
@@ -236,7 +234,6 @@ impl Compute {
             attention_queries: options.attention_queries,
             q128,
             lanes_cap: AtomicU32::new(1),
-            lanes_allowed: options.elementwise_lanes,
             lanes_note: "1 (not checked)".to_owned(),
         })
     }
