@@ -44,8 +44,10 @@
 #                within 5% of the live peak of the step's tensors (profile.verdict)
 #   attention    attention_bench: bf16 attention, 16 heads, head dims 64/72/80/96/128, one
 #                segment of 256 to 16384 tokens, and the towers' packed launches at the serving
-#                step (41x784 at 72, 8x1024 and 512x64 at 80), each with the 64-query kernel and,
-#                at 64/72/80, the 128-query one; with torch, PyTorch's SDPA on the same shapes
+#                step (41x784 at 72, 8x1024 and 512x64 at 80), each with the 64-query kernel,
+#                at 64/72/80 the 128-query one, and cuDNN's fused attention through the plugin
+#                (`attention_engine = "cudnn"`, where libcudnn.so.9 loads and passes the check
+#                at open); with torch, PyTorch's SDPA on the same shapes
 #                (tools/gpu-check/attention_vs_sdpa.py). bf16 at these head dims runs the
 #                tensor-core kernel; expected on an H100 at 1024 tokens and more: 220 to 380
 #                TFLOPS by head dim (printed per shape), iris's time within 1.5 times SDPA's
@@ -60,8 +62,10 @@
 #   serving      `iris bench` on each tower at full steps (dummy weights, bf16, 960 distinct
 #                images of 448x448 at --request-rate inf; --quick: Qwen3-VL-8B, 480 images), its
 #                achieved TFLOPS against the measured peak, each with its memory verdict; and
-#                Qwen3-VL-8B again with `attention_queries = "64"` (serving.qwen3-vl-8b.q64)
-#                and with `elementwise_lanes = "1"` (serving.qwen3-vl-8b.lanes1)
+#                Qwen3-VL-8B again with the plugin's attention kernels instead of cuDNN's
+#                (`attention_engine = "kernel"`, serving.qwen3-vl-8b.kernel), with its 64-query
+#                kernel only (serving.qwen3-vl-8b.q64) and with `elementwise_lanes = "1"`
+#                (serving.qwen3-vl-8b.lanes1)
 #   kernels      where ncu (Nsight Compute) runs: every kernel of one Qwen3-VL-8B pass over 41
 #                images of 448x448, timed by ncu (with its DRAM bytes and SM throughput) and
 #                summed by category beside the per-kernel model (tools/gpu-check/kernel_model.py)
@@ -487,10 +491,14 @@ EOF
     for tower in "${serving_towers[@]}"; do
       bench_step "serving.$tower" --model "$tower" "${serving_args[@]}"
     done
-    # The same Qwen3-VL step with the 64-query attention kernel only: what the 128-query one
-    # (which `auto` runs at this step) changes end to end.
+    # The same Qwen3-VL step with the plugin's own attention kernels instead of cuDNN's (which
+    # `attention_engine = auto` runs on Hopper where it passed its check at open), then with
+    # the 64-query kernel only: what each changes end to end.
+    kernel_config="$out/attention-kernel.toml"
+    printf '[plugins.cuda]\nattention_engine = "kernel"\n' > "$kernel_config"
+    bench_step "serving.qwen3-vl-8b.kernel" --config "$kernel_config" --model qwen3-vl-8b "${serving_args[@]}"
     q64_config="$out/attention-q64.toml"
-    printf '[plugins.cuda]\nattention_queries = "64"\n' > "$q64_config"
+    printf '[plugins.cuda]\nattention_engine = "kernel"\nattention_queries = "64"\n' > "$q64_config"
     bench_step "serving.qwen3-vl-8b.q64" --config "$q64_config" --model qwen3-vl-8b "${serving_args[@]}"
     # And with one column per thread in the elementwise kernels (epilogue, norms, rotary): what
     # the four-wide path changes end to end.

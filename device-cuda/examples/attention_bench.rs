@@ -10,9 +10,13 @@
 //! segment at a range of lengths, and the towers' own launches at their serving step (41
 //! Qwen3-VL-8B images of 784 tokens at head dim 72, 8 Qwen2-VL-2B images of 1024 at 80, and
 //! 512 Qwen2.5-VL windows of 64 at 80). Each is timed over repeated calls after a warm-up call,
-//! with the queue drained before and after, once per tensor-core kernel (`queries` per block:
-//! 64, and 128 where that kernel exists, each from a device opened with that
-//! `attention_queries`); FLOPs count the two matrix products,
+//! with the queue drained before and after, once per tensor-core kernel (`"engine": "kernel"`,
+//! `queries` per block: 64, and 128 where that kernel exists, each from a device opened with
+//! `attention_engine = "kernel"` and that `attention_queries`) and once through cuDNN's fused
+//! attention (`"engine": "cudnn"`, `queries` null, from a device opened with
+//! `attention_engine = "cudnn"`; left out, with the reason on stderr, where that device does
+//! not open or its check at open kept cuDNN from a head dim); FLOPs count the two matrix
+//! products,
 //! `4 · segments · tokens² · head_dim · heads`. bf16 at these head dims runs the tensor-core
 //! kernels on sm_80 and later; the 64-query lines of one segment carry the TFLOPS
 //! docs/PERFORMANCE.md's model expects on an H100 (`expected_h100_tflops`, for 1024 tokens and
@@ -69,16 +73,32 @@ fn run() -> Result<(), String> {
     }
     let plugin = plugin.ok_or("usage: attention_bench PLUGIN.so [--ordinal N] [--quick]")?;
     let plugin = load_library(&plugin).map_err(|err| err.to_string())?;
-    let devices = FLASH_ATTENTION_QUERIES
+    let mut devices = FLASH_ATTENTION_QUERIES
         .iter()
         .map(|queries| {
-            let options = [("attention_queries".to_owned(), queries.to_string())];
+            let options = [
+                ("attention_queries".to_owned(), queries.to_string()),
+                ("attention_engine".to_owned(), "kernel".to_owned()),
+            ];
             let device = plugin
                 .open(ordinal, &options)
                 .map_err(|err| err.to_string())?;
-            Ok((*queries, device))
+            Ok((Some(*queries), device))
         })
         .collect::<Result<Vec<_>, String>>()?;
+    let cudnn_options = [("attention_engine".to_owned(), "cudnn".to_owned())];
+    match plugin.open(ordinal, &cudnn_options) {
+        Ok(device) => {
+            let note = device
+                .description()
+                .property("attention_engine")
+                .unwrap_or_default()
+                .to_owned();
+            eprintln!("attention_bench: cuDNN: {note}");
+            devices.push((None, device));
+        }
+        Err(err) => eprintln!("attention_bench: no cuDNN lines: {err}"),
+    }
     let lengths: &[u64] = if quick {
         &[1024, 4096]
     } else {
@@ -95,29 +115,53 @@ fn run() -> Result<(), String> {
     );
     for (segments, tokens, head_dim, expected) in shapes {
         for (queries, device) in &devices {
-            if *queries > FLASH_ATTENTION_QUERIES[0]
+            if queries.is_some_and(|queries| queries > FLASH_ATTENTION_QUERIES[0])
                 && !FLASH_ATTENTION_Q128_SIZES.contains(&head_dim)
             {
+                continue;
+            }
+            if queries.is_none() && !cudnn_serves(device, head_dim) {
                 continue;
             }
             let seconds = time(device, segments, tokens, head_dim)?;
             let flops = 4.0 * (segments * tokens * tokens * head_dim * HEADS) as f64;
             let expected = match expected {
-                Some(range) if tokens >= EXPECTED_FROM_TOKENS && *queries == 64 => {
+                Some(range) if tokens >= EXPECTED_FROM_TOKENS && *queries == Some(64) => {
                     format!("\"{range}\"")
                 }
                 _ => "null".to_owned(),
             };
+            let (engine, queries) = match queries {
+                Some(queries) => ("kernel", queries.to_string()),
+                None => ("cudnn", "null".to_owned()),
+            };
             println!(
                 "{{\"dtype\": \"bf16\", \"heads\": {HEADS}, \"head_dim\": {head_dim}, \
-                 \"segments\": {segments}, \"tokens\": {tokens}, \"queries\": {queries}, \
-                 \"ms\": {:.4}, \"tflops\": {:.2}, \"expected_h100_tflops\": {expected}}}",
+                 \"segments\": {segments}, \"tokens\": {tokens}, \"engine\": \"{engine}\", \
+                 \"queries\": {queries}, \"ms\": {:.4}, \"tflops\": {:.2}, \
+                 \"expected_h100_tflops\": {expected}}}",
                 seconds * 1e3,
                 flops / seconds / 1e12
             );
         }
     }
     Ok(())
+}
+
+/// Whether `device`'s check at open let cuDNN serve bf16 at `head_dim` (its
+/// `attention_engine` property lists the pairs: `cudnn 9.x.y for bf16 64, f16 64, ...`).
+fn cudnn_serves(device: &Device, head_dim: u64) -> bool {
+    let description = device.description();
+    let note = description.property("attention_engine").unwrap_or_default();
+    let served = note
+        .strip_prefix("cudnn ")
+        .and_then(|rest| rest.split_once(" for "))
+        .map(|(_, pairs)| pairs.split(" (").next().unwrap_or_default());
+    served.is_some_and(|pairs| {
+        pairs
+            .split(", ")
+            .any(|pair| pair == format!("bf16 {head_dim}"))
+    })
 }
 
 /// Median seconds of one attention call over `segments` packed segments of `tokens` tokens.
@@ -144,7 +188,7 @@ fn time(device: &Device, segments: u64, tokens: u64, head_dim: u64) -> Result<f6
     let cu_device = device.alloc(cu_bytes.len() as u64).map_err(err)?;
     device.write(cu_device, 0, &cu_bytes).map_err(err)?;
     let mat = |buf| MatRef::contiguous(buf, 0, DType::BF16, rows, width);
-    let args = AttentionArgs {
+    let mut args = AttentionArgs {
         q: mat(buffers[0]),
         k: mat(buffers[1]),
         v: mat(buffers[2]),
@@ -156,6 +200,19 @@ fn time(device: &Device, segments: u64, tokens: u64, head_dim: u64) -> Result<f6
         cu_seqlens_device: MatRef::vector(cu_device, 0, DType::I32, cu.len() as u64),
         max_seqlen: tokens,
         workspace: BufferSlice::EMPTY,
+    };
+    // cuDNN's plans may need a workspace; the plugin's kernels need none.
+    let workspace_bytes = device.attention_workspace(&args).map_err(err)?;
+    let workspace = if workspace_bytes > 0 {
+        let buf = device.alloc(workspace_bytes).map_err(err)?;
+        args.workspace = BufferSlice {
+            buf,
+            offset: 0,
+            bytes: workspace_bytes,
+        };
+        Some(buf)
+    } else {
+        None
     };
     device.attention(&args).map_err(err)?;
     device.synchronize().map_err(err)?;
@@ -177,7 +234,7 @@ fn time(device: &Device, segments: u64, tokens: u64, head_dim: u64) -> Result<f6
         samples.push(start.elapsed().as_secs_f64() / calls as f64);
     }
     samples.sort_by(f64::total_cmp);
-    for buf in buffers.into_iter().chain([cu_device]) {
+    for buf in buffers.into_iter().chain([cu_device]).chain(workspace) {
         device.free(buf).map_err(err)?;
     }
     Ok(samples[samples.len() / 2])

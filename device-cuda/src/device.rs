@@ -62,6 +62,8 @@ pub struct CudaOptions {
     /// and the open-time check passed) or 1 (one element per thread, as before; for
     /// comparisons).
     pub elementwise_lanes: u32,
+    /// Which attention runs for f16 and bf16: cuDNN's fused kernel or the plugin's own.
+    pub attention_engine: AttentionEngine,
 }
 
 impl Default for CudaOptions {
@@ -73,8 +75,26 @@ impl Default for CudaOptions {
             staged_writes: false,
             attention_queries: AttentionQueries::default(),
             elementwise_lanes: WIDE_LANES,
+            attention_engine: AttentionEngine::default(),
         }
     }
+}
+
+/// Which attention serves f16 and bf16: cuDNN's fused kernel (`libcudnn.so.9`, 9.13 or newer,
+/// loaded at run time) or the plugin's tensor-core kernels. cuDNN serves a head dim only after
+/// the check at open gave the plugin kernel's results on the same inputs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AttentionEngine {
+    /// cuDNN on compute capability 9.0 and newer where it loads (PyTorch's attention runs it
+    /// there, at two to three times the plugin kernel's rate on an H200), the plugin's kernels
+    /// elsewhere.
+    #[default]
+    Auto,
+    /// cuDNN on any device of compute capability 8.0 or newer; the open fails when it cannot be
+    /// loaded.
+    Cudnn,
+    /// The plugin's kernels only; cuDNN is not loaded.
+    Kernel,
 }
 
 /// Which tensor-core attention kernels run: 64 queries per block, 128, or the choice per call.
@@ -94,7 +114,7 @@ pub enum AttentionQueries {
 impl CudaOptions {
     /// Parses `key = value` options: `tf32`, `memory_only` and `staged_writes` (`true`/`false`),
     /// `kernel_cache` (a folder or `off`), `attention_queries` (`auto`, `64` or `128`) and
-    /// `elementwise_lanes` (`4` or `1`).
+    /// `elementwise_lanes` (`4` or `1`) and `attention_engine` (`auto`, `cudnn` or `kernel`).
     /// Unknown keys are errors naming the key.
     pub fn parse(pairs: &[(&str, &str)]) -> Result<CudaOptions, PluginError> {
         let mut options = CudaOptions::default();
@@ -124,10 +144,20 @@ impl CudaOptions {
                         _ => return Err(invalid_option(key, value, "`4` or `1`")),
                     }
                 }
+                "attention_engine" => {
+                    options.attention_engine = match value.trim() {
+                        "auto" => AttentionEngine::Auto,
+                        "cudnn" => AttentionEngine::Cudnn,
+                        "kernel" => AttentionEngine::Kernel,
+                        _ => {
+                            return Err(invalid_option(key, value, "`auto`, `cudnn` or `kernel`"));
+                        }
+                    }
+                }
                 other => {
                     return Err(PluginError::invalid_argument(format!(
                         "open: unknown option `{other}` (known: tf32, kernel_cache, memory_only, \
-                         staged_writes, attention_queries, elementwise_lanes)"
+                         staged_writes, attention_queries, elementwise_lanes, attention_engine)"
                     )));
                 }
             }
@@ -389,6 +419,29 @@ impl CudaDevice {
                 }
             }
         }
+        // cuDNN's attention serves a head dim and type only once it has given the plugin
+        // kernel's results on this device (which also loads its kernels before the post-start
+        // checkpoint).
+        let cudnn = self
+            .compute
+            .as_ref()
+            .and_then(|compute| compute.sdpa.library());
+        if let (true, Some(library)) = (ran.is_ok(), cudnn) {
+            match self.check_cudnn_attention(&mut buffers) {
+                Ok((ready, failures)) => {
+                    if let Some(compute) = self.compute.as_mut() {
+                        compute.sdpa.note = cudnn_note(&library.version_text(), &ready, &failures);
+                        compute.sdpa.ready = ready;
+                    }
+                }
+                Err(err) => {
+                    ran = Err(CudaError::Unavailable(format!(
+                        "cuDNN attention's check failed: {}",
+                        err.message
+                    )))
+                }
+            }
+        }
         // The elementwise kernels take four columns per thread only once both widths have
         // given the same results on this device (which also loads them before the post-start
         // checkpoint), and only where the options allow it.
@@ -427,11 +480,15 @@ impl CudaDevice {
         let growth = used()?
             .saturating_sub(before)
             .saturating_sub(self.memory.pool_cached()?);
-        push_held(
-            &mut self.held,
-            "cuBLAS and cuBLASLt state from their first computation",
-            growth,
-        );
+        let what = if cudnn.is_some() {
+            "cuBLAS, cuBLASLt and cuDNN state from their first computation"
+        } else {
+            "cuBLAS and cuBLASLt state from their first computation"
+        };
+        push_held(&mut self.held, what, growth);
+        if let Some(compute) = &self.compute {
+            compute.sdpa.set_opened();
+        }
         Ok(())
     }
 
@@ -637,6 +694,13 @@ impl CudaDevice {
         self.memory.refresh(self.cu_stream())?;
         let (allocated, buffers) = self.memory.accounting();
         let mut held = self.held.clone();
+        if let Some(compute) = &self.compute {
+            push_held(
+                &mut held,
+                "cuDNN plans built after open",
+                compute.sdpa.grown(),
+            );
+        }
         push_held(
             &mut held,
             "memory pool (freed, not yet released)",
@@ -884,7 +948,8 @@ impl Backend for CudaDevice {
     }
 
     fn attention_workspace(&self, args: &AttentionArgs<'_>) -> Result<u64, PluginError> {
-        validate::attention(&Checker::shapes_only("attention_workspace"), args).map(|_| 0)
+        self.enter("attention_workspace")?;
+        self.attention_workspace_impl(args)
     }
 
     fn gather_rows(&self, args: &GatherArgs) -> Result<(), PluginError> {
@@ -1057,6 +1122,30 @@ fn push_held(held: &mut Vec<HeldMemory>, what: &str, bytes: u64) {
             bytes,
         });
     }
+}
+
+/// The device's `attention_engine` property after cuDNN's check at open: which head dims and
+/// types cuDNN serves, and why any other runs the plugin's kernel.
+fn cudnn_note(version: &str, ready: &[(DType, u64)], failures: &[String]) -> String {
+    let mut note = if ready.is_empty() {
+        format!("kernel: cuDNN {version} did not pass the check at open")
+    } else {
+        let pairs: Vec<String> = ready
+            .iter()
+            .map(|(dtype, head_dim)| format!("{} {head_dim}", crate::ops::dtype_name(*dtype)))
+            .collect();
+        format!(
+            "cudnn {version} for {} (within the check's bound of the plugin kernel at open)",
+            pairs.join(", ")
+        )
+    };
+    if !failures.is_empty() {
+        note.push_str(&format!(
+            "; the plugin's kernel for {}",
+            failures.join("; ")
+        ));
+    }
+    note
 }
 
 /// Device memory in use, `total - free`, as the driver reports it.

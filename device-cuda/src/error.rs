@@ -49,6 +49,14 @@ pub enum CudaError {
         /// Whether the status is an allocation failure.
         alloc_failed: bool,
     },
+    /// A cuDNN call returned an error status.
+    #[error("{call} failed: {status}")]
+    Cudnn {
+        /// The library function, and the descriptor or attribute it was given.
+        call: String,
+        /// Its status, named by the library, with its number.
+        status: String,
+    },
     /// NVRTC failed to compile the kernels.
     #[error("NVRTC: {call} failed: {status}{}", log_suffix(log))]
     Nvrtc {

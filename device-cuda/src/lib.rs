@@ -31,11 +31,17 @@
 //! Every entry point runs under a panic guard (a panic inside cudarc would otherwise abort the
 //! host), and so does closing a device, whose drops release library handles.
 //!
+//! cuDNN (`libcudnn.so.9`), where present, runs attention on Hopper ([`cudnn`]): the fused
+//! attention PyTorch's SDPA runs there, through cuDNN's backend API, checked at open against the
+//! plugin's own kernel before it serves.
+//!
 //! Options (`[plugins.cuda]` in the config): `tf32` (f32 GEMMs on TF32 tensor cores; default
 //! off), `kernel_cache` (a folder, or `off`), `memory_only` (driver only: memory, transfers,
-//! staging, no ops). docs/CUDA.md has requirements, environment variables and what is verified
-//! without a GPU.
+//! staging, no ops), `staged_writes`, `attention_queries`, `attention_engine` (`auto`, `cudnn`
+//! or `kernel`), `elementwise_lanes`. docs/CUDA.md has requirements, environment variables and
+//! what is verified without a GPU.
 
+pub mod cudnn;
 pub mod device;
 pub mod error;
 pub mod kernels;
@@ -46,7 +52,7 @@ pub(crate) mod ops;
 pub mod result;
 pub mod sys;
 
-pub use device::{AttentionQueries, CudaDevice, CudaOptions};
+pub use device::{AttentionEngine, AttentionQueries, CudaDevice, CudaOptions};
 
 #[cfg(not(target_pointer_width = "64"))]
 compile_error!("the CUDA plugin needs a 64-bit target: CUDA 12 has no 32-bit host platform");

@@ -12,6 +12,9 @@
 //!   versioned names are tried: every installation (toolkit, pip wheels, distribution packages)
 //!   has them, while an unversioned `libcublas.so` link may point at any release.
 //!   [`crate::libraries`] decides which major to load.
+//! - cuDNN (optional: the fused attention of [`crate::cudnn`]) is `libcudnn.so.9` for either
+//!   CUDA major, found the same way (pip's `nvidia-cudnn-cu12` and `nvidia-cudnn-cu13` wheels
+//!   put it in `nvidia/cudnn/lib`); [`crate::cudnn`] checks which CUDA release it was built for.
 //!
 //! The install roots, in order: the folders of `IRIS_CUDA_LIB_PATH` (`:`-separated),
 //! `$CUDA_HOME` and `$CUDA_PATH` (`lib64`, `lib`, `targets/<arch>-linux/lib`), and the
@@ -33,6 +36,10 @@ use crate::error::CudaError;
 /// Environment variable with extra folders holding CUDA libraries, separated by `:`.
 pub const LIB_PATH_ENV: &str = "IRIS_CUDA_LIB_PATH";
 
+/// The cuDNN major whose library the plugin opens: 9, whose backend API has the fused attention
+/// operation (from 9.13) the plugin builds.
+pub const CUDNN_MAJOR: u32 = 9;
+
 /// A vendor library the plugin uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Library {
@@ -44,6 +51,9 @@ pub enum Library {
     CublasLt,
     /// NVRTC, `libnvrtc.so.<major>`.
     Nvrtc,
+    /// cuDNN, `libcudnn.so.9` for every CUDA major (its own major is in the name; which CUDA
+    /// release it was built for, only its `cudnnGetCudartVersion` says).
+    Cudnn,
 }
 
 impl Library {
@@ -54,6 +64,7 @@ impl Library {
             Library::Cublas => "cublas",
             Library::CublasLt => "cublasLt",
             Library::Nvrtc => "nvrtc",
+            Library::Cudnn => "cudnn",
         }
     }
 
@@ -63,10 +74,12 @@ impl Library {
     /// use iris_device_cuda::loader::Library;
     /// assert_eq!(Library::CublasLt.file_name(13), "libcublasLt.so.13");
     /// assert_eq!(Library::Driver.file_name(13), "libcuda.so.1");
+    /// assert_eq!(Library::Cudnn.file_name(12), "libcudnn.so.9");
     /// ```
     pub fn file_name(self, major: u32) -> String {
         match self {
             Library::Driver => "libcuda.so.1".to_owned(),
+            Library::Cudnn => format!("lib{}.so.{CUDNN_MAJOR}", self.stem()),
             _ => format!("lib{}.so.{major}", self.stem()),
         }
     }
@@ -78,6 +91,7 @@ impl Library {
             Library::Cublas => "cuBLAS",
             Library::CublasLt => "cuBLASLt",
             Library::Nvrtc => "NVRTC",
+            Library::Cudnn => "cuDNN",
         }
     }
 }
@@ -195,8 +209,10 @@ fn open_from(
         .map(|root| root.join(&file))
         .find(|path| path.is_file())
     {
-        if library == Library::Nvrtc {
-            open_nvrtc_builtins(&path, major);
+        match library {
+            Library::Nvrtc => open_siblings(&path, &format!("libnvrtc-builtins.so.{major}.")),
+            Library::Cudnn => open_siblings(&path, "libcudnn_"),
+            _ => {}
         }
         // SAFETY: a CUDA library found by its versioned name in an install root; opening it
         // runs only its initialisers.
@@ -233,15 +249,16 @@ fn open_from(
     }
 }
 
-/// Opens, for the life of the process, the `libnvrtc-builtins.so.<major>.*` beside an NVRTC
-/// found in an install root: NVRTC opens its builtins by name through the loader's path only,
-/// which does not include the install roots.
-fn open_nvrtc_builtins(nvrtc: &Path, major: u32) {
-    let Some(dir) = nvrtc.parent() else {
+/// Opens, for the life of the process, the libraries beside `library` (found in an install
+/// root) whose names start with `prefix`: NVRTC's builtins (`libnvrtc-builtins.so.<major>.*`),
+/// cuDNN's sub-libraries (`libcudnn_graph.so.9`, its engines). Those libraries open them by
+/// name through the loader's path only, which does not include the install roots; one already
+/// open answers to its name.
+fn open_siblings(library: &Path, prefix: &str) {
+    let Some(dir) = library.parent() else {
         return;
     };
-    let prefix = format!("libnvrtc-builtins.so.{major}.");
-    let mut builtins: Vec<PathBuf> = std::fs::read_dir(dir)
+    let mut left: Vec<PathBuf> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
@@ -249,16 +266,24 @@ fn open_nvrtc_builtins(nvrtc: &Path, major: u32) {
         .filter(|file| {
             file.file_name()
                 .and_then(|name| name.to_str())
-                .is_some_and(|name| name.starts_with(&prefix))
+                .is_some_and(|name| name.starts_with(prefix))
         })
         .collect();
-    builtins.sort();
-    for file in builtins {
-        // SAFETY: NVRTC's own builtins library, found beside it; its initialisers only set it
-        // up. It stays open for the life of the process (never unloaded).
-        if let Ok(library) = unsafe { libloading::Library::new(&file) } {
-            std::mem::forget(library);
-        }
+    left.sort();
+    // A second round for those that need one opened after them (their dependencies are found
+    // by name too); any that still does not open is left to the library, which reports it.
+    for _ in 0..2 {
+        left.retain(|file| {
+            // SAFETY: the library's own companion, found beside it; its initialisers only set
+            // it up. It stays open for the life of the process (never unloaded).
+            match unsafe { libloading::Library::new(file) } {
+                Ok(library) => {
+                    std::mem::forget(library);
+                    false
+                }
+                Err(_) => true,
+            }
+        });
     }
 }
 

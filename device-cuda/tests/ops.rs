@@ -86,6 +86,31 @@ fn an_elementwise_kernel_whose_four_wide_path_differs_at_open_runs_one_wide() {
     );
 }
 
+/// cuDNN's fused attention (the stand-in `libcudnn.so.9`, computing in f64) under
+/// `attention_engine = cudnn` on the emulated Ampere device: it passes its check at open at
+/// every head dim and type, then computes each run of equal-length segments in one call, right,
+/// leaves unaligned views to the plugin's kernel, reports the device memory its plans add after
+/// open, and leaves no descriptor or handle behind when the device closes.
+#[test]
+fn attention_runs_on_cudnn_where_it_passed_its_check() {
+    run(
+        "cudnn",
+        &[("IRIS_STANDIN_CUDNN_PLAN_BYTES", "65536")],
+        Libraries::Full,
+    );
+}
+
+/// cuDNN's attention made wrong (the stand-in adds 0.5 to an output): the check at open keeps
+/// it from serving, `iris devices` says why, and attention is right on the plugin's kernel.
+#[test]
+fn cudnn_attention_that_differs_at_open_does_not_serve() {
+    run(
+        "wrong_cudnn",
+        &[("IRIS_STANDIN_CUDNN_WRONG", "1")],
+        Libraries::Full,
+    );
+}
+
 /// The emulator's own model of `mma.m16n8k16` and `ldmatrix` (tests/standin/emu.cpp), apart
 /// from any kernel of the plugin: `emu_check_mma_<type>` (tests/standin/emu_check.cu) builds
 /// fragments of a known A and B by the PTX ISA's formulas, directly and through `ldmatrix`
@@ -273,6 +298,15 @@ fn scenario() {
         .expect("run by the parent tests of tests/ops.rs, which set IRIS_STANDIN_SCENARIO");
     if name == "ordinals" {
         return ordinals();
+    }
+    if name == "cudnn" || name == "wrong_cudnn" {
+        let device = open_with(0, &[("attention_engine", "cudnn")]);
+        if name == "cudnn" {
+            cudnn(device);
+        } else {
+            wrong_cudnn(&device);
+        }
+        return;
     }
     let device = open();
     if name == "conformance" {
@@ -1186,15 +1220,8 @@ fn accounting(device: &Device) {
                 w_constant: true,
                 workspace: BufferSlice::EMPTY,
             };
-            let bytes = device.gemm_workspace(&args).unwrap();
-            let workspace = (bytes > 0).then(|| device.alloc(bytes).unwrap());
-            if let Some(buf) = workspace {
-                args.workspace = BufferSlice {
-                    buf,
-                    offset: 0,
-                    bytes,
-                };
-            }
+            let (workspace, slice) = lend_workspace(device, device.gemm_workspace(&args).unwrap());
+            args.workspace = slice;
             device.gemm(&args).unwrap();
             device.synchronize().unwrap();
             for t in [a, w, bias, out] {
@@ -1357,6 +1384,110 @@ fn attention(device: &Device) {
     }
 }
 
+/// The `cudnn` scenario (see `attention_runs_on_cudnn_where_it_passed_its_check`).
+fn cudnn(device: Device) {
+    let note = device_property(&device, "attention_engine");
+    let all = "cudnn 9.17.0 for bf16 64, f16 64, bf16 72, f16 72, bf16 80, f16 80, bf16 96, f16 \
+               96, bf16 128, f16 128 (within the check's bound of the plugin kernel at open)";
+    assert_eq!(
+        note, all,
+        "every head dim and type passed cuDNN's check at open"
+    );
+    let held = device.memory_report().unwrap().held;
+    assert!(
+        held.iter().any(
+            |(what, _)| what == "cuBLAS, cuBLASLt and cuDNN state from their first computation"
+        ),
+        "{held:?}"
+    );
+    // The stand-in allocates its handle's state at the first execution, in the check at open:
+    // counted there. Each plan's first execution allocates `IRIS_STANDIN_CUDNN_PLAN_BYTES`
+    // more (kernels a real cuDNN loads for it): after open, the report must name that too.
+    device.synchronize().unwrap();
+    let used = || {
+        let info = device.mem_info().unwrap();
+        info.total - info.free
+    };
+    let opened = used();
+    let plans_after_open = || {
+        device
+            .memory_report()
+            .unwrap()
+            .held
+            .iter()
+            .filter(|(what, _)| what == "cuDNN plans built after open")
+            .map(|(_, bytes)| *bytes)
+            .sum::<u64>()
+    };
+    assert_eq!(plans_after_open(), 0);
+    // Segments of 1, 17, 64, 65 and 300 tokens: five lengths, five calls.
+    let mixed = [0, 1, 18, 82, 147, 447];
+    // Five segments of 130 tokens: one call of four and one of one.
+    let equal: Vec<u32> = (0..=5).map(|i| i * 130).collect();
+    for dtype in [DType::BF16, DType::F16] {
+        for hd in [64usize, 72, 80, 96, 128] {
+            for (cu, calls) in [(&mixed[..], 5), (&equal[..], 2)] {
+                let before = common::standin_cudnn_executes();
+                attention_case(&device, dtype, hd, cu, 0);
+                assert_eq!(
+                    common::standin_cudnn_executes() - before,
+                    calls,
+                    "{dtype} head_dim {hd}, segments {cu:?}: cuDNN calls"
+                );
+            }
+        }
+    }
+    // Views one element into their buffers are not aligned as cuDNN's plans declare: the
+    // plugin's kernel computes them.
+    let before = common::standin_cudnn_executes();
+    attention_case(&device, DType::F16, 80, &mixed, 1);
+    assert_eq!(common::standin_cudnn_executes(), before, "unaligned views");
+    // Head dims cuDNN was not checked at run the plugin's kernel.
+    attention_case(&device, DType::BF16, 48, &mixed, 0);
+    assert_eq!(common::standin_cudnn_executes(), before, "head dim 48");
+    // The plans made after open, one stand-in allocation each, all in the report: per head dim
+    // and type those of 17, 64, 65 and 300 tokens and of 130 tokens times 4 and 1 (the check at
+    // open built the one-token plan of these strides already).
+    device.synchronize().unwrap();
+    let grown = used() - opened;
+    assert_eq!(grown, 10 * 6 * 65536, "device memory the plans added");
+    assert_eq!(
+        plans_after_open(),
+        grown,
+        "every byte the plans added is reported"
+    );
+    drop(device);
+    assert_eq!(
+        common::standin_cudnn_live(),
+        (0, 0),
+        "a closed device leaves no cuDNN descriptor or handle"
+    );
+    // `auto` takes cuDNN from Hopper on: this device is an Ampere.
+    let auto = open();
+    assert_eq!(
+        device_property(&auto, "attention_engine"),
+        "kernel: attention_engine = auto takes cuDNN from compute capability 9.0 (set \
+         attention_engine = cudnn to use it on 8.0)"
+    );
+}
+
+/// cuDNN made wrong by the stand-in does not serve (see
+/// `cudnn_attention_that_differs_at_open_does_not_serve`).
+fn wrong_cudnn(device: &Device) {
+    let note = device_property(device, "attention_engine");
+    assert!(
+        note.starts_with(
+            "kernel: cuDNN 9.17.0 did not pass the check at open; the plugin's kernel for bf16 64: \
+             2 of 33408 outputs differ from the plugin kernel's by more than 4 units in the last \
+             place; f16 64: 2 of 33408"
+        ),
+        "{note}"
+    );
+    let before = common::standin_cudnn_executes();
+    attention_case(device, DType::BF16, 64, &[0, 130, 260], 0);
+    assert_eq!(common::standin_cudnn_executes(), before);
+}
+
 /// A 128-query attention kernel that computes wrong on the device (the stand-in flips a bit of
 /// its output) fails its check at open: `iris devices` says so, and attention at its head dim
 /// runs the 64-query kernel, right, even where the options ask for 128.
@@ -1458,7 +1589,7 @@ fn attention_case(device: &Device, dtype: DType, hd: usize, cu: &[u32], offset: 
     let cu_i32: Vec<i32> = cu.iter().map(|&v| v as i32).collect();
     let cu_device = upload_i32(device, &cu_i32);
     let scale = 1.0 / (hd as f32).sqrt();
-    let args = AttentionArgs {
+    let mut args = AttentionArgs {
         q: view(0),
         k: view(1),
         v: view(2),
@@ -1471,7 +1602,9 @@ fn attention_case(device: &Device, dtype: DType, hd: usize, cu: &[u32], offset: 
         max_seqlen: u64::from(max_seqlen),
         workspace: BufferSlice::EMPTY,
     };
-    assert_eq!(device.attention_workspace(&args).unwrap(), 0);
+    // The plugin's kernels need no workspace; cuDNN's plans may.
+    let workspace = lend_workspace(device, device.attention_workspace(&args).unwrap());
+    args.workspace = workspace.1;
     device.attention(&args).unwrap();
     let row = |i: usize, part: usize, h: usize| -> Vec<f64> {
         (0..hd)
@@ -1510,8 +1643,27 @@ fn attention_case(device: &Device, dtype: DType, hd: usize, cu: &[u32], offset: 
         1.0,
     );
     device.free(cu_device).unwrap();
+    if let Some(buf) = workspace.0 {
+        device.free(buf).unwrap();
+    }
     qkv.free(device);
     out.free(device);
+}
+
+/// A workspace of `bytes` for an op (none for 0): the buffer to free afterwards, and the slice.
+fn lend_workspace(device: &Device, bytes: u64) -> (Option<BufferHandle>, BufferSlice) {
+    if bytes == 0 {
+        return (None, BufferSlice::EMPTY);
+    }
+    let buf = device.alloc(bytes).unwrap();
+    (
+        Some(buf),
+        BufferSlice {
+            buf,
+            offset: 0,
+            bytes,
+        },
+    )
 }
 
 fn conformance(device: Device) {

@@ -180,6 +180,20 @@ const MISNAMED_13: &[Standin] = &[
     },
 ];
 
+/// CUDA 13's set with a cuDNN built for CUDA 13, and with one built for CUDA 12.
+const CUDA13_CUDNN13: &[Standin] = &[
+    standin(Library::Cublas, 13),
+    standin(Library::CublasLt, 13),
+    standin(Library::Nvrtc, 13),
+    standin(Library::Cudnn, 13),
+];
+const CUDA13_CUDNN12: &[Standin] = &[
+    standin(Library::Cublas, 13),
+    standin(Library::CublasLt, 13),
+    standin(Library::Nvrtc, 13),
+    standin(Library::Cudnn, 12),
+];
+
 /// Why CUDA 13 is left out under a 12.4 driver.
 const DRIVER_12: &str = "the driver supports CUDA 12.4, its libraries need 13.0 or newer";
 /// CUDA 12 is not looked at once CUDA 13's complete set loads under a 13.0 driver.
@@ -239,6 +253,72 @@ fn one_plugin_opens_over_cuda_13s_libraries_and_says_why_not_12() {
     );
     let env = [(EXPECT_ENV, expected.as_str())];
     run("libraries", &env, Libraries::Installed("cuda13", CUDA13));
+}
+
+/// Which attention a Hopper device runs (`attention_engine`, shown by `iris devices`) as the
+/// installed cuDNN allows: `auto` takes a cuDNN 9.13+ built for the CUDA major the process
+/// loaded and says why it did not take any other; `cudnn` makes any of those reasons an error
+/// of the open.
+#[test]
+fn attention_engine_takes_cudnn_where_it_is_usable_and_says_why_not() {
+    let hopper = [
+        ("IRIS_STANDIN_DRIVER", CUDA13_DRIVER),
+        ("IRIS_STANDIN_CC", "90"),
+    ];
+    let case = |set: Libraries, option: &str, expected: &str, extra: &[(&str, &str)]| {
+        let mut env = hopper.to_vec();
+        env.extend([(ENGINE_ENV, option), (EXPECT_ENV, expected)]);
+        env.extend(extra);
+        run("attention_engine", &env, set);
+    };
+    let usable = Libraries::Installed("cuda13-cudnn13", CUDA13_CUDNN13);
+    case(usable, "auto", "cudnn 9.17.0 for bf16 64, f16 64,", &[]);
+    case(usable, "kernel", "kernel: attention_engine = kernel", &[]);
+    let too_old = "is cuDNN 9.12.0; its fused attention operation needs 9.13.0 or newer";
+    case(
+        usable,
+        "auto",
+        &format!("kernel: |{too_old}"),
+        &[("IRIS_STANDIN_CUDNN_VERSION", "91200")],
+    );
+    case(
+        usable,
+        "cudnn",
+        &format!("error: attention_engine = cudnn: |{too_old}"),
+        &[("IRIS_STANDIN_CUDNN_VERSION", "91200")],
+    );
+    let other_major = "(cuDNN 9.17.0) is built for CUDA 12.8, and this process runs CUDA 13's \
+                       libraries: install cuDNN for CUDA 13 (pip's nvidia-cudnn-cu13)";
+    let mismatched = Libraries::Installed("cuda13-cudnn12", CUDA13_CUDNN12);
+    case(mismatched, "auto", &format!("kernel: |{other_major}"), &[]);
+    case(
+        mismatched,
+        "cudnn",
+        &format!("error: attention_engine = cudnn: |{other_major}"),
+        &[],
+    );
+    let missing = Libraries::Installed("cuda13", CUDA13);
+    case(
+        missing,
+        "auto",
+        "kernel: libcudnn.so.9 not found (searched",
+        &[],
+    );
+    case(
+        missing,
+        "cudnn",
+        "error: attention_engine = cudnn: libcudnn.so.9 not found",
+        &[],
+    );
+    // A heuristic without engines (what cuDNN answers for shapes none takes): nothing passes
+    // the check, and the kernels serve.
+    case(
+        usable,
+        "auto",
+        "kernel: cuDNN 9.17.0 did not pass the check at open; the plugin's kernel for bf16 64: no \
+         cuDNN engine takes the check's shape",
+        &[("IRIS_STANDIN_CUDNN_NO_ENGINE", "1")],
+    );
 }
 
 #[test]
@@ -469,6 +549,7 @@ fn scenario() {
             "the driver supports CUDA 11.8, this plugin needs 12.0",
         ),
         "libraries" => libraries(&plugin),
+        "attention_engine" => attention_engine(&plugin),
         "not_ready" => not_ready(&plugin),
         "pinned_write" => pinned_write(&plugin),
         "free_during_synchronize" => free_during_synchronize(&plugin),
@@ -864,6 +945,45 @@ fn libraries(plugin: &Plugin) {
     );
 }
 
+/// Opens the Hopper stand-in with `attention_engine` = [`ENGINE_ENV`] and compares its
+/// `attention_engine` property with [`EXPECT_ENV`]: a prefix, or `prefix|part` (the property
+/// starts with the prefix and contains the part), or `error: prefix|part` for a failed open.
+fn attention_engine(plugin: &Plugin) {
+    let option = std::env::var(ENGINE_ENV).unwrap();
+    let expected = std::env::var(EXPECT_ENV).unwrap();
+    let options = [("attention_engine".to_owned(), option)];
+    let (failure, expected) = match expected.strip_prefix("error: ") {
+        Some(rest) => (true, rest),
+        None => (false, expected.as_str()),
+    };
+    let (prefix, part) = expected.split_once('|').unwrap_or((expected, ""));
+    let text = match plugin.open(0, &options) {
+        Ok(device) => {
+            assert!(!failure, "the open was expected to fail with `{expected}`");
+            let note = device
+                .description()
+                .property("attention_engine")
+                .unwrap_or_default()
+                .to_owned();
+            drop(device);
+            note
+        }
+        Err(err) => {
+            assert!(failure, "the open failed: {err}");
+            assert_eq!(
+                common::standin_live_pools(),
+                0,
+                "the failed open destroyed its pool"
+            );
+            err.message.trim_start_matches("open: ").to_owned()
+        }
+    };
+    assert!(
+        text.starts_with(prefix) && text.contains(part),
+        "`{prefix}` ... `{part}` in:\n{text}"
+    );
+}
+
 fn staging(plugin: &Plugin) {
     let device = std::sync::Arc::new(plugin.open(0, &memory_only()).unwrap());
     assert!(device.has_staging());
@@ -963,6 +1083,8 @@ fn survive(plugin: &Plugin) {
 const EXPECT_ENV: &str = "IRIS_TEST_EXPECT_LIBRARIES";
 /// The start of the `kernels` property the `libraries` scenario expects.
 const KERNELS_ENV: &str = "IRIS_TEST_EXPECT_KERNELS";
+/// The `attention_engine` option of the `attention_engine` scenario.
+const ENGINE_ENV: &str = "IRIS_TEST_ATTENTION_ENGINE";
 /// Set: the `libraries` scenario opens with cached kernels.
 const CACHED_ENV: &str = "IRIS_TEST_CACHED_KERNELS";
 

@@ -5,7 +5,8 @@ on the same GPU, and prints both side by side.
     attention_vs_sdpa.py IRIS_RESULTS.jsonl [--json OUT]
 
 IRIS_RESULTS.jsonl holds attention_bench's lines (one JSON object per shape and kernel: dtype,
-heads, head_dim, segments, tokens per segment, queries per block of iris's kernel, ms, tflops,
+heads, head_dim, segments, tokens per segment, engine (iris's own kernel, or cuDNN's fused
+attention through iris's plugin), queries per block of iris's kernel, ms, tflops,
 and expected_h100_tflops, the range docs/PERFORMANCE.md's model expects of the 64-query kernel on
 an H100 at 1024 tokens and more, printed beside). SDPA gets q, k and v as [segments, heads,
 tokens, head_dim] bf16 tensors: equal segments as one batch, the best case for PyTorch (the
@@ -55,7 +56,7 @@ def main():
         print("no iris results", file=sys.stderr)
         return 1
     print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    print(f"{'head_dim':>8} {'segments':>8} {'tokens':>7} {'queries':>7} {'iris ms':>9} "
+    print(f"{'head_dim':>8} {'segments':>8} {'tokens':>7} {'iris path':>9} {'iris ms':>9} "
           f"{'sdpa ms':>9} {'iris TFLOPS':>12} {'sdpa TFLOPS':>12} {'iris/sdpa time':>15} "
           f"{'H100 model':>11}")
     sdpa = {}
@@ -69,7 +70,8 @@ def main():
         row["sdpa_ms"] = ms
         row["sdpa_tflops"] = flops / (ms * 1e-3) / 1e12
         row["iris_over_sdpa_time"] = row["ms"] / ms
-        print(f"{row['head_dim']:>8} {segments:>8} {row['tokens']:>7} {row.get('queries', 64):>7} "
+        path = "cudnn" if row.get("engine") == "cudnn" else f"q{row.get('queries') or 64}"
+        print(f"{row['head_dim']:>8} {segments:>8} {row['tokens']:>7} {path:>9} "
               f"{row['ms']:>9.3f} {ms:>9.3f} {row['tflops']:>12.1f} {row['sdpa_tflops']:>12.1f} "
               f"{row['iris_over_sdpa_time']:>15.2f} {row.get('expected_h100_tflops') or '-':>11}")
     if args.json:

@@ -49,8 +49,8 @@ CATEGORIES = ["gemm", "gemm_epilogue", "attention", "norm", "rotary", "elementwi
 
 
 def category_of(kernel_name):
-    """The category of a kernel Nsight Compute names (iris's kernels by their prefix; the rest of a
-    forward pass is cuBLAS(Lt)'s and the driver's copies)."""
+    """The category of a kernel Nsight Compute names (iris's kernels by their prefix, cuDNN's fused
+    attention by its name; the rest of a forward pass is cuBLAS(Lt)'s and the driver's copies)."""
     name = kernel_name.split("(")[0].strip().lower()
     for prefix, category in (("gemm_epilogue", "gemm_epilogue"), ("flash_attention", "attention"),
                              ("attention", "attention"), ("norm", "norm"), ("rotary", "rotary"),
@@ -58,6 +58,10 @@ def category_of(kernel_name):
                              ("cast", "elementwise"), ("gather", "gather"), ("copy", "copy")):
         if name.startswith(prefix):
             return category
+    # cuDNN's fused attention (`cudnn_generated_fort_native_sdpa_sm90_...`): before the GEMM
+    # words, which its names contain too.
+    if any(word in name for word in ("sdpa", "fmha", "flash_fprop")):
+        return "attention"
     if any(word in name for word in ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "sm80_", "ampere_",
                                      "splitk", "cublas")):
         return "gemm"

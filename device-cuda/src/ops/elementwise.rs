@@ -459,7 +459,7 @@ fn check_input(dtype: DType, count: u64, seed: u64) -> Vec<u8> {
 }
 
 /// The spacing of `dtype`'s values at 1.
-fn unit(dtype: DType) -> f32 {
+pub(crate) fn unit(dtype: DType) -> f32 {
     match dtype {
         DType::F16 => 2f32.powi(-10),
         DType::BF16 => 2f32.powi(-7),

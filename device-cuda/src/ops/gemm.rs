@@ -42,7 +42,7 @@ const MAX_ALIGNMENT_LOG2: u32 = 8;
 /// Alignment cuBLAS and cuBLASLt require of their workspace (`cublasSetWorkspace` refuses less).
 /// The host's workspace may start at any offset, so the plugin asks for this much minus one
 /// more and rounds the start up.
-const WORKSPACE_ALIGNMENT: u64 = 256;
+pub(crate) const WORKSPACE_ALIGNMENT: u64 = 256;
 /// The split-K reduction schemes cuBLASLt's heuristic may choose: partial sums in the compute
 /// type (f32) in the workspace, or no split (`CUBLASLT_REDUCTION_SCHEME_NONE`, 0, is no bit).
 const REDUCTION_SCHEMES: u32 =

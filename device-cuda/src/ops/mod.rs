@@ -1,6 +1,7 @@
 //! The ops: GEMM through cuBLASLt and cuBLAS (`gemm`), everything else through the NVRTC
 //! kernels of [`crate::kernels`]: `norm` (layer and RMS norm), `elementwise` (activations,
-//! binary ops, casts, row gathers), `rotary`, `attention`; the batched copy is here. Each
+//! binary ops, casts, row gathers), `rotary`, `attention` (with `sdpa`, its runs through
+//! cuDNN's fused attention where that serves); the batched copy is here. Each
 //! kernel's parameters are a struct of its own ([`kernel_args!`]), typed as the kernel's
 //! signature reads them.
 //!
@@ -8,8 +9,9 @@
 //! memory-only: the CUDA libraries of the process ([`crate::libraries`]: cuBLAS, cuBLASLt and
 //! NVRTC of one CUDA major), the cuBLAS and cuBLASLt handles (bound to the device's stream),
 //! the loaded kernel module, a device status word through which kernels report bad gather
-//! indices, and a fixed buffer of copy descriptors for batched copies (allocated at `open`, so
-//! that no later call grows what the device holds; a larger batch runs as several launches).
+//! indices, a fixed buffer of copy descriptors for batched copies (allocated at `open`, so
+//! that no later call grows what the device holds; a larger batch runs as several launches),
+//! and cuDNN with its handle where the `attention_engine` option and the device allow it.
 //! Every op validates its arguments with [`iris_plugin::validate`] before it enqueues anything.
 
 mod attention;
@@ -17,6 +19,7 @@ mod elementwise;
 mod gemm;
 mod norm;
 mod rotary;
+mod sdpa;
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -106,6 +109,8 @@ pub struct Compute {
     pub(crate) lanes_cap: AtomicU32,
     /// What `iris devices` shows of the elementwise kernels' width: in use, and why.
     pub(crate) lanes_note: String,
+    /// cuDNN's fused attention, where the options and the device allow it.
+    pub(crate) sdpa: sdpa::Sdpa,
 }
 
 /// Head dims whose 128-query attention kernel serves: none until the device's open has run it
@@ -216,6 +221,7 @@ impl Compute {
             bytes: growth.max(DESCRIPTOR_BYTES),
         });
         let status_host = HostWord::new()?;
+        let sdpa = sdpa::Sdpa::open(libs.major, stream, info, options, log, held)?;
         Ok(Compute {
             libs,
             lt,
@@ -235,6 +241,7 @@ impl Compute {
             q128,
             lanes_cap: AtomicU32::new(1),
             lanes_note: "1 (not checked)".to_owned(),
+            sdpa,
         })
     }
 
@@ -258,6 +265,7 @@ impl Compute {
                 ),
             ),
             Property::new("elementwise_lanes", &self.lanes_note),
+            Property::new("attention_engine", &self.sdpa.note),
             // cuBLASLt chooses its kernel per problem size, and the libraries load kernels
             // (and grow local memory for them) on first use: the host should run its steps at
             // a range of sizes before serving and before its post-start memory checkpoint.

@@ -1,4 +1,4 @@
-//! Raw tables of the cuBLAS, cuBLASLt and NVRTC entry points the plugin calls, each resolved
+//! Raw tables of the cuBLAS, cuBLASLt, NVRTC and cuDNN entry points the plugin calls, each resolved
 //! from one opened library file.
 //!
 //! The driver's bindings are cudarc's (its CUDA 12.4 API, which every 12.x and 13.x driver
@@ -22,10 +22,12 @@
 
 pub mod cublas;
 pub mod cublaslt;
+pub mod cudnn;
 pub mod nvrtc;
 
 pub use cublas::Cublas;
 pub use cublaslt::CublasLt;
+pub use cudnn::Cudnn;
 pub use nvrtc::Nvrtc;
 
 /// Declares a table of C entry points: one field per function, named as in C, and an unsafe

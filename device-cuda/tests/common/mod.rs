@@ -139,6 +139,19 @@ pub fn standin_gelu_epilogues() -> u64 {
     standin_counter("libcublasLt.so.12", "iris_standin_gelu_epilogues")
 }
 
+/// Executions the stand-in cuDNN of [`Libraries::Full`] ran.
+pub fn standin_cudnn_executes() -> u64 {
+    standin_counter("libcudnn.so.9", "iris_standin_cudnn_executes")
+}
+
+/// cuDNN backend descriptors created and not destroyed, and handles likewise.
+pub fn standin_cudnn_live() -> (u64, u64) {
+    (
+        standin_counter("libcudnn.so.9", "iris_standin_cudnn_live_descriptors"),
+        standin_counter("libcudnn.so.9", "iris_standin_cudnn_live_handles"),
+    )
+}
+
 /// The last reduction scheme mask the plugin set on a cuBLASLt preference (7 when none was).
 pub fn standin_reduction_mask() -> u64 {
     standin_counter("libcublasLt.so.12", "iris_standin_reduction_mask")
@@ -334,8 +347,24 @@ fn full_dir() -> &'static Path {
         );
         install_copy(&library, &dir.join("libcuda.so"));
         build_cublas(&dir, 12, 12);
+        build_cudnn(&dir, 12);
         dir
     })
+}
+
+/// A stand-in cuDNN 9.17 built for CUDA `cuda_major` in `dir`, as `libcudnn.so.9`.
+fn build_cudnn(dir: &Path, cuda_major: u32) {
+    let cudart = format!("-DIRIS_STANDIN_CUDNN_CUDART={}", cuda_major * 1000 + 80);
+    let name = Library::Cudnn.file_name(cuda_major);
+    let soname = format!("-Wl,-soname,{name}");
+    compile(
+        &cc(),
+        &[
+            "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-pthread", &soname, &cudart,
+        ],
+        &[standin_source("cudnn.c"), PathBuf::from("-lm")],
+        &dir.join(name),
+    );
 }
 
 /// A stand-in cuBLAS, cuBLASLt or NVRTC: the CUDA major of its file name and the major its
@@ -395,6 +424,8 @@ fn built_standin(standin: Standin) -> PathBuf {
                 &dir.join(name),
             );
         }
+        // cuDNN's file name has no CUDA major: `version_major` is the CUDA it was built for.
+        Library::Cudnn => build_cudnn(dir, version_major),
         Library::Driver => panic!("the driver is not a stand-in set member"),
     });
     dir.join(library.file_name(name_major))
