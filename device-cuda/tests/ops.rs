@@ -1445,6 +1445,11 @@ fn cudnn(device: Device) {
     // Head dims cuDNN was not checked at run the plugin's kernel.
     attention_case(&device, DType::BF16, 48, &mixed, 0);
     assert_eq!(common::standin_cudnn_executes(), before, "head dim 48");
+    // So do calls of more than 16 runs (here 17 lengths, one segment each): one launch of the
+    // kernel instead of 17 calls.
+    let many: Vec<u32> = (0..=17u32).map(|i| i * (i + 1) / 2).collect();
+    attention_case(&device, DType::BF16, 64, &many, 0);
+    assert_eq!(common::standin_cudnn_executes(), before, "17 runs");
     // The plans made after open, one stand-in allocation each, all in the report: per head dim
     // and type those of 17, 64, 65 and 300 tokens and of 130 tokens times 4 and 1 (the check at
     // open built the one-token plan of these strides already).

@@ -200,7 +200,11 @@ impl CudaDevice {
             address + token as u64 * mat.stride as u64 * element
         };
         let mut ran = 0;
-        for run in sdpa::runs(&att.segments) {
+        let runs = sdpa::runs(&att.segments);
+        if runs.len() > sdpa::MAX_RUNS {
+            return self.launch_attention(compute, &launch, 0..att.segments.len());
+        }
+        for run in runs {
             let call = SdpaOperands {
                 q: offset(operands[0], run.start),
                 k: offset(operands[1], run.start),
@@ -614,10 +618,11 @@ impl CudaDevice {
         let op = "attention_workspace";
         let att = validate::attention(&Checker::shapes_only(op), args)?;
         let compute = self.compute(op)?;
-        let shapes: Vec<SdpaShape> = sdpa::runs(&att.segments)
-            .iter()
-            .map(|run| sdpa_shape(&att, run))
-            .collect();
+        let runs = sdpa::runs(&att.segments);
+        if runs.len() > sdpa::MAX_RUNS {
+            return Ok(0);
+        }
+        let shapes: Vec<SdpaShape> = runs.iter().map(|run| sdpa_shape(&att, run)).collect();
         let most = compute
             .sdpa
             .workspace(&shapes)

@@ -67,6 +67,11 @@ pub(crate) struct Run {
     pub(crate) tokens: usize,
 }
 
+/// Runs a call may have for cuDNN to take it: one call of the plugin's kernel beats many short
+/// cuDNN calls (Qwen2.5-VL's windows of a size that is not a multiple of the window alternate
+/// lengths, which would make a call per window).
+pub(crate) const MAX_RUNS: usize = 16;
+
 /// The runs of `segments` (`(start, length)`, consecutive): maximal stretches of one length
 /// cut into powers of two, largest first, so that a step of many images of one size needs a
 /// few plans (41 segments: 32, 8 and 1) however many images it holds. Empty segments are
