@@ -427,10 +427,19 @@ impl CudaDevice {
             .as_ref()
             .and_then(|compute| compute.sdpa.library());
         if let (true, Some(library)) = (ran.is_ok(), cudnn) {
+            let started = std::time::Instant::now();
             match self.check_cudnn_attention(&mut buffers) {
                 Ok((ready, failures)) => {
+                    // Plans are built (and may be compiled by cuDNN) in the check: its time is
+                    // part of every start.
+                    let took = started.elapsed().as_millis();
+                    self.log
+                        .info(format!("cuDNN attention's check at open took {took} ms"));
                     if let Some(compute) = self.compute.as_mut() {
-                        compute.sdpa.note = cudnn_note(&library.version_text(), &ready, &failures);
+                        compute.sdpa.note = format!(
+                            "{}; checked in {took} ms",
+                            cudnn_note(&library.version_text(), &ready, &failures)
+                        );
                         compute.sdpa.ready = ready;
                     }
                 }
