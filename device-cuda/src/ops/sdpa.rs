@@ -36,10 +36,11 @@ const MAX_PLANS: usize = 1024;
 
 /// cuDNN attention on one device.
 pub(crate) struct Sdpa {
+    /// Declared (so dropped) before the handle they were built with.
+    plans: Mutex<Plans>,
     /// cuDNN and a handle on the device's queue, when the options and the device let it be
     /// tried and it loaded.
     cudnn: Option<(&'static CudnnLibrary, Handle)>,
-    plans: Mutex<Plans>,
     /// `(dtype, head dim)` pairs that passed the check at open.
     pub(crate) ready: Vec<(DType, u64)>,
     /// What `iris devices` shows: the engine in use, and why.

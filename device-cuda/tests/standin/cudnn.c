@@ -27,6 +27,9 @@
  *   IRIS_STANDIN_CUDNN_NO_ENGINE  1: the heuristic has no engine for any graph
  *   IRIS_STANDIN_CUDNN_WRONG      1: each execution adds 0.5 to its first output element
  *
+ * A descriptor tied to a handle (an operation graph, an execution plan) destroyed after that
+ * handle aborts the process with a message, since a real library may touch the handle then.
+ *
  * Counters for tests: iris_standin_cudnn_executes(), iris_standin_cudnn_plans() (execution
  * plans finalized), iris_standin_cudnn_live_descriptors() and iris_standin_cudnn_live_handles()
  * (created and not destroyed).
@@ -37,6 +40,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -191,9 +195,31 @@ static void device_free(unsigned long long ptr) {
 
 /* ---- handles ---- */
 
+/* Live handles, so that a descriptor tied to a destroyed one is caught (a real library may
+ * touch the handle when such a descriptor goes). */
+#define MAX_HANDLES 64
+static struct handle *handles[MAX_HANDLES];
+
+static bool live(const struct handle *h) {
+    for (int i = 0; i < MAX_HANDLES; i++)
+        if (handles[i] == h) return true;
+    return false;
+}
+
 cudnnStatus_t cudnnCreate(void **out) {
     if (!out) return NULL_POINTER;
-    *out = calloc(1, sizeof(struct handle));
+    struct handle *h = calloc(1, sizeof *h);
+    pthread_mutex_lock(&lock);
+    int slot = 0;
+    while (slot < MAX_HANDLES && handles[slot]) slot++;
+    if (slot == MAX_HANDLES) {
+        pthread_mutex_unlock(&lock);
+        free(h);
+        return INTERNAL_ERROR;
+    }
+    handles[slot] = h;
+    pthread_mutex_unlock(&lock);
+    *out = h;
     __atomic_add_fetch(&live_handles, 1, __ATOMIC_RELAXED);
     return OK;
 }
@@ -201,6 +227,10 @@ cudnnStatus_t cudnnCreate(void **out) {
 cudnnStatus_t cudnnDestroy(void *handle) {
     struct handle *h = handle;
     if (!h) return NULL_POINTER;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_HANDLES; i++)
+        if (handles[i] == h) handles[i] = NULL;
+    pthread_mutex_unlock(&lock);
     device_free(h->state);
     for (size_t i = 0; i < h->plan_allocations; i++) device_free(h->plan_memory[i]);
     free(h->plan_memory);
@@ -228,6 +258,15 @@ cudnnStatus_t cudnnBackendCreateDescriptor(int type, void **out) {
 
 cudnnStatus_t cudnnBackendDestroyDescriptor(void *desc) {
     if (!desc) return NULL_POINTER;
+    const struct desc *d = desc;
+    pthread_mutex_lock(&lock);
+    bool orphaned = d->handle && !live(d->handle);
+    pthread_mutex_unlock(&lock);
+    if (orphaned) {
+        fprintf(stderr, "stand-in cuDNN: a descriptor of type %d destroyed after its handle\n",
+                d->type);
+        abort();
+    }
     free(desc);
     __atomic_sub_fetch(&live_descriptors, 1, __ATOMIC_RELAXED);
     return OK;
