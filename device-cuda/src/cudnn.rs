@@ -278,9 +278,13 @@ pub(crate) const ALIGNMENT: u64 = 16;
 pub(crate) struct SdpaShape {
     /// `true` for bf16, `false` for f16.
     pub(crate) bf16: bool,
+    /// Heads.
     pub(crate) heads: u64,
+    /// Channels per head.
     pub(crate) head_dim: u64,
+    /// Tokens of each segment (queries and keys alike).
     pub(crate) tokens: u64,
+    /// Segments in the call.
     pub(crate) batch: u64,
     /// Row strides of Q, K, V and O, in elements.
     pub(crate) strides: [u64; 4],
@@ -493,9 +497,13 @@ fn heuristic_results(
 
 /// Device addresses of one call's operands.
 pub(crate) struct SdpaOperands {
+    /// The first segment's first query row.
     pub(crate) q: u64,
+    /// Its first key row.
     pub(crate) k: u64,
+    /// Its first value row.
     pub(crate) v: u64,
+    /// Its first output row.
     pub(crate) out: u64,
     /// The workspace (at least the plan's bytes; 0 when it needs none).
     pub(crate) workspace: u64,

@@ -62,9 +62,13 @@ struct Plans {
 /// each, from segment `first` on, whose first token is `start`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Run {
+    /// Index of its first segment.
     pub(crate) first: usize,
+    /// Segments in it.
     pub(crate) batch: usize,
+    /// Its first token.
     pub(crate) start: usize,
+    /// Tokens of each of its segments.
     pub(crate) tokens: usize,
 }
 
