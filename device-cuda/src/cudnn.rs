@@ -78,10 +78,24 @@ pub fn load(major: u32) -> Result<&'static CudnnLibrary, String> {
     done
 }
 
+/// cuDNN from the folder `dir` (and no other place), checked as [`load`] checks it, for a
+/// process running CUDA `major`'s libraries. Tests use it to build the plugin's graphs with a
+/// pip-installed cuDNN.
+pub fn open_in(dir: &std::path::Path, major: u32) -> Result<CudnnLibrary, String> {
+    let opened = loader::open_in(dir, Library::Cudnn, major)
+        .map_err(|err| format!("{err}; searched {} only", dir.display()))?;
+    checked(opened, major)
+}
+
 fn open(major: u32) -> Result<CudnnLibrary, String> {
-    let file = Library::Cudnn.file_name(major);
     let opened = loader::open(Library::Cudnn, major)
         .map_err(|err| format!("{err} ({})", loader::searched()))?;
+    checked(opened, major)
+}
+
+/// Resolves cuDNN's table and checks its version and CUDA release.
+fn checked(opened: loader::Opened, major: u32) -> Result<CudnnLibrary, String> {
+    let file = Library::Cudnn.file_name(major);
     // SAFETY: the file is cuDNN, found by its versioned name.
     let lib = unsafe { Cudnn::load(opened.library) }
         .map_err(|err| format!("{file} lacks an entry point: {err}"))?;
@@ -275,19 +289,19 @@ pub(crate) const ALIGNMENT: u64 = 16;
 /// One attention shape cuDNN computes: `batch` segments of `tokens` tokens each, laid out one
 /// after another in the rows of Q, K, V and O.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct SdpaShape {
+pub struct SdpaShape {
     /// `true` for bf16, `false` for f16.
-    pub(crate) bf16: bool,
+    pub bf16: bool,
     /// Heads.
-    pub(crate) heads: u64,
+    pub heads: u64,
     /// Channels per head.
-    pub(crate) head_dim: u64,
+    pub head_dim: u64,
     /// Tokens of each segment (queries and keys alike).
-    pub(crate) tokens: u64,
+    pub tokens: u64,
     /// Segments in the call.
-    pub(crate) batch: u64,
+    pub batch: u64,
     /// Row strides of Q, K, V and O, in elements.
-    pub(crate) strides: [u64; 4],
+    pub strides: [u64; 4],
 }
 
 /// A finalized execution plan and what it needs.
@@ -307,11 +321,12 @@ unsafe impl Send for SdpaPlan {}
 
 /// Builds the plan for `shape`: the graph, the heuristic's configurations in its order, and
 /// the first whose plan finalizes.
-pub(crate) fn build_plan(
+/// The attention operation of `shape` and its tensors (Q, K, V, O, scale), finalized: what
+/// [`build_plan`] puts in a graph.
+fn operation(
     lib: &'static Cudnn,
-    handle: &Handle,
     shape: &SdpaShape,
-) -> Result<SdpaPlan, CudaError> {
+) -> Result<(Vec<Descriptor>, Descriptor), CudaError> {
     let data_type = if shape.bf16 {
         cudnnDataType_t::CUDNN_DATA_BFLOAT16
     } else {
@@ -374,6 +389,25 @@ pub(crate) fn build_plan(
     op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC, &[&o])?;
     op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_SDPA_FWD_SCALEDESC, &[&scale])?;
     op.finalize()?;
+    Ok((vec![q, k, v, o, scale], op))
+}
+
+/// Builds and finalizes the tensors and the attention operation of `shape` with `library`, and
+/// nothing after them: the part of a plan that needs no device (the operation graph takes a
+/// handle, which needs one). Tests run it against a real cuDNN on machines without a GPU.
+pub fn finalize_operation(
+    library: &'static CudnnLibrary,
+    shape: &SdpaShape,
+) -> Result<(), CudaError> {
+    operation(&library.lib, shape).map(|_| ())
+}
+
+pub(crate) fn build_plan(
+    lib: &'static Cudnn,
+    handle: &Handle,
+    shape: &SdpaShape,
+) -> Result<SdpaPlan, CudaError> {
+    let (tensors, op) = operation(lib, shape)?;
     let graph = Descriptor::new(
         lib,
         Kind::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR,
@@ -428,7 +462,10 @@ pub(crate) fn build_plan(
                         plan,
                         workspace: u64::try_from(workspace).unwrap_or(0),
                         executed: false,
-                        _graph: vec![q, k, v, o, scale, op, graph, heuristic, config],
+                        _graph: tensors
+                            .into_iter()
+                            .chain([op, graph, heuristic, config])
+                            .collect(),
                     });
                 }
                 Err(err) => refused.push(err.to_string()),

@@ -669,6 +669,19 @@ CUresult cuModuleUnload(CUmodule module) {
     return SUCCESS;
 }
 
+/* Tensor maps (Hopper's TMA) are never made here; the entry points exist because cuDNN's
+ * sub-libraries link against them, so that the real cuDNN loads over this driver
+ * (tests/cudnn.rs). */
+CUresult cuTensorMapEncodeTiled(void) {
+    GUARD();
+    return NOT_SUPPORTED;
+}
+
+CUresult cuTensorMapEncodeIm2col(void) {
+    GUARD();
+    return NOT_SUPPORTED;
+}
+
 CUresult cuFuncSetAttribute(CUfunction f, int attribute, int value) {
     GUARD();
     (void)f; (void)attribute; (void)value;
