@@ -23,7 +23,10 @@
 #                its site-packages), named to the plugin in IRIS_CUDA_LIB_PATH
 #   plugin       which CUDA major's libraries the plugin loaded here and why not the other
 #                (the `cuda_libraries` property `iris devices` shows), or why it has no device
-#   devices      `iris devices --json` lists the cuda plugin with at least one device
+#   devices      `iris devices --json` lists the cuda plugin with at least one device, and the
+#                paths device 0 chose at open, each with why (devices.attention_engine: cuDNN
+#                or the plugin's kernels; devices.attention_q128, devices.elementwise_lanes,
+#                devices.kernels)
 #   plugin-check `iris plugin check cuda --json` on every ordinal (the conformance suite)
 #   ops-gpu      the plugin's GPU test scenarios (tests/ops.rs: every op against an f64 host
 #                reference; with two GPUs or more, every ordinal open at once in one process)
@@ -312,6 +315,21 @@ if [ -x "$iris" ] && run devices "$out/devices.json" "$iris" devices --json; the
   read -r devices reason < <(count_devices "$out/devices.json")
   if [ "${devices:-0}" -gt 0 ]; then
     record devices.cuda pass 0 "$devices device(s)"
+    # The paths the plugin chose at open on this GPU, each with why (device 0).
+    while IFS=$'\t' read -r key value; do
+      record "devices.$key" pass 0 "$value"
+    done < <("$python" - "$out/devices.json" <<'EOF'
+import json, sys
+listing = json.load(open(sys.argv[1]))
+for p in listing["plugins"]:
+    if p["name"] == "cuda" and p["devices"]:
+        props = p["devices"][0].get("properties", {})
+        for key in ("attention_engine", "attention_q128", "elementwise_lanes", "kernels"):
+            if key in props:
+                print(f"{key}\t{props[key]}")
+        break
+EOF
+)
   else
     record devices.cuda skip 0 "no CUDA device: ${reason:-unknown}"
   fi
