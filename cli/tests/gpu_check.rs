@@ -525,6 +525,27 @@ fn kernel_model_counts_the_towers_flops_and_sums_ncu_by_category() {
         "{printed}"
     );
 
+    // cuDNN's fused attention kernels (their names hold `sm90_` too) count as attention.
+    let cudnn = [
+        header.to_owned(),
+        row(
+            0,
+            "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0",
+            "usecond",
+            "300",
+        ),
+    ]
+    .join("\n");
+    std::fs::write(&ncu, cudnn).expect("csv written");
+    let (v, _) = python_json("kernel_model.py", &args, &json);
+    let measured = &v[0]["ncu"];
+    assert_eq!(
+        measured["attention"]["launches"].as_u64(),
+        Some(1),
+        "{measured}"
+    );
+    assert_eq!(measured["gemm"]["launches"].as_u64(), Some(0), "{measured}");
+
     // A file that is not ncu's CSV is an error that says so, not an empty table.
     std::fs::write(&ncu, "iris: no such device\n").expect("written");
     let out = python("kernel_model.py", &args);
