@@ -244,26 +244,74 @@ impl Descriptor {
         )
     }
 
-    /// One `int64` attribute of a finalized descriptor.
-    fn get_i64(&self, attr: Attr) -> Result<i64, CudaError> {
-        let (mut value, mut count) = (0i64, 0i64);
-        // SAFETY: room for the one element requested, and a valid count pointer.
+    /// Reads attribute `attr`, elements of C type `ty`, into `values` (room for `requested`
+    /// of them; null with 0 to ask for the count only); returns how many there are.
+    ///
+    /// # Safety
+    ///
+    /// `values` must hold `requested` elements of the C type `ty` names.
+    unsafe fn get(
+        &self,
+        attr: Attr,
+        ty: AttrType,
+        requested: i64,
+        values: *mut c_void,
+    ) -> Result<i64, CudaError> {
+        let mut count = 0i64;
+        // SAFETY: a live descriptor, a valid count pointer, and `values` as the caller vouches.
         let status = unsafe {
-            (self.lib.cudnnBackendGetAttribute)(
-                self.raw,
-                attr,
-                AttrType::CUDNN_TYPE_INT64,
-                1,
-                &mut count,
-                (&raw mut value).cast::<c_void>(),
-            )
+            (self.lib.cudnnBackendGetAttribute)(self.raw, attr, ty, requested, &mut count, values)
         };
         check(
             self.lib,
             &format!("cudnnBackendGetAttribute ({}, {attr:?})", self.kind),
             status,
         )?;
+        Ok(count)
+    }
+
+    /// One `int64` attribute of a finalized descriptor.
+    fn get_i64(&self, attr: Attr) -> Result<i64, CudaError> {
+        let mut value = 0i64;
+        // SAFETY: room for the one int64 requested.
+        unsafe {
+            self.get(
+                attr,
+                AttrType::CUDNN_TYPE_INT64,
+                1,
+                (&raw mut value).cast::<c_void>(),
+            )
+        }?;
         Ok(value)
+    }
+
+    /// The engine configurations this heuristic proposes, best first.
+    fn heuristic_results(&self) -> Result<Vec<Descriptor>, CudaError> {
+        let (results, ty) = (
+            Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS,
+            AttrType::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+        );
+        // SAFETY: asking for the count only: no elements are written.
+        let count = unsafe { self.get(results, ty, 0, std::ptr::null_mut()) }?;
+        let mut configs = (0..count.clamp(0, 64))
+            .map(|_| {
+                Descriptor::new(
+                    self.lib,
+                    Kind::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR,
+                    "engine config",
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if configs.is_empty() {
+            return Ok(configs);
+        }
+        let mut raw: Vec<cudnnBackendDescriptor_t> = configs.iter().map(|c| c.raw).collect();
+        let requested = i64::try_from(raw.len()).unwrap_or(0);
+        // SAFETY: `raw` holds `requested` engine config descriptors for cuDNN to fill.
+        let filled =
+            unsafe { self.get(results, ty, requested, raw.as_mut_ptr().cast::<c_void>()) }?;
+        configs.truncate(usize::try_from(filled).unwrap_or(0));
+        Ok(configs)
     }
 }
 
@@ -435,7 +483,7 @@ pub(crate) fn build_plan(
             refused.push(err.to_string());
             continue;
         }
-        let mut configs = match heuristic_results(lib, &heuristic) {
+        let mut configs = match heuristic.heuristic_results() {
             Ok(configs) => configs,
             Err(err) => {
                 refused.push(err.to_string());
@@ -481,55 +529,6 @@ pub(crate) fn build_plan(
             refused.join("; ")
         )
     }))
-}
-
-/// The engine configurations heuristic `heuristic` proposes, best first.
-fn heuristic_results(
-    lib: &'static Cudnn,
-    heuristic: &Descriptor,
-) -> Result<Vec<Descriptor>, CudaError> {
-    let results = Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS;
-    let call = "cudnnBackendGetAttribute (heuristic, CUDNN_ATTR_ENGINEHEUR_RESULTS)";
-    let mut count = 0i64;
-    // SAFETY: asking for the count only: no elements are written.
-    check(lib, call, unsafe {
-        (lib.cudnnBackendGetAttribute)(
-            heuristic.raw,
-            results,
-            AttrType::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-            0,
-            &mut count,
-            std::ptr::null_mut(),
-        )
-    })?;
-    let configs = (0..count.clamp(0, 64))
-        .map(|_| {
-            Descriptor::new(
-                lib,
-                Kind::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR,
-                "engine config",
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    if configs.is_empty() {
-        return Ok(configs);
-    }
-    let mut raw: Vec<cudnnBackendDescriptor_t> = configs.iter().map(|c| c.raw).collect();
-    let mut filled = 0i64;
-    // SAFETY: `raw` holds `raw.len()` engine config descriptors for cuDNN to fill.
-    check(lib, call, unsafe {
-        (lib.cudnnBackendGetAttribute)(
-            heuristic.raw,
-            results,
-            AttrType::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-            i64::try_from(raw.len()).unwrap_or(0),
-            &mut filled,
-            raw.as_mut_ptr().cast::<c_void>(),
-        )
-    })?;
-    let mut configs = configs;
-    configs.truncate(usize::try_from(filled).unwrap_or(0));
-    Ok(configs)
 }
 
 /// Device addresses of one call's operands.

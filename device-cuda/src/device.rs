@@ -426,7 +426,7 @@ impl CudaDevice {
             .compute
             .as_ref()
             .and_then(|compute| compute.sdpa.library());
-        if let (true, Some(library)) = (ran.is_ok(), cudnn) {
+        if ran.is_ok() && cudnn.is_some() {
             let started = std::time::Instant::now();
             match self.check_cudnn_attention(&mut buffers) {
                 Ok((ready, failures)) => {
@@ -436,11 +436,7 @@ impl CudaDevice {
                     self.log
                         .info(format!("cuDNN attention's check at open took {took} ms"));
                     if let Some(compute) = self.compute.as_mut() {
-                        compute.sdpa.note = format!(
-                            "{}; checked in {took} ms",
-                            cudnn_note(&library.version_text(), &ready, &failures)
-                        );
-                        compute.sdpa.ready = ready;
+                        compute.sdpa.record_check(ready, &failures, took);
                     }
                 }
                 Err(err) => {
@@ -1131,30 +1127,6 @@ fn push_held(held: &mut Vec<HeldMemory>, what: &str, bytes: u64) {
             bytes,
         });
     }
-}
-
-/// The device's `attention_engine` property after cuDNN's check at open: which head dims and
-/// types cuDNN serves, and why any other runs the plugin's kernel.
-fn cudnn_note(version: &str, ready: &[(DType, u64)], failures: &[String]) -> String {
-    let mut note = if ready.is_empty() {
-        format!("kernel: cuDNN {version} did not pass the check at open")
-    } else {
-        let pairs: Vec<String> = ready
-            .iter()
-            .map(|(dtype, head_dim)| format!("{} {head_dim}", crate::ops::dtype_name(*dtype)))
-            .collect();
-        format!(
-            "cudnn {version} for {} (within the check's bound of the plugin kernel at open)",
-            pairs.join(", ")
-        )
-    };
-    if !failures.is_empty() {
-        note.push_str(&format!(
-            "; the plugin's kernel for {}",
-            failures.join("; ")
-        ));
-    }
-    note
 }
 
 /// Device memory in use, `total - free`, as the driver reports it.

@@ -113,7 +113,7 @@ impl CudaDevice {
         if !compute.sdpa.serves(att.q.dtype, att.head_dim as u64) {
             return Ok(0);
         }
-        self.sdpa_workspace(args)
+        Ok(sdpa_workspace(compute, &att))
     }
 
     /// Attention along `path`; returns how many runs of segments cuDNN computed.
@@ -552,13 +552,8 @@ impl CudaDevice {
                 let size = usize::try_from(tokens * width * 2).unwrap_or(0);
                 self.write(outs[0], 0, &vec![0x00; size])?;
                 self.attention_with(&args, AttentionPath::Kernel(FLASH_ATTENTION_QUERIES[0]))?;
-                let bytes = match self.sdpa_workspace(&args) {
-                    Ok(bytes) => bytes,
-                    Err(err) => {
-                        failures.push(format!("{name}: {}", err.message));
-                        continue;
-                    }
-                };
+                let att = validate::attention(&Checker::shapes_only("open"), &args)?;
+                let bytes = sdpa_workspace(self.compute("open")?, &att);
                 if bytes > 0 {
                     args.workspace = BufferSlice {
                         buf: alloc(bytes)?,
@@ -611,27 +606,19 @@ impl CudaDevice {
         }
         Ok((ready, failures))
     }
+}
 
-    /// The workspace cuDNN's plans for `args`'s runs need (built here), with room to align its
-    /// start; the same as `attention_workspace` where cuDNN serves.
-    fn sdpa_workspace(&self, args: &AttentionArgs<'_>) -> Result<u64, PluginError> {
-        let op = "attention_workspace";
-        let att = validate::attention(&Checker::shapes_only(op), args)?;
-        let compute = self.compute(op)?;
-        let runs = sdpa::runs(&att.segments);
-        if runs.len() > sdpa::MAX_RUNS {
-            return Ok(0);
-        }
-        let shapes: Vec<SdpaShape> = runs.iter().map(|run| sdpa_shape(&att, run)).collect();
-        let most = compute
-            .sdpa
-            .workspace(&shapes)
-            .map_err(|err| err.into_plugin(op))?;
-        Ok(if most == 0 {
-            0
-        } else {
-            most + WORKSPACE_ALIGNMENT - 1
-        })
+/// The workspace cuDNN's plans for `att`'s runs need (built here), with room to align its
+/// start; the same as `attention_workspace` where cuDNN serves.
+fn sdpa_workspace(compute: &Compute, att: &validate::Attention) -> u64 {
+    let runs = sdpa::runs(&att.segments);
+    if runs.len() > sdpa::MAX_RUNS {
+        return 0;
+    }
+    let shapes: Vec<SdpaShape> = runs.iter().map(|run| sdpa_shape(att, run)).collect();
+    match compute.sdpa.workspace(&shapes) {
+        0 => 0,
+        most => most + WORKSPACE_ALIGNMENT - 1,
     }
 }
 

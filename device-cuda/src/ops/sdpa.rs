@@ -19,7 +19,7 @@ use iris_plugin::Logger;
 use iris_plugin::abi::{DType, HeldMemory};
 use iris_plugin::validate::Mat;
 
-use super::lock;
+use super::{dtype_name, lock};
 use crate::cudnn::{self, CudnnLibrary, Handle, SdpaOperands, SdpaPlan, SdpaShape};
 use crate::device::{AttentionEngine, CudaOptions, Info, push_growth, used};
 use crate::error::CudaError;
@@ -193,6 +193,41 @@ impl Sdpa {
         self.ready.contains(&(dtype, head_dim))
     }
 
+    /// Takes the outcome of the check at open (`CudaDevice::check_cudnn_attention`, which took
+    /// `took_ms`): the pairs that passed serve, and `note` says which, and why any other runs
+    /// the plugin's kernel.
+    pub(crate) fn record_check(
+        &mut self,
+        ready: Vec<(DType, u64)>,
+        failures: &[String],
+        took_ms: u128,
+    ) {
+        let version = self
+            .library()
+            .map_or_else(String::new, CudnnLibrary::version_text);
+        let mut note = if ready.is_empty() {
+            format!("kernel: cuDNN {version} did not pass the check at open")
+        } else {
+            let pairs: Vec<String> = ready
+                .iter()
+                .map(|(dtype, head_dim)| format!("{} {head_dim}", dtype_name(*dtype)))
+                .collect();
+            format!(
+                "cudnn {version} for {} (within the check's bound of the plugin kernel at open)",
+                pairs.join(", ")
+            )
+        };
+        if !failures.is_empty() {
+            note.push_str(&format!(
+                "; the plugin's kernel for {}",
+                failures.join("; ")
+            ));
+        }
+        note.push_str(&format!("; checked in {took_ms} ms"));
+        self.note = note;
+        self.ready = ready;
+    }
+
     /// Marks the device's open as over (see `opened`).
     pub(crate) fn set_opened(&self) {
         self.opened.store(true, Ordering::Release);
@@ -205,9 +240,9 @@ impl Sdpa {
 
     /// The largest workspace the plans of `shapes` need (building those not built yet); 0 for
     /// shapes without a plan, which run the plugin's kernel.
-    pub(crate) fn workspace(&self, shapes: &[SdpaShape]) -> Result<u64, CudaError> {
+    pub(crate) fn workspace(&self, shapes: &[SdpaShape]) -> u64 {
         let Some((library, handle)) = &self.cudnn else {
-            return Ok(0);
+            return 0;
         };
         let mut plans = lock(&self.plans);
         let mut most = 0;
@@ -216,7 +251,7 @@ impl Sdpa {
                 most = most.max(plan.workspace);
             }
         }
-        Ok(most)
+        most
     }
 
     /// Enqueues `shape`'s plan over `operands` on `stream` (the handle's), building the plan
@@ -283,8 +318,8 @@ impl Plans {
     }
 }
 
-/// Whether cuDNN's plans take views `views` (address, row stride, element bytes): each address
-/// and row stride a multiple of [`cudnn::ALIGNMENT`] bytes.
+/// Whether cuDNN's plans take `views` (each a view and its address): every address and row
+/// stride a multiple of [`cudnn::ALIGNMENT`] bytes.
 pub(crate) fn aligned(views: &[(u64, &Mat)]) -> bool {
     views.iter().all(|(address, mat)| {
         let bytes = mat.dtype.size().unwrap_or(0);
