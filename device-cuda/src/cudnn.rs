@@ -170,6 +170,10 @@ impl Handle {
     }
 }
 
+// SAFETY: a cuDNN handle may be used from any thread with the device's context current, one
+// thread at a time; the attention state keeps it behind a mutex.
+unsafe impl Send for Handle {}
+
 impl Drop for Handle {
     fn drop(&mut self) {
         // SAFETY: created by cudnnCreate, destroyed once. Nothing to do on failure.
@@ -363,12 +367,10 @@ pub(crate) struct SdpaPlan {
     _graph: Vec<Descriptor>,
 }
 
-// SAFETY: cuDNN descriptors are host objects not tied to a thread; plans are built and used
-// under the attention state's mutex.
+// SAFETY: cuDNN descriptors are host objects not tied to a thread; a plan is built on one
+// thread and then used under the attention state's mutexes (its handle's among them).
 unsafe impl Send for SdpaPlan {}
 
-/// Builds the plan for `shape`: the graph, the heuristic's configurations in its order, and
-/// the first whose plan finalizes.
 /// The attention operation of `shape` and its tensors (Q, K, V, O, scale), finalized: what
 /// [`build_plan`] puts in a graph.
 fn operation(
@@ -450,10 +452,14 @@ pub fn finalize_operation(
     operation(&library.lib, shape).map(|_| ())
 }
 
+/// Builds the plan for `shape`: the graph, the heuristic's configurations in its order, and
+/// the first whose plan finalizes and needs at most `max_workspace` bytes of workspace (any,
+/// for `None`).
 pub(crate) fn build_plan(
     lib: &'static Cudnn,
     handle: &Handle,
     shape: &SdpaShape,
+    max_workspace: Option<u64>,
 ) -> Result<SdpaPlan, CudaError> {
     let (tensors, op) = operation(lib, shape)?;
     let graph = Descriptor::new(
@@ -504,11 +510,19 @@ pub(crate) fn build_plan(
             match plan.finalize() {
                 Ok(()) => {
                     let workspace = plan.get_i64(Attr::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?;
+                    let workspace = u64::try_from(workspace).unwrap_or(0);
+                    if let Some(most) = max_workspace.filter(|most| workspace > *most) {
+                        refused.push(format!(
+                            "a configuration needs {workspace} bytes of workspace, calls get \
+                             {most}"
+                        ));
+                        continue;
+                    }
                     // The chosen configuration lives as long as the plan made from it.
                     let config = configs.swap_remove(index);
                     return Ok(SdpaPlan {
                         plan,
-                        workspace: u64::try_from(workspace).unwrap_or(0),
+                        workspace,
                         executed: false,
                         _graph: tensors
                             .into_iter()

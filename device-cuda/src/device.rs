@@ -492,7 +492,7 @@ impl CudaDevice {
         };
         push_held(&mut self.held, what, growth);
         if let Some(compute) = &self.compute {
-            compute.sdpa.set_opened();
+            compute.sdpa.set_opened(&self.ctx, self.log);
         }
         Ok(())
     }

@@ -22,6 +22,7 @@ mod common;
 
 use std::ffi::{CString, c_char, c_void};
 use std::ops::Not;
+use std::time::{Duration, Instant};
 
 use common::{Libraries, plugin_library, run};
 use half::{bf16, f16};
@@ -88,9 +89,12 @@ fn an_elementwise_kernel_whose_four_wide_path_differs_at_open_runs_one_wide() {
 
 /// cuDNN's fused attention (the stand-in `libcudnn.so.9`, computing in f64) under
 /// `attention_engine = cudnn` on the emulated Ampere device: it passes its check at open at
-/// every head dim and type, then computes each run of equal-length segments in one call, right,
-/// leaves unaligned views to the plugin's kernel, reports the device memory its plans add after
-/// open, and leaves no descriptor or handle behind when the device closes.
+/// every head dim and type; after open, a call whose plans are not built yet runs the plugin's
+/// kernel without waiting for them (nor for the handle the builder thread holds), and once they
+/// are, each run of equal-length segments is one cuDNN call, right; unaligned views stay on the
+/// plugin's kernel; the device memory its plans add after open is reported; and no descriptor
+/// or handle is left behind when the device closes (the stand-in aborts on a handle used by two
+/// threads at once).
 #[test]
 fn attention_runs_on_cudnn_where_it_passed_its_check() {
     run(
@@ -1424,16 +1428,47 @@ fn cudnn(device: Device) {
     let mixed = [0, 1, 18, 82, 147, 447];
     // Five segments of 130 tokens: one call of four and one of one.
     let equal: Vec<u32> = (0..=5).map(|i| i * 130).collect();
+    // After open, plans are built on a thread of their own: a call whose plans are not ready
+    // runs the plugin's kernel (right, as `attention_case` checks) and does not wait for them,
+    // here while their builds cannot finish. Only the one-token run's plan is ready (the check
+    // at open built it, for these strides).
+    let cudnn_runs = |dtype, hd, cu: &[u32]| {
+        let before = common::standin_cudnn_executes();
+        attention_case(&device, dtype, hd, cu, 0);
+        common::standin_cudnn_executes() - before
+    };
+    common::standin_cudnn_hold_plans(true);
+    assert_eq!(cudnn_runs(DType::BF16, 64, &mixed), 1, "a plan being built");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while common::standin_cudnn_held_plans() == 0 {
+        assert!(Instant::now() < deadline, "no plan was built after 60 s");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // While the builder holds cuDNN's handle, calls do not wait for it either: the ready plan's
+    // run takes the kernel too.
+    assert_eq!(cudnn_runs(DType::BF16, 64, &mixed), 0, "the handle in use");
+    common::standin_cudnn_hold_plans(false);
     for dtype in [DType::BF16, DType::F16] {
         for hd in [64usize, 72, 80, 96, 128] {
-            for (cu, calls) in [(&mixed[..], 5), (&equal[..], 2)] {
-                let before = common::standin_cudnn_executes();
-                attention_case(&device, dtype, hd, cu, 0);
-                assert_eq!(
-                    common::standin_cudnn_executes() - before,
-                    calls,
-                    "{dtype} head_dim {hd}, segments {cu:?}: cuDNN calls"
-                );
+            for (cu, first, calls) in [(&mixed[..], 1, 5), (&equal[..], 0, 2)] {
+                let what = format!("{dtype} head_dim {hd}, segments {cu:?}");
+                if (dtype, hd, cu.len()) != (DType::BF16, 64, mixed.len()) {
+                    assert_eq!(cudnn_runs(dtype, hd, cu), first, "{what}: first call");
+                }
+                // Then every run takes cuDNN, once the builder has made their plans.
+                let deadline = Instant::now() + Duration::from_secs(60);
+                loop {
+                    let ran = cudnn_runs(dtype, hd, cu);
+                    assert!(ran <= calls, "{what}: {ran} cuDNN calls");
+                    if ran == calls {
+                        break;
+                    }
+                    assert!(
+                        Instant::now() < deadline,
+                        "{what}: {ran} of {calls} runs on cuDNN after 60 s"
+                    );
+                    std::thread::sleep(Duration::from_millis(2));
+                }
             }
         }
     }

@@ -99,8 +99,8 @@ impl CudaDevice {
         self.attention_with(args, AttentionPath::Chosen).map(|_| ())
     }
 
-    /// The workspace of an attention call: what cuDNN's plans for its runs need where cuDNN
-    /// would take it (building the plans), else none.
+    /// The workspace of an attention call: where cuDNN would take it, what its plans need
+    /// (during open, building them; after it, the fixed size every call gets), else none.
     pub(crate) fn attention_workspace_impl(
         &self,
         args: &AttentionArgs<'_>,
@@ -565,7 +565,15 @@ impl CudaDevice {
                 self.write(outs[1], 0, &vec![0xff; size])?;
                 match self.attention_with(&args, AttentionPath::Cudnn) {
                     Ok(0) => {
-                        failures.push(format!("{name}: no cuDNN engine takes the check's shape"));
+                        let sdpa = &self.compute("open")?.sdpa;
+                        let why: Vec<String> = sdpa::runs(&att.segments)
+                            .iter()
+                            .filter_map(|run| sdpa.why_not(&sdpa_shape(&att, run)))
+                            .collect();
+                        failures.push(format!(
+                            "{name}: no cuDNN engine takes the check's shape ({})",
+                            why.join("; ")
+                        ));
                         continue;
                     }
                     Ok(_) => {}
@@ -608,8 +616,8 @@ impl CudaDevice {
     }
 }
 
-/// The workspace cuDNN's plans for `att`'s runs need (built here), with room to align its
-/// start; the same as `attention_workspace` where cuDNN serves.
+/// The workspace cuDNN's plans for `att`'s runs need ([`sdpa::Sdpa::workspace`]), with room
+/// to align its start; the same as `attention_workspace` where cuDNN serves.
 fn sdpa_workspace(compute: &Compute, att: &validate::Attention) -> u64 {
     let runs = sdpa::runs(&att.segments);
     if runs.len() > sdpa::MAX_RUNS {

@@ -10,11 +10,25 @@
 //! (`CudaDevice::check_cudnn_attention`), and only for calls whose operands are aligned as its
 //! plans declare ([`crate::cudnn::ALIGNMENT`]). A run of segments whose shape no cuDNN engine
 //! takes runs the plugin's kernel, within the same call.
+//!
+//! A plan is made for one shape (segment length, segments, head dim, type), and building one
+//! (heuristics, finalizing, and the kernels cuDNN may compile for it) takes tens to hundreds of
+//! milliseconds, so a serving device would stall at every image size it had not seen. After
+//! open, plans are therefore built on a thread of their own: a run whose plan is not ready runs
+//! the plugin's kernel (checked against cuDNN at open) and asks for the plan, and later calls of
+//! that shape take cuDNN. The two threads share one handle, one at a time: a call that finds
+//! the builder holding it runs the kernel rather than wait. Calls get a workspace of a fixed
+//! size (the largest the check's plans needed), so that the step plans the host made before a
+//! plan was ready stay right after; a shape whose every configuration needs more runs the
+//! kernel.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError, mpsc};
+use std::thread::JoinHandle;
+use std::time::Instant;
 
+use cudarc::driver::CudaContext;
 use iris_plugin::Logger;
 use iris_plugin::abi::{DType, HeldMemory};
 use iris_plugin::validate::Mat;
@@ -30,30 +44,58 @@ use crate::memory;
 pub(crate) const CUDNN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
 /// The compute capability from which `auto` takes it (Hopper).
 pub(crate) const CUDNN_AUTO_COMPUTE_CAPABILITY: (i32, i32) = (9, 0);
-/// Plans kept at most; beyond it the device waits for its queue and starts over (a plan is
-/// built in a few library calls, but every distinct segment length and batch has its own).
+/// Plans kept at most; beyond it the device waits for its queue and starts over (every
+/// distinct segment length and batch has its own).
 const MAX_PLANS: usize = 1024;
 
 /// cuDNN attention on one device.
 pub(crate) struct Sdpa {
-    /// Declared (so dropped) before the handle they were built with.
-    plans: Mutex<Plans>,
-    /// cuDNN and a handle on the device's queue, when the options and the device let it be
-    /// tried and it loaded.
-    cudnn: Option<(&'static CudnnLibrary, Handle)>,
+    /// cuDNN, its handle on the device's queue and the plans, when the options and the device
+    /// let it be tried and it loaded.
+    cudnn: Option<Arc<Shared>>,
+    /// The thread that builds plans after open, and the queue of shapes it builds.
+    builder: Mutex<Option<Builder>>,
     /// `(dtype, head dim)` pairs that passed the check at open.
     pub(crate) ready: Vec<(DType, u64)>,
     /// What `iris devices` shows: the engine in use, and why.
     pub(crate) note: String,
-    /// Set once the device's open is over: device memory a plan adds from then on is measured
-    /// and reported ([`Sdpa::grown`]), where before it counts in the open's own warm-up.
+    /// Set once the device's open is over: from then on plans are built in the background,
+    /// calls get [`Sdpa::workspace`]'s fixed workspace, and device memory a plan's first
+    /// execution adds is measured and reported ([`Sdpa::grown`]), where before it counts in the
+    /// open's own warm-up.
     opened: AtomicBool,
+    /// The workspace every call gets after open: the most the check's plans needed.
+    workspace_after_open: AtomicU64,
 }
 
-/// Plans by shape, or why cuDNN has none for it.
+/// What calls and the builder thread share.
+struct Shared {
+    library: &'static CudnnLibrary,
+    /// Declared (so dropped) before the handle they were built with.
+    plans: Mutex<Plans>,
+    /// One thread at a time: the builder while it builds, a call while it executes.
+    handle: Mutex<Handle>,
+    /// Set when the device closes: the builder stops after the plan at hand.
+    closing: AtomicBool,
+}
+
+/// The thread building plans after open.
+struct Builder {
+    shapes: mpsc::Sender<SdpaShape>,
+    thread: JoinHandle<()>,
+}
+
+/// A shape's plan: asked for, ready, or why cuDNN has none.
+enum Entry {
+    Building,
+    Ready(SdpaPlan),
+    Refused(String),
+}
+
+/// Plans by shape.
 #[derive(Default)]
 struct Plans {
-    by_shape: HashMap<SdpaShape, Result<SdpaPlan, String>>,
+    by_shape: HashMap<SdpaShape, Entry>,
     /// Device memory first executions of plans made after open added (loaded kernels).
     grown: u64,
 }
@@ -125,12 +167,13 @@ impl Sdpa {
         held: &mut Vec<HeldMemory>,
     ) -> Result<Sdpa, CudaError> {
         let explicit = options.attention_engine == AttentionEngine::Cudnn;
-        let without = |note: String| Sdpa {
-            cudnn: None,
-            plans: Mutex::default(),
+        let with = |cudnn: Option<Arc<Shared>>, note: String| Sdpa {
+            cudnn,
+            builder: Mutex::new(None),
             ready: Vec::new(),
             note,
             opened: AtomicBool::new(false),
+            workspace_after_open: AtomicU64::new(0),
         };
         let cc = info.cc;
         let refused = match options.attention_engine {
@@ -152,7 +195,7 @@ impl Sdpa {
                     "attention_engine = cudnn: {why}"
                 )));
             }
-            return Ok(without(format!("kernel: {why}")));
+            return Ok(with(None, format!("kernel: {why}")));
         }
         let loaded = cudnn::load(major).and_then(|library| {
             let before = used().map_err(|err| err.to_string())?;
@@ -170,22 +213,27 @@ impl Sdpa {
                     library.cudart % 1000 / 10,
                     library.path.display()
                 ));
-                Ok(Sdpa {
-                    cudnn: Some((library, handle)),
-                    note: format!("cudnn {}: not checked yet", library.version_text()),
-                    ..without(String::new())
-                })
+                let shared = Shared {
+                    library,
+                    plans: Mutex::default(),
+                    handle: Mutex::new(handle),
+                    closing: AtomicBool::new(false),
+                };
+                Ok(with(
+                    Some(Arc::new(shared)),
+                    format!("cudnn {}: not checked yet", library.version_text()),
+                ))
             }
             Err(why) if explicit => Err(CudaError::Unavailable(format!(
                 "attention_engine = cudnn: {why}"
             ))),
-            Err(why) => Ok(without(format!("kernel: {why}"))),
+            Err(why) => Ok(with(None, format!("kernel: {why}"))),
         }
     }
 
     /// The loaded cuDNN, if any.
     pub(crate) fn library(&self) -> Option<&'static CudnnLibrary> {
-        self.cudnn.as_ref().map(|(library, _)| *library)
+        self.cudnn.as_ref().map(|shared| shared.library)
     }
 
     /// Whether cuDNN serves attention over `dtype` at `head_dim` (it passed the check).
@@ -228,36 +276,84 @@ impl Sdpa {
         self.ready = ready;
     }
 
-    /// Marks the device's open as over (see `opened`).
-    pub(crate) fn set_opened(&self) {
+    /// Marks the device's open as over (see `opened`): calls' workspace is fixed at what the
+    /// check's plans needed, and a thread with `ctx` current starts building plans for the
+    /// shapes calls ask for, logging to `log`. Without that thread (it could not start),
+    /// attention runs the plugin's kernel.
+    pub(crate) fn set_opened(&self, ctx: &Arc<CudaContext>, log: Logger) {
+        if let Some(shared) = &self.cudnn {
+            let most = lock(&shared.plans)
+                .by_shape
+                .values()
+                .filter_map(|entry| match entry {
+                    Entry::Ready(plan) => Some(plan.workspace),
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(0);
+            self.workspace_after_open.store(most, Ordering::Release);
+            if !self.ready.is_empty() {
+                let (shapes, queue) = mpsc::channel();
+                let shared = Arc::clone(shared);
+                let ctx = Arc::clone(ctx);
+                let spawned = std::thread::Builder::new()
+                    .name("iris-cudnn-plans".to_owned())
+                    .spawn(move || build_plans(&shared, &ctx, &queue, most, log));
+                match spawned {
+                    Ok(thread) => *lock(&self.builder) = Some(Builder { shapes, thread }),
+                    Err(err) => log.warn(format!(
+                        "cuDNN attention: no thread to build plans ({err}); attention runs \
+                         the plugin's kernel"
+                    )),
+                }
+            }
+        }
         self.opened.store(true, Ordering::Release);
+    }
+
+    /// Why cuDNN has no plan for `shape`, if it was tried and has none.
+    pub(crate) fn why_not(&self, shape: &SdpaShape) -> Option<String> {
+        let shared = self.cudnn.as_ref()?;
+        match lock(&shared.plans).by_shape.get(shape)? {
+            Entry::Refused(why) => Some(why.clone()),
+            Entry::Building | Entry::Ready(_) => None,
+        }
     }
 
     /// Device memory that plans built after open added, for the memory report.
     pub(crate) fn grown(&self) -> u64 {
-        lock(&self.plans).grown
+        self.cudnn
+            .as_ref()
+            .map_or(0, |shared| lock(&shared.plans).grown)
     }
 
-    /// The largest workspace the plans of `shapes` need (building those not built yet); 0 for
-    /// shapes without a plan, which run the plugin's kernel.
+    /// The workspace calls over `shapes` get: during open, the most their plans need (building
+    /// them; 0 for shapes without a plan, which run the plugin's kernel); after it, the same
+    /// fixed size for every call, so that a plan finished between the host's sizing of a step
+    /// and its run changes nothing the host planned.
     pub(crate) fn workspace(&self, shapes: &[SdpaShape]) -> u64 {
-        let Some((library, handle)) = &self.cudnn else {
+        let Some(shared) = &self.cudnn else {
             return 0;
         };
-        let mut plans = lock(&self.plans);
+        if self.opened.load(Ordering::Acquire) {
+            return self.workspace_after_open.load(Ordering::Acquire);
+        }
+        let mut plans = lock(&shared.plans);
+        let handle = lock(&shared.handle);
         let mut most = 0;
         for shape in shapes {
-            if let Ok(plan) = plans.plan(library, handle, shape) {
+            if let Entry::Ready(plan) = plans.entry_built_now(shared.library, &handle, shape) {
                 most = most.max(plan.workspace);
             }
         }
         most
     }
 
-    /// Enqueues `shape`'s plan over `operands` on `stream` (the handle's), building the plan
-    /// first where needed. `Ok(false)`: cuDNN has no plan for the shape, and the caller runs
-    /// its kernel. A plan's first execution after the device's open waits for the queue, so
-    /// that what the library loaded for it is measured and reported.
+    /// Enqueues `shape`'s plan over `operands` on `stream` (the handle's), if it is ready:
+    /// `Ok(false)` when it is not (or the builder holds the handle), and the caller runs its
+    /// kernel. During open the plan is built here; after it, a shape seen for the first time is
+    /// handed to the builder thread. A plan's first execution after open waits for the queue,
+    /// so that what the library loaded for it is measured and reported.
     pub(crate) fn run(
         &self,
         shape: &SdpaShape,
@@ -266,22 +362,28 @@ impl Sdpa {
         scale: f32,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<bool, CudaError> {
-        let Some((library, handle)) = &self.cudnn else {
+        let Some(shared) = &self.cudnn else {
             return Ok(false);
         };
-        let mut plans = lock(&self.plans);
-        if plans.by_shape.len() >= MAX_PLANS && !plans.by_shape.contains_key(shape) {
-            // Plans may still be referenced by queued work: let it finish first.
-            memory::wait(stream)?;
-            plans.by_shape.clear();
-        }
+        let library = shared.library;
+        let mut plans = lock(&shared.plans);
         let opened = self.opened.load(Ordering::Acquire);
-        let (plan, before) = match plans.plan(library, handle, shape) {
-            // A plan's first execution after open: what it adds is measured from here (its
-            // build may have come earlier, in a workspace query).
-            Ok(plan) if !plan.executed && opened => (plan, Some(used()?)),
-            Ok(plan) => (plan, None),
-            Err(_) => return Ok(false),
+        let handle = if opened {
+            if !plans.by_shape.contains_key(shape) {
+                self.ask(shared, &mut plans, shape, stream)?;
+                return Ok(false);
+            }
+            match try_lock(&shared.handle) {
+                Some(handle) => handle,
+                // The builder is building: no waiting for it.
+                None => return Ok(false),
+            }
+        } else {
+            lock(&shared.handle)
+        };
+        let plan = match plans.entry_built_now(library, &handle, shape) {
+            Entry::Ready(plan) => plan,
+            Entry::Building | Entry::Refused(_) => return Ok(false),
         };
         if plan.workspace > workspace_given {
             return Err(CudaError::Invalid(format!(
@@ -290,7 +392,14 @@ impl Sdpa {
                 plan.workspace
             )));
         }
-        cudnn::execute(&library.lib, handle, plan, operands, scale)?;
+        // A plan's first execution after open: what it adds is measured from here (its build
+        // may have come earlier, in a workspace query or on the builder thread).
+        let before = if !plan.executed && opened {
+            Some(used()?)
+        } else {
+            None
+        };
+        cudnn::execute(&library.lib, &handle, plan, operands, scale)?;
         plan.executed = true;
         if let Some(before) = before {
             memory::wait(stream)?;
@@ -298,23 +407,127 @@ impl Sdpa {
         }
         Ok(true)
     }
+
+    /// Hands `shape` to the builder thread, after making room for it (at [`MAX_PLANS`], the
+    /// queue is waited for and the plans are dropped, unless the builder holds the handle, when
+    /// the shape is asked for again at its next call).
+    fn ask(
+        &self,
+        shared: &Shared,
+        plans: &mut Plans,
+        shape: &SdpaShape,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), CudaError> {
+        if plans.by_shape.len() >= MAX_PLANS {
+            let Some(_handle) = try_lock(&shared.handle) else {
+                return Ok(());
+            };
+            // Plans may still be referenced by queued work: let it finish first.
+            memory::wait(stream)?;
+            plans
+                .by_shape
+                .retain(|_, entry| matches!(entry, Entry::Building));
+        }
+        let entry = match lock(&self.builder).as_ref() {
+            Some(builder) if builder.shapes.send(*shape).is_ok() => Entry::Building,
+            _ => Entry::Refused("no thread builds cuDNN plans".to_owned()),
+        };
+        plans.by_shape.insert(*shape, entry);
+        Ok(())
+    }
+}
+
+impl Drop for Sdpa {
+    /// Stops the builder thread (after the plan at hand) before the plans and the handle go.
+    fn drop(&mut self) {
+        if let Some(shared) = &self.cudnn {
+            shared.closing.store(true, Ordering::Release);
+        }
+        if let Some(Builder { shapes, thread }) = lock(&self.builder).take() {
+            drop(shapes);
+            // A panic on that thread has been reported by the panic hook; nothing is left to
+            // clean but what drops here.
+            let _ = thread.join();
+        }
+    }
 }
 
 impl Plans {
-    /// The plan of `shape`, built at the first call; or why there is none (built once too).
-    fn plan(
+    /// The entry of `shape`, its plan built here with `handle` at the first call (during
+    /// open: its check builds what it runs).
+    fn entry_built_now(
         &mut self,
         library: &'static CudnnLibrary,
         handle: &Handle,
         shape: &SdpaShape,
-    ) -> Result<&mut SdpaPlan, &str> {
-        self.by_shape
-            .entry(*shape)
-            .or_insert_with(|| {
-                cudnn::build_plan(&library.lib, handle, shape).map_err(|err| err.to_string())
-            })
-            .as_mut()
-            .map_err(|why| why.as_str())
+    ) -> &mut Entry {
+        self.by_shape.entry(*shape).or_insert_with(|| {
+            match cudnn::build_plan(&library.lib, handle, shape, None) {
+                Ok(plan) => Entry::Ready(plan),
+                Err(err) => Entry::Refused(err.to_string()),
+            }
+        })
+    }
+}
+
+/// The builder thread: builds the plans of the shapes `queue` brings with the device's context
+/// current, each within `max_workspace` bytes of workspace, until the queue closes or the
+/// device does. Why a shape has none is logged once.
+fn build_plans(
+    shared: &Shared,
+    ctx: &CudaContext,
+    queue: &mpsc::Receiver<SdpaShape>,
+    max_workspace: u64,
+    log: Logger,
+) {
+    let bound = ctx.bind_to_thread();
+    for shape in queue {
+        if shared.closing.load(Ordering::Acquire) {
+            return;
+        }
+        let started = Instant::now();
+        let built = match &bound {
+            Ok(()) => {
+                let handle = lock(&shared.handle);
+                cudnn::build_plan(&shared.library.lib, &handle, &shape, Some(max_workspace))
+                    .map_err(|err| err.to_string())
+            }
+            Err(err) => Err(format!(
+                "the builder thread cannot bind the context: {err:?}"
+            )),
+        };
+        let what = format!(
+            "cuDNN attention plan for {} x {} tokens, {} heads of {} ({})",
+            shape.batch,
+            shape.tokens,
+            shape.heads,
+            shape.head_dim,
+            if shape.bf16 { "bf16" } else { "f16" }
+        );
+        let entry = match built {
+            Ok(plan) => {
+                log.info(format!(
+                    "{what}: built in {} ms",
+                    started.elapsed().as_millis()
+                ));
+                Entry::Ready(plan)
+            }
+            Err(why) => {
+                log.info(format!("{what}: none, the plugin's kernel runs it: {why}"));
+                Entry::Refused(why)
+            }
+        };
+        lock(&shared.plans).by_shape.insert(shape, entry);
+    }
+}
+
+/// `mutex`'s guard if no other thread holds it (a poisoned lock's values stay consistent, as
+/// for [`lock`]).
+fn try_lock<T>(mutex: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match mutex.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
     }
 }
 

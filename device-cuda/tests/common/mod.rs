@@ -144,6 +144,26 @@ pub fn standin_cudnn_executes() -> u64 {
     standin_counter("libcudnn.so.9", "iris_standin_cudnn_executes")
 }
 
+/// Execution plans whose finalizing began to wait on [`standin_cudnn_hold_plans`].
+pub fn standin_cudnn_held_plans() -> u64 {
+    standin_counter("libcudnn.so.9", "iris_standin_cudnn_held_plans")
+}
+
+/// Makes the stand-in cuDNN's execution plans wait in their finalizing (holding their handle)
+/// while `on`.
+pub fn standin_cudnn_hold_plans(on: bool) {
+    // SAFETY: the stand-in cuDNN the plugin already opened; the symbol is a `void (int)`
+    // function that stores its argument.
+    unsafe {
+        let loaded = libloading::Library::new("libcudnn.so.9")
+            .unwrap_or_else(|err| panic!("the stand-in libcudnn.so.9: {err}"));
+        let hold: libloading::Symbol<unsafe extern "C" fn(i32)> = loaded
+            .get(b"iris_standin_cudnn_hold_plans")
+            .unwrap_or_else(|err| panic!("iris_standin_cudnn_hold_plans: {err}"));
+        hold(i32::from(on));
+    }
+}
+
 /// cuDNN backend descriptors created and not destroyed, and handles likewise.
 pub fn standin_cudnn_live() -> (u64, u64) {
     (

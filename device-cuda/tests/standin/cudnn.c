@@ -28,7 +28,15 @@
  *   IRIS_STANDIN_CUDNN_WRONG      1: each execution adds 0.5 to its first output element
  *
  * A descriptor tied to a handle (an operation graph, an execution plan) destroyed after that
- * handle aborts the process with a message, since a real library may touch the handle then.
+ * handle aborts the process with a message, since a real library may touch the handle then. So
+ * does a handle used by two threads at once (an execution, or the finalizing of a graph, a
+ * heuristic or a plan on it, while another thread is in one): cuDNN's handles are not
+ * thread-safe.
+ *
+ * For tests of building plans off the caller's thread: iris_standin_cudnn_hold_plans(1) makes
+ * every execution plan's finalizing wait (holding its handle) until
+ * iris_standin_cudnn_hold_plans(0); iris_standin_cudnn_held_plans() counts the waits begun. A
+ * wait of 60 s aborts with a message (the thread that set the hold is the one waiting).
  *
  * Counters for tests: iris_standin_cudnn_executes(), iris_standin_cudnn_plans() (execution
  * plans finalized), iris_standin_cudnn_live_descriptors() and iris_standin_cudnn_live_handles()
@@ -43,6 +51,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "half.h"
 
@@ -98,6 +107,7 @@ enum {
 struct handle {
     void *stream;
     unsigned long long state; /* device memory of the first execution, 0 before */
+    int busy;                 /* a thread is in a call on the handle */
     unsigned long long *plan_memory; /* what plans loaded at their first execution */
     size_t plan_allocations;
 };
@@ -129,7 +139,13 @@ struct desc {
     void *workspace_ptr;
 };
 
-static unsigned long long executes, plans, live_descriptors, live_handles;
+static unsigned long long executes, plans, live_descriptors, live_handles, held_plans;
+static int hold_plans;
+
+void iris_standin_cudnn_hold_plans(int on) { __atomic_store_n(&hold_plans, on, __ATOMIC_SEQ_CST); }
+unsigned long long iris_standin_cudnn_held_plans(void) {
+    return __atomic_load_n(&held_plans, __ATOMIC_SEQ_CST);
+}
 
 unsigned long long iris_standin_cudnn_executes(void) { return executes; }
 unsigned long long iris_standin_cudnn_plans(void) { return plans; }
@@ -458,13 +474,50 @@ static cudnnStatus_t finalize(struct desc *d) {
     }
 }
 
+/* Marks `h` in use by the calling thread; another thread in it aborts the process. */
+static void enter_handle(struct handle *h) {
+    if (h && __atomic_exchange_n(&h->busy, 1, __ATOMIC_SEQ_CST)) {
+        fprintf(stderr, "stand-in cuDNN: a handle used by two threads at once\n");
+        abort();
+    }
+}
+
+static void leave_handle(struct handle *h) {
+    if (h) __atomic_store_n(&h->busy, 0, __ATOMIC_SEQ_CST);
+}
+
+/* Waits while the tests' hold is on (see the top of this file). */
+static void wait_for_hold(void) {
+    if (!__atomic_load_n(&hold_plans, __ATOMIC_SEQ_CST)) return;
+    __atomic_add_fetch(&held_plans, 1, __ATOMIC_SEQ_CST);
+    for (int waited = 0; __atomic_load_n(&hold_plans, __ATOMIC_SEQ_CST); waited++) {
+        if (waited == 60000) {
+            fprintf(stderr, "stand-in cuDNN: a plan's finalizing waited 60 s on the hold\n");
+            abort();
+        }
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
+}
+
 cudnnStatus_t cudnnBackendFinalize(void *desc) {
     struct desc *d = desc;
     if (!d) return NULL_POINTER;
+    /* The handle the call works on, read before any other thread may change the graph. */
+    struct handle *h = NULL;
+    pthread_mutex_lock(&lock);
+    if (d->type == OPERATIONGRAPH || d->type == EXECUTION_PLAN)
+        h = d->handle;
+    else if (d->type == ENGINEHEUR && d->graph)
+        h = d->graph->handle;
+    pthread_mutex_unlock(&lock);
+    enter_handle(h);
+    if (d->type == EXECUTION_PLAN) wait_for_hold();
     pthread_mutex_lock(&lock);
     cudnnStatus_t status = d->finalized ? BAD_PARAM : finalize(d);
     if (status == OK) d->finalized = true;
     pthread_mutex_unlock(&lock);
+    leave_handle(h);
     return status;
 }
 
@@ -624,8 +677,10 @@ static cudnnStatus_t execute(struct handle *h, struct desc *plan, struct desc *p
 
 cudnnStatus_t cudnnBackendExecute(void *handle, void *plan, void *pack) {
     if (!handle || !plan || !pack) return NULL_POINTER;
+    enter_handle(handle);
     pthread_mutex_lock(&lock);
     cudnnStatus_t status = execute(handle, plan, pack);
     pthread_mutex_unlock(&lock);
+    leave_handle(handle);
     return status;
 }
