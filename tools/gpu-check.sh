@@ -72,6 +72,9 @@
 #   kernels      where ncu (Nsight Compute) runs: every kernel of one Qwen3-VL-8B pass over 41
 #                images of 448x448, timed by ncu (with its DRAM bytes and SM throughput) and
 #                summed by category beside the per-kernel model (tools/gpu-check/kernel_model.py)
+#   cudnn.plans  the cuDNN plans the bench steps built after open, on the plugin's own thread
+#                (their logs at IRIS_LOG=warn,iris::plugin=info): how many, the median and
+#                longest build, and the shapes cuDNN had none for
 #
 # It prints one summary table and writes it as JSON to DIR/summary.json (default DIR:
 # target/gpu-check, or gpu-check-results beside the bundle with --prebuilt), next to every
@@ -222,7 +225,9 @@ bench_step() {
   verdict+=(--gpu "${SMI_GPU:-0}")
   sleep 1
   # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags on purpose
-  run "$name" "$out/$name.log" "$iris" bench --device cuda --no-progress --result-json "$json" \
+  # The plugin's info lines: among them each cuDNN plan built after open and its time.
+  run "$name" "$out/$name.log" env IRIS_LOG="${IRIS_LOG:-warn,iris::plugin=info}" \
+    "$iris" bench --device cuda --no-progress --result-json "$json" \
     --plot "$out/$name-memory.svg" "$@" ${BENCH_ARGS:-}
   sleep 2
   if [ -n "$smi_pid" ]; then kill "$smi_pid" 2> /dev/null; wait "$smi_pid" 2> /dev/null; fi
@@ -566,6 +571,21 @@ else
   for step in plugin-check ops-gpu encode bench first profile attention transformers serving kernels; do
     skip "$step" "no CUDA device"
   done
+fi
+
+# --- cuDNN plans built after open, from the bench steps' logs ---------------------------------------
+# A plan is built on the plugin's own thread while the kernel computes its shape: how long the
+# builds took says how many steps a new image size runs on the kernel.
+if [ "${devices:-0}" -gt 0 ]; then
+  plan_ms=$(cat "$out"/*.log 2> /dev/null | grep -o "cuDNN attention plan for .*: built in [0-9]* ms" |
+    sed 's/.*built in \([0-9]*\) ms/\1/' | sort -n)
+  plans_refused=$(cat "$out"/*.log 2> /dev/null | grep -c "cuDNN attention plan for .*: none, ")
+  if [ -n "$plan_ms" ]; then
+    record cudnn.plans pass 0 "$(printf '%s\n' "$plan_ms" | awk -v refused="$plans_refused" \
+      '{ v[NR] = $1 } END { printf "%d built after open, median %d ms, max %d ms; %d shapes without a plan", NR, v[int((NR + 1) / 2)], v[NR], refused }')"
+  else
+    skip cudnn.plans "no bench log names a cuDNN plan built after open ($plans_refused shapes without one)"
+  fi
 fi
 
 # --- summary ------------------------------------------------------------------------------------
