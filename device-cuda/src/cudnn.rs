@@ -1,8 +1,8 @@
 //! cuDNN's fused attention (`libcudnn.so.9`, loaded at run time when present): what PyTorch's
 //! scaled-dot-product attention runs on Hopper, through cuDNN's backend API from Rust.
 //!
-//! The plugin builds one graph per attention shape: a single `OPERATION_SDPA_FWD` (cuDNN 9.13
-//! and later) over Q, K, V and O as `[batch, heads, tokens, head dim]` views of the tower's own
+//! The plugin builds one graph per attention shape: a single `OPERATION_SDPA_FWD` (cuDNN
+//! 9.13.1 and later) over Q, K, V and O as `[batch, heads, tokens, head dim]` views of the tower's own
 //! row-major buffers (no copies: strides `[tokens · row, head dim, row, 1]`, so Q, K and V may
 //! be column blocks of one fused QKV output), with the score scale passed by value. A launch of
 //! packed segments becomes one call per run of consecutive segments of one length, the run cut
@@ -26,9 +26,10 @@ use crate::sys::cudnn::{
     cudnnDataType_t, cudnnHandle_t,
 };
 
-/// The oldest cuDNN whose backend API has the fused attention operation
-/// (`CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR`), as `cudnnGetVersion` encodes it.
-pub const MIN_VERSION: usize = 9_13_00;
+/// The oldest cuDNN whose fused attention operation (`CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR`,
+/// added in 9.13.0) the plugin uses, as `cudnnGetVersion` encodes it: 9.13.1, the oldest cuDNN's
+/// own frontend builds that operation with.
+pub const MIN_VERSION: usize = 9_13_01;
 
 /// cuDNN, loaded for the process and checked.
 #[derive(Debug)]
@@ -62,7 +63,7 @@ fn dotted(version: usize) -> String {
 
 /// cuDNN for a process running CUDA `major`'s libraries: opened at the first call, then the
 /// same library (or the same reason it is not usable) for every later call. Usable means found,
-/// every entry point present, version 9.13 or newer, built for CUDA `major` (a cuDNN of the
+/// every entry point present, version 9.13.1 or newer, built for CUDA `major` (a cuDNN of the
 /// other major would load that major's cuBLAS beside the process's).
 pub fn load(major: u32) -> Result<&'static CudnnLibrary, String> {
     static LOADED: Mutex<Option<Result<&'static CudnnLibrary, String>>> = Mutex::new(None);

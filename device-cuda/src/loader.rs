@@ -37,7 +37,7 @@ use crate::error::CudaError;
 pub const LIB_PATH_ENV: &str = "IRIS_CUDA_LIB_PATH";
 
 /// The cuDNN major whose library the plugin opens: 9, whose backend API has the fused attention
-/// operation (from 9.13) the plugin builds.
+/// operation (from 9.13.1) the plugin builds.
 pub const CUDNN_MAJOR: u32 = 9;
 
 /// A vendor library the plugin uses.

@@ -23,7 +23,7 @@ const CUDNN_DIR_ENV: &str = "IRIS_TEST_CUDNN_DIR";
 fn the_attention_operations_of_the_towers_finalize_in_a_real_cudnn() {
     if std::env::var_os(CUDNN_DIR_ENV).is_none() {
         eprintln!(
-            "skipped: {CUDNN_DIR_ENV} is not set (a folder with cuDNN 9.13 or newer, such as \
+            "skipped: {CUDNN_DIR_ENV} is not set (a folder with cuDNN 9.13.1 or newer, such as \
              the nvidia/cudnn/lib of pip's nvidia-cudnn-cu12 wheel)"
         );
         return;

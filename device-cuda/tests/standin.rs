@@ -256,7 +256,7 @@ fn one_plugin_opens_over_cuda_13s_libraries_and_says_why_not_12() {
 }
 
 /// Which attention a Hopper device runs (`attention_engine`, shown by `iris devices`) as the
-/// installed cuDNN allows: `auto` takes a cuDNN 9.13+ built for the CUDA major the process
+/// installed cuDNN allows: `auto` takes a cuDNN 9.13.1+ built for the CUDA major the process
 /// loaded and says why it did not take any other; `cudnn` makes any of those reasons an error
 /// of the open.
 #[test]
@@ -274,7 +274,7 @@ fn attention_engine_takes_cudnn_where_it_is_usable_and_says_why_not() {
     let usable = Libraries::Installed("cuda13-cudnn13", CUDA13_CUDNN13);
     case(usable, "auto", "cudnn 9.17.0 for bf16 64, f16 64,", &[]);
     case(usable, "kernel", "kernel: attention_engine = kernel", &[]);
-    let too_old = "is cuDNN 9.12.0; its fused attention operation needs 9.13.0 or newer";
+    let too_old = "is cuDNN 9.12.0; its fused attention operation needs 9.13.1 or newer";
     case(
         usable,
         "auto",
@@ -286,6 +286,13 @@ fn attention_engine_takes_cudnn_where_it_is_usable_and_says_why_not() {
         "cudnn",
         &format!("error: attention_engine = cudnn: |{too_old}"),
         &[("IRIS_STANDIN_CUDNN_VERSION", "91200")],
+    );
+    // 9.13.0 has the operation, but cuDNN's own frontend builds it from 9.13.1 on.
+    case(
+        usable,
+        "auto",
+        "kernel: |is cuDNN 9.13.0; its fused attention operation needs 9.13.1 or newer",
+        &[("IRIS_STANDIN_CUDNN_VERSION", "91300")],
     );
     let other_major = "(cuDNN 9.17.0) is built for CUDA 12.8, and this process runs CUDA 13's \
                        libraries: install cuDNN for CUDA 13 (pip's nvidia-cudnn-cu13)";
