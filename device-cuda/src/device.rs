@@ -64,6 +64,10 @@ pub struct CudaOptions {
     pub elementwise_lanes: u32,
     /// Which attention runs for f16 and bf16: cuDNN's fused kernel or the plugin's own.
     pub attention_engine: AttentionEngine,
+    /// Device memory, in bytes, that cuDNN's plans built after open may take (measured at each
+    /// plan's first execution: the kernels cuDNN compiles or loads for it); once they hold that
+    /// much, shapes without a plan run the plugin's kernel. Default 256 MiB.
+    pub cudnn_plan_memory: u64,
 }
 
 impl Default for CudaOptions {
@@ -76,11 +80,15 @@ impl Default for CudaOptions {
             attention_queries: AttentionQueries::default(),
             elementwise_lanes: WIDE_LANES,
             attention_engine: AttentionEngine::default(),
+            cudnn_plan_memory: DEFAULT_CUDNN_PLAN_MEMORY,
         }
     }
 }
 
-/// Which attention serves f16 and bf16: cuDNN's fused kernel (`libcudnn.so.9`, 9.13 or newer,
+/// [`CudaOptions::cudnn_plan_memory`]'s default.
+pub const DEFAULT_CUDNN_PLAN_MEMORY: u64 = 256 << 20;
+
+/// Which attention serves f16 and bf16: cuDNN's fused kernel (`libcudnn.so.9`, 9.13.1 or newer,
 /// loaded at run time) or the plugin's tensor-core kernels. cuDNN serves a head dim only after
 /// the check at open gave the plugin kernel's results on the same inputs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -114,7 +122,8 @@ pub enum AttentionQueries {
 impl CudaOptions {
     /// Parses `key = value` options: `tf32`, `memory_only` and `staged_writes` (`true`/`false`),
     /// `kernel_cache` (a folder or `off`), `attention_queries` (`auto`, `64` or `128`) and
-    /// `elementwise_lanes` (`4` or `1`) and `attention_engine` (`auto`, `cudnn` or `kernel`).
+    /// `elementwise_lanes` (`4` or `1`), `attention_engine` (`auto`, `cudnn` or `kernel`) and
+    /// `cudnn_plan_memory` (MiB).
     /// Unknown keys are errors naming the key.
     pub fn parse(pairs: &[(&str, &str)]) -> Result<CudaOptions, PluginError> {
         let mut options = CudaOptions::default();
@@ -154,10 +163,21 @@ impl CudaOptions {
                         }
                     }
                 }
+                "cudnn_plan_memory" => {
+                    options.cudnn_plan_memory = value
+                        .trim()
+                        .parse::<u64>()
+                        .ok()
+                        .and_then(|mib| mib.checked_mul(1 << 20))
+                        .ok_or_else(|| {
+                            invalid_option(key, value, "a whole number of MiB, such as `256`")
+                        })?;
+                }
                 other => {
                     return Err(PluginError::invalid_argument(format!(
                         "open: unknown option `{other}` (known: tf32, kernel_cache, memory_only, \
-                         staged_writes, attention_queries, elementwise_lanes, attention_engine)"
+                         staged_writes, attention_queries, elementwise_lanes, attention_engine, \
+                         cudnn_plan_memory)"
                     )));
                 }
             }
@@ -1353,6 +1373,17 @@ mod tests {
             "{}",
             err.message
         );
+        assert_eq!(CudaOptions::default().cudnn_plan_memory, 256 << 20);
+        let options = CudaOptions::parse(&[("cudnn_plan_memory", "64")]).unwrap();
+        assert_eq!(options.cudnn_plan_memory, 64 << 20);
+        for bad in ["-1", "1.5", "lots", "99999999999999999"] {
+            let err = CudaOptions::parse(&[("cudnn_plan_memory", bad)]).unwrap_err();
+            assert!(
+                err.message.contains("cudnn_plan_memory") && err.message.contains(bad),
+                "{}",
+                err.message
+            );
+        }
         assert_eq!(CudaOptions::default().elementwise_lanes, 4);
         let options = CudaOptions::parse(&[("elementwise_lanes", "1")]).unwrap();
         assert_eq!(options.elementwise_lanes, 1);

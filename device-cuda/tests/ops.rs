@@ -104,6 +104,18 @@ fn attention_runs_on_cudnn_where_it_passed_its_check() {
     );
 }
 
+/// Plans built after open stop at the option `cudnn_plan_memory` (1 MiB here; the stand-in's
+/// plans take half a MiB each at their first execution): a third shape runs the plugin's
+/// kernel, right, and is never built, while the two plans made before keep serving.
+#[test]
+fn cudnn_plans_stop_at_the_plan_memory_option() {
+    run(
+        "cudnn_plan_memory",
+        &[("IRIS_STANDIN_CUDNN_PLAN_BYTES", "524288")],
+        Libraries::Full,
+    );
+}
+
 /// cuDNN's attention made wrong (the stand-in adds 0.5 to an output): the check at open keeps
 /// it from serving, `iris devices` says why, and attention is right on the plugin's kernel.
 #[test]
@@ -302,6 +314,10 @@ fn scenario() {
         .expect("run by the parent tests of tests/ops.rs, which set IRIS_STANDIN_SCENARIO");
     if name == "ordinals" {
         return ordinals();
+    }
+    if name == "cudnn_plan_memory" {
+        let options = [("attention_engine", "cudnn"), ("cudnn_plan_memory", "1")];
+        return cudnn_plan_memory(&open_with(0, &options));
     }
     if name == "cudnn" || name == "wrong_cudnn" {
         let device = open_with(0, &[("attention_engine", "cudnn")]);
@@ -1432,11 +1448,7 @@ fn cudnn(device: Device) {
     // runs the plugin's kernel (right, as `attention_case` checks) and does not wait for them,
     // here while their builds cannot finish. Only the one-token run's plan is ready (the check
     // at open built it, for these strides).
-    let cudnn_runs = |dtype, hd, cu: &[u32]| {
-        let before = common::standin_cudnn_executes();
-        attention_case(&device, dtype, hd, cu, 0);
-        common::standin_cudnn_executes() - before
-    };
+    let cudnn_runs = |dtype, hd, cu: &[u32]| cudnn_runs(&device, dtype, hd, cu);
     common::standin_cudnn_hold_plans(true);
     assert_eq!(cudnn_runs(DType::BF16, 64, &mixed), 1, "a plan being built");
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -1456,19 +1468,7 @@ fn cudnn(device: Device) {
                     assert_eq!(cudnn_runs(dtype, hd, cu), first, "{what}: first call");
                 }
                 // Then every run takes cuDNN, once the builder has made their plans.
-                let deadline = Instant::now() + Duration::from_secs(60);
-                loop {
-                    let ran = cudnn_runs(dtype, hd, cu);
-                    assert!(ran <= calls, "{what}: {ran} cuDNN calls");
-                    if ran == calls {
-                        break;
-                    }
-                    assert!(
-                        Instant::now() < deadline,
-                        "{what}: {ran} of {calls} runs on cuDNN after 60 s"
-                    );
-                    std::thread::sleep(Duration::from_millis(2));
-                }
+                until_cudnn_runs(&device, dtype, hd, cu, calls);
             }
         }
     }
@@ -1509,6 +1509,62 @@ fn cudnn(device: Device) {
         "kernel: attention_engine = auto takes cuDNN from compute capability 9.0 (set \
          attention_engine = cudnn to use it on 8.0)"
     );
+}
+
+/// How many of its runs cuDNN computed in one attention call over `cu` (2 heads of `hd`, checked
+/// against the reference).
+fn cudnn_runs(device: &Device, dtype: DType, hd: usize, cu: &[u32]) -> u64 {
+    let before = common::standin_cudnn_executes();
+    attention_case(device, dtype, hd, cu, 0);
+    common::standin_cudnn_executes() - before
+}
+
+/// Repeats the attention call over `cu` until cuDNN computes `calls` runs of it (the builder
+/// thread has made their plans); fails after 60 s, or on more runs than `calls`.
+fn until_cudnn_runs(device: &Device, dtype: DType, hd: usize, cu: &[u32], calls: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ran = cudnn_runs(device, dtype, hd, cu);
+        assert!(ran <= calls, "{dtype} {hd}, {cu:?}: {ran} cuDNN calls");
+        if ran == calls {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{dtype} {hd}, {cu:?}: {ran} of {calls} runs on cuDNN after 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The `cudnn_plan_memory` scenario (see `cudnn_plans_stop_at_the_plan_memory_option`).
+fn cudnn_plan_memory(device: &Device) {
+    let plans_after_open = || {
+        device
+            .memory_report()
+            .unwrap()
+            .held
+            .iter()
+            .filter(|(what, _)| what == "cuDNN plans built after open")
+            .map(|(_, bytes)| *bytes)
+            .sum::<u64>()
+    };
+    // Two shapes' plans, half a MiB each at their first execution: the option's 1 MiB.
+    for tokens in [130, 200] {
+        until_cudnn_runs(device, DType::BF16, 64, &[0, tokens], 1);
+    }
+    assert_eq!(plans_after_open(), 1 << 20);
+    // A third shape is not built: it runs the plugin's kernel, now and later.
+    let built = common::standin_cudnn_plans();
+    let until = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < until {
+        assert_eq!(cudnn_runs(device, DType::BF16, 64, &[0, 300]), 0);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(common::standin_cudnn_plans(), built, "no plan was built");
+    // The plans made before still serve.
+    assert_eq!(cudnn_runs(device, DType::BF16, 64, &[0, 130]), 1);
+    assert_eq!(plans_after_open(), 1 << 20);
 }
 
 /// cuDNN made wrong by the stand-in does not serve (see

@@ -66,6 +66,10 @@ pub(crate) struct Sdpa {
     opened: AtomicBool,
     /// The workspace every call gets after open: the most the check's plans needed.
     workspace_after_open: AtomicU64,
+    /// Option `cudnn_plan_memory`: once plans built after open hold this much device memory,
+    /// shapes without a plan run the plugin's kernel.
+    plan_memory: u64,
+    log: Logger,
 }
 
 /// What calls and the builder thread share.
@@ -96,8 +100,11 @@ enum Entry {
 #[derive(Default)]
 struct Plans {
     by_shape: HashMap<SdpaShape, Entry>,
-    /// Device memory first executions of plans made after open added (loaded kernels).
+    /// Device memory first executions of plans made after open added (loaded kernels), less
+    /// what dropping plans gave back.
     grown: u64,
+    /// Whether `grown` reached the option `cudnn_plan_memory` (said once in the log).
+    full: bool,
 }
 
 /// One cuDNN call of an attention launch: `batch` consecutive segments of `tokens` tokens
@@ -174,6 +181,8 @@ impl Sdpa {
             note,
             opened: AtomicBool::new(false),
             workspace_after_open: AtomicU64::new(0),
+            plan_memory: options.cudnn_plan_memory,
+            log: *log,
         };
         let cc = info.cc;
         let refused = match options.attention_engine {
@@ -410,7 +419,8 @@ impl Sdpa {
 
     /// Hands `shape` to the builder thread, after making room for it (at [`MAX_PLANS`], the
     /// queue is waited for and the plans are dropped, unless the builder holds the handle, when
-    /// the shape is asked for again at its next call).
+    /// the shape is asked for again at its next call); or, once the plans hold the option
+    /// `cudnn_plan_memory`'s device memory, records that the plugin's kernel runs it.
     fn ask(
         &self,
         shared: &Shared,
@@ -424,9 +434,28 @@ impl Sdpa {
             };
             // Plans may still be referenced by queued work: let it finish first.
             memory::wait(stream)?;
+            let before = used()?;
             plans
                 .by_shape
                 .retain(|_, entry| matches!(entry, Entry::Building));
+            // What the library gave back with them, if anything.
+            plans.grown = plans.grown.saturating_sub(before.saturating_sub(used()?));
+            plans.full = false;
+        }
+        if plans.grown >= self.plan_memory {
+            let why = format!(
+                "cuDNN's plans built after open hold {} bytes of device memory, the option \
+                 cudnn_plan_memory's {} or more",
+                plans.grown, self.plan_memory
+            );
+            if !plans.full {
+                plans.full = true;
+                self.log.warn(format!(
+                    "{why}: attention of shapes without a plan runs the plugin's kernel"
+                ));
+            }
+            plans.by_shape.insert(*shape, Entry::Refused(why));
+            return Ok(());
         }
         let entry = match lock(&self.builder).as_ref() {
             Some(builder) if builder.shapes.send(*shape).is_ok() => Entry::Building,

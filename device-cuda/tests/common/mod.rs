@@ -144,6 +144,11 @@ pub fn standin_cudnn_executes() -> u64 {
     standin_counter("libcudnn.so.9", "iris_standin_cudnn_executes")
 }
 
+/// Execution plans the stand-in cuDNN finalized.
+pub fn standin_cudnn_plans() -> u64 {
+    standin_counter("libcudnn.so.9", "iris_standin_cudnn_plans")
+}
+
 /// Execution plans whose finalizing began to wait on [`standin_cudnn_hold_plans`].
 pub fn standin_cudnn_held_plans() -> u64 {
     standin_counter("libcudnn.so.9", "iris_standin_cudnn_held_plans")
