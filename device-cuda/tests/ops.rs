@@ -1429,16 +1429,7 @@ fn cudnn(device: Device) {
         info.total - info.free
     };
     let opened = used();
-    let plans_after_open = || {
-        device
-            .memory_report()
-            .unwrap()
-            .held
-            .iter()
-            .filter(|(what, _)| what == "cuDNN plans built after open")
-            .map(|(_, bytes)| *bytes)
-            .sum::<u64>()
-    };
+    let plans_after_open = || plans_after_open(&device);
     assert_eq!(plans_after_open(), 0);
     // Segments of 1, 17, 64, 65 and 300 tokens: five lengths, five calls.
     let mixed = [0, 1, 18, 82, 147, 447];
@@ -1511,6 +1502,18 @@ fn cudnn(device: Device) {
     );
 }
 
+/// What the memory report says cuDNN's plans built after open hold.
+fn plans_after_open(device: &Device) -> u64 {
+    device
+        .memory_report()
+        .unwrap()
+        .held
+        .iter()
+        .filter(|(what, _)| what == "cuDNN plans built after open")
+        .map(|(_, bytes)| *bytes)
+        .sum()
+}
+
 /// How many of its runs cuDNN computed in one attention call over `cu` (2 heads of `hd`, checked
 /// against the reference).
 fn cudnn_runs(device: &Device, dtype: DType, hd: usize, cu: &[u32]) -> u64 {
@@ -1539,16 +1542,7 @@ fn until_cudnn_runs(device: &Device, dtype: DType, hd: usize, cu: &[u32], calls:
 
 /// The `cudnn_plan_memory` scenario (see `cudnn_plans_stop_at_the_plan_memory_option`).
 fn cudnn_plan_memory(device: &Device) {
-    let plans_after_open = || {
-        device
-            .memory_report()
-            .unwrap()
-            .held
-            .iter()
-            .filter(|(what, _)| what == "cuDNN plans built after open")
-            .map(|(_, bytes)| *bytes)
-            .sum::<u64>()
-    };
+    let plans_after_open = || plans_after_open(device);
     // Two shapes' plans, half a MiB each at their first execution: the option's 1 MiB.
     for tokens in [130, 200] {
         until_cudnn_runs(device, DType::BF16, 64, &[0, tokens], 1);
