@@ -2,13 +2,14 @@
 //! scaled-dot-product attention runs on Hopper, through cuDNN's backend API from Rust.
 //!
 //! The plugin builds one graph per attention shape: a single `OPERATION_SDPA_FWD` (cuDNN
-//! 9.13.1 and later) over Q, K, V and O as `[batch, heads, tokens, head dim]` views of the tower's own
-//! row-major buffers (no copies: strides `[tokens · row, head dim, row, 1]`, so Q, K and V may
-//! be column blocks of one fused QKV output), with the score scale passed by value. A launch of
-//! packed segments becomes one call per run of consecutive segments of one length, the run cut
-//! into powers of two (41 images of 784 tokens: 32, 8 and 1), so that a few plans serve every
-//! step of a size. cuDNN's heuristic (mode A, then its fallback list) chooses the engine; the
-//! first configuration whose plan finalizes is kept, per shape, for the life of the device.
+//! 9.13.1 and later) over Q, K, V and O as `[batch, heads, tokens, head dim]` views of the
+//! tower's own row-major buffers (no copies: strides `[tokens · row, head dim, row, 1]`, so Q,
+//! K and V may be column blocks of one fused QKV output), with the score scale passed by value.
+//! A launch of packed segments becomes one call per run of consecutive segments of one length,
+//! the run cut into powers of two (41 images of 784 tokens: 32, 8 and 1), so that a few plans
+//! serve every step of a size. cuDNN's heuristic (mode A, then its fallback list) chooses the
+//! engine; the first configuration whose plan finalizes is kept, per shape (after open, built
+//! on the attention state's own thread: `ops/sdpa.rs`).
 //!
 //! Loading, the handle and the descriptors live here; which calls take this path, and the
 //! check at open that lets it serve, are the attention op's (`ops/attention.rs`).
@@ -26,9 +27,10 @@ use crate::sys::cudnn::{
     cudnnDataType_t, cudnnHandle_t,
 };
 
-/// The oldest cuDNN whose fused attention operation (`CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR`,
-/// added in 9.13.0) the plugin uses, as `cudnnGetVersion` encodes it: 9.13.1, the oldest cuDNN's
-/// own frontend builds that operation with.
+/// The oldest cuDNN whose fused attention operation
+/// (`CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR`, added in 9.13.0) the plugin uses, as
+/// `cudnnGetVersion` encodes it: 9.13.1, the oldest cuDNN's own frontend builds that operation
+/// with.
 pub const MIN_VERSION: usize = 9_13_01;
 
 /// cuDNN, loaded for the process and checked.

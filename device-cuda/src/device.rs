@@ -512,7 +512,7 @@ impl CudaDevice {
         };
         push_held(&mut self.held, what, growth);
         if let Some(compute) = &self.compute {
-            compute.sdpa.set_opened(&self.ctx, self.log);
+            compute.sdpa.set_opened(&self.ctx);
         }
         Ok(())
     }

@@ -287,9 +287,10 @@ impl Sdpa {
 
     /// Marks the device's open as over (see `opened`): calls' workspace is fixed at what the
     /// check's plans needed, and a thread with `ctx` current starts building plans for the
-    /// shapes calls ask for, logging to `log`. Without that thread (it could not start),
-    /// attention runs the plugin's kernel.
-    pub(crate) fn set_opened(&self, ctx: &Arc<CudaContext>, log: Logger) {
+    /// shapes calls ask for. Without that thread (it could not start), attention runs the
+    /// plugin's kernel.
+    pub(crate) fn set_opened(&self, ctx: &Arc<CudaContext>) {
+        let log = self.log;
         if let Some(shared) = &self.cudnn {
             let most = lock(&shared.plans)
                 .by_shape
@@ -378,9 +379,13 @@ impl Sdpa {
         let mut plans = lock(&shared.plans);
         let opened = self.opened.load(Ordering::Acquire);
         let handle = if opened {
-            if !plans.by_shape.contains_key(shape) {
-                self.ask(shared, &mut plans, shape, stream)?;
-                return Ok(false);
+            match plans.by_shape.get(shape) {
+                None => {
+                    self.ask(shared, &mut plans, shape, stream)?;
+                    return Ok(false);
+                }
+                Some(Entry::Ready(_)) => {}
+                Some(Entry::Building | Entry::Refused(_)) => return Ok(false),
             }
             match try_lock(&shared.handle) {
                 Some(handle) => handle,
