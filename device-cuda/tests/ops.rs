@@ -106,12 +106,29 @@ fn attention_runs_on_cudnn_where_it_passed_its_check() {
 
 /// Plans built after open stop at the option `cudnn_plan_memory` (1 MiB here; the stand-in's
 /// plans take half a MiB each at their first execution): a third shape runs the plugin's
-/// kernel, right, and is never built, while the two plans made before keep serving.
+/// kernel, right, and is never built, while the two plans made before keep serving. `trim` (a
+/// reset) then gives their memory back, exactly, so that the device's memory is where it was
+/// before them and the report names none; the third shape is built at its next calls.
 #[test]
-fn cudnn_plans_stop_at_the_plan_memory_option() {
+fn cudnn_plans_stop_at_the_plan_memory_option_and_trim_gives_them_back() {
     run(
         "cudnn_plan_memory",
         &[("IRIS_STANDIN_CUDNN_PLAN_BYTES", "524288")],
+        Libraries::Full,
+    );
+}
+
+/// As above with a cuDNN that keeps what its plans loaded until its handle goes (the stand-in's
+/// `IRIS_STANDIN_CUDNN_PLAN_MEMORY_KEPT`): `trim` drops the plans but reports nothing given
+/// back, the report still names the memory, and the option still holds new shapes off.
+#[test]
+fn trim_reports_what_a_cudnn_keeping_its_kernels_did_not_give_back() {
+    run(
+        "cudnn_plan_memory",
+        &[
+            ("IRIS_STANDIN_CUDNN_PLAN_BYTES", "524288"),
+            ("IRIS_STANDIN_CUDNN_PLAN_MEMORY_KEPT", "1"),
+        ],
         Libraries::Full,
     );
 }
@@ -1540,9 +1557,17 @@ fn until_cudnn_runs(device: &Device, dtype: DType, hd: usize, cu: &[u32], calls:
     }
 }
 
-/// The `cudnn_plan_memory` scenario (see `cudnn_plans_stop_at_the_plan_memory_option`).
+/// The `cudnn_plan_memory` scenario (see
+/// `cudnn_plans_stop_at_the_plan_memory_option_and_trim_gives_them_back` and
+/// `trim_reports_what_a_cudnn_keeping_its_kernels_did_not_give_back`).
 fn cudnn_plan_memory(device: &Device) {
     let plans_after_open = || plans_after_open(device);
+    let used = || {
+        device.synchronize().unwrap();
+        let info = device.mem_info().unwrap();
+        info.total - info.free
+    };
+    let opened = used();
     // Two shapes' plans, half a MiB each at their first execution: the option's 1 MiB.
     for tokens in [130, 200] {
         until_cudnn_runs(device, DType::BF16, 64, &[0, tokens], 1);
@@ -1559,6 +1584,41 @@ fn cudnn_plan_memory(device: &Device) {
     // The plans made before still serve.
     assert_eq!(cudnn_runs(device, DType::BF16, 64, &[0, 130]), 1);
     assert_eq!(plans_after_open(), 1 << 20);
+    assert_eq!(used() - opened, 1 << 20);
+    // A reset's `trim` drops the plans built after open (the check's stay: they are the
+    // open's).
+    let given = device.trim().unwrap();
+    if std::env::var_os("IRIS_STANDIN_CUDNN_PLAN_MEMORY_KEPT").is_some() {
+        // What cuDNN keeps is still reported, and still holds new shapes off.
+        assert_eq!(given, Some(0));
+        assert_eq!(plans_after_open(), 1 << 20);
+        assert_eq!(used() - opened, 1 << 20);
+        let built = common::standin_cudnn_plans();
+        for _ in 0..10 {
+            assert_eq!(cudnn_runs(device, DType::BF16, 64, &[0, 300]), 0);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(common::standin_cudnn_plans(), built, "no plan was built");
+        return;
+    }
+    assert_eq!(
+        given,
+        Some(1 << 20),
+        "the bytes the plans' first executions took"
+    );
+    assert_eq!(plans_after_open(), 0);
+    assert_eq!(used(), opened, "device memory back to its value after open");
+    // Dropped shapes run the plugin's kernel (right) until built again; the shape the option
+    // had refused is built too, now that there is room.
+    assert_eq!(cudnn_runs(device, DType::BF16, 64, &[0, 130]), 0);
+    for tokens in [130, 300] {
+        until_cudnn_runs(device, DType::BF16, 64, &[0, tokens], 1);
+    }
+    assert_eq!(plans_after_open(), 1 << 20);
+    // Nothing to give back twice.
+    device.trim().unwrap();
+    assert_eq!(device.trim().unwrap(), Some(0));
+    assert_eq!(used(), opened);
 }
 
 /// cuDNN made wrong by the stand-in does not serve (see

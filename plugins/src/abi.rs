@@ -43,8 +43,9 @@ pub const ABI_MAJOR: u32 = 2;
 ///   workspaces for every op, rotary from tables, device-resident indices, log sink.
 /// - 2.1: host staging (pinned host buffers, asynchronous upload and download, fences).
 /// - 2.2: `write_async`, an enqueued write that reads the host's memory when it runs.
+/// - 2.3: `trim`, which gives back device memory the plugin took after `open` to reuse.
 #[cfg(not(feature = "abi-2-0"))]
-pub const ABI_MINOR: u32 = 2;
+pub const ABI_MINOR: u32 = 3;
 /// iris's own ABI minor version (this build reproduces minor 0's tables for compatibility
 /// tests; see the `abi-2-0` feature).
 #[cfg(feature = "abi-2-0")]
@@ -341,6 +342,17 @@ pub struct DeviceVTable {
     /// thread. Optional: "unsupported" (the default) sends the host to staging buffers.
     #[cfg(not(feature = "abi-2-0"))]
     pub write_async: extern "C" fn(DeviceCtx, &AsyncWrite) -> RResult<(), PluginError>,
+
+    // --- 2.3 ---
+    /// Waits for the queue, then gives back the device memory the plugin took after `open`
+    /// for things it keeps to reuse and can make again when next needed (a library's plans
+    /// and the kernels it loaded for them), and returns the bytes the device's used memory fell
+    /// by after that wait. Buffers from `alloc` and what `open` made (and reports as
+    /// held) stay. The host calls it when it resets, after returning its own cached blocks,
+    /// so that device memory comes back to where it stood after start-up. Optional:
+    /// "unsupported" (the default) says the plugin keeps nothing of the kind.
+    #[cfg(not(feature = "abi-2-0"))]
+    pub trim: extern "C" fn(DeviceCtx) -> RResult<u64, PluginError>,
 }
 
 // ---------------------------------------------------------------------------------------------

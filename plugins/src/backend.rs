@@ -162,6 +162,12 @@ pub trait Backend: Send + Sync + 'static {
     fn write_async(&self, _write: &AsyncWrite) -> Result<(), PluginError> {
         Err(unsupported("write_async"))
     }
+    /// Gives back device memory kept after open for reuse, returning the bytes (ABI 2.3). The
+    /// default reports "unsupported": nothing of the kind is kept.
+    #[cfg(not(feature = "abi-2-0"))]
+    fn trim(&self) -> Result<u64, PluginError> {
+        Err(unsupported("trim"))
+    }
 }
 
 /// A plugin's handle on the host's log: messages arrive in the host's `tracing` output tagged
@@ -364,6 +370,8 @@ impl<B: Backend> VTableFor<B> {
         wait_fence: Self::wait_fence,
         #[cfg(not(feature = "abi-2-0"))]
         write_async: Self::write_async,
+        #[cfg(not(feature = "abi-2-0"))]
+        trim: Self::trim,
     });
 
     const VTABLE: DeviceVTableRef = DeviceVTableRef(PrefixRef::from_ref(Self::WM));
@@ -489,6 +497,12 @@ impl<B: Backend> VTableFor<B> {
     extern "C" fn free_host(ctx: DeviceCtx, id: HostBufferId) -> RResult<(), PluginError> {
         // SAFETY: see the impl comment.
         guard("free_host", || unsafe { backend::<B>(ctx) }.free_host(id))
+    }
+
+    #[cfg(not(feature = "abi-2-0"))]
+    extern "C" fn trim(ctx: DeviceCtx) -> RResult<u64, PluginError> {
+        // SAFETY: see the impl comment.
+        guard("trim", || unsafe { backend::<B>(ctx) }.trim())
     }
 
     #[cfg(not(feature = "abi-2-0"))]

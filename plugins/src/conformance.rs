@@ -117,8 +117,9 @@ pub struct Report {
 }
 
 /// Checks of optional capabilities, where "unsupported" is a complete answer: iris falls back
-/// (host staging through ordinary memory, pixels staged instead of lent with `write_async`).
-pub const OPTIONAL_CHECKS: &[&str] = &["queue.host_staging", "queue.write_async"];
+/// (host staging through ordinary memory, pixels staged instead of lent with `write_async`, no
+/// device memory kept for reuse to give back at `trim`).
+pub const OPTIONAL_CHECKS: &[&str] = &["queue.host_staging", "queue.write_async", "memory.trim"];
 
 impl Report {
     /// Number of passed checks.
@@ -241,6 +242,7 @@ pub fn run(plugin: &Plugin, device: &Arc<Device>) -> Report {
         }
     }
 
+    suite.record("memory.trim", || check_trim(device));
     suite.record("memory.all_freed", || {
         let start = start_report.clone().map_err(fail_with("memory_report"))?;
         let start_info = start_info.map_err(fail_with("mem_info"))?;
@@ -1328,6 +1330,46 @@ fn check_write_async(device: &Arc<Device>) -> Outcome {
         ));
     }
     scratch.finish()
+}
+
+/// `trim` (ABI 2.3), run after the op checks so that whatever the plugin keeps from them is
+/// there to give back: a buffer allocated before it keeps its bytes and its place in the
+/// plugin's count, and the device works on after it (a copy out of that buffer).
+fn check_trim(device: &Arc<Device>) -> Outcome {
+    const LEN: usize = 1 << 16;
+    let mut scratch = Scratch::new(device);
+    let buf = scratch.alloc(LEN as u64)?;
+    let copy = scratch.alloc(LEN as u64)?;
+    let bytes = pattern(LEN, 0x5a);
+    device.write(buf, 0, &bytes).map_err(fail_with("write"))?;
+    let before = device.memory_report().map_err(fail_with("memory_report"))?;
+    let given = device.trim().map_err(fail_with("trim"))?;
+    let after = device.memory_report().map_err(fail_with("memory_report"))?;
+    if (after.allocated, after.buffers) != (before.allocated, before.buffers) {
+        return Err(fail(format!(
+            "the plugin counted {} bytes in {} buffers before `trim` and {} bytes in {} after it",
+            before.allocated, before.buffers, after.allocated, after.buffers
+        )));
+    }
+    if read_all(device, buf, LEN)? != bytes {
+        return Err(fail("a buffer allocated before `trim` lost its bytes"));
+    }
+    device
+        .copy(copy, 0, buf, 0, LEN as u64)
+        .map_err(fail_with("copy after trim"))?;
+    if read_all(device, copy, LEN)? != bytes {
+        return Err(fail("a copy after `trim` left the wrong bytes"));
+    }
+    scratch.finish()?;
+    match given {
+        Some(_) => Ok(()),
+        None => Err(Problem::Unsupported(format!(
+            "no `trim` (the plugin speaks ABI {}.{}, or answered unsupported): it keeps no \
+             device memory for reuse to give back",
+            device.plugin().abi_major(),
+            device.plugin().abi_minor()
+        ))),
+    }
 }
 
 /// Ops with arguments the shared validation rejects answer invalid-argument, not a crash.

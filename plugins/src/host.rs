@@ -419,6 +419,20 @@ impl Device {
         self.check("memory_report", result).map(PluginMemory::from)
     }
 
+    /// Waits for the queue and has the plugin give back the device memory it took after
+    /// open to reuse (ABI 2.3's `trim`): the bytes, or `None` from a plugin that keeps nothing
+    /// of the kind (built for an older minor, or answering "unsupported").
+    pub fn trim(&self) -> Result<Option<u64>, DeviceError> {
+        let Some(trim) = self.vtable_trim() else {
+            return Ok(None);
+        };
+        match trim(self.instance.ctx).into_result() {
+            Ok(bytes) => Ok(Some(bytes)),
+            Err(err) if err.code == ErrorCode::UNSUPPORTED => Ok(None),
+            Err(err) => Err(self.plugin.error("trim", err)),
+        }
+    }
+
     /// Raw device allocation. Core code allocates through its caching allocator instead.
     pub fn alloc(&self, bytes: u64) -> Result<BufferHandle, DeviceError> {
         let result = (self.instance.vtable.alloc())(self.instance.ctx, bytes);
@@ -743,10 +757,10 @@ impl Device {
     }
 }
 
-/// The staging functions of ABI 2.1 and the asynchronous write of 2.2, read through accessors
-/// that return `None` for a plugin built for an older minor (and always `None` when this crate
-/// is built with minor 0's tables).
-macro_rules! staging_accessors {
+/// The functions appended after ABI 2.0 (2.1's staging, 2.2's asynchronous write, 2.3's trim),
+/// read through accessors that return `None` for a plugin built for an older minor (and always
+/// `None` when this crate is built with minor 0's tables).
+macro_rules! optional_accessors {
     ($($name:ident: $field:ident($($arg:ty),*) -> $ret:ty;)*) => {
         impl Device {
             $(
@@ -765,7 +779,7 @@ macro_rules! staging_accessors {
     };
 }
 
-staging_accessors! {
+optional_accessors! {
     vtable_alloc_host: alloc_host(u64) -> HostAlloc;
     vtable_free_host: free_host(HostBufferId) -> ();
     vtable_upload: upload(&StagedCopy) -> ();
@@ -773,6 +787,7 @@ staging_accessors! {
     vtable_fence: fence() -> u64;
     vtable_wait_fence: wait_fence(u64) -> ();
     vtable_write_async: write_async(&AsyncWrite) -> ();
+    vtable_trim: trim() -> u64;
 }
 
 /// Writes enqueued on one device whose host sources stay borrowed until the device has run

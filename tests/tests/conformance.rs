@@ -42,10 +42,18 @@ fn builtin_cpu_device_has_no_failures_with_an_async_queue() {
     assert_eq!(device.description().property("queue"), Some("async"));
     let report = conformance::run(&plugin, &device);
     assert_no_failures(&report);
+    // Everything but `trim`: the CPU device keeps no memory for reuse beyond what start-up
+    // made (its packed weights are the weights' layout, made in the warm-up, not a cache).
+    let unsupported: Vec<&str> = report
+        .checks
+        .iter()
+        .filter(|c| c.status.label() == "unsupported")
+        .map(|c| c.name.as_str())
+        .collect();
     assert_eq!(
-        report.unsupported(),
-        0,
-        "the CPU device implements everything"
+        unsupported,
+        ["memory.trim"],
+        "the CPU device implements everything else"
     );
     // Every op check that passed measured itself.
     for check in report.checks.iter().filter(|c| c.name.starts_with("op.")) {

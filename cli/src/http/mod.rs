@@ -540,13 +540,16 @@ async fn track_request<E: Engine>(State(state): Shared<E>, req: Request, next: N
 }
 
 fn reset_json(report: ResetReport) -> Json<Value> {
-    let released =
-        report.processor_cache_bytes + report.encoder_cache_bytes + report.allocator_bytes;
+    let released = report.processor_cache_bytes
+        + report.encoder_cache_bytes
+        + report.allocator_bytes
+        + report.plugin_cache_bytes;
     Json(json!({
         "processor_cache_bytes": report.processor_cache_bytes,
         "encoder_cache_bytes": report.encoder_cache_bytes,
         "encoder_cache_entries": report.encoder_cache_entries,
         "allocator_bytes": report.allocator_bytes,
+        "plugin_cache_bytes": report.plugin_cache_bytes,
         "released_bytes": released,
     }))
 }

@@ -218,6 +218,7 @@ fn merge(a: ResetReport, b: ResetReport) -> ResetReport {
         encoder_cache_bytes: a.encoder_cache_bytes + b.encoder_cache_bytes,
         encoder_cache_entries: a.encoder_cache_entries + b.encoder_cache_entries,
         allocator_bytes: a.allocator_bytes + b.allocator_bytes,
+        plugin_cache_bytes: a.plugin_cache_bytes + b.plugin_cache_bytes,
     }
 }
 

@@ -186,6 +186,10 @@ pub struct ResetReport {
     pub encoder_cache_entries: u64,
     /// Reserved bytes the caching allocator returned to the device.
     pub allocator_bytes: u64,
+    /// Device bytes the device's plugin gave back from what it took after open to reuse (on
+    /// CUDA, cuDNN's attention plans built since and the kernels they loaded), as the device's
+    /// used memory fell.
+    pub plugin_cache_bytes: u64,
 }
 
 /// Device memory figures at one instant, in bytes.

@@ -758,7 +758,8 @@ impl Engine {
             .unwrap_or_default()
     }
 
-    /// Returns the caching allocator's unused blocks to the device.
+    /// Returns the caching allocator's unused blocks to the device, then has the device's
+    /// plugin give back what it took after open to reuse (see [`ResetReport::plugin_cache_bytes`]).
     pub async fn reset_allocator(&self) -> ResetReport {
         self.ask(Command::TrimAllocator).await.unwrap_or_default()
     }
@@ -773,6 +774,7 @@ impl Engine {
             encoder_cache_bytes: encoder.encoder_cache_bytes,
             encoder_cache_entries: encoder.encoder_cache_entries,
             allocator_bytes: allocator.allocator_bytes,
+            plugin_cache_bytes: allocator.plugin_cache_bytes,
         }
     }
 

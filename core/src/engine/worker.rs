@@ -808,7 +808,8 @@ impl Worker {
 
     /// After an out-of-memory: settles the queue (a failure of work already queued is this
     /// step's device fault, and must not be consumed by the trim below), evicts every
-    /// unreferenced encoder-cache entry and returns the allocator's free blocks to the device.
+    /// unreferenced encoder-cache entry and returns the allocator's free blocks, and what the
+    /// plugin keeps for reuse, to the device.
     fn recover_memory(&mut self) -> Result<(), EncoderError> {
         self.sync()?;
         self.shared
@@ -818,6 +819,10 @@ impl Worker {
         let evicted = self.scheduler.evict_unreferenced();
         self.cache.free_hashes(&evicted);
         self.runner.allocator().empty_cache()?;
+        // What the plugin keeps for reuse (cuDNN's plans on CUDA) is made again when needed.
+        if let Err(err) = self.runner.device().trim() {
+            tracing::warn!(error = %err, "the device kept what it holds for reuse");
+        }
         Ok(())
     }
 
@@ -872,11 +877,22 @@ impl Worker {
         }
     }
 
+    /// Returns the allocator's free blocks, then has the plugin give back what it took after
+    /// open to reuse (cuDNN's plans on CUDA), so that device memory comes back to the
+    /// post-start baseline.
     fn trim(&mut self) -> ResetReport {
         // A failed release leaves the blocks cached; the next trim tries again.
         let released = self.runner.allocator().empty_cache().unwrap_or(0);
+        let plugin = match self.runner.device().trim() {
+            Ok(bytes) => bytes.unwrap_or(0),
+            Err(err) => {
+                tracing::warn!(error = %err, "the device kept what it holds for reuse");
+                0
+            }
+        };
         ResetReport {
             allocator_bytes: released,
+            plugin_cache_bytes: plugin,
             ..ResetReport::default()
         }
     }
@@ -913,7 +929,9 @@ impl Worker {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clear();
-        report.allocator_bytes = self.trim().allocator_bytes;
+        let trimmed = self.trim();
+        report.allocator_bytes = trimmed.allocator_bytes;
+        report.plugin_cache_bytes = trimmed.plugin_cache_bytes;
         Ok(report)
     }
 

@@ -22,7 +22,7 @@
 //! plan was ready stay right after; a shape whose every configuration needs more runs the
 //! kernel.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError, mpsc};
 use std::thread::JoinHandle;
@@ -100,6 +100,9 @@ enum Entry {
 #[derive(Default)]
 struct Plans {
     by_shape: HashMap<SdpaShape, Entry>,
+    /// The shapes the check at open built, which [`Sdpa::trim`] keeps (their memory is part of
+    /// the open's).
+    from_open: HashSet<SdpaShape>,
     /// Device memory first executions of plans made after open added (loaded kernels), less
     /// what dropping plans gave back.
     grown: u64,
@@ -292,15 +295,19 @@ impl Sdpa {
     pub(crate) fn set_opened(&self, ctx: &Arc<CudaContext>) {
         let log = self.log;
         if let Some(shared) = &self.cudnn {
-            let most = lock(&shared.plans)
-                .by_shape
-                .values()
-                .filter_map(|entry| match entry {
-                    Entry::Ready(plan) => Some(plan.workspace),
-                    _ => None,
-                })
-                .max()
-                .unwrap_or(0);
+            let most = {
+                let mut plans = lock(&shared.plans);
+                plans.from_open = plans.by_shape.keys().copied().collect();
+                plans
+                    .by_shape
+                    .values()
+                    .filter_map(|entry| match entry {
+                        Entry::Ready(plan) => Some(plan.workspace),
+                        _ => None,
+                    })
+                    .max()
+                    .unwrap_or(0)
+            };
             self.workspace_after_open.store(most, Ordering::Release);
             if !self.ready.is_empty() {
                 let (shapes, queue) = mpsc::channel();
@@ -407,8 +414,11 @@ impl Sdpa {
             )));
         }
         // A plan's first execution after open: what it adds is measured from here (its build
-        // may have come earlier, in a workspace query or on the builder thread).
+        // may have come earlier, in a workspace query or on the builder thread). Frees queued
+        // before it give their blocks back at a wait: settled first, they are not taken for
+        // memory the execution did not add.
         let before = if !plan.executed && opened {
+            memory::wait(stream)?;
             Some(used()?)
         } else {
             None
@@ -420,6 +430,37 @@ impl Sdpa {
             plans.grown += used()?.saturating_sub(before);
         }
         Ok(true)
+    }
+
+    /// Drops the plans built after open (and the shapes refused since, so that a shape refused
+    /// at the option `cudnn_plan_memory` is tried again), after the queue that may still run
+    /// them (on `stream`) and the builder's plan at hand; a plan the builder is making stays
+    /// asked for. Returns the device memory that gave back, which leaves the plans' reported
+    /// figure; the next call of a dropped shape asks for its plan again.
+    pub(crate) fn trim(&self, stream: cudarc::driver::sys::CUstream) -> Result<u64, CudaError> {
+        let Some(shared) = &self.cudnn else {
+            return Ok(0);
+        };
+        if !self.opened.load(Ordering::Acquire) {
+            return Ok(0);
+        }
+        // The order every thread takes them in: plans, then the handle.
+        let mut plans = lock(&shared.plans);
+        let _handle = lock(&shared.handle);
+        memory::wait(stream)?;
+        let before = used()?;
+        let Plans {
+            by_shape,
+            from_open,
+            ..
+        } = &mut *plans;
+        by_shape
+            .retain(|shape, entry| from_open.contains(shape) || matches!(entry, Entry::Building));
+        let released = before.saturating_sub(used()?);
+        plans.grown = plans.grown.saturating_sub(released);
+        // Said again only if memory came back below the option and grew to it once more.
+        plans.full = plans.grown >= self.plan_memory;
+        Ok(released)
     }
 
     /// Hands `shape` to the builder thread, after making room for it (at [`MAX_PLANS`], the

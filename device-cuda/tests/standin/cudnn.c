@@ -13,10 +13,11 @@
  * says. Anything else is an error status, as the real library answers.
  *
  * Like the real library, a handle allocates device state of its own at its first execution
- * (IRIS_STANDIN_CUDNN_LAZY_BYTES, 1 MiB unless set, 0 turns it off), and a plan loads what it
- * runs at its first execution (IRIS_STANDIN_CUDNN_PLAN_BYTES, 0 unless set), both through the
- * stand-in driver's cuMemAlloc and freed when the handle is destroyed. The memory the plugin
- * reports must account for them.
+ * (IRIS_STANDIN_CUDNN_LAZY_BYTES, 1 MiB unless set, 0 turns it off), freed when the handle is
+ * destroyed, and a plan loads what it runs at its first execution (IRIS_STANDIN_CUDNN_PLAN_BYTES,
+ * 0 unless set), freed when the plan is destroyed (or, with IRIS_STANDIN_CUDNN_PLAN_MEMORY_KEPT=1,
+ * kept by the handle until it is destroyed, as a library caching what it loaded would), all
+ * through the stand-in driver's cuMemAlloc. The memory the plugin reports must account for them.
  *
  * Switches (environment):
  *   IRIS_STANDIN_CUDNN_VERSION    what cudnnGetVersion returns (default: the define of that
@@ -132,6 +133,7 @@ struct desc {
     struct desc *config;
     int64_t workspace;
     bool executed;
+    unsigned long long memory; /* what it loaded at its first execution, freed with it */
     /* VARIANT_PACK */
     int npack, npointers;
     int64_t uids[MAX_PACK];
@@ -283,6 +285,7 @@ cudnnStatus_t cudnnBackendDestroyDescriptor(void *desc) {
                 d->type);
         abort();
     }
+    device_free(d->memory);
     free(desc);
     __atomic_sub_fetch(&live_descriptors, 1, __ATOMIC_RELAXED);
     return OK;
@@ -660,9 +663,13 @@ static cudnnStatus_t execute(struct handle *h, struct desc *plan, struct desc *p
         if (bytes > 0) {
             unsigned long long ptr = 0;
             if ((status = device_alloc(&ptr, (size_t)bytes)) != OK) return status;
-            h->plan_memory = realloc(h->plan_memory,
-                                     (h->plan_allocations + 1) * sizeof(unsigned long long));
-            h->plan_memory[h->plan_allocations++] = ptr;
+            if (env_number("IRIS_STANDIN_CUDNN_PLAN_MEMORY_KEPT", 0) == 1) {
+                h->plan_memory = realloc(h->plan_memory,
+                                         (h->plan_allocations + 1) * sizeof(unsigned long long));
+                h->plan_memory[h->plan_allocations++] = ptr;
+            } else {
+                plan->memory = ptr;
+            }
         }
         plan->executed = true;
     }
