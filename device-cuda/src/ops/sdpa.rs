@@ -448,25 +448,14 @@ impl Sdpa {
         let mut plans = lock(&shared.plans);
         let _handle = lock(&shared.handle);
         memory::wait(stream)?;
-        let before = used()?;
-        let Plans {
-            by_shape,
-            from_open,
-            ..
-        } = &mut *plans;
-        by_shape
-            .retain(|shape, entry| from_open.contains(shape) || matches!(entry, Entry::Building));
-        let released = before.saturating_sub(used()?);
-        plans.grown = plans.grown.saturating_sub(released);
-        // Said again only if memory came back below the option and grew to it once more.
-        plans.full = plans.grown >= self.plan_memory;
-        Ok(released)
+        plans.drop_after_open(self.plan_memory)
     }
 
     /// Hands `shape` to the builder thread, after making room for it (at [`MAX_PLANS`], the
-    /// queue is waited for and the plans are dropped, unless the builder holds the handle, when
-    /// the shape is asked for again at its next call); or, once the plans hold the option
-    /// `cudnn_plan_memory`'s device memory, records that the plugin's kernel runs it.
+    /// queue is waited for and the plans built after open are dropped, unless the builder
+    /// holds the handle, when the shape is asked for again at its next call); or, once the
+    /// plans hold the option `cudnn_plan_memory`'s device memory, records that the plugin's
+    /// kernel runs it.
     fn ask(
         &self,
         shared: &Shared,
@@ -480,13 +469,7 @@ impl Sdpa {
             };
             // Plans may still be referenced by queued work: let it finish first.
             memory::wait(stream)?;
-            let before = used()?;
-            plans
-                .by_shape
-                .retain(|_, entry| matches!(entry, Entry::Building));
-            // What the library gave back with them, if anything.
-            plans.grown = plans.grown.saturating_sub(before.saturating_sub(used()?));
-            plans.full = false;
+            plans.drop_after_open(self.plan_memory)?;
         }
         if plans.grown >= self.plan_memory {
             let why = format!(
@@ -528,6 +511,26 @@ impl Drop for Sdpa {
 }
 
 impl Plans {
+    /// Drops the plans built after open and the shapes refused since (a plan being built stays
+    /// asked for), once nothing queued may run them, and returns the device memory that gave
+    /// back: the library's for those plans, taken from [`Plans::grown`]. `plan_memory` is the
+    /// option `cudnn_plan_memory`.
+    fn drop_after_open(&mut self, plan_memory: u64) -> Result<u64, CudaError> {
+        let before = used()?;
+        let Plans {
+            by_shape,
+            from_open,
+            ..
+        } = self;
+        by_shape
+            .retain(|shape, entry| from_open.contains(shape) || matches!(entry, Entry::Building));
+        let released = before.saturating_sub(used()?);
+        self.grown = self.grown.saturating_sub(released);
+        // Said again only if memory came back below the option and grows to it once more.
+        self.full = self.grown >= plan_memory;
+        Ok(released)
+    }
+
     /// The entry of `shape`, its plan built here with `handle` at the first call (during
     /// open: its check builds what it runs).
     fn entry_built_now(
