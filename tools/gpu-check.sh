@@ -74,7 +74,8 @@
 #                summed by category beside the per-kernel model (tools/gpu-check/kernel_model.py)
 #   cudnn.plans  the cuDNN plans the bench steps built after open, on the plugin's own thread
 #                (their logs at IRIS_LOG=warn,iris::plugin=info): how many, the median and
-#                longest build, and the shapes cuDNN had none for
+#                longest build, the shapes cuDNN had none for, and what the resets' trims gave
+#                back with the plans they dropped
 #
 # It prints one summary table and writes it as JSON to DIR/summary.json (default DIR:
 # target/gpu-check, or gpu-check-results beside the bundle with --prebuilt), next to every
@@ -580,9 +581,13 @@ if [ "${devices:-0}" -gt 0 ]; then
   plan_ms=$(cat "$out"/*.log 2> /dev/null | grep -o "cuDNN attention plan for .*: built in [0-9]* ms" |
     sed 's/.*built in \([0-9]*\) ms/\1/' | sort -n)
   plans_refused=$(cat "$out"/*.log 2> /dev/null | grep -c "cuDNN attention plan for .*: none, ")
+  # What the resets' trims gave back with the plans they dropped (the bench's reset_all).
+  trimmed=$(cat "$out"/*.log 2> /dev/null |
+    grep -o "trim: dropped [0-9]* cuDNN plans built after open, which gave back [0-9]* bytes" |
+    awk '{ plans += $3; bytes += $12 } END { printf "resets dropped %d plans, giving back %d bytes", plans, bytes }')
   if [ -n "$plan_ms" ]; then
-    record cudnn.plans pass 0 "$(printf '%s\n' "$plan_ms" | awk -v refused="$plans_refused" \
-      '{ v[NR] = $1 } END { printf "%d built after open, median %d ms, max %d ms; %d shapes without a plan", NR, v[int((NR + 1) / 2)], v[NR], refused }')"
+    record cudnn.plans pass 0 "$(printf '%s\n' "$plan_ms" | awk -v refused="$plans_refused" -v trimmed="$trimmed" \
+      '{ v[NR] = $1 } END { printf "%d built after open, median %d ms, max %d ms; %d shapes without a plan; %s", NR, v[int((NR + 1) / 2)], v[NR], refused, trimmed }')"
   else
     skip cudnn.plans "no bench log names a cuDNN plan built after open ($plans_refused shapes without one)"
   fi

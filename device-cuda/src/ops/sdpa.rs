@@ -448,7 +448,16 @@ impl Sdpa {
         let mut plans = lock(&shared.plans);
         let _handle = lock(&shared.handle);
         memory::wait(stream)?;
-        plans.drop_after_open(self.plan_memory)
+        let (dropped, released) = plans.drop_after_open(self.plan_memory)?;
+        if dropped > 0 {
+            // Whether the library gives its memory back with the plans shows only on a GPU.
+            self.log.info(format!(
+                "trim: dropped {dropped} cuDNN plans built after open, which gave back \
+                 {released} bytes; {} bytes still reported for plans built after open",
+                plans.grown
+            ));
+        }
+        Ok(released)
     }
 
     /// Hands `shape` to the builder thread, after making room for it (at [`MAX_PLANS`], the
@@ -469,7 +478,11 @@ impl Sdpa {
             };
             // Plans may still be referenced by queued work: let it finish first.
             memory::wait(stream)?;
-            plans.drop_after_open(self.plan_memory)?;
+            let (dropped, released) = plans.drop_after_open(self.plan_memory)?;
+            self.log.info(format!(
+                "{MAX_PLANS} cuDNN plans: dropped the {dropped} built after open, which gave \
+                 back {released} bytes"
+            ));
         }
         if plans.grown >= self.plan_memory {
             let why = format!(
@@ -512,11 +525,18 @@ impl Drop for Sdpa {
 
 impl Plans {
     /// Drops the plans built after open and the shapes refused since (a plan being built stays
-    /// asked for), once nothing queued may run them, and returns the device memory that gave
-    /// back: the library's for those plans, taken from [`Plans::grown`]. `plan_memory` is the
-    /// option `cudnn_plan_memory`.
-    fn drop_after_open(&mut self, plan_memory: u64) -> Result<u64, CudaError> {
+    /// asked for), once nothing queued may run them. Returns how many plans went and the
+    /// device memory that gave back: the library's for those plans, taken from
+    /// [`Plans::grown`]. `plan_memory` is the option `cudnn_plan_memory`.
+    fn drop_after_open(&mut self, plan_memory: u64) -> Result<(usize, u64), CudaError> {
         let before = used()?;
+        let ready = |plans: &HashMap<SdpaShape, Entry>| {
+            plans
+                .values()
+                .filter(|entry| matches!(entry, Entry::Ready(_)))
+                .count()
+        };
+        let held = ready(&self.by_shape);
         let Plans {
             by_shape,
             from_open,
@@ -528,7 +548,7 @@ impl Plans {
         self.grown = self.grown.saturating_sub(released);
         // Said again only if memory came back below the option and grows to it once more.
         self.full = self.grown >= plan_memory;
-        Ok(released)
+        Ok((held - ready(&self.by_shape), released))
     }
 
     /// The entry of `shape`, its plan built here with `handle` at the first call (during
