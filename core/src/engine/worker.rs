@@ -820,9 +820,7 @@ impl Worker {
         self.cache.free_hashes(&evicted);
         self.runner.allocator().empty_cache()?;
         // What the plugin keeps for reuse (cuDNN's plans on CUDA) is made again when needed.
-        if let Err(err) = self.runner.device().trim() {
-            tracing::warn!(error = %err, "the device kept what it holds for reuse");
-        }
+        self.trim_plugin();
         Ok(())
     }
 
@@ -883,17 +881,22 @@ impl Worker {
     fn trim(&mut self) -> ResetReport {
         // A failed release leaves the blocks cached; the next trim tries again.
         let released = self.runner.allocator().empty_cache().unwrap_or(0);
-        let plugin = match self.runner.device().trim() {
+        ResetReport {
+            allocator_bytes: released,
+            plugin_cache_bytes: self.trim_plugin(),
+            ..ResetReport::default()
+        }
+    }
+
+    /// The plugin's `trim`: the bytes it gave back (0 where it keeps nothing for reuse, or
+    /// failed, which is logged: what it kept stays reported as held).
+    fn trim_plugin(&self) -> u64 {
+        match self.runner.device().trim() {
             Ok(bytes) => bytes.unwrap_or(0),
             Err(err) => {
                 tracing::warn!(error = %err, "the device kept what it holds for reuse");
                 0
             }
-        };
-        ResetReport {
-            allocator_bytes: released,
-            plugin_cache_bytes: plugin,
-            ..ResetReport::default()
         }
     }
 

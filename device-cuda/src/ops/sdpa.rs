@@ -447,12 +447,42 @@ impl Sdpa {
         // The order every thread takes them in: plans, then the handle.
         let mut plans = lock(&shared.plans);
         let _handle = lock(&shared.handle);
+        self.drop_after_open(&mut plans, stream, "trim")
+    }
+
+    /// Drops the plans built after open and the shapes refused since (a plan being built stays
+    /// asked for), after waiting for `stream` (queued work may still run them), with the
+    /// handle held by the caller. Returns the device memory that gave back (the library's for
+    /// those plans, taken from [`Plans::grown`]) and logs it, after `why`.
+    fn drop_after_open(
+        &self,
+        plans: &mut Plans,
+        stream: cudarc::driver::sys::CUstream,
+        why: &str,
+    ) -> Result<u64, CudaError> {
         memory::wait(stream)?;
-        let (dropped, released) = plans.drop_after_open(self.plan_memory)?;
+        let before = used()?;
+        let mut dropped = 0;
+        let Plans {
+            by_shape,
+            from_open,
+            ..
+        } = plans;
+        by_shape.retain(|shape, entry| {
+            let keep = from_open.contains(shape) || matches!(entry, Entry::Building);
+            if !keep && matches!(entry, Entry::Ready(_)) {
+                dropped += 1;
+            }
+            keep
+        });
+        let released = before.saturating_sub(used()?);
+        plans.grown = plans.grown.saturating_sub(released);
+        // Said again only if memory came back below the option and grows to it once more.
+        plans.full = plans.grown >= self.plan_memory;
         if dropped > 0 {
             // Whether the library gives its memory back with the plans shows only on a GPU.
             self.log.info(format!(
-                "trim: dropped {dropped} cuDNN plans built after open, which gave back \
+                "{why}: dropped {dropped} cuDNN plans built after open, which gave back \
                  {released} bytes; {} bytes still reported for plans built after open",
                 plans.grown
             ));
@@ -476,13 +506,7 @@ impl Sdpa {
             let Some(_handle) = try_lock(&shared.handle) else {
                 return Ok(());
             };
-            // Plans may still be referenced by queued work: let it finish first.
-            memory::wait(stream)?;
-            let (dropped, released) = plans.drop_after_open(self.plan_memory)?;
-            self.log.info(format!(
-                "{MAX_PLANS} cuDNN plans: dropped the {dropped} built after open, which gave \
-                 back {released} bytes"
-            ));
+            self.drop_after_open(plans, stream, &format!("{MAX_PLANS} cuDNN plans"))?;
         }
         if plans.grown >= self.plan_memory {
             let why = format!(
@@ -524,33 +548,6 @@ impl Drop for Sdpa {
 }
 
 impl Plans {
-    /// Drops the plans built after open and the shapes refused since (a plan being built stays
-    /// asked for), once nothing queued may run them. Returns how many plans went and the
-    /// device memory that gave back: the library's for those plans, taken from
-    /// [`Plans::grown`]. `plan_memory` is the option `cudnn_plan_memory`.
-    fn drop_after_open(&mut self, plan_memory: u64) -> Result<(usize, u64), CudaError> {
-        let before = used()?;
-        let ready = |plans: &HashMap<SdpaShape, Entry>| {
-            plans
-                .values()
-                .filter(|entry| matches!(entry, Entry::Ready(_)))
-                .count()
-        };
-        let held = ready(&self.by_shape);
-        let Plans {
-            by_shape,
-            from_open,
-            ..
-        } = self;
-        by_shape
-            .retain(|shape, entry| from_open.contains(shape) || matches!(entry, Entry::Building));
-        let released = before.saturating_sub(used()?);
-        self.grown = self.grown.saturating_sub(released);
-        // Said again only if memory came back below the option and grows to it once more.
-        self.full = self.grown >= plan_memory;
-        Ok((held - ready(&self.by_shape), released))
-    }
-
     /// The entry of `shape`, its plan built here with `handle` at the first call (during
     /// open: its check builds what it runs).
     fn entry_built_now(
