@@ -2,7 +2,8 @@
 //! OpenCV decoder (`tools/video-goldens/decode.py` made the goldens): the same frame count,
 //! rate, duration and indices, and the same RGB frames, bit for bit, for H.264 in MP4 with an
 //! even and an odd frame count and for VP9 in WebM (which gives no frame count). Bad clips are
-//! refused with FFmpeg's reason.
+//! refused with FFmpeg's reason, and a container that would open other files (an HLS playlist)
+//! is refused by name.
 //!
 //! These tests need the FFmpeg programs; `.ci/run` installs them and sets
 //! `IRIS_REQUIRE_FFMPEG`, under which their absence fails instead of skipping.
@@ -190,4 +191,35 @@ fn a_clip_cut_mid_data_gives_the_frames_before_the_cut() {
     )
     .expect_err("no whole frame");
     assert!(matches!(err, VideoError::Decode { .. }), "{err}");
+}
+
+#[test]
+fn an_hls_playlist_naming_a_local_file_is_refused() {
+    let Some(ffmpeg) = ffmpeg() else { return };
+    // Without a format whitelist FFmpeg takes this for HLS and decodes the file it names: a
+    // client could read any video on the server.
+    let target = fixtures().join("even10.mp4");
+    let playlist = format!(
+        "#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\n{}\n#EXT-X-ENDLIST\n",
+        target.display()
+    );
+    let err = match load_video(
+        &ffmpeg,
+        playlist.as_bytes(),
+        VideoLoader::Qwen3Vl,
+        &SamplingOptions::default(),
+        &VideoLimits::default(),
+    ) {
+        Ok(video) => panic!(
+            "the playlist was decoded, the file it names read: {:?}",
+            video.metadata
+        ),
+        Err(err) => err,
+    };
+    eprintln!("the playlist: {err}");
+    assert!(matches!(err, VideoError::Decode { .. }), "{err}");
+    assert!(
+        err.to_string().contains("not a container iris decodes"),
+        "{err}"
+    );
 }

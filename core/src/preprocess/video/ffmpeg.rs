@@ -10,10 +10,22 @@
 //! build time; images need nothing of this.
 //!
 //! The programs are found on `PATH`, or at `IRIS_FFMPEG` and `IRIS_FFPROBE`.
+//!
+//! The clips come from untrusted clients, so every run is confined: FFmpeg may open only the
+//! local file given (`-protocol_whitelist file`) and only as one of [`CONTAINERS`]
+//! (`-format_whitelist`; without it an HLS playlist or a concat list would make it read other
+//! files of the server); its standard error is drained while its output is read, so that a
+//! damaged clip's flood of complaints cannot block it and iris on each other; and it is killed
+//! and reaped when the video takes longer than [`VideoLimits::max_decode_time`] or iris stops
+//! reading early.
 
-use std::io::{Read, Write};
+use std::ffi::OsString;
+use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::thread;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -24,14 +36,33 @@ use crate::preprocess::{ImageSize, RgbImage};
 pub const MAX_FRAME_PIXELS: u64 = 178_956_970;
 /// vLLM's limit on decoded bytes per request (`VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES`).
 pub const MAX_DECODED_BYTES: u64 = 715_827_880;
+/// iris's default limit on the time the FFmpeg programs may spend on one video (vLLM has none:
+/// its decoding runs in-process); a minute is many times what a clip within
+/// [`MAX_DECODED_BYTES`] takes.
+pub const MAX_DECODE_TIME: Duration = Duration::from_secs(60);
 
-/// Limits on what a video may decode to.
+/// The containers FFmpeg may open a clip as (its demuxers' names, for `-format_whitelist`):
+/// MP4/MOV (and 3GP, M4V), Matroska and WebM, AVI, MPEG-TS and -PS, FLV, ASF (WMV), Ogg, and raw
+/// H.264 and HEVC streams. None of them opens another file or a URL; the ones left out that do
+/// (HLS, DASH, concat lists, image sequences) are what the whitelist refuses.
+pub const CONTAINERS: &str = "mov,matroska,avi,mpegts,mpeg,flv,asf,ogg,h264,hevc";
+
+/// Most bytes of a program's standard error kept for its error message; the rest is read and
+/// dropped, so that a damaged clip's line per bad frame costs no memory.
+const STDERR_KEPT: usize = 64 * 1024;
+/// Most bytes of an ffprobe report read (a report on one stream is well under 2 KiB).
+const REPORT_LIMIT: u64 = 1 << 20;
+
+/// Limits on what a video may decode to, and on the time decoding may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VideoLimits {
     /// Most pixels in one frame.
     pub max_frame_pixels: u64,
     /// Most bytes of RGB frames kept.
     pub max_decoded_bytes: u64,
+    /// Longest the FFmpeg programs may run on one video, probing and decoding together; past it
+    /// they are killed and the video is refused ([`MAX_DECODE_TIME`] by default).
+    pub max_decode_time: Duration,
 }
 
 impl Default for VideoLimits {
@@ -39,6 +70,7 @@ impl Default for VideoLimits {
         VideoLimits {
             max_frame_pixels: MAX_FRAME_PIXELS,
             max_decoded_bytes: MAX_DECODED_BYTES,
+            max_decode_time: MAX_DECODE_TIME,
         }
     }
 }
@@ -91,6 +123,14 @@ pub struct Ffmpeg {
 }
 
 impl Ffmpeg {
+    /// The programs at these paths, unchecked ([`Ffmpeg::locate`] checks that they run).
+    pub fn with_programs(ffmpeg: impl Into<PathBuf>, ffprobe: impl Into<PathBuf>) -> Ffmpeg {
+        Ffmpeg {
+            ffmpeg: ffmpeg.into(),
+            ffprobe: ffprobe.into(),
+        }
+    }
+
     /// The programs named by `IRIS_FFMPEG` and `IRIS_FFPROBE`, else `ffmpeg` and `ffprobe` on
     /// `PATH`, after checking that both run.
     ///
@@ -128,14 +168,22 @@ impl Ffmpeg {
     /// Reads the clip's frame count, rate and size as OpenCV's FFmpeg backend reports them.
     ///
     /// # Errors
-    /// [`VideoError::Decode`] when FFmpeg cannot open the clip or it has no video stream.
-    pub fn probe(&self, path: &Path) -> Result<VideoInfo, VideoError> {
-        let out = run(
-            Command::new(&self.ffprobe)
-                .args(["-v", "error", "-select_streams", "v:0", "-show_entries"])
-                .arg("stream=width,height,nb_frames,r_frame_rate,avg_frame_rate,duration,time_base:format=duration")
-                .args(["-of", "json"])
-                .arg(path),
+    /// [`VideoError::Decode`] when FFmpeg cannot open the clip, it has no video stream, or
+    /// probing takes longer than `limits.max_decode_time`.
+    pub fn probe(&self, path: &Path, limits: &VideoLimits) -> Result<VideoInfo, VideoError> {
+        self.probe_until(path, Deadline::after(limits.max_decode_time))
+    }
+
+    fn probe_until(&self, path: &Path, deadline: Deadline) -> Result<VideoInfo, VideoError> {
+        let out = self.report(
+            &[
+                "-select_streams",
+                "v:0",
+                "-show_entries",
+                "stream=width,height,nb_frames,r_frame_rate,avg_frame_rate,duration,time_base:format=duration",
+            ],
+            path,
+            deadline,
         )?;
         let json: Value = serde_json::from_slice(&out).map_err(|err| VideoError::Decode {
             message: format!("ffprobe's report: {err}"),
@@ -177,7 +225,7 @@ impl Ffmpeg {
         if total <= 0.0 {
             // No count in the container (raw streams): count the packets, as vLLM counts
             // with a demuxing loop.
-            total = self.count_packets(path)?;
+            total = self.count_packets(path, deadline)?;
         }
         let total_frames = f64_to_u32(total);
         let duration = if fps > 0.0 {
@@ -193,15 +241,64 @@ impl Ffmpeg {
         })
     }
 
-    fn count_packets(&self, path: &Path) -> Result<f64, VideoError> {
-        let out = run(Command::new(&self.ffprobe)
-            .args(["-v", "error", "-select_streams", "v:0", "-count_packets"])
-            .args(["-show_entries", "stream=nb_read_packets", "-of", "json"])
-            .arg(path))?;
+    fn count_packets(&self, path: &Path, deadline: Deadline) -> Result<f64, VideoError> {
+        let out = self.report(
+            &[
+                "-select_streams",
+                "v:0",
+                "-count_packets",
+                "-show_entries",
+                "stream=nb_read_packets",
+            ],
+            path,
+            deadline,
+        )?;
         let json: Value = serde_json::from_slice(&out).map_err(|err| VideoError::Decode {
             message: format!("ffprobe's report: {err}"),
         })?;
         Ok(number(&json["streams"][0]["nb_read_packets"]).unwrap_or(0.0))
+    }
+
+    /// Runs ffprobe with `args` (after the confinement options) on `path` and returns its JSON
+    /// report.
+    fn report(
+        &self,
+        args: &[&str],
+        path: &Path,
+        deadline: Deadline,
+    ) -> Result<Vec<u8>, VideoError> {
+        let mut command = Command::new(&self.ffprobe);
+        command
+            .args(["-v", "error"])
+            .args(confinement())
+            .args(args)
+            .args(["-of", "json"])
+            .arg(input(path));
+        let finished = run_until(&mut command, "ffprobe", deadline, |stdout| {
+            // One byte over the limit tells a report cut by it from one that fits.
+            let mut report = Vec::new();
+            stdout
+                .take(REPORT_LIMIT + 1)
+                .read_to_end(&mut report)
+                .map_err(|err| VideoError::Decode {
+                    message: format!("reading ffprobe's report: {err}"),
+                })?;
+            if report.len() as u64 > REPORT_LIMIT {
+                return Err(VideoError::Decode {
+                    message: format!("ffprobe's report is over {REPORT_LIMIT} bytes"),
+                });
+            }
+            Ok(report)
+        })?;
+        if !finished.status.success() {
+            return Err(VideoError::Decode {
+                message: format!(
+                    "could not open the video stream: {}",
+                    failure(&finished.stderr).unwrap_or_else(|| finished.status.to_string())
+                ),
+            });
+        }
+        Ok(finished.output)
     }
 
     /// Decodes the clip from its first frame up to the last of `indices` and keeps those
@@ -210,13 +307,31 @@ impl Ffmpeg {
     ///
     /// # Errors
     /// [`VideoError::TooLarge`] before decoding when a frame or the frames kept exceed
-    /// `limits`; [`VideoError::Decode`] when FFmpeg fails before giving a frame.
+    /// `limits`; [`VideoError::Decode`] when FFmpeg fails before giving a frame, its output
+    /// cannot be read, or decoding takes longer than `limits.max_decode_time`.
     pub fn read_frames(
         &self,
         path: &Path,
         info: &VideoInfo,
         indices: &[u32],
         limits: &VideoLimits,
+    ) -> Result<(Vec<u32>, Vec<RgbImage>), VideoError> {
+        self.read_frames_until(
+            path,
+            info,
+            indices,
+            limits,
+            Deadline::after(limits.max_decode_time),
+        )
+    }
+
+    fn read_frames_until(
+        &self,
+        path: &Path,
+        info: &VideoInfo,
+        indices: &[u32],
+        limits: &VideoLimits,
+        deadline: Deadline,
     ) -> Result<(Vec<u32>, Vec<RgbImage>), VideoError> {
         let pixels = info.size.pixel_count() as u64;
         if pixels > limits.max_frame_pixels {
@@ -255,56 +370,52 @@ impl Ffmpeg {
             .map(|i| format!("eq(n,{i})"))
             .collect::<Vec<_>>()
             .join("+");
-        let mut child = Command::new(&self.ffmpeg)
-            .args(["-v", "error", "-nostdin", "-i"])
-            .arg(path)
+        let frame_len = usize::try_from(frame_bytes).map_err(|_| VideoError::Decode {
+            message: format!("a frame of {frame_bytes} bytes does not fit in memory"),
+        })?;
+        let count = wanted.len();
+        let mut command = Command::new(&self.ffmpeg);
+        command
+            .args(["-v", "error", "-nostdin"])
+            .args(confinement())
+            .arg("-i")
+            .arg(input(path))
             .args(["-map", "0:v:0", "-fps_mode", "passthrough"])
             .args(["-vf", &format!("select='{select}'")])
-            .args(["-frames:v", &wanted.len().to_string()])
-            .args(["-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|err| VideoError::Decode {
-                message: format!("running {}: {err}", self.ffmpeg.display()),
-            })?;
-        let mut stdout = child.stdout.take().ok_or_else(|| VideoError::Decode {
-            message: "ffmpeg's output".to_owned(),
-        })?;
-        let frame_len = usize::try_from(frame_bytes).map_err(|_| VideoError::Decode {
-            message: "frame size".to_owned(),
-        })?;
-        let mut buffer = vec![0u8; frame_len];
-        let mut frames = Vec::with_capacity(wanted.len());
-        let mut read = Vec::with_capacity(wanted.len());
+            .args(["-frames:v", &count.to_string()])
+            .args(["-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"]);
         // The k-th frame out is the k-th wanted; a clip that ends early gives the first ones.
-        for &index in &wanted {
-            match stdout.read_exact(&mut buffer) {
-                Ok(()) => {}
-                Err(err) if err.kind() == std::io::ErrorKind::UnexpectedEof => break,
-                Err(err) => {
-                    return Err(VideoError::Decode {
-                        message: format!("reading frames: {err}"),
-                    });
+        let finished = run_until(&mut command, "ffmpeg", deadline, move |mut stdout| {
+            let mut pixels = Vec::with_capacity(count);
+            for _ in 0..count {
+                let mut buffer = vec![0u8; frame_len];
+                match stdout.read_exact(&mut buffer) {
+                    Ok(()) => pixels.push(buffer),
+                    Err(err) if err.kind() == io::ErrorKind::UnexpectedEof => break,
+                    Err(err) => {
+                        return Err(VideoError::Decode {
+                            message: format!("reading ffmpeg's frames: {err}"),
+                        });
+                    }
                 }
             }
-            read.push(index);
-            frames.push(RgbImage {
-                size: info.size,
-                pixels: buffer.clone(),
-            });
-        }
-        drop(stdout);
-        let output = child.wait_with_output().map_err(|err| VideoError::Decode {
-            message: format!("waiting for ffmpeg: {err}"),
+            Ok(pixels)
         })?;
-        if frames.is_empty() {
+        if finished.output.is_empty() {
             return Err(VideoError::Decode {
-                message: first_line(&output.stderr)
+                message: failure(&finished.stderr)
                     .unwrap_or_else(|| "no frame could be decoded".to_owned()),
             });
         }
+        let read = wanted[..finished.output.len()].to_vec();
+        let frames = finished
+            .output
+            .into_iter()
+            .map(|pixels| RgbImage {
+                size: info.size,
+                pixels,
+            })
+            .collect();
         Ok((read, frames))
     }
 }
@@ -344,9 +455,11 @@ pub fn load_video_file(
     options: &SamplingOptions,
     limits: &VideoLimits,
 ) -> Result<DecodedVideo, VideoError> {
-    let info = ffmpeg.probe(path)?;
+    // One deadline for all the runs, so that the limit bounds the whole request's decoding.
+    let deadline = Deadline::after(limits.max_decode_time);
+    let info = ffmpeg.probe_until(path, deadline)?;
     let indices = sample_frames(loader, info.total_frames, info.fps, options)?;
-    let (read, frames) = ffmpeg.read_frames(path, &info, &indices, limits)?;
+    let (read, frames) = ffmpeg.read_frames_until(path, &info, &indices, limits, deadline)?;
     Ok(DecodedVideo {
         frames,
         metadata: VideoMetadata {
@@ -360,23 +473,221 @@ pub fn load_video_file(
     })
 }
 
-/// Runs a program to completion and returns its standard output.
-fn run(command: &mut Command) -> Result<Vec<u8>, VideoError> {
-    let output = command
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|err| VideoError::Decode {
-            message: format!("running ffprobe: {err}"),
-        })?;
-    if !output.status.success() {
-        return Err(VideoError::Decode {
-            message: format!(
-                "could not open the video stream: {}",
-                first_line(&output.stderr).unwrap_or_else(|| output.status.to_string())
-            ),
-        });
+/// The input options that keep FFmpeg to the one local file, read as one of [`CONTAINERS`].
+fn confinement() -> [&'static str; 4] {
+    [
+        "-protocol_whitelist",
+        "file",
+        "-format_whitelist",
+        CONTAINERS,
+    ]
+}
+
+/// `path` as FFmpeg's input: with the `file:` protocol named, so that a path with a colon is not
+/// taken for another protocol's URL.
+fn input(path: &Path) -> OsString {
+    let mut url = OsString::from("file:");
+    url.push(path);
+    url
+}
+
+/// When the FFmpeg programs must have finished: `limit` after the decoding began (never, when
+/// the limit is too large to be a time).
+#[derive(Debug, Clone, Copy)]
+struct Deadline {
+    at: Option<Instant>,
+    limit: Duration,
+}
+
+impl Deadline {
+    fn after(limit: Duration) -> Deadline {
+        Deadline {
+            at: Instant::now().checked_add(limit),
+            limit,
+        }
     }
-    Ok(output.stdout)
+
+    /// The time left (zero once past); `None` without a deadline.
+    fn remaining(self) -> Option<Duration> {
+        self.at
+            .map(|at| at.saturating_duration_since(Instant::now()))
+    }
+
+    fn expired(self, program: &str) -> VideoError {
+        VideoError::Decode {
+            message: format!(
+                "decoding took longer than {} s (the video decode time limit), so {program} was \
+                 stopped",
+                self.limit.as_secs_f64()
+            ),
+        }
+    }
+}
+
+/// A running FFmpeg program, killed and reaped when dropped before it has exited, so that no
+/// return (an error, the deadline) leaves it running, or unreaped as a zombie.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        // Errors are ignored: kill fails only for a program that has exited, which wait reaps.
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// What a program gave.
+struct Finished<T> {
+    /// Its standard output, as the reader made it.
+    output: T,
+    /// How it exited.
+    status: ExitStatus,
+    /// The start of its standard error ([`STDERR_KEPT`] bytes).
+    stderr: Vec<u8>,
+}
+
+/// Runs `command` (`program` names it in errors): `read` takes its standard output and another
+/// thread its standard error, at once, so that the program filling one pipe while iris waits on
+/// the other cannot block both. Waits for it to exit, at most until `deadline`, when it is
+/// killed; an error from `read` kills it at once.
+fn run_until<T: Send + 'static>(
+    command: &mut Command,
+    program: &'static str,
+    deadline: Deadline,
+    read: impl FnOnce(ChildStdout) -> Result<T, VideoError> + Send + 'static,
+) -> Result<Finished<T>, VideoError> {
+    let child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|err| VideoError::Decode {
+            message: format!(
+                "running {program} ({}): {err}",
+                Path::new(command.get_program()).display()
+            ),
+        })?;
+    let mut running = Running(child);
+    let pipe_missing = |which: &str| VideoError::Decode {
+        message: format!("{program}'s {which} was not piped"),
+    };
+    let stdout = running
+        .0
+        .stdout
+        .take()
+        .ok_or_else(|| pipe_missing("output"))?;
+    let stderr = running
+        .0
+        .stderr
+        .take()
+        .ok_or_else(|| pipe_missing("error output"))?;
+    // The readers end when the pipes close, which killing the program does; a reader left
+    // behind by an error here sends to a closed channel and ends.
+    let (out_tx, out_rx) = mpsc::sync_channel(1);
+    spawn_reader(program, move || {
+        let _ = out_tx.send(read(stdout));
+    })?;
+    let (err_tx, err_rx) = mpsc::sync_channel(1);
+    spawn_reader(program, move || {
+        let _ = err_tx.send(keep_start(stderr));
+    })?;
+    let output = receive(&out_rx, deadline, program)??;
+    let status = wait_until(&mut running.0, deadline, program)?;
+    let stderr = receive(&err_rx, deadline, program)?;
+    Ok(Finished {
+        output,
+        status,
+        stderr,
+    })
+}
+
+fn spawn_reader(program: &str, body: impl FnOnce() + Send + 'static) -> Result<(), VideoError> {
+    thread::Builder::new()
+        .name(format!("iris-{program}-pipe"))
+        .spawn(body)
+        .map(drop)
+        .map_err(|err| VideoError::Decode {
+            message: format!("a thread to read {program}'s output: {err}"),
+        })
+}
+
+/// A reader's result, waited for until `deadline`.
+fn receive<T>(rx: &Receiver<T>, deadline: Deadline, program: &str) -> Result<T, VideoError> {
+    let received = match deadline.remaining() {
+        Some(left) => rx.recv_timeout(left),
+        None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+    };
+    received.map_err(|err| match err {
+        RecvTimeoutError::Timeout => deadline.expired(program),
+        RecvTimeoutError::Disconnected => VideoError::Decode {
+            message: format!("the thread reading {program}'s output failed"),
+        },
+    })
+}
+
+/// Waits for `child` to exit, until `deadline`.
+fn wait_until(
+    child: &mut Child,
+    deadline: Deadline,
+    program: &str,
+) -> Result<ExitStatus, VideoError> {
+    // Its output has ended, so it is exiting: poll briefly, then less often.
+    let mut pause = Duration::from_millis(1);
+    loop {
+        let exited = child.try_wait().map_err(|err| VideoError::Decode {
+            message: format!("waiting for {program}: {err}"),
+        })?;
+        if let Some(status) = exited {
+            return Ok(status);
+        }
+        let left = deadline.remaining().unwrap_or(pause);
+        if left.is_zero() {
+            return Err(deadline.expired(program));
+        }
+        thread::sleep(pause.min(left));
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// Reads `pipe` to its end and keeps its first [`STDERR_KEPT`] bytes.
+fn keep_start(mut pipe: impl Read) -> Vec<u8> {
+    let mut kept = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        match pipe.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => {
+                let room = STDERR_KEPT - kept.len();
+                kept.extend_from_slice(&chunk[..n.min(room)]);
+            }
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            // A pipe that cannot be read is not the clip's fault; the deadline still bounds
+            // a program blocked on it.
+            Err(_) => break,
+        }
+    }
+    kept
+}
+
+/// FFmpeg's reason for a failure: a container outside [`CONTAINERS`] said so, else the first
+/// line it wrote.
+fn failure(stderr: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(stderr);
+    if let Some(line) = text.lines().find(|l| l.contains("Format not on whitelist")) {
+        // FFmpeg names the demuxer that refused: "[hls @ 0x55d…] Format not on whitelist …".
+        let format = line
+            .trim()
+            .strip_prefix('[')
+            .and_then(|rest| rest.split_once(" @ "))
+            .map_or("unknown", |(name, _)| name);
+        return Some(format!(
+            "its format ({format}) is not a container iris decodes (it decodes {CONTAINERS})"
+        ));
+    }
+    first_line(stderr)
 }
 
 fn first_line(bytes: &[u8]) -> Option<String> {
