@@ -319,10 +319,11 @@ impl http::Engine for Engine {
 
     fn plan(
         &self,
+        permit: &mut Permit,
         items: &[MediaInput],
         overrides: &ProcessorOverrides,
     ) -> impl Future<Output = Result<Vec<ImagePlan>, EngineError>> + Send {
-        Engine::plan(self, items, overrides)
+        Engine::plan_admitted(self, permit, items, overrides)
     }
 
     fn load_video(

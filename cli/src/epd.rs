@@ -618,7 +618,7 @@ impl Epd {
     pub async fn produce<E: Engine>(
         &self,
         engine: &E,
-        permit: E::Permit,
+        mut permit: E::Permit,
         request: EpdRequest,
     ) -> Result<Vec<Published>, ProduceError> {
         let factors = self.factors(&request)?;
@@ -642,7 +642,7 @@ impl Epd {
                 None => MediaInput::Image(ImageInput { bytes: item.bytes }),
             })
             .collect();
-        let plans = engine.plan(&images, &overrides).await?;
+        let plans = engine.plan(&mut permit, &images, &overrides).await?;
         let connector = self.producer.as_ref().map(|p| &p.connector);
         let producer = match (connector, request.push) {
             (
@@ -955,9 +955,30 @@ pub fn decode_jpeg_sequence(
     payload: &[u8],
     kwargs: &VideoKwargs,
 ) -> Result<DecodedVideo, EngineError> {
-    use iris_core::preprocess::video::ffmpeg::{MAX_DECODED_BYTES, VideoMetadata};
-    use iris_core::preprocess::{AlphaMode, DecodeLimits, decode_rgb};
+    decode_frames_within(
+        payload,
+        kwargs,
+        iris_core::preprocess::video::ffmpeg::MAX_DECODED_BYTES,
+    )
+}
+
+/// [`decode_jpeg_sequence`] with at most `max_decoded_bytes` of decoded RGB in all.
+fn decode_frames_within(
+    payload: &[u8],
+    kwargs: &VideoKwargs,
+    max_decoded_bytes: u64,
+) -> Result<DecodedVideo, EngineError> {
+    use iris_core::preprocess::video::ffmpeg::VideoMetadata;
+    use iris_core::preprocess::{AlphaMode, DecodeLimits, PreprocessError, decode_rgb};
     let bad = |code: &'static str, message: String| EngineError::BadInput { message, code };
+    let too_large = || {
+        bad(
+            "video_too_large",
+            format!(
+                "the frames decode to more than {max_decoded_bytes} bytes (vLLM's VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES)"
+            ),
+        )
+    };
     let text = std::str::from_utf8(payload).map_err(|_| {
         bad(
             "invalid_base64",
@@ -979,12 +1000,21 @@ pub fn decode_jpeg_sequence(
     for (index, part) in parts.iter().enumerate() {
         let bytes = crate::http::request::decode_base64(&format!("frame {index}"), part)
             .map_err(|err| bad("invalid_base64", err.message))?;
-        let (_, rgb) = decode_rgb(&bytes, &DecodeLimits::default(), AlphaMode::CompositeWhite)
-            .map_err(|err| {
-                bad(
+        // A frame may decode to what is left of the request's decode bytes, checked from its
+        // header before it is decoded (a few kilobytes of one-colour JPEG can claim half a
+        // gigabyte).
+        let left = max_decoded_bytes - decoded_bytes;
+        let limits = DecodeLimits {
+            max_pixels: (left / 3).min(DecodeLimits::default().max_pixels),
+            ..DecodeLimits::default()
+        };
+        let (_, rgb) =
+            decode_rgb(&bytes, &limits, AlphaMode::CompositeWhite).map_err(|err| match err {
+                PreprocessError::TooLarge { .. } => too_large(),
+                err => bad(
                     iris_core::engine::preprocess_error_code(&err),
                     format!("frame {index}: {err}"),
-                )
+                ),
             })?;
         if let Some(first) = frames
             .first()
@@ -1000,13 +1030,8 @@ pub fn decode_jpeg_sequence(
             ));
         }
         decoded_bytes += rgb.pixels.len() as u64;
-        if decoded_bytes > MAX_DECODED_BYTES {
-            return Err(bad(
-                "video_too_large",
-                format!(
-                    "the frames decode to more than {MAX_DECODED_BYTES} bytes (vLLM's VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES)"
-                ),
-            ));
+        if decoded_bytes > max_decoded_bytes {
+            return Err(too_large());
         }
         frames.push(rgb);
     }
@@ -1684,6 +1709,42 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("of one size"), "{err}");
+    }
+
+    #[test]
+    fn a_frame_past_the_request_s_decode_bytes_is_refused_from_its_header() {
+        use base64::Engine as _;
+        let encode = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+        let small = encode(&png_of(8, 8));
+        // A PNG whose header claims 100x100 and whose pixels are missing (it ends at the
+        // start of its first IDAT chunk): decoding it would fail as corrupt, so only a check
+        // of its header before decoding names the size.
+        let mut big = png_of(100, 100);
+        assert_eq!(&big[37..41], b"IDAT");
+        big.truncate(41);
+        let kwargs = video_kwargs(&HashFactors::default(), VideoLoader::Qwen2Vl).unwrap();
+        // Five 8x8 frames are 960 bytes of RGB: within 1000, and the sixth is not.
+        let five = [small.as_str(); 5].join(",");
+        assert_eq!(
+            decode_frames_within(five.as_bytes(), &kwargs, 1000)
+                .unwrap()
+                .frames
+                .len(),
+            5
+        );
+        let list = format!("{five},{}", encode(&big));
+        let err = decode_frames_within(list.as_bytes(), &kwargs, 1000).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                EngineError::BadInput {
+                    code: "video_too_large",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("more than 1000 bytes"), "{err}");
     }
 
     fn png_of(w: u32, h: u32) -> Vec<u8> {

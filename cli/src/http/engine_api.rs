@@ -28,10 +28,13 @@ pub trait Engine: Send + Sync + 'static {
         items: Vec<MediaInput>,
         opts: EncodeOptions,
     ) -> impl Future<Output = Result<Vec<ImageResult>, EngineError>> + Send;
-    /// Preprocesses `items` (through the processor cache) and reports each one's grid and
-    /// tokens, without encoding.
+    /// Preprocesses `items` of an admitted request (through the processor cache) and reports
+    /// each one's grid and tokens, without encoding. Their tokens are charged to `permit`
+    /// before any resizing, so the preprocessing is bounded as an encode's is; an `encode`
+    /// of the same items with that permit charges nothing more.
     fn plan(
         &self,
+        permit: &mut Self::Permit,
         items: &[MediaInput],
         overrides: &ProcessorOverrides,
     ) -> impl Future<Output = Result<Vec<ImagePlan>, EngineError>> + Send;

@@ -261,6 +261,7 @@ impl Engine for FakeEngine {
 
     async fn plan(
         &self,
+        _permit: &mut (),
         items: &[MediaInput],
         _overrides: &ProcessorOverrides,
     ) -> Result<Vec<ImagePlan>, EngineError> {

@@ -104,6 +104,13 @@ pub struct Permit {
     tokens: u64,
 }
 
+impl Permit {
+    /// The tokens charged to this request so far.
+    pub(crate) fn charged(&self) -> u64 {
+        self.tokens
+    }
+}
+
 impl Admission {
     pub(crate) fn new(limits: AdmissionLimits) -> Arc<Admission> {
         Arc::new(Admission {

@@ -50,7 +50,9 @@ use iris_plugin::{DType, Device};
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::budget::{EncoderBudget, Modality, ModalityLimits, SchedulerConfig};
+use crate::budget::{
+    BudgetError, BudgetPolicy, EncoderBudget, Modality, ModalityLimits, SchedulerConfig,
+};
 use crate::cache::encoder::EncoderCacheManager;
 use crate::cache::processor::ProcessorCache;
 use crate::encoder::exec::Runner;
@@ -236,6 +238,9 @@ pub struct Engine {
     plugin_name: String,
     out_hidden: usize,
     deepstack_levels: usize,
+    /// The scheduler's budget (a copy): items it could never schedule are refused before
+    /// they are preprocessed.
+    budget: EncoderBudget,
 }
 
 /// Aborts a request when its consumer is dropped before the request finished.
@@ -333,7 +338,9 @@ impl Engine {
                 return Err(StartError::Thread("it stopped during start-up".to_owned()));
             }
         };
+        let budget = encoder_budget(&config.scheduler, &startup)?;
         Ok(Engine {
+            budget,
             shared,
             commands: Mutex::new(Some(commands)),
             thread: Mutex::new(Some(thread)),
@@ -454,24 +461,7 @@ impl Engine {
         self.check_counts(&items)?;
         let processor = self.processor_for(&options.processor, &items)?;
         let video = self.video_for(&options.processor, &items)?;
-        let tokens = items
-            .iter()
-            .map(|item| match item {
-                MediaInput::Image(image) => {
-                    estimate_tokens(&image.bytes, &self.config.decode_limits, &processor)
-                }
-                MediaInput::Video(input) => input.video.frames.first().map_or(0, |first| {
-                    video_shape(
-                        input.video.frames.len(),
-                        first.size,
-                        &video.config,
-                        video.resize,
-                    )
-                    .map_or(0, |shape| u64::from(shape.tokens))
-                }),
-            })
-            .sum();
-        self.shared.admission.charge(&mut permit, tokens)?;
+        self.charge(&mut permit, &items, &processor, &video)?;
         let prepared = self.prepare_all(items, processor, video).await?;
 
         // Sleep may have been asked while the images were being preprocessed.
@@ -530,15 +520,34 @@ impl Engine {
     }
 
     /// Preprocesses `items` under the request's processor settings and reports each one's
-    /// grid and tokens, without encoding. The preprocessed items go into the processor cache,
-    /// so a following [`Engine::encode_admitted`] of the same items does not process them
-    /// again.
+    /// grid and tokens, without encoding, in a request slot of its own: [`Engine::admit`] then
+    /// [`Engine::plan_admitted`].
     ///
     /// # Errors
-    /// [`EngineError::BadInput`] for an item that cannot be decoded or preprocessed, or
-    /// processor settings the engine cannot honour; [`EngineError::Internal`] for a fault.
+    /// Those of [`Engine::admit`] and [`Engine::plan_admitted`].
     pub async fn plan<I: Clone + Into<MediaInput>>(
         &self,
+        items: &[I],
+        overrides: &ProcessorOverrides,
+    ) -> Result<Vec<ImagePlan>, EngineError> {
+        let mut permit = self.admit()?;
+        self.plan_admitted(&mut permit, items, overrides).await
+    }
+
+    /// Preprocesses an admitted request's `items` under its processor settings and reports
+    /// each one's grid and tokens, without encoding. The request's tokens are charged to
+    /// `permit` first, as [`Engine::encode_admitted`] charges them (which, given the same
+    /// permit and items next, charges nothing more). The preprocessed items go into the
+    /// processor cache, so that encode does not process them again.
+    ///
+    /// # Errors
+    /// [`EngineError::BadInput`] for an item that cannot be decoded or preprocessed, that the
+    /// scheduler's budget could never take, or processor settings the engine cannot honour;
+    /// [`EngineError::Overloaded`] beyond the token bound; [`EngineError::Internal`] for a
+    /// fault.
+    pub async fn plan_admitted<I: Clone + Into<MediaInput>>(
+        &self,
+        permit: &mut Permit,
         items: &[I],
         overrides: &ProcessorOverrides,
     ) -> Result<Vec<ImagePlan>, EngineError> {
@@ -546,6 +555,7 @@ impl Engine {
         self.check_counts(&items)?;
         let processor = self.processor_for(overrides, &items)?;
         let video = self.video_for(overrides, &items)?;
+        self.charge(permit, &items, &processor, &video)?;
         let prepared = self.prepare_all(items, processor, video).await?;
         Ok(prepared
             .iter()
@@ -608,6 +618,48 @@ impl Engine {
             .validate()
             .map_err(|err| bad(format!("mm_processor_kwargs: {err}")))?;
         Ok(processor)
+    }
+
+    /// Charges a request's embedding tokens to `permit`, estimated from each image's header
+    /// and each video's frame count and size, before any pixel is resized; what the permit
+    /// already holds (a plan of the same items) is not charged again. An item the scheduler's
+    /// budget could never take is refused here, in the scheduler's words, rather than after
+    /// preprocessing it: a clip whose frames a request's `min_pixels` scales up could
+    /// otherwise ask for hundreds of gigabytes of pixels first.
+    fn charge(
+        &self,
+        permit: &mut Permit,
+        items: &[MediaInput],
+        processor: &ProcessorConfig,
+        video: &VideoProcessing,
+    ) -> Result<(), EngineError> {
+        let mut total = 0u64;
+        for (index, item) in items.iter().enumerate() {
+            let (modality, tokens) = match item {
+                MediaInput::Image(image) => (
+                    Modality::Image,
+                    estimate_tokens(&image.bytes, &self.config.decode_limits, processor),
+                ),
+                MediaInput::Video(input) => (
+                    Modality::Video,
+                    input.video.frames.first().map_or(0, |first| {
+                        video_shape(
+                            input.video.frames.len(),
+                            first.size,
+                            &video.config,
+                            video.resize,
+                        )
+                        .map_or(0, |shape| u64::from(shape.tokens))
+                    }),
+                ),
+            };
+            self.budget
+                .check_item(modality, tokens, tokens)
+                .map_err(|source| over_budget(index, modality, source))?;
+            total = total.saturating_add(tokens);
+        }
+        let more = total.saturating_sub(permit.charged());
+        self.shared.admission.charge(permit, more)
     }
 
     /// Refuses a request with more items of a modality than `--limit-mm-per-prompt` allows
@@ -1073,6 +1125,41 @@ pub fn preprocess_error_code(err: &PreprocessError) -> &'static str {
     }
 }
 
+/// The encoder budget of `scheduler` over the largest items start-up measured: the scheduler's,
+/// and the engine's copy that checks items before they are preprocessed.
+fn encoder_budget(
+    scheduler: &SchedulerConfig,
+    profile: &StartupProfile,
+) -> Result<EncoderBudget, StartError> {
+    let limits = &scheduler.limit_mm_per_prompt;
+    let modalities: Vec<(Modality, ModalityLimits)> = profile
+        .modality_max_tokens
+        .iter()
+        .map(|&(modality, tokens)| {
+            (
+                modality,
+                ModalityLimits {
+                    max_tokens_per_item: tokens,
+                    limit_per_prompt: limits.get(modality),
+                },
+            )
+        })
+        .collect();
+    EncoderBudget::new(scheduler, &modalities).map_err(|e| StartError::Scheduler(e.to_string()))
+}
+
+/// The refusal of item `index` of a request, which the scheduler could never take.
+pub(crate) fn over_budget(index: usize, modality: Modality, source: BudgetError) -> EngineError {
+    let (what, code) = match modality {
+        Modality::Video => ("video", "video_over_budget"),
+        Modality::Image => ("image", "image_over_budget"),
+    };
+    EngineError::BadInput {
+        message: format!("{what} {index}: {source}"),
+        code,
+    }
+}
+
 /// Runs start-up on the engine-core thread.
 fn start_worker(
     shared: Arc<Shared>,
@@ -1091,22 +1178,7 @@ fn start_worker(
         video: config.video.clone(),
     };
     let (tower, profile) = profile_startup(&allocator, &request)?;
-    let limits = &config.scheduler.limit_mm_per_prompt;
-    let modalities: Vec<(Modality, ModalityLimits)> = profile
-        .modality_max_tokens
-        .iter()
-        .map(|&(modality, tokens)| {
-            (
-                modality,
-                ModalityLimits {
-                    max_tokens_per_item: tokens,
-                    limit_per_prompt: limits.get(modality),
-                },
-            )
-        })
-        .collect();
-    let budget = EncoderBudget::new(&config.scheduler, &modalities)
-        .map_err(|e| StartError::Scheduler(e.to_string()))?;
+    let budget = encoder_budget(&config.scheduler, &profile)?;
     let manager = EncoderCacheManager::new(crate::budget::BudgetPolicy::cache_size(&budget));
     let scheduler = Scheduler::new(config.scheduler.clone(), budget, manager);
     let runner = Runner::new(allocator);

@@ -1309,18 +1309,45 @@ async fn a_video_over_the_encoder_budget_is_refused_with_the_numbers() {
     )
     .unwrap();
     assert_eq!(shape.tokens, 2560);
-    match engine.encode(vec![clip], EncodeOptions::default()).await {
+    let refused = |result: Result<(), EngineError>| match result {
         Err(EngineError::BadInput { code, message }) => {
             assert_eq!(code, "video_over_budget", "{message}");
             assert!(
-                message.starts_with("video 0: ")
+                message.starts_with("video 1: ")
                     && message.contains("2560")
                     && message.contains("2048"),
                 "{message}"
             );
         }
-        other => panic!("expected video_over_budget, got {other:?}"),
-    }
+        Err(other) => panic!("expected video_over_budget, got {other:?}"),
+        Ok(_) => panic!("expected video_over_budget, got results"),
+    };
+    let items = || {
+        vec![
+            MediaInput::Image(input(png(56, 56, 4))),
+            MediaInput::Video(clip.clone()),
+        ]
+    };
+    refused(
+        engine
+            .encode(items(), EncodeOptions::default())
+            .await
+            .map(|_| ()),
+    );
+    // Refused (by encode, and by plan, which preprocesses for the EC producer) before any
+    // item was preprocessed: a clip that a request's min_pixels scales up could otherwise
+    // take hundreds of gigabytes of pixels before the scheduler saw it.
+    refused(
+        engine
+            .plan(&items(), &ProcessorOverrides::default())
+            .await
+            .map(|_| ()),
+    );
+    let metrics = engine.metrics_snapshot();
+    assert_eq!(
+        (metrics.processor_cache_hits, metrics.processor_cache_misses),
+        (0, 0)
+    );
     check(&engine).await;
     reset_to_baseline(&engine, &after_start, "after a refused video").await;
 }

@@ -291,19 +291,13 @@ impl Worker {
                 );
             }
             Err(SchedulerError::Budget { index, source }) => {
-                let video = request
+                let modality = request
                     .images
                     .get(index)
-                    .is_some_and(|item| item.modality == crate::budget::Modality::Video);
-                let (what, code) = if video {
-                    ("video", "video_over_budget")
-                } else {
-                    ("image", "image_over_budget")
-                };
-                let _ = request.events.send(Event::Failed(EngineError::BadInput {
-                    message: format!("{what} {index}: {source}"),
-                    code,
-                }));
+                    .map_or(crate::budget::Modality::Image, |item| item.modality);
+                let _ = request
+                    .events
+                    .send(Event::Failed(super::over_budget(index, modality, source)));
             }
             Err(err) => {
                 let _ = request
