@@ -160,6 +160,19 @@ pub fn run(global: &GlobalArgs, args: &EncodeArgs) -> anyhow::Result<ExitCode> {
         .validate()
         .context("--min-pixels/--max-pixels: bad processor settings")?;
     let limits = DecodeLimits::default();
+    // The resized images must fit what a decoded one may be: a --min-pixels of 10^13 would
+    // otherwise resize a small image to tens of terabytes.
+    for (flag, value) in [
+        ("--min-pixels", args.min_pixels),
+        ("--max-pixels", args.max_pixels),
+    ] {
+        if let Some(pixels) = value.filter(|&p| p > limits.max_pixels) {
+            anyhow::bail!(
+                "{flag} {pixels} is above {} pixels, the most an image may decode to",
+                limits.max_pixels
+            );
+        }
+    }
 
     // Preprocess everything first: a bad image or video fails before any device work.
     let mut inputs = Vec::with_capacity(args.images.len() + args.videos.len());

@@ -226,6 +226,32 @@ fn pixel_bounds_resize_as_a_request_s_processor_kwargs_do() {
         !out.status.success() && stderr.contains("min_pixels"),
         "{stderr}"
     );
+
+    // So are bounds no image may resize to (10^13 pixels would be tens of terabytes), and a
+    // lower bound of 0 (a side shorter than half a patch group would resize to nothing).
+    for (min, max, named) in [
+        (
+            "10000000000000",
+            "10000000000000",
+            "--min-pixels 10000000000000 is above",
+        ),
+        ("0", "12544", "min_pixels"),
+    ] {
+        let out = iris(&[
+            "encode",
+            "--model",
+            "tiny",
+            "--min-pixels",
+            min,
+            "--max-pixels",
+            max,
+            "--out",
+            dir.join("bad.safetensors").to_str().unwrap(),
+            image,
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(named), "{stderr}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -342,6 +342,10 @@ pub struct StartupProfile {
     pub timings: StartupTimings,
 }
 
+/// The most patch rows one step may hold: attention's segment boundaries (`cu_seqlens`) reach
+/// the device as 32-bit signed integers.
+pub const MAX_STEP_ROWS: u64 = i32::MAX as u64;
+
 /// Why profiling failed.
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -361,6 +365,16 @@ pub enum ProfileError {
     /// Sizing the largest item.
     #[error(transparent)]
     Preprocess(#[from] PreprocessError),
+    /// The largest step the scheduler's flags allow has more patch rows than a step can hold.
+    #[error(
+        "the largest step holds {items} items of {patches_per_item} patches each, more than the {MAX_STEP_ROWS} patch rows a step can hold; lower --max-num-batched-tokens or --max-num-seqs"
+    )]
+    StepTooLarge {
+        /// Items in the largest step.
+        items: u64,
+        /// Patch rows of each.
+        patches_per_item: u64,
+    },
     /// The largest step is vLLM's dummy video for the model, and it does not fit.
     #[error(
         "the largest item is vLLM's dummy video for this model, grid {grid:?} ({tokens} tokens), and its step does not fit: {error}; limit_mm_per_prompt {{\"video\": 0}} sizes the engine for images only (and refuses videos), max_model_len bounds the video's frames"
@@ -462,9 +476,18 @@ pub fn profile_startup(
     let items_per_batch = budget
         .modality(max_item_modality)
         .map_or(1, |m| m.max_items_per_batch);
-    let grids: Vec<Grid> = (0..items_per_batch).map(|_| grid).collect();
     let patches_per_item = grid.iter().map(|&v| u64::from(v)).product::<u64>();
-    let rows = patches_per_item * items_per_batch;
+    // Checked before the step's grids are listed: flags such as --max-num-batched-tokens 1e15
+    // would otherwise ask for a list of that many items (and attention's segment boundaries
+    // reach the device as 32-bit signed integers).
+    let rows = patches_per_item
+        .checked_mul(items_per_batch)
+        .filter(|&rows| rows <= MAX_STEP_ROWS)
+        .ok_or(ProfileError::StepTooLarge {
+            items: items_per_batch,
+            patches_per_item,
+        })?;
+    let grids: Vec<Grid> = (0..items_per_batch).map(|_| grid).collect();
     let row_len = vision.patch_row_len() as u64;
 
     // A video step that does not fit says which item it was and how to leave it out.
@@ -712,7 +735,8 @@ fn largest_items(
                 let config = &video.config;
                 let unit = config.factor();
                 let per_frame = config.max_pixels / u64::from(config.temporal_patch_size.max(1));
-                let (h, w) = most_features(per_frame / u64::from(unit * unit));
+                // In u64: a factor of 65536 (the largest the processor takes) squares past u32.
+                let (h, w) = most_features(per_frame / (u64::from(unit) * u64::from(unit)).max(1));
                 [
                     1,
                     h * unit / config.patch_size,

@@ -810,6 +810,15 @@ fn validation_of_hand_built_configs() {
             .to_string()
             .contains("min_pixels")
     );
+    // The preprocessing's own bounds: a model that loads can serve (a factor of 256 * 256
+    // once divided the start-up profile by zero).
+    for (patch, merge, field) in [(2048, 2, "patch_size"), (16, 256, "merge_size")] {
+        let mut spec = ModelSpec::preset("qwen3-vl-2b").unwrap();
+        spec.processor.patch_size = patch;
+        spec.processor.merge_size = merge;
+        let err = spec.validate().unwrap_err().to_string();
+        assert!(err.contains(field), "{err}");
+    }
 }
 
 /// The golden fixtures' model directories (made by `tools/golden/make_golden.py` with

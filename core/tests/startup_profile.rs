@@ -362,29 +362,20 @@ fn a_video_step_is_sized_as_it_runs() {
 /// out or shrink it; nothing stays allocated; sized for images only, the same device starts.
 #[test]
 fn a_video_step_that_does_not_fit_names_the_video_and_the_way_out() {
-    let spec = ModelSpec::preset("tiny").expect("the preset exists");
     let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
     let device = plugin
         .open(0, &[("capacity".into(), "96MiB".into())])
         .expect("the CPU device opens");
     let allocator = CachingAllocator::new(Arc::new(device));
-    let request = |video| ProfileRequest {
-        spec: spec.clone(),
-        weights: WeightSource::Dummy { seed: 7 },
-        dtype: DType::F32,
-        scheduler: SchedulerConfig {
+    let request = |video| {
+        tiny_dry_run(SchedulerConfig {
             max_num_batched_tokens: 1024,
             limit_mm_per_prompt: MmLimits {
                 video,
                 ..MmLimits::default()
             },
             ..SchedulerConfig::default()
-        },
-        device_memory_utilization: 0.9,
-        mode: ProfileMode::Dry,
-        warm_up: WarmUpMode::Off,
-        progress: ProgressSink::default(),
-        video: spec.default_video_processing(),
+        })
     };
     let err = match profile_startup(&allocator, &request(999)) {
         Ok((_, report)) => panic!("a 96 MiB device held the video step: {report:?}"),
@@ -410,4 +401,51 @@ fn a_video_step_that_does_not_fit_names_the_video_and_the_way_out() {
     let (tower, report) = profile_startup(&allocator, &request(0)).expect("images only fit");
     assert_eq!(report.max_item_modality, Modality::Image);
     drop(tower);
+}
+
+/// A dry run of the `tiny` model in f32 under `scheduler`, without the warm-up.
+fn tiny_dry_run(scheduler: SchedulerConfig) -> ProfileRequest {
+    let spec = ModelSpec::preset("tiny").expect("the preset exists");
+    ProfileRequest {
+        weights: WeightSource::Dummy { seed: 7 },
+        dtype: DType::F32,
+        scheduler,
+        device_memory_utilization: 0.9,
+        mode: ProfileMode::Dry,
+        warm_up: WarmUpMode::Off,
+        progress: ProgressSink::default(),
+        video: spec.default_video_processing(),
+        spec,
+    }
+}
+
+/// Scheduler flags of absurd size are refused with a message that names them, before the
+/// step's items are listed (10^15 tokens would have been a list of 10^12 grids).
+#[test]
+fn a_step_beyond_what_a_step_can_hold_is_refused_naming_the_flags() {
+    let allocator = allocator();
+    let request = tiny_dry_run(SchedulerConfig {
+        max_num_batched_tokens: 1_000_000_000_000_000,
+        max_num_seqs: 1_000_000_000_000_000,
+        limit_mm_per_prompt: MmLimits {
+            video: 0,
+            ..MmLimits::default()
+        },
+        ..SchedulerConfig::default()
+    });
+    let err = match profile_startup(&allocator, &request) {
+        Ok((_, report)) => panic!("a step of 10^15 tokens was sized: {report:?}"),
+        Err(err) => err,
+    };
+    let text = err.to_string();
+    assert!(
+        matches!(err, iris_core::profile::ProfileError::StepTooLarge { .. })
+            && text.contains("--max-num-batched-tokens"),
+        "{text}"
+    );
+    assert_eq!(
+        allocator.stats().allocated,
+        0,
+        "the failed start left blocks"
+    );
 }

@@ -465,6 +465,9 @@ pub fn merge_media_io_kwargs(
     Ok((!merged.is_empty()).then_some(OrderedJson(JsonValue::Object(merged))))
 }
 
+/// The most members one object of request kwargs may have (vLLM's kwargs have a handful).
+pub const MAX_OBJECT_MEMBERS: usize = 1024;
+
 /// One image item of a request.
 #[derive(Debug, Clone, Copy)]
 pub struct ItemSource<'a> {
@@ -861,10 +864,19 @@ impl<'de> Visitor<'de> for JsonVisitor {
         let mut members: Vec<(String, JsonValue)> = Vec::new();
         while let Some((key, value)) = map.next_entry::<String, JsonValue>()? {
             // Python's dict: a repeated key keeps its first place and takes the last value.
-            match members.iter_mut().find(|(k, _)| *k == key) {
-                Some(slot) => slot.1 = value,
-                None => members.push((key, value)),
+            if let Some(slot) = members.iter_mut().find(|(k, _)| *k == key) {
+                slot.1 = value;
+                continue;
             }
+            // Members are looked up by a scan, here and when kwargs merge: bounded, so that a
+            // request's object of half a million keys is refused instead of costing 10^11
+            // comparisons.
+            if members.len() == MAX_OBJECT_MEMBERS {
+                return Err(de::Error::custom(format!(
+                    "an object has more than {MAX_OBJECT_MEMBERS} members"
+                )));
+            }
+            members.push((key, value));
         }
         Ok(JsonValue::Object(members))
     }
@@ -904,6 +916,25 @@ mod tests {
 
     fn kw(text: &str) -> Option<OrderedJson> {
         Some(OrderedJson::parse("test", text).unwrap())
+    }
+
+    #[test]
+    fn objects_beyond_the_member_bound_are_refused_and_repeats_do_not_count() {
+        let object = |n: usize| {
+            let members: Vec<String> = (0..n).map(|i| format!("\"k{i}\": {i}")).collect();
+            format!("{{\"video\": {{{}}}}}", members.join(","))
+        };
+        assert!(OrderedJson::parse("kwargs", &object(MAX_OBJECT_MEMBERS)).is_ok());
+        let err = OrderedJson::parse("kwargs", &object(MAX_OBJECT_MEMBERS + 1)).unwrap_err();
+        assert!(err.to_string().contains("more than 1024 members"), "{err}");
+        let repeated = format!(
+            "{{{}, \"k0\": 1}}",
+            (0..MAX_OBJECT_MEMBERS)
+                .map(|i| format!("\"k{i}\": {i}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        assert!(OrderedJson::parse("kwargs", &repeated).is_ok());
     }
 
     #[test]

@@ -641,7 +641,7 @@ fn check_entry(path: &Path, shape: &EntryShape) -> Lookup {
         return Lookup::Invalid(format!("{length} bytes: no safetensors header"));
     }
     let header_len = u64::from_le_bytes(prefix);
-    if header_len > MAX_HEADER_BYTES || header_len > length - 8 {
+    if header_len > MAX_HEADER_BYTES || header_len > length.saturating_sub(8) {
         return Lookup::Invalid(format!(
             "header length {header_len} in a {length}-byte file"
         ));

@@ -66,8 +66,10 @@ pub enum WorkloadError {
         /// Largest side accepted.
         max: u32,
     },
-    /// `--request-rate` is neither `inf` nor a positive number.
-    #[error("request rate {given:?} must be a positive number of requests per second, or `inf`")]
+    /// `--request-rate` is neither `inf` nor a number of at least [`MIN_REQUEST_RATE`].
+    #[error(
+        "request rate {given:?} must be a number of requests per second of at least {MIN_REQUEST_RATE} (one every 1000 s), or `inf`"
+    )]
     BadRequestRate {
         /// The text given.
         given: String,
@@ -255,6 +257,10 @@ impl fmt::Display for ImageFormat {
     }
 }
 
+/// The slowest `--request-rate`: one request every 1000 s. Slower rates put arrivals past what a
+/// clock can add (a rate of 1e-300 puts the second at 1e300 s), and no run would end.
+pub const MIN_REQUEST_RATE: f64 = 1e-3;
+
 /// Requests per second of the arrival process.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RequestRate {
@@ -273,7 +279,7 @@ impl FromStr for RequestRate {
             return Ok(Self::Infinite);
         }
         match t.parse::<f64>() {
-            Ok(r) if r.is_finite() && r > 0.0 => Ok(Self::PerSecond(r)),
+            Ok(r) if r.is_finite() && r >= MIN_REQUEST_RATE => Ok(Self::PerSecond(r)),
             Ok(r) if r.is_infinite() && r > 0.0 => Ok(Self::Infinite),
             _ => Err(WorkloadError::BadRequestRate {
                 given: s.to_owned(),
@@ -978,7 +984,7 @@ mod tests {
             "2.5".parse::<RequestRate>().unwrap(),
             RequestRate::PerSecond(2.5)
         );
-        for bad in ["0", "-1", "nan", "fast"] {
+        for bad in ["0", "-1", "nan", "fast", "1e-300", "0.0009"] {
             assert!(bad.parse::<RequestRate>().is_err(), "{bad}");
         }
         assert_eq!("JPG".parse::<ImageFormat>().unwrap(), ImageFormat::Jpeg);

@@ -290,6 +290,23 @@ async fn memory_and_server_info() {
 }
 
 #[tokio::test]
+async fn made_up_methods_share_one_metrics_label() {
+    let (app, _) = app(ServerConfig::default());
+    for i in 0..3 {
+        let method = Method::from_bytes(format!("M{i}").as_bytes()).unwrap();
+        call(&app, method, "/health", None, None).await;
+    }
+    let (_, text) = call(&app, Method::GET, "/metrics", None, None).await;
+    let series: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("iris_http_requests_total{") && l.contains("/health"))
+        .collect();
+    assert_eq!(series.len(), 1, "{series:?}");
+    assert!(series[0].contains("method=\"other\""), "{series:?}");
+    assert!(series[0].ends_with(" 3"), "{series:?}");
+}
+
+#[tokio::test]
 async fn metrics_exposes_requests_latency_images_caches_and_memory() {
     let (app, _) = app(ServerConfig::default());
     let body = json!({"images": [url(&png(28, 28, 4)), url(&png(28, 28, 4))]});

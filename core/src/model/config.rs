@@ -686,7 +686,16 @@ fn validate_processor(p: &ProcessorConfig) -> Result<(), ModelError> {
             format!("{s} must be a positive number"),
         ));
     }
-    Ok(())
+    // The preprocessing's own bounds too (patch, merge and temporal sizes it can take): a model
+    // that loads must be able to serve, not fail every request.
+    p.validate().map_err(|err| match err {
+        crate::preprocess::PreprocessError::InvalidConfig {
+            field,
+            value,
+            reason,
+        } => invalid(field, format!("{value} {reason}")),
+        other => invalid("preprocessor_config", other.to_string()),
+    })
 }
 
 /// A model as iris runs it: a name, its tower and its processor settings.

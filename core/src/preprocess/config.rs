@@ -166,6 +166,10 @@ impl ProcessorConfig {
         if self.max_pixels == 0 {
             return bad("max_pixels", "0".into(), "must be positive");
         }
+        // With no lower bound, a side shorter than half the factor rounds to 0 pixels.
+        if self.min_pixels == 0 {
+            return bad("min_pixels", "0".into(), "must be positive");
+        }
         for (i, s) in self.image_std.iter().enumerate() {
             if !s.is_finite() || *s == 0.0 {
                 return bad(

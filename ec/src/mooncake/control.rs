@@ -21,6 +21,10 @@ use super::PushFailure;
 /// Idle sockets kept per address: enough for the concurrent exchanges of a busy encoder.
 const MAX_IDLE_PER_ADDRESS: usize = 16;
 
+/// The most shards (ports of its `peers` reply) a consumer may have: one per worker process,
+/// so a few per node.
+pub const MAX_SHARDS: usize = 256;
+
 /// Why one control exchange failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
@@ -173,6 +177,16 @@ impl ControlClient {
                 format!("{consumer} answered `peers` without a list of ports: {reply}"),
             ));
         };
+        // Every push fans out to every shard: a reply naming thousands is refused, not served.
+        if ports.len() > MAX_SHARDS {
+            return Err(ControlError::new(
+                PushFailure::Protocol,
+                format!(
+                    "{consumer} answered `peers` with {} ports, more than the {MAX_SHARDS} shards a consumer may have",
+                    ports.len()
+                ),
+            ));
+        }
         let prefix = consumer
             .rsplit_once(':')
             .map_or(consumer, |(prefix, _)| prefix);
