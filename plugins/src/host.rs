@@ -53,6 +53,9 @@ impl DeviceError {
     }
 }
 
+/// The most devices a plugin's probe may report: hosts list and check each one.
+pub const MAX_DEVICES: u32 = 1024;
+
 /// What a plugin's probe found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Probe {
@@ -132,12 +135,24 @@ impl Plugin {
         self.abi_minor
     }
 
-    /// How many devices the plugin sees, or why it sees none.
+    /// How many devices the plugin sees, or why it sees none. A count above [`MAX_DEVICES`]
+    /// (a C plugin returning -1, say) is an answer no host can act on, not that many devices:
+    /// it reads as none, with the plugin's count in the reason.
     pub fn probe(&self) -> Probe {
         let probe = (self.module.probe())();
+        let reason = probe.reason.into_string();
+        if probe.device_count > MAX_DEVICES {
+            return Probe {
+                device_count: 0,
+                reason: format!(
+                    "the plugin reported {} devices, more than the {MAX_DEVICES} a host takes ({reason})",
+                    probe.device_count
+                ),
+            };
+        }
         Probe {
             device_count: probe.device_count,
-            reason: probe.reason.into_string(),
+            reason,
         }
     }
 
@@ -573,10 +588,26 @@ impl Device {
         })?;
         if let Some(alloc_host) = self.vtable_alloc_host() {
             match alloc_host(self.instance.ctx, bytes).into_result() {
+                // The host reads and writes through the plugin's pointer: an answer that does
+                // not cover what was asked for is refused (and given back), never used.
+                Ok(alloc) if alloc.ptr.is_null() || alloc.len < bytes => {
+                    if let Some(free_host) = self.vtable_free_host() {
+                        let _ = free_host(self.instance.ctx, alloc.id);
+                    }
+                    return Err(DeviceError {
+                        plugin: self.plugin.name.clone(),
+                        op: "alloc_host",
+                        code: ErrorCode::INTERNAL,
+                        message: format!(
+                            "asked for {bytes} bytes, the plugin answered {} bytes at {:p}",
+                            alloc.len, alloc.ptr
+                        ),
+                    });
+                }
                 Ok(alloc) => {
                     return Ok(HostBuffer {
                         device: Arc::clone(self),
-                        memory: Staging::Pinned(alloc),
+                        memory: Staging::Pinned { alloc, len },
                         pending: None,
                     });
                 }
@@ -609,7 +640,7 @@ impl Device {
                 let range = host_range(src_offset, bytes);
                 self.write(dst, dst_offset, &data[range])
             }
-            Staging::Pinned(alloc) => {
+            Staging::Pinned { alloc, .. } => {
                 bump(&self.counters.h2d_calls, 1);
                 bump(&self.counters.h2d_bytes, bytes);
                 let copy = StagedCopy {
@@ -642,7 +673,7 @@ impl Device {
                 let range = host_range(dst_offset, bytes);
                 self.read(src, src_offset, &mut data[range])
             }
-            Staging::Pinned(alloc) => {
+            Staging::Pinned { alloc, .. } => {
                 bump(&self.counters.d2h_calls, 1);
                 bump(&self.counters.d2h_bytes, bytes);
                 let copy = StagedCopy {
@@ -894,7 +925,12 @@ pub struct HostBuffer {
 
 enum Staging {
     Plain(Vec<u8>),
-    Pinned(HostAlloc),
+    /// The plugin's memory, of at least `len` bytes: the length asked for, which the host
+    /// uses (a plugin may round its allocation up).
+    Pinned {
+        alloc: HostAlloc,
+        len: usize,
+    },
 }
 
 impl fmt::Debug for HostBuffer {
@@ -912,8 +948,7 @@ impl HostBuffer {
     pub fn len(&self) -> usize {
         match &self.memory {
             Staging::Plain(data) => data.len(),
-            // The plugin allocated `len` bytes in this address space, so it fits in usize.
-            Staging::Pinned(alloc) => usize::try_from(alloc.len).unwrap_or(0),
+            Staging::Pinned { len, .. } => *len,
         }
     }
 
@@ -924,7 +959,7 @@ impl HostBuffer {
 
     /// Whether the memory came from the plugin (page-locked) rather than the host's heap.
     pub fn is_pinned(&self) -> bool {
-        matches!(self.memory, Staging::Pinned(_))
+        matches!(self.memory, Staging::Pinned { .. })
     }
 
     /// The contents, once every transfer through the buffer has completed.
@@ -932,21 +967,24 @@ impl HostBuffer {
         self.settle()?;
         Ok(match &self.memory {
             Staging::Plain(data) => data,
-            // SAFETY: the plugin gave out `len` bytes at `ptr` that stay valid until
-            // `free_host`, which only `drop` calls; no transfer is in flight (settled above)
-            // and `&mut self` rules out other references.
-            Staging::Pinned(alloc) => unsafe { std::slice::from_raw_parts(alloc.ptr, self.len()) },
+            // SAFETY: the plugin gave out at least `len` bytes at `ptr`, not null (checked in
+            // `host_buffer`), that stay valid until `free_host`, which only `drop` calls; no
+            // transfer is in flight (settled above) and `&mut self` rules out other references.
+            Staging::Pinned { alloc, len } => unsafe {
+                std::slice::from_raw_parts(alloc.ptr, *len)
+            },
         })
     }
 
     /// The contents for writing, once every transfer through the buffer has completed.
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8], DeviceError> {
         self.settle()?;
-        let len = self.len();
         Ok(match &mut self.memory {
             Staging::Plain(data) => data,
             // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
-            Staging::Pinned(alloc) => unsafe { std::slice::from_raw_parts_mut(alloc.ptr, len) },
+            Staging::Pinned { alloc, len } => unsafe {
+                std::slice::from_raw_parts_mut(alloc.ptr, *len)
+            },
         })
     }
 
@@ -961,7 +999,7 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        if let Staging::Pinned(alloc) = &self.memory
+        if let Staging::Pinned { alloc, .. } = &self.memory
             && let Some(free_host) = self.device.vtable_free_host()
         {
             // Queue-ordered: safe with transfers still in flight. A refusal leaves the memory

@@ -115,15 +115,17 @@ fn template_passes_and_reports_every_op_unsupported() {
 }
 
 /// A device that lies: it lists gemm and layer norm, but its gemm writes nothing and its layer
-/// norm answers "unsupported". The suite must fail both and call the unlisted ops unsupported.
+/// norm answers "unsupported", and its host staging buffers are a byte short of what was asked.
+/// The suite must fail all three and call the unlisted ops unsupported; the host must refuse
+/// the short buffer rather than read or write past it.
 mod liar {
     use abi_stable::prefix_type::{PrefixRef, WithMetadata};
     use abi_stable::std_types::{RResult, RSlice, RStr};
     use iris_device_cpu::{CpuDevice, CpuOptions};
     use iris_plugin::abi::{
-        BufferHandle, CopyRegion, DeviceDesc, DeviceInstance, FillArgs, GemmArgs, IrisPlugin,
-        IrisPluginRef, LogSink, MemInfo, MemoryReport, NormArgs, OpKind, PluginError, PluginOption,
-        ProbeResult,
+        BufferHandle, CopyRegion, DeviceDesc, DeviceInstance, FillArgs, GemmArgs, HostAlloc,
+        HostBufferId, IrisPlugin, IrisPluginRef, LogSink, MemInfo, MemoryReport, NormArgs, OpKind,
+        PluginError, PluginOption, ProbeResult,
     };
     use iris_plugin::backend::{device_instance, guard, probe_result};
     use iris_plugin::{Backend, Logger, Plugin};
@@ -169,6 +171,15 @@ mod liar {
         fn layer_norm(&self, _args: &NormArgs) -> Result<(), PluginError> {
             Err(PluginError::unsupported("layer_norm: not yet"))
         }
+        /// One byte short of what was asked for.
+        fn alloc_host(&self, bytes: u64) -> Result<HostAlloc, PluginError> {
+            let mut alloc = self.0.alloc_host(bytes)?;
+            alloc.len = bytes - 1;
+            Ok(alloc)
+        }
+        fn free_host(&self, id: HostBufferId) -> Result<(), PluginError> {
+            self.0.free_host(id)
+        }
     }
 
     extern "C" fn probe() -> ProbeResult {
@@ -199,6 +210,35 @@ mod liar {
     pub fn plugin() -> Plugin {
         Plugin::builtin(IrisPluginRef(PrefixRef::from_ref(MODULE)))
     }
+
+    /// A probe that answers -1 as a C plugin's unsigned count: 4294967295 devices.
+    extern "C" fn probe_minus_one() -> ProbeResult {
+        probe_result(u32::MAX, "")
+    }
+
+    const MINUS_ONE: &WithMetadata<IrisPlugin> = &WithMetadata::new(IrisPlugin {
+        name: RStr::from_str("liar"),
+        version: RStr::from_str("0.0.0"),
+        probe: probe_minus_one,
+        open,
+    });
+
+    pub fn counting_minus_one() -> Plugin {
+        Plugin::builtin(IrisPluginRef(PrefixRef::from_ref(MINUS_ONE)))
+    }
+}
+
+#[test]
+fn a_device_count_past_any_host_reads_as_none_with_the_count_named() {
+    let probe = liar::counting_minus_one().probe();
+    assert_eq!(probe.device_count, 0);
+    assert!(
+        probe
+            .reason
+            .contains("reported 4294967295 devices, more than the 1024"),
+        "{}",
+        probe.reason
+    );
 }
 
 #[test]
@@ -219,8 +259,14 @@ fn listed_ops_that_misbehave_fail_and_unlisted_ones_are_unsupported() {
     assert_eq!(status("op.layer_norm.w1280.f32"), "fail");
     assert_eq!(status("op.rms_norm.w1280.f32"), "unsupported");
     assert_eq!(status("op.attention.d80.f16"), "unsupported");
-    assert_eq!(status("queue.host_staging"), "unsupported");
+    assert_eq!(status("queue.host_staging"), "fail");
     assert_eq!(status("memory.accounting"), "pass");
     assert_eq!(status("memory.all_freed"), "pass");
     assert!(!report.is_ok());
+    let err = device.host_buffer(4096).unwrap_err();
+    assert!(
+        err.message
+            .contains("asked for 4096 bytes, the plugin answered 4095 bytes"),
+        "{err}"
+    );
 }
