@@ -437,7 +437,10 @@ impl ModelArgs {
     /// # Errors
     /// A dtype other than f32, f16 or bf16.
     pub fn dtype(&self) -> anyhow::Result<DType> {
+        // Towers compute in floating point: the ABI's integer types (index tensors) are not
+        // a model's dtype.
         DType::parse(&self.dtype)
+            .filter(|dtype| matches!(*dtype, DType::F32 | DType::F16 | DType::BF16))
             .with_context(|| format!("--dtype: expected f32, f16 or bf16, got `{}`", self.dtype))
     }
 

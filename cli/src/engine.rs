@@ -43,7 +43,7 @@ pub struct EngineArgs {
     pub scheduler_policy: Option<Policy>,
     /// Share of the device's total memory iris may use, in (0, 1]; start-up is refused when
     /// less than that is free.
-    #[arg(long, default_value_t = DEFAULT_DEVICE_MEMORY_UTILIZATION)]
+    #[arg(long, default_value_t = DEFAULT_DEVICE_MEMORY_UTILIZATION, value_parser = utilization)]
     pub device_memory_utilization: f64,
     /// How start-up sizes the largest step: `dry` walks the tower's ops at that size with
     /// compute skipped, allocating as a real run does (seconds on any device); `real` runs it
@@ -384,5 +384,16 @@ impl http::Engine for Engine {
 
     fn metrics_snapshot(&self) -> MetricsSnapshot {
         Engine::metrics_snapshot(self)
+    }
+}
+
+/// `--device-memory-utilization`: a share in (0, 1], checked before any device is opened (on
+/// CUDA an open compiles kernels and checks attention engines first).
+pub(crate) fn utilization(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(share) if share > 0.0 && share <= 1.0 => Ok(share),
+        _ => Err(format!(
+            "expected a share of the device's memory in (0, 1], got `{text}`"
+        )),
     }
 }

@@ -32,7 +32,7 @@ pub struct ProfileArgs {
     #[arg(long)]
     encoder_cache_size: Option<u64>,
     /// Share of the device's total memory iris may use, in (0, 1].
-    #[arg(long, default_value_t = DEFAULT_DEVICE_MEMORY_UTILIZATION)]
+    #[arg(long, default_value_t = DEFAULT_DEVICE_MEMORY_UTILIZATION, value_parser = crate::engine::utilization)]
     device_memory_utilization: f64,
     /// How the largest step is sized: `dry` walks the tower's ops at that size with compute
     /// skipped, allocating as a real run does (seconds on any device); `real` runs it on the

@@ -362,3 +362,43 @@ fn videos_in_process_over_http_and_through_the_store_agree_and_return_memory() {
         let _ = std::fs::remove_dir_all(dir);
     }
 }
+
+#[test]
+fn outputs_that_cannot_be_written_are_refused_before_the_load() {
+    let dir = folder("outputs");
+    let missing = dir.join("no-such-folder");
+    for (extra, named) in [
+        (
+            vec!["--plot".to_owned(), dir.join("m.jpg").display().to_string()],
+            "the file name must end in .svg or .png",
+        ),
+        (
+            vec![
+                "--result-json".to_owned(),
+                missing.join("r.json").display().to_string(),
+            ],
+            "cannot be written",
+        ),
+    ] {
+        let started = std::time::Instant::now();
+        let output = iris(&dir)
+            .arg("bench")
+            .args(&extra)
+            // A load that would take minutes: the refusal must come first.
+            .args(["--num-prompts", "100000", "--no-progress"])
+            .output()
+            .expect("iris bench runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            !output.status.success() && stderr.contains(named) && stderr.contains(&extra[0]),
+            "{extra:?}: {stderr}"
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "{extra:?}: refused only after {:?}",
+            started.elapsed()
+        );
+    }
+    assert!(!dir.join("m.jpg").exists(), "the check left a file behind");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -448,3 +448,31 @@ fn a_video_without_ffmpeg_or_a_corrupt_clip_is_a_clear_error() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn an_integer_dtype_is_refused_naming_the_flag() {
+    let dir = scratch("dtype");
+    let image = dir.join("a.png");
+    write_image(&image, 56, 56);
+    for dtype in ["u8", "i32", "f64"] {
+        let out = iris(&[
+            "encode",
+            "--model",
+            "tiny",
+            "--dtype",
+            dtype,
+            "--out",
+            dir.join("x.safetensors").to_str().unwrap(),
+            image.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && stderr.contains(&format!(
+                    "--dtype: expected f32, f16 or bf16, got `{dtype}`"
+                )),
+            "{dtype}: {stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

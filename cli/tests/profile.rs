@@ -195,7 +195,11 @@ fn bad_utilization_and_too_little_memory_are_clear_errors() {
     );
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("1.5"), "{stderr}");
+    // Named by its flag, and refused before the device is opened.
+    assert!(
+        stderr.contains("--device-memory-utilization") && stderr.contains("in (0, 1], got `1.5`"),
+        "{stderr}"
+    );
 
     // 4 MiB holds the weights but not the profiling run.
     let output = iris(

@@ -379,7 +379,10 @@ fn plugin_tables(
             let text = match value {
                 Value::String(text) => text,
                 Value::Integer(number) => number.to_string(),
-                Value::Float(number) => number.to_string(),
+                // Debug keeps a float a float: `1.0` stays "1.0", where Display gives "1",
+                // which a plugin reads as an integer (a capacity of 1.0, the whole memory,
+                // became one byte).
+                Value::Float(number) => format!("{number:?}"),
                 Value::Boolean(flag) => flag.to_string(),
                 other => {
                     return Err(invalid(
@@ -427,6 +430,7 @@ mod tests {
             threads = 4
             capacity = "1GiB"
             fraction = 0.5
+            whole = 1.0
             pinned = true
             "#,
         )
@@ -441,6 +445,7 @@ mod tests {
         assert_eq!(options["threads"], "4");
         assert_eq!(options["capacity"], "1GiB");
         assert_eq!(options["fraction"], "0.5");
+        assert_eq!(options["whole"], "1.0");
         assert_eq!(options["pinned"], "true");
         assert!(config.plugin_options("cuda").is_empty());
     }

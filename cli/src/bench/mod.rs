@@ -147,6 +147,40 @@ impl BenchArgs {
         }
     }
 
+    /// Checks, before the load, that `--result-json` and `--plot` can be written (and that
+    /// the plot's name ends in `.svg` or `.png`): a run may take hours, and its report should
+    /// not be lost to a typo at the end. A file that did not exist is not left behind.
+    ///
+    /// # Errors
+    /// Naming the flag and the path.
+    pub fn check_outputs(&self) -> anyhow::Result<()> {
+        if let Some(path) = &self.plot {
+            let ext = path
+                .extension()
+                .and_then(|e| e.to_str())
+                .map(str::to_ascii_lowercase);
+            if !matches!(ext.as_deref(), Some("svg" | "png")) {
+                anyhow::bail!(
+                    "--plot {}: the file name must end in .svg or .png",
+                    path.display()
+                );
+            }
+        }
+        for (flag, path) in [("--result-json", &self.result_json), ("--plot", &self.plot)] {
+            let Some(path) = path else { continue };
+            let existed = path.exists();
+            std::fs::OpenOptions::new()
+                .append(true)
+                .create(true)
+                .open(path)
+                .with_context(|| format!("{flag} {}: cannot be written", path.display()))?;
+            if !existed {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        Ok(())
+    }
+
     /// The runner options the flags describe.
     pub fn run_options(&self) -> RunOptions {
         RunOptions {
@@ -179,15 +213,18 @@ pub fn checkpoint_marks(report: &BenchReport) -> [(&'static str, f64); 4] {
 /// When a result file cannot be written.
 pub fn finish(report: &BenchReport, args: &BenchArgs) -> anyhow::Result<u8> {
     print!("{}", report.render_text());
-    if let Some(path) = &args.result_json {
+    // Both are attempted before either error is returned: one failing keeps the other.
+    let json = args.result_json.as_ref().map(|path| {
         report
             .write_json(path)
-            .with_context(|| format!("writing --result-json {}", path.display()))?;
-    }
-    if let Some(path) = &args.plot {
+            .with_context(|| format!("writing --result-json {}", path.display()))
+    });
+    let plot = args.plot.as_ref().map(|path| {
         plot::write_plot(path, &report.timeline, &checkpoint_marks(report))
-            .context("writing --plot")?;
-    }
+            .context("writing --plot")
+    });
+    json.transpose()?;
+    plot.transpose()?;
     Ok(report.exit_code())
 }
 
@@ -214,6 +251,7 @@ pub fn run(
     global: &crate::settings::GlobalArgs,
     args: &BenchCmd,
 ) -> anyhow::Result<std::process::ExitCode> {
+    args.bench.check_outputs()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
