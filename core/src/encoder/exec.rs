@@ -234,7 +234,7 @@ struct PlannedBlock {
 impl Drop for PlannedBlock {
     fn drop(&mut self) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        state.live -= self.bytes;
+        state.live = state.live.saturating_sub(self.bytes);
         let index = self.index;
         if let Some(trace) = &mut state.trace {
             trace.push(TraceEvent::Free(index));
@@ -413,12 +413,23 @@ impl Runner {
 
     /// An uninitialised `rows x cols` tensor.
     pub fn tensor(&self, dtype: DType, rows: u64, cols: u64) -> Result<Tensor, EncoderError> {
-        let bytes = (rows * cols * dtype_size(dtype)).max(1);
+        // Sizes come from plugins too (op workspaces), which the host does not trust: a size
+        // past u64 is an error, and the plan's sums saturate (an allocation of them then fails
+        // with the numbers) rather than wrap.
+        let bytes = rows
+            .checked_mul(cols)
+            .and_then(|n| n.checked_mul(dtype_size(dtype)))
+            .ok_or_else(|| {
+                EncoderError::Shape(format!(
+                    "a {rows} x {cols} {dtype} tensor has more bytes than a 64-bit size holds"
+                ))
+            })?
+            .max(1);
         let storage = match (&self.plan, &self.step) {
             (Some(state), _) => {
                 let rounded = round_size(bytes).unwrap_or(bytes);
                 let mut guard = state.lock().unwrap_or_else(PoisonError::into_inner);
-                guard.live += rounded;
+                guard.live = guard.live.saturating_add(rounded);
                 guard.peak = guard.peak.max(guard.live);
                 let index = guard.allocations;
                 guard.allocations += 1;
