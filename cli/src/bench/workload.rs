@@ -261,6 +261,10 @@ impl fmt::Display for ImageFormat {
 /// clock can add (a rate of 1e-300 puts the second at 1e300 s), and no run would end.
 pub const MIN_REQUEST_RATE: f64 = 1e-3;
 
+/// The most item slots (prompts x items per prompt) a workload may have: its slots are listed
+/// and its fresh items made before the load starts.
+pub const MAX_SLOTS: usize = 10_000_000;
+
 /// Requests per second of the arrival process.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RequestRate {
@@ -427,11 +431,27 @@ pub fn build_workload(spec: &WorkloadSpec) -> Result<Workload, WorkloadError> {
             "it must be at least 1",
         ));
     }
-    if spec.images_per_prompt + spec.videos_per_prompt == 0 {
+    if spec
+        .images_per_prompt
+        .saturating_add(spec.videos_per_prompt)
+        == 0
+    {
         return Err(out_of_range(
             "--images-per-prompt",
             spec.images_per_prompt,
             "it must be at least 1 unless --videos-per-prompt is",
+        ));
+    }
+    // Every slot is listed, and every fresh item made, before the load starts.
+    let slots = spec.num_prompts.checked_mul(
+        spec.images_per_prompt
+            .saturating_add(spec.videos_per_prompt),
+    );
+    if slots.is_none_or(|slots| slots > MAX_SLOTS) {
+        return Err(out_of_range(
+            "--num-prompts",
+            spec.num_prompts,
+            "prompts x (images + videos per prompt) must be at most 10000000",
         ));
     }
     if !(0.0..=1.0).contains(&spec.repeat_ratio) {
@@ -1024,6 +1044,13 @@ mod tests {
 
     #[test]
     fn repeat_share_is_capped_by_the_first_prompt() {
+        for (n, k) in [(usize::MAX / 2, 3), (MAX_SLOTS, 2)] {
+            let err = build_workload(&spec(n, k, 0.5)).unwrap_err();
+            assert!(
+                err.to_string().contains("--num-prompts") && err.to_string().contains("10000000"),
+                "{err}"
+            );
+        }
         let w = build_workload(&spec(4, 2, 1.0)).unwrap();
         assert_eq!(w.repeated_slots, 6);
         assert_eq!(w.items.len(), 2);
