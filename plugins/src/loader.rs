@@ -225,13 +225,21 @@ pub fn is_path_spec(spec: &str) -> bool {
 
 /// Loads the plugin library at `path`.
 pub fn load_library(path: &Path) -> Result<Plugin, LoadError> {
-    let path_buf = path.to_path_buf();
     if !path.is_file() {
         return Err(LoadError::NotFound {
             name: path.display().to_string(),
-            tried: vec![path_buf],
+            tried: vec![path.to_path_buf()],
         });
     }
+    // The file checked above is the one loaded: the dynamic loader searches its own folders
+    // (LD_LIBRARY_PATH, the system's) for a name without a slash, so a bare file name in the
+    // current folder is made absolute first.
+    let absolute = std::path::absolute(path).map_err(|err| LoadError::Open {
+        path: path.to_path_buf(),
+        message: err.to_string(),
+    })?;
+    let path = absolute.as_path();
+    let path_buf = absolute.clone();
     let version = read_abi_version(path)?;
     // `checked_sub` rather than `<`: with a minimum of 0 the comparison is vacuous today, but
     // the window moves when old minors are retired.
