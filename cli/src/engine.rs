@@ -59,8 +59,8 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = DEFAULT_PROCESSOR_CACHE_BYTES as f64 / f64::from(1u32 << 30))]
     pub mm_processor_cache_gb: f64,
     /// Most requests admitted and not finished (preprocessing, queued or running); more get
-    /// 503 `overloaded` with `Retry-After`. Default: 2 x --max-num-seqs.
-    #[arg(long, value_name = "N")]
+    /// 503 `overloaded` with `Retry-After`. Default: 2 x --max-num-seqs; at least 1.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_queued_requests: Option<u64>,
     /// Most embedding tokens of images admitted and not finished (estimated from the image
     /// headers, before decoding); more get 503 `overloaded`. A request alone is always

@@ -364,7 +364,7 @@ fn videos_in_process_over_http_and_through_the_store_agree_and_return_memory() {
 }
 
 #[test]
-fn outputs_that_cannot_be_written_are_refused_before_the_load() {
+fn outputs_that_cannot_be_written_and_zero_bounds_are_refused_before_the_load() {
     let dir = folder("outputs");
     let missing = dir.join("no-such-folder");
     for (extra, named) in [
@@ -378,6 +378,15 @@ fn outputs_that_cannot_be_written_are_refused_before_the_load() {
                 missing.join("r.json").display().to_string(),
             ],
             "cannot be written",
+        ),
+        // Zero would have been taken as one (and reported as zero).
+        (
+            vec!["--max-concurrency".to_owned(), "0".to_owned()],
+            "0 is not in 1..",
+        ),
+        (
+            vec!["--max-queued-requests".to_owned(), "0".to_owned()],
+            "0 is not in 1..",
         ),
     ] {
         let started = std::time::Instant::now();

@@ -79,8 +79,8 @@ pub struct BenchArgs {
     /// Requests per second (Poisson arrivals), or `inf` to send every prompt at once.
     #[arg(long, default_value = "20")]
     pub request_rate: RequestRate,
-    /// Most requests in flight at once (no limit when absent).
-    #[arg(long)]
+    /// Most requests in flight at once (no limit when absent; at least 1).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_concurrency: Option<usize>,
     /// Seed of the images, the repeats and the arrival times.
     #[arg(long, default_value_t = 0)]
