@@ -97,6 +97,19 @@ impl AscendDevice {
         let after = mem_info(rt, kind)?;
         let soc = rt.soc_name().unwrap_or_else(|| "Ascend NPU".to_owned());
         let family = Family::of(&soc);
+        // Asked for by name on a part documented without them, the fused kernels would fail
+        // at every attention call with ACL's error, which does not name the option. (An
+        // unknown part may have them: `Other` is let through.)
+        if options.attention == AttentionMode::Fused
+            && matches!(family, Family::Training910 | Family::Inference310P)
+        {
+            return Err(AscendError::Unsupported {
+                op: "open",
+                reason: format!(
+                    "option `attention = \"fused\"`: {soc} has no fused attention kernels (aclnnFlashAttentionVarLenScore is documented for Atlas A2 and A3); use `auto` or `composed`"
+                ),
+            });
+        }
         let (ops, unsupported) = supported_ops(rt, family);
         let mut dtypes = vec![DType::F32, DType::F16];
         if family.bf16() {

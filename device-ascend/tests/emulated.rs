@@ -1057,6 +1057,17 @@ fn the_310p_has_no_bf16_or_layer_norm_and_reports_ddr() {
             assert!((got[0] - 0.841_192).abs() < 1e-5);
             let attention = attention_query(DType::F32, 8, &[0, 3]);
             assert!(device.attention_workspace(&attention).expect("attention") > 0);
+            drop(device);
+            // Asking for the fused kernels this part has not is refused at open, by name.
+            let options = [("attention".to_owned(), "fused".to_owned())];
+            let err = plugin()
+                .open(0, &options)
+                .expect_err("no fused attention on the 310P");
+            assert!(
+                err.message.contains("attention = \"fused\"")
+                    && err.message.contains("Ascend310P3"),
+                "{err}"
+            );
         },
     );
 }
