@@ -219,7 +219,17 @@ impl Config {
                     config.scheduler_policy =
                         section::<SchedulerSection>(origin, "scheduler", value)?.policy;
                 }
-                "admission" => config.admission = section(origin, "admission", value)?,
+                "admission" => {
+                    config.admission = section(origin, "admission", value)?;
+                    // As the flag: zero would be taken as one.
+                    if config.admission.max_queued_requests == Some(0) {
+                        return Err(ConfigError::InvalidValue {
+                            origin: origin.to_owned(),
+                            key: "admission.max_queued_requests".to_owned(),
+                            message: "must be at least 1, got 0".to_owned(),
+                        });
+                    }
+                }
                 "ec_transfer_config" => {
                     let table: Table = section(origin, "ec_transfer_config", value)?;
                     let json =
@@ -503,6 +513,12 @@ mod tests {
             parse("[admission]\nmax_queued_requests = 64\nmax_pending_tokens = 9000").unwrap();
         assert_eq!(config.admission.max_queued_requests, Some(64));
         assert_eq!(config.admission.max_pending_tokens, Some(9000));
+        let err = parse("[admission]\nmax_queued_requests = 0").unwrap_err();
+        assert!(
+            err.to_string().contains("admission.max_queued_requests")
+                && err.to_string().contains("at least 1, got 0"),
+            "{err}"
+        );
         let err = parse("[admission]\nmax_queue = 1").unwrap_err();
         assert!(err.to_string().contains("admission.max_queue"), "{err}");
     }
