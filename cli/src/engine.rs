@@ -9,6 +9,7 @@ use iris_core::budget::{Policy, SchedulerConfig};
 use iris_core::engine::admission::{AdmissionConfig, Permit};
 use iris_core::engine::liveness::PANIC_AT_STEP_ENV;
 use iris_core::engine::{DEFAULT_PROCESSOR_CACHE_BYTES, Engine, EngineConfig};
+use iris_core::preprocess::video::ffmpeg::MAX_DECODE_TIME;
 use iris_core::profile::{DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileMode, WarmUpMode};
 
 use crate::encode::ModelArgs;
@@ -67,6 +68,15 @@ pub struct EngineArgs {
     /// admitted. Default: 4 x --max-num-batched-tokens.
     #[arg(long, value_name = "TOKENS")]
     pub max_pending_tokens: Option<u64>,
+    /// Longest the FFmpeg programs may spend on one video, probing and decoding every frame up
+    /// to the last one sampled, in seconds; past it they are stopped and the video refused.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = MAX_DECODE_TIME.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub video_decode_timeout: u64,
     #[command(flatten)]
     pub mm_limits: MmLimitArgs,
 }
@@ -180,6 +190,8 @@ impl EngineArgs {
             max_queued_requests: self.max_queued_requests,
             max_pending_tokens: self.max_pending_tokens,
         };
+        config.video_limits.max_decode_time =
+            std::time::Duration::from_secs(self.video_decode_timeout);
         config.panic_at_step = panic_at_step_from_env()?;
         Ok(config)
     }
@@ -395,5 +407,37 @@ pub(crate) fn utilization(text: &str) -> Result<f64, String> {
         _ => Err(format!(
             "expected a share of the device's memory in (0, 1], got `{text}`"
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    #[test]
+    fn the_video_decode_time_limit_reaches_the_engine() {
+        let config = |args: &[&str]| {
+            Flags::try_parse_from(std::iter::once("iris").chain(args.iter().copied()))
+                .expect("the flags parse")
+                .engine
+                .engine_config()
+                .expect("a configuration")
+        };
+        assert_eq!(config(&[]).video_limits.max_decode_time, MAX_DECODE_TIME);
+        assert_eq!(
+            config(&["--video-decode-timeout", "7"])
+                .video_limits
+                .max_decode_time,
+            std::time::Duration::from_secs(7)
+        );
+        assert!(Flags::try_parse_from(["iris", "--video-decode-timeout", "0"]).is_err());
     }
 }
