@@ -736,7 +736,7 @@ fn largest_items(
                 let unit = config.factor();
                 let per_frame = config.max_pixels / u64::from(config.temporal_patch_size.max(1));
                 // In u64: a factor of 65536 (the largest the processor takes) squares past u32.
-                let (h, w) = most_features(per_frame / (u64::from(unit) * u64::from(unit)).max(1));
+                let (h, w) = most_features(per_frame / (u64::from(unit) * u64::from(unit)));
                 [
                     1,
                     h * unit / config.patch_size,

@@ -8,8 +8,8 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::mpsc;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use iris_core::preprocess::video::ffmpeg::{DecodedVideo, Ffmpeg, VideoLimits, load_video};
@@ -22,6 +22,12 @@ static SERIAL: Mutex<()> = Mutex::new(());
 /// What the stand-in ffprobe reports: 4 frames of 4x2 at 2 fps, which the qwen3_vl loader
 /// reads all of (`[0, 1, 2, 3]`), so the stand-in ffmpeg must give 4 * 4 * 2 * 3 = 96 bytes.
 const PROBE_JSON: &str = r#"{"streams":[{"width":4,"height":2,"nb_frames":"4","r_frame_rate":"2/1","avg_frame_rate":"2/1"}],"format":{"duration":"2"}}"#;
+
+/// The tests' turn (see [`SERIAL`]) and a folder for their stand-in programs.
+fn scratch() -> (MutexGuard<'static, ()>, tempfile::TempDir) {
+    let turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    (turn, tempfile::tempdir().expect("a temporary directory"))
+}
 
 fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
     let path = dir.join(name);
@@ -71,10 +77,7 @@ fn alive(pid: &str) -> bool {
 
 #[test]
 fn a_megabyte_on_ffmpegs_stderr_does_not_deadlock_the_decode() {
-    let _serial = SERIAL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let dir = tempfile::tempdir().expect("a temporary directory");
+    let (_serial, dir) = scratch();
     // 1 MiB of complaints (16 times the pipe's buffer) before the frames, as a damaged clip
     // makes FFmpeg write a line per bad frame.
     let ffmpeg = script(
@@ -92,10 +95,7 @@ fn a_megabyte_on_ffmpegs_stderr_does_not_deadlock_the_decode() {
 
 #[test]
 fn a_run_past_the_time_limit_is_killed_and_reaped() {
-    let _serial = SERIAL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let dir = tempfile::tempdir().expect("a temporary directory");
+    let (_serial, dir) = scratch();
     let limits = VideoLimits {
         max_decode_time: Duration::from_secs(1),
         ..VideoLimits::default()

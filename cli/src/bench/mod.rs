@@ -155,16 +155,7 @@ impl BenchArgs {
     /// Naming the flag and the path.
     pub fn check_outputs(&self) -> anyhow::Result<()> {
         if let Some(path) = &self.plot {
-            let ext = path
-                .extension()
-                .and_then(|e| e.to_str())
-                .map(str::to_ascii_lowercase);
-            if !matches!(ext.as_deref(), Some("svg" | "png")) {
-                anyhow::bail!(
-                    "--plot {}: the file name must end in .svg or .png",
-                    path.display()
-                );
-            }
+            plot::plot_format(path).context("--plot")?;
         }
         for (flag, path) in [("--result-json", &self.result_json), ("--plot", &self.plot)] {
             let Some(path) = path else { continue };

@@ -31,7 +31,7 @@ const FAMILY: &str = "sans-serif";
 #[non_exhaustive]
 pub enum PlotError {
     /// The file name does not end in `.svg` or `.png`.
-    #[error("plot file {path} must end in .svg or .png")]
+    #[error("plot file {path}: the file name must end in .svg or .png")]
     UnknownFormat {
         /// The path given.
         path: String,
@@ -67,19 +67,16 @@ pub fn write_plot(
     timeline: &[TimedPoint],
     checkpoints: &[(&str, f64)],
 ) -> Result<(), PlotError> {
+    let format = plot_format(path)?;
     if timeline.is_empty() {
         return Err(PlotError::Empty);
     }
-    let ext = path
-        .extension()
-        .and_then(|e| e.to_str())
-        .map(str::to_ascii_lowercase);
     let io = |source| PlotError::Io {
         path: path.display().to_string(),
         source,
     };
-    match ext.as_deref() {
-        Some("svg") => {
+    match format {
+        PlotFormat::Svg => {
             let mut svg = String::new();
             {
                 register_font()?;
@@ -89,7 +86,7 @@ pub fn write_plot(
             }
             std::fs::write(path, svg).map_err(io)
         }
-        Some("png") => {
+        PlotFormat::Png => {
             let rgb = render_rgb(timeline, checkpoints, true)?;
             let (w, h) = PLOT_SIZE;
             let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
@@ -102,6 +99,30 @@ pub fn write_plot(
             )?;
             std::io::Write::flush(&mut file).map_err(io)
         }
+    }
+}
+
+/// The formats a plot is written in, by the file's extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlotFormat {
+    /// `.svg`.
+    Svg,
+    /// `.png`.
+    Png,
+}
+
+/// The format `path` names by its extension (either case).
+///
+/// # Errors
+/// [`PlotError::UnknownFormat`] for any other extension, or none.
+pub fn plot_format(path: &Path) -> Result<PlotFormat, PlotError> {
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    match ext.as_deref() {
+        Some("svg") => Ok(PlotFormat::Svg),
+        Some("png") => Ok(PlotFormat::Png),
         _ => Err(PlotError::UnknownFormat {
             path: path.display().to_string(),
         }),

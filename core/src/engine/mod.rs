@@ -304,7 +304,9 @@ impl Engine {
             panic_at_step: config.panic_at_step,
         });
         let (commands, receiver) = std_mpsc::channel::<Command>();
-        let (ready_tx, ready_rx) = std_mpsc::channel::<Result<StartupProfile, StartError>>();
+        // The start-up report, and the scheduler's budget for the engine's own item check.
+        let (ready_tx, ready_rx) =
+            std_mpsc::channel::<Result<(StartupProfile, EncoderBudget), StartError>>();
         let thread_shared = Arc::clone(&shared);
         let thread_config = config.clone();
         let liveness = Arc::clone(&shared.liveness);
@@ -315,8 +317,8 @@ impl Engine {
                 // (during start-up or later) is contained here and marks the engine dead.
                 run_guarded(liveness, move || {
                     match start_worker(thread_shared, &thread_config) {
-                        Ok((worker, profile)) => {
-                            if ready_tx.send(Ok(profile)).is_ok() {
+                        Ok((worker, ready)) => {
+                            if ready_tx.send(Ok(ready)).is_ok() {
                                 worker.run(&receiver);
                             }
                         }
@@ -327,8 +329,8 @@ impl Engine {
                 });
             })
             .map_err(|e| StartError::Thread(e.to_string()))?;
-        let startup = match ready_rx.recv() {
-            Ok(Ok(profile)) => profile,
+        let (startup, budget) = match ready_rx.recv() {
+            Ok(Ok(ready)) => ready,
             Ok(Err(err)) => {
                 let _ = thread.join();
                 return Err(err);
@@ -338,7 +340,6 @@ impl Engine {
                 return Err(StartError::Thread("it stopped during start-up".to_owned()));
             }
         };
-        let budget = encoder_budget(&config.scheduler, &startup)?;
         Ok(Engine {
             budget,
             shared,
@@ -1125,8 +1126,7 @@ pub fn preprocess_error_code(err: &PreprocessError) -> &'static str {
     }
 }
 
-/// The encoder budget of `scheduler` over the largest items start-up measured: the scheduler's,
-/// and the engine's copy that checks items before they are preprocessed.
+/// The encoder budget of `scheduler` over the largest items start-up measured.
 fn encoder_budget(
     scheduler: &SchedulerConfig,
     profile: &StartupProfile,
@@ -1160,11 +1160,12 @@ pub(crate) fn over_budget(index: usize, modality: Modality, source: BudgetError)
     }
 }
 
-/// Runs start-up on the engine-core thread.
+/// Runs start-up on the engine-core thread: the worker, the start-up report and the
+/// scheduler's budget (a copy for the engine's item check).
 fn start_worker(
     shared: Arc<Shared>,
     config: &EngineConfig,
-) -> Result<(Worker, StartupProfile), StartError> {
+) -> Result<(Worker, (StartupProfile, EncoderBudget)), StartError> {
     let allocator = Arc::clone(&shared.allocator);
     let request = ProfileRequest {
         spec: config.spec.clone(),
@@ -1180,10 +1181,10 @@ fn start_worker(
     let (tower, profile) = profile_startup(&allocator, &request)?;
     let budget = encoder_budget(&config.scheduler, &profile)?;
     let manager = EncoderCacheManager::new(crate::budget::BudgetPolicy::cache_size(&budget));
-    let scheduler = Scheduler::new(config.scheduler.clone(), budget, manager);
+    let scheduler = Scheduler::new(config.scheduler.clone(), budget.clone(), manager);
     let runner = Runner::new(allocator);
     let worker = Worker::new(shared, runner, tower, config.weights.clone(), scheduler);
-    Ok((worker, profile))
+    Ok((worker, (profile, budget)))
 }
 
 #[cfg(test)]

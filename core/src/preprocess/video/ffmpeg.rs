@@ -175,7 +175,7 @@ impl Ffmpeg {
     }
 
     fn probe_until(&self, path: &Path, deadline: Deadline) -> Result<VideoInfo, VideoError> {
-        let out = self.report(
+        let json = self.report(
             &[
                 "-select_streams",
                 "v:0",
@@ -185,9 +185,6 @@ impl Ffmpeg {
             path,
             deadline,
         )?;
-        let json: Value = serde_json::from_slice(&out).map_err(|err| VideoError::Decode {
-            message: format!("ffprobe's report: {err}"),
-        })?;
         let stream = json["streams"]
             .as_array()
             .and_then(|streams| streams.first())
@@ -242,7 +239,7 @@ impl Ffmpeg {
     }
 
     fn count_packets(&self, path: &Path, deadline: Deadline) -> Result<f64, VideoError> {
-        let out = self.report(
+        let json = self.report(
             &[
                 "-select_streams",
                 "v:0",
@@ -253,20 +250,12 @@ impl Ffmpeg {
             path,
             deadline,
         )?;
-        let json: Value = serde_json::from_slice(&out).map_err(|err| VideoError::Decode {
-            message: format!("ffprobe's report: {err}"),
-        })?;
         Ok(number(&json["streams"][0]["nb_read_packets"]).unwrap_or(0.0))
     }
 
     /// Runs ffprobe with `args` (after the confinement options) on `path` and returns its JSON
-    /// report.
-    fn report(
-        &self,
-        args: &[&str],
-        path: &Path,
-        deadline: Deadline,
-    ) -> Result<Vec<u8>, VideoError> {
+    /// report, parsed.
+    fn report(&self, args: &[&str], path: &Path, deadline: Deadline) -> Result<Value, VideoError> {
         let mut command = Command::new(&self.ffprobe);
         command
             .args(["-v", "error"])
@@ -298,7 +287,9 @@ impl Ffmpeg {
                 ),
             });
         }
-        Ok(finished.output)
+        serde_json::from_slice(&finished.output).map_err(|err| VideoError::Decode {
+            message: format!("ffprobe's report: {err}"),
+        })
     }
 
     /// Decodes the clip from its first frame up to the last of `indices` and keeps those
