@@ -6,6 +6,7 @@
 //!
 //! ```toml
 //! device = "auto"            # "auto", a plugin name (cpu, cuda, ascend, ...), or a .so path
+//!                            # (a relative path is relative to this file)
 //! device_ordinal = 0
 //! plugin_dirs = ["/opt/iris/plugins"]   # relative paths are relative to this file
 //!
@@ -162,7 +163,10 @@ impl Config {
         }
     }
 
-    /// Reads a TOML file. Relative `plugin_dirs` are taken relative to the file's folder.
+    /// Reads a TOML file. Relative `plugin_dirs`, and a `device` given as a relative library
+    /// path, are taken relative to the file's folder, so a config means the same files from
+    /// whatever folder iris is started in (`--device` and `IRIS_DEVICE` stay relative to the
+    /// current folder, as the shell that gives them).
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),
@@ -180,6 +184,12 @@ impl Config {
             if dir.is_relative() {
                 *dir = base.join(&*dir);
             }
+        }
+        if iris_plugin::loader::is_path_spec(&config.device)
+            && Path::new(&config.device).is_relative()
+        {
+            // A bare file name (`libiris_device_x.so`) is a path too: the file beside the config.
+            config.device = base.join(&config.device).display().to_string();
         }
         Ok(config)
     }
@@ -597,5 +607,34 @@ mod tests {
 
         let err = Config::load(Some(&dir.join("missing.toml"))).unwrap_err();
         assert!(matches!(err, ConfigError::Read { .. }), "{err:?}");
+    }
+
+    #[test]
+    fn a_relative_device_path_follows_the_file() {
+        let dir = std::env::temp_dir().join(format!("iris-config-device-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("iris.toml");
+        let read = |device: &str| {
+            std::fs::write(&file, format!("device = \"{device}\"\n")).unwrap();
+            Config::load(Some(&file)).unwrap().device
+        };
+        let beside = |name: &str| dir.join(name).display().to_string();
+        assert_eq!(
+            read("plugins/libiris_device_x.so"),
+            beside("plugins/libiris_device_x.so")
+        );
+        assert_eq!(read("libiris_device_x.so"), beside("libiris_device_x.so"));
+        assert_eq!(read("/opt/libiris_device_x.so"), "/opt/libiris_device_x.so");
+        // Names and `auto` are not paths.
+        assert_eq!(read("cuda"), "cuda");
+        assert_eq!(read("auto"), "auto");
+        // The flag keeps its own meaning: relative to the current folder.
+        let mut config = Config::load(Some(&file)).unwrap();
+        config.apply_overrides(&Overrides {
+            device: Some("lib/libiris_device_y.so".to_owned()),
+            ..Overrides::default()
+        });
+        assert_eq!(config.device, "lib/libiris_device_y.so");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -154,13 +154,50 @@ impl Registry {
 
     /// Selects `config.device`, checks `config.device_ordinal`, and opens it with the
     /// `[plugins.<name>]` options.
+    /// Warns about `[plugins.<name>]` tables that no plugin would read (see
+    /// [`Registry::unmatched_plugin_tables`]).
     pub fn open_selected(&self, config: &Config) -> Result<Device, DevicesError> {
         let plugin = self.select(&config.device)?;
+        for name in self.unmatched_plugin_tables(config, plugin.name()) {
+            tracing::warn!(
+                "config has options for plugin `{name}`, which is neither a built-in device ({}) nor a plugin found on the search path: its options reach no plugin (misspelled?)",
+                AUTO_ORDER.join(", ")
+            );
+        }
         open_device(
             &plugin,
             config.device_ordinal,
             &config.plugin_options(plugin.name()),
         )
+    }
+
+    /// The `[plugins.<name>]` tables of `config` whose name is none of: `selected` (the
+    /// plugin being opened), the built-in device names ([`AUTO_ORDER`], installed or not: a
+    /// config shared by hosts with different hardware names them all), a plugin in the
+    /// registry, a library on the search path. Such a table's options reach no plugin; a
+    /// misspelled name is the usual cause.
+    pub fn unmatched_plugin_tables(&self, config: &Config, selected: &str) -> Vec<String> {
+        let mut unmatched: Vec<String> = config
+            .plugins
+            .keys()
+            .filter(|name| {
+                name.as_str() != selected
+                    && !AUTO_ORDER.contains(&name.as_str())
+                    && !self.entries.iter().any(|entry| &entry.name == *name)
+            })
+            .cloned()
+            .collect();
+        if !unmatched.is_empty() {
+            // Names only: nothing is loaded to answer this.
+            let on_path: Vec<String> = self
+                .search
+                .discover()
+                .into_iter()
+                .filter_map(|path| iris_plugin::loader::plugin_name_of(&path))
+                .collect();
+            unmatched.retain(|name| !on_path.contains(name));
+        }
+        unmatched
     }
 
     fn select_auto(&self) -> Result<Plugin, DevicesError> {
@@ -335,6 +372,34 @@ mod tests {
                 .contains("/nonexistent/iris-plugins/libiris_device_cuda.so"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn plugin_tables_no_plugin_reads_are_named() {
+        let dir = std::env::temp_dir().join(format!("iris-unmatched-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Found by name only: the file is never loaded.
+        std::fs::write(dir.join("libiris_device_vendor.so"), "not an ELF file").unwrap();
+        let search = SearchPath {
+            env_dirs: vec![dir.clone()],
+            config_dirs: Vec::new(),
+            exe_dir: None,
+        };
+        let registry = Registry::new(vec![builtin_cpu()], search);
+        let config = Config::from_toml_str(
+            "[plugins.cpu]\nthreads = 1\n[plugins.cdua]\nx = 1\n[plugins.cuda]\nx = 1\n\
+             [plugins.vendor]\nx = 1\n[plugins.npu]\nx = 1",
+            "test",
+        )
+        .unwrap();
+        // `cuda` is a built-in name, installed or not; `vendor` is on the search path; `npu`
+        // is the plugin being opened (a library given by path).
+        assert_eq!(registry.unmatched_plugin_tables(&config, "npu"), ["cdua"]);
+        assert_eq!(
+            registry.unmatched_plugin_tables(&config, "cpu"),
+            ["cdua", "npu"]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
