@@ -926,3 +926,62 @@ fn golden_model_directories_load() {
         }
     }
 }
+
+/// A model file of the tiny tower stored as `dtype`, with the value at flat index 5 of
+/// `name` replaced by `value` (little-endian bytes of `dtype`).
+fn tiny_with_value(tag: &str, dtype: StDtype, name: &str, value: &[u8]) -> PathBuf {
+    let mut disk = tower_tensors(&tiny(), "visual.", dtype);
+    let tensor = disk.iter_mut().find(|d| d.name.ends_with(name)).unwrap();
+    let at = 5 * value.len();
+    tensor.bytes[at..at + value.len()].copy_from_slice(value);
+    let file = tmp_dir(tag).join("model.safetensors");
+    write_st(&file, &disk);
+    file
+}
+
+/// Loads `file` as `run`, which must fail with one non-finite value at index 5 of `name`,
+/// the message containing `why`.
+fn assert_one_non_finite(file: &Path, run: DType, name: &str, why: &str) {
+    let err = load_safetensors(&[file.to_path_buf()], &tiny(), run).unwrap_err();
+    let text = err.to_string();
+    let one_at_5 = matches!(
+        err,
+        ModelError::NonFiniteWeights {
+            count: 1,
+            first: 5,
+            ..
+        }
+    );
+    assert!(one_at_5, "as {run}: {err:?}");
+    assert!(
+        text.contains(&format!("visual.{name}")) && text.contains(why),
+        "{text}"
+    );
+}
+
+#[test]
+fn non_finite_weights_are_refused_naming_the_tensor() {
+    let name = "blocks.0.attn.qkv.weight";
+    for (dtype, bad) in [
+        (StDtype::F32, f32::NAN.to_le_bytes().to_vec()),
+        (StDtype::F32, f32::NEG_INFINITY.to_le_bytes().to_vec()),
+        (StDtype::BF16, bf16::INFINITY.to_le_bytes().to_vec()),
+        (StDtype::F16, f16::NAN.to_le_bytes().to_vec()),
+    ] {
+        let file = tiny_with_value("nan", dtype, name, &bad);
+        for run in [DType::F32, DType::BF16] {
+            assert_one_non_finite(&file, run, name, "in the file");
+        }
+    }
+}
+
+#[test]
+fn values_beyond_the_run_dtype_are_refused() {
+    let name = "blocks.0.mlp.fc1.weight";
+    // Finite in f32 and bf16, beyond f16's 65504.
+    let file = tiny_with_value("overflow", StDtype::F32, name, &1.0e5f32.to_le_bytes());
+    for run in [DType::F32, DType::BF16] {
+        load_safetensors(std::slice::from_ref(&file), &tiny(), run).unwrap();
+    }
+    assert_one_non_finite(&file, DType::F16, name, "beyond the range of f16");
+}

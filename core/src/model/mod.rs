@@ -192,6 +192,24 @@ pub enum ModelError {
         /// The dtype in the file.
         dtype: String,
     },
+    /// A tensor holds values that are not finite: NaN or infinity in the file, or values
+    /// beyond the range of the dtype it is loaded in (an f32 checkpoint loaded as f16). The
+    /// tower would turn every output into NaN without an error.
+    #[error("tensor `{name}` in {}: {count} of its {numel} values {reason} (the first at flat index {first}); a tower with it computes NaN", path.display())]
+    NonFiniteWeights {
+        /// The full name.
+        name: String,
+        /// The file.
+        path: PathBuf,
+        /// How many values are not finite.
+        count: usize,
+        /// The tensor's element count.
+        numel: usize,
+        /// The flat index of the first.
+        first: usize,
+        /// Where they come from, e.g. `are NaN or infinite in the file`.
+        reason: String,
+    },
     /// A tower asked for a tensor the loaded weights do not hold.
     #[error("weights hold no tensor `{name}`")]
     TensorNotLoaded {

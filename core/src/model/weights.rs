@@ -447,7 +447,35 @@ fn read_safetensors(
             }),
         };
         let raw = file.read_range(&file_path, data_start, &info)?;
+        let non_finite =
+            |count: usize, first: usize, reason: String| ModelError::NonFiniteWeights {
+                name: full.clone(),
+                path: file_path.clone(),
+                count,
+                numel: spec.numel(),
+                first,
+                reason,
+            };
+        if let Some((count, first)) = count_non_finite(&raw, from) {
+            return Err(non_finite(
+                count,
+                first,
+                "are NaN or infinite in the file".to_owned(),
+            ));
+        }
+        // Widening to f32 is exact; any other conversion (f32 or bf16 to f16, f32 to bf16)
+        // may round a large finite value to infinity.
+        let may_overflow = from != dtype && dtype != DType::F32;
         let bytes = convert(raw, from, dtype);
+        if may_overflow && let Some((count, first)) = count_non_finite(&bytes, dtype) {
+            return Err(non_finite(
+                count,
+                first,
+                format!(
+                    "are beyond the range of {dtype} (stored as {from}); load the model in a wider dtype"
+                ),
+            ));
+        }
         done += bytes.len() as u64;
         loaded_bytes(done);
         tensors.insert(
@@ -758,6 +786,25 @@ fn disk_dtype(d: StDtype) -> Option<DType> {
         StDtype::BF16 => Some(DType::BF16),
         _ => None,
     }
+}
+
+/// How many little-endian elements of `bytes` (F32, F16 or BF16) are NaN or infinite, and the
+/// index of the first; `None` when all are finite. A bit test (exponent all ones), so one pass
+/// at memory speed over a checkpoint.
+fn count_non_finite(bytes: &[u8], dtype: DType) -> Option<(usize, usize)> {
+    let bad: fn(&[u8]) -> bool = match dtype {
+        DType::F16 => |c| u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00,
+        DType::BF16 => |c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80,
+        DType::F32 => |c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000 == 0x7f80_0000,
+        _ => return None,
+    };
+    let width = usize::try_from(dtype.size()?).ok()?;
+    let count = bytes.chunks_exact(width).filter(|c| bad(c)).count();
+    if count == 0 {
+        return None;
+    }
+    let first = bytes.chunks_exact(width).position(bad)?;
+    Some((count, first))
 }
 
 /// Converts little-endian elements from one dtype to another (round to nearest even when
