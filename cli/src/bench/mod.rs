@@ -398,8 +398,9 @@ pub async fn run_against<T: runner::BenchTarget>(
         .await
         .context("building the workload")??;
     let clips = workload.distinct(iris_core::budget::Modality::Video);
-    if clips > 0 {
-        // Making synthetic clips takes FFmpeg a while: say where the time before the load went.
+    if clips > 0 || started.elapsed() > std::time::Duration::from_secs(2) {
+        // Making synthetic clips (or many large images) takes a while: say where the time
+        // before the load went.
         eprintln!(
             "workload: {} distinct images and {clips} distinct videos ready in {:.1} s",
             workload.distinct(iris_core::budget::Modality::Image),

@@ -31,6 +31,10 @@ use rayon::iter::{IntoParallelIterator, ParallelIterator};
 
 /// Largest side accepted for a synthetic image.
 pub const MAX_SYNTHETIC_SIDE: u32 = 16384;
+/// Most bytes of encoded synthetic images a workload holds: every fresh image is made before
+/// the load starts and kept for it, so a large `--image-size` at many prompts would otherwise
+/// fill the host's memory (and take as long to make) before the first request.
+pub const MAX_SYNTHETIC_BYTES: u64 = 8 << 30;
 /// JPEG quality of synthetic images.
 const JPEG_QUALITY: u8 = 90;
 /// File extensions read from `--dataset`, with the media types of their data URLs.
@@ -93,6 +97,18 @@ pub enum WorkloadError {
     /// No synthetic sizes were given.
     #[error("no image sizes given for synthetic images")]
     NoSizes,
+    /// The fresh synthetic images would hold more than [`MAX_SYNTHETIC_BYTES`].
+    #[error(
+        "the workload's {fresh} distinct synthetic images pass {max} bytes once encoded (after {made} of them); lower --num-prompts, --images-per-prompt or --image-size, or raise --repeat-ratio"
+    )]
+    SyntheticTooLarge {
+        /// Fresh images the workload needs.
+        fresh: usize,
+        /// Images made when the bound was passed.
+        made: usize,
+        /// The bound.
+        max: u64,
+    },
     /// The dataset directory cannot be read.
     #[error("cannot read dataset directory {path}: {source}")]
     DatasetUnreadable {
@@ -505,22 +521,46 @@ fn fresh_image_items(
             if sizes.is_empty() {
                 return Err(WorkloadError::NoSizes);
             }
-            (0..fresh)
-                .map(|i| {
-                    let size = sizes[i % sizes.len()];
-                    let bytes =
-                        encode_image(&synthetic_image(size, item_seed(spec.seed, i)), *format)?;
-                    Ok(Arc::new(EncodedMedia {
-                        modality: Modality::Image,
-                        bytes: bytes.into(),
-                        media_type: format.media_type(),
-                        label: format!("synthetic {size} #{i}"),
-                    }))
-                })
-                .collect()
+            fresh_synthetic_images(spec.seed, sizes, *format, fresh, MAX_SYNTHETIC_BYTES)
         }
         ImageSource::Dataset(dir) => cycle_files(&list_dataset(dir)?, Modality::Image, fresh),
     }
+}
+
+/// `fresh` synthetic images of `sizes` in turn, made on every core (each image's bytes depend
+/// on its seed alone, so the order they are made in changes nothing), refused once their
+/// encoded bytes pass `max_bytes`.
+fn fresh_synthetic_images(
+    seed: u64,
+    sizes: &[ImageSize],
+    format: ImageFormat,
+    fresh: usize,
+    max_bytes: u64,
+) -> Result<Vec<Arc<EncodedMedia>>, WorkloadError> {
+    let held = std::sync::atomic::AtomicU64::new(0);
+    let made = std::sync::atomic::AtomicUsize::new(0);
+    (0..fresh)
+        .into_par_iter()
+        .map(|i| {
+            let size = sizes[i % sizes.len()];
+            let bytes = encode_image(&synthetic_image(size, item_seed(seed, i)), format)?;
+            let len = bytes.len() as u64;
+            let done = made.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            if held.fetch_add(len, std::sync::atomic::Ordering::Relaxed) + len > max_bytes {
+                return Err(WorkloadError::SyntheticTooLarge {
+                    fresh,
+                    made: done,
+                    max: max_bytes,
+                });
+            }
+            Ok(Arc::new(EncodedMedia {
+                modality: Modality::Image,
+                bytes: bytes.into(),
+                media_type: format.media_type(),
+                label: format!("synthetic {size} #{i}"),
+            }))
+        })
+        .collect()
 }
 
 /// The workload's `fresh` distinct videos.
@@ -1058,6 +1098,37 @@ mod tests {
         assert_eq!(none.items.len(), 8);
         assert!(build_workload(&spec(4, 2, 1.5)).is_err());
         assert!(build_workload(&spec(0, 2, 0.0)).is_err());
+    }
+
+    #[test]
+    fn synthetic_images_past_the_byte_bound_are_refused() {
+        let sizes = [ImageSize {
+            width: 64,
+            height: 64,
+        }];
+        let one = encode_image(
+            &synthetic_image(sizes[0], item_seed(5, 0)),
+            ImageFormat::Png,
+        )
+        .unwrap()
+        .len() as u64;
+        let made = fresh_synthetic_images(5, &sizes, ImageFormat::Png, 8, 100 * one).unwrap();
+        assert_eq!(made.len(), 8);
+        // In order, each from its own seed, however the cores shared them out.
+        for (i, item) in made.iter().enumerate() {
+            let alone = encode_image(
+                &synthetic_image(sizes[0], item_seed(5, i)),
+                ImageFormat::Png,
+            )
+            .unwrap();
+            assert_eq!(&*item.bytes, &alone[..], "image {i}");
+        }
+        let err = fresh_synthetic_images(5, &sizes, ImageFormat::Png, 8, 2 * one).unwrap_err();
+        assert!(
+            matches!(err, WorkloadError::SyntheticTooLarge { fresh: 8, .. }),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("--repeat-ratio"), "{err}");
     }
 
     #[test]
