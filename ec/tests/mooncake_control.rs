@@ -43,3 +43,16 @@ async fn a_consumer_naming_more_shards_than_the_bound_is_refused() {
     let shards = client.shards(&two).await.unwrap();
     assert_eq!(shards, ["tcp://127.0.0.1:20001", "tcp://127.0.0.1:20002"]);
 }
+
+#[tokio::test]
+async fn a_client_keeps_its_bound_of_consumers() {
+    let client = ControlClient::with_max_peers(Duration::from_secs(5), 2);
+    for port in 0..3 {
+        let addr = consumer(vec![21000 + port]).await;
+        client.shards(&addr).await.unwrap();
+        let kept = usize::try_from(port + 1).unwrap().min(2);
+        // Each answered address keeps its socket and its topology, the oldest dropped past 2.
+        assert_eq!(client.kept(), (kept, kept), "after consumer {port}");
+    }
+    assert_eq!(ControlClient::new(Duration::from_secs(1)).kept(), (0, 0));
+}

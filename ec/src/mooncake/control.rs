@@ -9,9 +9,11 @@
 //! it sat idle) is sent once more on a fresh one; nothing was delivered, so this cannot apply a
 //! request twice.
 
-use std::collections::HashMap;
+use std::num::NonZeroUsize;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
+
+use lru::LruCache;
 
 use serde_json::{Value, json};
 use zeromq::{ReqSocket, Socket as _, SocketOptions, SocketRecv as _, SocketSend as _, ZmqMessage};
@@ -24,6 +26,14 @@ const MAX_IDLE_PER_ADDRESS: usize = 16;
 /// The most shards (ports of its `peers` reply) a consumer may have: one per worker process,
 /// so a few per node.
 pub const MAX_SHARDS: usize = 256;
+
+/// The most addresses whose idle sockets, and consumers whose topologies, a client keeps: the
+/// least recently used are forgotten past it (their sockets closed). Requests name the
+/// consumer they push to, so without a bound every address ever answered would be kept, with
+/// up to [`MAX_IDLE_PER_ADDRESS`] open connections each, for the life of the server.
+pub const MAX_PEERS: usize = 1024;
+// A consumer's shards are all kept while it is pushed to.
+const _: () = assert!(MAX_PEERS >= MAX_SHARDS);
 
 /// Why one control exchange failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -44,10 +54,10 @@ impl ControlError {
 /// A pool of REQ sockets per consumer address, with the exchange time limit.
 pub struct ControlClient {
     timeout: Duration,
-    idle: Mutex<HashMap<String, Vec<ReqSocket>>>,
+    idle: Mutex<LruCache<String, Vec<ReqSocket>>>,
     /// Shard addresses per consumer address, as its `peers` reply named them (vLLM keeps them
     /// for the life of the producer too: a consumer's topology is fixed at its start).
-    topologies: Mutex<HashMap<String, Vec<String>>>,
+    topologies: Mutex<LruCache<String, Vec<String>>>,
 }
 
 impl std::fmt::Debug for ControlClient {
@@ -62,11 +72,36 @@ impl ControlClient {
     /// A client whose exchanges (connection included) each end within `timeout`.
     #[must_use]
     pub fn new(timeout: Duration) -> Self {
+        Self::with_max_peers(timeout, MAX_PEERS)
+    }
+
+    /// [`ControlClient::new`] keeping at most `max_peers` addresses (at least one) instead of
+    /// [`MAX_PEERS`].
+    #[must_use]
+    pub fn with_max_peers(timeout: Duration, max_peers: usize) -> Self {
+        let cap = NonZeroUsize::new(max_peers).unwrap_or(NonZeroUsize::MIN);
         Self {
             timeout,
-            idle: Mutex::new(HashMap::new()),
-            topologies: Mutex::new(HashMap::new()),
+            idle: Mutex::new(LruCache::new(cap)),
+            topologies: Mutex::new(LruCache::new(cap)),
         }
+    }
+
+    /// How many addresses have idle sockets kept, and how many consumers' topologies are
+    /// known: both at most the client's bound ([`MAX_PEERS`]).
+    #[must_use]
+    pub fn kept(&self) -> (usize, usize) {
+        let idle = self
+            .idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len();
+        let topologies = self
+            .topologies
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len();
+        (idle, topologies)
     }
 
     /// The limit of one exchange.
@@ -194,7 +229,7 @@ impl ControlClient {
         self.topologies
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(consumer.to_owned(), shards.clone());
+            .put(consumer.to_owned(), shards.clone());
         Ok(shards)
     }
 
@@ -203,7 +238,7 @@ impl ControlClient {
         self.topologies
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(consumer);
+            .pop(consumer);
     }
 
     async fn connect(&self, addr: &str) -> Result<ReqSocket, ControlError> {
@@ -246,7 +281,7 @@ impl ControlClient {
 
     fn give_back(&self, addr: &str, socket: ReqSocket) {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let list = idle.entry(addr.to_owned()).or_default();
+        let list = idle.get_or_insert_mut(addr.to_owned(), Vec::new);
         if list.len() < MAX_IDLE_PER_ADDRESS {
             list.push(socket);
         }

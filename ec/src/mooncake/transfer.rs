@@ -18,10 +18,11 @@
 //!
 //! Only TCP is spoken: a consumer that advertises `rdma` is refused with what to do about it.
 
-use std::collections::HashMap;
+use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use lru::LruCache;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
@@ -200,7 +201,10 @@ pub struct TransferClient {
     timeout: Duration,
     /// The name this side gives itself in handshakes.
     local_name: String,
-    sessions: Mutex<HashMap<String, Arc<Session>>>,
+    /// At most [`super::control::MAX_PEERS`], the least recently used forgotten past it (with
+    /// their pooled connections): pushes name their consumers, so every session ever answered
+    /// would otherwise be kept.
+    sessions: Mutex<LruCache<String, Arc<Session>>>,
 }
 
 impl std::fmt::Debug for TransferClient {
@@ -219,7 +223,9 @@ impl TransferClient {
         Self {
             timeout,
             local_name,
-            sessions: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(LruCache::new(
+                NonZeroUsize::new(super::control::MAX_PEERS).unwrap_or(NonZeroUsize::MIN),
+            )),
         }
     }
 
@@ -421,7 +427,7 @@ impl TransferClient {
         self.sessions
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(session.to_owned(), Arc::clone(&state));
+            .put(session.to_owned(), Arc::clone(&state));
         Ok(SessionState {
             session: state,
             fresh: true,
