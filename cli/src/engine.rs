@@ -14,8 +14,8 @@ use iris_core::profile::{DEFAULT_DEVICE_MEMORY_UTILIZATION, ProfileMode, WarmUpM
 
 use crate::encode::ModelArgs;
 use crate::http::engine_api::{
-    DecodedVideo, EncodeOptions, EngineError, ImagePlan, ImageResult, MediaInput, OutputLayout,
-    ProcessorOverrides, SamplingOptions, VideoProcessing,
+    DecodedVideo, EncodeOptions, EngineError, ImagePlan, ImageResult, ImageSize, MediaInput,
+    OpenedClip, OutputLayout, ProcessorOverrides, SamplingOptions, VideoProcessing,
 };
 use crate::http::{self, MetricsSnapshot, ResetReport};
 use crate::settings::{GlobalArgs, registry};
@@ -338,12 +338,30 @@ impl http::Engine for Engine {
         Engine::plan_admitted(self, permit, items, overrides)
     }
 
-    fn load_video(
+    fn open_video(
         &self,
         bytes: Vec<u8>,
         sampling: SamplingOptions,
+    ) -> impl Future<Output = Result<OpenedClip, EngineError>> + Send {
+        Engine::open_video(self, bytes, sampling)
+    }
+
+    fn reserve_video(
+        &self,
+        permit: &mut Permit,
+        index: usize,
+        frames: usize,
+        size: ImageSize,
+        overrides: &ProcessorOverrides,
+    ) -> Result<(), EngineError> {
+        Engine::reserve_video(self, permit, index, frames, size, overrides)
+    }
+
+    fn decode_video(
+        &self,
+        clip: OpenedClip,
     ) -> impl Future<Output = Result<DecodedVideo, EngineError>> + Send {
-        Engine::load_video(self, bytes, sampling)
+        Engine::decode_video(self, clip)
     }
 
     fn video_processing(&self) -> VideoProcessing {

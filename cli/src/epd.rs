@@ -27,7 +27,8 @@ use iris_core::engine::api::{
     EncodeOptions, EngineError, ImageInput, ImagePlan, ImageResult, MediaInput, OutputLayout,
     ProcessorOverrides, VideoInput,
 };
-use iris_core::preprocess::video::ffmpeg::DecodedVideo;
+use iris_core::preprocess::ImageSize;
+use iris_core::preprocess::video::ffmpeg::{DecodedVideo, OpenedClip};
 use iris_core::preprocess::video::{SamplingOptions, VideoLoader, qwen3_timestamps};
 use iris_ec::config::{ConnectorConfig, EcRole, EcTransferConfig};
 use iris_ec::identifier::{
@@ -626,7 +627,7 @@ impl Epd {
         if let Some(target) = &request.push {
             check_target_count(target, request.items.len())?;
         }
-        let videos = load_videos(engine, &request.items, &factors).await?;
+        let videos = load_videos(engine, &mut permit, &request.items, &factors, &overrides).await?;
         check_sampling_kwargs(engine.video_processing().loader, &videos, &factors)?;
         let identifiers = self.identifiers(&request.items, &videos, &factors)?;
         if let Some(target) = &request.push {
@@ -844,30 +845,59 @@ struct PushBatch {
     overrides: ProcessorOverrides,
 }
 
-/// Decodes the request's videos, all at once (each on the blocking pool), sampling as the
-/// effective `media_io_kwargs.video` asks; `None` for each image.
+/// Decodes the request's videos, sampling as the effective `media_io_kwargs.video` asks;
+/// `None` for each image. Every video is first opened (a clip probed and sampled, a frame
+/// list's frames counted and its first frame's header read; all at once, each on the blocking
+/// pool), then its tokens are charged to `permit` under `overrides`, and only then are the
+/// videos decoded (all at once): a request's decoded frames are held to the admission's token
+/// bound, and a video no step could take is refused before any frame is decoded.
 async fn load_videos<E: Engine>(
     engine: &E,
+    permit: &mut E::Permit,
     items: &[Item],
     factors: &HashFactors,
+    overrides: &ProcessorOverrides,
 ) -> Result<Vec<Option<Arc<DecodedVideo>>>, ProduceError> {
     if items.iter().all(|item| item.modality == Modality::Image) {
         return Ok(vec![None; items.len()]);
     }
     let loader = engine.video_processing().loader;
     let kwargs = Arc::new(video_kwargs(factors, loader)?);
-    let loads = items.iter().enumerate().map(|(index, item)| {
+    let opens = items.iter().enumerate().map(|(index, item)| {
         let kwargs = Arc::clone(&kwargs);
         async move {
             if item.modality == Modality::Image {
                 return Ok(None);
             }
-            load_video(engine, item, kwargs)
+            open_video(engine, item, kwargs)
                 .await
-                .map(|video| Some(Arc::new(video)))
+                .map(Some)
                 .map_err(|err| ProduceError::Engine(name_video(index, err)))
         }
     });
+    let opened = futures::future::try_join_all(opens).await?;
+    for (index, video) in opened.iter().enumerate() {
+        if let Some(video) = video {
+            let (frames, size) = video.shape();
+            engine.reserve_video(permit, index, frames, size, overrides)?;
+        }
+    }
+    let loads = items
+        .iter()
+        .zip(opened)
+        .enumerate()
+        .map(|(index, (item, video))| {
+            let kwargs = Arc::clone(&kwargs);
+            async move {
+                let Some(video) = video else {
+                    return Ok(None);
+                };
+                decode_video(engine, item, video, kwargs)
+                    .await
+                    .map(|video| Some(Arc::new(video)))
+                    .map_err(|err| ProduceError::Engine(name_video(index, err)))
+            }
+        });
     futures::future::try_join_all(loads).await
 }
 
@@ -917,13 +947,31 @@ pub(crate) fn name_video(index: usize, err: EngineError) -> EngineError {
     }
 }
 
-/// Decodes one video item: a clip through the engine (FFmpeg), a JPEG frame list here, on
+/// A video item opened, not decoded: how many frames it gives, and of what size.
+enum OpenedVideo {
+    /// A clip, probed and sampled by the engine.
+    Clip(OpenedClip),
+    /// A JPEG frame list: its frame count and its first frame's size from its header.
+    Frames(usize, ImageSize),
+}
+
+impl OpenedVideo {
+    /// Frames and their size, for the token charge.
+    fn shape(&self) -> (usize, ImageSize) {
+        match self {
+            OpenedVideo::Clip(clip) => (clip.frames(), clip.size()),
+            OpenedVideo::Frames(frames, size) => (*frames, *size),
+        }
+    }
+}
+
+/// Opens one video item: a clip through the engine (FFmpeg), a JPEG frame list here, each on
 /// the blocking pool.
-async fn load_video<E: Engine>(
+async fn open_video<E: Engine>(
     engine: &E,
     item: &Item,
     kwargs: Arc<VideoKwargs>,
-) -> Result<DecodedVideo, EngineError> {
+) -> Result<OpenedVideo, EngineError> {
     if !item.jpeg_sequence {
         if kwargs.frames_indices.is_some()
             || kwargs.total_num_frames.is_some()
@@ -934,12 +982,90 @@ async fn load_video<E: Engine>(
                 code: "invalid_media_io_kwargs",
             });
         }
-        return engine.load_video(item.bytes.clone(), kwargs.sampling).await;
+        return engine
+            .open_video(item.bytes.clone(), kwargs.sampling)
+            .await
+            .map(OpenedVideo::Clip);
     }
     let payload = item.bytes.clone();
-    tokio::task::spawn_blocking(move || decode_jpeg_sequence(&payload, &kwargs))
-        .await
-        .map_err(|err| EngineError::Internal(format!("frame decoding task failed: {err}")))?
+    tokio::task::spawn_blocking(move || {
+        let (frames, size) = frame_list_shape(&payload, &kwargs)?;
+        Ok(OpenedVideo::Frames(frames, size))
+    })
+    .await
+    .map_err(|err| EngineError::Internal(format!("frame list task failed: {err}")))?
+}
+
+/// Decodes one opened video item.
+async fn decode_video<E: Engine>(
+    engine: &E,
+    item: &Item,
+    video: OpenedVideo,
+    kwargs: Arc<VideoKwargs>,
+) -> Result<DecodedVideo, EngineError> {
+    match video {
+        OpenedVideo::Clip(clip) => engine.decode_video(clip).await,
+        OpenedVideo::Frames(..) => {
+            let payload = item.bytes.clone();
+            tokio::task::spawn_blocking(move || decode_jpeg_sequence(&payload, &kwargs))
+                .await
+                .map_err(|err| {
+                    EngineError::Internal(format!("frame decoding task failed: {err}"))
+                })?
+        }
+    }
+}
+
+/// The frames a JPEG frame list gives (the first `num_frames`, all for -1) and its first
+/// frame's size, from that frame's header alone.
+///
+/// # Errors
+/// [`EngineError::BadInput`]: not base64 text, a bad `num_frames`, a first frame that is not
+/// an image iris decodes or is over the decode limits.
+fn frame_list_shape(
+    payload: &[u8],
+    kwargs: &VideoKwargs,
+) -> Result<(usize, ImageSize), EngineError> {
+    use iris_core::preprocess::{DecodeLimits, PreprocessError, probe};
+    let parts = frame_parts(payload, kwargs)?;
+    let first = parts.first().copied().unwrap_or_default();
+    let bytes = crate::http::request::decode_base64("frame 0", first).map_err(|err| {
+        EngineError::BadInput {
+            message: err.message,
+            code: "invalid_base64",
+        }
+    })?;
+    let info = probe(&bytes, &DecodeLimits::default()).map_err(|err| EngineError::BadInput {
+        code: match err {
+            PreprocessError::TooLarge { .. } => "video_too_large",
+            ref err => iris_core::engine::preprocess_error_code(err),
+        },
+        message: format!("frame 0: {err}"),
+    })?;
+    Ok((parts.len(), info.size))
+}
+
+/// A frame list's base64 frames: the first `num_frames` (all for a negative count).
+///
+/// # Errors
+/// [`EngineError::BadInput`] for text that is not UTF-8, or `num_frames` 0.
+fn frame_parts<'a>(payload: &'a [u8], kwargs: &VideoKwargs) -> Result<Vec<&'a str>, EngineError> {
+    let bad = |code: &'static str, message: &str| EngineError::BadInput {
+        message: message.to_owned(),
+        code,
+    };
+    let text = std::str::from_utf8(payload)
+        .map_err(|_| bad("invalid_base64", "the frame list is not base64 text"))?;
+    Ok(match usize::try_from(kwargs.num_frames) {
+        Ok(0) => {
+            return Err(bad(
+                "invalid_media_io_kwargs",
+                "media_io_kwargs.video.num_frames must be greater than 0 or -1",
+            ));
+        }
+        Ok(n) => text.splitn(n + 1, ',').take(n).collect(),
+        Err(_) => text.split(',').collect(),
+    })
 }
 
 /// A JPEG frame list (`data:video/jpeg;base64,F1,F2,...`) as vLLM's `VideoMediaIO.load_base64`
@@ -979,22 +1105,7 @@ fn decode_frames_within(
             ),
         )
     };
-    let text = std::str::from_utf8(payload).map_err(|_| {
-        bad(
-            "invalid_base64",
-            "the frame list is not base64 text".to_owned(),
-        )
-    })?;
-    let parts: Vec<&str> = match usize::try_from(kwargs.num_frames) {
-        Ok(0) => {
-            return Err(bad(
-                "invalid_media_io_kwargs",
-                "media_io_kwargs.video.num_frames must be greater than 0 or -1".to_owned(),
-            ));
-        }
-        Ok(n) => text.splitn(n + 1, ',').take(n).collect(),
-        Err(_) => text.split(',').collect(),
-    };
+    let parts = frame_parts(payload, kwargs)?;
     let mut frames = Vec::with_capacity(parts.len());
     let mut decoded_bytes = 0u64;
     for (index, part) in parts.iter().enumerate() {

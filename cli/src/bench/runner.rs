@@ -33,7 +33,7 @@ use super::stats::{ErrorKind, RequestError, RequestOutcome, summarize};
 use super::workload::{EncodedMedia, RequestRate, Workload, arrival_offsets};
 use crate::epd::{Epd, EpdRequest, Item, ProduceError, Stored};
 use crate::http::MetricsSnapshot;
-use crate::http::engine_api::{EncodeOptions, Engine, EngineError, ImageInput};
+use crate::http::engine_api::{EncodeOptions, Engine, EngineError, ImageInput, ProcessorOverrides};
 use crate::http::request::{RequestItem, media_inputs};
 use iris_core::budget::Modality;
 
@@ -648,7 +648,7 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
             EngineError::Overloaded => TargetError::Refused(e.to_string()),
             _ => TargetError::Engine(e.to_string()),
         };
-        let permit = self.engine.admit().map_err(engine_error)?;
+        let mut permit = self.engine.admit().map_err(engine_error)?;
         if let Some(epd) = &self.epd {
             let request = EpdRequest {
                 items: items
@@ -689,9 +689,14 @@ impl<E: Engine> BenchTarget for InProcessTarget<E> {
                 }),
             })
             .collect();
-        let inputs = media_inputs(self.engine.as_ref(), requested)
-            .await
-            .map_err(engine_error)?;
+        let inputs = media_inputs(
+            self.engine.as_ref(),
+            &mut permit,
+            requested,
+            &ProcessorOverrides::default(),
+        )
+        .await
+        .map_err(engine_error)?;
         let results = self
             .engine
             .encode(permit, inputs, EncodeOptions::default())

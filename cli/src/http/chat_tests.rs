@@ -556,3 +556,35 @@ async fn a_remote_image_over_the_body_limit_is_refused() {
     assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
     assert_eq!(v["error"]["code"], "image_too_large", "{v}");
 }
+
+#[tokio::test]
+async fn a_frame_lists_tokens_are_charged_before_its_frames_are_decoded() {
+    use base64::Engine as _;
+    let (app, engine) = chat_app(None, MediaAccess::default());
+    let first = base64::engine::general_purpose::STANDARD.encode(png(56, 42, 5));
+    // An image, then a frame list whose first frame is good and whose others are not images.
+    let list = format!("data:video/jpeg;base64,{first},AAAA,AAAA");
+    let body = chat(vec![
+        image_part(&png(28, 28, 1), None),
+        json!({"type": "video_url", "video_url": {"url": list}}),
+    ]);
+    engine.set_refuse_videos(true);
+    let (status, reply) = call(
+        &app,
+        Method::POST,
+        "/v1/chat/completions",
+        Some(body.clone()),
+        None,
+    )
+    .await;
+    // Refused from the first frame's header and the count: no frame was decoded.
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{reply}");
+    assert!(reply.contains("overloaded"), "{reply}");
+    let size = iris_core::preprocess::ImageSize::new(56, 42);
+    assert_eq!(engine.reservations(), [(1, 3, size)]);
+    engine.set_refuse_videos(false);
+    let (status, reply) = call(&app, Method::POST, "/v1/chat/completions", Some(body), None).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{reply}");
+    assert!(reply.contains("frame 1"), "{reply}");
+    assert_eq!(engine.encode_calls(), 0);
+}

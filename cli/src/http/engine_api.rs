@@ -11,8 +11,9 @@ pub use iris_core::engine::api::{
     MemoryGauges, MetricsSnapshot, OutputLayout, ProcessorOverrides, ResetReport, VideoInput,
 };
 pub use iris_core::model::VideoProcessing;
+pub use iris_core::preprocess::ImageSize;
 pub use iris_core::preprocess::video::SamplingOptions;
-pub use iris_core::preprocess::video::ffmpeg::DecodedVideo;
+pub use iris_core::preprocess::video::ffmpeg::{DecodedVideo, OpenedClip};
 
 /// The engine as the HTTP server sees it.
 pub trait Engine: Send + Sync + 'static {
@@ -38,12 +39,28 @@ pub trait Engine: Send + Sync + 'static {
         items: &[MediaInput],
         overrides: &ProcessorOverrides,
     ) -> impl Future<Output = Result<Vec<ImagePlan>, EngineError>> + Send;
-    /// Decodes a clip and reads the frames the model's video loader samples, with vLLM's
-    /// metadata; `Err(Unsupported)` when the engine cannot decode videos (FFmpeg missing).
-    fn load_video(
+    /// Probes a clip and samples its frames as the model's video loader does, decoding none;
+    /// `Err(Unsupported)` when the engine cannot decode videos (FFmpeg missing).
+    fn open_video(
         &self,
         bytes: Vec<u8>,
         sampling: SamplingOptions,
+    ) -> impl Future<Output = Result<OpenedClip, EngineError>> + Send;
+    /// Charges to `permit` the tokens of video `index` of the request, `frames` frames of
+    /// `size`, under `overrides`, before its frames are decoded; `Err` for a video beyond the
+    /// scheduler's budget, or beyond the token bound (`Overloaded`).
+    fn reserve_video(
+        &self,
+        permit: &mut Self::Permit,
+        index: usize,
+        frames: usize,
+        size: ImageSize,
+        overrides: &ProcessorOverrides,
+    ) -> Result<(), EngineError>;
+    /// Reads an opened clip's sampled frames, with vLLM's metadata.
+    fn decode_video(
+        &self,
+        clip: OpenedClip,
     ) -> impl Future<Output = Result<DecodedVideo, EngineError>> + Send;
     /// The model's video processing (loader, resize rule, processor settings).
     fn video_processing(&self) -> VideoProcessing;

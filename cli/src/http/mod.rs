@@ -271,7 +271,7 @@ async fn encode<E: Engine>(
     State(state): Shared<E>,
     request: Request,
 ) -> Result<Json<Value>, ApiError> {
-    let (permit, body) = admit_and_read(&state, request).await?;
+    let (mut permit, body) = admit_and_read(&state, request).await?;
     let limits = state.limits;
     // Base64 and header parsing of up to max_body_bytes is CPU work: keep it off the async threads.
     let parsed = tokio::task::spawn_blocking(move || request::parse_encode_request(&body, &limits))
@@ -282,7 +282,13 @@ async fn encode<E: Engine>(
         .iter()
         .map(|item| matches!(item, request::RequestItem::Video(_)))
         .collect();
-    let items = request::media_inputs(state.engine.as_ref(), parsed.items).await?;
+    let items = request::media_inputs(
+        state.engine.as_ref(),
+        &mut permit,
+        parsed.items,
+        &parsed.options.processor,
+    )
+    .await?;
     let results = state.engine.encode(permit, items, parsed.options).await?;
     let cached = results.iter().filter(|r| r.cached).count();
     let cached = u64::try_from(cached).unwrap_or(u64::MAX);

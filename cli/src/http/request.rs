@@ -15,8 +15,8 @@ use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig, STAN
 use serde_json::{Map, Value, json};
 
 use super::engine_api::{
-    EncodeOptions, EngineError, HostTensor, ImageInput, ImageResult, MediaInput, SamplingOptions,
-    VideoInput,
+    EncodeOptions, EngineError, HostTensor, ImageInput, ImageResult, MediaInput, OpenedClip,
+    ProcessorOverrides, SamplingOptions, VideoInput,
 };
 use super::error::ApiError;
 
@@ -70,36 +70,62 @@ pub enum RequestItem {
     Video(Vec<u8>),
 }
 
-/// The engine's inputs for `items`, in order: images as they are, clips decoded (each on the
-/// blocking pool, all at once) with the model's loader and vLLM's default sampling, as
-/// `/v1/encode` takes them. A clip's client error names it (`video N: ...`).
+/// The engine's inputs for `items`, in order: images as they are, clips decoded with the
+/// model's loader and vLLM's default sampling, as `/v1/encode` takes them. Every clip is
+/// probed first (all at once, each on the blocking pool), its tokens are charged to `permit`
+/// under `overrides`, and only then are the clips decoded (all at once): a request's decoded
+/// frames are held to the admission's token bound. A clip's client error names it
+/// (`video N: ...`).
 ///
 /// # Errors
-/// The first clip the engine cannot decode.
+/// The first clip the engine cannot probe or decode, or whose tokens the budget or the
+/// admission refuses.
 pub async fn media_inputs<E: super::engine_api::Engine>(
     engine: &E,
+    permit: &mut E::Permit,
     items: Vec<RequestItem>,
+    overrides: &ProcessorOverrides,
 ) -> Result<Vec<MediaInput>, EngineError> {
-    futures::future::try_join_all(
-        items
-            .into_iter()
-            .enumerate()
-            .map(|(index, item)| async move {
-                match item {
-                    RequestItem::Image(image) => Ok(MediaInput::Image(image)),
-                    RequestItem::Video(bytes) => engine
-                        .load_video(bytes, SamplingOptions::default())
-                        .await
-                        .map(|video| {
-                            MediaInput::Video(VideoInput {
-                                video: std::sync::Arc::new(video),
-                            })
-                        })
-                        .map_err(|err| crate::epd::name_video(index, err)),
-                }
-            }),
-    )
+    let opened = futures::future::try_join_all(items.into_iter().enumerate().map(
+        |(index, item)| async move {
+            match item {
+                RequestItem::Image(image) => Ok(Opened::Image(image)),
+                RequestItem::Video(bytes) => engine
+                    .open_video(bytes, SamplingOptions::default())
+                    .await
+                    .map(|clip| Opened::Clip(index, clip))
+                    .map_err(|err| crate::epd::name_video(index, err)),
+            }
+        },
+    ))
+    .await?;
+    for item in &opened {
+        if let Opened::Clip(index, clip) = item {
+            engine.reserve_video(permit, *index, clip.frames(), clip.size(), overrides)?;
+        }
+    }
+    futures::future::try_join_all(opened.into_iter().map(|item| async move {
+        match item {
+            Opened::Image(image) => Ok(MediaInput::Image(image)),
+            Opened::Clip(index, clip) => engine
+                .decode_video(clip)
+                .await
+                .map(|video| {
+                    MediaInput::Video(VideoInput {
+                        video: std::sync::Arc::new(video),
+                    })
+                })
+                .map_err(|err| crate::epd::name_video(index, err)),
+        }
+    }))
     .await
+}
+
+/// An item of [`media_inputs`] between probing and decoding.
+enum Opened {
+    Image(ImageInput),
+    /// A clip and its index in the request.
+    Clip(usize, OpenedClip),
 }
 
 /// A parsed and checked encode request.

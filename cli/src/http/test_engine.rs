@@ -17,8 +17,8 @@ use iris_plugin::DType;
 
 use super::engine_api::{
     DecodedVideo, EncodeOptions, Engine, EngineError, ImageInput, ImagePlan, ImageResult,
-    MediaInput, MemoryGauges, MetricsSnapshot, OutputLayout, ProcessorOverrides, ResetReport,
-    SamplingOptions, VideoProcessing,
+    ImageSize, MediaInput, MemoryGauges, MetricsSnapshot, OpenedClip, OutputLayout,
+    ProcessorOverrides, ResetReport, SamplingOptions, VideoProcessing,
 };
 
 /// The fake engine's answer to a video: it models images only (the real engine's video path
@@ -63,6 +63,10 @@ pub(crate) struct FakeEngine {
     overloaded: AtomicBool,
     leak_on_reset: bool,
     encode_calls: AtomicU64,
+    /// Whether `reserve_video` refuses (as a full token bound does).
+    refuse_videos: AtomicBool,
+    /// Each `reserve_video` call: item index, frames, size.
+    reservations: Mutex<Vec<(usize, usize, ImageSize)>>,
 }
 
 impl FakeEngine {
@@ -74,6 +78,8 @@ impl FakeEngine {
             overloaded: AtomicBool::new(false),
             leak_on_reset,
             encode_calls: AtomicU64::new(0),
+            refuse_videos: AtomicBool::new(false),
+            reservations: Mutex::new(Vec::new()),
         };
         {
             let mut s = engine.state.lock().unwrap();
@@ -92,6 +98,16 @@ impl FakeEngine {
     }
 
     /// Makes admission refuse (or admit again), as the real engine does beyond its bounds.
+    /// Makes `reserve_video` refuse with `Overloaded` (or take again).
+    pub(crate) fn set_refuse_videos(&self, refuse: bool) {
+        self.refuse_videos.store(refuse, Ordering::SeqCst);
+    }
+
+    /// The `reserve_video` calls so far: item index, frames, size.
+    pub(crate) fn reservations(&self) -> Vec<(usize, usize, ImageSize)> {
+        self.reservations.lock().unwrap().clone()
+    }
+
     pub(crate) fn set_overloaded(&self, overloaded: bool) {
         self.overloaded.store(overloaded, Ordering::SeqCst);
     }
@@ -271,11 +287,33 @@ impl Engine for FakeEngine {
             .collect()
     }
 
-    async fn load_video(
+    async fn open_video(
         &self,
         _bytes: Vec<u8>,
         _sampling: SamplingOptions,
-    ) -> Result<DecodedVideo, EngineError> {
+    ) -> Result<OpenedClip, EngineError> {
+        Err(no_video())
+    }
+
+    fn reserve_video(
+        &self,
+        _permit: &mut (),
+        index: usize,
+        frames: usize,
+        size: ImageSize,
+        _overrides: &ProcessorOverrides,
+    ) -> Result<(), EngineError> {
+        self.reservations
+            .lock()
+            .unwrap()
+            .push((index, frames, size));
+        if self.refuse_videos.load(Ordering::SeqCst) {
+            return Err(EngineError::Overloaded);
+        }
+        Ok(())
+    }
+
+    async fn decode_video(&self, _clip: OpenedClip) -> Result<DecodedVideo, EngineError> {
         Err(no_video())
     }
 

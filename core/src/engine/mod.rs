@@ -58,13 +58,13 @@ use crate::cache::processor::ProcessorCache;
 use crate::encoder::exec::Runner;
 use crate::memory::{CachingAllocator, MemorySnapshot};
 use crate::model::{ModelSpec, VideoProcessing, WeightSource};
-use crate::preprocess::video::ffmpeg::{DecodedVideo, Ffmpeg, VideoLimits, load_video};
+use crate::preprocess::video::ffmpeg::{DecodedVideo, Ffmpeg, OpenedClip, VideoLimits, open_clip};
 use crate::preprocess::video::{
     SamplingOptions, VideoError, preprocess_frames, video_hash, video_shape,
 };
 use crate::preprocess::{
-    AlphaMode, DecodeLimits, PreprocessError, PreprocessedImage, ProcessorConfig, decode_rgb,
-    item_hash, preprocess_rgb,
+    AlphaMode, DecodeLimits, ImageSize, PreprocessError, PreprocessedImage, ProcessorConfig,
+    decode_rgb, item_hash, preprocess_rgb,
 };
 use crate::profile::{
     ProfileError, ProfileMode, ProfileRequest, ProgressSink, StartupProfile, WarmUpMode,
@@ -644,13 +644,7 @@ impl Engine {
                 MediaInput::Video(input) => (
                     Modality::Video,
                     input.video.frames.first().map_or(0, |first| {
-                        video_shape(
-                            input.video.frames.len(),
-                            first.size,
-                            &video.config,
-                            video.resize,
-                        )
-                        .map_or(0, |shape| u64::from(shape.tokens))
+                        video_tokens(input.video.frames.len(), first.size, video)
                     }),
                 ),
             };
@@ -697,11 +691,16 @@ impl Engine {
         overrides: &ProcessorOverrides,
         items: &[MediaInput],
     ) -> Result<VideoProcessing, EngineError> {
-        let mut video = self.config.video.clone();
         let has_video = items.iter().any(|i| matches!(i, MediaInput::Video(_)));
         if !has_video {
-            return Ok(video);
+            return Ok(self.config.video.clone());
         }
+        self.video_with(overrides)
+    }
+
+    /// The model's video processing under a request's `mm_processor_kwargs` pixel bounds.
+    fn video_with(&self, overrides: &ProcessorOverrides) -> Result<VideoProcessing, EngineError> {
+        let mut video = self.config.video.clone();
         let bad = |message: String| EngineError::BadInput {
             message,
             code: "invalid_mm_processor_kwargs",
@@ -734,6 +733,75 @@ impl Engine {
         &self.config.video
     }
 
+    /// Probes `bytes` (a clip in any container FFmpeg reads) and samples its frames as the
+    /// model's loader does under `sampling`, without decoding them, on the blocking pool: the
+    /// first half of [`Engine::load_video`], so that [`Engine::reserve_video`] can charge the
+    /// clip's tokens before [`Engine::decode_video`] decodes a pixel.
+    ///
+    /// # Errors
+    /// As [`Engine::load_video`].
+    pub async fn open_video(
+        &self,
+        bytes: Vec<u8>,
+        sampling: SamplingOptions,
+    ) -> Result<OpenedClip, EngineError> {
+        self.shared.liveness.check()?;
+        let shared = Arc::clone(&self.shared);
+        let loader = self.config.video.loader;
+        let options = SamplingOptions {
+            temporal_patch_size: self.config.video.config.temporal_patch_size,
+            ..sampling
+        };
+        let limits = self.config.video_limits;
+        tokio::task::spawn_blocking(move || {
+            let ffmpeg = locate_ffmpeg(&shared)?;
+            open_clip(&ffmpeg, &bytes, loader, &options, &limits).map_err(video_error)
+        })
+        .await
+        .map_err(|e| EngineError::Internal(format!("video probing task failed: {e}")))?
+    }
+
+    /// Charges to `permit` the tokens of a video of `frames` frames of `size` (item `index`
+    /// of its request) under the request's `overrides`, before its frames are decoded: a
+    /// request's decoded frames are then bounded by the admission's token bound as its
+    /// preprocessing is, and a video no step could take is refused before decoding. The
+    /// encode of the decoded video charges only what its frames add beyond this.
+    ///
+    /// # Errors
+    /// [`EngineError::BadInput`] (`video_over_budget`) for a video beyond the scheduler's
+    /// budget, or bad `overrides`; [`EngineError::Overloaded`] beyond the token bound.
+    pub fn reserve_video(
+        &self,
+        permit: &mut Permit,
+        index: usize,
+        frames: usize,
+        size: ImageSize,
+        overrides: &ProcessorOverrides,
+    ) -> Result<(), EngineError> {
+        let tokens = video_tokens(frames, size, &self.video_with(overrides)?);
+        self.budget
+            .check_item(Modality::Video, tokens, tokens)
+            .map_err(|source| over_budget(index, Modality::Video, source))?;
+        self.shared.admission.charge(permit, tokens)
+    }
+
+    /// Reads an opened clip's sampled frames on the blocking pool: the second half of
+    /// [`Engine::load_video`].
+    ///
+    /// # Errors
+    /// As [`Engine::load_video`].
+    pub async fn decode_video(&self, clip: OpenedClip) -> Result<DecodedVideo, EngineError> {
+        self.shared.liveness.check()?;
+        let shared = Arc::clone(&self.shared);
+        let limits = self.config.video_limits;
+        tokio::task::spawn_blocking(move || {
+            let ffmpeg = locate_ffmpeg(&shared)?;
+            clip.decode(&ffmpeg, &limits).map_err(video_error)
+        })
+        .await
+        .map_err(|e| EngineError::Internal(format!("video decoding task failed: {e}")))?
+    }
+
     /// Decodes `bytes` (a clip in any container FFmpeg reads) and reads the frames the model's
     /// loader samples under `sampling` (its `temporal_patch_size` is the model's, whatever is
     /// passed), with vLLM's metadata, on the blocking pool. FFmpeg is looked for on the first
@@ -748,20 +816,8 @@ impl Engine {
         bytes: Vec<u8>,
         sampling: SamplingOptions,
     ) -> Result<DecodedVideo, EngineError> {
-        self.shared.liveness.check()?;
-        let shared = Arc::clone(&self.shared);
-        let loader = self.config.video.loader;
-        let options = SamplingOptions {
-            temporal_patch_size: self.config.video.config.temporal_patch_size,
-            ..sampling
-        };
-        let limits = self.config.video_limits;
-        tokio::task::spawn_blocking(move || {
-            let ffmpeg = locate_ffmpeg(&shared)?;
-            load_video(&ffmpeg, &bytes, loader, &options, &limits).map_err(video_error)
-        })
-        .await
-        .map_err(|e| EngineError::Internal(format!("video decoding task failed: {e}")))?
+        let clip = self.open_video(bytes, sampling).await?;
+        self.decode_video(clip).await
     }
 
     /// Decodes and preprocesses `items` on the blocking pool, through the processor cache, with
@@ -1086,6 +1142,13 @@ fn locate_ffmpeg(shared: &Shared) -> Result<Ffmpeg, EngineError> {
     let ffmpeg = Ffmpeg::locate().map_err(video_error)?;
     *slot = Some(ffmpeg.clone());
     Ok(ffmpeg)
+}
+
+/// The estimated tokens of a video of `frames` frames of `size` (0 for one the processing
+/// refuses: its preprocessing reports why).
+fn video_tokens(frames: usize, size: ImageSize, video: &VideoProcessing) -> u64 {
+    video_shape(frames, size, &video.config, video.resize)
+        .map_or(0, |shape| u64::from(shape.tokens))
 }
 
 /// The engine error of a video that cannot be loaded: FFmpeg missing is the server's

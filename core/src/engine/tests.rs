@@ -1289,6 +1289,80 @@ async fn load_video_reads_the_frames_the_models_loader_samples() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clips_tokens_are_charged_before_its_frames_are_decoded() {
+    // A 2048-token budget: the clip's groups at the largest frames pass it.
+    let mut cfg = config();
+    cfg.scheduler.max_model_len = 2048;
+    let engine = Engine::start(cfg, device()).expect("the engine starts");
+    let bytes = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/video/odd9.mp4"),
+    )
+    .unwrap();
+    let clip = match engine.open_video(bytes, SamplingOptions::default()).await {
+        Ok(clip) => clip,
+        Err(EngineError::Unsupported { message, .. })
+            if std::env::var_os("IRIS_REQUIRE_FFMPEG").is_none() =>
+        {
+            eprintln!("skipped: {message}");
+            return;
+        }
+        Err(other) => panic!("the clip opens: {other}"),
+    };
+    let (frames, size) = (clip.frames(), clip.size());
+    let processing = engine.video_processing().clone();
+    let tokens = u64::from(
+        video_shape(frames, size, &processing.config, processing.resize)
+            .unwrap()
+            .tokens,
+    );
+    let pending = || engine.metrics_snapshot().admission;
+
+    // A request's min_pixels that scales the frames past the budget is refused by name
+    // before a frame is decoded, and charges nothing.
+    let mut permit = engine.admit().unwrap();
+    let huge = ProcessorOverrides {
+        min_pixels: Some(processing.config.max_pixels),
+        ..ProcessorOverrides::default()
+    };
+    match engine.reserve_video(&mut permit, 3, frames, size, &huge) {
+        Err(EngineError::BadInput { code, message }) => {
+            assert_eq!(code, "video_over_budget", "{message}");
+            assert!(message.starts_with("video 3: "), "{message}");
+        }
+        other => panic!("expected video_over_budget, got {other:?}"),
+    }
+    assert_eq!(pending().pending_tokens, 0);
+
+    // The clip's tokens are charged from its probe; the decoded frames are what the probe
+    // said, and their encode charges nothing more.
+    engine
+        .reserve_video(&mut permit, 0, frames, size, &ProcessorOverrides::default())
+        .unwrap();
+    assert_eq!(pending().pending_tokens, tokens);
+    let decoded = engine.decode_video(clip).await.unwrap();
+    assert_eq!(
+        (decoded.frames.len(), decoded.frames[0].size),
+        (frames, size)
+    );
+    let results = engine
+        .encode_admitted(
+            permit,
+            vec![VideoInput {
+                video: Arc::new(decoded),
+            }],
+            EncodeOptions::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(results[0].num_tokens, tokens);
+    let admission = pending();
+    assert_eq!(
+        (admission.pending_tokens, admission.peak_pending_tokens),
+        (0, tokens)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_video_over_the_encoder_budget_is_refused_with_the_numbers() {
     // A 2048-token context: the profiled video is 4 frames of the largest image, 2048 tokens,
     // the budget.

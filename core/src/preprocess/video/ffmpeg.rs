@@ -412,7 +412,7 @@ impl Ffmpeg {
 }
 
 /// Decodes `bytes` (a clip in any container FFmpeg reads) and samples its frames as vLLM's
-/// `loader` does, with its metadata.
+/// `loader` does, with its metadata: [`open_clip`], then [`OpenedClip::decode`].
 ///
 /// # Errors
 /// [`VideoError::Decode`] for a clip FFmpeg cannot open or decode, the sampling errors of
@@ -424,6 +424,67 @@ pub fn load_video(
     options: &SamplingOptions,
     limits: &VideoLimits,
 ) -> Result<DecodedVideo, VideoError> {
+    open_clip(ffmpeg, bytes, loader, options, limits)?.decode(ffmpeg, limits)
+}
+
+/// A clip probed and sampled, not yet decoded: what its frames will be is known (how many,
+/// their size), so their tokens can be charged before a pixel is decoded.
+#[derive(Debug)]
+pub struct OpenedClip {
+    /// The clip's bytes on disk, deleted when the clip is dropped.
+    file: tempfile::NamedTempFile,
+    info: VideoInfo,
+    indices: Vec<u32>,
+    /// The decode time limit began when the clip was opened: probing and decoding share it.
+    deadline: Deadline,
+}
+
+impl OpenedClip {
+    /// The frames the loader samples (each read once): at most what [`OpenedClip::decode`]
+    /// returns, fewer only when the container claims frames it does not hold.
+    #[must_use]
+    pub fn frames(&self) -> usize {
+        let mut wanted = self.indices.clone();
+        wanted.dedup();
+        wanted.len()
+    }
+
+    /// The frames' size.
+    #[must_use]
+    pub fn size(&self) -> ImageSize {
+        self.info.size
+    }
+
+    /// Reads the sampled frames, within the time left of the clip's decode limit.
+    ///
+    /// # Errors
+    /// As [`load_video`].
+    pub fn decode(self, ffmpeg: &Ffmpeg, limits: &VideoLimits) -> Result<DecodedVideo, VideoError> {
+        read_sampled(
+            ffmpeg,
+            self.file.path(),
+            &self.info,
+            &self.indices,
+            limits,
+            self.deadline,
+        )
+    }
+}
+
+/// Writes `bytes` to a temporary file, probes it and samples its frames as vLLM's `loader`
+/// does; the decode time limit starts now.
+///
+/// # Errors
+/// [`VideoError::Decode`] for a clip FFmpeg cannot open, the sampling errors of
+/// [`sample_frames`].
+pub fn open_clip(
+    ffmpeg: &Ffmpeg,
+    bytes: &[u8],
+    loader: VideoLoader,
+    options: &SamplingOptions,
+    limits: &VideoLimits,
+) -> Result<OpenedClip, VideoError> {
+    let deadline = Deadline::after(limits.max_decode_time);
     let mut file = tempfile::NamedTempFile::new().map_err(|err| VideoError::Decode {
         message: format!("a temporary file for the clip: {err}"),
     })?;
@@ -432,7 +493,14 @@ pub fn load_video(
         .map_err(|err| VideoError::Decode {
             message: format!("writing the clip to a temporary file: {err}"),
         })?;
-    load_video_file(ffmpeg, file.path(), loader, options, limits)
+    let info = ffmpeg.probe_until(file.path(), deadline)?;
+    let indices = sample_frames(loader, info.total_frames, info.fps, options)?;
+    Ok(OpenedClip {
+        file,
+        info,
+        indices,
+        deadline,
+    })
 }
 
 /// [`load_video`] on a file.
@@ -450,7 +518,19 @@ pub fn load_video_file(
     let deadline = Deadline::after(limits.max_decode_time);
     let info = ffmpeg.probe_until(path, deadline)?;
     let indices = sample_frames(loader, info.total_frames, info.fps, options)?;
-    let (read, frames) = ffmpeg.read_frames_until(path, &info, &indices, limits, deadline)?;
+    read_sampled(ffmpeg, path, &info, &indices, limits, deadline)
+}
+
+/// The frames at `indices` of the clip at `path`, with vLLM's metadata.
+fn read_sampled(
+    ffmpeg: &Ffmpeg,
+    path: &Path,
+    info: &VideoInfo,
+    indices: &[u32],
+    limits: &VideoLimits,
+    deadline: Deadline,
+) -> Result<DecodedVideo, VideoError> {
+    let (read, frames) = ffmpeg.read_frames_until(path, info, indices, limits, deadline)?;
     Ok(DecodedVideo {
         frames,
         metadata: VideoMetadata {
