@@ -1379,6 +1379,22 @@ fn check_target(target: &PushTarget, identifiers: &[String]) -> Result<(), Produ
             )));
         }
     }
+    // A consumer keys its reservations by transfer id: two images under one id would share
+    // one reservation, one's rows written over the other's and kept under both hashes.
+    let mut first_of: HashMap<&str, usize> = HashMap::new();
+    for (index, (id, identifier)) in target.transfer_ids.iter().zip(identifiers).enumerate() {
+        match first_of.get(id.as_str()) {
+            Some(&first) if identifiers[first] != *identifier => {
+                return Err(bad(format!(
+                    "ec_transfer_params.ec_items[{index}].transfer_id {id:?} is also item {first}'s, a different image: each image needs its own transfer id"
+                )));
+            }
+            Some(_) => {}
+            None => {
+                first_of.insert(id, index);
+            }
+        }
+    }
     Ok(())
 }
 

@@ -299,6 +299,22 @@ async fn malformed_or_misplaced_ec_transfer_params_are_400s() {
     }
     assert_eq!(engine.encode_calls(), 0);
 
+    // Two images under one transfer id would share the consumer's one reservation.
+    let other = png(56, 56, 2);
+    let shared = request(
+        &[(&image, None), (&other, None)],
+        "tcp://127.0.0.1:5555",
+        &["t", "t"],
+    );
+    let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(shared)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("ec_items[1].transfer_id \"t\" is also item 0's"),
+        "{message}"
+    );
+    assert_eq!(engine.encode_calls(), 0);
+
     // A server without the push connector refuses a request that names a consumer.
     let store = tempfile::tempdir().unwrap();
     let (storage_app, _) = epd_app(Some(

@@ -442,6 +442,34 @@ impl MooncakeProducer {
                     .push((index, shard));
             }
         }
+        // A consumer keys reservations by transfer id, and nothing stops two items' ranges from
+        // meeting: rows written over another item's would be kept under its hash for good.
+        for (session, items) in &by_session {
+            let mut ranges: Vec<(u64, u64, usize)> = items
+                .iter()
+                .map(|(index, shard)| {
+                    (
+                        shard.dst_ptr,
+                        shard.dst_ptr.saturating_add(shard.nbytes),
+                        *index,
+                    )
+                })
+                .collect();
+            ranges.sort_unstable();
+            for pair in ranges.windows(2) {
+                let ((_, end, a), (start, _, b)) = (pair[0], pair[1]);
+                let (first, second) = (&reserved.specs[a], &reserved.specs[b]);
+                if start < end && first.mm_hash != second.mm_hash {
+                    return Err(error(
+                        PushFailure::Protocol,
+                        format!(
+                            "session {session} reserved overlapping ranges for mm_hash {} (transfer {}) and mm_hash {} (transfer {}); nothing was written",
+                            first.mm_hash, first.transfer_id, second.mm_hash, second.transfer_id
+                        ),
+                    ));
+                }
+            }
+        }
         let writes = by_session.iter().map(|(session, items)| async move {
             for (index, shard) in items {
                 let payload = payloads[*index].as_deref().map_or(&[][..], Vec::as_slice);

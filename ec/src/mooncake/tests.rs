@@ -111,6 +111,30 @@ async fn an_item_the_consumer_holds_is_not_written_again() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_images_given_one_reservation_are_not_written() {
+    // The consumer keys reservations by transfer id: a second image under the first's id
+    // gets the first's range.
+    let consumer = TestConsumer::start(1, 1 << 20, 2).await.unwrap();
+    let producer = producer(5_000);
+    let (a, b) = (spec("t", "hash-a", 8), spec("t", "hash-b", 8));
+    let payloads = [Some(rows(&a, 1)), Some(rows(&b, 2))];
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), vec![a, b])
+        .await
+        .unwrap();
+    let err = producer.push(reserved, &payloads).await.unwrap_err();
+    assert_eq!(err.failure, PushFailure::Protocol, "{err}");
+    assert!(
+        err.message
+            .contains("overlapping ranges for mm_hash hash-a"),
+        "{err}"
+    );
+    assert!(consumer.writes().is_empty());
+    assert!(consumer.resident(0, "hash-a").is_none());
+    assert_eq!(consumer.live_reservations(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn protocol_1_targets_get_no_status_request() {
     let consumer = TestConsumer::start(1, 1 << 16, 1).await.unwrap();
     let producer = producer(5_000);
