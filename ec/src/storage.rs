@@ -627,12 +627,20 @@ fn write_file(path: &Path, header: &[u8], data: &[u8]) -> Result<(), StoreError>
 /// Checks a file against the entry `shape` wants: header, tensor, dtype, shape, offsets and
 /// file length.
 fn check_entry(path: &Path, shape: &EntryShape) -> Lookup {
-    let mut file = match File::open(path) {
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    // Opening a FIFO (anyone who can write the shared folder can make one at an entry's
+    // path) would block until a writer came, holding the request, its claim and a blocking
+    // thread for good: open without blocking, then take regular files only.
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NONBLOCK);
+    let mut file = match options.open(path) {
         Ok(file) => file,
         Err(err) if err.kind() == io::ErrorKind::NotFound => return Lookup::Missing,
         Err(err) => return Lookup::Invalid(format!("cannot open: {err}")),
     };
     let length = match file.metadata() {
+        Ok(m) if !m.is_file() => return Lookup::Invalid("not a regular file".to_owned()),
         Ok(m) => m.len(),
         Err(err) => return Lookup::Invalid(format!("cannot stat: {err}")),
     };

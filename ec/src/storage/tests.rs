@@ -183,6 +183,32 @@ fn a_file_that_is_not_a_complete_entry_of_the_shape_is_replaced_not_trusted() {
     assert_eq!(store.stats().invalid_replaced, 1);
 }
 
+#[cfg(unix)]
+#[test]
+fn a_fifo_at_an_entrys_path_is_invalid_not_waited_on() {
+    let (dir, store) = store(None);
+    let good = shape(4, 6);
+    let folder = dir.path().join("id");
+    fs::create_dir(&folder).unwrap();
+    let path = folder.join(FILE_NAME);
+    let name = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+    let (done, result) = std::sync::mpsc::channel();
+    let store = std::sync::Arc::new(store);
+    let looking = std::sync::Arc::clone(&store);
+    // Opening the FIFO for reading blocked until a writer came: never, here.
+    std::thread::spawn(move || done.send(looking.lookup("id", &good)).unwrap());
+    let lookup = result
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the lookup returns")
+        .unwrap();
+    assert_eq!(lookup, Lookup::Invalid("not a regular file".to_owned()));
+    let report = store.write("id", &good, &rows(&good, 0.0)).unwrap();
+    assert!(report.replaced_invalid);
+    assert_eq!(store.lookup("id", &good).unwrap(), Lookup::Hit);
+}
+
 #[test]
 fn identifiers_that_could_leave_the_store_are_refused() {
     let (dir, store) = store(None);
