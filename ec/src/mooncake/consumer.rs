@@ -43,6 +43,9 @@ pub struct Faults {
     pub forget_on_complete: bool,
     /// Advertise `protocol: "rdma"` in the handshake.
     pub advertise_rdma: bool,
+    /// Shard `.0` (by index) waits `.1` before it takes a reservation request (the others
+    /// answer at once): a consumer one of whose shards is slow.
+    pub slow_reserve: Option<(usize, std::time::Duration)>,
 }
 
 /// One logged control exchange.
@@ -92,6 +95,8 @@ struct ShardState {
 }
 
 struct Shard {
+    /// The shard's place in the consumer's list.
+    index: usize,
     control_port: u16,
     rpc_port: u16,
     /// The data port; it changes when the data side restarts.
@@ -174,6 +179,7 @@ impl TestConsumer {
             let rpc = TcpListener::bind("127.0.0.1:0").await?;
             let data = TcpListener::bind("127.0.0.1:0").await?;
             let shard = Arc::new(Shard {
+                index,
                 control_port: ports[index],
                 rpc_port: rpc.local_addr()?.port(),
                 data_port: std::sync::atomic::AtomicU16::new(data.local_addr()?.port()),
@@ -323,6 +329,14 @@ async fn serve_control(mut socket: RepSocket, shard: Arc<Shard>, shared: Arc<Sha
             });
             // REP owes an answer it never gives: the socket stays silent from now on.
             std::future::pending::<()>().await;
+        }
+        if let Some((slow, delay)) = faults.slow_reserve
+            && slow == shard.index
+            && request["op"]
+                .as_str()
+                .is_some_and(|op| op.starts_with("reserve"))
+        {
+            tokio::time::sleep(delay).await;
         }
         let reply = match handle(&request, &shard, &shared, &faults) {
             Ok(result) => json!({"ok": true, "result": result}),

@@ -297,58 +297,20 @@ impl MooncakeProducer {
         consumer: &str,
         specs: Vec<PushSpec>,
     ) -> Result<Reserved, PushError> {
-        let started = Instant::now();
-        let fail = |err: ControlError| PushError {
-            consumer: consumer.to_owned(),
-            failure: err.failure,
-            message: err.message,
-        };
-        let addrs = match self.control.shards(consumer).await {
-            Ok(addrs) => addrs,
-            // vLLM's producer asks a consumer for its shards twice before it fails a push.
-            Err(_) => self.control.shards(consumer).await.map_err(fail)?,
-        };
-        let answers = futures::future::join_all(
-            addrs
-                .iter()
-                .map(|addr| reserve_on(&self.control, addr, &specs)),
-        )
-        .await;
-        let mut reserved = Reserved {
-            consumer: consumer.to_owned(),
-            shards: vec![Vec::new(); specs.len()],
+        // In a task of its own: a caller that goes away mid-way (its client hung up) drops the
+        // task's handle, not the task, so the reservations shards grant meanwhile land in a
+        // `Reserved` that, dropped unsettled, cancels them. Awaited in place, they would be
+        // lost inside the fan-out and held until the consumer's TTL.
+        let task = tokio::spawn(reserve_all(
+            Arc::clone(&self.control),
+            consumer.to_owned(),
             specs,
-            control: Arc::clone(&self.control),
-            settled: false,
-            started,
-        };
-        let mut first_error: Option<ControlError> = None;
-        for answer in answers {
-            match answer {
-                Err(err) => {
-                    first_error.get_or_insert(err);
-                }
-                Ok(items) => {
-                    for (index, item) in items.into_iter().enumerate() {
-                        match item {
-                            Ok(shard) => reserved.shards[index].push(shard),
-                            Err(err) => {
-                                first_error.get_or_insert(err);
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        if let Some(err) = first_error {
-            if matches!(err.failure, PushFailure::Unreachable | PushFailure::Timeout) {
-                // A consumer that went away may come back with another topology.
-                self.control.forget(consumer);
-            }
-            reserved.abandon().await;
-            return Err(fail(err));
-        }
-        Ok(reserved)
+        ));
+        task.await.map_err(|err| PushError {
+            consumer: consumer.to_owned(),
+            failure: PushFailure::Protocol,
+            message: format!("the reservation task failed: {err}"),
+        })?
     }
 
     /// Writes each item's `payloads[i]` (its rows, [`PushSpec::nbytes`] long) into every shard
@@ -571,6 +533,63 @@ impl MooncakeProducer {
     }
 }
 
+/// [`MooncakeProducer::reserve`]'s work: every item on every shard of `consumer`.
+async fn reserve_all(
+    control: Arc<ControlClient>,
+    consumer: String,
+    specs: Vec<PushSpec>,
+) -> Result<Reserved, PushError> {
+    let started = Instant::now();
+    let fail = |err: ControlError| PushError {
+        consumer: consumer.clone(),
+        failure: err.failure,
+        message: err.message,
+    };
+    let addrs = match control.shards(&consumer).await {
+        Ok(addrs) => addrs,
+        // vLLM's producer asks a consumer for its shards twice before it fails a push.
+        Err(_) => control.shards(&consumer).await.map_err(fail)?,
+    };
+    let answers =
+        futures::future::join_all(addrs.iter().map(|addr| reserve_on(&control, addr, &specs)))
+            .await;
+    let mut reserved = Reserved {
+        consumer: consumer.clone(),
+        shards: vec![Vec::new(); specs.len()],
+        specs,
+        control: Arc::clone(&control),
+        settled: false,
+        started,
+    };
+    let mut first_error: Option<ControlError> = None;
+    for answer in answers {
+        match answer {
+            Err(err) => {
+                first_error.get_or_insert(err);
+            }
+            Ok(items) => {
+                for (index, item) in items.into_iter().enumerate() {
+                    match item {
+                        Ok(shard) => reserved.shards[index].push(shard),
+                        Err(err) => {
+                            first_error.get_or_insert(err);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if let Some(err) = first_error {
+        if matches!(err.failure, PushFailure::Unreachable | PushFailure::Timeout) {
+            // A consumer that went away may come back with another topology.
+            control.forget(&consumer);
+        }
+        reserved.abandon().await;
+        return Err(fail(err));
+    }
+    Ok(reserved)
+}
+
 /// Reservations taken for one request's items. Settle them with [`MooncakeProducer::push`] or
 /// [`Reserved::abandon`]; dropped unsettled, they are cancelled in the background.
 pub struct Reserved {
@@ -617,9 +636,20 @@ impl Reserved {
     }
 
     /// Cancels every reservation (`abandon`), each tried twice at most; failures are logged.
+    ///
+    /// The cancels run in a task of their own, so a caller that goes away mid-way (its client
+    /// hung up) does not stop them half done.
     pub async fn abandon(mut self) {
         self.settled = true;
-        abandon_all(&self.control, &self.consumer, &self.specs, &self.shards).await;
+        let control = Arc::clone(&self.control);
+        let consumer = std::mem::take(&mut self.consumer);
+        let specs = std::mem::take(&mut self.specs);
+        let shards = std::mem::take(&mut self.shards);
+        let cancels =
+            tokio::spawn(async move { abandon_all(&control, &consumer, &specs, &shards).await });
+        if let Err(err) = cancels.await {
+            tracing::warn!(error = %err, "the EC reservation cancels failed");
+        }
     }
 }
 

@@ -135,6 +135,49 @@ async fn two_images_given_one_reservation_are_not_written() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_dropped_mid_way_cancels_what_the_shards_granted() {
+    let consumer = TestConsumer::start(2, 1 << 20, 2).await.unwrap();
+    consumer.set_faults(Faults {
+        slow_reserve: Some((1, Duration::from_millis(500))),
+        ..Faults::default()
+    });
+    let producer = Arc::new(producer(5_000));
+    let addr = consumer.consumer_zmq();
+    let reserving = {
+        let producer = Arc::clone(&producer);
+        tokio::spawn(async move { producer.reserve(&addr, vec![spec("t0", "hash-a", 8)]).await })
+    };
+    // Shard 0 granted its reservation; shard 1 is still thinking when the caller goes away
+    // (its client hung up).
+    while consumer.live_reservations() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    reserving.abort();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(consumer.live_reservations(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandon_dropped_mid_way_still_cancels_everything() {
+    let consumer = TestConsumer::start(1, 1 << 20, 2).await.unwrap();
+    let producer = producer(5_000);
+    let specs: Vec<PushSpec> = (0..3)
+        .map(|i| spec(&format!("t{i}"), &format!("hash-{i}"), 8))
+        .collect();
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), specs)
+        .await
+        .unwrap();
+    assert_eq!(consumer.live_reservations(), 3);
+    // The caller of the abandon goes away after its first poll.
+    let mut abandon = Box::pin(reserved.abandon());
+    assert!(futures::poll!(abandon.as_mut()).is_pending());
+    drop(abandon);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(consumer.live_reservations(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn protocol_1_targets_get_no_status_request() {
     let consumer = TestConsumer::start(1, 1 << 16, 1).await.unwrap();
     let producer = producer(5_000);
