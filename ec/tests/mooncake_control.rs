@@ -56,3 +56,172 @@ async fn a_client_keeps_its_bound_of_consumers() {
     }
     assert_eq!(ControlClient::new(Duration::from_secs(1)).kept(), (0, 0));
 }
+
+/// A ZMTP 3.0 REP peer written out by hand, so that it can misbehave: it accepts connections
+/// on its own port and serves each with `serve` after the greeting and READY.
+async fn raw_peer<F, Fut>(serve: F) -> String
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let serve = std::sync::Arc::new(serve);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let serve = std::sync::Arc::clone(&serve);
+            tokio::spawn(async move {
+                let mut greeting = [0u8; 64];
+                greeting[0] = 0xff;
+                greeting[9] = 0x7f;
+                greeting[10] = 3;
+                greeting[12..16].copy_from_slice(b"NULL");
+                stream.write_all(&greeting).await.unwrap();
+                let mut theirs = [0u8; 64];
+                stream.read_exact(&mut theirs).await.unwrap();
+                let mut ready = vec![0x04, 0];
+                ready.extend_from_slice(b"\x05READY\x0bSocket-Type\x00\x00\x00\x03REP");
+                ready[1] = u8::try_from(ready.len() - 2).unwrap();
+                stream.write_all(&ready).await.unwrap();
+                // Their READY: flags, length, body.
+                let mut head = [0u8; 2];
+                stream.read_exact(&mut head).await.unwrap();
+                let mut body = vec![0u8; usize::from(head[1])];
+                stream.read_exact(&mut body).await.unwrap();
+                serve(stream).await;
+            });
+        }
+    });
+    format!("tcp://127.0.0.1:{port}")
+}
+
+/// Reads one request (a delimiter and a short body) from `stream`.
+async fn read_request(stream: &mut tokio::net::TcpStream) -> Vec<u8> {
+    use tokio::io::AsyncReadExt as _;
+    let mut delimiter = [0u8; 2];
+    stream.read_exact(&mut delimiter).await.unwrap();
+    let mut head = [0u8; 2];
+    stream.read_exact(&mut head).await.unwrap();
+    let mut body = vec![0u8; usize::from(head[1])];
+    stream.read_exact(&mut body).await.unwrap();
+    body
+}
+
+#[tokio::test]
+async fn a_peer_declaring_a_huge_frame_fails_the_exchange_not_the_process() {
+    use tokio::io::AsyncWriteExt as _;
+    let addr = raw_peer(|mut stream| async move {
+        read_request(&mut stream).await;
+        // The delimiter, then a frame claiming 2^44 bytes: a decoder that reserved it first
+        // aborted the process on the failed allocation.
+        let mut reply = vec![0x01, 0x00, 0x02];
+        reply.extend_from_slice(&(1u64 << 44).to_be_bytes());
+        let _ = stream.write_all(&reply).await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    })
+    .await;
+    let client = ControlClient::new(Duration::from_secs(5));
+    let err = client
+        .request(&addr, &json!({"op": "peers"}))
+        .await
+        .unwrap_err();
+    assert!(
+        err.message.contains("a frame of 17592186044416 bytes"),
+        "{}",
+        err.message
+    );
+}
+
+#[tokio::test]
+async fn a_pooled_connection_the_consumer_closed_is_not_used() {
+    use tokio::io::AsyncWriteExt as _;
+    // A consumer that answers one request per connection and then closes it, as one that
+    // restarted between two pushes.
+    let addr = raw_peer(|mut stream| async move {
+        read_request(&mut stream).await;
+        let body = json!({"ok": true, "result": {"ports": [1]}}).to_string();
+        let mut reply = vec![0x01, 0x00, 0x00, u8::try_from(body.len()).unwrap()];
+        reply.extend_from_slice(body.as_bytes());
+        stream.write_all(&reply).await.unwrap();
+    })
+    .await;
+    let client = ControlClient::new(Duration::from_secs(5));
+    for round in 0..3 {
+        let result = client.request(&addr, &json!({"op": "peers"})).await;
+        assert_eq!(
+            result.map_err(|err| err.message),
+            Ok(json!({"ports": [1]})),
+            "request {round}"
+        );
+        // Let the peer's close arrive before the next request takes the pooled connection.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A REP socket of libzmq, through pyzmq: the library vLLM's consumer answers with. Skipped,
+/// saying why, where pyzmq is not importable (`.ci/run` installs it and names it in
+/// `IRIS_TEST_PYZMQ_DIR`, which makes it required).
+#[tokio::test]
+async fn requests_go_through_libzmqs_rep_socket() {
+    const SERVER: &str = r#"
+import json, sys, zmq
+ctx = zmq.Context()
+rep = ctx.socket(zmq.REP)
+port = rep.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+for _ in range(3):
+    request = json.loads(rep.recv())
+    rep.send(json.dumps({"ok": True, "result": {"echo": request, "pad": "x" * 300}}).encode())
+"#;
+    let dir = std::env::var_os("IRIS_TEST_PYZMQ_DIR");
+    let mut python = std::process::Command::new("python3");
+    python.args(["-c", SERVER]);
+    if let Some(dir) = &dir {
+        python.env("PYTHONPATH", dir);
+    }
+    let spawned = python
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(err) if dir.is_none() => {
+            eprintln!(
+                "skipped: python3 cannot be run ({err}); set IRIS_TEST_PYZMQ_DIR to require it"
+            );
+            return;
+        }
+        Err(err) => panic!("python3: {err}"),
+    };
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let Ok(port) = line.trim().parse::<u16>() else {
+        let output = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            dir.is_none() && stderr.contains("No module named 'zmq'"),
+            "the pyzmq server did not start: {stderr}"
+        );
+        eprintln!(
+            "skipped: pyzmq is not installed; set IRIS_TEST_PYZMQ_DIR to its folder to require it"
+        );
+        return;
+    };
+    let client = ControlClient::new(Duration::from_secs(10));
+    let addr = format!("tcp://127.0.0.1:{port}");
+    // Three requests on one pooled connection; replies past 255 bytes take the long frame.
+    for round in 0..3 {
+        let reply = client
+            .request(&addr, &json!({"op": "status", "round": round}))
+            .await
+            .unwrap_or_else(|err| panic!("request {round}: {}", err.message));
+        assert_eq!(reply["echo"], json!({"op": "status", "round": round}));
+        assert_eq!(reply["pad"].as_str().unwrap().len(), 300);
+    }
+    assert!(child.wait().unwrap().success());
+}

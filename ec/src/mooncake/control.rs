@@ -2,23 +2,23 @@
 //! envelope `{"ok": true, "result": R}` or `{"ok": false, "error": "..."}` (vLLM's
 //! `mooncake/control.py`).
 //!
-//! A REQ socket strictly alternates send and receive, so each exchange takes a socket of its own
-//! from a per-address pool and gives it back only after a complete exchange. A socket whose
-//! exchange failed or timed out is dropped (as vLLM's client discards it): its REQ state is
-//! unknown. A request that could not even be sent on a pooled socket (the peer went away while
-//! it sat idle) is sent once more on a fresh one; nothing was delivered, so this cannot apply a
-//! request twice.
+//! A REQ socket strictly alternates send and receive, so each exchange takes a connection of its
+//! own ([`super::zmtp`], every length the peer sends bounded) from a per-address pool and gives
+//! it back only after a complete exchange. A connection whose exchange failed or timed out is
+//! dropped (as vLLM's client discards its socket): its REQ state is unknown. A pooled
+//! connection the peer has closed (a consumer that restarted) is dropped before it is used, and
+//! a request that could not even be written on a pooled one is sent once more on a fresh one;
+//! nothing was delivered, so this cannot apply a request twice.
 
 use std::num::NonZeroUsize;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use lru::LruCache;
-
 use serde_json::{Value, json};
-use zeromq::{ReqSocket, Socket as _, SocketOptions, SocketRecv as _, SocketSend as _, ZmqMessage};
 
 use super::PushFailure;
+use super::zmtp::{ExchangeError, ReqConnection, ZmtpError};
 
 /// Idle sockets kept per address: enough for the concurrent exchanges of a busy encoder.
 const MAX_IDLE_PER_ADDRESS: usize = 16;
@@ -54,7 +54,7 @@ impl ControlError {
 /// A pool of REQ sockets per consumer address, with the exchange time limit.
 pub struct ControlClient {
     timeout: Duration,
-    idle: Mutex<LruCache<String, Vec<ReqSocket>>>,
+    idle: Mutex<LruCache<String, Vec<ReqConnection>>>,
     /// Shard addresses per consumer address, as its `peers` reply named them (vLLM keeps them
     /// for the life of the producer too: a consumer's topology is fixed at its start).
     topologies: Mutex<LruCache<String, Vec<String>>>,
@@ -120,25 +120,20 @@ impl ControlClient {
         let op = payload.get("op").and_then(Value::as_str).unwrap_or("?");
         let pooled = self.take_idle(addr);
         let had_pooled = pooled.is_some();
-        let mut socket = match pooled {
-            Some(socket) => socket,
+        let mut connection = match pooled {
+            Some(connection) => connection,
             None => self.connect(addr).await?,
         };
-        let sent = self.send(&mut socket, &text).await;
-        if sent.is_err() && had_pooled {
-            // The idle socket lost its peer; the request never left.
-            socket = self.connect(addr).await?;
-            self.send(&mut socket, &text).await.map_err(|e| {
-                ControlError::new(e, format!("could not send `{op}` to {addr}: {e}"))
-            })?;
-        } else if let Err(failure) = sent {
-            return Err(ControlError::new(
-                failure,
-                format!("could not send `{op}` to {addr}"),
-            ));
+        let mut outcome = self.exchange(&mut connection, text.as_bytes()).await;
+        if had_pooled && matches!(&outcome, Err(Some(err)) if !err.sent) {
+            // The idle connection lost its peer before the request left: nothing was
+            // delivered, so it goes once more on a fresh one.
+            connection = self.connect(addr).await?;
+            outcome = self.exchange(&mut connection, text.as_bytes()).await;
         }
-        let reply = match tokio::time::timeout(self.timeout, socket.recv()).await {
-            Err(_) => {
+        let frame = match outcome {
+            Ok(frame) => frame,
+            Err(None) => {
                 return Err(ControlError::new(
                     PushFailure::Timeout,
                     format!(
@@ -147,16 +142,26 @@ impl ControlClient {
                     ),
                 ));
             }
-            Ok(Err(err)) => {
+            Err(Some(ExchangeError {
+                error: ZmtpError::Io(err),
+                ..
+            })) => {
                 return Err(ControlError::new(
                     PushFailure::Unreachable,
                     format!("`{op}` to {addr}: the connection failed: {err}"),
                 ));
             }
-            Ok(Ok(reply)) => reply,
+            Err(Some(ExchangeError {
+                error: ZmtpError::Protocol(message),
+                ..
+            })) => {
+                return Err(ControlError::new(
+                    PushFailure::Protocol,
+                    format!("`{op}` to {addr}: {message}"),
+                ));
+            }
         };
-        self.give_back(addr, socket);
-        let frame = reply.get(0).map(|b| b.to_vec()).unwrap_or_default();
+        self.give_back(addr, connection);
         let envelope: Value = serde_json::from_slice(&frame).map_err(|err| {
             ControlError::new(
                 PushFailure::Protocol,
@@ -241,15 +246,16 @@ impl ControlClient {
             .pop(consumer);
     }
 
-    async fn connect(&self, addr: &str) -> Result<ReqSocket, ControlError> {
-        let mut options = SocketOptions::default();
-        options.connect_timeout(self.timeout);
-        let mut socket = ReqSocket::with_options(options);
-        match tokio::time::timeout(self.timeout, socket.connect(addr)).await {
-            Ok(Ok(())) => Ok(socket),
-            Ok(Err(err)) => Err(ControlError::new(
+    async fn connect(&self, addr: &str) -> Result<ReqConnection, ControlError> {
+        match tokio::time::timeout(self.timeout, ReqConnection::connect(addr)).await {
+            Ok(Ok(connection)) => Ok(connection),
+            Ok(Err(ZmtpError::Io(err))) => Err(ControlError::new(
                 PushFailure::Unreachable,
                 format!("cannot connect to {addr}: {err}"),
+            )),
+            Ok(Err(ZmtpError::Protocol(message))) => Err(ControlError::new(
+                PushFailure::Protocol,
+                format!("{addr} is not an EC control socket: {message}"),
             )),
             Err(_) => Err(ControlError::new(
                 PushFailure::Unreachable,
@@ -261,25 +267,32 @@ impl ControlClient {
         }
     }
 
-    async fn send(&self, socket: &mut ReqSocket, text: &str) -> Result<(), PushFailure> {
-        match tokio::time::timeout(self.timeout, socket.send(ZmqMessage::from(text.to_owned())))
-            .await
-        {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(_)) => Err(PushFailure::Unreachable),
-            Err(_) => Err(PushFailure::Timeout),
+    /// One exchange on `connection` within the time limit; `Err(None)` past it.
+    async fn exchange(
+        &self,
+        connection: &mut ReqConnection,
+        request: &[u8],
+    ) -> Result<Vec<u8>, Option<ExchangeError>> {
+        match tokio::time::timeout(self.timeout, connection.exchange(request)).await {
+            Err(_) => Err(None),
+            Ok(reply) => reply.map_err(Some),
         }
     }
 
-    fn take_idle(&self, addr: &str) -> Option<ReqSocket> {
-        self.idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get_mut(addr)
-            .and_then(Vec::pop)
+    /// An idle connection to `addr` whose peer has not closed it (a consumer that restarted
+    /// closed them all), if any.
+    fn take_idle(&self, addr: &str) -> Option<ReqConnection> {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let pool = idle.get_mut(addr)?;
+        while let Some(connection) = pool.pop() {
+            if !connection.is_stale() {
+                return Some(connection);
+            }
+        }
+        None
     }
 
-    fn give_back(&self, addr: &str, socket: ReqSocket) {
+    fn give_back(&self, addr: &str, socket: ReqConnection) {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let list = idle.get_or_insert_mut(addr.to_owned(), Vec::new);
         if list.len() < MAX_IDLE_PER_ADDRESS {

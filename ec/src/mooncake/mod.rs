@@ -27,6 +27,7 @@
 pub mod consumer;
 pub mod control;
 pub mod transfer;
+pub mod zmtp;
 
 use std::collections::BTreeMap;
 use std::fmt;
