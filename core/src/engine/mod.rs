@@ -900,15 +900,10 @@ impl Engine {
                 code: "invalid_sleep_level",
             });
         }
-        let previous = self.shared.sleep_level.load(Ordering::SeqCst);
-        self.shared
-            .sleep_level
-            .store(previous.max(level), Ordering::SeqCst);
-        let result = self.ask(|tx| Command::Sleep(level, tx)).await?;
-        if result.is_err() {
-            self.shared.sleep_level.store(previous, Ordering::SeqCst);
-        }
-        result
+        // Refuse new requests from now on; the worker sets the flag to the state it leaves
+        // the tower in once it has run the command (awake again, if the copy failed).
+        self.shared.sleep_level.fetch_max(level, Ordering::SeqCst);
+        self.ask(|tx| Command::Sleep(level, tx)).await?
     }
 
     /// Wakes the engine up, restoring the weights.

@@ -535,6 +535,34 @@ async fn a_request_admitted_before_sleep_waits_and_finishes_after_wake_up() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sleep_sent_during_a_wake_up_leaves_the_engine_flagged_asleep() {
+    let engine = engine();
+    engine.sleep(2).await.unwrap();
+    // The wake-up reaches the worker first; the sleep flags the engine asleep at once and
+    // queues behind it. The wake-up's end must not clear the flag over the sleeping tower.
+    let (woke, slept) = tokio::join!(engine.wake_up(), engine.sleep(1));
+    woke.unwrap();
+    slept.unwrap();
+    assert!(
+        engine.is_sleeping(),
+        "the tower sleeps: the flag must say so"
+    );
+    let refused = tokio::time::timeout(
+        Duration::from_secs(10),
+        engine.encode(vec![input(png(56, 56, 1))], EncodeOptions::default()),
+    )
+    .await
+    .expect("refused at once, not left waiting for a wake-up");
+    assert!(matches!(refused, Err(EngineError::Sleeping)), "{refused:?}");
+    engine.wake_up().await.unwrap();
+    assert!(!engine.is_sleeping());
+    engine
+        .encode(vec![input(png(56, 56, 1))], EncodeOptions::default())
+        .await
+        .unwrap();
+}
+
 /// Device memory taken outside the engine's allocator, as another tenant of the device would;
 /// given back on drop.
 struct Held {

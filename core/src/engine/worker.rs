@@ -894,7 +894,37 @@ impl Worker {
         }
     }
 
+    /// Handles a sleep command, then publishes the state the tower is in (see
+    /// [`Worker::publish_sleep_level`]).
     fn sleep(&mut self, level: u8) -> Result<ResetReport, EngineError> {
+        let result = self.enter_sleep(level);
+        self.publish_sleep_level();
+        result
+    }
+
+    /// Handles a wake-up command, then publishes the state the tower is in.
+    fn wake_up(&mut self) -> Result<(), EngineError> {
+        let result = self.leave_sleep();
+        self.publish_sleep_level();
+        result
+    }
+
+    /// Sets the engine's sleep flag to what the tower is now: 0 awake, 1 with the weights on
+    /// the host, 2 with them discarded. The worker runs sleep and wake-up commands in order,
+    /// so the last one run decides, whatever the callers stored meanwhile: a sleep sent while
+    /// a wake-up was under way (the caller flags the engine asleep at once, to refuse new
+    /// requests) left the flag at the wake-up's 0 over a sleeping tower, and every request
+    /// admitted then waited for a wake-up no one would send.
+    fn publish_sleep_level(&self) {
+        let level = match self.asleep {
+            None => 0,
+            Some(Asleep::OnHost(_)) => 1,
+            Some(Asleep::Discarded) => 2,
+        };
+        self.shared.sleep_level.store(level, Ordering::SeqCst);
+    }
+
+    fn enter_sleep(&mut self, level: u8) -> Result<ResetReport, EngineError> {
         if self.asleep.is_some() {
             if level == 2 {
                 self.asleep = Some(Asleep::Discarded);
@@ -932,7 +962,7 @@ impl Worker {
         Ok(report)
     }
 
-    fn wake_up(&mut self) -> Result<(), EngineError> {
+    fn leave_sleep(&mut self) -> Result<(), EngineError> {
         let Some(asleep) = self.asleep.take() else {
             return Ok(());
         };
@@ -953,7 +983,6 @@ impl Worker {
         match loaded {
             Ok(tower) => {
                 self.tower = Some(tower);
-                self.shared.sleep_level.store(0, Ordering::SeqCst);
                 Ok(())
             }
             Err(err) => {
