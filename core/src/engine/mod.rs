@@ -308,6 +308,7 @@ impl Engine {
         let (ready_tx, ready_rx) =
             std_mpsc::channel::<Result<(StartupProfile, EncoderBudget), StartError>>();
         let thread_shared = Arc::clone(&shared);
+        let after_death = Arc::clone(&shared);
         let thread_config = config.clone();
         let liveness = Arc::clone(&shared.liveness);
         let thread = std::thread::Builder::new()
@@ -327,6 +328,9 @@ impl Engine {
                         }
                     }
                 });
+                if after_death.liveness.dead_reason().is_some() {
+                    give_back_after_death(&after_death);
+                }
             })
             .map_err(|e| StartError::Thread(e.to_string()))?;
         let (startup, budget) = match ready_rx.recv() {
@@ -1137,6 +1141,28 @@ fn locate_ffmpeg(shared: &Shared) -> Result<Ffmpeg, EngineError> {
     let ffmpeg = Ffmpeg::locate().map_err(video_error)?;
     *slot = Some(ffmpeg.clone());
     Ok(ffmpeg)
+}
+
+/// Gives the device back what a dead engine's allocator holds. Unwinding dropped the worker,
+/// its weights, encoder cache and step buffers into the allocator's cache; nothing can ask for
+/// a reset any more (every call answers `Dead`), so without this the memory stayed reserved
+/// until the process ended. The processor cache's host memory goes too.
+fn give_back_after_death(shared: &Shared) {
+    let released = match shared.allocator.empty_cache() {
+        Ok(bytes) => bytes,
+        Err(err) => {
+            tracing::error!(error = %err, "the dead engine could not give all its device memory back");
+            0
+        }
+    };
+    let processor = shared
+        .processor
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clear();
+    tracing::error!(
+        "the dead engine gave back {released} bytes of device memory and {processor} bytes of its processor cache"
+    );
 }
 
 /// The estimated tokens of a video of `frames` frames of `size` (0 for one the processing

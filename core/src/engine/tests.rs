@@ -563,6 +563,36 @@ async fn a_sleep_sent_during_a_wake_up_leaves_the_engine_flagged_asleep() {
         .unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_engine_gives_its_device_memory_back() {
+    let mut cfg = config();
+    cfg.panic_at_step = Some(2);
+    let engine = Engine::start(cfg, device()).unwrap();
+    let before = engine.metrics_snapshot().before_start.device_used_bytes;
+    engine
+        .encode(vec![input(png(56, 56, 1))], EncodeOptions::default())
+        .await
+        .unwrap();
+    assert!(engine.gauges().device_used_bytes > before);
+    let failed = engine
+        .encode(vec![input(png(56, 56, 2))], EncodeOptions::default())
+        .await;
+    assert!(
+        matches!(failed, Err(EngineError::Internal(_))),
+        "{failed:?}"
+    );
+    // No reset can be asked of a dead engine: its thread gives everything back as it ends.
+    let mut used = engine.gauges().device_used_bytes;
+    for _ in 0..200 {
+        if used == before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        used = engine.gauges().device_used_bytes;
+    }
+    assert_eq!(used, before, "device memory of the dead engine");
+}
+
 /// Device memory taken outside the engine's allocator, as another tenant of the device would;
 /// given back on drop.
 struct Held {
