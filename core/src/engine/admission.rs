@@ -101,6 +101,8 @@ struct Pending {
 #[derive(Debug)]
 pub struct Permit {
     admission: Arc<Admission>,
+    /// Whether this permit holds a request slot (not the placeholder [`Permit::take`] leaves).
+    slot: bool,
     tokens: u64,
 }
 
@@ -108,6 +110,20 @@ impl Permit {
     /// The tokens charged to this request so far.
     pub(crate) fn charged(&self) -> u64 {
         self.tokens
+    }
+
+    /// Moves the request's slot and tokens into a new permit, leaving a placeholder that
+    /// holds nothing: work that outlives the request's future (a blocking task its client
+    /// hung up on) takes the permit with it, so the bounds count that work until it ends.
+    pub(crate) fn take(&mut self) -> Permit {
+        let taken = Permit {
+            admission: Arc::clone(&self.admission),
+            slot: self.slot,
+            tokens: self.tokens,
+        };
+        self.slot = false;
+        self.tokens = 0;
+        taken
     }
 }
 
@@ -131,6 +147,7 @@ impl Admission {
         p.peak_requests = p.peak_requests.max(p.requests);
         Ok(Permit {
             admission: Arc::clone(self),
+            slot: true,
             tokens: 0,
         })
     }
@@ -181,7 +198,9 @@ impl Admission {
 impl Drop for Permit {
     fn drop(&mut self) {
         let mut p = self.admission.lock();
-        p.requests = p.requests.saturating_sub(1);
+        if self.slot {
+            p.requests = p.requests.saturating_sub(1);
+        }
         p.tokens = p.tokens.saturating_sub(self.tokens);
     }
 }

@@ -467,7 +467,9 @@ impl Engine {
         let processor = self.processor_for(&options.processor, &items)?;
         let video = self.video_for(&options.processor, &items)?;
         self.charge(&mut permit, &items, &processor, &video)?;
-        let prepared = self.prepare_all(items, processor, video).await?;
+        let prepared = self
+            .prepare_all(&mut permit, items, processor, video)
+            .await?;
 
         // Sleep may have been asked while the images were being preprocessed.
         if self.is_sleeping() {
@@ -561,7 +563,7 @@ impl Engine {
         let processor = self.processor_for(overrides, &items)?;
         let video = self.video_for(overrides, &items)?;
         self.charge(permit, &items, &processor, &video)?;
-        let prepared = self.prepare_all(items, processor, video).await?;
+        let prepared = self.prepare_all(permit, items, processor, video).await?;
         Ok(prepared
             .iter()
             .map(|image| ImagePlan {
@@ -826,16 +828,23 @@ impl Engine {
 
     /// Decodes and preprocesses `items` on the blocking pool, through the processor cache, with
     /// the request's image `processor` and `video` processing.
+    ///
+    /// The request's `permit` goes with the blocking task and comes back with its result: a
+    /// request whose client hangs up drops its future, not the task, and the task's pixels
+    /// stay counted against the admission's bounds until it ends (they were released at once
+    /// before, so hung-up requests could keep any number of tasks decoding and resizing).
     async fn prepare_all(
         &self,
+        permit: &mut Permit,
         items: Vec<MediaInput>,
         processor: ProcessorConfig,
         video: VideoProcessing,
     ) -> Result<Vec<Arc<PreprocessedImage>>, EngineError> {
         let shared = Arc::clone(&self.shared);
         let limits = self.config.decode_limits;
-        tokio::task::spawn_blocking(move || {
-            items
+        let held = permit.take();
+        let (prepared, held) = tokio::task::spawn_blocking(move || {
+            let prepared = items
                 .iter()
                 .enumerate()
                 .map(|(index, item)| match item {
@@ -844,10 +853,13 @@ impl Engine {
                     }
                     MediaInput::Video(input) => prepare_video(&shared, &video, index, input),
                 })
-                .collect::<Result<Vec<_>, _>>()
+                .collect::<Result<Vec<_>, _>>();
+            (prepared, held)
         })
         .await
-        .map_err(|e| EngineError::Internal(format!("preprocessing task failed: {e}")))?
+        .map_err(|e| EngineError::Internal(format!("preprocessing task failed: {e}")))?;
+        *permit = held;
+        prepared
     }
 
     /// Clears the processor cache; reports the bytes released.

@@ -593,6 +593,35 @@ async fn a_dead_engine_gives_its_device_memory_back() {
     assert_eq!(used, before, "device memory of the dead engine");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preprocessing_a_client_hung_up_on_stays_counted_until_it_ends() {
+    let mut cfg = config();
+    cfg.admission = AdmissionConfig {
+        max_queued_requests: Some(1),
+        max_pending_tokens: None,
+    };
+    let engine = Engine::start(cfg, device()).unwrap();
+    // The client goes away while its image is decoded and resized on the blocking pool.
+    let gone = tokio::time::timeout(
+        Duration::from_millis(1),
+        engine.encode(vec![input(png(1600, 1200, 3))], EncodeOptions::default()),
+    )
+    .await;
+    assert!(gone.is_err(), "the request outlived its client: {gone:?}");
+    // The work goes on, so its slot is still taken.
+    assert!(matches!(engine.admit(), Err(EngineError::Overloaded)));
+    let mut admitted = engine.admit();
+    for _ in 0..1000 {
+        if admitted.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        admitted = engine.admit();
+    }
+    assert!(admitted.is_ok(), "the slot comes back when the work ends");
+    assert_eq!(engine.metrics_snapshot().admission.pending_tokens, 0);
+}
+
 /// Device memory taken outside the engine's allocator, as another tenant of the device would;
 /// given back on drop.
 struct Held {
