@@ -44,3 +44,23 @@ fn the_planned_peak_saturates_instead_of_wrapping() {
     drop(after);
     assert_eq!(runner.planned_peak(), u64::MAX);
 }
+
+#[test]
+fn a_step_plan_of_a_size_near_64_bits_saturates_instead_of_wrapping() {
+    let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
+    let device = plugin
+        .open(0, &[("capacity".into(), "64MiB".into())])
+        .expect("the CPU device opens");
+    let allocator = Arc::new(CachingAllocator::new(Arc::new(device)));
+    // A workspace of u64::MAX bytes (a C plugin's "unknown"), then one beside it.
+    let plan = Runner::plan_step(&allocator, |runner| {
+        let a = runner.tensor(DType::U8, 1, u64::MAX)?;
+        let b = runner.tensor(DType::U8, 1, 4096)?;
+        drop((a, b));
+        Ok(())
+    })
+    .expect("planned");
+    // Wrapped, the arena was a few bytes and every step of the shape failed on the device.
+    assert_eq!(plan.arena_bytes(), u64::MAX);
+    assert_eq!(plan.live_peak(), u64::MAX);
+}

@@ -96,14 +96,14 @@ impl StepPlan {
             let mut busy: Vec<(u64, u64)> = placed
                 .iter()
                 .filter(|&&j| overlaps(alive(i), alive(j)))
-                .filter_map(|&j| offsets[j].map(|at| (at, at + rounded[j])))
+                .filter_map(|&j| offsets[j].map(|at| (at, at.saturating_add(rounded[j]))))
                 .collect();
             busy.sort_unstable();
             let size = rounded[i];
             let mut best: Option<(u64, u64)> = None; // (gap, offset)
             let mut cursor = 0u64;
             for &(start, end) in &busy {
-                if start >= cursor + size {
+                if start >= cursor.saturating_add(size) {
                     let gap = start - cursor;
                     if best.is_none_or(|(g, _)| gap < g) {
                         best = Some((gap, cursor));
@@ -113,7 +113,7 @@ impl StepPlan {
             }
             let offset = best.map_or(cursor, |(_, at)| at);
             offsets[i] = Some(offset);
-            arena_bytes = arena_bytes.max(offset + size);
+            arena_bytes = arena_bytes.max(offset.saturating_add(size));
             placed.push(i);
         }
         let slots: Vec<Slot> = (0..requested.len())
@@ -134,14 +134,14 @@ impl StepPlan {
             match *event {
                 TraceEvent::Alloc(_) => {
                     if let Slot::Arena { bytes, .. } = slots[index] {
-                        live += bytes;
+                        live = live.saturating_add(bytes);
                         live_peak = live_peak.max(live);
                     }
                     index += 1;
                 }
                 TraceEvent::Free(i) => {
                     if let Some(Slot::Arena { bytes, .. }) = slots.get(i) {
-                        live -= bytes;
+                        live = live.saturating_sub(*bytes);
                     }
                 }
             }
@@ -152,7 +152,7 @@ impl StepPlan {
                 Slot::Own { bytes } => block_bytes(bytes),
                 Slot::Arena { .. } => 0,
             })
-            .sum();
+            .fold(0u64, u64::saturating_add);
         StepPlan {
             slots,
             requested,
@@ -196,8 +196,15 @@ impl StepPlan {
 
 /// `bytes` rounded up to the allocator's block size, so that every slot is aligned as the
 /// allocator's blocks are.
+///
+/// Sizes come from plugins too (op workspaces): one near `u64::MAX` saturates, as every sum of
+/// the plan does, so that the arena is sized past any device (and its allocation refused)
+/// rather than wrapped to a few bytes.
 fn block_bytes(bytes: u64) -> u64 {
-    bytes.max(1).div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+    bytes
+        .max(1)
+        .div_ceil(MIN_BLOCK_SIZE)
+        .saturating_mul(MIN_BLOCK_SIZE)
 }
 
 #[cfg(test)]

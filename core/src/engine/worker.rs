@@ -826,7 +826,7 @@ impl Worker {
             .as_ref()
             .ok_or_else(|| EncoderError::Shape("the tower is asleep".to_owned()))?;
         let plan = tower.plan_step(self.runner.allocator(), &[image.grid_thw])?;
-        Ok(plan.arena_bytes() + plan.output_bytes())
+        Ok(plan.arena_bytes().saturating_add(plan.output_bytes()))
     }
 
     /// How `needed` bytes compare with what the device can give, measured after memory was
