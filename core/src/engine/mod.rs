@@ -1164,7 +1164,10 @@ fn give_back_after_death(shared: &Shared) {
         Ok(bytes) => bytes,
         Err(err) => {
             tracing::error!(error = %err, "the dead engine could not give all its device memory back");
-            0
+            match err {
+                crate::memory::AllocError::ReleaseFailed { released, .. } => released,
+                _ => 0,
+            }
         }
     };
     let processor = shared

@@ -873,8 +873,21 @@ impl Worker {
     /// open to reuse (cuDNN's plans on CUDA), so that device memory comes back to the
     /// post-start baseline.
     fn trim(&mut self) -> ResetReport {
-        // A failed release leaves the blocks cached; the next trim tries again.
-        let released = self.runner.allocator().empty_cache().unwrap_or(0);
+        // A failed release leaves the blocks it could not free cached (the next trim tries
+        // again); what it did free is reported.
+        let released = match self.runner.allocator().empty_cache() {
+            Ok(bytes) => bytes,
+            Err(AllocError::ReleaseFailed {
+                released, source, ..
+            }) => {
+                tracing::warn!(error = %source, "the device refused to free some cached segments");
+                released
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "the allocator's cache was not released");
+                0
+            }
+        };
         ResetReport {
             allocator_bytes: released,
             plugin_cache_bytes: self.trim_plugin(),
