@@ -217,10 +217,12 @@ impl CpuDevice {
         run: fn(&J, &Exec) -> Result<(), PluginError>,
     ) -> Result<(), PluginError> {
         let fault = self.options.faults.on_op(op);
+        let panics = self.options.faults.op_panics;
         let packs = Arc::clone(&self.packs);
         self.queue.submit(
             name,
             Box::new(move |exec| match fault {
+                Some(err) if panics => panic!("{}", err.message),
                 Some(err) => Err(err),
                 None => {
                     for touch in job.touches() {

@@ -5,7 +5,9 @@
 //!   memory; `fail_alloc_every = N`: every N-th does.
 //! - `fail_op = KIND` (an op name such as `gemm`, or `any`): calls of that op fail when they
 //!   run with an internal error; `fail_op_at = N` picks the N-th call (default 1),
-//!   `fail_op_every = N` every N-th.
+//!   `fail_op_every = N` every N-th; `fail_op_panics = true` makes such a call panic instead
+//!   (the plugin boundary turns the panic into the call's error), to test that a plugin's
+//!   panic is contained.
 //!
 //! An injected op failure happens when the work runs, so on the async queue it surfaces at a
 //! later call, as a real device's would. Messages say that the fault was injected.
@@ -48,6 +50,8 @@ pub struct Faults {
     pub alloc: Option<Every>,
     /// Op failures.
     pub op: Option<(OpTarget, Every)>,
+    /// Whether an injected op failure panics (instead of returning its error).
+    pub op_panics: bool,
     allocs: AtomicU64,
     ops: AtomicU64,
 }
@@ -120,18 +124,30 @@ pub(crate) fn parse_option(faults: &mut Faults, key: &str, value: &str) -> Resul
             let target = faults.op.map_or(OpTarget::Any, |(target, _)| target);
             faults.op = Some((target, when));
         }
+        "fail_op_panics" => {
+            faults.op_panics = match value.trim() {
+                "true" => true,
+                "false" => false,
+                other => {
+                    return Err(format!(
+                        "option `fail_op_panics`: expected true or false, got `{other}`"
+                    ));
+                }
+            };
+        }
         _ => return Ok(false),
     }
     Ok(true)
 }
 
 /// Fault options, for the list of known keys.
-pub(crate) const KEYS: [&str; 5] = [
+pub(crate) const KEYS: [&str; 6] = [
     "fail_alloc_at",
     "fail_alloc_every",
     "fail_op",
     "fail_op_at",
     "fail_op_every",
+    "fail_op_panics",
 ];
 
 #[cfg(test)]

@@ -13,7 +13,6 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -310,7 +309,7 @@ impl Shared {
         let simd = self.exec.tier.simd();
         // The queue's thread (or the caller's, in sync mode) runs parts of ops itself.
         let run = || crate::isa::with_simd(simd, || work(&self.exec));
-        match catch_unwind(AssertUnwindSafe(run)) {
+        match iris_plugin::backend::catch_panic(run) {
             Ok(result) => result,
             Err(payload) => Err(PluginError::internal(format!(
                 "{name} (call #{seq}) panicked: {}",

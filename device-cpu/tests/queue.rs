@@ -177,6 +177,23 @@ fn an_injected_op_fault_surfaces_at_the_next_call_on_the_async_queue() {
 }
 
 #[test]
+fn an_injected_op_panic_is_the_calls_error_and_the_device_goes_on() {
+    let device = open(&[
+        ("queue", "sync"),
+        ("fail_op", "gemm"),
+        ("fail_op_panics", "true"),
+    ]);
+    let args = gemm_args(&device);
+    let err = device.gemm(&args).unwrap_err();
+    assert_eq!(err.code, ErrorCode::INTERNAL);
+    assert!(
+        err.message.contains("panicked") && err.message.contains("injected fault"),
+        "{err}"
+    );
+    device.gemm(&args).unwrap();
+}
+
+#[test]
 fn an_injected_allocation_fault_is_out_of_memory_and_the_device_goes_on() {
     let device = open(&[("fail_alloc_every", "3")]);
     let mut outcomes = Vec::new();

@@ -260,10 +260,34 @@ pub fn device_instance<B: Backend>(backend: B) -> DeviceInstance {
     }
 }
 
+thread_local! {
+    /// How many [`catch_panic`] calls are running on this thread.
+    static CATCHING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `f` under `catch_unwind`, telling panic hooks on this thread meanwhile that a panic of
+/// `f` is caught here ([`catches_panics`]). A host's hook that marks a thread's work dead on a
+/// panic (iris's engine core does) must not do so for a panic a plugin turns into an error:
+/// that fault is contained, and the call fails as any other error.
+pub fn catch_panic<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    CATCHING.with(|depth| depth.set(depth.get() + 1));
+    let result = catch_unwind(AssertUnwindSafe(f));
+    CATCHING.with(|depth| depth.set(depth.get() - 1));
+    result
+}
+
+/// Whether a panic raised on this thread now is caught by a [`catch_panic`] (a plugin
+/// boundary). Only plugins linked into the host binary share this with the host: a plugin
+/// library has its own copy of the standard library and of its panic hook.
+#[must_use]
+pub fn catches_panics() -> bool {
+    CATCHING.with(|depth| depth.get() > 0)
+}
+
 /// Runs `f`, turning a panic into an [`ErrorCode::INTERNAL`](crate::abi::ErrorCode::INTERNAL)
 /// error. Use it in every hand-written `extern "C"` function of a plugin.
 pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, PluginError>) -> RResult<T, PluginError> {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    match catch_panic(f) {
         Ok(Ok(value)) => RResult::ROk(value),
         Ok(Err(err)) => RResult::RErr(err),
         Err(payload) => RResult::RErr(PluginError::internal(format!(
@@ -379,7 +403,7 @@ impl<B: Backend> VTableFor<B> {
     extern "C" fn describe(ctx: DeviceCtx) -> DeviceDesc {
         // SAFETY: see the impl comment.
         let dev = unsafe { backend::<B>(ctx) };
-        match catch_unwind(AssertUnwindSafe(|| dev.describe())) {
+        match catch_panic(|| dev.describe()) {
             Ok(desc) => desc,
             Err(payload) => DeviceDesc {
                 name: RString::from(format!(
@@ -524,6 +548,6 @@ impl<B: Backend> VTableFor<B> {
         // exactly once and never uses `ctx` afterwards.
         let boxed = unsafe { Box::from_raw(ctx.0.cast::<B>()) };
         // A panicking destructor must not unwind into the host; the state is gone either way.
-        let _ = catch_unwind(AssertUnwindSafe(move || drop(boxed)));
+        let _ = catch_panic(move || drop(boxed));
     }
 }

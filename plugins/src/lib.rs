@@ -144,7 +144,7 @@ macro_rules! export_plugin {
             use $crate::__private::abi_stable::prefix_type::WithMetadata;
 
             extern "C" fn probe_shim() -> $crate::abi::ProbeResult {
-                match ::std::panic::catch_unwind($probe) {
+                match $crate::backend::catch_panic($probe) {
                     Ok(result) => result,
                     Err(payload) => $crate::backend::probe_result(
                         0,

@@ -11,7 +11,9 @@
 //!   `GET /health` answers 503.
 //!
 //! The engine is marked dead by a panic hook, at the moment of the panic and before unwinding
-//! drops anything, so a caller that sees its request fail already sees the engine dead.
+//! drops anything, so a caller that sees its request fail already sees the engine dead. A panic
+//! a plugin boundary catches ([`iris_plugin::backend::catch_panic`]: a built-in plugin's call
+//! on this thread) is that call's error, not death.
 //!
 //! For tests and drills, [`PANIC_AT_STEP_ENV`] injects such a panic.
 
@@ -83,6 +85,12 @@ fn install_hook() {
     INSTALL.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info: &PanicHookInfo<'_>| {
+            // A panic a plugin boundary catches (a built-in plugin's op, run on this thread in
+            // its sync mode) becomes that call's error: the fault is contained, not death.
+            if iris_plugin::backend::catches_panics() {
+                previous(info);
+                return;
+            }
             let _ = GUARDED.try_with(|g| {
                 if let Ok(guarded) = g.try_borrow()
                     && let Some(liveness) = guarded.as_ref()
@@ -125,6 +133,22 @@ mod tests {
             panic!("not dead: {:?}", liveness.dead_reason());
         };
         assert!(reason.contains("boom at step 3"), "{reason}");
+    }
+
+    #[test]
+    fn a_panic_a_plugin_boundary_catches_is_not_death() {
+        let liveness = Arc::new(Liveness::default());
+        let thread_liveness = Arc::clone(&liveness);
+        std::thread::spawn(move || {
+            run_guarded(thread_liveness, || {
+                // A built-in plugin's op, run on the engine thread, panics inside its guard.
+                let caught = iris_plugin::backend::catch_panic(|| panic!("an op's bug"));
+                assert!(caught.is_err());
+            });
+        })
+        .join()
+        .unwrap();
+        assert!(liveness.check().is_ok(), "{:?}", liveness.dead_reason());
     }
 
     #[test]

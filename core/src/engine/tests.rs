@@ -622,6 +622,37 @@ async fn preprocessing_a_client_hung_up_on_stays_counted_until_it_ends() {
     assert_eq!(engine.metrics_snapshot().admission.pending_tokens, 0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_op_that_panics_fails_its_step_and_the_engine_lives() {
+    // The op runs on the engine thread (sync queue) and panics inside the plugin's boundary,
+    // which turns the panic into the call's error.
+    let device = cpu_device_with(&[
+        ("capacity", "1GiB"),
+        ("queue", "sync"),
+        ("fail_op", "attention"),
+        ("fail_op_every", "7"),
+        ("fail_op_panics", "true"),
+    ]);
+    let engine = Engine::start(config(), device).expect("the engine starts");
+    let mut failed = 0;
+    for seed in 0..12 {
+        match engine
+            .encode(vec![input(png(56, 56, seed))], EncodeOptions::default())
+            .await
+        {
+            Ok(_) => {}
+            Err(err) => {
+                assert!(err.to_string().contains("panicked"), "{err}");
+                failed += 1;
+            }
+        }
+        engine
+            .health()
+            .expect("a contained panic is not the engine's death");
+    }
+    assert!(failed > 0, "some step met the injected panic");
+}
+
 /// Device memory taken outside the engine's allocator, as another tenant of the device would;
 /// given back on drop.
 struct Held {
