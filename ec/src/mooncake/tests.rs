@@ -405,6 +405,46 @@ async fn a_consumer_whose_engine_restarted_gets_a_new_handshake() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_pooled_data_connection_of_a_restarted_consumer_is_dropped() {
+    let mut consumer = TestConsumer::start(1, 1 << 20, 2).await.unwrap();
+    let producer = producer(2_000);
+    let addr = consumer.consumer_zmq();
+    let a = spec("t0", "hash-a", 8);
+    let payload_a = rows(&a, 1);
+    let reserved = producer.reserve(&addr, vec![a]).await.unwrap();
+    // Two writes at once (as two requests' pushes do), after the first handshake, leave two
+    // data connections pooled.
+    let shard = reserved.shards[0][0].clone();
+    producer
+        .transfer
+        .write(&shard.dst_session, shard.dst_ptr, &payload_a)
+        .await
+        .unwrap();
+    let (first, second) = tokio::join!(
+        producer
+            .transfer
+            .write(&shard.dst_session, shard.dst_ptr, &payload_a),
+        producer
+            .transfer
+            .write(&shard.dst_session, shard.dst_ptr, &payload_a),
+    );
+    first.unwrap();
+    second.unwrap();
+    producer.push(reserved, &[Some(payload_a)]).await.unwrap();
+    consumer.restart_data().await.unwrap();
+    // The restart closes the old connections as its aborted tasks wind down.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let c = spec("t2", "hash-c", 8);
+    let payload = rows(&c, 3);
+    let reserved = producer.reserve(&addr, vec![c]).await.unwrap();
+    producer
+        .push(reserved, &[Some(Arc::clone(&payload))])
+        .await
+        .unwrap();
+    assert_eq!(consumer.resident(0, "hash-c").unwrap().0, *payload);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reservation_past_half_its_ttl_is_taken_again_before_the_write() {
     let consumer = TestConsumer::start(1, 1 << 20, 2).await.unwrap();
     let mut producer = producer(2_000);

@@ -531,12 +531,20 @@ fn check_segment(
     Ok(())
 }
 
+/// A pooled data connection the consumer has not closed, if any: after a consumer restart
+/// every pooled one is dead, and the write's single retry would meet the next.
 fn take_idle(session: &Session) -> Option<TcpStream> {
-    session
-        .idle
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .pop()
+    let mut idle = session.idle.lock().unwrap_or_else(PoisonError::into_inner);
+    while let Some(stream) = idle.pop() {
+        let mut byte = [0u8; 1];
+        // Open and quiet: a read would block. Closed (0 bytes), failed, or with bytes nobody
+        // asked for: not reused.
+        if matches!(stream.try_read(&mut byte), Err(err) if err.kind() == std::io::ErrorKind::WouldBlock)
+        {
+            return Some(stream);
+        }
+    }
+    None
 }
 
 fn give_back(session: &Session, stream: TcpStream) {
