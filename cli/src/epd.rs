@@ -735,9 +735,8 @@ impl Epd {
             dtype,
         };
         let mut permit = Some(permit);
-        self.encode_and_write(engine, &batch, &mut permit, &missing, &mut stored)
+        self.encode_and_write(engine, &batch, &mut permit, missing, &mut stored)
             .await?;
-        drop(missing);
         // Then the items another request was producing: its entry, or (if it failed) our own.
         let mut missing: Vec<(usize, Option<ClaimGuard>)> = Vec::new();
         for (index, receiver) in waiting {
@@ -749,7 +748,7 @@ impl Epd {
                 missing.push((index, None));
             }
         }
-        self.encode_and_write(engine, &batch, &mut permit, &missing, &mut stored)
+        self.encode_and_write(engine, &batch, &mut permit, missing, &mut stored)
             .await?;
         // Repeats share their first occurrence's outcome.
         for (index, id) in identifiers.iter().enumerate() {
@@ -789,17 +788,23 @@ impl Epd {
     }
 
     /// Encodes the `missing` items of `batch` in one engine request and writes each entry.
+    ///
+    /// The items' claims (`G`) go with the write into its blocking task: a request whose client
+    /// hangs up drops its future, not the write, and the claim must hold until the entry is
+    /// written, or waiters would find it missing, encode it again, and write it beside a
+    /// writer that holds no claim.
     async fn encode_and_write<E: Engine, G: Send + 'static>(
         &self,
         engine: &E,
         batch: &Batch<'_>,
         permit: &mut Option<E::Permit>,
-        missing: &[(usize, Option<G>)],
+        missing: Vec<(usize, Option<G>)>,
         stored: &mut [Stored],
     ) -> Result<(), ProduceError> {
         if missing.is_empty() {
             return Ok(());
         }
+        let (missing, claims): (Vec<usize>, Vec<Option<G>>) = missing.into_iter().unzip();
         // The request's own slot serves its first engine request; a second (items another
         // request failed to produce) takes a slot of its own.
         let slot = match permit.take() {
@@ -808,18 +813,20 @@ impl Epd {
         };
         let inputs = missing
             .iter()
-            .map(|(index, _)| batch.images[*index].clone())
+            .map(|index| batch.images[*index].clone())
             .collect();
         let results = engine
             .encode(slot, inputs, options(batch.overrides, true))
             .await?;
         let mut writes = Vec::with_capacity(missing.len());
-        for ((index, _), result) in missing.iter().zip(results) {
+        for (index, result) in missing.iter().zip(results) {
             let shape = entry_shape(&batch.plans[*index], batch.layout, batch.dtype);
             writes.push((batch.identifiers[*index].clone(), shape, result));
         }
         let producer = Arc::clone(batch.producer);
         tokio::task::spawn_blocking(move || -> Result<(), ProduceError> {
+            // Released when the writes are done (or failed), whoever still waits on them.
+            let _claims = claims;
             for (identifier, shape, result) in writes {
                 let rows = entry_rows(&result, &shape)?;
                 let report = producer.store.write(&identifier, &shape, &rows)?;
@@ -829,8 +836,8 @@ impl Epd {
         })
         .await
         .map_err(|err| ProduceError::Internal(format!("EC store write task failed: {err}")))??;
-        for (index, _) in missing {
-            stored[*index] = Stored::Written;
+        for index in missing {
+            stored[index] = Stored::Written;
         }
         Ok(())
     }
