@@ -63,6 +63,8 @@ pub fn run(global: &GlobalArgs, args: &ServeCmd) -> anyhow::Result<ExitCode> {
             .await
             .context("the server stopped")
     })?;
-    drop(runtime);
+    // Blocking work of requests the drain gave up on (a decode within its time limit) is not
+    // waited for past a few seconds.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
     Ok(ExitCode::SUCCESS)
 }

@@ -251,7 +251,13 @@ pub fn router<E: Engine>(engine: Arc<E>, config: ServerConfig) -> Result<Router,
     Ok(app)
 }
 
-/// Serves `app` on `listener` until `shutdown` completes, then drains in-flight requests.
+/// How long [`serve`] lets in-flight requests finish after the shutdown signal. Requests parked
+/// on a sleeping engine, or a client that stopped sending its body, would otherwise keep the
+/// process from ever exiting.
+pub const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Serves `app` on `listener` until `shutdown` completes, then drains in-flight requests for
+/// at most [`DRAIN_LIMIT`] (a second Ctrl-C ends the drain at once).
 ///
 /// # Errors
 /// The I/O error that stopped the server.
@@ -260,9 +266,44 @@ pub async fn serve(
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_draining(listener, app, shutdown, DRAIN_LIMIT).await
+}
+
+/// [`serve`], draining for at most `drain_limit`.
+///
+/// # Errors
+/// The I/O error that stopped the server.
+pub async fn serve_draining(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    drain_limit: std::time::Duration,
+) -> std::io::Result<()> {
+    let (signalled, draining) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        shutdown.await;
+        let _ = signalled.send(());
+    };
+    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    let drain_over = async move {
+        if draining.await.is_err() {
+            // The server stopped on its own: its result decides.
+            std::future::pending::<()>().await;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(drain_limit) => eprintln!(
+                "iris serve: requests still in flight {:.1} s after the shutdown signal; stopping without them",
+                drain_limit.as_secs_f64()
+            ),
+            () = ctrl_c() => {
+                eprintln!("iris serve: a second Ctrl-C; stopping without the requests in flight");
+            }
+        }
+    };
+    tokio::select! {
+        result = server.into_future() => result,
+        () = drain_over => Ok(()),
+    }
 }
 
 type Shared<E> = State<Arc<ServerState<E>>>;

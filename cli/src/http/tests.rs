@@ -2,6 +2,7 @@
 
 use std::io::Cursor;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};
@@ -416,6 +417,38 @@ async fn serve_args_bind_and_serve() {
     );
     tx.send(()).unwrap();
     server.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn the_drain_after_shutdown_is_bounded() {
+    use tokio::io::AsyncWriteExt as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = router(Arc::new(FakeEngine::new(false)), ServerConfig::default()).unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve_draining(
+        listener,
+        app,
+        async move {
+            let _ = rx.await;
+        },
+        Duration::from_millis(300),
+    ));
+    // A client that stops sending its body: its request never finishes.
+    let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+    client
+        .write_all(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"im")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    tx.send(()).unwrap();
+    let stopped = tokio::time::timeout(Duration::from_secs(10), server).await;
+    assert!(
+        stopped.is_ok(),
+        "the server waited on the stalled request past its drain"
+    );
+    stopped.unwrap().unwrap().unwrap();
+    drop(client);
 }
 
 #[tokio::test]
