@@ -482,10 +482,24 @@ async fn server_info<E: Engine>(State(state): Shared<E>) -> Json<Value> {
     Json(state.engine.server_info())
 }
 
+/// Runs `snapshot` on the blocking pool: a memory snapshot waits for the device's queue to
+/// drain (its figures are exact), which would hold an async worker thread, and with it
+/// `/health` and every other request on that thread, for as long.
+async fn off_the_async_threads<T: Send + 'static>(
+    snapshot: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(snapshot)
+        .await
+        .map_err(|err| ApiError::internal(format!("memory snapshot task failed: {err}")))
+}
+
 async fn memory<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiError> {
-    let snapshot = serde_json::to_value(state.engine.metrics_snapshot())
+    let (snapshot, memory) =
+        off_the_async_threads(move || (state.engine.metrics_snapshot(), state.engine.memory()))
+            .await?;
+    let snapshot = serde_json::to_value(snapshot)
         .map_err(|err| ApiError::internal(format!("metrics snapshot to JSON: {err}")))?;
-    let body = match state.engine.memory() {
+    let body = match memory {
         Value::Object(mut map) => {
             map.insert("metrics".into(), snapshot);
             Value::Object(map)
@@ -496,9 +510,8 @@ async fn memory<E: Engine>(State(state): Shared<E>) -> Result<Json<Value>, ApiEr
 }
 
 async fn metrics_text<E: Engine>(State(state): Shared<E>) -> Result<Response, ApiError> {
-    let text = state
-        .metrics
-        .render()
+    let text = off_the_async_threads(move || state.metrics.render())
+        .await?
         .map_err(|err| ApiError::internal(format!("rendering metrics: {err}")))?;
     Ok(([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], text).into_response())
 }

@@ -67,6 +67,8 @@ pub(crate) struct FakeEngine {
     refuse_videos: AtomicBool,
     /// Each `reserve_video` call: item index, frames, size.
     reservations: Mutex<Vec<(usize, usize, ImageSize)>>,
+    /// How long each metrics snapshot takes (a real engine's waits for the device's queue).
+    snapshot_delay: Mutex<std::time::Duration>,
 }
 
 impl FakeEngine {
@@ -80,6 +82,7 @@ impl FakeEngine {
             encode_calls: AtomicU64::new(0),
             refuse_videos: AtomicBool::new(false),
             reservations: Mutex::new(Vec::new()),
+            snapshot_delay: Mutex::new(std::time::Duration::ZERO),
         };
         {
             let mut s = engine.state.lock().unwrap();
@@ -98,6 +101,11 @@ impl FakeEngine {
     }
 
     /// Makes admission refuse (or admit again), as the real engine does beyond its bounds.
+    /// Makes every metrics snapshot block its thread for `delay`.
+    pub(crate) fn set_snapshot_delay(&self, delay: std::time::Duration) {
+        *self.snapshot_delay.lock().unwrap() = delay;
+    }
+
     /// Makes `reserve_video` refuse with `Overloaded` (or take again).
     pub(crate) fn set_refuse_videos(&self, refuse: bool) {
         self.refuse_videos.store(refuse, Ordering::SeqCst);
@@ -382,6 +390,8 @@ impl Engine for FakeEngine {
     }
 
     fn metrics_snapshot(&self) -> MetricsSnapshot {
+        let delay = *self.snapshot_delay.lock().unwrap();
+        std::thread::sleep(delay);
         let s = self.state.lock().unwrap();
         MetricsSnapshot {
             memory: gauges(&s),

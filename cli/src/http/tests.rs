@@ -420,6 +420,30 @@ async fn serve_args_bind_and_serve() {
 }
 
 #[tokio::test]
+async fn a_slow_memory_snapshot_does_not_hold_health_checks() {
+    // One async thread (tokio's test runtime): a snapshot run on it held everything else.
+    let (app, engine) = app(ServerConfig::default());
+    engine.set_snapshot_delay(Duration::from_millis(1500));
+    for path in ["/metrics", "/memory"] {
+        let slow = {
+            let app = app.clone();
+            tokio::spawn(async move { call(&app, Method::GET, path, None, None).await })
+        };
+        let started = std::time::Instant::now();
+        // Let the slow request start.
+        tokio::task::yield_now().await;
+        let (status, _) = call(&app, Method::GET, "/health", None, None).await;
+        assert_eq!(status, 200);
+        assert!(
+            started.elapsed() < Duration::from_millis(1000),
+            "/health waited {:?} behind {path}",
+            started.elapsed()
+        );
+        assert_eq!(slow.await.unwrap().0, 200);
+    }
+}
+
+#[tokio::test]
 async fn the_drain_after_shutdown_is_bounded() {
     use tokio::io::AsyncWriteExt as _;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
