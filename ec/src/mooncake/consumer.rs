@@ -46,6 +46,9 @@ pub struct Faults {
     /// Shard `.0` (by index) waits `.1` before it takes a reservation request (the others
     /// answer at once): a consumer one of whose shards is slow.
     pub slow_reserve: Option<(usize, std::time::Duration)>,
+    /// Reserve (and keep the room), but answer without `dst_ptr`: a reply that names its
+    /// reservation and does not parse.
+    pub malformed_reserve: bool,
 }
 
 /// One logged control exchange.
@@ -530,6 +533,11 @@ fn reserve(item: &Value, shard: &Shard, faults: &Faults) -> Result<Value, String
             writer,
         },
     );
+    if faults.malformed_reserve {
+        return Ok(json!({
+            "reservation_id": id, "dst_session": session, "nbytes": nbytes, "write": writer,
+        }));
+    }
     Ok(json!({
         "reservation_id": id, "dst_session": session, "dst_ptr": shard.base + offset,
         "nbytes": nbytes, "write": writer, "ready": false, "cached": false,

@@ -242,6 +242,23 @@ impl ShardReservation {
         })
     }
 
+    /// A reservation known only by its id, from an answer that did not parse: never written
+    /// to, only cancelled.
+    fn to_cancel(addr: &str, id: &str) -> Self {
+        Self {
+            addr: addr.to_owned(),
+            reservation_id: id.to_owned(),
+            dst_session: String::new(),
+            dst_ptr: 0,
+            nbytes: 0,
+            write: false,
+            ready: false,
+            cached: false,
+            cancelled: false,
+            received_at: Instant::now(),
+        }
+    }
+
     /// Whether this shard needs the bytes from this transfer.
     #[must_use]
     pub fn writable(&self) -> bool {
@@ -572,7 +589,9 @@ async fn reserve_all(
                 for (index, item) in items.into_iter().enumerate() {
                     match item {
                         Ok(shard) => reserved.shards[index].push(shard),
-                        Err(err) => {
+                        Err((err, to_cancel)) => {
+                            // Kept for the abandon below, which cancels it.
+                            reserved.shards[index].extend(to_cancel.map(|shard| *shard));
                             first_error.get_or_insert(err);
                         }
                     }
@@ -753,11 +772,34 @@ async fn cancel_all(
 }
 
 /// Reserves `specs` on one shard: per item, its reservation or the shard's error.
+/// One item's answer from one shard: its reservation, or why there is none (with the id the
+/// shard named, when a malformed answer still named one, so that it can be cancelled).
+type ItemAnswer = Result<ShardReservation, (ControlError, Option<Box<ShardReservation>>)>;
+
+/// A reservation answer that does not parse: the error, and the reservation to cancel when
+/// the answer names its id (the shard may hold room under it).
+fn malformed(
+    addr: &str,
+    op: &str,
+    result: &Value,
+    why: String,
+) -> (ControlError, Option<Box<ShardReservation>>) {
+    let error = ControlError {
+        failure: PushFailure::Protocol,
+        message: format!("{addr} answered {op} with {why}"),
+    };
+    let id = result.get("reservation_id").and_then(Value::as_str);
+    (
+        error,
+        id.map(|id| Box::new(ShardReservation::to_cancel(addr, id))),
+    )
+}
+
 async fn reserve_on(
     control: &ControlClient,
     addr: &str,
     specs: &[PushSpec],
-) -> Result<Vec<Result<ShardReservation, ControlError>>, ControlError> {
+) -> Result<Vec<ItemAnswer>, ControlError> {
     let protocol = |message: String| ControlError {
         failure: PushFailure::Protocol,
         message,
@@ -767,8 +809,8 @@ async fn reserve_on(
         message["op"] = json!("reserve");
         let result = control.request(addr, &message).await?;
         let shard = ShardReservation::from_result(addr, &result)
-            .map_err(|e| protocol(format!("{addr} answered reserve with {e}")))?;
-        return Ok(vec![Ok(shard)]);
+            .map_err(|why| malformed(addr, "reserve", &result, why));
+        return Ok(vec![shard]);
     }
     let message = json!({
         "op": "reserve_batch",
@@ -787,20 +829,23 @@ async fn reserve_on(
             if item.get("ok").and_then(Value::as_bool) == Some(true) {
                 let result = item.get("result").cloned().unwrap_or(Value::Null);
                 ShardReservation::from_result(addr, &result)
-                    .map_err(|e| protocol(format!("{addr} answered reserve_batch with {e}")))
+                    .map_err(|why| malformed(addr, "reserve_batch", &result, why))
             } else {
                 let error = item
                     .get("error")
                     .and_then(Value::as_str)
                     .unwrap_or("reservation failed");
-                Err(ControlError {
-                    failure: PushFailure::classify_consumer_error(error),
-                    message: format!(
-                        "{addr} refused to reserve {} bytes for mm_hash {}: {error}",
-                        spec.nbytes(),
-                        spec.mm_hash
-                    ),
-                })
+                Err((
+                    ControlError {
+                        failure: PushFailure::classify_consumer_error(error),
+                        message: format!(
+                            "{addr} refused to reserve {} bytes for mm_hash {}: {error}",
+                            spec.nbytes(),
+                            spec.mm_hash
+                        ),
+                    },
+                    None,
+                ))
             }
         })
         .collect())

@@ -158,6 +158,28 @@ async fn a_reserve_dropped_mid_way_cancels_what_the_shards_granted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_named_in_an_answer_that_does_not_parse_is_cancelled() {
+    let consumer = TestConsumer::start(2, 1 << 20, 2).await.unwrap();
+    consumer.set_faults(Faults {
+        malformed_reserve: true,
+        ..Faults::default()
+    });
+    let producer = producer(5_000);
+    for specs in [
+        vec![spec("t0", "hash-a", 8)],
+        vec![spec("t1", "hash-b", 8), spec("t2", "hash-c", 8)],
+    ] {
+        let err = producer
+            .reserve(&consumer.consumer_zmq(), specs)
+            .await
+            .unwrap_err();
+        assert_eq!(err.failure, PushFailure::Protocol, "{err}");
+        assert!(err.message.contains("no numeric `dst_ptr`"), "{err}");
+        assert_eq!(consumer.live_reservations(), 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandon_dropped_mid_way_still_cancels_everything() {
     let consumer = TestConsumer::start(1, 1 << 20, 2).await.unwrap();
     let producer = producer(5_000);
