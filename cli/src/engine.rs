@@ -6,7 +6,7 @@ use std::future::Future;
 use anyhow::Context;
 use clap::Args;
 use iris_core::budget::{Policy, SchedulerConfig};
-use iris_core::engine::admission::{AdmissionConfig, Permit};
+use iris_core::engine::admission::{AdmissionConfig, Permit, PermitHold};
 use iris_core::engine::liveness::PANIC_AT_STEP_ENV;
 use iris_core::engine::{DEFAULT_PROCESSOR_CACHE_BYTES, Engine, EngineConfig};
 use iris_core::preprocess::video::ffmpeg::MAX_DECODE_TIME;
@@ -315,6 +315,11 @@ async fn checked_reset(
 
 impl http::Engine for Engine {
     type Permit = Permit;
+    type Hold = PermitHold;
+
+    fn hold(&self, permit: &Permit) -> PermitHold {
+        permit.hold()
+    }
 
     fn admit(&self) -> Result<Permit, EngineError> {
         Engine::admit(self)
@@ -360,8 +365,9 @@ impl http::Engine for Engine {
     fn decode_video(
         &self,
         clip: OpenedClip,
+        hold: PermitHold,
     ) -> impl Future<Output = Result<DecodedVideo, EngineError>> + Send {
-        Engine::decode_video(self, clip)
+        Engine::decode_video(self, clip, Some(hold))
     }
 
     fn video_processing(&self) -> VideoProcessing {

@@ -889,6 +889,7 @@ async fn load_videos<E: Engine>(
             engine.reserve_video(permit, index, frames, size, overrides)?;
         }
     }
+    let permit = &*permit;
     let loads = items
         .iter()
         .zip(opened)
@@ -899,7 +900,7 @@ async fn load_videos<E: Engine>(
                 let Some(video) = video else {
                     return Ok(None);
                 };
-                decode_video(engine, item, video, kwargs)
+                decode_video(engine, item, video, kwargs, engine.hold(permit))
                     .await
                     .map(|video| Some(Arc::new(video)))
                     .map_err(|err| ProduceError::Engine(name_video(index, err)))
@@ -1003,22 +1004,25 @@ async fn open_video<E: Engine>(
     .map_err(|err| EngineError::Internal(format!("frame list task failed: {err}")))?
 }
 
-/// Decodes one opened video item.
+/// Decodes one opened video item; `hold` (of the request's permit) is kept until the
+/// decoding ends, so that a request whose client hung up stays counted until then.
 async fn decode_video<E: Engine>(
     engine: &E,
     item: &Item,
     video: OpenedVideo,
     kwargs: Arc<VideoKwargs>,
+    hold: E::Hold,
 ) -> Result<DecodedVideo, EngineError> {
     match video {
-        OpenedVideo::Clip(clip) => engine.decode_video(clip).await,
+        OpenedVideo::Clip(clip) => engine.decode_video(clip, hold).await,
         OpenedVideo::Frames(..) => {
             let payload = item.bytes.clone();
-            tokio::task::spawn_blocking(move || decode_jpeg_sequence(&payload, &kwargs))
-                .await
-                .map_err(|err| {
-                    EngineError::Internal(format!("frame decoding task failed: {err}"))
-                })?
+            tokio::task::spawn_blocking(move || {
+                let _hold = hold;
+                decode_jpeg_sequence(&payload, &kwargs)
+            })
+            .await
+            .map_err(|err| EngineError::Internal(format!("frame decoding task failed: {err}")))?
         }
     }
 }

@@ -18,7 +18,12 @@ pub use iris_core::preprocess::video::ffmpeg::{DecodedVideo, OpenedClip};
 /// The engine as the HTTP server sees it.
 pub trait Engine: Send + Sync + 'static {
     /// A request's hold on the engine's backpressure bounds, given back when dropped.
-    type Permit: Send + 'static;
+    type Permit: Send + Sync + 'static;
+    /// A share of a permit that blocking work keeps while it runs, so that a request whose
+    /// client hung up stays counted until its work is done.
+    type Hold: Send + 'static;
+    /// A share of `permit` for blocking work of its request.
+    fn hold(&self, permit: &Self::Permit) -> Self::Hold;
     /// Takes a request slot before the request body is read: `Err(Overloaded)` beyond the
     /// engine's bounds, `Err(Dead)` once the engine died.
     fn admit(&self) -> Result<Self::Permit, EngineError>;
@@ -57,10 +62,12 @@ pub trait Engine: Send + Sync + 'static {
         size: ImageSize,
         overrides: &ProcessorOverrides,
     ) -> Result<(), EngineError>;
-    /// Reads an opened clip's sampled frames, with vLLM's metadata.
+    /// Reads an opened clip's sampled frames, with vLLM's metadata; `hold` (of the request's
+    /// permit) is kept until the decoding ends.
     fn decode_video(
         &self,
         clip: OpenedClip,
+        hold: Self::Hold,
     ) -> impl Future<Output = Result<DecodedVideo, EngineError>> + Send;
     /// The model's video processing (loader, resize rule, processor settings).
     fn video_processing(&self) -> VideoProcessing;

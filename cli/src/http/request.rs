@@ -104,11 +104,12 @@ pub async fn media_inputs<E: super::engine_api::Engine>(
             engine.reserve_video(permit, *index, clip.frames(), clip.size(), overrides)?;
         }
     }
+    let permit = &*permit;
     futures::future::try_join_all(opened.into_iter().map(|item| async move {
         match item {
             Opened::Image(image) => Ok(MediaInput::Image(image)),
             Opened::Clip(index, clip) => engine
-                .decode_video(clip)
+                .decode_video(clip, engine.hold(permit))
                 .await
                 .map(|video| {
                     MediaInput::Video(VideoInput {

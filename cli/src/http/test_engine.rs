@@ -248,6 +248,9 @@ fn merge(a: ResetReport, b: ResetReport) -> ResetReport {
 
 impl Engine for FakeEngine {
     type Permit = ();
+    type Hold = ();
+
+    fn hold(&self, (): &()) {}
 
     fn admit(&self) -> Result<(), EngineError> {
         self.health()?;
@@ -321,7 +324,7 @@ impl Engine for FakeEngine {
         Ok(())
     }
 
-    async fn decode_video(&self, _clip: OpenedClip) -> Result<DecodedVideo, EngineError> {
+    async fn decode_video(&self, _clip: OpenedClip, (): ()) -> Result<DecodedVideo, EngineError> {
         Err(no_video())
     }
 

@@ -97,33 +97,40 @@ struct Pending {
 }
 
 /// One admitted request's hold on the bounds; dropping it (the request ended, failed or its
-/// client went away) gives its share back.
+/// client went away) gives its share back, once no [`PermitHold`] of it is left either.
 #[derive(Debug)]
 pub struct Permit {
+    held: Arc<Held>,
+}
+
+/// A share of a request's [`Permit`] that work outliving the request's future keeps: a
+/// blocking task (preprocessing, a video's decoding) runs on when its client hangs up, and the
+/// request's slot and tokens stay counted until the task, holding this, ends.
+#[derive(Debug, Clone)]
+pub struct PermitHold {
+    _held: Arc<Held>,
+}
+
+/// What a permit and its holds share: released when the last of them is dropped.
+#[derive(Debug)]
+struct Held {
     admission: Arc<Admission>,
-    /// Whether this permit holds a request slot (not the placeholder [`Permit::take`] leaves).
-    slot: bool,
-    tokens: u64,
+    /// Charged tokens; changed only under the admission's lock.
+    tokens: AtomicU64,
 }
 
 impl Permit {
     /// The tokens charged to this request so far.
     pub(crate) fn charged(&self) -> u64 {
-        self.tokens
+        self.held.tokens.load(Ordering::Relaxed)
     }
 
-    /// Moves the request's slot and tokens into a new permit, leaving a placeholder that
-    /// holds nothing: work that outlives the request's future (a blocking task its client
-    /// hung up on) takes the permit with it, so the bounds count that work until it ends.
-    pub(crate) fn take(&mut self) -> Permit {
-        let taken = Permit {
-            admission: Arc::clone(&self.admission),
-            slot: self.slot,
-            tokens: self.tokens,
-        };
-        self.slot = false;
-        self.tokens = 0;
-        taken
+    /// A share of this permit for work that may outlive the request's future.
+    #[must_use]
+    pub fn hold(&self) -> PermitHold {
+        PermitHold {
+            _held: Arc::clone(&self.held),
+        }
     }
 }
 
@@ -146,9 +153,10 @@ impl Admission {
         p.requests += 1;
         p.peak_requests = p.peak_requests.max(p.requests);
         Ok(Permit {
-            admission: Arc::clone(self),
-            slot: true,
-            tokens: 0,
+            held: Arc::new(Held {
+                admission: Arc::clone(self),
+                tokens: AtomicU64::new(0),
+            }),
         })
     }
 
@@ -156,7 +164,8 @@ impl Admission {
     /// other work is pending.
     pub(crate) fn charge(&self, permit: &mut Permit, tokens: u64) -> Result<(), EngineError> {
         let mut p = self.lock();
-        let others = p.tokens - permit.tokens;
+        let mine = permit.charged();
+        let others = p.tokens - mine;
         let alone = p.requests <= 1 && others == 0;
         if !alone && p.tokens.saturating_add(tokens) > self.limits.max_pending_tokens {
             drop(p);
@@ -164,7 +173,7 @@ impl Admission {
         }
         p.tokens += tokens;
         p.peak_tokens = p.peak_tokens.max(p.tokens);
-        permit.tokens += tokens;
+        permit.held.tokens.store(mine + tokens, Ordering::Relaxed);
         Ok(())
     }
 
@@ -195,13 +204,11 @@ impl Admission {
     }
 }
 
-impl Drop for Permit {
+impl Drop for Held {
     fn drop(&mut self) {
         let mut p = self.admission.lock();
-        if self.slot {
-            p.requests = p.requests.saturating_sub(1);
-        }
-        p.tokens = p.tokens.saturating_sub(self.tokens);
+        p.requests = p.requests.saturating_sub(1);
+        p.tokens = p.tokens.saturating_sub(*self.tokens.get_mut());
     }
 }
 
@@ -244,6 +251,23 @@ mod tests {
             max_queued_requests: requests,
             max_pending_tokens: tokens,
         })
+    }
+
+    #[test]
+    fn a_permits_slot_and_tokens_stay_counted_while_a_hold_of_it_lives() {
+        let admission = admission(1, 100);
+        let mut permit = admission.admit().unwrap();
+        admission.charge(&mut permit, 40).unwrap();
+        let hold = permit.hold();
+        // The request's future is gone; its blocking work, holding this, is not.
+        drop(permit);
+        let stats = admission.stats();
+        assert_eq!((stats.pending_requests, stats.pending_tokens), (1, 40));
+        assert!(matches!(admission.admit(), Err(EngineError::Overloaded)));
+        drop(hold);
+        let stats = admission.stats();
+        assert_eq!((stats.pending_requests, stats.pending_tokens), (0, 0));
+        assert!(admission.admit().is_ok());
     }
 
     /// A 150x40 PNG whose EXIF orientation (6) turns it into 40x150 when decoded.

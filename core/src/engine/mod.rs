@@ -71,7 +71,7 @@ use crate::profile::{
     profile_startup,
 };
 use crate::scheduler::Scheduler;
-use admission::{Admission, AdmissionConfig, Permit, estimate_tokens};
+use admission::{Admission, AdmissionConfig, Permit, PermitHold, estimate_tokens};
 use api::{
     EncodeOptions, EngineError, ImagePlan, ImageResult, MediaInput, MemoryGauges, MetricsSnapshot,
     OutputLayout, ProcessorOverrides, ResetReport, VideoInput,
@@ -467,9 +467,7 @@ impl Engine {
         let processor = self.processor_for(&options.processor, &items)?;
         let video = self.video_for(&options.processor, &items)?;
         self.charge(&mut permit, &items, &processor, &video)?;
-        let prepared = self
-            .prepare_all(&mut permit, items, processor, video)
-            .await?;
+        let prepared = self.prepare_all(&permit, items, processor, video).await?;
 
         // Sleep may have been asked while the images were being preprocessed.
         if self.is_sleeping() {
@@ -792,15 +790,22 @@ impl Engine {
     }
 
     /// Reads an opened clip's sampled frames on the blocking pool: the second half of
-    /// [`Engine::load_video`].
+    /// [`Engine::load_video`]. `hold` (of the request's permit, charged by
+    /// [`Engine::reserve_video`]) goes with the decoding, so that a request whose client hangs
+    /// up keeps its frames counted until FFmpeg is done.
     ///
     /// # Errors
     /// As [`Engine::load_video`].
-    pub async fn decode_video(&self, clip: OpenedClip) -> Result<DecodedVideo, EngineError> {
+    pub async fn decode_video(
+        &self,
+        clip: OpenedClip,
+        hold: Option<PermitHold>,
+    ) -> Result<DecodedVideo, EngineError> {
         self.shared.liveness.check()?;
         let shared = Arc::clone(&self.shared);
         let limits = self.config.video_limits;
         tokio::task::spawn_blocking(move || {
+            let _hold = hold;
             let ffmpeg = locate_ffmpeg(&shared)?;
             clip.decode(&ffmpeg, &limits).map_err(video_error)
         })
@@ -823,28 +828,29 @@ impl Engine {
         sampling: SamplingOptions,
     ) -> Result<DecodedVideo, EngineError> {
         let clip = self.open_video(bytes, sampling).await?;
-        self.decode_video(clip).await
+        self.decode_video(clip, None).await
     }
 
     /// Decodes and preprocesses `items` on the blocking pool, through the processor cache, with
     /// the request's image `processor` and `video` processing.
     ///
-    /// The request's `permit` goes with the blocking task and comes back with its result: a
-    /// request whose client hangs up drops its future, not the task, and the task's pixels
-    /// stay counted against the admission's bounds until it ends (they were released at once
-    /// before, so hung-up requests could keep any number of tasks decoding and resizing).
+    /// A hold of the request's `permit` goes with the blocking task: a request whose client
+    /// hangs up drops its future, not the task, and the task's pixels stay counted against the
+    /// admission's bounds until it ends (they were released at once before, so hung-up
+    /// requests could keep any number of tasks decoding and resizing).
     async fn prepare_all(
         &self,
-        permit: &mut Permit,
+        permit: &Permit,
         items: Vec<MediaInput>,
         processor: ProcessorConfig,
         video: VideoProcessing,
     ) -> Result<Vec<Arc<PreprocessedImage>>, EngineError> {
         let shared = Arc::clone(&self.shared);
         let limits = self.config.decode_limits;
-        let held = permit.take();
-        let (prepared, held) = tokio::task::spawn_blocking(move || {
-            let prepared = items
+        let hold = permit.hold();
+        tokio::task::spawn_blocking(move || {
+            let _hold = hold;
+            items
                 .iter()
                 .enumerate()
                 .map(|(index, item)| match item {
@@ -853,13 +859,10 @@ impl Engine {
                     }
                     MediaInput::Video(input) => prepare_video(&shared, &video, index, input),
                 })
-                .collect::<Result<Vec<_>, _>>();
-            (prepared, held)
+                .collect::<Result<Vec<_>, _>>()
         })
         .await
-        .map_err(|e| EngineError::Internal(format!("preprocessing task failed: {e}")))?;
-        *permit = held;
-        prepared
+        .map_err(|e| EngineError::Internal(format!("preprocessing task failed: {e}")))?
     }
 
     /// Clears the processor cache; reports the bytes released.

@@ -1457,7 +1457,10 @@ async fn a_clips_tokens_are_charged_before_its_frames_are_decoded() {
         .reserve_video(&mut permit, 0, frames, size, &ProcessorOverrides::default())
         .unwrap();
     assert_eq!(pending().pending_tokens, tokens);
-    let decoded = engine.decode_video(clip).await.unwrap();
+    let decoded = engine
+        .decode_video(clip, Some(permit.hold()))
+        .await
+        .unwrap();
     assert_eq!(
         (decoded.frames.len(), decoded.frames[0].size),
         (frames, size)
