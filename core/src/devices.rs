@@ -154,6 +154,7 @@ impl Registry {
 
     /// Selects `config.device`, checks `config.device_ordinal`, and opens it with the
     /// `[plugins.<name>]` options.
+    ///
     /// Warns about `[plugins.<name>]` tables that no plugin would read (see
     /// [`Registry::unmatched_plugin_tables`]).
     pub fn open_selected(&self, config: &Config) -> Result<Device, DevicesError> {

@@ -125,15 +125,9 @@ pub(crate) fn parse_option(faults: &mut Faults, key: &str, value: &str) -> Resul
             faults.op = Some((target, when));
         }
         "fail_op_panics" => {
-            faults.op_panics = match value.trim() {
-                "true" => true,
-                "false" => false,
-                other => {
-                    return Err(format!(
-                        "option `fail_op_panics`: expected true or false, got `{other}`"
-                    ));
-                }
-            };
+            faults.op_panics = value.trim().parse::<bool>().map_err(|_| {
+                format!("option `fail_op_panics`: expected `true` or `false`, got `{value}`")
+            })?;
         }
         _ => return Ok(false),
     }

@@ -100,7 +100,6 @@ impl FakeEngine {
         self.dead.store(true, Ordering::SeqCst);
     }
 
-    /// Makes admission refuse (or admit again), as the real engine does beyond its bounds.
     /// Makes every metrics snapshot block its thread for `delay`.
     pub(crate) fn set_snapshot_delay(&self, delay: std::time::Duration) {
         *self.snapshot_delay.lock().unwrap() = delay;
@@ -116,6 +115,7 @@ impl FakeEngine {
         self.reservations.lock().unwrap().clone()
     }
 
+    /// Makes admission refuse (or admit again), as the real engine does beyond its bounds.
     pub(crate) fn set_overloaded(&self, overloaded: bool) {
         self.overloaded.store(overloaded, Ordering::SeqCst);
     }

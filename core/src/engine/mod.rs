@@ -1163,16 +1163,7 @@ fn locate_ffmpeg(shared: &Shared) -> Result<Ffmpeg, EngineError> {
 /// a reset any more (every call answers `Dead`), so without this the memory stayed reserved
 /// until the process ended. The processor cache's host memory goes too.
 fn give_back_after_death(shared: &Shared) {
-    let released = match shared.allocator.empty_cache() {
-        Ok(bytes) => bytes,
-        Err(err) => {
-            tracing::error!(error = %err, "the dead engine could not give all its device memory back");
-            match err {
-                crate::memory::AllocError::ReleaseFailed { released, .. } => released,
-                _ => 0,
-            }
-        }
-    };
+    let released = release_cached(&shared.allocator);
     let processor = shared
         .processor
         .lock()
@@ -1181,6 +1172,25 @@ fn give_back_after_death(shared: &Shared) {
     tracing::error!(
         "the dead engine gave back {released} bytes of device memory and {processor} bytes of its processor cache"
     );
+}
+
+/// Returns `allocator`'s cached blocks to the device and the bytes that went back, those of a
+/// release that partly failed included (the blocks it could not free stay cached, and the
+/// failure is logged; the next release tries them again).
+pub(crate) fn release_cached(allocator: &CachingAllocator) -> u64 {
+    match allocator.empty_cache() {
+        Ok(bytes) => bytes,
+        Err(crate::memory::AllocError::ReleaseFailed {
+            released, source, ..
+        }) => {
+            tracing::warn!(error = %source, "the device refused to free some cached segments");
+            released
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, "the allocator's cache was not released");
+            0
+        }
+    }
 }
 
 /// The estimated tokens of a video of `frames` frames of `size` (0 for one the processing

@@ -873,21 +873,7 @@ impl Worker {
     /// open to reuse (cuDNN's plans on CUDA), so that device memory comes back to the
     /// post-start baseline.
     fn trim(&mut self) -> ResetReport {
-        // A failed release leaves the blocks it could not free cached (the next trim tries
-        // again); what it did free is reported.
-        let released = match self.runner.allocator().empty_cache() {
-            Ok(bytes) => bytes,
-            Err(AllocError::ReleaseFailed {
-                released, source, ..
-            }) => {
-                tracing::warn!(error = %source, "the device refused to free some cached segments");
-                released
-            }
-            Err(err) => {
-                tracing::warn!(error = %err, "the allocator's cache was not released");
-                0
-            }
-        };
+        let released = super::release_cached(self.runner.allocator());
         ResetReport {
             allocator_bytes: released,
             plugin_cache_bytes: self.trim_plugin(),

@@ -660,16 +660,20 @@ impl Reserved {
     /// The cancels run in a task of their own, so a caller that goes away mid-way (its client
     /// hung up) does not stop them half done.
     pub async fn abandon(mut self) {
+        let cancels = self.cancel_on(&tokio::runtime::Handle::current());
+        if let Err(err) = cancels.await {
+            tracing::warn!(error = %err, "the EC reservation cancels failed");
+        }
+    }
+
+    /// Settles the reservations by moving them into a task on `runtime` that cancels them all.
+    fn cancel_on(&mut self, runtime: &tokio::runtime::Handle) -> tokio::task::JoinHandle<()> {
         self.settled = true;
         let control = Arc::clone(&self.control);
         let consumer = std::mem::take(&mut self.consumer);
         let specs = std::mem::take(&mut self.specs);
         let shards = std::mem::take(&mut self.shards);
-        let cancels =
-            tokio::spawn(async move { abandon_all(&control, &consumer, &specs, &shards).await });
-        if let Err(err) = cancels.await {
-            tracing::warn!(error = %err, "the EC reservation cancels failed");
-        }
+        runtime.spawn(async move { abandon_all(&control, &consumer, &specs, &shards).await })
     }
 }
 
@@ -686,11 +690,7 @@ impl Drop for Reserved {
             );
             return;
         };
-        let control = Arc::clone(&self.control);
-        let consumer = std::mem::take(&mut self.consumer);
-        let specs = std::mem::take(&mut self.specs);
-        let shards = std::mem::take(&mut self.shards);
-        handle.spawn(async move { abandon_all(&control, &consumer, &specs, &shards).await });
+        drop(self.cancel_on(&handle));
     }
 }
 

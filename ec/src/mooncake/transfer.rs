@@ -536,11 +536,7 @@ fn check_segment(
 fn take_idle(session: &Session) -> Option<TcpStream> {
     let mut idle = session.idle.lock().unwrap_or_else(PoisonError::into_inner);
     while let Some(stream) = idle.pop() {
-        let mut byte = [0u8; 1];
-        // Open and quiet: a read would block. Closed (0 bytes), failed, or with bytes nobody
-        // asked for: not reused.
-        if matches!(stream.try_read(&mut byte), Err(err) if err.kind() == std::io::ErrorKind::WouldBlock)
-        {
+        if super::zmtp::is_quiet(&stream) {
             return Some(stream);
         }
     }

@@ -187,8 +187,7 @@ impl ReqConnection {
     /// it out of step): a pooled connection found so is not used again.
     #[must_use]
     pub fn is_stale(&self) -> bool {
-        let mut byte = [0u8; 1];
-        !matches!(self.stream.try_read(&mut byte), Err(err) if err.kind() == io::ErrorKind::WouldBlock)
+        !is_quiet(&self.stream)
     }
 
     async fn write_frame(&mut self, flags: u8, body: &[u8]) -> io::Result<()> {
@@ -226,6 +225,14 @@ impl ReqConnection {
         }
         Ok((flags, body))
     }
+}
+
+/// Whether an idle connection is open and quiet: a read would block. Closed (0 bytes), failed,
+/// or with bytes nobody asked for, it is not to be reused. A pool checks each connection so
+/// before it takes it: after a peer's restart every pooled connection is dead.
+pub(crate) fn is_quiet(stream: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(stream.try_read(&mut byte), Err(err) if err.kind() == io::ErrorKind::WouldBlock)
 }
 
 /// An exchange that failed, and whether its request had been written when it did: a request
