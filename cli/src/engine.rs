@@ -300,17 +300,14 @@ pub fn startup_line(engine: &Engine) -> String {
     )
 }
 
-/// Runs a reset only on a live engine, and reports an error rather than the zeros the engine's
-/// reset answers when its core died during the call (the liveness flag is set before the core
-/// unwinds, so checking after the call is enough).
+/// Runs a reset only on an engine whose device answers (a lost device's reset would report
+/// figures it could not measure); a core that dies during the call is the reset's own error.
 async fn checked_reset(
     engine: &Engine,
-    reset: impl Future<Output = ResetReport>,
+    reset: impl Future<Output = Result<ResetReport, EngineError>>,
 ) -> Result<ResetReport, EngineError> {
     engine.health()?;
-    let report = reset.await;
-    engine.health()?;
-    Ok(report)
+    reset.await
 }
 
 impl http::Engine for Engine {
@@ -383,7 +380,7 @@ impl http::Engine for Engine {
     }
 
     fn reset_mm_cache(&self) -> impl Future<Output = Result<ResetReport, EngineError>> + Send {
-        checked_reset(self, std::future::ready(Engine::reset_mm_cache(self)))
+        checked_reset(self, std::future::ready(Ok(Engine::reset_mm_cache(self))))
     }
 
     fn reset_encoder_cache(&self) -> impl Future<Output = Result<ResetReport, EngineError>> + Send {

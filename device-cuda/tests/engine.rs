@@ -106,7 +106,7 @@ fn scenario() {
             2 * PLAN_BYTES,
             "the plugin reports what its plans took"
         );
-        let report = engine.reset_all().await;
+        let report = engine.reset_all().await.expect("the reset");
         let after_reset = engine.gauges();
         // The reset drops every plan built after open, those of start-up's steps too: what it
         // gave back is what the plugin reported them to hold.

@@ -880,30 +880,38 @@ impl Engine {
     }
 
     /// Clears the encoder cache manager and the device encoder cache, between steps.
-    pub async fn reset_encoder_cache(&self) -> ResetReport {
-        self.ask(Command::ResetEncoderCache)
-            .await
-            .unwrap_or_default()
+    ///
+    /// # Errors
+    /// [`EngineError::Dead`] once the engine died (its thread gave the device memory back as
+    /// it ended; nothing is left to reset), or the shutdown error once it stopped.
+    pub async fn reset_encoder_cache(&self) -> Result<ResetReport, EngineError> {
+        self.ask(Command::ResetEncoderCache).await
     }
 
     /// Returns the caching allocator's unused blocks to the device, then has the device's
     /// plugin give back what it took after open to reuse (see [`ResetReport::plugin_cache_bytes`]).
-    pub async fn reset_allocator(&self) -> ResetReport {
-        self.ask(Command::TrimAllocator).await.unwrap_or_default()
+    ///
+    /// # Errors
+    /// As [`Engine::reset_encoder_cache`].
+    pub async fn reset_allocator(&self) -> Result<ResetReport, EngineError> {
+        self.ask(Command::TrimAllocator).await
     }
 
     /// Processor cache, encoder cache, allocator, in that order.
-    pub async fn reset_all(&self) -> ResetReport {
+    ///
+    /// # Errors
+    /// As [`Engine::reset_encoder_cache`]; the processor cache is cleared first either way.
+    pub async fn reset_all(&self) -> Result<ResetReport, EngineError> {
         let processor = self.reset_mm_cache();
-        let encoder = self.reset_encoder_cache().await;
-        let allocator = self.reset_allocator().await;
-        ResetReport {
+        let encoder = self.reset_encoder_cache().await?;
+        let allocator = self.reset_allocator().await?;
+        Ok(ResetReport {
             processor_cache_bytes: processor.processor_cache_bytes,
             encoder_cache_bytes: encoder.encoder_cache_bytes,
             encoder_cache_entries: encoder.encoder_cache_entries,
             allocator_bytes: allocator.allocator_bytes,
             plugin_cache_bytes: allocator.plugin_cache_bytes,
-        }
+        })
     }
 
     /// Puts the engine to sleep: level 1 keeps a host copy of the weights, level 2 discards

@@ -115,7 +115,7 @@ async fn check(engine: &Engine) {
 /// Resets everything and asserts that the device and allocator figures are back at the
 /// post-start baseline; `context` goes into the failure message.
 async fn reset_to_baseline(engine: &Engine, after_start: &MemoryGauges, context: &str) {
-    engine.reset_all().await;
+    engine.reset_all().await.unwrap();
     assert_eq!(
         baseline_figures(&engine.gauges()),
         baseline_figures(after_start),
@@ -312,7 +312,7 @@ async fn each_reset_reports_what_it_released_and_memory_returns_to_the_baseline(
     let processor = engine.reset_mm_cache();
     // 224x224: 16x16 patches of 3 x 2 x 14 x 14 values, 4 bytes each.
     assert_eq!(processor.processor_cache_bytes, 256 * 1176 * 4);
-    let encoder = engine.reset_encoder_cache().await;
+    let encoder = engine.reset_encoder_cache().await.unwrap();
     assert_eq!(encoder.encoder_cache_entries, 1);
     assert!(encoder.encoder_cache_bytes >= 64 * 64 * 4);
     // The encoder cache's blocks went back to the allocator, which still holds them.
@@ -320,13 +320,13 @@ async fn each_reset_reports_what_it_released_and_memory_returns_to_the_baseline(
         engine.gauges().allocator_allocated_bytes,
         after_start.allocator_allocated_bytes
     );
-    let trim = engine.reset_allocator().await;
+    let trim = engine.reset_allocator().await.unwrap();
     assert!(trim.allocator_bytes > 0);
     assert_eq!(
         baseline_figures(&engine.gauges()),
         baseline_figures(&after_start)
     );
-    let nothing = engine.reset_all().await;
+    let nothing = engine.reset_all().await.unwrap();
     assert_eq!(nothing, ResetReport::default());
 }
 
@@ -349,7 +349,7 @@ async fn in_flight_requests_survive_a_reset_and_re_encode() {
     }
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(5)).await;
-        engine.reset_all().await;
+        engine.reset_all().await.unwrap();
     }
     for (round, task) in tasks.into_iter().enumerate() {
         let results = task.await.unwrap().expect("survives the reset");
@@ -528,7 +528,7 @@ async fn a_request_admitted_before_sleep_waits_and_finishes_after_wake_up() {
     for (result, bytes) in results.iter().zip(&images) {
         assert_close(&result.embeddings.clone().unwrap().0, &reference(bytes));
     }
-    engine.reset_all().await;
+    engine.reset_all().await.unwrap();
     assert_eq!(
         baseline_figures(&engine.gauges()),
         baseline_figures(&m.after_start)
@@ -564,7 +564,7 @@ async fn a_sleep_sent_during_a_wake_up_leaves_the_engine_flagged_asleep() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_engine_gives_its_device_memory_back() {
+async fn a_dead_engine_gives_its_device_memory_back_and_refuses_resets() {
     let mut cfg = config();
     cfg.panic_at_step = Some(2);
     let engine = Engine::start(cfg, device()).unwrap();
@@ -591,6 +591,14 @@ async fn a_dead_engine_gives_its_device_memory_back() {
         used = engine.gauges().device_used_bytes;
     }
     assert_eq!(used, before, "device memory of the dead engine");
+    // A reset asked of it is an error naming the death, not a report of zeros.
+    for reset in [
+        engine.reset_all().await,
+        engine.reset_encoder_cache().await,
+        engine.reset_allocator().await,
+    ] {
+        assert!(matches!(reset, Err(EngineError::Dead(_))), "{reset:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -689,7 +697,7 @@ fn device_free(engine: &Engine) -> u64 {
 /// How far the allocator's reserved bytes rise to encode `images` in one request, starting
 /// from an empty encoder cache and an emptied allocator: what the step takes from the device.
 async fn reserved_growth(engine: &Engine, images: &[Vec<u8>]) -> u64 {
-    engine.reset_all().await;
+    engine.reset_all().await.unwrap();
     let before = engine.gauges().allocator_reserved_bytes;
     engine
         .encode(
@@ -699,7 +707,7 @@ async fn reserved_growth(engine: &Engine, images: &[Vec<u8>]) -> u64 {
         .await
         .expect("the calibration encode");
     let grown = engine.gauges().allocator_reserved_bytes - before;
-    engine.reset_all().await;
+    engine.reset_all().await.unwrap();
     grown
 }
 
@@ -789,7 +797,7 @@ async fn a_batch_that_does_not_fit_is_split_and_each_half_runs() {
         "two items take more than one: {two} vs {one}"
     );
     // Room for one item's step but not for both in one batch.
-    engine.reset_all().await;
+    engine.reset_all().await.unwrap();
     let held = hold(&engine, device_free(&engine) - (one + two) / 2);
     let results = engine
         .encode(images.iter().cloned().map(input).collect(), WITH_EMBEDDINGS)
@@ -810,7 +818,7 @@ async fn a_batch_that_does_not_fit_is_split_and_each_half_runs() {
 async fn an_item_that_can_never_fit_fails_alone_with_the_numbers() {
     let engine = Engine::start(device_bound_config(), device()).unwrap();
     let after_start = engine.metrics_snapshot().after_start;
-    engine.reset_all().await;
+    engine.reset_all().await.unwrap();
     // 3 MiB left: a small image's step fits, a 448x448 image's input alone (4.8 MB) does not.
     let held = hold(&engine, device_free(&engine) - (3 << 20));
     let (big, small) = (png(448, 448, 120), png(56, 56, 121));
@@ -993,7 +1001,7 @@ async fn soak_with_aborts_resets_and_injected_faults_returns_to_the_baseline() {
     ]);
     let engine = Arc::new(Engine::start(device_bound_config(), device).unwrap());
     let after_start = engine.metrics_snapshot().after_start;
-    engine.reset_all().await;
+    engine.reset_all().await.unwrap();
     // Room for a step of a few small images and some outputs: large batches do not fit and
     // are split, and the fresh images' outputs fill the device until steps evict them.
     let held = hold(&engine, device_free(&engine) - (5 << 19));
@@ -1004,8 +1012,10 @@ async fn soak_with_aborts_resets_and_injected_faults_returns_to_the_baseline() {
         let permit = Arc::clone(&semaphore).acquire_owned().await.unwrap();
         // A reset of the encoder cache or of everything, with requests in flight.
         match request % RESET_EVERY {
-            0 if request % (2 * RESET_EVERY) == 0 => drop(engine.reset_encoder_cache().await),
-            0 => drop(engine.reset_all().await),
+            0 if request % (2 * RESET_EVERY) == 0 => {
+                drop(engine.reset_encoder_cache().await.unwrap())
+            }
+            0 => drop(engine.reset_all().await.unwrap()),
             _ => {}
         }
         let shared = png_of(
