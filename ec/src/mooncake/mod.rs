@@ -820,8 +820,30 @@ async fn reserve_on(
     let items = result
         .get("items")
         .and_then(Value::as_array)
-        .filter(|items| items.len() == specs.len())
         .ok_or_else(|| protocol(format!("{addr} answered reserve_batch with {result}")))?;
+    if items.len() != specs.len() {
+        // The answer cannot be trusted, but the shard may hold room under the ids it names:
+        // each is cancelled under the transfer id at its position (an item past the request's
+        // count names no transfer, and the consumer reclaims it after its TTL).
+        let message = format!(
+            "{addr} answered reserve_batch of {} items with {} items",
+            specs.len(),
+            items.len()
+        );
+        return Ok((0..specs.len())
+            .map(|index| {
+                let id = items
+                    .get(index)
+                    .and_then(|item| item.get("result"))
+                    .and_then(|result| result.get("reservation_id"))
+                    .and_then(Value::as_str);
+                Err((
+                    protocol(message.clone()),
+                    id.map(|id| Box::new(ShardReservation::to_cancel(addr, id))),
+                ))
+            })
+            .collect());
+    }
     Ok(items
         .iter()
         .zip(specs)

@@ -180,6 +180,33 @@ async fn a_reservation_named_in_an_answer_that_does_not_parse_is_cancelled() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reservations_named_in_a_batch_answer_of_the_wrong_length_are_cancelled() {
+    let consumer = TestConsumer::start(1, 1 << 20, 2).await.unwrap();
+    consumer.set_faults(Faults {
+        short_batch_answer: true,
+        ..Faults::default()
+    });
+    let producer = producer(5_000);
+    let specs = vec![
+        spec("t0", "hash-a", 8),
+        spec("t1", "hash-b", 8),
+        spec("t2", "hash-c", 8),
+    ];
+    let err = producer
+        .reserve(&consumer.consumer_zmq(), specs)
+        .await
+        .unwrap_err();
+    assert_eq!(err.failure, PushFailure::Protocol, "{err}");
+    assert!(
+        err.message
+            .contains("answered reserve_batch of 3 items with 2 items"),
+        "{err}"
+    );
+    // The two it named are given back; the third, never named, waits for the consumer's TTL.
+    assert_eq!(consumer.live_reservations(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandon_dropped_mid_way_still_cancels_everything() {
     let consumer = TestConsumer::start(1, 1 << 20, 2).await.unwrap();
     let producer = producer(5_000);
