@@ -42,7 +42,11 @@
 #   first        single 448x448 images one after another (12 requests, one at a time) through
 #                Qwen2.5-VL-7B and Qwen3-VL-8B (--quick: Qwen3-VL only), dummy weights, bf16:
 #                after start-up, the slowest request within 1.2 times the median
-#                (bench_verdict.py --first-within), memory as for the benches
+#                (bench_verdict.py --first-within), memory as for the benches; when a tower
+#                fails it, the same run again with CUDA_MODULE_LOADING=EAGER (first.T.eager),
+#                with the plugin's attention kernels (first.T.kernel: no cuDNN plan built
+#                while serving) and with both (first.T.both), to name what the first request
+#                pays for
 #   profile      `iris profile` dry and real at Qwen2.5-VL-7B's size (bf16): the same arena,
 #                within 5% of the live peak of the step's tensors (profile.verdict)
 #   attention    attention_bench: bf16 attention, 16 heads, head dims 64/72/80/96/128, one
@@ -445,10 +449,21 @@ EOF
     first_towers=(qwen2.5-vl-7b qwen3-vl-8b)
     [ "$quick" -eq 1 ] && first_towers=(qwen3-vl-8b)
     VERDICT_ARGS=(--first-within 1.2)
+    first_args=(--weights dummy --dtype bf16 --limit-mm-per-prompt '{"video": 0}' --num-prompts 12
+      --images-per-prompt 1 --image-size 448x448 --repeat-ratio 0 --max-concurrency 1 --request-rate inf)
     for tower in "${first_towers[@]}"; do
-      bench_step "first.$tower" --model "$tower" --weights dummy --dtype bf16 \
-        --limit-mm-per-prompt '{"video": 0}' --num-prompts 12 --images-per-prompt 1 \
-        --image-size 448x448 --repeat-ratio 0 --max-concurrency 1 --request-rate inf
+      bench_step "first.$tower" --model "$tower" "${first_args[@]}" && continue
+      # Slow first requests: the same run with each suspect taken away, so that one GPU run
+      # names the cause. `.eager`: every kernel of every library loaded at start
+      # (CUDA_MODULE_LOADING=EAGER) instead of at its first launch; `.kernel`: the plugin's
+      # attention kernels, so no cuDNN plan is built (on the plugin's thread) while serving;
+      # `.both`: both. What stays slow with both is cuBLASLt's per-size choice.
+      first_kernel_config="$out/first-attention-kernel.toml"
+      printf '[plugins.cuda]\nattention_engine = "kernel"\n' > "$first_kernel_config"
+      CUDA_MODULE_LOADING=EAGER bench_step "first.$tower.eager" --model "$tower" "${first_args[@]}"
+      bench_step "first.$tower.kernel" --config "$first_kernel_config" --model "$tower" "${first_args[@]}"
+      CUDA_MODULE_LOADING=EAGER bench_step "first.$tower.both" --config "$first_kernel_config" \
+        --model "$tower" "${first_args[@]}"
     done
     VERDICT_ARGS=()
   else
