@@ -781,10 +781,18 @@ impl iris_plugin::Backend for AscendDevice {
             }
             entry.remove();
         }
-        let event = Event::record(self.rt, &self.stream)?;
+        let event = match Event::record(self.rt, &self.stream) {
+            Ok(event) => Some(event),
+            // The stream noted the fault and dropped the work before this fence: waiting for
+            // it reports the fault (as the wait for a fence no longer held does).
+            Err(err) if err.is_task_fault() => None,
+            Err(err) => return Err(err.into()),
+        };
         let value = state.next_fence;
         state.next_fence += 1;
-        state.fences.insert(value, event);
+        if let Some(event) = event {
+            state.fences.insert(value, event);
+        }
         Ok(value)
     }
 

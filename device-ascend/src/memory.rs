@@ -245,7 +245,19 @@ pub struct Memory {
     host: HashMap<u64, HostBlock>,
     next_host: u64,
     pending: VecDeque<Pending>,
+    /// Transient blocks whose release could not be ordered after their work (no event, and
+    /// the wait for the stream failed without a task fault): released once a later
+    /// synchronisation succeeds ([`Memory::reap_all`]).
+    stranded: Vec<DeviceBlock>,
     staging: Vec<Staging>,
+}
+
+/// Blocks [`Memory::release_after`] kept: the wait that would have ordered their release
+/// failed, so queued work may still use them.
+struct Kept {
+    error: AscendError,
+    device: Vec<DeviceBlock>,
+    host: Vec<HostBlock>,
 }
 
 impl Memory {
@@ -267,6 +279,7 @@ impl Memory {
             host: HashMap::new(),
             next_host: 1,
             pending: VecDeque::new(),
+            stranded: Vec::new(),
             staging: Vec::new(),
         }
     }
@@ -357,6 +370,10 @@ impl Memory {
 
     /// Frees a buffer, queue-ordered: the handle is gone at once, the block once the work
     /// enqueued before this call is done.
+    ///
+    /// A free that fails has changed nothing: the handle stays live (the caller's allocator
+    /// keeps the buffer and may free it again). A task fault met on the way is not this call's
+    /// failure: the stream noted it, and the next synchronisation reports it.
     pub fn free(&mut self, buf: BufferHandle, stream: &Stream) -> Result<(), AscendError> {
         let Some(block) = self.buffers.remove(&buf.0) else {
             return Err(AscendError::Internal(format!(
@@ -364,7 +381,13 @@ impl Memory {
                 buf.0
             )));
         };
-        self.release_after(stream, vec![block], Vec::new(), true)?;
+        if let Err(kept) = self.release_after(stream, vec![block], Vec::new(), true) {
+            let Kept { error, device, .. } = *kept;
+            if let Some(block) = device.into_iter().next() {
+                self.buffers.insert(buf.0, block);
+            }
+            return Err(error);
+        }
         self.reap()
     }
 
@@ -376,22 +399,31 @@ impl Memory {
             .map_err(|code| self.malloc_error(code, bytes))
     }
 
-    /// Releases a transient block once the work enqueued so far is done.
+    /// Releases a transient block once the work enqueued so far is done. When that cannot be
+    /// ordered (see [`Memory::free`]), the block waits for the next successful
+    /// synchronisation and the wait's error is returned.
     pub fn retire(&mut self, block: DeviceBlock, stream: &Stream) -> Result<(), AscendError> {
         self.release_after(stream, vec![block], Vec::new(), false)
+            .map_err(|kept| {
+                let Kept { error, device, .. } = *kept;
+                self.stranded.extend(device);
+                error
+            })
     }
 
     /// Releases blocks once the work enqueued so far is done: behind an event, or, when no
-    /// event can be recorded (out of event resources), after waiting for the stream, so that
-    /// no queued work is left using them. An error of that wait is returned (the blocks are
-    /// released all the same).
+    /// event can be recorded (out of event resources, or a stream in error), after waiting
+    /// for the stream, so that no queued work is left using them. A task fault met by that
+    /// wait leaves no work running (the stream dropped what followed the fault, and noted
+    /// it for the device to report once): the blocks are released. Any other failure of the
+    /// wait leaves the blocks to the caller, with the error.
     fn release_after(
         &mut self,
         stream: &Stream,
         device: Vec<DeviceBlock>,
         host: Vec<HostBlock>,
         counted: bool,
-    ) -> Result<(), AscendError> {
+    ) -> Result<(), Box<Kept>> {
         match Event::record(self.rt, stream) {
             Ok(event) => {
                 self.pending.push_back(Pending {
@@ -402,11 +434,17 @@ impl Memory {
                 });
                 Ok(())
             }
-            Err(_) => {
-                let waited = stream.synchronize();
-                self.release(device, host, counted);
-                waited
-            }
+            Err(_) => match stream.synchronize() {
+                Err(error) if !error.is_task_fault() => Err(Box::new(Kept {
+                    error,
+                    device,
+                    host,
+                })),
+                _ => {
+                    self.release(device, host, counted);
+                    Ok(())
+                }
+            },
         }
     }
 
@@ -447,6 +485,7 @@ impl Memory {
         while let Some(done) = self.pending.pop_front() {
             self.release(done.device, done.host, done.counted);
         }
+        self.stranded.clear();
         for staging in &mut self.staging {
             staging.busy = None;
         }
@@ -490,10 +529,12 @@ impl Memory {
                 Ok(event) => Some(event),
                 // Without an event to say when the copy has read the staging block, wait
                 // for it before the block can be reused.
-                Err(_) => {
-                    stream.synchronize()?;
-                    None
-                }
+                Err(_) => match stream.synchronize() {
+                    // The stream noted the fault and dropped the copy: the block is idle, and
+                    // the next synchronisation reports the fault.
+                    Err(err) if !err.is_task_fault() => return Err(err),
+                    _ => None,
+                },
             };
         }
         Ok(())
@@ -605,11 +646,18 @@ impl Memory {
     }
 
     /// Frees a host buffer, queue-ordered.
+    /// As [`Memory::free`], a failure leaves the buffer live.
     pub fn free_host(&mut self, id: HostBufferId, stream: &Stream) -> Result<bool, AscendError> {
         let Some(block) = self.host.remove(&id.0) else {
             return Ok(false);
         };
-        self.release_after(stream, Vec::new(), vec![block], false)?;
+        if let Err(kept) = self.release_after(stream, Vec::new(), vec![block], false) {
+            let Kept { error, host, .. } = *kept;
+            if let Some(block) = host.into_iter().next() {
+                self.host.insert(id.0, block);
+            }
+            return Err(error);
+        }
         self.reap()?;
         Ok(true)
     }

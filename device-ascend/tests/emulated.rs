@@ -666,6 +666,97 @@ fn a_kernel_fault_is_reported_once_and_later_work_succeeds() {
     );
 }
 
+/// Enqueues a gather with an index outside its 2x2 source (an AI core exception on the NPU)
+/// and waits until the emulated NPU has run it into the fault, which no call has met yet.
+/// Returns the source, indices, output and workspace buffers.
+fn fault_unseen(device: &Device) -> [BufferHandle; 4] {
+    let src = upload_f32(device, &[1.0, 2.0, 3.0, 4.0]);
+    let idx = device.alloc(8).expect("alloc");
+    let index_bytes: Vec<u8> = [0i32, 7].iter().flat_map(|i| i.to_le_bytes()).collect();
+    device.write(idx, 0, &index_bytes).expect("write");
+    let out = device.alloc(16).expect("alloc");
+    let mut args = GatherArgs {
+        src: MatRef::contiguous(src, 0, DType::F32, 2, 2),
+        out: MatRef::contiguous(out, 0, DType::F32, 2, 2),
+        indices: MatRef::contiguous(idx, 0, DType::I32, 1, 2),
+        workspace: BufferSlice::EMPTY,
+    };
+    let bytes = device.gather_rows_workspace(&args).expect("workspace");
+    let ws = device.alloc(bytes.max(1)).expect("alloc workspace");
+    args.workspace = BufferSlice {
+        buf: ws,
+        offset: 0,
+        bytes,
+    };
+    device.gather_rows(&args).expect("the launch is accepted");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    [src, idx, out, ws]
+}
+
+fn assert_fault(err: &DeviceError) {
+    assert!(
+        err.message
+            .contains("ACL_ERROR_RT_AICORE_EXCEPTION (507015)"),
+        "{err}"
+    );
+}
+
+/// A free, an upload or a download is the first call to meet a fault (recording its event
+/// fails on a stream in error): it succeeds, and the fault is reported once, by the next
+/// synchronisation or fence wait. Before, the free answered the fault after giving its
+/// handle up, and the host's allocator kept handing out the dead buffer.
+#[test]
+fn calls_that_meet_an_unreported_fault_succeed_and_it_is_reported_once() {
+    isolated(
+        "calls_that_meet_an_unreported_fault_succeed_and_it_is_reported_once",
+        &[("ASCEND_EMU_HBM", HBM)],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            device.synchronize().expect("synchronize");
+            let baseline = device.mem_info().expect("mem_info").free;
+
+            // A free meets it.
+            for buf in fault_unseen(&device) {
+                device.free(buf).expect("a free after the fault");
+            }
+            assert_fault(&device.synchronize().expect_err("the fault is reported"));
+            device.synchronize().expect("reported once");
+
+            // An upload meets it.
+            let buffers = fault_unseen(&device);
+            device
+                .write(buffers[2], 0, &[0u8; 16])
+                .expect("an upload after the fault");
+            assert_fault(&device.synchronize().expect_err("the fault is reported"));
+            device.synchronize().expect("reported once");
+            for buf in buffers {
+                device.free(buf).expect("free");
+            }
+
+            // A download into pinned memory meets it: its fence is recorded on the stream in
+            // error, and the wait for that fence reports the fault.
+            let mut host = device.host_buffer(16).expect("host buffer");
+            let buffers = fault_unseen(&device);
+            device
+                .download(buffers[2], 0, &mut host, 0, 16)
+                .expect("a download after the fault");
+            let err = host.as_slice().map(drop).expect_err("the fence's wait");
+            assert_fault(&err);
+            device.synchronize().expect("reported once");
+            drop(host);
+            for buf in buffers {
+                device.free(buf).expect("free");
+            }
+
+            let got = gather_2x2(&device, [1, 0]).expect("work after the faults succeeds");
+            assert_eq!(got, vec![3.0, 4.0, 1.0, 2.0]);
+            device.synchronize().expect("synchronize");
+            assert_eq!(device.mem_info().expect("mem_info").free, baseline);
+        },
+    );
+}
+
 #[test]
 fn copies_at_any_offset_and_per_row_copies_merged() {
     isolated(

@@ -785,11 +785,15 @@ pub fn destroy_event(event: *mut c_void) -> i32 {
     })
 }
 
-/// `aclrtRecordEvent`: marks the stream's work enqueued so far.
+/// `aclrtRecordEvent`: marks the stream's work enqueued so far; the fault of a stream in
+/// error (a task fault is sticky: recording on such a stream fails until it is destroyed).
 pub fn record_event(event: *mut c_void, stream: *mut c_void) -> i32 {
     entry("aclrtRecordEvent", true, || {
         let e = event_ref(event)?;
         let s = stream_in_context(stream)?;
+        if let Some(fault) = s.inner.sticky() {
+            return Err(fault);
+        }
         let seq = s.inner.submitted();
         *lock(&e.recorded) = Some((Arc::clone(&s.inner), seq));
         Ok(())
