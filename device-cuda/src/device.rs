@@ -207,6 +207,10 @@ pub struct Info {
 
 /// An opened CUDA device.
 pub struct CudaDevice {
+    /// `write_async`'s page-locked slots and copy stream. First, because fields drop in order
+    /// after `drop`: its copy stream and page-locked memory go while the context (released
+    /// with `ctx` and `stream`) still exists and is bound to the closing thread.
+    uploads: Mutex<AsyncUploads>,
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) memory: Memory,
@@ -220,8 +224,6 @@ pub struct CudaDevice {
     /// With [`CHECK_GROWTH_ENV`] set: the device memory in use beyond the report at the last
     /// entry point, and that entry point.
     growth: Option<Mutex<(i128, String)>>,
-    /// `write_async`'s page-locked slots and copy stream.
-    uploads: Mutex<AsyncUploads>,
 }
 
 /// Set to `1`, every entry point first waits for the queue and logs a warning when the device
@@ -324,41 +326,35 @@ impl CudaDevice {
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED,
         )? > 0;
         let memory = Memory::new(index, pools)?;
+        // The pool is the device's own: a failed open destroys it, or every one leaks a pool.
+        let release = |memory: &Memory, err: CudaError| {
+            if let Err(release) = memory.release_all(stream.cu_stream()) {
+                log.warn(format!("open: {release}"));
+            }
+            err
+        };
+        let used_now = used().map_err(|err| release(&memory, err))?;
         push_held(
             &mut held,
             "stream and memory pool",
-            used()?.saturating_sub(before),
+            used_now.saturating_sub(before),
         );
-        let before = used()?;
-        let uploads = match AsyncUploads::new() {
-            Ok(uploads) => uploads,
-            Err(err) => {
-                // The pool is the device's own: destroy it, or every failed open leaks one.
-                if let Err(release) = memory.release_all(stream.cu_stream()) {
-                    log.warn(format!("open: {release}"));
-                }
-                return Err(err);
-            }
-        };
+        let before = used_now;
+        let uploads = AsyncUploads::new().map_err(|err| release(&memory, err))?;
+        let used_now = used().map_err(|err| release(&memory, err))?;
         // The copy stream's own device memory (about 2 MiB on an H200 with driver 580).
         push_held(
             &mut held,
             "write_async's copy stream",
-            used()?.saturating_sub(before),
+            used_now.saturating_sub(before),
         );
         let compute = if options.memory_only {
             None
         } else {
-            match Compute::open(&stream, &info, &options, &log, &mut held) {
-                Ok(compute) => Some(compute),
-                Err(err) => {
-                    // The pool is the device's own: destroy it, or every failed open leaks one.
-                    if let Err(release) = memory.release_all(stream.cu_stream()) {
-                        log.warn(format!("open: {release}"));
-                    }
-                    return Err(err);
-                }
-            }
+            Some(
+                Compute::open(&stream, &info, &options, &log, &mut held)
+                    .map_err(|err| release(&memory, err))?,
+            )
         };
         let opened = format!(
             "opened CUDA device {ordinal}: {} (compute capability {}.{}, {} SMs, {} MiB, driver {}){}",

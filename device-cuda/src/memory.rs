@@ -121,31 +121,47 @@ impl Memory {
     /// when `stream` reaches the free.
     pub(crate) fn free(&self, stream: CUstream, buf: BufferHandle) -> Result<(), CudaError> {
         let mut table = self.lock();
-        let Some(view) = table.live.remove(&buf.0) else {
+        let Some(view) = table.live.get(&buf.0).copied() else {
             return Err(CudaError::Invalid(format!(
                 "unknown buffer handle {}",
                 buf.0
             )));
         };
-        table.live_bytes -= view.len;
+        // The handle goes only once the driver took the free: a free that fails changes
+        // nothing (the host's allocator keeps the buffer as live and may free it again).
         match self.allocator {
             Allocator::Pool(_) => {
                 // Enqueued under the table lock, so `released` never clears a free it has not
                 // waited for.
-                // SAFETY: `view.ptr` came from this pool and is freed once (removed above).
+                // SAFETY: `view.ptr` came from this pool and is freed once (removed below).
                 unsafe { result::free_async(view.ptr, stream) }.call("cuMemFreeAsync")?;
                 table.pending_bytes += view.len;
                 table.pending_buffers += 1;
             }
             Allocator::Plain => {
+                // Out of the table first, so that no other thread uses it while the queue
+                // drains; put back if the driver does not free it.
+                table.live.remove(&buf.0);
                 drop(table);
                 // SAFETY: as above; waiting for the stream first makes the free queue-ordered.
-                unsafe {
-                    result::stream::synchronize(stream).call("cuStreamSynchronize")?;
-                    result::free_sync(view.ptr).call("cuMemFree")?;
+                let freed = unsafe {
+                    result::stream::synchronize(stream)
+                        .call("cuStreamSynchronize")
+                        .and_then(|()| result::free_sync(view.ptr).call("cuMemFree"))
+                };
+                let mut table = self.lock();
+                match freed {
+                    Ok(()) => table.live_bytes -= view.len,
+                    Err(err) => {
+                        table.live.insert(buf.0, view);
+                        return Err(err);
+                    }
                 }
+                return Ok(());
             }
         }
+        table.live.remove(&buf.0);
+        table.live_bytes -= view.len;
         Ok(())
     }
 
@@ -315,16 +331,23 @@ pub(crate) fn write_from_host(
     // borrowed until the copy has read it (below, for page-locked memory).
     unsafe { result::memcpy_htod_async(dst, src, stream) }.call("cuMemcpyHtoDAsync")?;
     if page_locked {
-        let event = Event(
-            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .call("cuEventCreate")?,
-        );
-        // SAFETY: event and stream belong to the current context; the event lives until after
-        // the wait.
-        unsafe {
-            result::event::record(event.0, stream).call("cuEventRecord")?;
-            result::event::synchronize(event.0).call("cuEventSynchronize")?;
+        let waited = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .call("cuEventCreate")
+            .map(Event)
+            .and_then(|event| {
+                // SAFETY: event and stream belong to the current context; the event lives
+                // until after the wait.
+                unsafe {
+                    result::event::record(event.0, stream).call("cuEventRecord")?;
+                    result::event::synchronize(event.0).call("cuEventSynchronize")
+                }
+            });
+        if waited.is_err() {
+            // The copy is queued and reads `src` when it runs, and the caller may reuse `src`
+            // once this returns, error or not: wait for the whole queue instead.
+            let _ = wait(stream);
         }
+        waited?;
     }
     Ok(())
 }
@@ -739,18 +762,38 @@ impl AsyncUploads {
         bytes: u64,
         stream: CUstream,
     ) -> Result<(), CudaError> {
+        let mut launched = false;
+        // SAFETY: the caller's contract, passed on.
+        let enqueued = unsafe { self.enqueue(dst, src, bytes, stream, &mut launched) };
+        if enqueued.is_err() && launched {
+            // A host function already on the copy stream reads `src` when it runs, and a
+            // caller told of an error may free `src` at once: wait until the copy stream has
+            // run it (and anything it waits for) first.
+            // SAFETY: the copy stream belongs to the current context.
+            let _ = unsafe { sys::cuStreamSynchronize(self.copy_stream) };
+        }
+        enqueued
+    }
+
+    /// [`AsyncUploads::write`]'s pieces; `launched` says whether a host function reading
+    /// `src` was enqueued, so that a failure can wait for it.
+    ///
+    /// # Safety
+    /// As [`AsyncUploads::write`].
+    unsafe fn enqueue(
+        &mut self,
+        dst: CUdeviceptr,
+        src: *const u8,
+        bytes: u64,
+        stream: CUstream,
+        launched: &mut bool,
+    ) -> Result<(), CudaError> {
         let total = crate::usize_of(bytes);
         let mut done = 0;
         while done < total {
             let len = (total - done).min(UPLOAD_SLOT_BYTES);
             let slot = &self.slots[self.next];
             self.next = (self.next + 1) % self.slots.len();
-            let copy = Box::into_raw(Box::new(HostCopy {
-                // SAFETY: within the caller's range.
-                src: unsafe { src.add(done) },
-                dst: slot.host,
-                len,
-            }));
             // SAFETY: streams and events belong to the current context. The copy stream waits
             // until the queue has copied the slot's last contents out (an event never recorded
             // is complete); the host function gets the box, which it frees (on failure to
@@ -759,12 +802,17 @@ impl AsyncUploads {
                 sys::cuStreamWaitEvent(self.copy_stream, slot.free.0, 0)
                     .result()
                     .call("cuStreamWaitEvent")?;
-                let launched =
-                    sys::cuLaunchHostFunc(self.copy_stream, Some(host_copy), copy.cast());
-                if launched != CUresult::CUDA_SUCCESS {
+                let copy = Box::into_raw(Box::new(HostCopy {
+                    src: src.add(done),
+                    dst: slot.host,
+                    len,
+                }));
+                let status = sys::cuLaunchHostFunc(self.copy_stream, Some(host_copy), copy.cast());
+                if status != CUresult::CUDA_SUCCESS {
                     drop(Box::from_raw(copy));
-                    launched.result().call("cuLaunchHostFunc")?;
+                    status.result().call("cuLaunchHostFunc")?;
                 }
+                *launched = true;
                 result::event::record(slot.filled.0, self.copy_stream).call("cuEventRecord")?;
                 sys::cuStreamWaitEvent(stream, slot.filled.0, 0)
                     .result()

@@ -482,6 +482,56 @@ fn async_writes_go_through_page_locked_slots_in_queue_order() {
     );
 }
 
+/// A free the driver refuses changes nothing: the buffer stays live and counted, and a later
+/// free of it releases it (before, the handle was gone and its bytes left the report while
+/// the driver still held them). With and without memory pools.
+#[test]
+fn a_free_the_driver_refuses_leaves_the_buffer_live() {
+    let size = (3u64 << 20).to_string();
+    run(
+        "failed_free",
+        &[("IRIS_STANDIN_FAIL_FREE_OF", &size)],
+        Libraries::Driver,
+    );
+    run(
+        "failed_free",
+        &[
+            ("IRIS_STANDIN_FAIL_FREE_OF", &size),
+            ("IRIS_STANDIN_POOLS", "0"),
+        ],
+        Libraries::Driver,
+    );
+}
+
+/// An open that fails after its memory pool was made (a memory query failing at any point
+/// after it) destroys the pool.
+#[test]
+fn an_open_failing_after_its_pool_was_made_destroys_it() {
+    for at in ["2", "3"] {
+        run(
+            "open_fails_after_pool",
+            &[("IRIS_STANDIN_FAIL_MEM_INFO_AT", at)],
+            Libraries::Driver,
+        );
+    }
+}
+
+/// A `write_async` whose device copy fails after the slot's host copy was enqueued answers
+/// the error only once that host copy has read the source: the caller frees the source right
+/// after the error (before, the host copy ran at the next synchronisation and read freed
+/// memory: the process died with SIGSEGV).
+#[test]
+fn a_failed_async_write_is_done_reading_its_source_when_it_returns() {
+    run(
+        "failed_write_async",
+        &[
+            ("IRIS_STANDIN_DEFER", "1"),
+            ("IRIS_STANDIN_FAIL_COPY", "719"),
+        ],
+        Libraries::Driver,
+    );
+}
+
 #[test]
 fn no_configuration_makes_the_host_abort() {
     let configurations: &[(&str, &[(&str, &str)], Libraries)] = &[
@@ -568,6 +618,17 @@ fn scenario() {
         "no_blas" => no_blas(&plugin),
         "staging" => staging(&plugin),
         "write_async" => write_async(&plugin),
+        "failed_write_async" => failed_write_async(&plugin),
+        "failed_free" => failed_free(&plugin),
+        "open_fails_after_pool" => {
+            let err = plugin.open(0, &memory_only()).unwrap_err();
+            assert!(err.message.contains("cuMemGetInfo"), "{err}");
+            assert_eq!(
+                common::standin_live_pools(),
+                0,
+                "the failed open destroyed its memory pool"
+            );
+        }
         "survive" => survive(&plugin),
         other => panic!("unknown scenario {other}"),
     }
@@ -1009,6 +1070,55 @@ fn staging(plugin: &Plugin) {
     drop(host);
     drop(back);
     device.synchronize().unwrap();
+}
+
+fn failed_free(plugin: &Plugin) {
+    let device = plugin.open(0, &memory_only()).unwrap();
+    device.synchronize().unwrap();
+    let before = device.mem_info().unwrap().free;
+    // 3 MiB: the size the stand-in refuses to free once.
+    let buf = device.alloc(3 << 20).unwrap();
+    device.write(buf, 0, &[5u8; 16]).unwrap();
+    let err = device.free(buf).expect_err("the driver refuses the free");
+    assert!(err.message.contains("CUDA_ERROR_INVALID_VALUE"), "{err}");
+    let report = device.memory_report().unwrap();
+    assert_eq!(
+        (report.allocated, report.buffers),
+        (3 << 20, 1),
+        "still live and counted"
+    );
+    let mut back = [0u8; 16];
+    device.read(buf, 0, &mut back).expect("still usable");
+    assert_eq!(back, [5u8; 16]);
+    device.free(buf).expect("freed the second time");
+    device.synchronize().unwrap();
+    let report = device.memory_report().unwrap();
+    assert_eq!((report.allocated, report.buffers), (0, 0));
+    assert_eq!(
+        device.mem_info().unwrap().free,
+        before,
+        "the driver freed it"
+    );
+}
+
+fn failed_write_async(plugin: &Plugin) {
+    let device = std::sync::Arc::new(plugin.open(0, &memory_only()).unwrap());
+    let buf = device.alloc(64 << 20).unwrap();
+    // Large enough for the allocator to give it its own mapping, unmapped when it is freed.
+    let source = vec![7u8; 64 << 20];
+    let err = device
+        .async_writes()
+        .write(buf, 0, &source)
+        .expect_err("the queue's copy fails");
+    assert!(
+        err.message
+            .contains("cuMemcpyHtoDAsync failed: CUDA_ERROR_LAUNCH_FAILED"),
+        "{err}"
+    );
+    drop(source);
+    // The driver runs whatever is still queued here.
+    let _ = device.synchronize();
+    device.free(buf).unwrap();
 }
 
 fn write_async(plugin: &Plugin) {

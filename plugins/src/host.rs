@@ -869,7 +869,12 @@ impl<'a> AsyncWrites<'a> {
                 device.no_async_write.store(true, Ordering::Relaxed);
                 Ok(false)
             }
-            Err(err) => Err(device.plugin.error("write_async", err)),
+            Err(err) => {
+                // A plugin may have queued part of the copy before it failed: the sources stay
+                // borrowed until the wait at `finish` or drop.
+                self.pending = true;
+                Err(device.plugin.error("write_async", err))
+            }
         }
     }
 

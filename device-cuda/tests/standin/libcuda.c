@@ -34,6 +34,10 @@
  *   IRIS_STANDIN_CC        the compute capability, as major * 10 + minor (default 80)
  *   IRIS_STANDIN_POOLS     0: the device has no memory pools (default 1)
  *   IRIS_STANDIN_FAIL_COPY a CUresult every memcpy returns (e.g. 719, launch failed)
+ *   IRIS_STANDIN_FAIL_MEM_INFO_AT  the Nth cuMemGetInfo fails (CUDA_ERROR_UNKNOWN)
+ *   IRIS_STANDIN_FAIL_FREE_OF  a size in bytes: the first cuMemFree or cuMemFreeAsync of an
+ *                          allocation of that size fails (CUDA_ERROR_INVALID_VALUE) and frees
+ *                          nothing; later frees of it succeed
  *   IRIS_STANDIN_DEFER     1: queue asynchronous work as described above (default 0)
  *   IRIS_STANDIN_SYNC_DELAY_MS  cuStreamSynchronize returns this long after the queue ran
  *   IRIS_STANDIN_WRONG_KERNEL   an attention kernel (by name) whose first output element gets
@@ -83,6 +87,8 @@ static unsigned long long allocations;
 static int driver_version = IRIS_STANDIN_DRIVER_DEFAULT;
 static int pools = 1;
 static int fail_copy;
+static unsigned long long fail_free_of;
+static unsigned long long fail_mem_info_at, mem_info_calls;
 static int fail_attribute = -1;
 static int compute_capability = 80;
 static int live_pools;
@@ -154,6 +160,8 @@ CUresult cuInit(unsigned int flags) {
     driver_version = (int)env_number("IRIS_STANDIN_DRIVER", IRIS_STANDIN_DRIVER_DEFAULT);
     pools = (int)env_number("IRIS_STANDIN_POOLS", 1);
     fail_copy = (int)env_number("IRIS_STANDIN_FAIL_COPY", 0);
+    fail_free_of = env_number("IRIS_STANDIN_FAIL_FREE_OF", 0);
+    fail_mem_info_at = env_number("IRIS_STANDIN_FAIL_MEM_INFO_AT", 0);
     initialised = 1;
     return SUCCESS;
 }
@@ -251,6 +259,7 @@ CUresult cuCtxSynchronize(void) {
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
     GUARD();
     if (!current) return 201; /* CUDA_ERROR_INVALID_CONTEXT */
+    if (fail_mem_info_at && ++mem_info_calls == fail_mem_info_at) return 999; /* CUDA_ERROR_UNKNOWN */
     *free_bytes = total_memory - used_memory;
     *total_bytes = total_memory;
     return SUCCESS;
@@ -275,6 +284,19 @@ static CUresult device_alloc(CUdeviceptr *ptr, size_t bytes) {
     used_memory += bytes;
     *ptr = entry->ptr;
     return SUCCESS;
+}
+
+/* IRIS_STANDIN_FAIL_FREE_OF: whether this free of `ptr` is the one that fails (once); the
+ * caller holds state_lock. */
+static int free_fails_locked(CUdeviceptr ptr) {
+    if (!fail_free_of) return 0;
+    for (struct allocation *entry = live; entry; entry = entry->next) {
+        if (entry->ptr == ptr && entry->bytes == fail_free_of) {
+            fail_free_of = 0;
+            return 1;
+        }
+    }
+    return 0;
 }
 
 static CUresult device_free(CUdeviceptr ptr) {
@@ -350,7 +372,7 @@ CUresult cuMemFree_v2(CUdeviceptr ptr) {
     GUARD();
     pthread_mutex_lock(&state_lock);
     flush_locked();
-    CUresult result = device_free(ptr);
+    CUresult result = free_fails_locked(ptr) ? INVALID_VALUE : device_free(ptr);
     pthread_mutex_unlock(&state_lock);
     return result;
 }
@@ -374,7 +396,9 @@ CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream stream) {
     (void)stream;
     pthread_mutex_lock(&state_lock);
     CUresult result = SUCCESS;
-    if (defer) {
+    if (free_fails_locked(ptr)) {
+        result = INVALID_VALUE;
+    } else if (defer) {
         enqueue_locked(NULL, NULL, 0, ptr);
     } else {
         result = device_free(ptr);
