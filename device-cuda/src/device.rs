@@ -737,17 +737,21 @@ impl CudaDevice {
     /// Waits for the queue and reports a bad gather index; errors name `op`, the ABI call that
     /// waited (`synchronize` or `read`).
     fn synchronize_impl(&self, op: &str) -> Result<(), PluginError> {
-        let wait = || {
-            // Only the frees enqueued before the wait are known to have run after it.
-            let waited = self.memory.pending();
-            memory::wait(self.cu_stream()).map_err(|err| err.into_plugin(op))?;
-            self.memory.released(waited);
-            Ok(())
-        };
+        let wait = || self.wait_queue(op);
         match &self.compute {
             Some(compute) => compute.synchronize_with_status(op, self.cu_stream(), wait),
             None => wait(),
         }
+    }
+
+    /// Waits for the queue without reading the gather status word, whose report belongs to
+    /// the caller's next `synchronize` (or `read`).
+    fn wait_queue(&self, op: &str) -> Result<(), PluginError> {
+        // Only the frees enqueued before the wait are known to have run after it.
+        let waited = self.memory.pending();
+        memory::wait(self.cu_stream()).map_err(|err| err.into_plugin(op))?;
+        self.memory.released(waited);
+        Ok(())
     }
 
     fn copy_batch_impl(&self, regions: &[CopyRegion]) -> Result<(), PluginError> {
@@ -1063,7 +1067,9 @@ impl Backend for CudaDevice {
     /// (its release threshold is 0), which are the host's, counted where it freed them.
     fn trim(&self) -> Result<u64, PluginError> {
         self.enter("trim")?;
-        self.synchronize_impl("trim")?;
+        // A bad gather index is the step's error, reported by its own synchronisation: the
+        // reset's trim must not take it.
+        self.wait_queue("trim")?;
         let Some(compute) = &self.compute else {
             return Ok(0);
         };

@@ -543,6 +543,19 @@ fn status(device: &Device) {
         "{err}"
     );
     device.free(idx).unwrap();
+    // A reset's trim between the bad gather and the step's synchronisation leaves the report
+    // to the synchronisation (it took it before, and failed the trim instead).
+    let idx = gather(&[0, 8, 1]);
+    device
+        .trim()
+        .expect("the trim does not take the step's error");
+    let err = device.synchronize().unwrap_err();
+    assert!(
+        err.message
+            .starts_with("synchronize: a gather_rows enqueued earlier"),
+        "{err}"
+    );
+    device.free(idx).unwrap();
     src.free(device);
     out.free(device);
     device.synchronize().unwrap();

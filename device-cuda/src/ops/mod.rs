@@ -288,9 +288,11 @@ impl Compute {
         }
         // One reader at a time: the page-locked word is shared.
         let _reading = lock(&self.status_read);
-        self.status
-            .enqueue_read(stream, &self.status_host)
-            .map_err(|err| err.into_plugin(op))?;
+        if let Err(err) = self.status.enqueue_read(stream, &self.status_host) {
+            // Not read: the next wait reads it.
+            self.gathered.store(true, Ordering::Release);
+            return Err(err.into_plugin(op));
+        }
         wait()?;
         if self.status_host.take() == 0 {
             return Ok(());
