@@ -1013,9 +1013,11 @@ async fn soak_with_aborts_resets_and_injected_faults_returns_to_the_baseline() {
         // A reset of the encoder cache or of everything, with requests in flight.
         match request % RESET_EVERY {
             0 if request % (2 * RESET_EVERY) == 0 => {
-                drop(engine.reset_encoder_cache().await.unwrap())
+                engine.reset_encoder_cache().await.unwrap();
             }
-            0 => drop(engine.reset_all().await.unwrap()),
+            0 => {
+                engine.reset_all().await.unwrap();
+            }
             _ => {}
         }
         let shared = png_of(
