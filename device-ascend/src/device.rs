@@ -230,7 +230,13 @@ impl AscendDevice {
     fn recover(&self, state: &mut State, fault: &AscendError) -> Result<(), PluginError> {
         state.fences.clear();
         match self.stream.rebuild(&self.context) {
-            Ok(()) => {
+            Ok(not_destroyed) => {
+                if let Some(err) = not_destroyed {
+                    self.log.warn(format!(
+                        "NPU {}: the stream in error could not be destroyed ({err}); a new one serves, and the old one is destroyed again at close",
+                        self.ordinal
+                    ));
+                }
                 state.memory.reap_all();
                 self.log.warn(format!(
                     "NPU {}: a kernel fault left the stream in error ({fault}); the stream was rebuilt and the work queued on it dropped",

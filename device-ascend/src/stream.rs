@@ -120,7 +120,15 @@ pub struct Stream {
     fault: Fault,
     /// Events done with, kept for the next record.
     pool: EventPool,
+    /// Streams a rebuild replaced whose destroy failed: destroyed again with this one.
+    stale: Mutex<Vec<RawStream>>,
 }
+
+/// A stream handle a rebuild could not destroy.
+struct RawStream(sys::aclrtStream);
+
+// SAFETY: as for `Stream`: only destroyed, under the device's lock or at its drop.
+unsafe impl Send for RawStream {}
 
 /// An event handle.
 struct RawEvent(sys::aclrtEvent);
@@ -153,6 +161,7 @@ impl Stream {
             raw: AtomicPtr::new(create_stream(rt)?),
             fault: Arc::new(Mutex::new(None)),
             pool: Arc::new(Mutex::new(Vec::new())),
+            stale: Mutex::new(Vec::new()),
         })
     }
 
@@ -184,10 +193,18 @@ impl Stream {
     /// Replaces a stream in error with a new one in the current context (the caller's
     /// context, made current). The old stream is destroyed with the work still queued on it:
     /// after this, no queued work uses any block.
-    pub fn rebuild(&self, _context: &Context) -> Result<(), AscendError> {
+    ///
+    /// Fails only when no new stream can be made. When the old stream cannot be destroyed,
+    /// the new one serves all the same (the old one, in error, runs nothing more) and the
+    /// old one is destroyed again with this one: that error is the `Ok` answer, to log.
+    pub fn rebuild(&self, _context: &Context) -> Result<Option<AscendError>, AscendError> {
         let fresh = create_stream(self.rt)?;
         let old = self.raw.swap(fresh, Ordering::SeqCst);
-        destroy_stream(self.rt, old)
+        Ok(destroy_stream(self.rt, old).err().inspect(|_| {
+            if let Ok(mut stale) = self.stale.lock() {
+                stale.push(RawStream(old));
+            }
+        }))
     }
 }
 
@@ -243,6 +260,11 @@ impl Drop for Stream {
         }
         // The device synchronised the stream and made its context current before dropping it.
         let _ = destroy_stream(self.rt, self.raw());
+        if let Ok(mut stale) = self.stale.lock() {
+            for old in stale.drain(..) {
+                let _ = destroy_stream(self.rt, old.0);
+            }
+        }
     }
 }
 

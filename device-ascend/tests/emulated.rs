@@ -666,6 +666,44 @@ fn a_kernel_fault_is_reported_once_and_later_work_succeeds() {
     );
 }
 
+/// A stream in error that cannot be destroyed at the first try does not make the NPU
+/// unusable: a new stream serves, and the old one is destroyed at close (before, the device
+/// was marked lost and every later call failed).
+#[test]
+fn a_faulted_stream_that_cannot_be_destroyed_does_not_lose_the_npu() {
+    isolated(
+        "a_faulted_stream_that_cannot_be_destroyed_does_not_lose_the_npu",
+        &[
+            ("ASCEND_EMU_HBM", HBM),
+            ("ASCEND_EMU_FAULTED_DESTROY_FAILS", "1"),
+        ],
+        || {
+            use_install(Layout::Split);
+            let before_open = emulator_stats(0).reserved_bytes;
+            let device = open(&plugin(), 0, &[]);
+            let opened = emulator_stats(0).reserved_bytes;
+            let err = gather_2x2(&device, [0, 7]).expect_err("the out-of-range index faults");
+            assert!(
+                err.message
+                    .contains("ACL_ERROR_RT_AICORE_EXCEPTION (507015)"),
+                "{err}"
+            );
+            let got = gather_2x2(&device, [1, 0]).expect("work after the fault succeeds");
+            assert_eq!(got, vec![3.0, 4.0, 1.0, 2.0]);
+            assert!(
+                emulator_stats(0).reserved_bytes > opened,
+                "the old stream is still there"
+            );
+            drop(device);
+            assert_eq!(
+                emulator_stats(0).reserved_bytes,
+                before_open,
+                "closing destroyed the old stream too"
+            );
+        },
+    );
+}
+
 /// Enqueues a gather with an index outside its 2x2 source (an AI core exception on the NPU)
 /// and waits until the emulated NPU has run it into the fault, which no call has met yet.
 /// Returns the source, indices, output and workspace buffers.

@@ -11,6 +11,7 @@
 //! | `ASCEND_EMU_NO_MALLOC_ALIGN32` | `1`: `aclrtMallocAlign32` answers 207000 (not supported), as on a runtime without it | off |
 //! | `ASCEND_EMU_FAIL_OP` | an aclnn op (`aclnnSoftmax`) fails: its N-th kernel (`ASCEND_EMU_FAIL_OP_AT`, default 1) reports 507015 at the next synchronisation, or with `ASCEND_EMU_FAIL_OP_WHEN=launch` its N-th launch returns 561000 | off |
 //! | `ASCEND_EMU_PANIC_OP` | an aclnn op panics inside the emulation: its N-th kernel (`ASCEND_EMU_PANIC_OP_AT`, default 1) or, with `ASCEND_EMU_PANIC_OP_WHEN=phase1`, its N-th first phase; the emulation catches it and reports an error, as a C library must | off |
+//! | `ASCEND_EMU_FAULTED_DESTROY_FAILS` | `1`: the first `aclrtDestroyStream` of each stream in error fails with the stream's fault (a later one succeeds) | off |
 //! | `ASCEND_EMU_MAX_EVENTS` | at most this many events live; `aclrtCreateEvent` beyond it fails with 207007 (no event resource) | unbounded |
 //! | `ASCEND_EMU_STATS_AT_EXIT` | `1`: print the first phases and events created at process exit, to stderr | off |
 //! | `ASCEND_EMU_QUEUE_DELAY_US` | a pause before each queued task, to make missing synchronisation show | 0 |
@@ -60,6 +61,8 @@ pub struct Config {
     pub queue_delay_us: u64,
     /// Most events live at once.
     pub max_events: Option<u64>,
+    /// The first destroy of a stream in error fails.
+    pub faulted_destroy_fails: bool,
     /// Print counters at exit.
     pub stats_at_exit: bool,
 }
@@ -118,6 +121,8 @@ pub fn get() -> &'static Config {
             }),
             queue_delay_us: number("ASCEND_EMU_QUEUE_DELAY_US").unwrap_or(0),
             max_events: var("ASCEND_EMU_MAX_EVENTS").and_then(|v| v.trim().parse().ok()),
+            faulted_destroy_fails: var("ASCEND_EMU_FAULTED_DESTROY_FAILS")
+                .is_some_and(|v| v.trim() == "1"),
             stats_at_exit: var("ASCEND_EMU_STATS_AT_EXIT").is_some_and(|v| v.trim() == "1"),
         }
     })

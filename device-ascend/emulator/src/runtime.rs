@@ -104,6 +104,8 @@ pub struct Stream {
     magic: u64,
     /// The queue.
     pub inner: Arc<StreamInner>,
+    /// Whether a destroy was refused already (`ASCEND_EMU_FAULTED_DESTROY_FAILS`).
+    destroy_refused: AtomicBool,
 }
 
 /// `aclrtEvent`.
@@ -404,6 +406,7 @@ pub fn create_stream(stream: *mut *mut c_void) -> i32 {
         let handle = Box::into_raw(Box::new(Stream {
             magic: STREAM_MAGIC,
             inner,
+            destroy_refused: AtomicBool::new(false),
         }));
         out(stream, handle.cast::<c_void>())
     })
@@ -442,6 +445,12 @@ fn stream_in_context<'a>(stream: *mut c_void) -> Result<&'a Stream, EmuError> {
 pub fn destroy_stream(stream: *mut c_void) -> i32 {
     entry("aclrtDestroyStream", true, || {
         let s = stream_in_context(stream)?;
+        if config::get().faulted_destroy_fails
+            && let Some(fault) = s.inner.sticky()
+            && !s.destroy_refused.swap(true, Ordering::SeqCst)
+        {
+            return Err(fault);
+        }
         s.inner.shutdown();
         s.inner.device.unreserve(STREAM_BYTES);
         // SAFETY: a live stream from `create_stream`, destroyed once.
