@@ -24,7 +24,7 @@ use crate::sys::Cudnn;
 use crate::sys::cudnn::{
     cudaStream_t, cudnnBackendAttributeName_t as Attr, cudnnBackendAttributeType_t as AttrType,
     cudnnBackendDescriptor_t, cudnnBackendDescriptorType_t as Kind, cudnnBackendHeurMode_t,
-    cudnnDataType_t, cudnnHandle_t,
+    cudnnDataType_t, cudnnHandle_t, cudnnStatus_t as Status,
 };
 
 /// The oldest cuDNN whose fused attention operation
@@ -149,7 +149,21 @@ fn check(lib: &Cudnn, call: &str, status: i32) -> Result<(), CudaError> {
     Err(CudaError::Cudnn {
         call: call.to_owned(),
         status: format!("{name} ({status})"),
+        alloc_failed: alloc_failed(status),
     })
+}
+
+/// Whether `status` says cuDNN could not allocate memory: cuDNN 9's
+/// `CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED` (which 9.x keeps the 8.x name
+/// `CUDNN_STATUS_ALLOC_FAILED` for) and `..._DEVICE_ALLOCATION_FAILED`. Such a
+/// failure reaches the host as out of memory, which it answers by freeing memory and retrying.
+pub(crate) fn alloc_failed(status: i32) -> bool {
+    [
+        Status::CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED,
+        Status::CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED,
+    ]
+    .into_iter()
+    .any(|alloc| alloc as i32 == status)
 }
 
 /// A cuDNN handle, bound to the device's queue; destroyed with it.

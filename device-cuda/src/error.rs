@@ -56,6 +56,8 @@ pub enum CudaError {
         call: String,
         /// Its status, named by the library, with its number.
         status: String,
+        /// Whether the status is an allocation failure.
+        alloc_failed: bool,
     },
     /// NVRTC failed to compile the kernels.
     #[error("NVRTC: {call} failed: {status}{}", log_suffix(log))]
@@ -118,7 +120,9 @@ impl CudaError {
         match self {
             CudaError::OutOfMemory { .. } => true,
             CudaError::Driver { code, .. } => *code == CUresult::CUDA_ERROR_OUT_OF_MEMORY,
-            CudaError::Blas { alloc_failed, .. } => *alloc_failed,
+            CudaError::Blas { alloc_failed, .. } | CudaError::Cudnn { alloc_failed, .. } => {
+                *alloc_failed
+            }
             _ => false,
         }
     }
@@ -255,6 +259,34 @@ mod tests {
             bare.into_plugin("alloc_host").code,
             ErrorCode::OUT_OF_MEMORY
         );
+    }
+
+    #[test]
+    fn cudnn_allocation_failures_are_out_of_memory_and_other_statuses_internal() {
+        let cudnn = |status: &str, number: i32| CudaError::Cudnn {
+            call: "cudnnBackendExecute".into(),
+            status: format!("{status} ({number})"),
+            alloc_failed: crate::cudnn::alloc_failed(number),
+        };
+        for (status, number) in [
+            ("CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED", 4003),
+            ("CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED", 4004),
+        ] {
+            let plugin = cudnn(status, number).into_plugin("attention");
+            assert_eq!(plugin.code, ErrorCode::OUT_OF_MEMORY, "{status}");
+            assert_eq!(
+                plugin.message.as_str(),
+                format!("attention: cudnnBackendExecute failed: {status} ({number})")
+            );
+        }
+        for (status, number) in [
+            ("CUDNN_STATUS_INTERNAL_ERROR", 4000),
+            ("CUDNN_STATUS_EXECUTION_FAILED", 5000),
+            ("CUDNN_STATUS_NOT_SUPPORTED", 3000),
+        ] {
+            let plugin = cudnn(status, number).into_plugin("attention");
+            assert_eq!(plugin.code, ErrorCode::INTERNAL, "{status}");
+        }
     }
 
     #[test]

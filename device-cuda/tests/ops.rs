@@ -133,6 +133,21 @@ fn trim_reports_what_a_cudnn_keeping_its_kernels_did_not_give_back() {
     );
 }
 
+/// A plan built after open whose first execution cannot get the device memory it loads (the
+/// stand-in's half a MiB, with the device filled but for 400 KiB): the call still succeeds,
+/// right, on the plugin's kernel; later calls of that shape run the kernel without trying the
+/// plan again, with memory free again too; the failed plan adds nothing to the device's memory
+/// or the report; other shapes keep taking cuDNN; and a trim lets the shape's plan be built
+/// again (the failure may have been for lack of memory), after which it serves.
+#[test]
+fn a_cudnn_plan_whose_first_execution_fails_leaves_its_shape_to_the_kernel() {
+    run(
+        "cudnn_failed_execution",
+        &[("IRIS_STANDIN_CUDNN_PLAN_BYTES", "524288")],
+        Libraries::Full,
+    );
+}
+
 /// cuDNN's attention made wrong (the stand-in adds 0.5 to an output): the check at open keeps
 /// it from serving, `iris devices` says why, and attention is right on the plugin's kernel.
 #[test]
@@ -335,6 +350,9 @@ fn scenario() {
     if name == "cudnn_plan_memory" {
         let options = [("attention_engine", "cudnn"), ("cudnn_plan_memory", "1")];
         return cudnn_plan_memory(&open_with(0, &options));
+    }
+    if name == "cudnn_failed_execution" {
+        return cudnn_failed_execution(&open_with(0, &[("attention_engine", "cudnn")]));
     }
     if name == "cudnn" || name == "wrong_cudnn" {
         let device = open_with(0, &[("attention_engine", "cudnn")]);
@@ -1632,6 +1650,81 @@ fn cudnn_plan_memory(device: &Device) {
     device.trim().unwrap();
     assert_eq!(device.trim().unwrap(), Some(0));
     assert_eq!(used(), opened);
+}
+
+/// The `cudnn_failed_execution` scenario (see
+/// `a_cudnn_plan_whose_first_execution_fails_leaves_its_shape_to_the_kernel`).
+fn cudnn_failed_execution(device: &Device) {
+    const PLAN_BYTES: u64 = 1 << 19;
+    let plans_after_open = || plans_after_open(device);
+    let used = || {
+        device.synchronize().unwrap();
+        let info = device.mem_info().unwrap();
+        info.total - info.free
+    };
+    let failed = common::standin_cudnn_failed_executes;
+    let opened = used();
+    // One 130-token segment: its first call runs the plugin's kernel and asks for the plan,
+    // which the builder thread makes (finalizing needs no device memory in the stand-in).
+    let cu = [0, 130];
+    let built = common::standin_cudnn_plans();
+    assert_eq!(cudnn_runs(device, DType::BF16, 64, &cu), 0, "no plan yet");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while common::standin_cudnn_plans() == built {
+        assert!(Instant::now() < deadline, "no plan was built after 60 s");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // Room for the calls' own buffers, not for what the plan's first execution loads.
+    let free = device.mem_info().unwrap().free;
+    let filler = device.alloc(free - (400 << 10)).unwrap();
+    // Every call succeeds, right (`cudnn_runs` checks it against the reference), on the
+    // kernel: before the plan is ready, and at the call whose execution of it fails.
+    let before = failed();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while failed() == before {
+        assert!(
+            Instant::now() < deadline,
+            "the plan was not executed after 60 s"
+        );
+        assert_eq!(cudnn_runs(device, DType::BF16, 64, &cu), 0);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(failed(), before + 1, "one failed execution");
+    // From then on the shape runs the kernel without trying cuDNN, squeezed or not, and its
+    // plan is not built again.
+    for _ in 0..3 {
+        assert_eq!(cudnn_runs(device, DType::BF16, 64, &cu), 0, "squeezed");
+    }
+    assert_eq!(plans_after_open(), 0, "the failed plan holds nothing");
+    device.free(filler).unwrap();
+    for _ in 0..5 {
+        assert_eq!(
+            cudnn_runs(device, DType::BF16, 64, &cu),
+            0,
+            "memory free again"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(failed(), before + 1, "the refused shape is not tried again");
+    assert_eq!(
+        common::standin_cudnn_plans(),
+        built + 1,
+        "nor its plan built again"
+    );
+    assert_eq!(plans_after_open(), 0);
+    assert_eq!(used(), opened, "device memory back to its value after open");
+    // Other shapes still take cuDNN, their plans counted as before.
+    until_cudnn_runs(device, DType::BF16, 64, &[0, 200], 1);
+    assert_eq!(plans_after_open(), PLAN_BYTES);
+    assert_eq!(used() - opened, PLAN_BYTES);
+    // A trim gives that plan back and drops the refusal: the failure was a first execution,
+    // which may have been for lack of memory. The shape's plan is built again and serves.
+    assert_eq!(device.trim().unwrap(), Some(PLAN_BYTES));
+    assert_eq!(plans_after_open(), 0);
+    until_cudnn_runs(device, DType::BF16, 64, &cu, 1);
+    assert_eq!(plans_after_open(), PLAN_BYTES);
+    assert_eq!(used() - opened, PLAN_BYTES);
+    assert_eq!(failed(), before + 1);
 }
 
 /// cuDNN made wrong by the stand-in does not serve (see

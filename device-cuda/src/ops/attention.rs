@@ -14,7 +14,8 @@
 //!
 //! Where cuDNN serves a call's head dim and type (`sdpa`: option `attention_engine`, and its
 //! check at open here), each run of equal-length segments goes to cuDNN's fused attention, and
-//! any run it has no plan for to the kernels above, in the same call.
+//! any run it has no plan for, or whose plan fails to execute, to the kernels above, in the same
+//! call.
 
 use std::cmp::Ordering;
 use std::ops::Range;

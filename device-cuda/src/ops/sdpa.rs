@@ -21,6 +21,11 @@
 //! size (the largest the check's plans needed), so that the step plans the host made before a
 //! plan was ready stay right after; a shape whose every configuration needs more runs the
 //! kernel.
+//!
+//! A plan whose execution fails after open (its first may need device memory for what cuDNN
+//! loads, and the device may be full) is dropped and its call runs the kernel, so the call
+//! succeeds; the shape then runs the kernel, until the next drop of the plans built after open
+//! (a trim) where the failure may have been for lack of memory, or until the device closes.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -89,11 +94,21 @@ struct Builder {
     thread: JoinHandle<()>,
 }
 
-/// A shape's plan: asked for, ready, or why cuDNN has none.
+/// A shape's plan: asked for, ready, why cuDNN has none, or why its plan was dropped.
 enum Entry {
     Building,
     Ready(SdpaPlan),
     Refused(String),
+    /// Its plan's execution failed after open, and the plugin's kernel runs the shape.
+    Failed {
+        why: String,
+        /// Whether the failure may have been for lack of memory (an allocation-failure status,
+        /// or the plan's first execution, where cuDNN allocates what it loads and may say so
+        /// only as an internal error): then the next drop of the plans built after open (a
+        /// trim) drops this entry too, and the shape's plan is asked for again, once memory
+        /// may be free. Otherwise the shape stays on the kernel until the device closes.
+        until_trim: bool,
+    },
 }
 
 /// Plans by shape.
@@ -332,7 +347,7 @@ impl Sdpa {
     pub(crate) fn why_not(&self, shape: &SdpaShape) -> Option<String> {
         let shared = self.cudnn.as_ref()?;
         match lock(&shared.plans).by_shape.get(shape)? {
-            Entry::Refused(why) => Some(why.clone()),
+            Entry::Refused(why) | Entry::Failed { why, .. } => Some(why.clone()),
             Entry::Building | Entry::Ready(_) => None,
         }
     }
@@ -370,7 +385,10 @@ impl Sdpa {
     /// `Ok(false)` when it is not (or the builder holds the handle), and the caller runs its
     /// kernel. During open the plan is built here; after it, a shape seen for the first time is
     /// handed to the builder thread. A plan's first execution after open waits for the queue,
-    /// so that what the library loaded for it is measured and reported.
+    /// so that what the library loaded for it is measured and reported. A plan whose execution
+    /// fails after open is dropped and the shape refused ([`Sdpa::refuse_failed`]): `Ok(false)`
+    /// too, and the caller's kernel computes the run; during open (the check) the error is
+    /// returned.
     pub(crate) fn run(
         &self,
         shape: &SdpaShape,
@@ -392,7 +410,9 @@ impl Sdpa {
                     return Ok(false);
                 }
                 Some(Entry::Ready(_)) => {}
-                Some(Entry::Building | Entry::Refused(_)) => return Ok(false),
+                Some(Entry::Building | Entry::Refused(_) | Entry::Failed { .. }) => {
+                    return Ok(false);
+                }
             }
             match try_lock(&shared.handle) {
                 Some(handle) => handle,
@@ -404,7 +424,7 @@ impl Sdpa {
         };
         let plan = match plans.entry_built_now(library, &handle, shape) {
             Entry::Ready(plan) => plan,
-            Entry::Building | Entry::Refused(_) => return Ok(false),
+            Entry::Building | Entry::Refused(_) | Entry::Failed { .. } => return Ok(false),
         };
         if plan.workspace > workspace_given {
             return Err(CudaError::Invalid(format!(
@@ -423,7 +443,16 @@ impl Sdpa {
         } else {
             None
         };
-        cudnn::execute(&library.lib, &handle, plan, operands, scale)?;
+        if let Err(err) = cudnn::execute(&library.lib, &handle, plan, operands, scale) {
+            if !opened {
+                return Err(err);
+            }
+            // Left Ready, the plan would fail every later call of the shape the same way (an
+            // execution that could not get its memory is never marked executed), where the
+            // plugin's kernel needs no memory and serves it.
+            self.refuse_failed(&mut plans, shape, &err, before, stream)?;
+            return Ok(false);
+        }
         plan.executed = true;
         if let Some(before) = before {
             memory::wait(stream)?;
@@ -433,10 +462,11 @@ impl Sdpa {
     }
 
     /// Drops the plans built after open (and the shapes refused since, so that a shape refused
-    /// at the option `cudnn_plan_memory` is tried again), after the queue that may still run
-    /// them (on `stream`) and the builder's plan at hand; a plan the builder is making stays
-    /// asked for. Returns the device memory that gave back, which leaves the plans' reported
-    /// figure; the next call of a dropped shape asks for its plan again.
+    /// at the option `cudnn_plan_memory`, or whose plan's execution failed for what may have
+    /// been lack of memory, is tried again), after the queue that may still run them (on
+    /// `stream`) and the builder's plan at hand; a plan the builder is making stays asked for.
+    /// Returns the device memory that gave back, which leaves the plans' reported figure; the
+    /// next call of a dropped shape asks for its plan again.
     pub(crate) fn trim(&self, stream: cudarc::driver::sys::CUstream) -> Result<u64, CudaError> {
         let Some(shared) = &self.cudnn else {
             return Ok(0);
@@ -451,8 +481,9 @@ impl Sdpa {
     }
 
     /// Drops the plans built after open and the shapes refused since (a plan being built stays
-    /// asked for), after waiting for `stream` (queued work may still run them), with the
-    /// handle held by the caller. Returns the device memory that gave back (the library's for
+    /// asked for, and a shape whose plan failed other than for lack of memory stays on the
+    /// kernel), after waiting for `stream` (queued work may still run them), with the handle
+    /// held by the caller. Returns the device memory that gave back (the library's for
     /// those plans, taken from [`Plans::grown`]) and logs it, after `why`.
     fn drop_after_open(
         &self,
@@ -469,7 +500,11 @@ impl Sdpa {
             ..
         } = plans;
         by_shape.retain(|shape, entry| {
-            let keep = from_open.contains(shape) || matches!(entry, Entry::Building);
+            let keep = match entry {
+                Entry::Building => true,
+                Entry::Failed { until_trim, .. } => !*until_trim,
+                Entry::Ready(_) | Entry::Refused(_) => from_open.contains(shape),
+            };
             if !keep && matches!(entry, Entry::Ready(_)) {
                 dropped += 1;
             }
@@ -488,6 +523,58 @@ impl Sdpa {
             ));
         }
         Ok(released)
+    }
+
+    /// Replaces `shape`'s plan, whose execution after open failed with `err`, by a refusal (the
+    /// plugin's kernel runs the shape from the failed call on, and the log says why, once), with
+    /// the caller holding the handle. `before` is the device memory in use before the
+    /// execution, where it was the plan's first: what the failure left allocated (cuDNN may
+    /// keep some of what it loaded) counts in [`Plans::grown`] as a success's growth would.
+    /// Where the plan had run before, what dropping it gives back leaves that figure. A plan
+    /// built at open is the open's, and its memory stays in the open's figure (an overestimate
+    /// once it is dropped, on the side that keeps the host from over-filling the device).
+    fn refuse_failed(
+        &self,
+        plans: &mut Plans,
+        shape: &SdpaShape,
+        err: &CudaError,
+        before: Option<u64>,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), CudaError> {
+        // The execution may have queued work that still reads the plan.
+        memory::wait(stream)?;
+        let held = used()?;
+        let until_trim = before.is_some() || err.is_out_of_memory();
+        let which = if before.is_some() { "first" } else { "latest" };
+        let why = format!("its plan's {which} execution failed: {err}");
+        plans
+            .by_shape
+            .insert(*shape, Entry::Failed { why, until_trim });
+        let after = used()?;
+        // A shape of the open's refused here leaves the open's: trim treats its refusal as any
+        // other, and a plan built for it later is measured as plans built after open are.
+        let from_open = plans.from_open.remove(shape);
+        match before {
+            Some(before) => plans.grown += after.saturating_sub(before),
+            None if !from_open => {
+                plans.grown = plans.grown.saturating_sub(held.saturating_sub(after));
+            }
+            None => {}
+        }
+        if plans.grown < self.plan_memory {
+            plans.full = false;
+        }
+        self.log.warn(format!(
+            "{}: its {which} execution failed ({err}); the plugin's kernel ran the call and \
+             runs the shape {}",
+            describe(shape),
+            if until_trim {
+                "until the next trim (a reset), after which its plan is built again"
+            } else {
+                "until the device closes"
+            }
+        ));
+        Ok(())
     }
 
     /// Hands `shape` to the builder thread, after making room for it (at [`MAX_PLANS`], the
@@ -591,14 +678,7 @@ fn build_plans(
                 "the builder thread cannot bind the context: {err:?}"
             )),
         };
-        let what = format!(
-            "cuDNN attention plan for {} x {} tokens, {} heads of {} ({})",
-            shape.batch,
-            shape.tokens,
-            shape.heads,
-            shape.head_dim,
-            if shape.bf16 { "bf16" } else { "f16" }
-        );
+        let what = describe(&shape);
         let entry = match built {
             Ok(plan) => {
                 log.info(format!(
@@ -614,6 +694,18 @@ fn build_plans(
         };
         lock(&shared.plans).by_shape.insert(shape, entry);
     }
+}
+
+/// `shape`'s plan, for the log.
+fn describe(shape: &SdpaShape) -> String {
+    format!(
+        "cuDNN attention plan for {} x {} tokens, {} heads of {} ({})",
+        shape.batch,
+        shape.tokens,
+        shape.heads,
+        shape.head_dim,
+        if shape.bf16 { "bf16" } else { "f16" }
+    )
 }
 
 /// `mutex`'s guard if no other thread holds it (a poisoned lock's values stay consistent, as

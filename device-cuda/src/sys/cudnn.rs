@@ -11,7 +11,7 @@ use std::ffi::{c_char, c_int, c_void};
 pub use cudarc::cudnn::sys::{
     cudaStream_t, cudnnBackendAttributeName_t, cudnnBackendAttributeType_t,
     cudnnBackendDescriptor_t, cudnnBackendDescriptorType_t, cudnnBackendHeurMode_t,
-    cudnnDataType_t, cudnnHandle_t,
+    cudnnDataType_t, cudnnHandle_t, cudnnStatus_t,
 };
 
 super::table! {

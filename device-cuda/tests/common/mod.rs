@@ -144,6 +144,11 @@ pub fn standin_cudnn_executes() -> u64 {
     standin_counter("libcudnn.so.9", "iris_standin_cudnn_executes")
 }
 
+/// Executions the stand-in cuDNN refused with an error status.
+pub fn standin_cudnn_failed_executes() -> u64 {
+    standin_counter("libcudnn.so.9", "iris_standin_cudnn_failed_executes")
+}
+
 /// Execution plans the stand-in cuDNN finalized.
 pub fn standin_cudnn_plans() -> u64 {
     standin_counter("libcudnn.so.9", "iris_standin_cudnn_plans")

@@ -39,9 +39,11 @@
  * iris_standin_cudnn_hold_plans(0); iris_standin_cudnn_held_plans() counts the waits begun. A
  * wait of 60 s aborts with a message (the thread that set the hold is the one waiting).
  *
- * Counters for tests: iris_standin_cudnn_executes(), iris_standin_cudnn_plans() (execution
- * plans finalized), iris_standin_cudnn_live_descriptors() and iris_standin_cudnn_live_handles()
- * (created and not destroyed).
+ * Counters for tests: iris_standin_cudnn_executes(), iris_standin_cudnn_failed_executes()
+ * (executions that returned an error status, such as a plan's first one when the device memory
+ * it loads cannot be allocated), iris_standin_cudnn_plans() (execution plans finalized),
+ * iris_standin_cudnn_live_descriptors() and iris_standin_cudnn_live_handles() (created and not
+ * destroyed).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -141,7 +143,8 @@ struct desc {
     void *workspace_ptr;
 };
 
-static unsigned long long executes, plans, live_descriptors, live_handles, held_plans;
+static unsigned long long executes, failed_executes, plans, live_descriptors, live_handles,
+    held_plans;
 static int hold_plans;
 
 void iris_standin_cudnn_hold_plans(int on) { __atomic_store_n(&hold_plans, on, __ATOMIC_SEQ_CST); }
@@ -150,6 +153,7 @@ unsigned long long iris_standin_cudnn_held_plans(void) {
 }
 
 unsigned long long iris_standin_cudnn_executes(void) { return executes; }
+unsigned long long iris_standin_cudnn_failed_executes(void) { return failed_executes; }
 unsigned long long iris_standin_cudnn_plans(void) { return plans; }
 unsigned long long iris_standin_cudnn_live_descriptors(void) { return live_descriptors; }
 unsigned long long iris_standin_cudnn_live_handles(void) { return live_handles; }
@@ -687,6 +691,7 @@ cudnnStatus_t cudnnBackendExecute(void *handle, void *plan, void *pack) {
     enter_handle(handle);
     pthread_mutex_lock(&lock);
     cudnnStatus_t status = execute(handle, plan, pack);
+    if (status != OK) __atomic_add_fetch(&failed_executes, 1, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&lock);
     leave_handle(handle);
     return status;
