@@ -1650,6 +1650,17 @@ fn cudnn_plan_memory(device: &Device) {
     device.trim().unwrap();
     assert_eq!(device.trim().unwrap(), Some(0));
     assert_eq!(used(), opened);
+    // Three shapes asked for at once, while nothing is held: all three are built, and the
+    // one whose plan is still unrun when the first two reached the option is dropped unrun
+    // (before, it ran too, and the plans held 1.5 MiB under the option's 1 MiB).
+    until_cudnn_runs(device, DType::BF16, 64, &[0, 130, 330, 630], 2);
+    let until = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < until {
+        assert!(cudnn_runs(device, DType::BF16, 64, &[0, 130, 330, 630]) <= 2);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(plans_after_open(), 1 << 20);
+    assert_eq!(used() - opened, 1 << 20);
 }
 
 /// The `cudnn_failed_execution` scenario (see

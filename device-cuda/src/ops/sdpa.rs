@@ -422,6 +422,18 @@ impl Sdpa {
         } else {
             lock(&shared.handle)
         };
+        // Shapes asked for while the plans held less than `cudnn_plan_memory` were all built,
+        // and what a plan takes is known only once it ran: a plan not yet run when the option
+        // is reached is dropped unrun, so that the plans exceed it by at most the one whose
+        // first execution crossed it.
+        if opened
+            && plans.grown >= self.plan_memory
+            && matches!(plans.by_shape.get(shape), Some(Entry::Ready(plan)) if !plan.executed)
+        {
+            let why = self.plans_full(&mut plans);
+            plans.by_shape.insert(*shape, Entry::Refused(why));
+            return Ok(false);
+        }
         let plan = match plans.entry_built_now(library, &handle, shape) {
             Entry::Ready(plan) => plan,
             Entry::Building | Entry::Refused(_) | Entry::Failed { .. } => return Ok(false),
@@ -596,17 +608,7 @@ impl Sdpa {
             self.drop_after_open(plans, stream, &format!("{MAX_PLANS} cuDNN plans"))?;
         }
         if plans.grown >= self.plan_memory {
-            let why = format!(
-                "cuDNN's plans built after open hold {} bytes of device memory, the option \
-                 cudnn_plan_memory's {} or more",
-                plans.grown, self.plan_memory
-            );
-            if !plans.full {
-                plans.full = true;
-                self.log.warn(format!(
-                    "{why}: attention of shapes without a plan runs the plugin's kernel"
-                ));
-            }
+            let why = self.plans_full(plans);
             plans.by_shape.insert(*shape, Entry::Refused(why));
             return Ok(());
         }
@@ -616,6 +618,25 @@ impl Sdpa {
         };
         plans.by_shape.insert(*shape, entry);
         Ok(())
+    }
+}
+
+impl Sdpa {
+    /// Why a shape gets no plan once the plans built after open hold `cudnn_plan_memory`; the
+    /// first time, the log says so.
+    fn plans_full(&self, plans: &mut Plans) -> String {
+        let why = format!(
+            "cuDNN's plans built after open hold {} bytes of device memory, the option \
+             cudnn_plan_memory's {} or more",
+            plans.grown, self.plan_memory
+        );
+        if !plans.full {
+            plans.full = true;
+            self.log.warn(format!(
+                "{why}: attention of shapes without a plan runs the plugin's kernel"
+            ));
+        }
+        why
     }
 }
 
