@@ -835,7 +835,11 @@ fn check_accounting(device: &Device) -> Outcome {
     device.synchronize().map_err(fail_with("synchronize"))?;
     let after = device.memory_report().map_err(fail_with("memory_report"))?;
     let info_after = device.mem_info().map_err(fail_with("mem_info"))?;
-    if during.allocated != before.allocated + bytes || during.buffers != before.buffers + 1 {
+    // Checked sums: the figures are the plugin's, and a wrapped or overflowing sum would
+    // panic or compare nonsense instead of failing the check.
+    if before.allocated.checked_add(bytes) != Some(during.allocated)
+        || before.buffers.checked_add(1) != Some(during.buffers)
+    {
         return Err(fail(format!(
             "after allocating {bytes} bytes the plugin counts {} bytes in {} buffers; it counted {} in {} before",
             during.allocated, during.buffers, before.allocated, before.buffers
@@ -848,7 +852,12 @@ fn check_accounting(device: &Device) -> Outcome {
         )));
     }
     let tol = free_memory_tolerance(info_before.total);
-    if info_before.free.saturating_sub(info_during.free) + tol < bytes {
+    if info_before
+        .free
+        .saturating_sub(info_during.free)
+        .saturating_add(tol)
+        < bytes
+    {
         return Err(fail(format!(
             "device free memory went from {} to {} bytes after allocating {bytes} bytes (tolerance {tol})",
             info_before.free, info_during.free

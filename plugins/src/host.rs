@@ -700,7 +700,12 @@ impl Device {
     ) -> Result<u64, DeviceError> {
         let transfer = self.staging_fn(op, transfer)?;
         self.check(op, transfer(self.instance.ctx, copy))?;
-        self.fence()
+        self.fence().inspect_err(|_| {
+            // The transfer is queued and the buffer would read as idle with no fence to wait
+            // for: wait for the whole queue instead, so that the host neither overwrites an
+            // upload's source nor reads a download that has not arrived.
+            let _ = self.synchronize();
+        })
     }
 
     fn fence(&self) -> Result<u64, DeviceError> {

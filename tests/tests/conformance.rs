@@ -117,7 +117,10 @@ fn template_passes_and_reports_every_op_unsupported() {
 /// A device that lies: it lists gemm and layer norm, but its gemm writes nothing and its layer
 /// norm answers "unsupported", and its host staging buffers are a byte short of what was asked.
 /// The suite must fail all three and call the unlisted ops unsupported; the host must refuse
-/// the short buffer rather than read or write past it.
+/// the short buffer rather than read or write past it. Opened with the option `lie`, it tells
+/// one other lie instead of the staging one: `fence` (staged transfers work, on a queue that
+/// runs each task 200 ms late, but no fence can be recorded) or `report` (its memory report
+/// counts `u64::MAX - 1` bytes allocated).
 mod liar {
     use abi_stable::prefix_type::{PrefixRef, WithMetadata};
     use abi_stable::std_types::{RResult, RSlice, RStr};
@@ -125,12 +128,19 @@ mod liar {
     use iris_plugin::abi::{
         BufferHandle, CopyRegion, DeviceDesc, DeviceInstance, FillArgs, GemmArgs, HostAlloc,
         HostBufferId, IrisPlugin, IrisPluginRef, LogSink, MemInfo, MemoryReport, NormArgs, OpKind,
-        PluginError, PluginOption, ProbeResult,
+        PluginError, PluginOption, ProbeResult, StagedCopy,
     };
     use iris_plugin::backend::{device_instance, guard, probe_result};
     use iris_plugin::{Backend, Logger, Plugin};
 
-    struct Liar(CpuDevice);
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Lie {
+        ShortStaging,
+        Fence,
+        Report,
+    }
+
+    struct Liar(CpuDevice, Lie);
 
     impl Backend for Liar {
         fn describe(&self) -> DeviceDesc {
@@ -142,7 +152,11 @@ mod liar {
             self.0.mem_info()
         }
         fn memory_report(&self) -> Result<MemoryReport, PluginError> {
-            self.0.memory_report()
+            let mut report = self.0.memory_report()?;
+            if self.1 == Lie::Report {
+                report.allocated = u64::MAX - 1;
+            }
+            Ok(report)
         }
         fn alloc(&self, bytes: u64) -> Result<BufferHandle, PluginError> {
             self.0.alloc(bytes)
@@ -174,11 +188,28 @@ mod liar {
         /// One byte short of what was asked for.
         fn alloc_host(&self, bytes: u64) -> Result<HostAlloc, PluginError> {
             let mut alloc = self.0.alloc_host(bytes)?;
-            alloc.len = bytes - 1;
+            if self.1 == Lie::ShortStaging {
+                alloc.len = bytes - 1;
+            }
             Ok(alloc)
         }
         fn free_host(&self, id: HostBufferId) -> Result<(), PluginError> {
             self.0.free_host(id)
+        }
+        fn upload(&self, copy: &StagedCopy) -> Result<(), PluginError> {
+            self.0.upload(copy)
+        }
+        fn download(&self, copy: &StagedCopy) -> Result<(), PluginError> {
+            self.0.download(copy)
+        }
+        fn fence(&self) -> Result<u64, PluginError> {
+            if self.1 == Lie::Fence {
+                return Err(PluginError::internal("fence: no event left"));
+            }
+            self.0.fence()
+        }
+        fn wait_fence(&self, value: u64) -> Result<(), PluginError> {
+            self.0.wait_fence(value)
         }
     }
 
@@ -188,15 +219,24 @@ mod liar {
 
     extern "C" fn open(
         _ordinal: u32,
-        _options: RSlice<'_, PluginOption<'_>>,
+        options: RSlice<'_, PluginOption<'_>>,
         _log: LogSink,
     ) -> RResult<DeviceInstance, PluginError> {
         guard("open", || {
-            let options = CpuOptions::parse(&[("threads", "1"), ("capacity", "1GiB")])?;
-            Ok(device_instance(Liar(CpuDevice::open(
-                options,
-                Logger::discard(),
-            )?)))
+            let lie = match options.iter().find(|o| o.key.as_str() == "lie") {
+                Some(o) if o.value.as_str() == "fence" => Lie::Fence,
+                Some(o) if o.value.as_str() == "report" => Lie::Report,
+                _ => Lie::ShortStaging,
+            };
+            let mut cpu = vec![("threads", "1"), ("capacity", "1GiB")];
+            if lie == Lie::Fence {
+                cpu.push(("queue_delay_us", "200000"));
+            }
+            let options = CpuOptions::parse(&cpu)?;
+            Ok(device_instance(Liar(
+                CpuDevice::open(options, Logger::discard())?,
+                lie,
+            )))
         })
     }
 
@@ -269,4 +309,45 @@ fn listed_ops_that_misbehave_fail_and_unlisted_ones_are_unsupported() {
             .contains("asked for 4096 bytes, the plugin answered 4095 bytes"),
         "{err}"
     );
+}
+
+/// A staged upload whose fence cannot be recorded: the host waits for the queue before it
+/// answers the error, so the buffer it hands back as idle is idle (before, the next
+/// `as_mut_slice` overwrote the source of an upload still queued).
+#[test]
+fn a_staged_upload_whose_fence_fails_is_done_before_the_buffer_is_reused() {
+    let plugin = liar::plugin();
+    let options = [("lie".to_owned(), "fence".to_owned())];
+    let device = Arc::new(plugin.open(0, &options).expect("the liar opens"));
+    let buf = device.alloc(4096).unwrap();
+    let mut host = device.host_buffer(4096).unwrap();
+    assert!(host.is_pinned());
+    host.as_mut_slice().unwrap().fill(1);
+    let err = device.upload(buf, 0, &mut host, 0, 4096).unwrap_err();
+    assert!(err.message.contains("no event left"), "{err}");
+    host.as_mut_slice().unwrap().fill(2);
+    let mut back = vec![0u8; 4096];
+    device.read(buf, 0, &mut back).unwrap();
+    assert!(
+        back.iter().all(|b| *b == 1),
+        "the upload read the source it was given"
+    );
+    drop(host);
+    device.free(buf).unwrap();
+}
+
+/// The suite does its sums on a plugin's figures without overflowing: a memory report
+/// counting `u64::MAX - 1` bytes fails the accounting check (it panicked the suite before).
+#[test]
+fn a_memory_report_near_the_top_of_u64_fails_the_accounting_check() {
+    let plugin = liar::plugin();
+    let options = [("lie".to_owned(), "report".to_owned())];
+    let device = Arc::new(plugin.open(0, &options).expect("the liar opens"));
+    let report = conformance::run(&plugin, &device);
+    let accounting = report
+        .checks
+        .iter()
+        .find(|check| check.name == "memory.accounting")
+        .expect("memory.accounting");
+    assert_eq!(accounting.status.label(), "fail");
 }
