@@ -208,10 +208,12 @@ impl Compute {
             what: "kernels".into(),
             bytes: growth.max(module.image_bytes),
         });
+        // Measured, as the descriptors below: a 4-byte `cuMemAlloc` may take a fresh page.
+        let before = used()?;
         let status = DeviceWord::new()?;
         held.push(HeldMemory {
             what: "kernel status word".into(),
-            bytes: DeviceWord::BYTES as u64,
+            bytes: used()?.saturating_sub(before).max(DeviceWord::BYTES as u64),
         });
         let before = used()?;
         let descriptors = Descriptors::new()?;
@@ -697,6 +699,9 @@ impl DeviceWord {
         let word = DeviceWord { ptr };
         // SAFETY: the word is 4 bytes of live device memory.
         unsafe { result::memset_d8_sync(word.ptr, 0, Self::BYTES) }.call("cuMemsetD8")?;
+        // That memset is ordered on the legacy stream, which nothing orders the plugin's
+        // non-blocking stream after: wait for it here, once, at open.
+        result::ctx::synchronize().call("cuCtxSynchronize")?;
         Ok(word)
     }
 
