@@ -618,6 +618,7 @@ fn scenario() {
         "no_blas" => no_blas(&plugin),
         "staging" => staging(&plugin),
         "write_async" => write_async(&plugin),
+        "write_async_reuse" => write_async_reuse(&plugin),
         "failed_write_async" => failed_write_async(&plugin),
         "failed_free" => failed_free(&plugin),
         "open_fails_after_pool" => {
@@ -1207,4 +1208,74 @@ const CACHED_ENV: &str = "IRIS_TEST_CACHED_KERNELS";
 
 fn memory_only() -> Vec<(String, String)> {
     vec![("memory_only".to_owned(), "true".to_owned())]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Slots reused across back-to-back asynchronous writes
+// ---------------------------------------------------------------------------------------------
+
+/// Back-to-back `write_async`s of distinct contents, each larger than a page-locked slot and
+/// more pieces in all than there are slots, so that slots are refilled across writes. With the
+/// stand-in's streams deferred (as a GPU runs them), a slot is refilled only after the queue
+/// has copied its last contents out (the copy stream's wait for the slot's `free` event), and
+/// the queue copies a slot only after its host function filled it (the queue's wait for
+/// `filled`): without either wait, some range of the buffer holds another piece's bytes.
+#[test]
+fn back_to_back_async_writes_refill_the_slots_in_order() {
+    run("write_async_reuse", &[], Libraries::Driver);
+    run(
+        "write_async_reuse",
+        &[("IRIS_STANDIN_DEFER", "1")],
+        Libraries::Driver,
+    );
+}
+
+fn write_async_reuse(plugin: &Plugin) {
+    // 32 MiB slots, four of them (device-cuda/src/memory.rs): three writes of two pieces each
+    // refill the first two slots.
+    const SLOT: usize = 32 << 20;
+    const WRITES: usize = 3;
+    let device = std::sync::Arc::new(plugin.open(0, &memory_only()).unwrap());
+    assert!(device.has_async_write());
+    let sources: Vec<Vec<u8>> = (0..WRITES)
+        .map(|w| {
+            let bytes = SLOT + (8 << 20) + 1000 * w + 1;
+            // Distinct per write and per slot-sized piece, so a piece copied from the wrong
+            // slot contents shows.
+            (0..bytes)
+                .map(|i| ((i * 13 + w * 101 + i / SLOT * 53) % 251) as u8)
+                .collect()
+        })
+        .collect();
+    // Each write at its own odd offset of one buffer.
+    let mut offsets = Vec::with_capacity(WRITES);
+    let mut end = 5u64;
+    for source in &sources {
+        offsets.push(end);
+        end += source.len() as u64 + 3;
+    }
+    let buf = device.alloc(end).unwrap();
+    {
+        let mut writes = device.async_writes();
+        for (source, &offset) in sources.iter().zip(&offsets) {
+            assert!(
+                writes.write(buf, offset, source).unwrap(),
+                "the plugin takes the write"
+            );
+        }
+        writes.finish().unwrap();
+    }
+    for (w, (source, &offset)) in sources.iter().zip(&offsets).enumerate() {
+        let mut back = vec![0u8; source.len()];
+        device.read(buf, offset, &mut back).unwrap();
+        let wrong = back.iter().zip(source).position(|(got, want)| got != want);
+        assert!(
+            wrong.is_none(),
+            "write {w}: byte {} of {} is not the source's (a slot's piece landed out of order)",
+            wrong.unwrap_or(0),
+            source.len()
+        );
+    }
+    device.free(buf).unwrap();
+    device.synchronize().unwrap();
 }

@@ -11,11 +11,38 @@
  * iris_standin_blocking_reads() the synchronous device-to-host copies (cuMemcpyDtoH),
  * iris_standin_device_copies() the device-to-device copies (cuMemcpyDtoDAsync).
  *
- * Deferred work (IRIS_STANDIN_DEFER=1) models what a GPU does asynchronously: stream-ordered
- * frees, and copies from or to page-locked host memory (cuMemHostAlloc), stay queued until a
- * synchronisation (stream, context, event) or the next operation that runs at once (a launch,
- * a fill, a device copy, a copy from or to pageable memory, which the driver stages
- * synchronously). cuStreamQuery answers CUDA_ERROR_NOT_READY while work is queued.
+ * Deferred work (IRIS_STANDIN_DEFER=1) models what a GPU does asynchronously, stream by stream,
+ * so that a missing cross-stream wait fails in CI as it would on a GPU:
+ *   - Each stream (the legacy NULL stream too) has a FIFO queue of the work a GPU could still be
+ *     doing: copies from or to page-locked host memory (cuMemHostAlloc), host functions
+ *     (cuLaunchHostFunc), stream-ordered frees (cuMemFreeAsync, which free when reached) and
+ *     waits for events (cuStreamWaitEvent). Work runs in order within a stream; nothing orders
+ *     two streams but events.
+ *   - cuEventRecord(e, s) marks e at s's tail at the call (re-recording moves the mark); e is
+ *     complete once s has run that far, and an event never recorded is complete.
+ *     cuStreamWaitEvent(s, e) captures e's mark at the call, as CUDA does: later work on s runs
+ *     only after e's stream has run up to it.
+ *   - Nothing runs by itself: queued work runs when something needs it, and only as far as
+ *     needed. cuStreamSynchronize(s) runs s's queue; cuEventSynchronize(e) e's stream up to its
+ *     mark; cuCtxSynchronize and iris_standin_flush() every queue. An operation on a stream that
+ *     the stand-in does at once (a fill, a device copy, a copy from or to pageable memory, which
+ *     the driver stages synchronously) first runs that stream's queue; a kernel launch runs every
+ *     queue (the emulator's hook, iris_standin_flush, takes no stream;
+ *     iris_standin_flush_stream(stream) runs one stream's). The synchronous calls without a
+ *     stream (cuMemcpyHtoD/DtoH, cuMemsetD8, cuMemFree, cuMemFreeHost, cuMemPoolDestroy) run
+ *     every queue, as the driver's implicit synchronisation does. cuStreamDestroy runs the
+ *     stream's queue first (a GPU finishes a destroyed stream's work).
+ *   - Running a stream up to a point runs, before each wait in its queue, the waited-for stream
+ *     up to the captured mark, and then lets that stream run on as far as it can without waiting
+ *     itself, as a GPU's other engine would. So a missing wait shows in both directions: a
+ *     consumer without its wait runs before its producer (the producer only runs when waited
+ *     for), and a producer without its wait for the consumer runs ahead and overwrites what the
+ *     consumer has not read yet. There is no deadlock: a mark covers only work enqueued before
+ *     the wait that captured it, so each wait depends on strictly older work.
+ *   - cuStreamQuery answers CUDA_ERROR_NOT_READY while the stream has queued work, cuEventQuery
+ *     while the event's stream has not run up to its mark; neither runs anything.
+ *   - Not modelled: the legacy stream's implicit synchronisation with blocking streams (the
+ *     plugin's streams are all non-blocking); the per-thread default stream is the legacy one.
  * cuPointerGetAttribute tells page-locked host memory (CU_MEMORYTYPE_HOST) from pageable
  * (CUDA_ERROR_INVALID_VALUE), as the driver does. Entry points are thread-safe.
  *
@@ -96,7 +123,7 @@ static int defer;
 static unsigned long long sync_delay_ms;
 static unsigned long long blocking_reads;
 static unsigned long long device_copies;
-/* Guards every table and the queue: the plugin is called from several threads. */
+/* Guards every table and the queues: the plugin is called from several threads. */
 static pthread_mutex_t state_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* Page-locked host allocations, to tell them from pageable memory. */
@@ -107,18 +134,49 @@ struct host_block {
 };
 static struct host_block *host_blocks;
 
-/* Queued asynchronous work (IRIS_STANDIN_DEFER=1), in enqueue order. */
-struct deferred {
-    void *dst;
+/* One piece of queued asynchronous work (IRIS_STANDIN_DEFER=1). */
+enum op_kind { OP_COPY, OP_FREE, OP_HOST_FN, OP_WAIT };
+struct stream;
+struct op {
+    enum op_kind kind;
+    void *dst; /* OP_COPY: `bytes` from `src` to `dst` */
     const void *src;
     size_t bytes;
-    CUdeviceptr free_ptr; /* nonzero: a stream-ordered free */
-    void (*host_fn)(void *); /* nonzero: a host function, called with `host_data` */
+    CUdeviceptr free_ptr;    /* OP_FREE: a stream-ordered free */
+    void (*host_fn)(void *); /* OP_HOST_FN: called with `host_data` */
     void *host_data;
-    struct deferred *next;
+    /* OP_WAIT: later work waits until `wait_stream` has run `wait_mark` operations (NULL: the
+     * stream is gone, its work all done). */
+    struct stream *wait_stream;
+    unsigned long long wait_mark;
+    struct op *next;
 };
-static struct deferred *queue_head, *queue_tail;
+
+/* A stream: its queue, in enqueue order, and two counts of its operations that make positions
+ * in it comparable: `enqueued` ever and `completed` (run) so far. A mark (an event's, a wait's)
+ * is a value of `enqueued`; the stream has reached it once `completed` is as large, since the
+ * queue runs in order. CUstream handles are `struct stream *`, except the legacy one. */
+struct stream {
+    struct op *head, *tail;
+    unsigned long long enqueued, completed;
+    struct stream *next; /* every live stream, for whole-context synchronisation */
+};
+/* The legacy (NULL) stream, which also stands for CU_STREAM_LEGACY and CU_STREAM_PER_THREAD;
+ * it heads the list of live streams and is never destroyed. */
+static struct stream legacy_stream;
+static struct stream *streams = &legacy_stream;
+
+/* An event: where it was last recorded (`stream` NULL: never, or on a stream since destroyed,
+ * whose work all ran; complete either way). */
+struct event {
+    struct stream *stream;
+    unsigned long long mark;
+    struct event *next; /* every live event, to forget a destroyed stream */
+};
+static struct event *events;
+
 void iris_standin_flush(void);
+void iris_standin_flush_stream(CUstream stream);
 static char primary_context;
 static __thread CUcontext current;
 
@@ -313,38 +371,101 @@ static CUresult device_free(CUdeviceptr ptr) {
     return INVALID_VALUE;
 }
 
-/* Runs the queued work in order; the caller holds state_lock. */
-static void flush_locked(void) {
-    while (queue_head) {
-        struct deferred *op = queue_head;
-        queue_head = op->next;
-        if (op->host_fn) {
-            op->host_fn(op->host_data);
-        } else if (op->free_ptr) {
-            device_free(op->free_ptr);
-        } else {
-            memmove(op->dst, op->src, op->bytes);
-        }
-        free(op);
-    }
-    queue_tail = NULL;
+/* The stream a handle names: the plugin's streams are ours; NULL, CU_STREAM_LEGACY (1) and
+ * CU_STREAM_PER_THREAD (2) are the legacy stream. */
+static struct stream *stream_of(CUstream handle) {
+    if ((uintptr_t)handle <= 2) return &legacy_stream;
+    return (struct stream *)handle;
 }
 
-/* Runs the queued work: everything enqueued so far has completed afterwards. */
+/* Whether `stream` has run its first `mark` operations (a NULL stream's work all ran). */
+static int reached(const struct stream *stream, unsigned long long mark) {
+    return !stream || stream->completed >= mark;
+}
+
+/* Whether the head of `stream`'s queue may run now: anything but a wait not yet met. */
+static int head_ready(const struct stream *stream) {
+    const struct op *op = stream->head;
+    return op && (op->kind != OP_WAIT || reached(op->wait_stream, op->wait_mark));
+}
+
+/* Runs the head of `stream`'s queue, which head_ready allows; the caller holds state_lock.
+ * Host functions run here, on the synchronising thread with the lock held, which is fine for
+ * the plugin's (a memcpy): CUDA forbids calling the driver from one anyway. */
+static void run_head_locked(struct stream *stream) {
+    struct op *op = stream->head;
+    stream->head = op->next;
+    if (!stream->head) stream->tail = NULL;
+    switch (op->kind) {
+        case OP_COPY: memmove(op->dst, op->src, op->bytes); break;
+        case OP_FREE: device_free(op->free_ptr); break;
+        case OP_HOST_FN: op->host_fn(op->host_data); break;
+        case OP_WAIT: break; /* met: nothing to do */
+    }
+    stream->completed++;
+    free(op);
+}
+
+/* Runs `stream`'s queue until it has reached `mark`; the caller holds state_lock.
+ *
+ * Before a wait not yet met, the waited-for stream runs up to the wait's mark (recursively,
+ * for its own waits), then runs on while its head is ready, since a GPU would not stop it
+ * there: a producer that should wait for this stream but does not then overwrites what this
+ * stream has yet to read. Running on stops at the first wait not yet met, so nothing beyond
+ * the mark is forced.
+ * This ends: a wait's mark covers only work enqueued before the wait, so every recursive step
+ * needs strictly older work, and a stream already being run further up is only ever asked for
+ * marks it has reached. The head is read again after each step, since running another stream
+ * on may have run this one's ready head too. */
+static void run_until_locked(struct stream *stream, unsigned long long mark) {
+    while (stream->completed < mark) {
+        struct op *op = stream->head;
+        if (op->kind == OP_WAIT && !reached(op->wait_stream, op->wait_mark)) {
+            struct stream *other = op->wait_stream;
+            run_until_locked(other, op->wait_mark);
+            while (head_ready(other)) run_head_locked(other);
+            continue;
+        }
+        run_head_locked(stream);
+    }
+}
+
+/* Runs `stream`'s whole queue (and what it waits for); the caller holds state_lock. */
+static void drain_locked(struct stream *stream) {
+    run_until_locked(stream, stream->enqueued);
+}
+
+/* Runs every stream's queue; the caller holds state_lock. Running one stream never adds work
+ * to another, so one pass leaves them all empty. */
+static void drain_all_locked(void) {
+    for (struct stream *stream = streams; stream; stream = stream->next) drain_locked(stream);
+}
+
+/* Runs every queue: everything enqueued so far has completed afterwards. The kernel emulator
+ * (emu.cpp) calls this before each launch. */
 void iris_standin_flush(void) {
     pthread_mutex_lock(&state_lock);
-    flush_locked();
+    drain_all_locked();
     pthread_mutex_unlock(&state_lock);
 }
 
-static void enqueue_locked(void *dst, const void *src, size_t bytes, CUdeviceptr free_ptr) {
-    struct deferred *op = calloc(1, sizeof *op);
-    op->dst = dst;
-    op->src = src;
-    op->bytes = bytes;
-    op->free_ptr = free_ptr;
-    if (queue_tail) queue_tail->next = op; else queue_head = op;
-    queue_tail = op;
+/* Runs `stream`'s queue and what it waits for, as an operation on that stream that runs at
+ * once must (for a launch hook that knows its stream). */
+void iris_standin_flush_stream(CUstream stream) {
+    pthread_mutex_lock(&state_lock);
+    drain_locked(stream_of(stream));
+    pthread_mutex_unlock(&state_lock);
+}
+
+/* Appends a zeroed operation of `kind` to `stream`'s queue and returns it to be filled in; the
+ * caller holds state_lock. */
+static struct op *enqueue_locked(struct stream *stream, enum op_kind kind) {
+    struct op *op = calloc(1, sizeof *op);
+    op->kind = kind;
+    if (stream->tail) stream->tail->next = op; else stream->head = op;
+    stream->tail = op;
+    stream->enqueued++;
+    return op;
 }
 
 static int pinned_locked(const void *ptr) {
@@ -371,7 +492,8 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
 CUresult cuMemFree_v2(CUdeviceptr ptr) {
     GUARD();
     pthread_mutex_lock(&state_lock);
-    flush_locked();
+    /* The driver synchronises the context before a plain free. */
+    drain_all_locked();
     CUresult result = free_fails_locked(ptr) ? INVALID_VALUE : device_free(ptr);
     pthread_mutex_unlock(&state_lock);
     return result;
@@ -391,15 +513,16 @@ CUresult cuMemAllocFromPoolAsync(CUdeviceptr *ptr, size_t bytes, CUmemoryPool po
     return cuMemAlloc_v2(ptr, bytes);
 }
 
+/* A stream-ordered free: when deferring, the memory stays allocated until the stream reaches
+ * the free. */
 CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream stream) {
     GUARD();
-    (void)stream;
     pthread_mutex_lock(&state_lock);
     CUresult result = SUCCESS;
     if (free_fails_locked(ptr)) {
         result = INVALID_VALUE;
     } else if (defer) {
-        enqueue_locked(NULL, NULL, 0, ptr);
+        enqueue_locked(stream_of(stream), OP_FREE)->free_ptr = ptr;
     } else {
         result = device_free(ptr);
     }
@@ -463,7 +586,9 @@ CUresult cuMemHostAlloc(void **ptr, size_t bytes, unsigned int flags) {
 CUresult cuMemFreeHost(void *ptr) {
     GUARD();
     pthread_mutex_lock(&state_lock);
-    flush_locked();
+    /* The driver synchronises the context before freeing page-locked memory: queued copies from
+     * or to it are done. */
+    drain_all_locked();
     for (struct host_block **at = &host_blocks; *at; at = &(*at)->next) {
         if ((*at)->ptr == ptr) {
             struct host_block *block = *at;
@@ -494,16 +619,21 @@ CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
     return SUCCESS;
 }
 
-/* A copy: queued when deferring and `host` (the host side of the copy, if any) is page-locked,
- * else done at once after the queue. */
-static CUresult copy(void *dst, const void *src, size_t bytes, const void *host) {
+/* A copy on `stream` (NULL: a synchronous copy, which waits for every stream): queued when
+ * deferring and `host` (the host side of the copy, if any) is page-locked, else done at once
+ * after the work it must follow. */
+static CUresult copy(void *dst, const void *src, size_t bytes, const void *host,
+                     struct stream *stream) {
     GUARD();
     if (fail_copy) return fail_copy;
     pthread_mutex_lock(&state_lock);
-    if (defer && host && pinned_locked(host)) {
-        enqueue_locked(dst, src, bytes, 0);
+    if (defer && host && stream && pinned_locked(host)) {
+        struct op *op = enqueue_locked(stream, OP_COPY);
+        op->dst = dst;
+        op->src = src;
+        op->bytes = bytes;
     } else {
-        flush_locked();
+        if (stream) drain_locked(stream); else drain_all_locked();
         memmove(dst, src, bytes);
     }
     pthread_mutex_unlock(&state_lock);
@@ -511,46 +641,52 @@ static CUresult copy(void *dst, const void *src, size_t bytes, const void *host)
 }
 
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CUstream stream) {
-    (void)stream;
-    return copy((void *)(uintptr_t)dst, src, bytes, src);
+    return copy((void *)(uintptr_t)dst, src, bytes, src, stream_of(stream));
 }
 
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream stream) {
-    (void)stream;
-    return copy(dst, (const void *)(uintptr_t)src, bytes, dst);
+    return copy(dst, (const void *)(uintptr_t)src, bytes, dst, stream_of(stream));
 }
 
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
-    (void)stream;
     __atomic_add_fetch(&device_copies, 1, __ATOMIC_RELAXED);
-    return copy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes, NULL);
+    return copy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes, NULL,
+                stream_of(stream));
 }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t bytes) {
-    return copy((void *)(uintptr_t)dst, src, bytes, NULL);
+    return copy((void *)(uintptr_t)dst, src, bytes, NULL, NULL);
 }
 
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t bytes) {
     __atomic_add_fetch(&blocking_reads, 1, __ATOMIC_RELAXED);
-    return copy(dst, (const void *)(uintptr_t)src, bytes, NULL);
+    return copy(dst, (const void *)(uintptr_t)src, bytes, NULL, NULL);
+}
+
+/* Runs what a fill on `stream` (NULL: a synchronous fill, after every stream) must follow. */
+static void before_fill(struct stream *stream) {
+    pthread_mutex_lock(&state_lock);
+    if (stream) drain_locked(stream); else drain_all_locked();
+    pthread_mutex_unlock(&state_lock);
 }
 
 CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t count) {
     GUARD();
-    iris_standin_flush();
+    before_fill(NULL);
     memset((void *)(uintptr_t)dst, value, count);
     return SUCCESS;
 }
 
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t count, CUstream stream) {
-    (void)stream;
-    return cuMemsetD8_v2(dst, value, count);
+    GUARD();
+    before_fill(stream_of(stream));
+    memset((void *)(uintptr_t)dst, value, count);
+    return SUCCESS;
 }
 
 CUresult cuMemsetD16Async(CUdeviceptr dst, unsigned short value, size_t count, CUstream stream) {
     GUARD();
-    (void)stream;
-    iris_standin_flush();
+    before_fill(stream_of(stream));
     unsigned short *p = (unsigned short *)(uintptr_t)dst;
     for (size_t i = 0; i < count; i++) p[i] = value;
     return SUCCESS;
@@ -558,51 +694,77 @@ CUresult cuMemsetD16Async(CUdeviceptr dst, unsigned short value, size_t count, C
 
 CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t count, CUstream stream) {
     GUARD();
-    (void)stream;
-    iris_standin_flush();
+    before_fill(stream_of(stream));
     unsigned int *p = (unsigned int *)(uintptr_t)dst;
     for (size_t i = 0; i < count; i++) p[i] = value;
     return SUCCESS;
 }
 
+/* A stream of its own (blocking or not: the legacy stream's implicit synchronisation is not
+ * modelled), on the list of live streams. */
 CUresult cuStreamCreate(CUstream *stream, unsigned int flags) {
     GUARD();
     (void)flags;
-    *stream = malloc(1);
+    struct stream *created = calloc(1, sizeof *created);
+    if (!created) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&state_lock);
+    created->next = streams->next; /* after the legacy stream, which stays first */
+    streams->next = created;
+    pthread_mutex_unlock(&state_lock);
+    *stream = created;
     return SUCCESS;
 }
 
-/* A host function: queued with the deferred work when deferring (all streams are one queue
- * here), else called at once after the queue. */
+/* A host function: queued on its stream when deferring, else called at once after the queues
+ * (empty then). */
 CUresult cuLaunchHostFunc(CUstream stream, void (*fn)(void *), void *data) {
     GUARD();
-    (void)stream;
     if (!fn) return INVALID_VALUE;
     pthread_mutex_lock(&state_lock);
     if (defer) {
-        enqueue_locked(NULL, NULL, 0, 0);
-        queue_tail->host_fn = fn;
-        queue_tail->host_data = data;
+        struct op *op = enqueue_locked(stream_of(stream), OP_HOST_FN);
+        op->host_fn = fn;
+        op->host_data = data;
         pthread_mutex_unlock(&state_lock);
         return SUCCESS;
     }
-    flush_locked();
+    drain_all_locked();
     pthread_mutex_unlock(&state_lock);
     fn(data);
     return SUCCESS;
 }
 
+/* A GPU finishes a destroyed stream's work: it runs here, first. Then nothing may point at the
+ * stream any more: events recorded on it and other streams' waits for it are complete (all its
+ * work ran), which a NULL stream says. */
 CUresult cuStreamDestroy_v2(CUstream stream) {
     GUARD();
-    iris_standin_flush();
-    free(stream);
+    struct stream *gone = stream_of(stream);
+    if (gone == &legacy_stream) return SUCCESS; /* not ours to free */
+    pthread_mutex_lock(&state_lock);
+    drain_locked(gone);
+    for (struct event *event = events; event; event = event->next) {
+        if (event->stream == gone) event->stream = NULL;
+    }
+    for (struct stream **at = &streams; *at;) {
+        if (*at == gone) {
+            *at = gone->next;
+            continue;
+        }
+        for (struct op *op = (*at)->head; op; op = op->next) {
+            if (op->kind == OP_WAIT && op->wait_stream == gone) op->wait_stream = NULL;
+        }
+        at = &(*at)->next;
+    }
+    pthread_mutex_unlock(&state_lock);
+    free(gone);
     return SUCCESS;
 }
 
+/* Runs the stream's queue, and what it waits for on other streams. */
 CUresult cuStreamSynchronize(CUstream stream) {
     GUARD();
-    (void)stream;
-    iris_standin_flush();
+    iris_standin_flush_stream(stream);
     if (sync_delay_ms) {
         struct timespec pause = {(time_t)(sync_delay_ms / 1000), (long)(sync_delay_ms % 1000) * 1000000L};
         nanosleep(&pause, NULL);
@@ -610,49 +772,77 @@ CUresult cuStreamSynchronize(CUstream stream) {
     return SUCCESS;
 }
 
+/* Not ready while the stream has queued work (a wait not met included); runs nothing. */
 CUresult cuStreamQuery(CUstream stream) {
     GUARD();
-    (void)stream;
     pthread_mutex_lock(&state_lock);
-    int busy = queue_head != NULL;
+    int busy = stream_of(stream)->head != NULL;
     pthread_mutex_unlock(&state_lock);
     return busy ? NOT_READY : SUCCESS;
 }
 
+/* Later work on `stream` waits for the event's mark as it is now (recording the event again
+ * later does not move the wait). A wait already met (an event never recorded, or complete)
+ * queues nothing. */
 CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags) {
     GUARD();
-    (void)stream;
-    (void)event;
     (void)flags;
+    const struct event *waited = event;
+    pthread_mutex_lock(&state_lock);
+    if (waited && !reached(waited->stream, waited->mark)) {
+        struct op *op = enqueue_locked(stream_of(stream), OP_WAIT);
+        op->wait_stream = waited->stream;
+        op->wait_mark = waited->mark;
+    }
+    pthread_mutex_unlock(&state_lock);
     return SUCCESS;
 }
 
 CUresult cuEventCreate(CUevent *event, unsigned int flags) {
     GUARD();
     (void)flags;
-    *event = malloc(1);
+    struct event *created = calloc(1, sizeof *created);
+    if (!created) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&state_lock);
+    created->next = events;
+    events = created;
+    pthread_mutex_unlock(&state_lock);
+    *event = created;
     return SUCCESS;
 }
 
+/* Marks the event at the stream's tail: it completes once the work enqueued so far has run.
+ * Without deferral nothing is ever queued, so every event is complete at once. */
 CUresult cuEventRecord(CUevent event, CUstream stream) {
     GUARD();
-    (void)event;
-    (void)stream;
+    struct event *recorded = event;
+    if (!recorded) return SUCCESS;
+    pthread_mutex_lock(&state_lock);
+    recorded->stream = stream_of(stream);
+    recorded->mark = recorded->stream->enqueued;
+    pthread_mutex_unlock(&state_lock);
     return SUCCESS;
 }
 
-/* Events complete with the whole queue (the stand-in does not track where one was recorded). */
+/* Not ready while the event's stream has not run up to its mark; runs nothing. */
 CUresult cuEventQuery(CUevent event) {
     GUARD();
-    (void)event;
-    iris_standin_flush();
-    return SUCCESS;
+    const struct event *queried = event;
+    if (!queried) return SUCCESS;
+    pthread_mutex_lock(&state_lock);
+    int done = reached(queried->stream, queried->mark);
+    pthread_mutex_unlock(&state_lock);
+    return done ? SUCCESS : NOT_READY;
 }
 
+/* Runs the event's stream up to its mark (and what that work waits for on other streams). */
 CUresult cuEventSynchronize(CUevent event) {
     GUARD();
-    (void)event;
-    iris_standin_flush();
+    const struct event *waited = event;
+    if (!waited) return SUCCESS;
+    pthread_mutex_lock(&state_lock);
+    if (waited->stream) run_until_locked(waited->stream, waited->mark);
+    pthread_mutex_unlock(&state_lock);
     return SUCCESS;
 }
 
@@ -664,8 +854,17 @@ CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end) {
     return SUCCESS;
 }
 
+/* Waits captured the event's mark, so queued work never points at the event itself. */
 CUresult cuEventDestroy_v2(CUevent event) {
     GUARD();
+    pthread_mutex_lock(&state_lock);
+    for (struct event **at = &events; *at; at = &(*at)->next) {
+        if (*at == event) {
+            *at = (*at)->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&state_lock);
     free(event);
     return SUCCESS;
 }
