@@ -216,11 +216,12 @@ impl CpuDevice {
         job: J,
         run: fn(&J, &Exec) -> Result<(), PluginError>,
     ) -> Result<(), PluginError> {
-        let fault = self.options.faults.on_op(op);
         let panics = self.options.faults.op_panics;
         let packs = Arc::clone(&self.packs);
-        self.queue.submit(
-            name,
+        // The call is counted for fault injection only once it is certain to be queued: a call
+        // answered with an earlier failure is not run, so it must not use up the fault.
+        self.queue.submit_with(name, || {
+            let fault = self.options.faults.on_op(op);
             Box::new(move |exec| match fault {
                 Some(err) if panics => panic!("{}", err.message),
                 Some(err) => Err(err),
@@ -230,8 +231,8 @@ impl CpuDevice {
                     }
                     run(&job, exec)
                 }
-            }),
-        )
+            })
+        })
     }
 
     /// Checks a host staging range.
@@ -396,8 +397,11 @@ impl iris_plugin::Backend for CpuDevice {
     }
 
     fn alloc(&self, bytes: u64) -> Result<BufferHandle, PluginError> {
-        self.options.faults.on_alloc(bytes)?;
-        self.memory.alloc(bytes)
+        // Packed copies take capacity as buffers do (`mem_info` counts them); an injected
+        // fault counts only allocations that would otherwise be made.
+        self.memory.alloc(bytes, self.packs.bytes(), || {
+            self.options.faults.on_alloc(bytes)
+        })
     }
 
     fn free(&self, buf: BufferHandle) -> Result<(), PluginError> {

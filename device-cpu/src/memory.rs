@@ -152,8 +152,15 @@ impl Memory {
         )
     }
 
-    /// Allocates `bytes` zeroed bytes.
-    pub(crate) fn alloc(&self, bytes: u64) -> Result<BufferHandle, PluginError> {
+    /// Allocates `bytes` zeroed bytes, with `held` bytes of the capacity taken by memory
+    /// outside the table (packed weights). `admit` runs once the request is known to fit, and
+    /// its error refuses it.
+    pub(crate) fn alloc(
+        &self,
+        bytes: u64,
+        held: u64,
+        admit: impl FnOnce() -> Result<(), PluginError>,
+    ) -> Result<BufferHandle, PluginError> {
         if bytes == 0 {
             return Err(invalid("alloc", "size must be greater than 0"));
         }
@@ -169,14 +176,20 @@ impl Memory {
             .bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
                 used.checked_add(bytes)
+                    .and_then(|total| total.checked_add(held))
                     .filter(|total| *total <= self.capacity)
+                    .map(|_| used + bytes)
             });
         if let Err(used) = reserved {
             return Err(PluginError::out_of_memory(format!(
                 "alloc: {bytes} bytes requested, {} of {} bytes free",
-                self.capacity.saturating_sub(used),
+                self.capacity.saturating_sub(used).saturating_sub(held),
                 self.capacity
             )));
+        }
+        if let Err(err) = admit() {
+            self.used.bytes.fetch_sub(bytes, Ordering::AcqRel);
+            return Err(err);
         }
         let Some(ptr) = allocate(len, self.poison) else {
             self.used.bytes.fetch_sub(bytes, Ordering::AcqRel);
@@ -328,9 +341,9 @@ mod tests {
     #[test]
     fn capacity_is_honoured_and_freed_bytes_return() {
         let memory = Memory::new(1000, false);
-        let a = memory.alloc(600).unwrap();
+        let a = memory.alloc(600, 0, || Ok(())).unwrap();
         assert_eq!(memory.mem_info().free, 400);
-        let err = memory.alloc(500).unwrap_err();
+        let err = memory.alloc(500, 0, || Ok(())).unwrap_err();
         assert_eq!(err.code, iris_plugin::ErrorCode::OUT_OF_MEMORY);
         memory.free(a).unwrap();
         assert_eq!(memory.mem_info().free, 1000);
@@ -345,7 +358,7 @@ mod tests {
             iris_plugin::ErrorCode::INVALID_ARGUMENT
         );
         assert_eq!(
-            memory.alloc(0).unwrap_err().code,
+            memory.alloc(0, 0, || Ok(())).unwrap_err().code,
             iris_plugin::ErrorCode::INVALID_ARGUMENT
         );
     }
@@ -353,7 +366,7 @@ mod tests {
     #[test]
     fn ranges_outside_a_buffer_are_rejected() {
         let memory = Memory::new(1000, false);
-        let a = memory.alloc(100).unwrap();
+        let a = memory.alloc(100, 0, || Ok(())).unwrap();
         let region = memory.region("t", a).unwrap();
         assert!(check_range("t", "x", &region, 90, 10).is_ok());
         assert!(check_range("t", "x", &region, 90, 11).is_err());

@@ -11,7 +11,7 @@
 //! (the ABI's "at the next call or at `synchronize`"), naming the failed call; work submitted
 //! after it still runs.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -22,6 +22,7 @@ use iris_plugin::abi::PluginError;
 use iris_plugin::backend::panic_message;
 use rayon::prelude::*;
 
+use crate::error::invalid;
 use crate::isa::Tier;
 use crate::ops::native::Kernel;
 
@@ -141,13 +142,37 @@ struct Shared {
 #[derive(Default)]
 struct State {
     items: VecDeque<Item>,
-    /// Items submitted so far; a fence's value.
+    /// Queue positions given out so far, to work and to fences: a fence's value is its own
+    /// position, so every fence gets a new, larger value.
     submitted: u64,
-    /// Items completed so far.
-    done: u64,
+    /// Positions of work submitted and not yet complete. In sync mode several callers' threads
+    /// may each be running an item, and they finish in any order: a fence is complete only
+    /// when no earlier position is left here, not when some later item finished.
+    pending: BTreeSet<u64>,
     /// The first failure not yet reported.
     failure: Option<PluginError>,
     shutdown: bool,
+}
+
+impl State {
+    /// Every position up to this one is complete.
+    fn done(&self) -> u64 {
+        self.pending
+            .first()
+            .map_or(self.submitted, |first| first - 1)
+    }
+
+    /// Takes the next position for work, counted as pending until [`State::complete`].
+    fn next(&mut self) -> u64 {
+        self.submitted += 1;
+        self.pending.insert(self.submitted);
+        self.submitted
+    }
+
+    /// Marks the work at `seq` complete.
+    fn complete(&mut self, seq: u64) {
+        self.pending.remove(&seq);
+    }
 }
 
 struct Item {
@@ -195,17 +220,31 @@ impl Queue {
     /// Submits `work` named `name`: runs it now (sync) or enqueues it (async). A failure of
     /// earlier work not yet reported is returned instead, and `work` is dropped.
     pub(crate) fn submit(&self, name: &'static str, work: Work) -> Result<(), PluginError> {
+        self.submit_with(name, move || work)
+    }
+
+    /// As [`Queue::submit`], building the work with `make` only once it is certain to be
+    /// queued (under the queue's lock, so in queue order): what `make` counts, such as an
+    /// injected fault's calls, counts work that runs, never work dropped for an earlier
+    /// failure.
+    pub(crate) fn submit_with(
+        &self,
+        name: &'static str,
+        make: impl FnOnce() -> Work,
+    ) -> Result<(), PluginError> {
         let mut state = self.shared.lock();
         if let Some(failure) = state.failure.take() {
             return Err(failure);
         }
-        state.submitted += 1;
-        let seq = state.submitted;
+        let work = make();
+        let seq = state.next();
         match self.mode {
             QueueMode::Sync => {
                 drop(state);
                 let result = self.shared.execute(name, seq, work);
-                self.shared.lock().done = seq;
+                self.shared.lock().complete(seq);
+                // Another thread may be waiting for a fence that counts this item.
+                self.shared.completed.notify_all();
                 result
             }
             QueueMode::Async => {
@@ -217,15 +256,32 @@ impl Queue {
         }
     }
 
-    /// A fence after everything submitted so far.
+    /// Records a fence after everything submitted so far: a queue position of its own, so
+    /// each call returns a larger value than the last.
     pub(crate) fn fence(&self) -> u64 {
-        self.shared.lock().submitted
+        let mut state = self.shared.lock();
+        state.submitted += 1;
+        state.submitted
     }
 
-    /// Waits until fence `value` is complete; reports a failure of queued work.
+    /// Waits until fence `value` is complete; reports a failure of queued work. A value no
+    /// fence was given has nothing to wait for and would block forever: it is refused.
     pub(crate) fn wait(&self, value: u64) -> Result<(), PluginError> {
-        let mut state = self.shared.lock();
-        while state.done < value {
+        let state = self.shared.lock();
+        if value > state.submitted {
+            return Err(invalid(
+                "wait_fence",
+                format!(
+                    "fence {value} was never recorded (the latest is {})",
+                    state.submitted
+                ),
+            ));
+        }
+        self.wait_locked(state, value)
+    }
+
+    fn wait_locked(&self, mut state: MutexGuard<'_, State>, value: u64) -> Result<(), PluginError> {
+        while state.done() < value {
             state = self
                 .shared
                 .completed
@@ -240,8 +296,9 @@ impl Queue {
 
     /// Waits for everything submitted so far.
     pub(crate) fn synchronize(&self) -> Result<(), PluginError> {
-        let fence = self.fence();
-        self.wait(fence)
+        let state = self.shared.lock();
+        let last = state.submitted;
+        self.wait_locked(state, last)
     }
 }
 
@@ -299,7 +356,7 @@ impl Shared {
                     ),
                 ));
             }
-            state.done = seq;
+            state.complete(seq);
             drop(state);
             self.completed.notify_all();
         }

@@ -1432,3 +1432,147 @@ fn attention_rejects_bad_arguments() {
     };
     assert_invalid(dev.attention(&AttentionArgs { q: unknown, ..ok }), "`q`");
 }
+
+/// A device on the AVX2 tier, whose native bf16 kernel packs constant weights; `None` where
+/// the CPU lacks it.
+fn avx2_device(capacity: &str) -> Option<Device> {
+    if !tiers().contains(&Tier::Avx2) {
+        eprintln!("skipped: this CPU has no AVX2");
+        return None;
+    }
+    let plugin = Plugin::builtin(iris_device_cpu::plugin_root());
+    let options = [("threads", "1"), ("capacity", capacity), ("isa", "avx2")];
+    let options: Vec<(String, String)> = options
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    Some(plugin.open(0, &options).unwrap())
+}
+
+/// A constant weight that the same call also reads as `a` (or `bias`) must not lose its bytes
+/// to the packed copy while the call still reads them.
+#[test]
+fn a_constant_weight_read_as_another_operand_of_the_same_product_keeps_its_bytes() {
+    let Some(dev) = avx2_device("64MiB") else {
+        return;
+    };
+    // Whole pages of weight, so that a kept copy would give them back to the OS.
+    let n = 128;
+    let mut rng = Rng::new(41);
+    let w = upload(&dev, DType::BF16, n, n, &rng.vec(n * n, DType::BF16, 1.0));
+    let bias = MatRef { rows: 1, ..w };
+    let product = |bias: MatRef, constant: bool| {
+        let out = upload(&dev, DType::BF16, n, n, &vec![0.0; n * n]);
+        dev.gemm(&GemmArgs {
+            a: w,
+            w,
+            bias,
+            out,
+            activation: Activation::NONE,
+            accumulate: false,
+            w_transposed: false,
+            w_constant: constant,
+            workspace: BufferSlice::EMPTY,
+        })
+        .unwrap();
+        let got = download(&dev, &out);
+        dev.free(out.buf).unwrap();
+        got
+    };
+    for bias in [MatRef::NONE, bias] {
+        let plain = product(bias, false);
+        assert!(plain.iter().any(|v| *v != 0.0));
+        assert_eq!(product(bias, true), plain, "bias {:?}", bias.buf);
+        // And again, now that any copy would exist.
+        assert_eq!(product(bias, true), plain, "bias {:?}, repeated", bias.buf);
+    }
+}
+
+/// Capacity taken by packed weights (which `mem_info` counts) is not offered again by `alloc`.
+#[test]
+fn alloc_counts_the_capacity_packed_weights_take() {
+    let Some(dev) = avx2_device("4MiB") else {
+        return;
+    };
+    // Rows with gaps: the packed copy sits beside the weight, all of it extra.
+    let (m, n, k) = (2, 256, 256);
+    let w = upload_strided(&dev, DType::BF16, n, k, 0, 64, &vec![0.5; n * k]);
+    let a = upload(&dev, DType::BF16, m, k, &vec![1.0; m * k]);
+    let out = upload(&dev, DType::BF16, m, n, &vec![0.0; m * n]);
+    dev.gemm(&GemmArgs {
+        a,
+        w,
+        bias: MatRef::NONE,
+        out,
+        activation: Activation::NONE,
+        accumulate: false,
+        w_transposed: false,
+        w_constant: true,
+        workspace: BufferSlice::EMPTY,
+    })
+    .unwrap();
+    dev.synchronize().unwrap();
+    assert!(dev.memory_report().unwrap().held_bytes() > 0);
+    let free = dev.mem_info().unwrap().free;
+    let err = dev.alloc(free + 1).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    let buf = dev.alloc(free).unwrap();
+    dev.free(buf).unwrap();
+}
+
+/// `gather_rows` takes a source of any dtype, as the call's check does: integer rows are
+/// copied as they are.
+#[test]
+fn gather_rows_copies_integer_rows() {
+    let dev = device(2);
+    let indices = upload_i32(&dev, &[2, 0, 2]);
+    let src_values: Vec<i32> = (0..12).map(|i| i * 1_000_003 - 7).collect();
+    let src_bytes: Vec<u8> = src_values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    for (dtype, cols) in [(DType::I32, 4u64), (DType::U8, 16)] {
+        let src_buf = dev.alloc(48).unwrap();
+        dev.write(src_buf, 0, &src_bytes).unwrap();
+        let row_bytes = (cols * size(dtype)) as usize;
+        let out_buf = dev.alloc(48).unwrap();
+        dev.gather_rows(&GatherArgs {
+            src: MatRef::contiguous(src_buf, 0, dtype, 3, cols),
+            out: MatRef::contiguous(out_buf, 0, dtype, 3, cols),
+            indices,
+            workspace: BufferSlice::EMPTY,
+        })
+        .unwrap();
+        dev.synchronize().unwrap();
+        let mut got = vec![0u8; 48];
+        dev.read(out_buf, 0, &mut got).unwrap();
+        let want: Vec<u8> = [2, 0, 2]
+            .iter()
+            .flat_map(|r| src_bytes[r * row_bytes..][..row_bytes].to_vec())
+            .collect();
+        assert_eq!(got, want, "{dtype}");
+        dev.free(src_buf).unwrap();
+        dev.free(out_buf).unwrap();
+    }
+}
+
+/// The shapes-only workspace query takes shapes no buffer could hold: a head dimension whose
+/// workspace cannot be addressed is refused, not a panic or a wrapped size.
+#[test]
+fn attention_workspace_refuses_a_head_dim_too_large_to_address() {
+    let dev = device(2);
+    let head_dim = 1u64 << 58;
+    let view = MatRef::contiguous(BufferHandle(0), 0, DType::BF16, 1, head_dim);
+    let cu = [0u32, 1];
+    let args = AttentionArgs {
+        q: view,
+        k: view,
+        v: view,
+        out: view,
+        heads: 1,
+        head_dim,
+        scale: 0.5,
+        cu_seqlens: RSlice::from_slice(&cu),
+        cu_seqlens_device: MatRef::vector(BufferHandle(0), 0, DType::I32, 2),
+        max_seqlen: 1,
+        workspace: BufferSlice::EMPTY,
+    };
+    assert_invalid(dev.attention_workspace(&args), "too large");
+}

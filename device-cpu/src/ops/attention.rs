@@ -66,11 +66,18 @@ struct SlotLayout {
 }
 
 impl SlotLayout {
-    fn new(head_dim: usize, convert: bool) -> SlotLayout {
-        let kv = if convert { K_BLOCK * head_dim } else { 0 };
+    /// The layout for `head_dim`; `None` when its size overflows `usize` (a head dimension
+    /// no buffer could hold, which the shapes-only workspace query can still be asked about).
+    fn new(head_dim: usize, convert: bool) -> Option<SlotLayout> {
+        let kv = if convert {
+            K_BLOCK.checked_mul(head_dim)?
+        } else {
+            0
+        };
+        let per_query = Q_BLOCK.checked_mul(head_dim)?;
         let parts = [
-            Q_BLOCK * head_dim,
-            Q_BLOCK * head_dim,
+            per_query,
+            per_query,
             Q_BLOCK * K_BLOCK,
             Q_BLOCK,
             Q_BLOCK,
@@ -79,9 +86,10 @@ impl SlotLayout {
         ];
         let mut offsets = [0usize; 8];
         for (i, part) in parts.iter().enumerate() {
-            offsets[i + 1] = offsets[i] + part.div_ceil(LINE_FLOATS) * LINE_FLOATS;
+            let lines = part.div_ceil(LINE_FLOATS).checked_mul(LINE_FLOATS)?;
+            offsets[i + 1] = offsets[i].checked_add(lines)?;
         }
-        SlotLayout {
+        Some(SlotLayout {
             q: offsets[0],
             acc: offsets[1],
             s: offsets[2],
@@ -90,7 +98,7 @@ impl SlotLayout {
             k: offsets[5],
             v: offsets[6],
             len: offsets[7],
-        }
+        })
     }
 }
 
@@ -131,12 +139,13 @@ impl CpuDevice {
         args: &AttentionArgs<'_>,
     ) -> Result<u64, PluginError> {
         let checked = validate::attention(&Checker::shapes_only("attention_workspace"), args)?;
-        Ok(self.workspace_for(
+        self.workspace_for(
+            "attention_workspace",
             checked.tokens,
             checked.heads,
             checked.head_dim,
             checked.q.dtype,
-        ))
+        )
     }
 
     /// Checks [`AttentionArgs`] and its workspace, and resolves the operands.
@@ -149,11 +158,12 @@ impl CpuDevice {
         let check = Checker::new(OP, &lens);
         let checked = validate::attention(&check, args)?;
         let required = self.workspace_for(
+            OP,
             checked.tokens,
             checked.heads,
             checked.head_dim,
             checked.q.dtype,
-        );
+        )?;
         check.workspace(
             &args.workspace,
             required,
@@ -203,12 +213,28 @@ impl CpuDevice {
     }
 
     /// One scratch slot per worker thread, plus slack to align the first slot.
-    fn workspace_for(&self, tokens: usize, heads: usize, head_dim: usize, dtype: DType) -> u64 {
+    fn workspace_for(
+        &self,
+        op: &str,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        dtype: DType,
+    ) -> Result<u64, PluginError> {
         if tokens == 0 || heads == 0 {
-            return 0;
+            return Ok(0);
         }
-        let layout = SlotLayout::new(head_dim, dtype != DType::F32);
-        (self.options.threads * layout.len * 4 + BUFFER_ALIGN) as u64
+        SlotLayout::new(head_dim, dtype != DType::F32)
+            .and_then(|layout| self.options.threads.checked_mul(layout.len))
+            .and_then(|floats| floats.checked_mul(size_of::<f32>()))
+            .and_then(|bytes| bytes.checked_add(BUFFER_ALIGN))
+            .and_then(|bytes| u64::try_from(bytes).ok())
+            .ok_or_else(|| {
+                invalid(
+                    op,
+                    format!("head_dim {head_dim}: the workspace would be too large to address"),
+                )
+            })
     }
 }
 
@@ -267,7 +293,9 @@ impl AttentionJob {
         let plan = &self.plan;
         let slots = Slots {
             base,
-            layout: SlotLayout::new(plan.head_dim, plan.q.dtype != DType::F32),
+            // Invariant: `prepare_attention` sized the workspace with this layout.
+            layout: SlotLayout::new(plan.head_dim, plan.q.dtype != DType::F32)
+                .expect("sized when the call was checked"),
         };
         if plan.q.dtype == DType::BF16
             && let Some(kernel) = exec.bf16_kernel().filter(|kernel| kernel.suits_attention())

@@ -6,7 +6,7 @@ use iris_plugin::abi::{
 };
 use iris_plugin::validate::{self, Checker};
 
-use super::{Elem, Touch, Touches, View, math, with_elem};
+use super::{Touch, Touches, View, math, with_elem};
 use crate::device::CpuDevice;
 use crate::error::invalid;
 use crate::queue::Exec;
@@ -211,21 +211,39 @@ fn gather(exec: &Exec, src: &View, out: &View, indices: &View) -> Result<(), Plu
         .iter()
         .enumerate()
         .find(|(_, i)| usize::try_from(**i).map_or(true, |i| i >= src.rows));
-    with_elem!(OP, src.dtype, T => {
-        exec.par_rows(out.rows, out.cols, 0, |rows, _| {
-            for r in rows {
-                // SAFETY: each task owns its rows of `out`, which overlaps neither `src` nor
-                // `indices` (checked).
-                let dst = unsafe { out.row_mut::<T>(r) };
-                match usize::try_from(index_row[r]) {
-                    // SAFETY: `from` is below `src.rows`; `src` is disjoint from `out`.
-                    Ok(from) if from < src.rows => dst.copy_from_slice(unsafe { src.row::<T>(from) }),
-                    _ => T::store(&vec![0.0; dst.len()], dst),
+    // Rows are moved, never converted: copying their bytes serves every dtype the ABI lets
+    // `src` have, integers as well as floats.
+    let size = src
+        .dtype
+        .size()
+        .and_then(|size| usize::try_from(size).ok())
+        .ok_or_else(|| invalid(OP, format!("`src`: unknown dtype {:?}", src.dtype)))?;
+    let row_bytes = src.cols * size;
+    exec.par_rows(out.rows, out.cols, 0, |rows, _| {
+        for r in rows {
+            // SAFETY: row `r < out.rows` of the validated `out` view, whose rows start
+            // `stride` elements of `size` bytes apart and hold `cols` elements; each task owns
+            // its rows, and `out` overlaps neither `src` nor `indices` (checked).
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(out.addr().add(r * out.stride * size), row_bytes)
+            };
+            match usize::try_from(index_row[r]) {
+                Ok(from) if from < src.rows => {
+                    // SAFETY: row `from < src.rows` of the validated `src` view, which has
+                    // `out`'s dtype and columns; `src` is disjoint from `out`.
+                    let row = unsafe {
+                        std::slice::from_raw_parts(
+                            src.addr().add(from * src.stride * size),
+                            row_bytes,
+                        )
+                    };
+                    dst.copy_from_slice(row);
                 }
+                // Zero bytes are zero in every dtype.
+                _ => dst.fill(0),
             }
-        });
-        Ok(())
-    })?;
+        }
+    });
     match bad {
         Some((i, index)) => Err(invalid(
             OP,

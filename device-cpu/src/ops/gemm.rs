@@ -70,8 +70,15 @@ impl CpuDevice {
         let lens = self.lens();
         let checked = validate::gemm(&Checker::new(OP, &lens), args)?;
         // Only the native bf16 kernels read a packed copy; other paths read the weight itself.
+        // A kept copy gives the weight's pages back to the OS, so a call that also reads those
+        // bytes as `a` or `bias` would read zeros: such a call packs for itself, as for a
+        // weight that is not constant.
+        let w = &checked.w;
+        let reads_w = |m: &validate::Mat| m.buf == w.buf && m.offset < w.end && w.offset < m.end;
         let packed = args.w_constant
-            && checked.w.dtype == iris_plugin::abi::DType::BF16
+            && w.dtype == iris_plugin::abi::DType::BF16
+            && !reads_w(&checked.a)
+            && !checked.bias.as_ref().is_some_and(reads_w)
             && Kernel::for_tier(self.tier()).is_some_and(Kernel::available);
         let cache = packed.then(|| WeightCache {
             packs: Arc::clone(&self.packs),

@@ -1042,13 +1042,16 @@ impl PackCache {
         self.touch(key.buf, key.offset, key.offset + key.span() as u64);
         let packed = Arc::new(pack());
         let mut entries = self.lock();
-        let list = entries.entry(key.buf).or_default();
-        if let Some(found) = list.iter().find(|entry| entry.key == key) {
+        if let Some(found) = entries
+            .get(&key.buf)
+            .and_then(|list| list.iter().find(|entry| entry.key == key))
+        {
             return Arc::clone(&found.packed);
         }
         if !live() {
             return packed;
         }
+        let list = entries.entry(key.buf).or_default();
         let dense = key.stride == key.cols;
         let released = dense
             .then(|| {
@@ -1093,8 +1096,14 @@ impl PackCache {
     /// Drops every packed copy taken from `buf`, which was just freed. Work queued before the
     /// free may still read the buffer, so a copy that replaced bytes of a buffer such work holds
     /// is unpacked first.
+    ///
+    /// This runs on the caller's thread, outside queue order, so the unpacking holds the cache
+    /// lock until it is whole: queued work looks the weight up, or puts bytes back
+    /// ([`PackCache::touch`]), under that lock, and so finds either the packed copy or the
+    /// complete weight in its buffer, never a half-written one.
     pub(crate) fn evict(&self, buf: BufferHandle) {
-        let Some(list) = self.lock().remove(&buf) else {
+        let mut entries = self.lock();
+        let Some(list) = entries.remove(&buf) else {
             return;
         };
         for entry in list {
@@ -1107,6 +1116,7 @@ impl PackCache {
             }
             self.bytes.fetch_sub(entry.extra(), Ordering::AcqRel);
         }
+        drop(entries);
     }
 
     /// Bytes the packed copies add to the buffers they come from.
@@ -1515,7 +1525,9 @@ mod tests {
     ) -> (BufferHandle, Arc<Region>, Vec<u16>) {
         let values: Vec<f32> = (0..rows * cols).map(|i| value(i * 7 + 3)).collect();
         let w = bits(&values);
-        let buf = memory.alloc((w.len() * 2 + extra) as u64).unwrap();
+        let buf = memory
+            .alloc((w.len() * 2 + extra) as u64, 0, || Ok(()))
+            .unwrap();
         let region = memory.region("test", buf).unwrap();
         // SAFETY: the region holds at least `w.len()` bf16 and nothing else uses it yet.
         unsafe { std::ptr::copy_nonoverlapping(w.as_ptr(), region.ptr().cast::<u16>(), w.len()) };
