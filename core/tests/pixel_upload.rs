@@ -50,11 +50,11 @@ fn check(queue: &str, dtype: DType) {
         .upload_f32_parts(&parts, dtype, rows, ROW as u64)
         .expect("staged upload");
     let before = device.counters();
-    let mut writes = device.async_writes();
-    let lent = runner
-        .upload_f32_parts_lent(&parts, dtype, rows, ROW as u64, &mut writes)
-        .expect("lent upload");
-    writes.finish().expect("the writes ran");
+    let (lent, waited) = device.with_async_writes(|writes| {
+        runner.upload_f32_parts_lent(&parts, dtype, rows, ROW as u64, writes)
+    });
+    let lent = lent.expect("lent upload");
+    waited.expect("the writes ran");
     let calls = device.counters().since(&before).host_to_device_calls;
 
     let want = runner.download_bytes(&staged).expect("download");
@@ -91,11 +91,11 @@ fn a_bad_shape_is_refused_before_anything_is_enqueued() {
     let images = images();
     let parts: Vec<&[f32]> = images.iter().map(Vec::as_slice).collect();
     let before = device.counters();
-    let mut writes = device.async_writes();
-    let err = runner
-        .upload_f32_parts_lent(&parts, DType::F32, 3, ROW as u64, &mut writes)
-        .expect_err("618 rows do not fit a 3-row tensor");
+    let (lent, waited) = device.with_async_writes(|writes| {
+        runner.upload_f32_parts_lent(&parts, DType::F32, 3, ROW as u64, writes)
+    });
+    let err = lent.expect_err("618 rows do not fit a 3-row tensor");
     assert!(err.to_string().contains("3x1176"), "{err}");
-    writes.finish().expect("nothing to wait for");
+    waited.expect("nothing to wait for");
     assert_eq!(device.counters().since(&before).host_to_device_calls, 0);
 }

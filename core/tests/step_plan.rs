@@ -51,14 +51,15 @@ fn run(runner: &Runner, tower: &VisionTower, dtype: DType, grids: &[Grid]) -> Ve
         .collect();
     let slices: Vec<&[f32]> = parts.iter().map(Vec::as_slice).collect();
     let rows = parts.iter().map(Vec::len).sum::<usize>() / row_len;
-    let mut writes = runner.device().async_writes();
-    let input = runner
-        .upload_f32_parts_lent(&slices, dtype, rows as u64, row_len as u64, &mut writes)
-        .expect("upload");
-    let outputs = tower.forward(runner, &input, grids).expect("forward");
-    runner.allocator().synchronize().expect("the step runs");
-    writes.finish().expect("the writes complete");
-    drop(input);
+    let (outputs, waited) = runner.device().with_async_writes(|writes| {
+        let input = runner
+            .upload_f32_parts_lent(&slices, dtype, rows as u64, row_len as u64, writes)
+            .expect("upload");
+        let outputs = tower.forward(runner, &input, grids).expect("forward");
+        runner.allocator().synchronize().expect("the step runs");
+        outputs
+    });
+    waited.expect("the writes complete");
     let mut values = Vec::new();
     for out in outputs {
         values.push(runner.download_f32(&out.embeddings).expect("download"));

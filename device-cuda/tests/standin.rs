@@ -1107,10 +1107,8 @@ fn failed_write_async(plugin: &Plugin) {
     let buf = device.alloc(64 << 20).unwrap();
     // Large enough for the allocator to give it its own mapping, unmapped when it is freed.
     let source = vec![7u8; 64 << 20];
-    let err = device
-        .async_writes()
-        .write(buf, 0, &source)
-        .expect_err("the queue's copy fails");
+    let (written, _) = device.with_async_writes(|writes| writes.write(buf, 0, &source));
+    let err = written.expect_err("the queue's copy fails");
     assert!(
         err.message
             .contains("cuMemcpyHtoDAsync failed: CUDA_ERROR_LAUNCH_FAILED"),
@@ -1130,16 +1128,15 @@ fn write_async(plugin: &Plugin) {
     let source: Vec<u8> = (0..BYTES).map(|i| (i * 7 % 251) as u8).collect();
     let second: Vec<u8> = (0..4096).map(|i| (i % 13) as u8).collect();
     let buf = device.alloc(BYTES as u64 + 3).unwrap();
-    {
-        let mut writes = device.async_writes();
+    let ((), waited) = device.with_async_writes(|writes| {
         assert!(
             writes.write(buf, 3, &source).unwrap(),
             "the plugin takes the write"
         );
         // A second write into the start of the same range: it lands after the first.
         assert!(writes.write(buf, 3, &second).unwrap());
-        writes.finish().unwrap();
-    }
+    });
+    waited.unwrap();
     let mut back = vec![0u8; BYTES];
     device.read(buf, 3, &mut back).unwrap();
     assert!(back[..4096] == second[..], "the later write lands last");
@@ -1148,10 +1145,9 @@ fn write_async(plugin: &Plugin) {
         "every slot's piece lands in place"
     );
     // A range past the buffer is refused before anything is enqueued.
-    let mut writes = device.async_writes();
-    let err = writes.write(buf, 4, &source).unwrap_err();
+    let (written, _) = device.with_async_writes(|writes| writes.write(buf, 4, &source));
+    let err = written.unwrap_err();
     assert!(err.message.contains("write_async"), "{err}");
-    drop(writes);
     device.free(buf).unwrap();
     device.synchronize().unwrap();
 
@@ -1160,12 +1156,8 @@ fn write_async(plugin: &Plugin) {
     options.push(("staged_writes".to_owned(), "true".to_owned()));
     let staged = std::sync::Arc::new(plugin.open(0, &options).unwrap());
     let buf = staged.alloc(16).unwrap();
-    let mut writes = staged.async_writes();
-    assert!(
-        !writes.write(buf, 0, &second[..16]).unwrap(),
-        "refused as unsupported"
-    );
-    drop(writes);
+    let (written, _) = staged.with_async_writes(|writes| writes.write(buf, 0, &second[..16]));
+    assert!(!written.unwrap(), "refused as unsupported");
     assert!(!staged.has_async_write());
     staged.free(buf).unwrap();
 }
@@ -1255,16 +1247,15 @@ fn write_async_reuse(plugin: &Plugin) {
         end += source.len() as u64 + 3;
     }
     let buf = device.alloc(end).unwrap();
-    {
-        let mut writes = device.async_writes();
+    let ((), waited) = device.with_async_writes(|writes| {
         for (source, &offset) in sources.iter().zip(&offsets) {
             assert!(
                 writes.write(buf, offset, source).unwrap(),
                 "the plugin takes the write"
             );
         }
-        writes.finish().unwrap();
-    }
+    });
+    waited.unwrap();
     for (w, (source, &offset)) in sources.iter().zip(&offsets).enumerate() {
         let mut back = vec![0u8; source.len()];
         device.read(buf, offset, &mut back).unwrap();

@@ -1298,8 +1298,7 @@ fn check_write_async(device: &Arc<Device>) -> Outcome {
         })
         .map_err(fail_with("fill"))?;
     let mut source = pattern(LEN / 2, 0x3c);
-    {
-        let mut writes = device.async_writes();
+    let (enqueued, waited) = device.with_async_writes(|writes| {
         let written = writes
             .write(buf, (LEN / 4) as u64, &source)
             .map_err(fail_with("write_async"))?;
@@ -1321,9 +1320,10 @@ fn check_write_async(device: &Arc<Device>) -> Outcome {
         }
         device
             .copy(copy, 0, buf, 0, LEN as u64)
-            .map_err(fail_with("copy after write_async"))?;
-        writes.finish().map_err(fail_with("write_async's fence"))?;
-    }
+            .map_err(fail_with("copy after write_async"))
+    });
+    enqueued?;
+    waited.map_err(fail_with("write_async's fence"))?;
     // Finished: the device no longer reads the source, so changing it changes nothing.
     source.fill(0);
     let mut want = vec![0xA5; LEN];

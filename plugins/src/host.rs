@@ -718,14 +718,28 @@ impl Device {
         self.check("wait_fence", wait(self.instance.ctx, value))
     }
 
-    /// Writes that read the host's memory when they run (ABI 2.2), for sources that live at
-    /// least as long as `'a`; see [`AsyncWrites`].
-    pub fn async_writes<'a>(self: &Arc<Self>) -> AsyncWrites<'a> {
-        AsyncWrites {
+    /// Runs `f` with writes that read the host's memory when they run (ABI 2.2), for sources
+    /// that live at least as long as `'a` (which outlives this call), then waits until the
+    /// device has run every write `f` enqueued: the sources are free again when this returns,
+    /// whatever `f` did. Returns `f`'s answer and the outcome of that wait (a failure of the
+    /// work the wait covers). See [`AsyncWrites`].
+    ///
+    /// The writes are lent to `f` rather than handed out, so that no caller can end the
+    /// sources' borrow without the wait (a value could be leaked with `mem::forget`, and its
+    /// drop never run, while the device still reads the sources).
+    pub fn with_async_writes<'a, R>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&mut AsyncWrites<'a>) -> R,
+    ) -> (R, Result<(), DeviceError>) {
+        let mut writes = AsyncWrites {
             device: Arc::clone(self),
             pending: false,
             _sources: PhantomData,
-        }
+        };
+        // A panic in `f` unwinds through `writes`, whose drop waits.
+        let answer = f(&mut writes);
+        let waited = writes.wait();
+        (answer, waited)
     }
 
     /// Whether [`AsyncWrites::write`] may still enqueue: the plugin has `write_async` and has
@@ -827,12 +841,12 @@ optional_accessors! {
 }
 
 /// Writes enqueued on one device whose host sources stay borrowed until the device has run
-/// them (see [`Device::async_writes`]).
+/// them, lent by [`Device::with_async_writes`].
 ///
-/// The borrow checker keeps every source alive and unchanged while this value lives;
-/// [`AsyncWrites::finish`] (or the drop) waits for a fence recorded after the last write, so
-/// the sources are free again only once the device no longer reads them. Only the CPU device
-/// offers such writes today: its queue copies each source once, straight into the buffer.
+/// The borrow checker keeps every source alive and unchanged for `'a`, which outlives the
+/// call that lent the writes; that call (or [`AsyncWrites::wait`] before it) waits for a fence
+/// recorded after the last write, so the sources are free again only once the device no
+/// longer reads them.
 pub struct AsyncWrites<'a> {
     device: Arc<Device>,
     /// Whether a write was enqueued since the last wait.
@@ -876,7 +890,7 @@ impl<'a> AsyncWrites<'a> {
             }
             Err(err) => {
                 // A plugin may have queued part of the copy before it failed: the sources stay
-                // borrowed until the wait at `finish` or drop.
+                // borrowed until the wait that ends `with_async_writes`.
                 self.pending = true;
                 Err(device.plugin.error("write_async", err))
             }
@@ -887,11 +901,7 @@ impl<'a> AsyncWrites<'a> {
     ///
     /// # Errors
     /// A failure of the work the fence covers. The sources are no longer read either way.
-    pub fn finish(mut self) -> Result<(), DeviceError> {
-        self.wait()
-    }
-
-    fn wait(&mut self) -> Result<(), DeviceError> {
+    pub fn wait(&mut self) -> Result<(), DeviceError> {
         if !std::mem::take(&mut self.pending) {
             return Ok(());
         }

@@ -106,9 +106,9 @@ fn a_plugin_built_for_abi_2_0_loads_and_the_host_falls_back() {
     // No `write_async` either (2.2): the writes object enqueues nothing and says so.
     assert!(!device.has_async_write());
     let source = vec![7u8; 64];
-    let mut writes = device.async_writes();
-    assert!(!writes.write(buf, 0, &source).unwrap());
-    writes.finish().unwrap();
+    let (written, waited) = device.with_async_writes(|writes| writes.write(buf, 0, &source));
+    assert!(!written.unwrap());
+    waited.unwrap();
     // Nor `trim` (2.3): nothing kept to give back.
     assert_eq!(device.trim().unwrap(), None);
     device.free(buf).unwrap();

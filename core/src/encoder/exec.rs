@@ -612,7 +612,7 @@ impl Runner {
     /// device, and the CUDA device through page-locked slots filled off this thread), each
     /// part is enqueued where it lies: the device copies it in queue order, with no staging
     /// and no work here, and `writes` keeps the parts borrowed until the device has run the
-    /// copies (its `finish` or drop waits for them). A tensor of another dtype is written as
+    /// copies (`Device::with_async_writes` waits for them). A tensor of another dtype is written as
     /// f32 and cast on the device, which rounds as the host's conversion does (to nearest,
     /// ties to even), so the conversion leaves this thread too. Otherwise (a device without
     /// such writes) the parts go through the staging buffers as with `upload_f32_parts`.

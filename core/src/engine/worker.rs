@@ -764,26 +764,28 @@ impl Worker {
         let step = self.runner.step(plan);
         // Where the device reads host memory as its queue runs, the pixels are not copied on
         // this thread: the device copies them, in order, ahead of the forward pass (as a copy
-        // engine would), and `writes` keeps them borrowed until it has.
-        let mut writes = self.runner.device().async_writes();
-        let input = step.upload_f32_parts_lent(&parts, self.dtype, rows, row_len, &mut writes)?;
-        let started = Instant::now();
-        // Forward enqueues the graph; the encoder's time is that of completed work.
-        let outputs = tower.forward(&step, &input, &grids).and_then(|outputs| {
-            self.sync()?;
-            Ok(outputs)
+        // engine would), and the writes keep them borrowed until it has.
+        let device = Arc::clone(self.runner.device());
+        let (outputs, waited) = device.with_async_writes(|writes| {
+            let input = step.upload_f32_parts_lent(&parts, self.dtype, rows, row_len, writes)?;
+            let started = Instant::now();
+            // Forward enqueues the graph; the encoder's time is that of completed work.
+            let outputs = tower.forward(&step, &input, &grids).and_then(|outputs| {
+                self.sync()?;
+                Ok(outputs)
+            });
+            self.shared
+                .encoder_time_ns
+                .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
+            outputs
         });
-        self.shared
-            .encoder_time_ns
-            .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
+        // The queue has drained (the forward pass synchronised): the wait returned at once.
         let outputs = outputs?;
+        waited?;
         let flops = grids.iter().map(|grid| self.vision.flops(*grid)).sum();
         self.shared
             .encoder_flops
             .fetch_add(flops, Ordering::Relaxed);
-        // The queue has drained: this returns at once.
-        writes.finish()?;
-        drop(input);
         for (image, out) in batch.iter().zip(outputs) {
             let tokens = out.embeddings.rows();
             let hidden = out.embeddings.cols();
