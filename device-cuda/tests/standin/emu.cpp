@@ -24,7 +24,7 @@
 #include <vector>
 
 // The stand-in driver's queue of deferred work (libcuda.c).
-extern "C" void iris_standin_flush(void);
+extern "C" void iris_standin_flush_stream(void *stream);
 
 struct uint3 {
     unsigned x, y, z;
@@ -521,10 +521,10 @@ unsigned long long iris_standin_vector_accesses(void) { return vector_accesses; 
 
 int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                    unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
-    (void)stream;
     (void)extra;
-    // Work queued before the launch runs first (the stand-in driver's deferred mode).
-    iris_standin_flush();
+    // Work queued on the launch's stream before it runs first, and what that work waits for
+    // on other streams (the stand-in driver's deferred mode), as on a GPU: nothing else.
+    iris_standin_flush_stream(stream);
     if (by != 1 || bz != 1 || bx == 0 || bx % 32 != 0) return 1;  // INVALID_VALUE
     // As on a GPU, more than 48 KiB of dynamic shared memory needs the function's opt-in.
     auto opted = max_dynamic_shared.find(function);

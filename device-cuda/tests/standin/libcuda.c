@@ -26,9 +26,8 @@
  *     needed. cuStreamSynchronize(s) runs s's queue; cuEventSynchronize(e) e's stream up to its
  *     mark; cuCtxSynchronize and iris_standin_flush() every queue. An operation on a stream that
  *     the stand-in does at once (a fill, a device copy, a copy from or to pageable memory, which
- *     the driver stages synchronously) first runs that stream's queue; a kernel launch runs every
- *     queue (the emulator's hook, iris_standin_flush, takes no stream;
- *     iris_standin_flush_stream(stream) runs one stream's). The synchronous calls without a
+ *     the driver stages synchronously) first runs that stream's queue, as does a kernel launch
+ *     (the emulator calls iris_standin_flush_stream(stream)). The synchronous calls without a
  *     stream (cuMemcpyHtoD/DtoH, cuMemsetD8, cuMemFree, cuMemFreeHost, cuMemPoolDestroy) run
  *     every queue, as the driver's implicit synchronisation does. cuStreamDestroy runs the
  *     stream's queue first (a GPU finishes a destroyed stream's work).
@@ -441,8 +440,7 @@ static void drain_all_locked(void) {
     for (struct stream *stream = streams; stream; stream = stream->next) drain_locked(stream);
 }
 
-/* Runs every queue: everything enqueued so far has completed afterwards. The kernel emulator
- * (emu.cpp) calls this before each launch. */
+/* Runs every queue: everything enqueued so far has completed afterwards. */
 void iris_standin_flush(void) {
     pthread_mutex_lock(&state_lock);
     drain_all_locked();
@@ -450,7 +448,7 @@ void iris_standin_flush(void) {
 }
 
 /* Runs `stream`'s queue and what it waits for, as an operation on that stream that runs at
- * once must (for a launch hook that knows its stream). */
+ * once must: the kernel emulator (emu.cpp) calls this before each launch. */
 void iris_standin_flush_stream(CUstream stream) {
     pthread_mutex_lock(&state_lock);
     drain_locked(stream_of(stream));
