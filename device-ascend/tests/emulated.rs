@@ -609,6 +609,22 @@ fn a_failing_kernel_is_reported_at_synchronize_and_the_device_goes_on() {
 /// Gathers rows `indices` of a 2x2 f32 matrix `[[1, 2], [3, 4]]`; the device's answer after
 /// `synchronize`.
 fn gather_2x2(device: &Device, indices: [i32; 2]) -> Result<Vec<f32>, DeviceError> {
+    let [src, idx, out, ws] = enqueue_gather_2x2(device, indices)?;
+    // Healthy calls between the fault and the synchronisation that reports it.
+    for buf in [ws, idx, src] {
+        device.free(buf).expect("free after a queued fault");
+    }
+    let result = device.synchronize().map(|()| download_f32(device, out, 4));
+    device.free(out).expect("free");
+    result
+}
+
+/// Enqueues the gather of rows `indices` of a 2x2 f32 matrix `[[1, 2], [3, 4]]`; returns its
+/// source, indices, output and workspace buffers.
+fn enqueue_gather_2x2(
+    device: &Device,
+    indices: [i32; 2],
+) -> Result<[BufferHandle; 4], DeviceError> {
     let src = upload_f32(device, &[1.0, 2.0, 3.0, 4.0]);
     let index_bytes: Vec<u8> = indices.iter().flat_map(|i| i.to_le_bytes()).collect();
     let idx = device.alloc(8).expect("alloc");
@@ -628,13 +644,7 @@ fn gather_2x2(device: &Device, indices: [i32; 2]) -> Result<Vec<f32>, DeviceErro
         bytes,
     };
     device.gather_rows(&args)?;
-    // Healthy calls between the fault and the synchronisation that reports it.
-    for buf in [ws, idx, src] {
-        device.free(buf).expect("free after a queued fault");
-    }
-    let result = device.synchronize().map(|()| download_f32(device, out, 4));
-    device.free(out).expect("free");
-    result
+    Ok([src, idx, out, ws])
 }
 
 #[test]
@@ -708,27 +718,9 @@ fn a_faulted_stream_that_cannot_be_destroyed_does_not_lose_the_npu() {
 /// and waits until the emulated NPU has run it into the fault, which no call has met yet.
 /// Returns the source, indices, output and workspace buffers.
 fn fault_unseen(device: &Device) -> [BufferHandle; 4] {
-    let src = upload_f32(device, &[1.0, 2.0, 3.0, 4.0]);
-    let idx = device.alloc(8).expect("alloc");
-    let index_bytes: Vec<u8> = [0i32, 7].iter().flat_map(|i| i.to_le_bytes()).collect();
-    device.write(idx, 0, &index_bytes).expect("write");
-    let out = device.alloc(16).expect("alloc");
-    let mut args = GatherArgs {
-        src: MatRef::contiguous(src, 0, DType::F32, 2, 2),
-        out: MatRef::contiguous(out, 0, DType::F32, 2, 2),
-        indices: MatRef::contiguous(idx, 0, DType::I32, 1, 2),
-        workspace: BufferSlice::EMPTY,
-    };
-    let bytes = device.gather_rows_workspace(&args).expect("workspace");
-    let ws = device.alloc(bytes.max(1)).expect("alloc workspace");
-    args.workspace = BufferSlice {
-        buf: ws,
-        offset: 0,
-        bytes,
-    };
-    device.gather_rows(&args).expect("the launch is accepted");
+    let buffers = enqueue_gather_2x2(device, [0, 7]).expect("the launch is accepted");
     std::thread::sleep(std::time::Duration::from_millis(300));
-    [src, idx, out, ws]
+    buffers
 }
 
 fn assert_fault(err: &DeviceError) {

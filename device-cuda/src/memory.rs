@@ -150,13 +150,11 @@ impl Memory {
                         .and_then(|()| result::free_sync(view.ptr).call("cuMemFree"))
                 };
                 let mut table = self.lock();
-                match freed {
-                    Ok(()) => table.live_bytes -= view.len,
-                    Err(err) => {
-                        table.live.insert(buf.0, view);
-                        return Err(err);
-                    }
+                if let Err(err) = freed {
+                    table.live.insert(buf.0, view);
+                    return Err(err);
                 }
+                table.live_bytes -= view.len;
                 return Ok(());
             }
         }
