@@ -481,20 +481,43 @@ __device__ __forceinline__ void rotary_impl(void* x, i64 xs, const float* cs, i6
                    Rotate<S>{x, xs, cs, css, sn, sns, half, head_dim});
 }
 
+// Bits of the device status word, through which kernels report what the caller got wrong in
+// data only the device sees; `synchronize` reads and clears it, and reports each bit set.
+#define STATUS_BAD_GATHER_INDEX 1u  // a gather index outside its source rows
+#define STATUS_BAD_SEGMENT 2u       // attention segment bounds outside the call's rows
+
 // out[i] = src[idx[i]] by element type T of the dtype's size. A bad index writes zeros and
-// sets bit 0 of the device status word, which `synchronize` reports.
+// sets STATUS_BAD_GATHER_INDEX.
 template <class T>
 __device__ __forceinline__ void gather_impl(const T* src, i64 ss, i64 src_rows, T* out, i64 os,
                                             const int* idx, i64 rows, i64 cols, u32* status) {
     for (i64 r = blockIdx.y; r < rows; r += gridDim.y) {
         const int from = idx[r];
         const bool ok = from >= 0 && (i64)from < src_rows;
-        if (!ok && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, 1u);
+        if (!ok && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, STATUS_BAD_GATHER_INDEX);
         for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < cols;
              c += (i64)gridDim.x * blockDim.x) {
             out[r * os + c] = ok ? src[(i64)from * ss + c] : (T)0;
         }
     }
+}
+
+// Segment `seg`'s first token and length, read from the device copy of `cu_seqlens`. The host
+// sized the launch from its own copy, which the caller promises is the same: a device copy
+// that disagrees must not make a kernel read or write outside the call's `rows` rows, nor
+// leave queries beyond the `per_block` x gridDim.x its grid covers silently unwritten. Such a
+// segment sets STATUS_BAD_SEGMENT and is not computed (false).
+__device__ __forceinline__ bool segment_bounds(const int* cu_seqlens, int seg, i64 rows,
+                                               int per_block, u32* status, i64* start, int* len) {
+    const i64 first = cu_seqlens[seg];
+    const i64 end = cu_seqlens[seg + 1];
+    if (first < 0 || end < first || end > rows || end - first > (i64)gridDim.x * per_block) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, STATUS_BAD_SEGMENT);
+        return false;
+    }
+    *start = first;
+    *len = (int)(end - first);
+    return true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -519,7 +542,8 @@ __device__ __forceinline__ void gather_impl(const T* src, i64 ss, i64 src_rows, 
 template <class S, int DP>
 __device__ __forceinline__ void attention_impl(const void* q, i64 qs, const void* k, i64 ks_,
                                                const void* v, i64 vs_, void* out, i64 os,
-                                               const int* cu_seqlens, int head_dim, float scale) {
+                                               const int* cu_seqlens, int head_dim, float scale,
+                                               i64 rows, u32* status) {
     constexpr int NS = (DP + 31) / 32;  // output column slots per lane
     constexpr int VP = NS * 32;         // padded value row
     constexpr int KP = DP + 4;          // padded key row: conflict-free float4 reads by row
@@ -529,8 +553,9 @@ __device__ __forceinline__ void attention_impl(const void* q, i64 qs, const void
 
     const int seg = blockIdx.z;
     const int head = blockIdx.y;
-    const i64 start = cu_seqlens[seg];
-    const int len = cu_seqlens[seg + 1] - cu_seqlens[seg];
+    i64 start;
+    int len;
+    if (!segment_bounds(cu_seqlens, seg, rows, ATT_BQ, status, &start, &len)) return;
     const int q0 = blockIdx.x * ATT_BQ;
     if (q0 >= len) return;
 
@@ -847,7 +872,7 @@ template <bool BF16, int DK, int DV, int RB>
 __device__ __forceinline__ void flash_attention_impl(const u16* q, i64 qs, const u16* k, i64 ks,
                                                      const u16* v, i64 vs, u16* out, i64 os,
                                                      const int* cu_seqlens, int head_dim,
-                                                     float scale) {
+                                                     float scale, i64 rows, u32* status) {
 #if !IRIS_TENSOR_CORES
     return;  // tensor-core kernels need sm_80; the plugin never launches them below
 #else
@@ -863,8 +888,9 @@ __device__ __forceinline__ void flash_attention_impl(const u16* q, i64 qs, const
 
     const int seg = blockIdx.z;
     const int head = blockIdx.y;
-    const i64 start = cu_seqlens[seg];
-    const int len = cu_seqlens[seg + 1] - cu_seqlens[seg];
+    i64 start;
+    int len;
+    if (!segment_bounds(cu_seqlens, seg, rows, BQ, status, &start, &len)) return;
     const int q0 = blockIdx.x * BQ;
     if (q0 >= len) return;
 
@@ -1177,8 +1203,9 @@ FLOAT_KERNELS(bf16, BF16)
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                  \
         attention_##NAME##_##DP(const void* q, i64 qs, const void* k, i64 ks, const void* v,  \
                                 i64 vs, void* out, i64 os, const int* cu_seqlens,             \
-                                int head_dim, float scale) {                                  \
-        attention_impl<S, DP>(q, qs, k, ks, v, vs, out, os, cu_seqlens, head_dim, scale);     \
+                                int head_dim, float scale, i64 rows, u32* status) {           \
+        attention_impl<S, DP>(q, qs, k, ks, v, vs, out, os, cu_seqlens, head_dim, scale, rows, \
+                              status);                                                        \
     }
 
 #define ATTENTION_SIZES(NAME, S)  \
@@ -1203,10 +1230,10 @@ ATTENTION_SIZES(bf16, BF16)
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                    \
         PREFIX##NAME##_##DV(const void* q, i64 qs, const void* k, i64 ks, const void* v,       \
                             i64 vs, void* out, i64 os, const int* cu_seqlens, int head_dim,     \
-                            float scale) {                                                     \
+                            float scale, i64 rows, u32* status) {                              \
         flash_attention_impl<BF16, DK, DV, RB>((const u16*)q, qs, (const u16*)k, ks,           \
                                                (const u16*)v, vs, (u16*)out, os, cu_seqlens,   \
-                                               head_dim, scale);                               \
+                                               head_dim, scale, rows, status);                 \
     }
 
 #define FLASH_SIZES(NAME, BF16)                                     \

@@ -1450,6 +1450,91 @@ fn attention(device: &Device) {
             "segments that fill half the 128-query blocks run 64 queries per block"
         );
     }
+    attention_bad_segments(device);
+}
+
+/// A device copy of `cu_seqlens` that disagrees with the host copy (the caller's bug): the
+/// kernels, whose launch the host copy sized, never read or write outside the call's rows for
+/// it, nor leave a segment's queries past the launch's reach unwritten unnoticed, and the next
+/// synchronisation reports it (once) as an invalid argument. Both kernel families: the
+/// f32-compute one and the tensor-core one.
+fn attention_bad_segments(device: &Device) {
+    // Two segments of 4 tokens.
+    let pair = vec![0u32, 4, 8];
+    // Twenty segments of 4 tokens: a launch sized for 4-token segments (one block of 32 or 64
+    // queries each), and a device copy whose first segment has 70, every bound inside the rows.
+    let twenty: Vec<u32> = (0..=20).map(|i| 4 * i).collect();
+    let long_first: Vec<i32> = (0..=20)
+        .map(|i| if i == 0 { 0 } else { (69 + i).min(80) })
+        .collect();
+    let cases: [(&[u32], Vec<i32>, &str); 4] = [
+        (
+            &pair,
+            vec![0, 4, 1_000_000],
+            "a segment reaching a million rows past the call's 8",
+        ),
+        (
+            &pair,
+            vec![-5, 4, 8],
+            "a segment starting before the first row",
+        ),
+        (&pair, vec![0, 6, 4], "a segment of negative length"),
+        (
+            &twenty,
+            long_first,
+            "a segment longer than the launch reaches",
+        ),
+    ];
+    let hd = 64usize;
+    for dtype in [DType::F32, DType::BF16] {
+        for (host_cu, device_cu, what) in &cases {
+            let tokens = *host_cu.last().unwrap() as usize;
+            let part = |seed: u64| {
+                let values = Rng(seed).values(tokens * hd, 1.0);
+                Tensor::upload(device, dtype, tokens, hd, hd, 0, &values)
+            };
+            let (q, k, v, out) = (part(1), part(2), part(3), part(4));
+            let call = |device_cu: &[i32]| {
+                let cu_device = upload_i32(device, device_cu);
+                device
+                    .attention(&AttentionArgs {
+                        q: q.view,
+                        k: k.view,
+                        v: v.view,
+                        out: out.view,
+                        heads: 1,
+                        head_dim: hd as u64,
+                        scale: 0.125,
+                        cu_seqlens: (*host_cu).into(),
+                        cu_seqlens_device: MatRef::vector(
+                            cu_device,
+                            0,
+                            DType::I32,
+                            device_cu.len() as u64,
+                        ),
+                        max_seqlen: 4,
+                        workspace: BufferSlice::EMPTY,
+                    })
+                    .expect("the call itself is valid: the host does not read the device copy");
+                let outcome = device.synchronize();
+                device.free(cu_device).unwrap();
+                outcome
+            };
+            let err = call(device_cu).expect_err(&format!("{dtype}: {what}: {device_cu:?}"));
+            assert_eq!(err.code, ErrorCode::INVALID_ARGUMENT, "{err}");
+            assert!(
+                err.message
+                    .starts_with("synchronize: an attention enqueued earlier found segment bounds"),
+                "{dtype}: {what}: {err}"
+            );
+            // Reported once: the same call with both copies equal computes and passes.
+            let equal: Vec<i32> = host_cu.iter().map(|&b| b as i32).collect();
+            call(&equal).expect("equal copies");
+            for t in [q, k, v, out] {
+                t.free(device);
+            }
+        }
+    }
 }
 
 /// The `cudnn` scenario (see `attention_runs_on_cudnn_where_it_passed_its_check`).

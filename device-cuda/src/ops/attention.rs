@@ -40,11 +40,13 @@ use crate::kernels::{
 };
 
 kernel_args! {
-    /// `attention_<dtype>_<size>(q, qs, k, ks, v, vs, out, os, cu_seqlens, head_dim, scale)`
-    /// and `flash_attention_<dtype>_<head dim>` with the same parameters.
+    /// `attention_<dtype>_<size>(q, qs, k, ks, v, vs, out, os, cu_seqlens, head_dim, scale,
+    /// rows, status)` and `flash_attention_<dtype>_<head dim>` with the same parameters: `rows`
+    /// the call's tokens, which no segment of the device's `cu_seqlens` may reach past, and
+    /// `status` the word a segment that does sets.
     struct AttentionKernel {
         q: u64, qs: i64, k: u64, ks: i64, v: u64, vs: i64, out: u64, os: i64, cu_seqlens: u64,
-        head_dim: i32, scale: f32,
+        head_dim: i32, scale: f32, rows: i64, status: u64,
     }
 }
 
@@ -258,6 +260,8 @@ impl CudaDevice {
             // At most the largest kernel size (checked by the caller).
             head_dim: i32::try_from(head_dim).unwrap_or(i32::MAX),
             scale: launch.scale,
+            rows: dim(att.tokens),
+            status: compute.status.ptr,
         };
         let dtype = dtype_name(att.q.dtype);
         let flash = matches!(att.q.dtype, DType::F16 | DType::BF16)
@@ -297,6 +301,7 @@ impl CudaDevice {
                 &mut kernel,
             )
             .map_err(|err| err.into_plugin(op))?;
+        compute.status_may_change();
         Ok(0)
     }
 }

@@ -173,7 +173,7 @@ impl CudaDevice {
                 &mut launch,
             )
             .map_err(|err| err.into_plugin(op))?;
-        compute.gathered.store(true, Ordering::Release);
+        compute.status_may_change();
         Ok(())
     }
 

@@ -84,11 +84,12 @@ pub struct Compute {
     lt: LtHandle,
     blas: BlasHandle,
     module: Module,
-    /// Flags kernels set (a bad gather index), its page-locked copy, whether a gather was
-    /// enqueued since the last check, and the lock of one check at a time.
+    /// Flags kernels set (a bad gather index, attention segment bounds outside the call's
+    /// rows), its page-locked copy, whether a kernel that may set one was enqueued since the
+    /// last check, and the lock of one check at a time.
     status: DeviceWord,
     status_host: HostWord,
-    gathered: AtomicBool,
+    status_pending: AtomicBool,
     status_read: Mutex<()>,
     descriptors: Mutex<Descriptors>,
     gemm: Mutex<GemmState>,
@@ -231,7 +232,7 @@ impl Compute {
             module,
             status,
             status_host,
-            gathered: AtomicBool::new(false),
+            status_pending: AtomicBool::new(false),
             status_read: Mutex::new(()),
             descriptors: Mutex::new(descriptors),
             gemm: Mutex::new(GemmState::default()),
@@ -275,8 +276,9 @@ impl Compute {
         ]
     }
 
-    /// Waits for `stream` with `wait` and reports a bad gather index recorded by kernels
-    /// enqueued before it, naming `op`, the ABI call that waited. The status word is read only when a gather was enqueued since the
+    /// Waits for `stream` with `wait` and reports what kernels enqueued before it recorded in
+    /// the status word (a bad gather index, bad attention segment bounds), naming `op`, the
+    /// ABI call that waited. The word is read only when such a kernel was enqueued since the
     /// last check, and then without a blocking copy: its copy into page-locked memory (and its
     /// reset) are enqueued on `stream` before the wait, and the host reads the copy after it.
     pub(crate) fn synchronize_with_status(
@@ -285,24 +287,27 @@ impl Compute {
         stream: CUstream,
         wait: impl FnOnce() -> Result<(), PluginError>,
     ) -> Result<(), PluginError> {
-        if !self.gathered.swap(false, Ordering::AcqRel) {
+        if !self.status_pending.swap(false, Ordering::AcqRel) {
             return wait();
         }
         // One reader at a time: the page-locked word is shared.
         let _reading = lock(&self.status_read);
         if let Err(err) = self.status.enqueue_read(stream, &self.status_host) {
             // Not read: the next wait reads it.
-            self.gathered.store(true, Ordering::Release);
+            self.status_pending.store(true, Ordering::Release);
             return Err(err.into_plugin(op));
         }
         wait()?;
-        if self.status_host.take() == 0 {
-            return Ok(());
+        match status_message(self.status_host.take()) {
+            None => Ok(()),
+            Some(found) => Err(PluginError::invalid_argument(format!("{op}: {found}"))),
         }
-        Err(PluginError::invalid_argument(format!(
-            "{op}: a gather_rows enqueued earlier had an index outside its source rows; those \
-             rows were written as zeros"
-        )))
+    }
+
+    /// Marks the status word as worth reading at the next synchronisation: a kernel that may
+    /// set it was enqueued.
+    pub(crate) fn status_may_change(&self) {
+        self.status_pending.store(true, Ordering::Release);
     }
 
     /// Enqueues kernels copying every `(src, dst, bytes)` region, each spread over
@@ -686,6 +691,40 @@ impl Drop for BlasHandle {
 }
 
 /// A 4-byte device word kernels set flags in.
+/// Status word bit: a `gather_rows` index outside its source rows (`STATUS_BAD_GATHER_INDEX`
+/// in the kernels).
+const STATUS_BAD_GATHER_INDEX: u32 = 1;
+/// Status word bit: an attention segment whose bounds in the device copy of `cu_seqlens` lie
+/// outside the call's rows, or past the queries the launch (sized from the host copy) reaches
+/// (`STATUS_BAD_SEGMENT` in the kernels).
+const STATUS_BAD_SEGMENT: u32 = 2;
+
+/// What the status word `word` says the caller got wrong, one sentence per bit set; `None`
+/// when it is 0.
+fn status_message(word: u32) -> Option<String> {
+    if word == 0 {
+        return None;
+    }
+    let mut found = Vec::new();
+    if word & STATUS_BAD_GATHER_INDEX != 0 {
+        found.push(
+            "a gather_rows enqueued earlier had an index outside its source rows; those rows \
+             were written as zeros",
+        );
+    }
+    if word & STATUS_BAD_SEGMENT != 0 {
+        found.push(
+            "an attention enqueued earlier found segment bounds in `cu_seqlens_device` that \
+             disagree with `cu_seqlens` (outside the call's rows, or longer than the launch \
+             sized from `cu_seqlens` reaches); those segments were not computed",
+        );
+    }
+    if word & !(STATUS_BAD_GATHER_INDEX | STATUS_BAD_SEGMENT) != 0 {
+        found.push("a kernel set an unknown status bit");
+    }
+    Some(found.join("; "))
+}
+
 struct DeviceWord {
     ptr: CUdeviceptr,
 }
