@@ -237,6 +237,11 @@ pub struct BlockInfo {
 pub struct CachingAllocator {
     device: Arc<Device>,
     state: Mutex<State>,
+    /// Held by a reader on another thread (a memory snapshot) from before it waits for the
+    /// device's queue until it has stored the failure that wait may have taken, and by
+    /// [`CachingAllocator::synchronize`] before it looks for one. The reader waits without the
+    /// books' lock, so the thread that runs work can allocate meanwhile.
+    reader_wait: Mutex<()>,
 }
 
 /// Device memory a dry-run allocator draws its segments from: a count of free bytes.
@@ -262,6 +267,7 @@ impl CachingAllocator {
         Arc::new(CachingAllocator {
             device,
             state: Mutex::new(State::default()),
+            reader_wait: Mutex::new(()),
         })
     }
 
@@ -311,6 +317,7 @@ impl CachingAllocator {
         Ok(Arc::new(CachingAllocator {
             device: Arc::clone(&self.device),
             state: Mutex::new(copy),
+            reader_wait: Mutex::new(()),
         }))
     }
 
@@ -423,8 +430,9 @@ impl CachingAllocator {
     /// The device error of the failed work.
     pub fn synchronize(&self) -> Result<(), DeviceError> {
         let result = self.device.synchronize();
-        // Taken after waiting: a snapshot that took the failure held the lock until it had
-        // stored it, so it is there by now.
+        // Looked for after waiting, once no reader is between its wait and storing what that
+        // wait took: a snapshot that took the failure has stored it by now.
+        let _readers = lock_unit(&self.reader_wait);
         match self.lock().deferred_failure.take() {
             Some(earlier) => Err(earlier),
             None => result,
@@ -484,18 +492,24 @@ impl CachingAllocator {
         self.lock().check()
     }
 
-    /// The counters and the device's `(free, total)`, read under one lock so that they agree.
     /// The allocator's counters, the device's `(free, total)` and the bytes the plugin holds
-    /// outside `alloc`, read after the device's queue has drained (frees are queue-ordered).
+    /// outside `alloc`, read under the books' lock so that they agree, after the device's
+    /// queue has drained (frees are queue-ordered). The wait is made without that lock: a
+    /// snapshot taken while the engine runs (a `/metrics` scrape) must not stall the engine's
+    /// allocations for a whole queue. Frees the engine queues in the moment between the wait
+    /// and the read may then still count in the device's figure, not in the allocator's.
     pub(crate) fn stats_with_mem_info(
         &self,
     ) -> Result<(AllocatorStats, iris_plugin::MemInfo, u64), AllocError> {
-        let mut state = self.lock();
-        if let Err(err) = self.device.synchronize() {
-            // A failure of queued work belongs to the thread that queued it (the engine's
-            // step), not to this reader: keep it for that thread's next synchronize.
-            state.deferred_failure.get_or_insert(err);
+        {
+            let _reader = lock_unit(&self.reader_wait);
+            if let Err(err) = self.device.synchronize() {
+                // A failure of queued work belongs to the thread that queued it (the engine's
+                // step), not to this reader: keep it for that thread's next synchronize.
+                self.lock().deferred_failure.get_or_insert(err);
+            }
         }
+        let state = self.lock();
         let info = self.device.mem_info()?;
         let held = self.device.memory_report()?.held_bytes();
         Ok((state.stats, info, held))
@@ -566,6 +580,13 @@ impl CachingAllocator {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+}
+
+/// Locks a mutex that guards no data: a poisoned one is as good as any.
+fn lock_unit(mutex: &Mutex<()>) -> MutexGuard<'_, ()> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Drop for CachingAllocator {
@@ -1270,6 +1291,10 @@ const _: () = {
 
 #[cfg(test)]
 mod tests {
+    use std::time::{Duration, Instant};
+
+    use iris_plugin::abi::{Activation, ActivationArgs, FillArgs};
+
     use super::*;
 
     fn device(capacity: &str) -> Arc<Device> {
@@ -1279,6 +1304,79 @@ mod tests {
     fn used(device: &Device) -> u64 {
         let info = device.mem_info().unwrap();
         info.total - info.free
+    }
+
+    /// A memory snapshot on another thread (a `/metrics` scrape) waits for the device's queue
+    /// without the books' lock: the engine's allocations meanwhile are not held up until the
+    /// queue has drained (before, the snapshot held the lock through its wait).
+    #[test]
+    fn a_snapshot_waiting_for_the_queue_does_not_hold_up_allocations() {
+        // Each queued item waits 3 s before it runs.
+        let dev = Arc::new(crate::test_support::cpu_device_with(&[
+            ("capacity", "64MiB"),
+            ("queue", "async"),
+            ("queue_delay_us", "3000000"),
+        ]));
+        let allocator = CachingAllocator::new(Arc::clone(&dev));
+        let buffer = allocator.alloc(4096).unwrap();
+        dev.fill(&FillArgs {
+            dst: buffer.slice(),
+            value: 7,
+            width: 4,
+        })
+        .unwrap();
+        let (entered, entering) = std::sync::mpsc::channel();
+        let reader = {
+            let allocator = Arc::clone(&allocator);
+            std::thread::spawn(move || {
+                entered.send(()).unwrap();
+                crate::memory::MemorySnapshot::take(&allocator).map(|s| s.allocator_allocated)
+            })
+        };
+        entering.recv().unwrap();
+        // Long enough for the reader to be inside its wait, well short of the queue's 3 s.
+        std::thread::sleep(Duration::from_millis(300));
+        let started = Instant::now();
+        let second = allocator.alloc(4096).unwrap();
+        let waited = started.elapsed();
+        assert!(
+            waited < Duration::from_millis(1500),
+            "an allocation from the cache waited {waited:?} for another thread's snapshot"
+        );
+        assert!(reader.join().unwrap().unwrap() >= 4096);
+        drop((buffer, second));
+        allocator.synchronize().unwrap();
+    }
+
+    /// A failure of queued work that a snapshot on another thread ran into first reaches the
+    /// thread that runs the work, at its next synchronize, once.
+    #[test]
+    fn a_failure_a_snapshot_ran_into_reaches_the_next_synchronize() {
+        let dev = Arc::new(crate::test_support::cpu_device_with(&[
+            ("capacity", "64MiB"),
+            ("queue", "async"),
+            ("fail_op", "activation"),
+        ]));
+        let allocator = CachingAllocator::new(Arc::clone(&dev));
+        let buffer = allocator.alloc(64).unwrap();
+        let view = MatRef::vector(buffer.handle(), buffer.offset(), DType::F32, 16);
+        dev.activation(&ActivationArgs {
+            x: view,
+            out: view,
+            activation: Activation::SILU,
+            workspace: BufferSlice::EMPTY,
+        })
+        .unwrap();
+        let reader = {
+            let allocator = Arc::clone(&allocator);
+            std::thread::spawn(move || crate::memory::MemorySnapshot::take(&allocator).is_ok())
+        };
+        assert!(reader.join().unwrap(), "the snapshot itself succeeds");
+        let err = allocator
+            .synchronize()
+            .expect_err("the activation's injected failure");
+        assert!(err.to_string().contains("injected"), "{err}");
+        allocator.synchronize().expect("reported once");
     }
 
     #[test]
