@@ -918,9 +918,17 @@ impl<'a> AsyncWrites<'a> {
 
 impl Drop for AsyncWrites<'_> {
     fn drop(&mut self) {
-        // The sources may be freed right after this returns; an error was, or will be,
-        // reported by the device's next call.
-        let _ = self.wait();
+        // Reached with writes pending only while the closure that had them unwinds: the
+        // sources may be freed right after this returns, so it waits. Its error has no caller
+        // to go to (a device may report a failure once, to this wait), so it is logged rather
+        // than dropped unseen.
+        if let Err(err) = self.wait() {
+            tracing::error!(
+                target: "iris::plugin",
+                plugin = %err.plugin,
+                "waiting for async writes while unwinding: {err}"
+            );
+        }
     }
 }
 
