@@ -93,7 +93,8 @@ impl AscendDevice {
         let stream = Stream::create(rt, &context)?;
         let opened = mem_info(rt, kind)?;
         let mut memory = Memory::new(rt, kind);
-        let sizing = memory.transient(SIZING_BYTES)?;
+        // Nothing is queued yet: no wait, and no failure of earlier work to keep.
+        let sizing = memory.transient(SIZING_BYTES, &stream, &mut None)?;
         let after = mem_info(rt, kind)?;
         let soc = rt.soc_name().unwrap_or_else(|| "Ascend NPU".to_owned());
         let family = Family::of(&soc);
@@ -392,7 +393,10 @@ impl AscendDevice {
         body(&mut measure)?;
         let req = measure.requirement();
         let scratch = if req.total() > 0 {
-            Some(state.memory.transient(req.total())?)
+            let State {
+                memory, deferred, ..
+            } = &mut *state;
+            Some(memory.transient(req.total(), &self.stream, deferred)?)
         } else {
             None
         };

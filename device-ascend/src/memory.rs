@@ -347,18 +347,7 @@ impl Memory {
         stream: &Stream,
         deferred: &mut Option<AscendError>,
     ) -> Result<BufferHandle, AscendError> {
-        self.reap()?;
-        let block = match self.malloc(bytes) {
-            Err(code) if code.is_out_of_memory() && !self.pending.is_empty() => {
-                if let Err(err) = stream.synchronize() {
-                    deferred.get_or_insert(err);
-                }
-                self.reap()?;
-                self.malloc(bytes)
-            }
-            other => other,
-        };
-        let block = block.map_err(|code| self.malloc_error(code, bytes))?;
+        let block = self.malloc_or_wait(bytes, stream, deferred)?;
         let handle = self.next_handle;
         self.next_handle += 1;
         self.allocated += bytes;
@@ -392,11 +381,38 @@ impl Memory {
     }
 
     /// A device block outside the buffer table, for scratch an op needs beyond its caller's
-    /// workspace; hand it back with [`Memory::retire`] right after enqueueing its use.
-    pub fn transient(&mut self, bytes: u64) -> Result<DeviceBlock, AscendError> {
+    /// workspace; hand it back with [`Memory::retire`] right after enqueueing its use. On out
+    /// of memory it waits for queued frees as [`Memory::alloc`] does.
+    pub fn transient(
+        &mut self,
+        bytes: u64,
+        stream: &Stream,
+        deferred: &mut Option<AscendError>,
+    ) -> Result<DeviceBlock, AscendError> {
+        self.malloc_or_wait(bytes, stream, deferred)
+    }
+
+    /// A block of `bytes`. On out of memory while frees are still queued, waits for
+    /// `stream`, releases them and retries once; an error of the work it waited for goes to
+    /// `deferred`, for the next `synchronize` (it belongs to that work, not to this call).
+    fn malloc_or_wait(
+        &mut self,
+        bytes: u64,
+        stream: &Stream,
+        deferred: &mut Option<AscendError>,
+    ) -> Result<DeviceBlock, AscendError> {
         self.reap()?;
-        self.malloc(bytes)
-            .map_err(|code| self.malloc_error(code, bytes))
+        let block = match self.malloc(bytes) {
+            Err(code) if code.is_out_of_memory() && !self.pending.is_empty() => {
+                if let Err(err) = stream.synchronize() {
+                    deferred.get_or_insert(err);
+                }
+                self.reap()?;
+                self.malloc(bytes)
+            }
+            other => other,
+        };
+        block.map_err(|code| self.malloc_error(code, bytes))
     }
 
     /// Releases a transient block once the work enqueued so far is done. When that cannot be

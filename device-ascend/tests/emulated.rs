@@ -562,6 +562,54 @@ fn an_out_of_memory_waits_for_queued_frees_and_retries() {
 }
 
 #[test]
+fn scratch_an_op_takes_waits_for_queued_frees_too() {
+    isolated(
+        "scratch_an_op_takes_waits_for_queued_frees_too",
+        &[
+            ("ASCEND_EMU_HBM", "1GiB"),
+            // Keeps the freed block's work queued when the copy asks for its scratch.
+            ("ASCEND_EMU_QUEUE_DELAY_US", "3000000"),
+        ],
+        || {
+            use_install(Layout::Split);
+            let device = open(&plugin(), 0, &[]);
+            // A strided copy of 256Ki rows of 12 bytes: its source made contiguous in 3 MiB of
+            // scratch the plugin takes (copy_batch has no workspace argument).
+            let (rows, width) = (256u64 << 10, 12u64);
+            let src = device.alloc(rows * 16).expect("alloc");
+            let dst = device.alloc(rows * 20).expect("alloc");
+            device.zero(src, 0, rows * 16).expect("zero");
+            device.synchronize().expect("synchronize");
+            let regions: Vec<CopyRegion> = (0..rows)
+                .map(|row| CopyRegion {
+                    src,
+                    src_offset: 16 * row,
+                    dst,
+                    dst_offset: 20 * row,
+                    bytes: width,
+                })
+                .collect();
+            // A block that leaves less than the scratch free, freed behind queued work.
+            let free = device.mem_info().expect("mem_info").free;
+            let filler = device.alloc(free - (2 << 20)).expect("alloc");
+            device
+                .zero(filler, 0, 1 << 20)
+                .expect("queue work on the block");
+            device.free(filler).expect("free");
+            // Does not fit beside the pending block: waits for the queue, releases, retries.
+            device
+                .copy_batch(&regions)
+                .expect("the copy's scratch after the queued free");
+            device.synchronize().expect("synchronize");
+            device.free(src).expect("free");
+            device.free(dst).expect("free");
+            device.synchronize().expect("synchronize");
+            assert_eq!(device.memory_report().expect("report").allocated, 0);
+        },
+    );
+}
+
+#[test]
 fn a_failing_kernel_is_reported_at_synchronize_and_the_device_goes_on() {
     isolated(
         "a_failing_kernel_is_reported_at_synchronize_and_the_device_goes_on",
