@@ -2,9 +2,10 @@
 # One command on a machine with an NVIDIA GPU: everything about the CUDA plugin that CI, which
 # has no GPU, cannot check. From the repository root:
 #
-#   tools/gpu-check.sh [--out DIR] [--quick] [--debug]       build here, then check
+#   tools/gpu-check.sh [--out DIR] [--quick] [--budget S] [--debug]   build here, then check
 #   tools/gpu-check.sh --archive FILE [--debug]               build the prebuilt archive only
-#   ./gpu-check.sh --prebuilt DIR [--out DIR] [--quick]       check from an unpacked archive
+#   ./gpu-check.sh --prebuilt DIR [--out DIR] [--quick] [--budget S]
+#                                                             check from an unpacked archive
 #
 # A GPU node often has neither a Rust toolchain nor a network. `--archive FILE` builds, on any
 # x86-64 Linux machine with cargo, everything the checks need into one .tar.gz (well under
@@ -90,6 +91,11 @@
 # --quick shortens the tiny bench (200 prompts) and the 7B one (300 prompts at 30 requests/s,
 # 10 s of load; the default is 1000 at 20, 50 s), the attention timing (1024 and 4096 tokens)
 # and the transformers comparison (3 timed calls per case instead of 10).
+# --budget SECONDS bounds the whole check (default 540 with --quick, none without; 0: none): a
+# step that would start after it is skipped, one still running when it ends is stopped and
+# recorded as skipped with the time it had, so that a host that ends the command at a fixed
+# limit (ten minutes, say) still gets every finished step and the summary. Steps run in order of
+# what they check: the memory promise and first requests before the timings.
 # --debug uses a debug build instead of release: for trying the script's own steps on a machine
 # without a GPU, where the release build's time buys nothing.
 # Environment: SKIP (steps not to run, comma-separated: plugin-check, ops-gpu, encode, bench,
@@ -102,6 +108,7 @@ script_dir=$(cd "$(dirname "$0")" && pwd)
 
 out=""
 quick=0
+budget=""
 profile=release
 prebuilt=""
 archive=""
@@ -112,11 +119,17 @@ while [ $# -gt 0 ]; do
     --debug) profile=debug; shift ;;
     --prebuilt) prebuilt="$2"; shift 2 ;;
     --archive) archive="$2"; shift 2 ;;
-    -h|--help) sed -n '2,68p' "$0"; exit 0 ;;
+    --budget) budget="$2"; shift 2 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 64 ;;
   esac
 done
 python="${PYTHON:-python3}"
+case "$budget" in
+  '') budget=0; [ "$quick" -eq 1 ] && budget=540 ;;
+  *[!0-9]*) echo "--budget: expected whole seconds, got '$budget'" >&2; exit 64 ;;
+esac
+check_start=$(date +%s)
 
 # make_bundle DIR STRIP: builds iris, the CUDA plugin with its GPU test binary and the attention
 # timing, and copies them with the fixtures and helpers into DIR. Needs the checkout.
@@ -190,26 +203,53 @@ record() {
   printf '%-28s %-5s %7ss  %s\n' "$1" "$2" "$3" "$4"
 }
 
-# run NAME LOGFILE COMMAND...: runs a command, records pass/fail with its time.
+skip() { record "$1" skip 0 "$2"; }
+
+# budget_left: seconds left of --budget (a large number when there is none).
+budget_left() {
+  if [ "$budget" -eq 0 ]; then
+    echo 999999
+  else
+    echo $(( budget - ($(date +%s) - check_start) ))
+  fi
+}
+
+# out_of_time NAME: skips step NAME (and says so) when --budget is spent.
+out_of_time() {
+  if [ "$(budget_left)" -le 0 ]; then
+    skip "$1" "not run: the --budget of ${budget} s was spent"
+    return 0
+  fi
+  return 1
+}
+
+# run NAME LOGFILE COMMAND...: runs a command, records pass/fail with its time. Under --budget,
+# a step is not started once it is spent, and a program (not a shell function) still running
+# when it ends is stopped and recorded as skipped.
 run() {
   local name="$1" log="$2"
   shift 2
-  local start end status
+  out_of_time "$name" && return 1
+  local start end status limit=()
+  if [ "$budget" -gt 0 ] && [ "$(type -t "$1")" = file ]; then
+    limit=(timeout --kill-after=10 "$(budget_left)")
+  fi
   start=$(date +%s.%N)
-  "$@" > "$log" 2>&1
+  "${limit[@]}" "$@" > "$log" 2>&1
   status=$?
   end=$(date +%s.%N)
   local seconds
   seconds=$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }')
   if [ "$status" -eq 0 ]; then
     record "$name" pass "$seconds" "log: $log"
+  elif [ "${#limit[@]}" -gt 0 ] && { [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; } \
+      && [ "$(budget_left)" -le 0 ]; then
+    record "$name" skip "$seconds" "stopped at the --budget of ${budget} s; its output so far: $log"
   else
     record "$name" fail "$seconds" "exit $status; $(tail -n 3 "$log" | tr '\n' ' ')"
   fi
   return "$status"
 }
-
-skip() { record "$1" skip 0 "$2"; }
 
 # bench_step NAME FLAGS...: `iris bench --device cuda FLAGS` as step NAME, nvidia-smi logging
 # device memory from a second before it to two seconds after its process exits, then NAME.verdict:
@@ -219,6 +259,7 @@ skip() { record "$1" skip 0 "$2"; }
 bench_step() {
   local name="$1" smi_pid="" verdict=()
   shift
+  out_of_time "$name" && return 1
   local json="$out/$name.json" smi_log="$out/$name-nvidia-smi.csv"
   rm -f "$json"
   verdict=("$json" "${VERDICT_ARGS[@]}")
@@ -453,6 +494,8 @@ EOF
       --images-per-prompt 1 --image-size 448x448 --repeat-ratio 0 --max-concurrency 1 --request-rate inf)
     for tower in "${first_towers[@]}"; do
       bench_step "first.$tower" --model "$tower" "${first_args[@]}" && continue
+      # With the --budget spent, the runs below would only be recorded as not run.
+      [ "$(budget_left)" -le 0 ] && continue
       # Slow first requests: the same run with each suspect taken away, so that one GPU run
       # names the cause. `.eager`: every kernel of every library loaded at start
       # (CUDA_MODULE_LOADING=EAGER) instead of at its first launch; `.kernel`: the plugin's
@@ -556,7 +599,7 @@ EOF
     skip kernels "in SKIP"
   elif ! command -v ncu > /dev/null 2>&1; then
     skip kernels "Nsight Compute (ncu) is not on PATH"
-  else
+  elif ! out_of_time kernels; then
     image448="$out/image-448.png"
     "$python" -c "import sys; sys.path.insert(0, sys.argv[1]); from towers_vs_transformers import write_png; write_png(sys.argv[2], 448)" \
       "$bundle/gpu-check" "$image448"
@@ -567,7 +610,9 @@ EOF
     # ncu reports a profiling permission it lacks as an error line and may still exit 0: that
     # case is the host's set-up, a skip with the remedy; any other failure is the step's.
     ncu_start=$(date +%s)
-    ncu --csv --log-file "$csv" \
+    ncu_limit=()
+    [ "$budget" -gt 0 ] && ncu_limit=(timeout --kill-after=10 "$(budget_left)")
+    "${ncu_limit[@]}" ncu --csv --log-file "$csv" \
       --metrics gpu__time_duration.sum,dram__bytes.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
       "$iris" encode --device cuda --model qwen3-vl-8b --weights dummy --dtype bf16 --batch \
       --out "$out/kernels-out.safetensors" "${images41[@]}" > "$ncu_log" 2>&1
@@ -575,6 +620,9 @@ EOF
     ncu_seconds=$(( $(date +%s) - ncu_start ))
     if grep -q "ERR_NVGPUCTRPERM" "$ncu_log" "$csv" 2> /dev/null; then
       skip kernels "ncu may not read the GPU's counters here (ERR_NVGPUCTRPERM: run as root, or load nvidia with NVreg_RestrictProfilingToAdminUsers=0)"
+    elif [ "${#ncu_limit[@]}" -gt 0 ] && { [ "$ncu_status" -eq 124 ] || [ "$ncu_status" -eq 137 ]; } \
+        && [ "$(budget_left)" -le 0 ]; then
+      record kernels.ncu skip "$ncu_seconds" "stopped at the --budget of ${budget} s; its output so far: $ncu_log"
     elif [ "$ncu_status" -ne 0 ]; then
       record kernels.ncu fail "$ncu_seconds" "exit $ncu_status; $(tail -n 3 "$ncu_log" | tr '\n' ' ')"
     else
