@@ -11,6 +11,9 @@
 //!   --timings-json`.
 //! - `tools/gpu-check/kernel_model.py`: its kernels carry the towers' FLOP count, and it sums
 //!   an Nsight Compute CSV by category (or says the file is not one).
+//! - `tools/gpu-check.sh --prebuilt` itself over stand-in programs (an `iris`, a GPU test
+//!   binary and an `nvidia-smi` that only answer): every step reached and recorded, the
+//!   summary written, and `--budget` stopping a step and skipping the rest.
 //!
 //! They need `python3` (or `$PYTHON`): CI has it, and a machine without it fails here rather
 //! than passing by doing nothing.
@@ -555,5 +558,168 @@ fn kernel_model_counts_the_towers_flops_and_sums_ncu_by_category() {
         "{}",
         text(&out)
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A bundle for `tools/gpu-check.sh --prebuilt` whose programs are stand-ins: an `iris` that
+/// lists one CUDA device and otherwise succeeds at once (writing nothing), a GPU test binary
+/// that succeeds after `ops_seconds`, and the real script and helpers; with an `nvidia-smi`
+/// that names a GPU and samples a fixed figure, in `<dir>/path`.
+fn fake_gpu_bundle(dir: &Path, ops_seconds: u32) -> (PathBuf, PathBuf) {
+    let bundle = dir.join("bundle");
+    for sub in ["bin", "cuda", "gpu-check", "golden"] {
+        std::fs::create_dir_all(bundle.join(sub)).expect("bundle folder");
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    std::fs::copy(root.join("tools/gpu-check.sh"), bundle.join("gpu-check.sh"))
+        .expect("copy the script");
+    for entry in std::fs::read_dir(root.join("tools/gpu-check")).expect("helpers") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_some_and(|ext| ext == "py") {
+            std::fs::copy(
+                &path,
+                bundle.join("gpu-check").join(path.file_name().unwrap()),
+            )
+            .expect("copy a helper");
+        }
+    }
+    let path_dir = dir.join("path");
+    std::fs::create_dir_all(&path_dir).expect("path folder");
+    let scripts = [
+        (
+            bundle.join("bin/iris"),
+            "#!/usr/bin/env bash\ncase \"$1\" in\n  devices) echo '{\"plugins\": [{\"name\": \
+             \"cuda\", \"devices\": [{\"properties\": {\"cuda_libraries\": \"CUDA 13 \
+             (stand-in)\", \"attention_engine\": \"kernel: stand-in\"}}]}]}' ;;\n  *) true \
+             ;;\nesac\n"
+                .to_owned(),
+        ),
+        (
+            bundle.join("cuda/ops"),
+            format!("#!/usr/bin/env bash\nsleep {ops_seconds}\n"),
+        ),
+        (
+            path_dir.join("nvidia-smi"),
+            "#!/usr/bin/env bash\ncase \"$*\" in\n  *-lms*) while true; do echo '2026/01/01 \
+             00:00:00.000, 0, 100'; sleep 0.2; done ;;\n  *) echo '0, Stand-in GPU, 580.00, \
+             143771, 100' ;;\nesac\n"
+                .to_owned(),
+        ),
+    ];
+    for (path, body) in scripts {
+        std::fs::write(&path, body).expect("script written");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
+            .expect("executable");
+    }
+    (bundle, path_dir)
+}
+
+/// Runs the bundle's `gpu-check.sh --prebuilt` with `args`, the stand-in `nvidia-smi` first on
+/// PATH; returns its summary.json and output.
+fn run_gpu_check(dir: &Path, bundle: &Path, path_dir: &Path, args: &[&str]) -> (Value, String) {
+    let out = dir.join("out");
+    let path = format!(
+        "{}:{}",
+        path_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let output = Command::new("bash")
+        .arg(bundle.join("gpu-check.sh"))
+        .args(["--prebuilt", path_str(bundle), "--out", path_str(&out)])
+        .args(args)
+        .env("PATH", path)
+        .env_remove("SKIP")
+        .output()
+        .expect("bash runs");
+    let log = text(&output);
+    let summary = std::fs::read_to_string(out.join("summary.json"))
+        .unwrap_or_else(|err| panic!("no summary.json ({err}):\n{log}"));
+    (serde_json::from_str(&summary).expect("summary parses"), log)
+}
+
+/// The status of step `name` in a summary.
+fn step<'a>(summary: &'a Value, name: &str) -> Option<(&'a str, &'a str)> {
+    summary["steps"].as_array()?.iter().find_map(|s| {
+        (s["name"] == name).then(|| {
+            (
+                s["status"].as_str().unwrap_or(""),
+                s["detail"].as_str().unwrap_or(""),
+            )
+        })
+    })
+}
+
+/// The whole script runs on a machine without a GPU over stand-in programs: every step's
+/// control flow, under `set -u`, to its summary (before, only its syntax was checked here, and
+/// a slip in a step would have shown first on a lent GPU). Steps whose programs write nothing
+/// fail or skip, as they must; what is checked is that each step is reached and recorded.
+#[test]
+fn gpu_check_runs_every_step_to_its_summary_over_stand_in_programs() {
+    let dir = folder("script");
+    let (bundle, path_dir) = fake_gpu_bundle(&dir, 0);
+    let (summary, log) = run_gpu_check(&dir, &bundle, &path_dir, &["--quick"]);
+    assert_eq!(summary["gpu"], "Stand-in GPU", "{log}");
+    for (name, status) in [
+        ("gpu", "pass"),
+        ("plugin", "pass"),
+        ("devices.cuda", "pass"),
+        ("devices.attention_engine", "pass"),
+        ("plugin-check", "pass"),
+        ("ops-gpu", "pass"),
+        ("encode.qwen3_vl.bf16.cuda", "pass"),
+        ("bench", "pass"),
+        // The stand-in wrote no result: nothing to judge.
+        ("bench.verdict", "skip"),
+        ("bench.7b", "pass"),
+        ("first.qwen3-vl-8b", "pass"),
+        ("profile.real", "pass"),
+        ("serving.qwen3-vl-8b", "pass"),
+        ("serving.qwen3-vl-8b.lanes1", "pass"),
+    ] {
+        let found = step(&summary, name);
+        assert_eq!(
+            found.map(|(s, _)| s),
+            Some(status),
+            "step {name}: {found:?}\n{log}"
+        );
+    }
+    // No stand-in writes safetensors: each comparison fails, naming the missing file.
+    let (status, detail) = step(&summary, "encode.qwen2_vl.f32.compare").expect("compare step");
+    assert_eq!(status, "fail");
+    assert!(detail.contains("FileNotFoundError"), "{detail}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--budget`: a step still running when it ends is stopped and recorded as skipped, later ones
+/// are not started, and the summary is written all the same.
+#[test]
+fn gpu_check_keeps_its_budget_and_still_writes_the_summary() {
+    let dir = folder("budget");
+    // The GPU tests would take a minute: they are stopped at the 8 s budget, and nothing
+    // after them starts.
+    let (bundle, path_dir) = fake_gpu_bundle(&dir, 60);
+    let (summary, log) = run_gpu_check(&dir, &bundle, &path_dir, &["--budget", "8"]);
+    assert_eq!(
+        step(&summary, "plugin-check").map(|(s, _)| s),
+        Some("pass"),
+        "{log}"
+    );
+    let (status, detail) = step(&summary, "ops-gpu").expect("ops-gpu recorded");
+    assert_eq!(status, "skip", "{log}");
+    assert!(
+        detail.starts_with("stopped at the --budget of 8 s"),
+        "{detail}"
+    );
+    for name in [
+        "encode.qwen2_vl.f32.cpu",
+        "bench",
+        "profile.dry",
+        "serving.qwen3-vl-8b",
+    ] {
+        let (status, detail) = step(&summary, name).unwrap_or_else(|| panic!("{name}\n{log}"));
+        assert_eq!(status, "skip", "{name}");
+        assert_eq!(detail, "not run: the --budget of 8 s was spent", "{name}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
