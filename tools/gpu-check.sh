@@ -43,7 +43,10 @@
 #   first        single 448x448 images one after another (12 requests, one at a time) through
 #                Qwen2.5-VL-7B and Qwen3-VL-8B (--quick: Qwen3-VL only), dummy weights, bf16:
 #                after start-up, the slowest request within 1.2 times the median
-#                (bench_verdict.py --first-within), memory as for the benches; when a tower
+#                (bench_verdict.py --first-within), memory as for the benches, and
+#                first.T.gemm: the cuBLASLt problems first met after start-up, from the plugin's
+#                debug log (how many, their heuristic searches and first calls, which include
+#                kernels loaded lazily); when a tower
 #                fails it, the same run again with CUDA_MODULE_LOADING=EAGER (first.T.eager),
 #                with the plugin's attention kernels (first.T.kernel: no cuDNN plan built
 #                while serving) and with both (first.T.both), to name what the first request
@@ -286,6 +289,29 @@ bench_step() {
 
 VERDICT_ARGS=()
 
+# gemm_problems NAME LOG: records NAME.gemm, what the cuBLASLt problems first met after
+# start-up (after the bench's `engine:` line) cost in LOG: how many, their heuristic searches
+# and first calls in all, and the slowest first call.
+gemm_problems() {
+  local name="$1" log="$2" summary
+  [ -s "$log" ] || return 0
+  summary=$(awk '
+    /^engine: model/ { ready = 1; next }
+    ready && /cuBLASLt problem / {
+      match($0, /problem [0-9x]+/); shape = substr($0, RSTART + 8, RLENGTH - 8)
+      match($0, /heuristic [0-9.]+ ms/); h = substr($0, RSTART + 10, RLENGTH - 13)
+      match($0, /first matmul call [0-9.]+ ms/); c = substr($0, RSTART + 18, RLENGTH - 21)
+      n++; heuristic += h; calls += c
+      if (c + 0 > worst + 0) { worst = c; worst_shape = shape }
+    }
+    END {
+      if (!ready) { print "no engine: line in the log"; exit }
+      if (n == 0) { print "no cuBLASLt problem was new after start-up"; exit }
+      printf "%d cuBLASLt problems new after start-up: heuristic %.1f ms, first calls %.1f ms in all (slowest %s, %.1f ms)", n, heuristic, calls, worst_shape, worst
+    }' "$log")
+  record "$name.gemm" pass 0 "$summary"
+}
+
 # wanted STEP: whether STEP is not listed in $SKIP.
 wanted() { case ",${SKIP:-}," in *",$1,"*) return 1 ;; *) return 0 ;; esac; }
 
@@ -493,7 +519,12 @@ EOF
     first_args=(--weights dummy --dtype bf16 --limit-mm-per-prompt '{"video": 0}' --num-prompts 12
       --images-per-prompt 1 --image-size 448x448 --repeat-ratio 0 --max-concurrency 1 --request-rate inf)
     for tower in "${first_towers[@]}"; do
-      bench_step "first.$tower" --model "$tower" "${first_args[@]}" && continue
+      # At debug level the plugin logs each cuBLASLt problem it meets for the first time, with
+      # its heuristic search and first call times (kernels loaded lazily show in the latter).
+      IRIS_LOG=warn,iris::plugin=debug bench_step "first.$tower" --model "$tower" "${first_args[@]}"
+      first_status=$?
+      gemm_problems "first.$tower" "$out/first.$tower.log"
+      [ "$first_status" -eq 0 ] && continue
       # With the --budget spent, the runs below would only be recorded as not run.
       [ "$(budget_left)" -le 0 ] && continue
       # Slow first requests: the same run with each suspect taken away, so that one GPU run

@@ -562,7 +562,8 @@ fn kernel_model_counts_the_towers_flops_and_sums_ncu_by_category() {
 }
 
 /// A bundle for `tools/gpu-check.sh --prebuilt` whose programs are stand-ins: an `iris` that
-/// lists one CUDA device and otherwise succeeds at once (writing nothing), a GPU test binary
+/// lists one CUDA device, logs as `iris bench` would one cuBLASLt problem met during start-up
+/// and two after it, and otherwise succeeds at once (writing nothing), a GPU test binary
 /// that succeeds after `ops_seconds`, and the real script and helpers; with an `nvidia-smi`
 /// that names a GPU and samples a fixed figure, in `<dir>/path`.
 fn fake_gpu_bundle(dir: &Path, ops_seconds: u32) -> (PathBuf, PathBuf) {
@@ -590,9 +591,12 @@ fn fake_gpu_bundle(dir: &Path, ops_seconds: u32) -> (PathBuf, PathBuf) {
             bundle.join("bin/iris"),
             "#!/usr/bin/env bash\ncase \"$1\" in\n  devices) echo '{\"plugins\": [{\"name\": \
              \"cuda\", \"devices\": [{\"properties\": {\"cuda_libraries\": \"CUDA 13 \
-             (stand-in)\", \"attention_engine\": \"kernel: stand-in\"}}]}]}' ;;\n  *) true \
-             ;;\nesac\n"
-                .to_owned(),
+             (stand-in)\", \"attention_engine\": \"kernel: stand-in\"}}]}]}' ;;\n  bench) \
+             printf '%s\\n' \"$PROBLEM 8x32x32 (bf16): heuristic 0.50 ms, first matmul call 7.00 \
+             ms\" 'engine: model stand-in' \"$PROBLEM 784x3456x1152 (bf16, bias): heuristic 1.00 \
+             ms, first matmul call 10.00 ms\" \"$PROBLEM 784x1152x1152 (bf16): heuristic 0.50 ms, \
+             first matmul call 2.00 ms\" >&2 ;;\n  *) true ;;\nesac\n"
+                .replace("$PROBLEM", "DEBUG iris::plugin: cuBLASLt problem"),
         ),
         (
             bundle.join("cuda/ops"),
@@ -684,6 +688,16 @@ fn gpu_check_runs_every_step_to_its_summary_over_stand_in_programs() {
             "step {name}: {found:?}\n{log}"
         );
     }
+    // The problems the plugin met after the bench's `engine:` line, from its debug log.
+    assert_eq!(
+        step(&summary, "first.qwen3-vl-8b.gemm"),
+        Some((
+            "pass",
+            "2 cuBLASLt problems new after start-up: heuristic 1.5 ms, first calls 12.0 ms in \
+             all (slowest 784x3456x1152, 10.0 ms)"
+        )),
+        "{log}"
+    );
     // No stand-in writes safetensors: each comparison fails, naming the missing file.
     let (status, detail) = step(&summary, "encode.qwen2_vl.f32.compare").expect("compare step");
     assert_eq!(status, "fail");

@@ -18,6 +18,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::time::Instant;
 
 use cudarc::driver::sys::CUstream;
 use iris_plugin::abi::{Activation, DType, GemmArgs, PluginError};
@@ -539,9 +540,18 @@ impl Compute {
         // The bias pointer is set on the shared descriptor and read by the matmul enqueued
         // right after: both under the lock.
         let mut state = lock(&self.gemm);
+        // A problem seen for the first time costs a heuristic search and, where the library
+        // loads its kernels lazily, their loading in the first matmul's call: both are timed
+        // and logged (debug), so that a slow first request names what it waited for.
+        let mut first_seen = None;
         let plan = match state.plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
-            std::collections::hash_map::Entry::Vacant(entry) => entry.insert(self.set_up_lt(&key)?),
+            std::collections::hash_map::Entry::Vacant(entry) => {
+                let started = Instant::now();
+                let plan = entry.insert(self.set_up_lt(&key)?);
+                first_seen = Some((started.elapsed(), Instant::now()));
+                plan
+            }
         };
         let setup = match plan {
             LtPlan::Ready(setup) => setup,
@@ -592,7 +602,21 @@ impl Compute {
                 stream.cast(),
             )
         }
-        .map_err(lt_err("cublasLtMatmul"))
+        .map_err(lt_err("cublasLtMatmul"))?;
+        if let Some((heuristic, enqueue)) = first_seen {
+            self.log.debug(format!(
+                "cuBLASLt problem {}x{}x{} ({}{}{}): heuristic {:.2} ms, first matmul call {:.2} ms",
+                gemm.m,
+                gemm.n,
+                gemm.k,
+                dtype_name(gemm.a.dtype),
+                if product.f32 { " to f32" } else { "" },
+                if product.bias != 0 { ", bias" } else { "" },
+                heuristic.as_secs_f64() * 1e3,
+                enqueue.elapsed().as_secs_f64() * 1e3,
+            ));
+        }
+        Ok(())
     }
 
     /// Builds cuBLASLt's descriptors for the problem `key` and asks its heuristic for an

@@ -112,6 +112,8 @@ pub struct Compute {
     pub(crate) lanes_note: String,
     /// cuDNN's fused attention, where the options and the device allow it.
     pub(crate) sdpa: sdpa::Sdpa,
+    /// The device's log (what a new cuBLASLt problem cost, at debug level).
+    log: Logger,
 }
 
 /// Head dims whose 128-query attention kernel serves: none until the device's open has run it
@@ -245,6 +247,7 @@ impl Compute {
             lanes_cap: AtomicU32::new(1),
             lanes_note: "1 (not checked)".to_owned(),
             sdpa,
+            log: *log,
         })
     }
 
