@@ -64,6 +64,19 @@ fn synchronize_reads_the_gather_status_without_blocking_copies() {
     run("status", &[("IRIS_STANDIN_DEFER", "1")], Libraries::Full);
 }
 
+/// Library calls follow their stream's earlier work, with the stand-in driver's copies deferred
+/// as a GPU runs them: a product on cuBLAS (f32) and on cuBLASLt (bf16, f16), and cuDNN's
+/// attention, each enqueued right behind a `write_async` of its input with no kernel launch
+/// between, compute from the values written, not from what the buffer held before.
+#[test]
+fn library_calls_read_what_their_stream_wrote_before_them() {
+    run(
+        "library_order",
+        &[("IRIS_STANDIN_DEFER", "1")],
+        Libraries::Full,
+    );
+}
+
 #[test]
 fn attention_matches_the_reference_for_every_head_dim() {
     run("attention", &[], Libraries::Full);
@@ -353,6 +366,11 @@ fn scenario() {
     }
     if name == "cudnn_failed_execution" {
         return cudnn_failed_execution(&open_with(0, &[("attention_engine", "cudnn")]));
+    }
+    if name == "library_order" {
+        let device = std::sync::Arc::new(open_with(0, &[("attention_engine", "cudnn")]));
+        library_order(&device);
+        return device.synchronize().unwrap();
     }
     if name == "cudnn" || name == "wrong_cudnn" {
         let device = open_with(0, &[("attention_engine", "cudnn")]);
@@ -1823,6 +1841,87 @@ fn cudnn_failed_execution(device: &Device) {
     assert_eq!(failed(), before + 1);
 }
 
+/// The `library_order` scenario (see `library_calls_read_what_their_stream_wrote_before_them`):
+/// a product's `a` and attention's fused qkv are uploaded holding other values, then written
+/// again through `write_async` (a host copy into a page-locked slot on the plugin's copy stream,
+/// which the queue waits for, then the slot's copy to the device, all deferred), and the library
+/// call is enqueued at once. A library computing before that work ran would read the values
+/// uploaded first.
+fn library_order(device: &std::sync::Arc<Device>) {
+    // (m, k, n) of the `gemm` scenario's first case; f32 takes cuBLAS, f16 and bf16 cuBLASLt.
+    let (m, k, n) = (33, 70, 47);
+    for (i, (dtype, lt)) in [(DType::F32, false), (DType::BF16, true), (DType::F16, true)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng = Rng(i as u64 + 40);
+        let mut a = Tensor::upload(device, dtype, m, k, k, 0, &rng.values(m * k, 1.0));
+        let w = Tensor::upload(device, dtype, n, k, k, 0, &rng.values(n * k, 1.0));
+        let out = Tensor::upload(device, dtype, m, n, n, 0, &vec![0.0; m * n]);
+        let mut args = GemmArgs {
+            a: a.view,
+            w: w.view,
+            bias: MatRef::NONE,
+            out: out.view,
+            activation: Activation::NONE,
+            accumulate: false,
+            w_transposed: false,
+            w_constant: true,
+            workspace: BufferSlice::EMPTY,
+        };
+        let workspace = lend_workspace(device, device.gemm_workspace(&args).unwrap());
+        args.workspace = workspace.1;
+        let written = a.replace(&rng.values(m * k, 1.0));
+        let setups = common::standin_lt_setups();
+        let ((), waited) = device.with_async_writes(|writes| {
+            assert!(
+                writes.write(a.view.buf, 0, &written).unwrap(),
+                "the plugin takes the write"
+            );
+            device.gemm(&args).unwrap();
+        });
+        waited.unwrap();
+        assert_eq!(
+            common::standin_lt_setups() > setups,
+            lt,
+            "gemm {dtype}: the product on {}",
+            if lt { "cuBLASLt" } else { "cuBLAS" }
+        );
+        let expected: Vec<f64> = (0..m * n)
+            .map(|e| (0..k).map(|l| a.at(e / n, l) * w.at(e % n, l)).sum())
+            .collect();
+        let what = format!("gemm {dtype} after write_async");
+        close(&what, dtype, &out.download(device), &expected, k as f64);
+        if let Some(buf) = workspace.0 {
+            device.free(buf).unwrap();
+        }
+        for t in [a, w, out] {
+            t.free(device);
+        }
+    }
+    // cuDNN: two runs (two segments of 130 tokens, one of one token), whose plans are built and
+    // have executed once first, since a plan's first execution after open waits for the queue.
+    let cu = [0, 130, 260, 261];
+    until_cudnn_runs(device, DType::BF16, 64, &cu, 2);
+    let before = common::standin_cudnn_executes();
+    attention_case_by(device, DType::BF16, 64, &cu, 0, |args, qkv| {
+        let written = qkv.replace(&Rng(41).values(qkv.host.len(), 1.0));
+        let ((), waited) = device.with_async_writes(|writes| {
+            assert!(
+                writes.write(qkv.view.buf, 0, &written).unwrap(),
+                "the plugin takes the write"
+            );
+            device.attention(args).unwrap();
+        });
+        waited.unwrap();
+    });
+    assert_eq!(
+        common::standin_cudnn_executes() - before,
+        2,
+        "cuDNN computed both runs"
+    );
+}
+
 /// cuDNN made wrong by the stand-in does not serve (see
 /// `cudnn_attention_that_differs_at_open_does_not_serve`).
 fn wrong_cudnn(device: &Device) {
@@ -1910,12 +2009,27 @@ fn device_property(device: &Device, key: &str) -> String {
 /// One attention call over `cu` (2 heads of `hd`; q, k and v column blocks of one fused qkv
 /// buffer, `offset` elements into it) against the f64 reference.
 fn attention_case(device: &Device, dtype: DType, hd: usize, cu: &[u32], offset: usize) {
+    attention_case_by(device, dtype, hd, cu, offset, |args, _| {
+        device.attention(args).unwrap();
+    });
+}
+
+/// [`attention_case`] with the call made by `call`, which may first give the fused qkv buffer
+/// other contents ([`Tensor::replace`]): the reference is computed from them.
+fn attention_case_by(
+    device: &Device,
+    dtype: DType,
+    hd: usize,
+    cu: &[u32],
+    offset: usize,
+    call: impl FnOnce(&AttentionArgs<'_>, &mut Tensor),
+) {
     let tokens = *cu.last().unwrap() as usize;
     let max_seqlen = cu.windows(2).map(|s| s[1] - s[0]).max().unwrap();
     let heads = 2;
     let mut rng = Rng(hd as u64 + tokens as u64);
     let width = heads * hd;
-    let qkv = Tensor::upload(
+    let mut qkv = Tensor::upload(
         device,
         dtype,
         tokens,
@@ -1957,7 +2071,7 @@ fn attention_case(device: &Device, dtype: DType, hd: usize, cu: &[u32], offset: 
     // The plugin's kernels need no workspace; cuDNN's plans may.
     let workspace = lend_workspace(device, device.attention_workspace(&args).unwrap());
     args.workspace = workspace.1;
-    device.attention(&args).unwrap();
+    call(&args, &mut qkv);
     let row = |i: usize, part: usize, h: usize| -> Vec<f64> {
         (0..hd)
             .map(|c| qkv.at(i, part * width + h * hd + c))
@@ -2094,6 +2208,16 @@ impl Tensor {
 
     fn at(&self, r: usize, c: usize) -> f64 {
         self.host[self.offset + r * self.stride + c]
+    }
+
+    /// Makes `values` (rounded to the dtype, laid out as in [`Tensor::upload`]) what the tensor
+    /// holds on the host and returns their bytes, for the caller to write to its buffer.
+    fn replace(&mut self, values: &[f64]) -> Vec<u8> {
+        let dtype = self.view.dtype;
+        for (i, held) in self.host.iter_mut().enumerate() {
+            *held = round(dtype, values.get(i).copied().unwrap_or(0.0));
+        }
+        encode(dtype, &self.host)
     }
 
     /// The view's elements, row by row.

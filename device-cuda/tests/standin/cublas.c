@@ -12,6 +12,13 @@
  * iris_standin_lt_setups() counts cuBLASLt's set-up calls (descriptor, layout and preference
  * creation, heuristic queries), for tests of the plugin's cache of them.
  *
+ * Each computation is ordered on its stream as on a GPU: before computing, cublasGemmEx runs the
+ * queued work of its handle's stream (cublasSetStream_v2's; the legacy NULL stream until one is
+ * set) and cublasLtMatmul that of its `stream` argument, and what that work waits for, through
+ * the stand-in driver's iris_standin_flush_stream (found at run time in the libcuda.so.1 the
+ * process loaded; with another driver, nothing is run). Without it, a product would read
+ * operands the driver's deferred mode (IRIS_STANDIN_DEFER=1) has not copied in yet.
+ *
  * Like the real libraries, a handle allocates device state of its own on its first computation
  * (cuBLAS's default workspace pool, lazily loaded kernels): IRIS_STANDIN_BLAS_LAZY_BYTES bytes
  * (2 MiB unless set; 0 turns it off) through the stand-in driver's cuMemAlloc, freed when the
@@ -103,8 +110,12 @@ static void gemm(int ta, int tb, long m, long n, long k, double alpha, const voi
 
 /* ---- cuBLAS ---- */
 
-/* A handle and the device state it allocated on its first computation (0 until then). */
-struct handle { unsigned long long state; };
+/* A handle, the device state it allocated on its first computation (0 until then), and the
+ * stream its cuBLAS work is enqueued on (NULL, the legacy stream, until set). */
+struct handle {
+    unsigned long long state;
+    void *stream;
+};
 
 typedef int (*mem_alloc_fn)(unsigned long long *, size_t);
 typedef int (*mem_free_fn)(unsigned long long);
@@ -113,6 +124,20 @@ typedef int (*mem_free_fn)(unsigned long long);
 static void *driver_symbol(const char *name) {
     void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     return driver ? dlsym(driver, name) : NULL;
+}
+
+typedef void (*flush_stream_fn)(void *);
+
+/* Runs the work queued on `stream` (and what it waits for) in the stand-in driver, as a GPU runs
+ * it before a library call enqueued after it; nothing with a driver that has no queues. */
+static void run_queued_work(void *stream) {
+    static flush_stream_fn flush;
+    flush_stream_fn found = __atomic_load_n(&flush, __ATOMIC_ACQUIRE);
+    if (!found) {
+        found = (flush_stream_fn)driver_symbol("iris_standin_flush_stream");
+        __atomic_store_n(&flush, found, __ATOMIC_RELEASE);
+    }
+    if (found) found(stream);
 }
 
 /* Allocates the handle's own device state through the driver the process loaded. */
@@ -148,8 +173,8 @@ cublasStatus_t cublasSetMathMode(void *handle, int mode) {
 }
 
 cublasStatus_t cublasSetStream_v2(void *handle, void *stream) {
-    (void)handle;
-    (void)stream;
+    if (!handle) return NOT_INITIALIZED;
+    ((struct handle *)handle)->stream = stream;
     return OK;
 }
 
@@ -184,6 +209,7 @@ cublasStatus_t cublasGemmEx(void *handle, int ta, int tb, int m, int n, int k, c
     if (m < 0 || n < 0 || k < 0 || lda < 1 || ldb < 1 || ldc < (m > 1 ? m : 1)) return INVALID_VALUE;
     cublasStatus_t status = first_use(handle);
     if (status != OK) return status;
+    run_queued_work(((struct handle *)handle)->stream);
     gemm(ta, tb, m, n, k, *(const float *)alpha, a, at, lda, b, bt, ldb, *(const float *)beta, c, ct,
          ldc, c, ct, ldc, NULL, 0);
     return OK;
@@ -282,7 +308,6 @@ cublasStatus_t cublasLtMatmul(void *handle, void *desc, const void *alpha, const
                               const void *b, void *bd, const void *beta, const void *c, void *cd,
                               void *d, void *dd, const struct heuristic *algo, void *workspace,
                               size_t workspace_bytes, void *stream) {
-    (void)stream;
     if (misaligned_workspace(workspace, workspace_bytes)) return INVALID_VALUE;
     cublasStatus_t status = first_use(handle);
     if (status != OK) return status;
@@ -301,6 +326,7 @@ cublasStatus_t cublasLtMatmul(void *handle, void *desc, const void *alpha, const
     if (!with_bias && !gelu && op->epilogue != EPI_DEFAULT) return NOT_SUPPORTED;
     if (with_bias && !op->bias) return INVALID_VALUE;
     if (gelu) __atomic_add_fetch(&gelu_epilogues, 1, __ATOMIC_RELAXED);
+    run_queued_work(stream);
     gemm(op->ta, op->tb, m, n, k, *(const float *)alpha, a, la->type, la->ld, b, lb->type, lb->ld,
          *(const float *)beta, c, lc->type, lc->ld, d, ld->type, ld->ld, with_bias ? op->bias : NULL,
          gelu);

@@ -12,6 +12,12 @@
  * variant pack, pointers aligned as their tensors declare, and a workspace as large as the plan
  * says. Anything else is an error status, as the real library answers.
  *
+ * An execution is ordered on the handle's stream (cudnnSetStream's; the legacy NULL stream until
+ * one is set) as on a GPU: before touching memory, it runs that stream's queued work and what
+ * that work waits for, through the stand-in driver's iris_standin_flush_stream (found at run time
+ * in the libcuda.so.1 the process loaded; with another driver, nothing is run), so that it reads
+ * what the driver's deferred mode (IRIS_STANDIN_DEFER=1) copies in before it.
+ *
  * Like the real library, a handle allocates device state of its own at its first execution
  * (IRIS_STANDIN_CUDNN_LAZY_BYTES, 1 MiB unless set, 0 turns it off), freed when the handle is
  * destroyed, and a plan loads what it runs at its first execution (IRIS_STANDIN_CUDNN_PLAN_BYTES,
@@ -213,6 +219,20 @@ static cudnnStatus_t device_alloc(unsigned long long *out, size_t bytes) {
 static void device_free(unsigned long long ptr) {
     mem_free_fn mem_free = (mem_free_fn)driver_symbol("cuMemFree_v2");
     if (mem_free && ptr) mem_free(ptr);
+}
+
+typedef void (*flush_stream_fn)(void *);
+
+/* Runs the work queued on `stream` (and what it waits for) in the stand-in driver, as a GPU runs
+ * it before a library call enqueued after it; nothing with a driver that has no queues. */
+static void run_queued_work(void *stream) {
+    static flush_stream_fn flush;
+    flush_stream_fn found = __atomic_load_n(&flush, __ATOMIC_ACQUIRE);
+    if (!found) {
+        found = (flush_stream_fn)driver_symbol("iris_standin_flush_stream");
+        __atomic_store_n(&flush, found, __ATOMIC_RELEASE);
+    }
+    if (found) found(stream);
 }
 
 /* ---- handles ---- */
@@ -653,6 +673,8 @@ static cudnnStatus_t execute(struct handle *h, struct desc *plan, struct desc *p
     }
     cudnnStatus_t status = operand(pack, op->operand[4], &scale);
     if (status != OK) return status;
+    /* The stream's earlier work first: it may still write the operands (or read the workspace). */
+    run_queued_work(h->stream);
     if (plan->workspace > 0) {
         if (!pack->workspace_ptr) return NULL_POINTER;
         memset(pack->workspace_ptr, 0xA5, (size_t)plan->workspace);

@@ -27,10 +27,13 @@
  *     mark; cuCtxSynchronize and iris_standin_flush() every queue. An operation on a stream that
  *     the stand-in does at once (a fill, a device copy, a copy from or to pageable memory, which
  *     the driver stages synchronously) first runs that stream's queue, as does a kernel launch
- *     (the emulator calls iris_standin_flush_stream(stream)). The synchronous calls without a
- *     stream (cuMemcpyHtoD/DtoH, cuMemsetD8, cuMemFree, cuMemFreeHost, cuMemPoolDestroy) run
- *     every queue, as the driver's implicit synchronisation does. cuStreamDestroy runs the
- *     stream's queue first (a GPU finishes a destroyed stream's work).
+ *     (the emulator calls iris_standin_flush_stream(stream)) and a library's computation (the
+ *     stand-in cuBLAS, cuBLASLt and cuDNN call it with their handle's or call's stream, looked
+ *     up at run time; a handle's stream not set is NULL, the legacy stream, here as in CUDA).
+ *     The synchronous calls without a stream (cuMemcpyHtoD/DtoH, cuMemsetD8, cuMemFree,
+ *     cuMemFreeHost, cuMemPoolDestroy) run every queue, as the driver's implicit
+ *     synchronisation does. cuStreamDestroy runs the stream's queue first (a GPU finishes a
+ *     destroyed stream's work).
  *   - Running a stream up to a point runs, before each wait in its queue, the waited-for stream
  *     up to the captured mark, and then lets that stream run on as far as it can without waiting
  *     itself, as a GPU's other engine would. So a missing wait shows in both directions: a
@@ -448,7 +451,8 @@ void iris_standin_flush(void) {
 }
 
 /* Runs `stream`'s queue and what it waits for, as an operation on that stream that runs at
- * once must: the kernel emulator (emu.cpp) calls this before each launch. */
+ * once must: the kernel emulator (emu.cpp) calls this before each launch, and the stand-in
+ * cuBLAS, cuBLASLt and cuDNN (cublas.c, cudnn.c) before each computation. */
 void iris_standin_flush_stream(CUstream stream) {
     pthread_mutex_lock(&state_lock);
     drain_locked(stream_of(stream));
