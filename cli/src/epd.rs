@@ -15,6 +15,8 @@
 //!   request) only the items some shard does not hold yet, and writes the rows into the
 //!   reservations before replying. The push runs in the request's task, after the engine has
 //!   returned the rows: it never holds an engine step. Any failure cancels every reservation.
+//!   With `--allowed-ec-consumers`, a consumer off the list is refused (403) before anything
+//!   is encoded, and an address it answers with off the list fails the push.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -35,7 +37,7 @@ use iris_ec::identifier::{
     DEFAULT_BACKGROUND, HashAlgorithm, HashFactors, IdentifierError, ItemSource, JsonValue,
     OrderedJson, VideoSource, item_identifier, merge_media_io_kwargs, video_identifier,
 };
-use iris_ec::mooncake::{MooncakeProducer, PushError, PushFailure, PushSpec};
+use iris_ec::mooncake::{ConsumerAllowList, MooncakeProducer, PushError, PushFailure, PushSpec};
 use iris_ec::storage::{
     Claim, ClaimGuard, EcDtype, EntryShape, Lookup, SharedStorage, StoreError, StoreStats,
     check_identifier, pack_rows, wait_for_owner,
@@ -68,6 +70,12 @@ pub struct EpdArgs {
     /// `ec_transfer_params.consumer_zmq` names, over Mooncake's TCP transport.
     #[arg(long, value_name = "JSON")]
     pub ec_transfer_config: Option<String>,
+    /// ECMooncakeConnector only: the hosts pushes may connect to, as host names, IP
+    /// addresses or CIDR blocks, no ports (repeat or separate with commas). A request naming
+    /// another consumer is refused (403), and so is a push to an address the consumer names
+    /// off the list (502). Default: any host, as vLLM's producer.
+    #[arg(long, value_name = "ENTRY", value_delimiter = ',')]
+    pub allowed_ec_consumers: Vec<String>,
     /// Bound of the bytes of entries this process keeps in the shared store; the oldest entries
     /// it wrote are deleted beyond it (vLLM never deletes entries). Default: no bound.
     #[arg(long, value_name = "BYTES")]
@@ -145,6 +153,28 @@ impl EpdArgs {
         if config.is_none() && self.ec_storage_max_bytes.is_some() {
             anyhow::bail!("--ec-storage-max-bytes needs an EC transfer configuration");
         }
+        // Absent, any consumer may be named: vLLM's proxy names them, and vLLM's producer
+        // connects to each.
+        let allowed_consumers = if self.allowed_ec_consumers.is_empty() {
+            None
+        } else {
+            let pushes = config
+                .as_ref()
+                .is_some_and(|c| matches!(c.connector, ConnectorConfig::Mooncake(_)));
+            if !pushes {
+                anyhow::bail!(
+                    "--allowed-ec-consumers restricts the consumers ECMooncakeConnector pushes to; this server has {}, which connects to no consumer",
+                    config.as_ref().map_or_else(
+                        || "no EC transfer configuration".to_owned(),
+                        |c| format!("the {} connector", c.connector.name())
+                    )
+                );
+            }
+            Some(
+                ConsumerAllowList::parse(&self.allowed_ec_consumers)
+                    .context("--allowed-ec-consumers")?,
+            )
+        };
         let producer = match config {
             None => None,
             Some(config) => {
@@ -171,8 +201,12 @@ impl EpdArgs {
                             );
                         }
                         let name = format!("iris-{}", std::process::id());
+                        let mut pusher = MooncakeProducer::new(*settings, name);
+                        if let Some(allowed) = allowed_consumers.clone() {
+                            pusher = pusher.with_allowed_consumers(allowed);
+                        }
                         Connector::Mooncake {
-                            pusher: MooncakeProducer::new(*settings, name),
+                            pusher,
                             metrics: PushMetrics::new()?,
                             control_timeout_s: settings.control_timeout.as_secs_f64(),
                         }
@@ -343,13 +377,17 @@ impl Producer {
                 "max_bytes": storage.store.max_bytes(),
             }),
             Connector::Mooncake {
-                control_timeout_s, ..
+                pusher,
+                control_timeout_s,
+                ..
             } => serde_json::json!({
                 "ec_connector": iris_ec::config::MOONCAKE_CONNECTOR,
                 "ec_role": self.role.as_str(),
                 "engine_id": self.engine_id,
                 "mooncake_protocol": "tcp",
                 "control_timeout_s": control_timeout_s,
+                // null: any consumer (--allowed-ec-consumers not given).
+                "allowed_ec_consumers": pusher.allowed_consumers().map(ToString::to_string),
             }),
         }
     }
@@ -445,6 +483,14 @@ pub enum ProduceError {
     /// Writing to the store failed: a 500 naming the path and the reason.
     #[error("{0}")]
     Store(#[from] StoreError),
+    /// The request may not do what it asks: a 403 with `code`.
+    #[error("{message}")]
+    Forbidden {
+        /// Stable code.
+        code: &'static str,
+        /// What is refused, and which setting refuses it.
+        message: String,
+    },
     /// Pushing to a consumer failed: a 502 (504 for a timeout) naming the consumer and reason.
     #[error("{0}")]
     Push(#[from] PushError),
@@ -626,6 +672,7 @@ impl Epd {
         let overrides = processor_overrides(&factors)?;
         if let Some(target) = &request.push {
             check_target_count(target, request.items.len())?;
+            check_consumer_allowed(self.producer.as_deref(), target)?;
         }
         let videos = load_videos(engine, &mut permit, &request.items, &factors, &overrides).await?;
         check_sampling_kwargs(engine.video_processing().loader, &videos, &factors)?;
@@ -1374,6 +1421,29 @@ fn check_target_count(target: &PushTarget, items: usize) -> Result<(), ProduceEr
     Ok(())
 }
 
+/// Refuses, before any connection, a consumer whose host is not on `--allowed-ec-consumers`.
+fn check_consumer_allowed(
+    producer: Option<&Producer>,
+    target: &PushTarget,
+) -> Result<(), ProduceError> {
+    if let Some(Producer {
+        connector: Connector::Mooncake { pusher, .. },
+        ..
+    }) = producer
+        && !pusher.allows(&target.consumer_zmq)
+    {
+        // The list itself is not shown: it describes the operator's network to any client.
+        return Err(ProduceError::Forbidden {
+            code: "ec_consumer_not_allowed",
+            message: format!(
+                "ec_transfer_params.consumer_zmq {}: its host is not among the consumers this server may push to (--allowed-ec-consumers)",
+                target.consumer_zmq
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Refuses a push target that names an `mm_hash` that is not the item's identifier, before
 /// anything is preprocessed (its count was checked by [`check_target_count`]).
 fn check_target(target: &PushTarget, identifiers: &[String]) -> Result<(), ProduceError> {
@@ -1616,6 +1686,71 @@ mod tests {
             serde_json::json!(flag_store.path())
         );
         assert_eq!(from_flag.served_model_name, "Qwen/Qwen2.5-VL-3B-Instruct");
+    }
+
+    #[test]
+    fn allowed_ec_consumers_needs_the_push_connector_and_sound_entries() {
+        let store = tempfile::tempdir().unwrap();
+        let mooncake = serde_json::json!({
+            "ec_connector": "ECMooncakeConnector",
+            "ec_role": "ec_producer",
+            "ec_connector_extra_config": {"mooncake_protocol": "tcp"},
+        });
+        let args = |config: Option<&serde_json::Value>, allowed: &[&str]| EpdArgs {
+            ec_transfer_config: config.map(ToString::to_string),
+            allowed_ec_consumers: allowed.iter().map(|a| (*a).to_owned()).collect(),
+            ..EpdArgs::default()
+        };
+        let resolve = |config: Option<&serde_json::Value>, allowed: &[&str]| {
+            args(config, allowed).resolve("tiny", None)
+        };
+
+        // Absent: any consumer, as vLLM's producer.
+        let open = resolve(Some(&mooncake), &[]).unwrap();
+        let info = open.producer.unwrap().info_json();
+        assert_eq!(
+            info["allowed_ec_consumers"],
+            serde_json::Value::Null,
+            "{info}"
+        );
+
+        let allowed = resolve(Some(&mooncake), &["PD-Host", "10.0.0.0/8", "fd00::/8"]).unwrap();
+        assert_eq!(
+            allowed.producer.unwrap().info_json()["allowed_ec_consumers"],
+            "pd-host,10.0.0.0/8,fd00::/8"
+        );
+
+        // The flag is an error where no consumer is ever connected to.
+        let storage = config_json(store.path());
+        for (config, needle) in [
+            (None, "no EC transfer configuration"),
+            (Some(&storage), "the ECExampleConnector connector"),
+        ] {
+            let err = format!("{:#}", resolve(config, &["10.0.0.0/8"]).unwrap_err());
+            assert!(
+                err.contains("--allowed-ec-consumers") && err.contains(needle),
+                "{err}"
+            );
+        }
+
+        // Bad entries are named with what is wrong.
+        for (entry, needle) in [
+            ("10.0.0.7:15000", "carries a port"),
+            ("10.0.0.1/8", "write 10.0.0.0/8"),
+            ("10.0.0.0/40", "prefix length"),
+            ("*.example", "no wildcards"),
+            ("tcp://pd-host:15000", "not a host"),
+            ("", "empty"),
+        ] {
+            let err = format!(
+                "{:#}",
+                resolve(Some(&mooncake), &["pd-host", entry]).unwrap_err()
+            );
+            assert!(
+                err.starts_with("--allowed-ec-consumers: ") && err.contains(needle),
+                "{entry:?}: {err}"
+            );
+        }
     }
 
     fn processor_kwargs(text: &str) -> HashFactors {

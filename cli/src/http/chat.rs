@@ -20,7 +20,9 @@
 //! `ec_transfer_params` with `consumer_zmq` and one `transfer_id` per image (what the proxy sends
 //! when it runs with `--ec-consumer-zmq-addrs`) makes iris push each image's rows into that
 //! consumer before replying (the push connector, `ECMooncakeConnector`); the reply then names
-//! each identifier's `transfer_id`, as vLLM's producer does.
+//! each identifier's `transfer_id`, as vLLM's producer does. With `--allowed-ec-consumers`, a
+//! consumer whose host is not on the list is refused with a 403 (`ec_consumer_not_allowed`)
+//! before anything connects to it.
 //!
 //! Refused with a 4xx that names the field: audio and embedding parts, `stream: true`,
 //! `n` other than 1, `ec_transfer_params` that are malformed or name a consumer when no push

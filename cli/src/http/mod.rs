@@ -419,6 +419,12 @@ fn epd_not_configured() -> ApiError {
 fn produce_error(err: ProduceError) -> ApiError {
     match err {
         ProduceError::BadRequest { code, message } => ApiError::bad_request(code, message),
+        ProduceError::Forbidden { code, message } => ApiError::new(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            code,
+            message,
+        ),
         ProduceError::Engine(err) => err.into(),
         ProduceError::Store(err) => ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,

@@ -16,8 +16,14 @@ use crate::epd::EpdArgs;
 const MODEL: &str = "Qwen/Qwen2.5-VL-3B-Instruct";
 
 fn epd_app(config: Option<String>) -> (Router, Arc<FakeEngine>) {
+    epd_app_allowing(config, &[])
+}
+
+/// [`epd_app`] with `--allowed-ec-consumers` set to `allowed` (none: the flag is absent).
+fn epd_app_allowing(config: Option<String>, allowed: &[&str]) -> (Router, Arc<FakeEngine>) {
     let args = EpdArgs {
         ec_transfer_config: config,
+        allowed_ec_consumers: allowed.iter().map(|a| (*a).to_owned()).collect(),
         model_id: Some(MODEL.into()),
         ..EpdArgs::default()
     };
@@ -31,14 +37,21 @@ fn epd_app(config: Option<String>) -> (Router, Arc<FakeEngine>) {
 }
 
 fn push_app(timeout_s: f64) -> (Router, Arc<FakeEngine>) {
-    epd_app(Some(
-        json!({
-            "ec_connector": "ECMooncakeConnector",
-            "ec_role": "ec_producer",
-            "ec_connector_extra_config": {"mooncake_protocol": "tcp", "control_timeout_s": timeout_s},
-        })
-        .to_string(),
-    ))
+    push_app_allowing(timeout_s, &[])
+}
+
+fn push_app_allowing(timeout_s: f64, allowed: &[&str]) -> (Router, Arc<FakeEngine>) {
+    epd_app_allowing(
+        Some(
+            json!({
+                "ec_connector": "ECMooncakeConnector",
+                "ec_role": "ec_producer",
+                "ec_connector_extra_config": {"mooncake_protocol": "tcp", "control_timeout_s": timeout_s},
+            })
+            .to_string(),
+        ),
+        allowed,
+    )
 }
 
 fn request(images: &[(&[u8], Option<&str>)], consumer: &str, transfer_ids: &[&str]) -> Value {
@@ -345,4 +358,107 @@ async fn malformed_or_misplaced_ec_transfer_params_are_400s() {
         v["ec_transfer_params"]["u"].get("transfer_id").is_none(),
         "{v}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_off_the_allow_list_is_a_403_and_nothing_connects_to_it() {
+    // A listener standing for the consumer: any connection iris made would be waiting on it.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (app, engine) = push_app_allowing(2.0, &["10.0.0.0/8", "pd-host", "fd00::/8"]);
+    let image = png(56, 56, 1);
+    // No DNS: `localhost` is not 127.0.0.1, and 127.0.0.1 is not in 10.0.0.0/8.
+    for consumer in [
+        format!("tcp://127.0.0.1:{port}"),
+        format!("tcp://localhost:{port}"),
+        format!("tcp://[::ffff:127.0.0.1]:{port}"),
+    ] {
+        let body = request(&[(&image, None)], &consumer, &["t0"]);
+        let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{consumer}: {v}");
+        assert_eq!(v["error"]["code"], "ec_consumer_not_allowed", "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&consumer) && message.contains("--allowed-ec-consumers"),
+            "{message}"
+        );
+        // The list describes the operator's network: it is not shown to clients.
+        assert!(!message.contains("10.0.0.0/8"), "{message}");
+    }
+    assert_eq!(
+        listener.accept().map(|_| ()).unwrap_err().kind(),
+        std::io::ErrorKind::WouldBlock,
+        "iris connected to a consumer that is not allowed"
+    );
+    assert_eq!(engine.encode_calls(), 0, "refused before encoding");
+
+    // A consumer on the list is pushed to as without one.
+    let consumer = TestConsumer::start(2, 1 << 20, 2).await.unwrap();
+    let (app, _) = push_app_allowing(2.0, &["10.0.0.0/8", "127.0.0.1"]);
+    let body = request(&[(&image, Some("u"))], &consumer.consumer_zmq(), &["t1"]);
+    let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["ec_transfer_params"]["u"]["transfer_id"], "t1");
+    assert!(consumer.resident(0, "u").is_some() && consumer.resident(1, "u").is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_the_consumer_names_off_the_allow_list_is_a_502_and_its_reservations_are_cancelled()
+ {
+    let image = png(56, 56, 3);
+    let (app, _) = push_app_allowing(2.0, &["127.0.0.0/8"]);
+    let cases = [
+        // A reservation's Mooncake session on another host: refused before its handshake.
+        (
+            Faults {
+                session_host: Some("localhost".to_owned()),
+                ..Faults::default()
+            },
+            "dst_session",
+        ),
+        // A handshake naming another data host: refused before the data connection.
+        (
+            Faults {
+                data_host: Some("localhost".to_owned()),
+                ..Faults::default()
+            },
+            "data address localhost:",
+        ),
+    ];
+    for (count, (faults, needle)) in (1..).zip(cases) {
+        let consumer = TestConsumer::start(2, 1 << 20, 2).await.unwrap();
+        consumer.set_faults(faults.clone());
+        let body = request(&[(&image, None)], &consumer.consumer_zmq(), &["t0"]);
+        let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY, "{faults:?}: {v}");
+        assert_eq!(v["error"]["code"], "ec_push_failed", "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&consumer.consumer_zmq())
+                && message.contains("(not_allowed)")
+                && message.contains("localhost")
+                && message.contains(needle),
+            "{message}"
+        );
+        assert!(consumer.writes().is_empty(), "{faults:?}");
+        assert_eq!(consumer.live_reservations(), 0, "{faults:?}: {message}");
+        assert_eq!(consumer.allocated_bytes(), 0, "{faults:?}: {message}");
+        let cancels = consumer
+            .exchanges()
+            .iter()
+            .filter(|e| e.request["op"] == "cancel")
+            .count();
+        assert_eq!(cancels, 2, "{faults:?}: one cancel per shard");
+        let (_, metrics) = call(&app, Method::GET, "/metrics", None, None).await;
+        let line = format!("iris_ec_push_failures_total{{reason=\"not_allowed\"}} {count}");
+        assert!(metrics.contains(&line), "{line} missing from\n{metrics}");
+
+        // Without the flag, as vLLM's producer, the same consumer is pushed to.
+        let (open, _) = push_app(2.0);
+        let body = request(&[(&image, Some("u"))], &consumer.consumer_zmq(), &["t1"]);
+        let (status, v) = call_json(&open, Method::POST, "/v1/chat/completions", Some(body)).await;
+        assert_eq!(status, StatusCode::OK, "{faults:?}: {v}");
+        assert!(consumer.resident(0, "u").is_some(), "{faults:?}");
+    }
 }

@@ -8,9 +8,9 @@
 //! pointer is ever dereferenced). Allocations are 256-byte aligned, as vLLM's pool aligns them.
 //!
 //! [`Faults`] make a shard misbehave the ways a real one can: never answer, run out of room,
-//! give a transfer up, reject a range, cut a write, forget a reservation, advertise RDMA. Every
-//! control exchange and every write is logged, so tests can check what a producer sent and that
-//! nothing is left reserved.
+//! give a transfer up, reject a range, cut a write, forget a reservation, advertise RDMA, send
+//! the producer to another host name. Every control exchange, handshake and write is logged or
+//! counted, so tests can check what a producer sent and that nothing is left reserved.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -52,6 +52,11 @@ pub struct Faults {
     /// Reserve every item of a `reserve_batch` (and keep the room), but leave the last item's
     /// answer out: an answer with the wrong number of items.
     pub short_batch_answer: bool,
+    /// Name this host instead of `127.0.0.1` in reservations' `dst_session` (the handshake
+    /// port is still the shard's): a consumer that sends its producer to another host.
+    pub session_host: Option<String>,
+    /// Advertise this `tcp_data_host` in the handshake instead of `127.0.0.1`.
+    pub data_host: Option<String>,
 }
 
 /// One logged control exchange.
@@ -118,6 +123,8 @@ struct Shared {
     writes: Mutex<Vec<Write>>,
     ports: Vec<u16>,
     proto_version: u32,
+    /// Handshake connections accepted, over all shards.
+    handshakes: std::sync::atomic::AtomicUsize,
 }
 
 /// A running consumer; stopped when dropped.
@@ -177,6 +184,7 @@ impl TestConsumer {
             writes: Mutex::new(Vec::new()),
             ports: ports.clone(),
             proto_version,
+            handshakes: std::sync::atomic::AtomicUsize::new(0),
         });
         let mut list = Vec::new();
         let mut tasks = Vec::new();
@@ -306,6 +314,14 @@ impl TestConsumer {
     #[must_use]
     pub fn exchanges(&self) -> Vec<Exchange> {
         lock(&self.shared.exchanges).clone()
+    }
+
+    /// Handshake connections accepted so far, over all shards.
+    #[must_use]
+    pub fn handshakes(&self) -> usize {
+        self.shared
+            .handshakes
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Every applied write so far, in order.
@@ -490,7 +506,8 @@ fn reserve(item: &Value, shard: &Shard, faults: &Faults) -> Result<Value, String
             "write": false, "ready": false, "cancelled": true,
         }));
     }
-    let session = format!("127.0.0.1:{}", shard.rpc_port);
+    let host = faults.session_host.as_deref().unwrap_or("127.0.0.1");
+    let session = format!("{host}:{}", shard.rpc_port);
     let mut state = lock(&shard.state);
     state.next_id += 1;
     let id = format!("r{}-{}", shard.control_port, state.next_id);
@@ -566,6 +583,9 @@ async fn serve_handshake(listener: TcpListener, shard: Arc<Shard>, shared: Arc<S
         let Ok((mut stream, _)) = listener.accept().await else {
             return;
         };
+        shared
+            .handshakes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let shard = Arc::clone(&shard);
         let shared = Arc::clone(&shared);
         tokio::spawn(async move {
@@ -581,12 +601,12 @@ async fn serve_handshake(listener: TcpListener, shard: Arc<Shard>, shared: Arc<S
             if stream.read_exact(&mut body).await.is_err() {
                 return;
             }
-            let rdma = lock(&shared.faults).advertise_rdma;
+            let faults = lock(&shared.faults).clone();
             let name = format!("127.0.0.1:{}", shard.rpc_port);
             let descriptor = json!({
                 "name": name,
-                "protocol": if rdma { "rdma" } else { "tcp" },
-                "tcp_data_host": "127.0.0.1",
+                "protocol": if faults.advertise_rdma { "rdma" } else { "tcp" },
+                "tcp_data_host": faults.data_host.as_deref().unwrap_or("127.0.0.1"),
                 "tcp_data_port": shard.data_port.load(std::sync::atomic::Ordering::Relaxed),
                 "tcp_proto_version": shared.proto_version,
                 "buffers": [{"name": name, "addr": shard.base, "length": lock(&shard.slab).len()}],

@@ -20,9 +20,16 @@
 //! push that will not come. A [`Reserved`] dropped without being settled (a panic, a task
 //! aborted) cancels its reservations from a background task.
 //!
+//! A producer given a [`ConsumerAllowList`] ([`MooncakeProducer::with_allowed_consumers`])
+//! connects only to hosts on it: the consumer a request names, the shard addresses it answers
+//! with, each reservation's Mooncake session and each handshake's data host are checked before
+//! any connection to them; a host off the list fails the push ([`PushFailure::NotAllowed`]) and
+//! cancels what was reserved, through the shards' control addresses, which were checked.
+//!
 //! What is not supported: RDMA (a consumer advertising `rdma` is refused with what to do), the
 //! Mooncake store (`cross_encoder_cache`), and the consumer side.
 
+pub mod allow;
 #[cfg(any(test, feature = "test-consumer"))]
 pub mod consumer;
 pub mod control;
@@ -35,6 +42,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+
+pub use allow::{AllowListError, ConsumerAllowList};
 
 use crate::config::MooncakeSettings;
 use crate::storage::EcDtype;
@@ -71,11 +80,14 @@ pub enum PushFailure {
     Protocol,
     /// Any other error the consumer reported.
     Consumer,
+    /// An address whose host is not on the producer's [`ConsumerAllowList`]: nothing was
+    /// sent to it.
+    NotAllowed,
 }
 
 impl PushFailure {
     /// Every class, for metrics.
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 10] = [
         Self::Unreachable,
         Self::Timeout,
         Self::PoolFull,
@@ -85,6 +97,7 @@ impl PushFailure {
         Self::Rdma,
         Self::Protocol,
         Self::Consumer,
+        Self::NotAllowed,
     ];
 
     /// The metric label.
@@ -100,6 +113,7 @@ impl PushFailure {
             Self::Rdma => "rdma_only",
             Self::Protocol => "protocol",
             Self::Consumer => "consumer_error",
+            Self::NotAllowed => "not_allowed",
         }
     }
 
@@ -284,6 +298,8 @@ pub struct PushReport {
 pub struct MooncakeProducer {
     control: Arc<ControlClient>,
     transfer: TransferClient,
+    /// The hosts it may connect to; any without a list (as vLLM's producer).
+    allowed: Option<Arc<ConsumerAllowList>>,
     /// Age at which a reservation is taken again before the write (half the TTL).
     refresh_after: Duration,
 }
@@ -295,8 +311,35 @@ impl MooncakeProducer {
         Self {
             control: Arc::new(ControlClient::new(settings.control_timeout)),
             transfer: TransferClient::new(settings.control_timeout, local_name),
+            allowed: None,
             refresh_after: RESERVATION_TTL / 2,
         }
+    }
+
+    /// This producer, connecting only to hosts on `allowed`: every consumer, shard control
+    /// address, Mooncake session and data host is checked before a connection to it, and one
+    /// off the list fails the push with [`PushFailure::NotAllowed`].
+    #[must_use]
+    pub fn with_allowed_consumers(mut self, allowed: ConsumerAllowList) -> Self {
+        let allowed = Arc::new(allowed);
+        self.transfer = self.transfer.with_allowed(Arc::clone(&allowed));
+        self.allowed = Some(allowed);
+        self
+    }
+
+    /// The hosts this producer may connect to; `None`: any.
+    #[must_use]
+    pub fn allowed_consumers(&self) -> Option<&ConsumerAllowList> {
+        self.allowed.as_deref()
+    }
+
+    /// Whether this producer may connect to `address` (`tcp://host:port` or `host:port`):
+    /// always without a list.
+    #[must_use]
+    pub fn allows(&self, address: &str) -> bool {
+        self.allowed
+            .as_ref()
+            .is_none_or(|allowed| allowed.allows_address(address))
     }
 
     /// The limit of one exchange.
@@ -321,6 +364,7 @@ impl MooncakeProducer {
         // lost inside the fan-out and held until the consumer's TTL.
         let task = tokio::spawn(reserve_all(
             Arc::clone(&self.control),
+            self.allowed.clone(),
             consumer.to_owned(),
             specs,
         ));
@@ -421,6 +465,12 @@ impl MooncakeProducer {
                     .or_default()
                     .push((index, shard));
             }
+        }
+        // Before any write: a session off the list fails the push with nothing written anywhere.
+        for session in by_session.keys() {
+            self.transfer
+                .check_session(session)
+                .map_err(|e| error(e.failure, e.message))?;
         }
         // A consumer keys reservations by transfer id, and nothing stops two items' ranges from
         // meeting: rows written over another item's would be kept under its hash for good.
@@ -554,6 +604,7 @@ impl MooncakeProducer {
 /// [`MooncakeProducer::reserve`]'s work: every item on every shard of `consumer`.
 async fn reserve_all(
     control: Arc<ControlClient>,
+    allowed: Option<Arc<ConsumerAllowList>>,
     consumer: String,
     specs: Vec<PushSpec>,
 ) -> Result<Reserved, PushError> {
@@ -563,11 +614,29 @@ async fn reserve_all(
         failure: err.failure,
         message: err.message,
     };
+    let refuse = |what: String| PushError {
+        consumer: consumer.clone(),
+        failure: PushFailure::NotAllowed,
+        message: format!("{what} is not among the allowed consumers; nothing was sent to it"),
+    };
+    let allows = |address: &str| {
+        allowed
+            .as_ref()
+            .is_none_or(|allowed| allowed.allows_address(address))
+    };
+    if !allows(&consumer) {
+        return Err(refuse(format!("the consumer {consumer}")));
+    }
     let addrs = match control.shards(&consumer).await {
         Ok(addrs) => addrs,
         // vLLM's producer asks a consumer for its shards twice before it fails a push.
         Err(_) => control.shards(&consumer).await.map_err(fail)?,
     };
+    // Shards are on the consumer's host today (`peers` names ports), but what a consumer
+    // answers is checked as such: nothing is reserved yet, so nothing is left to cancel.
+    if let Some(shard) = addrs.iter().find(|addr| !allows(addr)) {
+        return Err(refuse(format!("the shard {shard} (from `peers`)")));
+    }
     let answers =
         futures::future::join_all(addrs.iter().map(|addr| reserve_on(&control, addr, &specs)))
             .await;

@@ -527,3 +527,87 @@ async fn a_reservation_past_half_its_ttl_is_taken_again_before_the_write() {
         "only the resident item's room"
     );
 }
+
+fn allowing(timeout_ms: u64, entries: &[&str]) -> MooncakeProducer {
+    producer(timeout_ms).with_allowed_consumers(ConsumerAllowList::parse(entries).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_off_the_allow_list_is_not_contacted() {
+    let consumer = TestConsumer::start(2, 1 << 20, 2).await.unwrap();
+    let producer = allowing(2_000, &["10.0.0.0/8", "pd-host"]);
+    assert!(!producer.allows(&consumer.consumer_zmq()));
+    assert!(producer.allows("tcp://10.0.0.7:15000"));
+    let err = producer
+        .reserve(&consumer.consumer_zmq(), vec![spec("t0", "hash-a", 4)])
+        .await
+        .unwrap_err();
+    assert_eq!(err.failure, PushFailure::NotAllowed, "{err}");
+    assert!(err.to_string().contains(&consumer.consumer_zmq()), "{err}");
+    assert!(err.to_string().contains("(not_allowed)"), "{err}");
+    assert!(consumer.exchanges().is_empty(), "{:?}", ops(&consumer));
+
+    // On the list, the same consumer is pushed to.
+    let producer = allowing(2_000, &["10.0.0.0/8", "127.0.0.1"]);
+    let item = spec("t1", "hash-a", 4);
+    let payload = rows(&item, 1);
+    let reserved = producer
+        .reserve(&consumer.consumer_zmq(), vec![item])
+        .await
+        .unwrap();
+    producer.push(reserved, &[Some(payload)]).await.unwrap();
+    assert!(consumer.resident(1, "hash-a").is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn addresses_a_consumer_names_off_the_allow_list_fail_the_push_and_cancel_it() {
+    // `localhost` reaches the consumer as well as 127.0.0.1 does, but is not on the list:
+    // hosts are compared as written.
+    for (faults, handshaken) in [
+        (
+            Faults {
+                session_host: Some("localhost".to_owned()),
+                ..Faults::default()
+            },
+            false,
+        ),
+        (
+            Faults {
+                data_host: Some("localhost".to_owned()),
+                ..Faults::default()
+            },
+            true,
+        ),
+    ] {
+        let consumer = TestConsumer::start(2, 1 << 20, 2).await.unwrap();
+        consumer.set_faults(faults.clone());
+        let guarded = allowing(2_000, &["127.0.0.0/8"]);
+        let item = spec("t0", "hash-a", 4);
+        let payload = rows(&item, 1);
+        let reserved = guarded
+            .reserve(&consumer.consumer_zmq(), vec![item])
+            .await
+            .unwrap();
+        assert_eq!(consumer.live_reservations(), 2);
+        let err = guarded.push(reserved, &[Some(payload)]).await.unwrap_err();
+        assert_eq!(err.failure, PushFailure::NotAllowed, "{faults:?}: {err}");
+        assert!(err.message.contains("localhost:"), "{err}");
+        assert_eq!(consumer.handshakes() > 0, handshaken, "{faults:?}");
+        assert!(consumer.writes().is_empty(), "{faults:?}");
+        assert_eq!(consumer.live_reservations(), 0, "{faults:?}: {err}");
+        assert_eq!(consumer.allocated_bytes(), 0, "{faults:?}: {err}");
+        let cancels = ops(&consumer).iter().filter(|op| *op == "cancel").count();
+        assert_eq!(cancels, 2, "{faults:?}: one cancel per shard");
+
+        // Without a list (vLLM's behaviour), the same consumer is pushed to.
+        let open = producer(2_000);
+        let item = spec("t1", "hash-a", 4);
+        let payload = rows(&item, 1);
+        let reserved = open
+            .reserve(&consumer.consumer_zmq(), vec![item])
+            .await
+            .unwrap();
+        open.push(reserved, &[Some(payload)]).await.unwrap();
+        assert!(consumer.resident(0, "hash-a").is_some(), "{faults:?}");
+    }
+}

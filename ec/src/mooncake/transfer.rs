@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-use super::PushFailure;
+use super::{ConsumerAllowList, PushFailure};
 
 /// Handshake frame type of a metadata exchange.
 pub const HANDSHAKE_METADATA: u8 = 1;
@@ -205,6 +205,8 @@ pub struct TransferClient {
     /// their pooled connections): pushes name their consumers, so every session ever answered
     /// would otherwise be kept.
     sessions: Mutex<LruCache<String, Arc<Session>>>,
+    /// The hosts sessions and data ports may be on; any without a list.
+    allowed: Option<Arc<ConsumerAllowList>>,
 }
 
 impl std::fmt::Debug for TransferClient {
@@ -226,6 +228,31 @@ impl TransferClient {
             sessions: Mutex::new(LruCache::new(
                 NonZeroUsize::new(super::control::MAX_PEERS).unwrap_or(NonZeroUsize::MIN),
             )),
+            allowed: None,
+        }
+    }
+
+    /// This client, connecting only to sessions and data hosts on `allowed`.
+    #[must_use]
+    pub fn with_allowed(mut self, allowed: Arc<ConsumerAllowList>) -> Self {
+        self.allowed = Some(allowed);
+        self
+    }
+
+    /// Whether this client may connect to `session` (a reservation's `dst_session`,
+    /// `host:rpc_port`).
+    ///
+    /// # Errors
+    /// [`PushFailure::NotAllowed`] naming the session, when its host is not on the list.
+    pub fn check_session(&self, session: &str) -> Result<(), TransferError> {
+        match &self.allowed {
+            Some(allowed) if !allowed.allows_address(session) => Err(TransferError::new(
+                PushFailure::NotAllowed,
+                format!(
+                    "the Mooncake session {session} (a reservation's dst_session) is not among the allowed consumers; nothing was sent to it"
+                ),
+            )),
+            _ => Ok(()),
         }
     }
 
@@ -415,10 +442,23 @@ impl TransferClient {
                 fresh: false,
             });
         }
+        self.check_session(session)?;
         let descriptor = self.handshake(session).await?;
         let (session_host, _) =
             split_host_port(session).map_err(|e| TransferError::new(PushFailure::Protocol, e))?;
         let data_host = descriptor.tcp_data_host.clone().unwrap_or(session_host);
+        if let Some(allowed) = &self.allowed
+            && !allowed.allows(&data_host)
+        {
+            // Not cached: the next push asks again, and is refused again unless it changed.
+            return Err(TransferError::new(
+                PushFailure::NotAllowed,
+                format!(
+                    "{session}'s handshake names the data address {data_host}:{}, which is not among the allowed consumers; nothing was sent to it",
+                    descriptor.tcp_data_port
+                ),
+            ));
+        }
         let state = Arc::new(Session {
             data_addr: (data_host, descriptor.tcp_data_port),
             descriptor,
