@@ -744,7 +744,7 @@ impl CudaDevice {
         }
     }
 
-    /// Waits for the queue without reading the gather status word, whose report belongs to
+    /// Waits for the queue without reading the kernels' status word, whose report belongs to
     /// the caller's next `synchronize` (or `read`).
     fn wait_queue(&self, op: &str) -> Result<(), PluginError> {
         // Only the frees enqueued before the wait are known to have run after it.

@@ -9,7 +9,7 @@
 //! memory-only: the CUDA libraries of the process ([`crate::libraries`]: cuBLAS, cuBLASLt and
 //! NVRTC of one CUDA major), the cuBLAS and cuBLASLt handles (bound to the device's stream),
 //! the loaded kernel module, a device status word through which kernels report bad gather
-//! indices, a fixed buffer of copy descriptors for batched copies (allocated at `open`, so
+//! indices and attention segment bounds, a fixed buffer of copy descriptors for batched copies (allocated at `open`, so
 //! that no later call grows what the device holds; a larger batch runs as several launches),
 //! and cuDNN with its handle where the `attention_engine` option and the device allow it.
 //! Every op validates its arguments with [`iris_plugin::validate`] before it enqueues anything.
