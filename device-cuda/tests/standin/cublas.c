@@ -41,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "driver.h"
 #include "half.h"
 
 #ifndef IRIS_STANDIN_CUBLAS_VERSION
@@ -119,26 +120,6 @@ struct handle {
 
 typedef int (*mem_alloc_fn)(unsigned long long *, size_t);
 typedef int (*mem_free_fn)(unsigned long long);
-
-/* A symbol of the driver the process loaded (locally, as the plugin loads it). */
-static void *driver_symbol(const char *name) {
-    void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    return driver ? dlsym(driver, name) : NULL;
-}
-
-typedef void (*flush_stream_fn)(void *);
-
-/* Runs the work queued on `stream` (and what it waits for) in the stand-in driver, as a GPU runs
- * it before a library call enqueued after it; nothing with a driver that has no queues. */
-static void run_queued_work(void *stream) {
-    static flush_stream_fn flush;
-    flush_stream_fn found = __atomic_load_n(&flush, __ATOMIC_ACQUIRE);
-    if (!found) {
-        found = (flush_stream_fn)driver_symbol("iris_standin_flush_stream");
-        __atomic_store_n(&flush, found, __ATOMIC_RELEASE);
-    }
-    if (found) found(stream);
-}
 
 /* Allocates the handle's own device state through the driver the process loaded. */
 static cublasStatus_t first_use(struct handle *h) {

@@ -62,6 +62,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "driver.h"
 #include "half.h"
 
 #ifndef IRIS_STANDIN_CUDNN_VERSION
@@ -205,11 +206,6 @@ const char *cudnnGetErrorString(cudnnStatus_t status) {
 typedef int (*mem_alloc_fn)(unsigned long long *, size_t);
 typedef int (*mem_free_fn)(unsigned long long);
 
-static void *driver_symbol(const char *name) {
-    void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    return driver ? dlsym(driver, name) : NULL;
-}
-
 static cudnnStatus_t device_alloc(unsigned long long *out, size_t bytes) {
     mem_alloc_fn mem_alloc = (mem_alloc_fn)driver_symbol("cuMemAlloc_v2");
     if (!mem_alloc) return NOT_INITIALIZED;
@@ -219,20 +215,6 @@ static cudnnStatus_t device_alloc(unsigned long long *out, size_t bytes) {
 static void device_free(unsigned long long ptr) {
     mem_free_fn mem_free = (mem_free_fn)driver_symbol("cuMemFree_v2");
     if (mem_free && ptr) mem_free(ptr);
-}
-
-typedef void (*flush_stream_fn)(void *);
-
-/* Runs the work queued on `stream` (and what it waits for) in the stand-in driver, as a GPU runs
- * it before a library call enqueued after it; nothing with a driver that has no queues. */
-static void run_queued_work(void *stream) {
-    static flush_stream_fn flush;
-    flush_stream_fn found = __atomic_load_n(&flush, __ATOMIC_ACQUIRE);
-    if (!found) {
-        found = (flush_stream_fn)driver_symbol("iris_standin_flush_stream");
-        __atomic_store_n(&flush, found, __ATOMIC_RELEASE);
-    }
-    if (found) found(stream);
 }
 
 /* ---- handles ---- */
