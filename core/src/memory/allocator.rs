@@ -46,7 +46,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use iris_plugin::abi::BufferSlice;
 use iris_plugin::{BufferHandle, DType, Device, DeviceError, MatRef};
@@ -432,7 +432,10 @@ impl CachingAllocator {
         let result = self.device.synchronize();
         // Looked for after waiting, once no reader is between its wait and storing what that
         // wait took: a snapshot that took the failure has stored it by now.
-        let _readers = lock_unit(&self.reader_wait);
+        let _readers = self
+            .reader_wait
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         match self.lock().deferred_failure.take() {
             Some(earlier) => Err(earlier),
             None => result,
@@ -502,7 +505,10 @@ impl CachingAllocator {
         &self,
     ) -> Result<(AllocatorStats, iris_plugin::MemInfo, u64), AllocError> {
         {
-            let _reader = lock_unit(&self.reader_wait);
+            let _reader = self
+                .reader_wait
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             if let Err(err) = self.device.synchronize() {
                 // A failure of queued work belongs to the thread that queued it (the engine's
                 // step), not to this reader: keep it for that thread's next synchronize.
@@ -580,13 +586,6 @@ impl CachingAllocator {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
-}
-
-/// Locks a mutex that guards no data: a poisoned one is as good as any.
-fn lock_unit(mutex: &Mutex<()>) -> MutexGuard<'_, ()> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Drop for CachingAllocator {
