@@ -127,6 +127,15 @@ fn driver_failures_carry_the_call_and_the_cuda_name() {
     );
 }
 
+/// A kernel that faults (an illegal address) leaves the context unusable, as on a GPU: the
+/// next synchronisation and every later call fail with the sticky error as `unavailable`,
+/// none panics, and closing the device releases the context, which gives back what the
+/// plugin could no longer free, with no driver call after it. A new open works again.
+#[test]
+fn a_kernel_fault_makes_every_later_call_unavailable_and_close_gives_the_memory_back() {
+    run("fault", &[], Libraries::Full);
+}
+
 #[test]
 fn opening_for_ops_without_cublas_is_a_clear_error() {
     run("no_blas", &[], Libraries::Driver);
@@ -621,6 +630,7 @@ fn scenario() {
         "write_async_reuse" => write_async_reuse(&plugin),
         "failed_write_async" => failed_write_async(&plugin),
         "failed_free" => failed_free(&plugin),
+        "fault" => fault(&plugin),
         "open_fails_after_pool" => {
             let err = plugin.open(0, &memory_only()).unwrap_err();
             assert!(err.message.contains("cuMemGetInfo"), "{err}");
@@ -1100,6 +1110,80 @@ fn failed_free(plugin: &Plugin) {
         before,
         "the driver freed it"
     );
+}
+
+fn fault(plugin: &Plugin) {
+    use iris_plugin::abi::CastArgs;
+    let options = common::emulated_kernels(80, common::standin_driver_version());
+    // A device with two buffers and a cast between them (f32 0x3f3f3f3f to bf16 0x3f3f).
+    let open = || {
+        let device = plugin
+            .open(0, &options)
+            .expect("opens with the emulated kernels");
+        let src = device.alloc(4 * 64).unwrap();
+        let out = device.alloc(2 * 64).unwrap();
+        device.write(src, 0, &[0x3f; 4 * 64]).unwrap();
+        let cast = CastArgs {
+            src: MatRef::contiguous(src, 0, DType::F32, 4, 16),
+            out: MatRef::contiguous(out, 0, DType::BF16, 4, 16),
+            workspace: BufferSlice::EMPTY,
+        };
+        (device, src, out, cast)
+    };
+    let (device, src, out, cast) = open();
+    device.cast(&cast).unwrap();
+    device.synchronize().unwrap();
+
+    common::standin_fault_launch(1);
+    device
+        .cast(&cast)
+        .expect("a launch that faults is accepted, as on a GPU");
+    let sticky = |what: &str, err: iris_plugin::DeviceError| {
+        assert_eq!(err.code, ErrorCode::UNAVAILABLE, "{what}: {err}");
+        assert!(
+            err.message.contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+            "{what}: {err}"
+        );
+    };
+    sticky("synchronize", device.synchronize().unwrap_err());
+    sticky("a later op", device.cast(&cast).unwrap_err());
+    sticky("read", device.read(out, 0, &mut [0u8; 8]).unwrap_err());
+    sticky("write", device.write(src, 0, &[0u8; 8]).unwrap_err());
+    sticky("mem_info", device.mem_info().unwrap_err());
+    sticky("alloc", device.alloc(64).unwrap_err());
+    sticky("free", device.free(src).unwrap_err());
+    let report = device
+        .memory_report()
+        .expect("the plugin's own books still answer");
+    assert!(
+        report.buffers >= 2,
+        "buffers the driver would not free stay counted: {report:?}"
+    );
+    drop(device);
+    assert_eq!(
+        common::standin_calls_after_teardown(),
+        0,
+        "no driver call after the context's last release"
+    );
+    assert_eq!(
+        common::standin_used_memory(),
+        0,
+        "the context's destruction gave the device's memory back"
+    );
+    assert!(
+        common::standin_teardown_bytes() >= 6 * 64,
+        "it freed the buffers the plugin could not: {} bytes",
+        common::standin_teardown_bytes()
+    );
+
+    // A new open makes a fresh context that computes again.
+    let (device, src, out, cast) = open();
+    device.cast(&cast).unwrap();
+    let mut back = [0u8; 8];
+    device.read(out, 0, &mut back).unwrap();
+    assert_eq!(back, [0x3f; 8]);
+    device.free(src).unwrap();
+    device.free(out).unwrap();
 }
 
 fn failed_write_async(plugin: &Plugin) {

@@ -113,6 +113,35 @@ fn standin_counter(library: &str, symbol: &str) -> u64 {
     }
 }
 
+/// Calls that needed the stand-in driver's context after its last release destroyed it.
+pub fn standin_calls_after_teardown() -> u64 {
+    standin_counter("libcuda.so.1", "iris_standin_calls_after_teardown")
+}
+
+/// Device and page-locked bytes the stand-in context's destruction freed (still allocated then).
+pub fn standin_teardown_bytes() -> u64 {
+    standin_counter("libcuda.so.1", "iris_standin_teardown_bytes")
+}
+
+/// Device memory the stand-in driver has allocated now.
+pub fn standin_used_memory() -> u64 {
+    standin_counter("libcuda.so.1", "iris_standin_used_memory")
+}
+
+/// Arms a fault in the stand-in driver: the `launches`th kernel launch from now faults (an
+/// illegal address), and every later call in the context fails with the sticky error.
+pub fn standin_fault_launch(launches: u64) {
+    // SAFETY: the stand-in driver the plugin already opened; the symbol is a
+    // `void (unsigned long long)` setter.
+    unsafe {
+        let loaded = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
+        let arm: libloading::Symbol<unsafe extern "C" fn(u64)> = loaded
+            .get(b"iris_standin_fault_launch")
+            .expect("iris_standin_fault_launch in the stand-in driver");
+        arm(launches);
+    }
+}
+
 /// Memory pools the stand-in driver has not seen destroyed.
 pub fn standin_live_pools() -> u64 {
     standin_counter("libcuda.so.1", "iris_standin_live_pools")

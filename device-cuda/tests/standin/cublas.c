@@ -24,6 +24,9 @@
  * (2 MiB unless set; 0 turns it off) through the stand-in driver's cuMemAlloc, freed when the
  * handle is destroyed. The memory the plugin reports must account for it.
  *
+ * A computation in a context the stand-in driver says faulted or destroyed fails with
+ * CUBLAS_STATUS_EXECUTION_FAILED, as its kernel's launch would.
+ *
  * iris_standin_gelu_epilogues() counts matmuls run with a GELU epilogue.
  *
  * iris_standin_math_mode() is the last mode given to cublasSetMathMode and
@@ -65,7 +68,8 @@ unsigned long long iris_standin_math_mode(void) { return (unsigned long long)mat
 unsigned long long iris_standin_reduction_mask(void) { return reduction_mask; }
 
 typedef int cublasStatus_t;
-enum { OK = 0, NOT_INITIALIZED = 1, ALLOC_FAILED = 3, INVALID_VALUE = 7, NOT_SUPPORTED = 15 };
+enum { OK = 0, NOT_INITIALIZED = 1, ALLOC_FAILED = 3, INVALID_VALUE = 7, EXECUTION_FAILED = 13,
+       NOT_SUPPORTED = 15 };
 enum { R_32F = 0, R_16F = 2, R_16BF = 14 };
 enum { OP_N = 0, OP_T = 1 };
 enum { EPI_DEFAULT = 1, EPI_BIAS = 4, EPI_GELU = 32, EPI_GELU_BIAS = 36 };
@@ -190,6 +194,7 @@ cublasStatus_t cublasGemmEx(void *handle, int ta, int tb, int m, int n, int k, c
     if (m < 0 || n < 0 || k < 0 || lda < 1 || ldb < 1 || ldc < (m > 1 ? m : 1)) return INVALID_VALUE;
     cublasStatus_t status = first_use(handle);
     if (status != OK) return status;
+    if (context_failed()) return EXECUTION_FAILED;
     run_queued_work(((struct handle *)handle)->stream);
     gemm(ta, tb, m, n, k, *(const float *)alpha, a, at, lda, b, bt, ldb, *(const float *)beta, c, ct,
          ldc, c, ct, ldc, NULL, 0);
@@ -306,6 +311,7 @@ cublasStatus_t cublasLtMatmul(void *handle, void *desc, const void *alpha, const
     int gelu = op->epilogue == EPI_GELU || op->epilogue == EPI_GELU_BIAS;
     if (!with_bias && !gelu && op->epilogue != EPI_DEFAULT) return NOT_SUPPORTED;
     if (with_bias && !op->bias) return INVALID_VALUE;
+    if (context_failed()) return EXECUTION_FAILED;
     if (gelu) __atomic_add_fetch(&gelu_epilogues, 1, __ATOMIC_RELAXED);
     run_queued_work(stream);
     gemm(op->ta, op->tb, m, n, k, *(const float *)alpha, a, la->type, la->ld, b, lb->type, lb->ld,

@@ -16,7 +16,8 @@
  * one is set) as on a GPU: before touching memory, it runs that stream's queued work and what
  * that work waits for, through the stand-in driver's iris_standin_flush_stream (found at run time
  * in the libcuda.so.1 the process loaded; with another driver, nothing is run), so that it reads
- * what the driver's deferred mode (IRIS_STANDIN_DEFER=1) copies in before it.
+ * what the driver's deferred mode (IRIS_STANDIN_DEFER=1) copies in before it. In a context the
+ * driver says faulted or destroyed it fails with CUDNN_STATUS_EXECUTION_FAILED.
  *
  * Like the real library, a handle allocates device state of its own at its first execution
  * (IRIS_STANDIN_CUDNN_LAZY_BYTES, 1 MiB unless set, 0 turns it off), freed when the handle is
@@ -89,6 +90,7 @@ enum {
     GRAPH_PATTERN = 3001,
     NOT_SUPPORTED_SHAPE = 3002,
     INTERNAL_ERROR = 4000,
+    EXECUTION_FAILED = 5000,
 };
 
 /* cudnnBackendDescriptorType_t */
@@ -197,6 +199,7 @@ const char *cudnnGetErrorString(cudnnStatus_t status) {
         case GRAPH_PATTERN: return "CUDNN_STATUS_NOT_SUPPORTED_GRAPH_PATTERN";
         case NOT_SUPPORTED_SHAPE: return "CUDNN_STATUS_NOT_SUPPORTED_SHAPE";
         case INTERNAL_ERROR: return "CUDNN_STATUS_INTERNAL_ERROR";
+        case EXECUTION_FAILED: return "CUDNN_STATUS_EXECUTION_FAILED";
         default: return "CUDNN_STATUS_UNKNOWN";
     }
 }
@@ -655,6 +658,7 @@ static cudnnStatus_t execute(struct handle *h, struct desc *plan, struct desc *p
     }
     cudnnStatus_t status = operand(pack, op->operand[4], &scale);
     if (status != OK) return status;
+    if (context_failed()) return EXECUTION_FAILED;
     /* The stream's earlier work first: it may still write the operands (or read the workspace). */
     run_queued_work(h->stream);
     if (plan->workspace > 0) {

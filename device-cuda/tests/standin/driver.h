@@ -28,4 +28,19 @@ static inline void run_queued_work(void *stream) {
     if (found) found(stream);
 }
 
+typedef int (*context_error_fn)(void);
+
+/* Whether the driver's context can no longer compute (it faulted, or is destroyed), in which
+ * case a library's computation fails as a kernel launch in that context would; never with a
+ * driver that does not say. */
+static inline int context_failed(void) {
+    static context_error_fn check;
+    context_error_fn found = __atomic_load_n(&check, __ATOMIC_ACQUIRE);
+    if (!found) {
+        found = (context_error_fn)driver_symbol("iris_standin_context_error");
+        __atomic_store_n(&check, found, __ATOMIC_RELEASE);
+    }
+    return found && found() != 0;
+}
+
 #endif

@@ -25,6 +25,10 @@
 
 // The stand-in driver's queue of deferred work (libcuda.c).
 extern "C" void iris_standin_flush_stream(void *stream);
+// The context's state (0: usable; else the code every call that needs it returns) and whether
+// this launch is the one armed to fault (see "Faults" in libcuda.c).
+extern "C" int iris_standin_context_error(void);
+extern "C" int iris_standin_launch_faults(void);
 
 struct uint3 {
     unsigned x, y, z;
@@ -474,6 +478,7 @@ static const std::map<std::string, Kernel> &kernels() {
 extern "C" {
 
 int cuModuleLoadData(void **module, const void *image) {
+    if (int err = iris_standin_context_error()) return err;
     (void)image;
     static char loaded;
     *module = &loaded;
@@ -481,6 +486,7 @@ int cuModuleLoadData(void **module, const void *image) {
 }
 
 int cuModuleGetFunction(void **function, void *module, const char *name) {
+    if (int err = iris_standin_context_error()) return err;
     (void)module;
     auto found = kernels().find(name);
     if (found == kernels().end()) return 500;  // CUDA_ERROR_NOT_FOUND
@@ -489,6 +495,7 @@ int cuModuleGetFunction(void **function, void *module, const char *name) {
 }
 
 int cuModuleUnload(void *module) {
+    if (int err = iris_standin_context_error()) return err;
     (void)module;
     return 0;
 }
@@ -500,6 +507,7 @@ constexpr int OPT_IN_SHARED_LIMIT = 163 << 10;
 static std::map<const void *, int> max_dynamic_shared;
 
 int cuFuncSetAttribute(void *function, int attribute, int value) {
+    if (int err = iris_standin_context_error()) return err;
     constexpr int MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;  // CU_FUNC_ATTRIBUTE_...
     if (attribute != MAX_DYNAMIC_SHARED_SIZE_BYTES) return 801;  // CUDA_ERROR_NOT_SUPPORTED
     if (value < 0 || value > OPT_IN_SHARED_LIMIT) return 1;      // INVALID_VALUE
@@ -522,9 +530,12 @@ unsigned long long iris_standin_vector_accesses(void) { return vector_accesses; 
 int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                    unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
     (void)extra;
+    if (int err = iris_standin_context_error()) return err;
     // Work queued on the launch's stream before it runs first, and what that work waits for
     // on other streams (the stand-in driver's deferred mode), as on a GPU: nothing else.
     iris_standin_flush_stream(stream);
+    // A launch that faults is accepted, as a GPU accepts it; the context's later calls fail.
+    if (iris_standin_launch_faults()) return 0;
     if (by != 1 || bz != 1 || bx == 0 || bx % 32 != 0) return 1;  // INVALID_VALUE
     // As on a GPU, more than 48 KiB of dynamic shared memory needs the function's opt-in.
     auto opted = max_dynamic_shared.find(function);

@@ -48,6 +48,23 @@
  * cuPointerGetAttribute tells page-locked host memory (CU_MEMORYTYPE_HOST) from pageable
  * (CUDA_ERROR_INVALID_VALUE), as the driver does. Entry points are thread-safe.
  *
+ * The primary context lives from its first cuDevicePrimaryCtxRetain to the release that drops
+ * the last reference, as in CUDA: that release destroys it, which runs its queued work (unless
+ * it faulted), frees every device allocation and page-locked block still live (the bytes are
+ * counted, iris_standin_teardown_bytes()) and clears a fault; memory pools are the device's
+ * and outlive it. A call that needs the context after that, on a thread where it is still
+ * current, fails with CUDA_ERROR_CONTEXT_IS_DESTROYED and is counted
+ * (iris_standin_calls_after_teardown()): a plugin that frees or synchronises after releasing
+ * its context would touch freed memory on a GPU.
+ *
+ * Faults (IRIS_STANDIN_FAULT_LAUNCH, iris_standin_fault_launch()): a kernel that faults (an
+ * illegal address) is launched without an error, as on a GPU, and does not run; from then on
+ * every call that needs the context fails with CUDA_ERROR_ILLEGAL_ADDRESS, the sticky error of
+ * a corrupted context (synchronisation, copies, allocation and frees, memory queries, launches,
+ * and the stand-in libraries' computations), queued work never runs (host functions are not
+ * called), until the context is destroyed. Device queries and the primary context's retain and
+ * release still answer.
+ *
  * Switches, read at cuInit:
  *   IRIS_STANDIN_MODE      ok (default) | no_device (cuInit: CUDA_ERROR_NO_DEVICE)
  *                          | stub (every call: CUDA_ERROR_STUB_LIBRARY, like the toolkit's stub)
@@ -71,6 +88,8 @@
  *   IRIS_STANDIN_SYNC_DELAY_MS  cuStreamSynchronize returns this long after the queue ran
  *   IRIS_STANDIN_WRONG_KERNEL   an attention kernel (by name) whose first output element gets
  *                          its lowest bit flipped after each launch (emu.cpp): a wrong kernel
+ *   IRIS_STANDIN_FAULT_LAUNCH  the Nth kernel launch faults (see Faults above); tests can also
+ *                          arm it at run time with iris_standin_fault_launch(n)
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -96,6 +115,8 @@ enum {
     STUB_LIBRARY = 34,
     NO_DEVICE = 100,
     NOT_READY = 600,
+    ILLEGAL_ADDRESS = 700,
+    CONTEXT_IS_DESTROYED = 709,
     SYSTEM_NOT_READY = 802,
     INVALID_DEVICE = 101,
     NOT_FOUND = 500,
@@ -181,6 +202,15 @@ void iris_standin_flush(void);
 void iris_standin_flush_stream(CUstream stream);
 static char primary_context;
 static __thread CUcontext current;
+/* References to the primary context (retains not yet released), and whether one existed. */
+static int context_refs;
+static int context_ever;
+/* The sticky error of a fault (0: none), until the context is destroyed. */
+static CUresult sticky;
+/* Launches until the one that faults (0: none armed); see iris_standin_launch_faults(). */
+static unsigned long long fault_launch;
+static unsigned long long calls_after_teardown;
+static unsigned long long teardown_bytes;
 
 /* Sizes of live device allocations, to give memory back on free. */
 struct allocation {
@@ -199,6 +229,29 @@ static unsigned long long env_number(const char *name, unsigned long long fallba
     do {                                            \
         if (mode_stub) return STUB_LIBRARY;         \
         if (!initialised) return NOT_INITIALIZED;   \
+    } while (0)
+
+/* What a call that needs the context gets: 0 while it is usable, CONTEXT_IS_DESTROYED after the
+ * last release (counted), the sticky error after a fault. */
+CUresult iris_standin_context_error(void) {
+    pthread_mutex_lock(&state_lock);
+    CUresult result = SUCCESS;
+    if (context_ever && !context_refs) {
+        calls_after_teardown++;
+        result = CONTEXT_IS_DESTROYED;
+    } else {
+        result = sticky;
+    }
+    pthread_mutex_unlock(&state_lock);
+    return result;
+}
+
+/* GUARD, then the context's state. */
+#define CONTEXT_GUARD()                                        \
+    do {                                                       \
+        GUARD();                                               \
+        CUresult context_error = iris_standin_context_error(); \
+        if (context_error) return context_error;               \
     } while (0)
 
 CUresult cuInit(unsigned int flags) {
@@ -222,6 +275,7 @@ CUresult cuInit(unsigned int flags) {
     fail_copy = (int)env_number("IRIS_STANDIN_FAIL_COPY", 0);
     fail_free_of = env_number("IRIS_STANDIN_FAIL_FREE_OF", 0);
     fail_mem_info_at = env_number("IRIS_STANDIN_FAIL_MEM_INFO_AT", 0);
+    fault_launch = env_number("IRIS_STANDIN_FAULT_LAUNCH", 0);
     initialised = 1;
     return SUCCESS;
 }
@@ -285,17 +339,34 @@ CUresult cuDevicePrimaryCtxGetState(CUdevice device, unsigned int *flags, int *a
     return SUCCESS;
 }
 
+/* The first retain (after none, or after the last release) makes a fresh context. */
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
     GUARD();
     (void)device;
+    pthread_mutex_lock(&state_lock);
+    if (!context_refs) sticky = SUCCESS;
+    context_refs++;
+    context_ever = 1;
+    pthread_mutex_unlock(&state_lock);
     *ctx = &primary_context;
     return SUCCESS;
 }
 
+static void teardown_locked(void);
+
+/* The release of the last reference destroys the context. */
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     GUARD();
     (void)device;
-    return SUCCESS;
+    pthread_mutex_lock(&state_lock);
+    CUresult result = SUCCESS;
+    if (!context_refs) {
+        result = 201; /* CUDA_ERROR_INVALID_CONTEXT: nothing retained */
+    } else if (--context_refs == 0) {
+        teardown_locked();
+    }
+    pthread_mutex_unlock(&state_lock);
+    return result;
 }
 
 CUresult cuCtxGetCurrent(CUcontext *ctx) {
@@ -311,13 +382,13 @@ CUresult cuCtxSetCurrent(CUcontext ctx) {
 }
 
 CUresult cuCtxSynchronize(void) {
-    GUARD();
+    CONTEXT_GUARD();
     iris_standin_flush();
     return SUCCESS;
 }
 
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
-    GUARD();
+    CONTEXT_GUARD();
     if (!current) return 201; /* CUDA_ERROR_INVALID_CONTEXT */
     if (fail_mem_info_at && ++mem_info_calls == fail_mem_info_at) return 999; /* CUDA_ERROR_UNKNOWN */
     *free_bytes = total_memory - used_memory;
@@ -420,12 +491,13 @@ static void run_head_locked(struct stream *stream) {
  * marks it has reached. The head is read again after each step, since running another stream
  * on may have run this one's ready head too. */
 static void run_until_locked(struct stream *stream, unsigned long long mark) {
-    while (stream->completed < mark) {
+    if (sticky) return; /* a faulted context runs nothing more */
+    while (stream->completed < mark && !sticky) {
         struct op *op = stream->head;
         if (op->kind == OP_WAIT && !reached(op->wait_stream, op->wait_mark)) {
             struct stream *other = op->wait_stream;
             run_until_locked(other, op->wait_mark);
-            while (head_ready(other)) run_head_locked(other);
+            while (!sticky && head_ready(other)) run_head_locked(other);
             continue;
         }
         run_head_locked(stream);
@@ -483,8 +555,82 @@ unsigned long long iris_standin_live_pools(void) { return (unsigned long long)li
 unsigned long long iris_standin_blocking_reads(void) { return blocking_reads; }
 unsigned long long iris_standin_device_copies(void) { return device_copies; }
 
+/* Calls that needed the context after it was destroyed (see the top of this file). */
+unsigned long long iris_standin_calls_after_teardown(void) {
+    pthread_mutex_lock(&state_lock);
+    unsigned long long calls = calls_after_teardown;
+    pthread_mutex_unlock(&state_lock);
+    return calls;
+}
+
+/* Device and page-locked bytes the context's destruction freed: what was still allocated. */
+unsigned long long iris_standin_teardown_bytes(void) {
+    pthread_mutex_lock(&state_lock);
+    unsigned long long bytes = teardown_bytes;
+    pthread_mutex_unlock(&state_lock);
+    return bytes;
+}
+
+/* Device memory allocated now. */
+unsigned long long iris_standin_used_memory(void) {
+    pthread_mutex_lock(&state_lock);
+    unsigned long long bytes = used_memory;
+    pthread_mutex_unlock(&state_lock);
+    return bytes;
+}
+
+/* Arms a fault: the `launches`th kernel launch from now faults (1: the next one). */
+void iris_standin_fault_launch(unsigned long long launches) {
+    pthread_mutex_lock(&state_lock);
+    fault_launch = launches;
+    pthread_mutex_unlock(&state_lock);
+}
+
+/* Called by the kernel emulator (emu.cpp) at each launch, after the stream's earlier work ran:
+ * whether this launch is the armed one, which then faults the context instead of running. */
+int iris_standin_launch_faults(void) {
+    pthread_mutex_lock(&state_lock);
+    int faults = fault_launch && --fault_launch == 0;
+    if (faults) sticky = ILLEGAL_ADDRESS;
+    pthread_mutex_unlock(&state_lock);
+    return faults;
+}
+
+/* Destroys the context (its last release); the caller holds state_lock. A healthy context
+ * finishes its queued work first; a faulted one drops it unrun. Every device allocation and
+ * page-locked block still live is freed and counted. Streams and events stay allocated here
+ * (a handle the plugin still holds must not dangle in the stand-in), emptied. */
+static void teardown_locked(void) {
+    if (!sticky) drain_all_locked();
+    for (struct stream *stream = streams; stream; stream = stream->next) {
+        while (stream->head) {
+            struct op *op = stream->head;
+            stream->head = op->next;
+            free(op);
+        }
+        stream->tail = NULL;
+        stream->completed = stream->enqueued;
+    }
+    while (live) {
+        struct allocation *entry = live;
+        live = entry->next;
+        teardown_bytes += entry->bytes;
+        free((void *)(uintptr_t)entry->ptr);
+        free(entry);
+    }
+    used_memory = 0;
+    while (host_blocks) {
+        struct host_block *block = host_blocks;
+        host_blocks = block->next;
+        teardown_bytes += block->bytes;
+        free(block->ptr);
+        free(block);
+    }
+    sticky = SUCCESS;
+}
+
 CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
-    GUARD();
+    CONTEXT_GUARD();
     pthread_mutex_lock(&state_lock);
     CUresult result = device_alloc(ptr, bytes);
     pthread_mutex_unlock(&state_lock);
@@ -492,7 +638,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
 }
 
 CUresult cuMemFree_v2(CUdeviceptr ptr) {
-    GUARD();
+    CONTEXT_GUARD();
     pthread_mutex_lock(&state_lock);
     /* The driver synchronises the context before a plain free. */
     drain_all_locked();
@@ -518,7 +664,7 @@ CUresult cuMemAllocFromPoolAsync(CUdeviceptr *ptr, size_t bytes, CUmemoryPool po
 /* A stream-ordered free: when deferring, the memory stays allocated until the stream reaches
  * the free. */
 CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream stream) {
-    GUARD();
+    CONTEXT_GUARD();
     pthread_mutex_lock(&state_lock);
     CUresult result = SUCCESS;
     if (free_fails_locked(ptr)) {
@@ -567,7 +713,7 @@ CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attribute, void *value) {
 }
 
 CUresult cuMemHostAlloc(void **ptr, size_t bytes, unsigned int flags) {
-    GUARD();
+    CONTEXT_GUARD();
     (void)flags;
     *ptr = aligned_alloc(64, (bytes + 63) / 64 * 64);
     struct host_block *block = malloc(sizeof *block);
@@ -586,7 +732,7 @@ CUresult cuMemHostAlloc(void **ptr, size_t bytes, unsigned int flags) {
 }
 
 CUresult cuMemFreeHost(void *ptr) {
-    GUARD();
+    CONTEXT_GUARD();
     pthread_mutex_lock(&state_lock);
     /* The driver synchronises the context before freeing page-locked memory: queued copies from
      * or to it are done. */
@@ -607,7 +753,7 @@ CUresult cuMemFreeHost(void *ptr) {
 /* CU_POINTER_ATTRIBUTE_MEMORY_TYPE (2) only: host for page-locked memory, device for device
  * allocations; pageable memory is unknown to the driver (INVALID_VALUE). */
 CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
-    GUARD();
+    CONTEXT_GUARD();
     if (attribute != 2) return INVALID_VALUE;
     pthread_mutex_lock(&state_lock);
     unsigned int type = 0;
@@ -626,7 +772,7 @@ CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
  * after the work it must follow. */
 static CUresult copy(void *dst, const void *src, size_t bytes, const void *host,
                      struct stream *stream) {
-    GUARD();
+    CONTEXT_GUARD();
     if (fail_copy) return fail_copy;
     pthread_mutex_lock(&state_lock);
     if (defer && host && stream && pinned_locked(host)) {
@@ -673,21 +819,21 @@ static void before_fill(struct stream *stream) {
 }
 
 CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t count) {
-    GUARD();
+    CONTEXT_GUARD();
     before_fill(NULL);
     memset((void *)(uintptr_t)dst, value, count);
     return SUCCESS;
 }
 
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t count, CUstream stream) {
-    GUARD();
+    CONTEXT_GUARD();
     before_fill(stream_of(stream));
     memset((void *)(uintptr_t)dst, value, count);
     return SUCCESS;
 }
 
 CUresult cuMemsetD16Async(CUdeviceptr dst, unsigned short value, size_t count, CUstream stream) {
-    GUARD();
+    CONTEXT_GUARD();
     before_fill(stream_of(stream));
     unsigned short *p = (unsigned short *)(uintptr_t)dst;
     for (size_t i = 0; i < count; i++) p[i] = value;
@@ -695,7 +841,7 @@ CUresult cuMemsetD16Async(CUdeviceptr dst, unsigned short value, size_t count, C
 }
 
 CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t count, CUstream stream) {
-    GUARD();
+    CONTEXT_GUARD();
     before_fill(stream_of(stream));
     unsigned int *p = (unsigned int *)(uintptr_t)dst;
     for (size_t i = 0; i < count; i++) p[i] = value;
@@ -705,7 +851,7 @@ CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t count, CUs
 /* A stream of its own (blocking or not: the legacy stream's implicit synchronisation is not
  * modelled), on the list of live streams. */
 CUresult cuStreamCreate(CUstream *stream, unsigned int flags) {
-    GUARD();
+    CONTEXT_GUARD();
     (void)flags;
     struct stream *created = calloc(1, sizeof *created);
     if (!created) return OUT_OF_MEMORY;
@@ -720,7 +866,7 @@ CUresult cuStreamCreate(CUstream *stream, unsigned int flags) {
 /* A host function: queued on its stream when deferring, else called at once after the queues
  * (empty then). */
 CUresult cuLaunchHostFunc(CUstream stream, void (*fn)(void *), void *data) {
-    GUARD();
+    CONTEXT_GUARD();
     if (!fn) return INVALID_VALUE;
     pthread_mutex_lock(&state_lock);
     if (defer) {
@@ -740,7 +886,7 @@ CUresult cuLaunchHostFunc(CUstream stream, void (*fn)(void *), void *data) {
  * stream any more: events recorded on it and other streams' waits for it are complete (all its
  * work ran), which a NULL stream says. */
 CUresult cuStreamDestroy_v2(CUstream stream) {
-    GUARD();
+    CONTEXT_GUARD();
     struct stream *gone = stream_of(stream);
     if (gone == &legacy_stream) return SUCCESS; /* not ours to free */
     pthread_mutex_lock(&state_lock);
@@ -765,7 +911,7 @@ CUresult cuStreamDestroy_v2(CUstream stream) {
 
 /* Runs the stream's queue, and what it waits for on other streams. */
 CUresult cuStreamSynchronize(CUstream stream) {
-    GUARD();
+    CONTEXT_GUARD();
     iris_standin_flush_stream(stream);
     if (sync_delay_ms) {
         struct timespec pause = {(time_t)(sync_delay_ms / 1000), (long)(sync_delay_ms % 1000) * 1000000L};
@@ -776,7 +922,7 @@ CUresult cuStreamSynchronize(CUstream stream) {
 
 /* Not ready while the stream has queued work (a wait not met included); runs nothing. */
 CUresult cuStreamQuery(CUstream stream) {
-    GUARD();
+    CONTEXT_GUARD();
     pthread_mutex_lock(&state_lock);
     int busy = stream_of(stream)->head != NULL;
     pthread_mutex_unlock(&state_lock);
@@ -787,7 +933,7 @@ CUresult cuStreamQuery(CUstream stream) {
  * later does not move the wait). A wait already met (an event never recorded, or complete)
  * queues nothing. */
 CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags) {
-    GUARD();
+    CONTEXT_GUARD();
     (void)flags;
     const struct event *waited = event;
     pthread_mutex_lock(&state_lock);
@@ -801,7 +947,7 @@ CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags) {
 }
 
 CUresult cuEventCreate(CUevent *event, unsigned int flags) {
-    GUARD();
+    CONTEXT_GUARD();
     (void)flags;
     struct event *created = calloc(1, sizeof *created);
     if (!created) return OUT_OF_MEMORY;
@@ -816,7 +962,7 @@ CUresult cuEventCreate(CUevent *event, unsigned int flags) {
 /* Marks the event at the stream's tail: it completes once the work enqueued so far has run.
  * Without deferral nothing is ever queued, so every event is complete at once. */
 CUresult cuEventRecord(CUevent event, CUstream stream) {
-    GUARD();
+    CONTEXT_GUARD();
     struct event *recorded = event;
     if (!recorded) return SUCCESS;
     pthread_mutex_lock(&state_lock);
@@ -828,7 +974,7 @@ CUresult cuEventRecord(CUevent event, CUstream stream) {
 
 /* Not ready while the event's stream has not run up to its mark; runs nothing. */
 CUresult cuEventQuery(CUevent event) {
-    GUARD();
+    CONTEXT_GUARD();
     const struct event *queried = event;
     if (!queried) return SUCCESS;
     pthread_mutex_lock(&state_lock);
@@ -839,7 +985,7 @@ CUresult cuEventQuery(CUevent event) {
 
 /* Runs the event's stream up to its mark (and what that work waits for on other streams). */
 CUresult cuEventSynchronize(CUevent event) {
-    GUARD();
+    CONTEXT_GUARD();
     const struct event *waited = event;
     if (!waited) return SUCCESS;
     pthread_mutex_lock(&state_lock);
@@ -849,7 +995,7 @@ CUresult cuEventSynchronize(CUevent event) {
 }
 
 CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end) {
-    GUARD();
+    CONTEXT_GUARD();
     (void)start;
     (void)end;
     *ms = 0.0f;
@@ -858,7 +1004,7 @@ CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end) {
 
 /* Waits captured the event's mark, so queued work never points at the event itself. */
 CUresult cuEventDestroy_v2(CUevent event) {
-    GUARD();
+    CONTEXT_GUARD();
     pthread_mutex_lock(&state_lock);
     for (struct event **at = &events; *at; at = &(*at)->next) {
         if (*at == event) {
@@ -874,14 +1020,14 @@ CUresult cuEventDestroy_v2(CUevent event) {
 #ifndef IRIS_STANDIN_KERNELS
 /* Without the kernel emulator (emu.cpp), kernels cannot run. */
 CUresult cuModuleLoadData(CUmodule *module, const void *image) {
-    GUARD();
+    CONTEXT_GUARD();
     (void)module;
     (void)image;
     return NOT_SUPPORTED;
 }
 
 CUresult cuModuleGetFunction(CUfunction *function, CUmodule module, const char *name) {
-    GUARD();
+    CONTEXT_GUARD();
     (void)function;
     (void)module;
     (void)name;
@@ -889,7 +1035,7 @@ CUresult cuModuleGetFunction(CUfunction *function, CUmodule module, const char *
 }
 
 CUresult cuModuleUnload(CUmodule module) {
-    GUARD();
+    CONTEXT_GUARD();
     (void)module;
     return SUCCESS;
 }
@@ -908,7 +1054,7 @@ CUresult cuTensorMapEncodeIm2col(void) {
 }
 
 CUresult cuFuncSetAttribute(CUfunction f, int attribute, int value) {
-    GUARD();
+    CONTEXT_GUARD();
     (void)f; (void)attribute; (void)value;
     return NOT_SUPPORTED;
 }
@@ -916,7 +1062,7 @@ CUresult cuFuncSetAttribute(CUfunction f, int attribute, int value) {
 CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
                         unsigned int bx, unsigned int by, unsigned int bz, unsigned int shared,
                         CUstream stream, void **params, void **extra) {
-    GUARD();
+    CONTEXT_GUARD();
     (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz;
     (void)shared; (void)stream; (void)params; (void)extra;
     return NOT_SUPPORTED;
