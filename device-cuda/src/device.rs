@@ -20,7 +20,7 @@ use iris_plugin::abi::{
     StagedCopy, property,
 };
 use iris_plugin::validate::{self, Checker};
-use iris_plugin::{Backend, Logger};
+use iris_plugin::{Backend, ErrorCode, Logger};
 
 use crate::error::{CudaError, DriverResultExt};
 use crate::loader;
@@ -610,6 +610,33 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// `op`'s error, or the queue's sticky error where there is one behind it. cuBLAS,
+    /// cuBLASLt and cuDNN answer a call in a faulted context (an illegal address in an earlier
+    /// kernel, say) with an execution failure of their own, an internal error; the caller must
+    /// see instead that the device can no longer compute (`unavailable`, naming the driver's
+    /// error), as a kernel launch or a synchronisation there reports.
+    fn name_fault(&self, op: &str, err: PluginError) -> PluginError {
+        if err.code != ErrorCode::INTERNAL {
+            return err;
+        }
+        // SAFETY: the stream belongs to the context `enter` bound; a query runs nothing.
+        match unsafe { sys::cuStreamQuery(self.cu_stream()) } {
+            code if crate::error::is_fault(code) => {
+                let message = err.message.as_str();
+                let symptom = message
+                    .strip_prefix(op)
+                    .and_then(|rest| rest.strip_prefix(": "))
+                    .unwrap_or(message);
+                CudaError::Faulted {
+                    code,
+                    symptom: symptom.to_owned(),
+                }
+                .into_plugin(op)
+            }
+            _ => err,
+        }
+    }
+
     /// [`CHECK_GROWTH_ENV`]'s check, before `op` runs.
     fn check_growth(&self, growth: &Mutex<(i128, String)>, op: &str) -> Result<(), CudaError> {
         memory::wait(self.cu_stream())?;
@@ -915,11 +942,13 @@ impl Backend for CudaDevice {
     fn gemm_workspace(&self, args: &GemmArgs) -> Result<u64, PluginError> {
         self.enter("gemm_workspace")?;
         self.gemm_workspace_impl(args)
+            .map_err(|err| self.name_fault("gemm_workspace", err))
     }
 
     fn gemm(&self, args: &GemmArgs) -> Result<(), PluginError> {
         self.enter("gemm")?;
         self.gemm_impl(args)
+            .map_err(|err| self.name_fault("gemm", err))
     }
 
     fn layer_norm(&self, args: &NormArgs) -> Result<(), PluginError> {
@@ -970,11 +999,13 @@ impl Backend for CudaDevice {
     fn attention(&self, args: &AttentionArgs<'_>) -> Result<(), PluginError> {
         self.enter("attention")?;
         self.attention_impl(args)
+            .map_err(|err| self.name_fault("attention", err))
     }
 
     fn attention_workspace(&self, args: &AttentionArgs<'_>) -> Result<u64, PluginError> {
         self.enter("attention_workspace")?;
         self.attention_workspace_impl(args)
+            .map_err(|err| self.name_fault("attention_workspace", err))
     }
 
     fn gather_rows(&self, args: &GatherArgs) -> Result<(), PluginError> {

@@ -59,6 +59,17 @@ pub enum CudaError {
         /// Whether the status is an allocation failure.
         alloc_failed: bool,
     },
+    /// A library call failed in a context that a fault (of this call's work or earlier work on
+    /// the queue) had made unusable: the driver's sticky error is the cause, the library's
+    /// status (cuBLAS, cuBLASLt and cuDNN report it as an execution failure of their own) only
+    /// its symptom.
+    #[error("the device faulted: {}{} (the queue's sticky error; the call saw: {symptom})", driver_name(*code), driver_hint(*code))]
+    Faulted {
+        /// The driver's sticky error.
+        code: CUresult,
+        /// How the library call failed.
+        symptom: String,
+    },
     /// NVRTC failed to compile the kernels.
     #[error("NVRTC: {call} failed: {status}{}", log_suffix(log))]
     Nvrtc {
@@ -142,7 +153,8 @@ impl CudaError {
                 ..
             }
             | CudaError::Unsupported(_) => PluginError::unsupported(message),
-            CudaError::LibraryMissing { .. }
+            CudaError::Faulted { .. }
+            | CudaError::LibraryMissing { .. }
             | CudaError::Libraries(_)
             | CudaError::Unavailable(_) => PluginError::unavailable(message),
             CudaError::Invalid(_) => PluginError::invalid_argument(message),
@@ -207,6 +219,12 @@ fn unavailable(code: CUresult) -> bool {
     )
 }
 
+/// Whether a status of a query of the queue (`cuStreamQuery`) is a fault that left the context
+/// unusable: not success, not "still running", and one of the codes that stop the device.
+pub(crate) fn is_fault(code: CUresult) -> bool {
+    code != CUresult::CUDA_SUCCESS && code != CUresult::CUDA_ERROR_NOT_READY && unavailable(code)
+}
+
 fn log_suffix(log: &str) -> String {
     let log = log.trim();
     if log.is_empty() {
@@ -232,6 +250,21 @@ mod tests {
         assert_eq!(
             plugin.message.as_str(),
             "write: cuMemcpyHtoDAsync failed: CUDA_ERROR_INVALID_VALUE"
+        );
+    }
+
+    #[test]
+    fn a_fault_behind_a_library_failure_is_unavailable_and_named() {
+        let err = CudaError::Faulted {
+            code: CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+            symptom: "cublasGemmEx failed: CUBLAS_STATUS_EXECUTION_FAILED".into(),
+        };
+        let plugin = err.into_plugin("gemm");
+        assert_eq!(plugin.code, ErrorCode::UNAVAILABLE);
+        assert_eq!(
+            plugin.message.as_str(),
+            "gemm: the device faulted: CUDA_ERROR_ILLEGAL_ADDRESS (the queue's sticky error; \
+             the call saw: cublasGemmEx failed: CUBLAS_STATUS_EXECUTION_FAILED)"
         );
     }
 

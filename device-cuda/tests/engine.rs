@@ -3,6 +3,8 @@
 //! serving. Each cuDNN plan built after open loads what it runs at its first execution (as a
 //! real cuDNN loads or compiles kernels), after the engine's post-start baseline; `reset_all`
 //! must still bring the device's memory back to that baseline, and say what the plugin gave.
+//! And a kernel fault while serving: the device is lost for every request from then on, and
+//! shutting down gives its memory back.
 //!
 //! As in `tests/ops.rs`, the parent test runs its scenario in a child process with the
 //! stand-ins first on `LD_LIBRARY_PATH` (see `common`).
@@ -12,7 +14,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{Libraries, plugin_library, run};
-use iris_core::engine::api::{EncodeOptions, ImageInput, MemoryGauges};
+use iris_core::engine::api::{EncodeOptions, EngineError, ImageInput, MemoryGauges};
 use iris_core::engine::{Engine, EngineConfig};
 use iris_core::model::{DUMMY_DEFAULT_SEED, ModelSpec, WeightSource};
 use iris_core::profile::WarmUpMode;
@@ -35,13 +37,92 @@ fn a_reset_gives_back_the_cudnn_plans_built_while_serving() {
     );
 }
 
-/// The scenario, run in a child process by the test above (never on its own).
+/// A kernel that faults while serving (an illegal address: the context is unusable from then
+/// on, as on a GPU) fails the request in flight with the driver's reason, makes the engine's
+/// health say the device is lost, fails later requests instead of hanging them, and shutting
+/// the engine down releases the context, which gives every byte back, with no driver call after
+/// it.
 #[test]
-#[ignore = "a child-process scenario, run by the other test of this file"]
+fn a_kernel_fault_while_serving_fails_requests_and_shutdown_gives_the_memory_back() {
+    run("fault", &[], Libraries::Full);
+}
+
+/// The scenarios, run in a child process by the tests above (never on their own).
+#[test]
+#[ignore = "a child-process scenario, run by the other tests of this file"]
 fn scenario() {
     let name = std::env::var(common::SCENARIO_ENV)
-        .expect("run by the parent test of tests/engine.rs, which sets IRIS_STANDIN_SCENARIO");
-    assert_eq!(name, "reset");
+        .expect("run by the parent tests of tests/engine.rs, which set IRIS_STANDIN_SCENARIO");
+    match name.as_str() {
+        "reset" => reset(),
+        "fault" => fault(),
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+/// The tiny model in f32 on the emulated device, warm-up off (the emulator is slow).
+fn tiny_engine() -> Engine {
+    let plugin = load_library(&plugin_library()).expect("the plugin loads");
+    let options = common::emulated_kernels(80, common::standin_driver_version());
+    let device = plugin.open(0, &options).expect("the emulated device opens");
+    let mut config = EngineConfig::new(
+        ModelSpec::preset("tiny").expect("the tiny preset"),
+        WeightSource::Dummy {
+            seed: DUMMY_DEFAULT_SEED,
+        },
+    );
+    config.warm_up = WarmUpMode::Off;
+    config.scheduler.max_num_batched_tokens = 2048;
+    Engine::start(config, device).expect("the engine starts")
+}
+
+fn fault() {
+    let runtime = runtime();
+    runtime.block_on(async {
+        let engine = tiny_engine();
+        let encode = |seed| {
+            engine.encode(
+                vec![ImageInput {
+                    bytes: png(56, 56, seed),
+                }],
+                EncodeOptions::default(),
+            )
+        };
+        encode(1).await.expect("an image encodes before the fault");
+        engine.health().expect("healthy before the fault");
+
+        common::standin_fault_launch(1);
+        let err = encode(2).await.expect_err("the step with the fault fails");
+        assert!(
+            matches!(err, EngineError::DeviceLost(_))
+                && err.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+            "the request is told the device is lost, with the driver's reason: {err:?}"
+        );
+        let health = engine.health().expect_err("the device is lost");
+        assert!(matches!(health, EngineError::DeviceLost(_)), "{health:?}");
+        // A later request fails too (within the test's time, not hanging).
+        let later = tokio::time::timeout(Duration::from_secs(60), encode(3))
+            .await
+            .expect("a request after the fault is answered");
+        let err = later.expect_err("the device cannot compute any more");
+        assert!(
+            matches!(err, EngineError::DeviceLost(_))
+                && err.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+            "{err:?}"
+        );
+        // An image cached before the fault is not served from memory the device lost.
+        let cached = encode(1).await;
+        assert!(
+            cached.is_err(),
+            "a cached image after the fault: {cached:?}"
+        );
+        drop(engine);
+    });
+    drop(runtime);
+    released_cleanly();
+}
+
+fn reset() {
     let plugin = load_library(&plugin_library()).expect("the plugin loads");
     let mut options = common::emulated_kernels(80, common::standin_driver_version());
     options.push(("attention_engine".to_owned(), "cudnn".to_owned()));
@@ -60,11 +141,7 @@ fn scenario() {
     // for it instead, after the baseline, which is what this test is about.
     config.warm_up = WarmUpMode::Off;
     config.scheduler.max_num_batched_tokens = 2048;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = runtime();
     runtime.block_on(async {
         let engine = Engine::start(config, device).expect("the engine starts");
         let after_start = engine.gauges();
@@ -137,6 +214,37 @@ fn scenario() {
             .await
             .expect("an image after the reset encodes");
     });
+    drop(runtime);
+    released_cleanly();
+    assert_eq!(
+        common::standin_teardown_bytes(),
+        0,
+        "a healthy shutdown freed every buffer itself, before the context's release"
+    );
+}
+
+/// A runtime for the engine's async calls.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// After the engine shut down: no device memory is left, and nothing called the driver after
+/// the context's release.
+fn released_cleanly() {
+    assert_eq!(
+        common::standin_calls_after_teardown(),
+        0,
+        "no driver call after the context's last release"
+    );
+    assert_eq!(
+        common::standin_used_memory(),
+        0,
+        "no device memory after the context's release"
+    );
 }
 
 /// The figures the bench's verdict compares.

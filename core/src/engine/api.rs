@@ -137,7 +137,9 @@ pub enum EngineError {
     /// needs a restart.
     #[error("the engine is dead: {0}")]
     Dead(String),
-    /// The device does not answer (lost, reset, driver gone): a 503.
+    /// The device does not answer (lost, reset, driver gone), or can no longer compute (a
+    /// fault left its context unusable, as an illegal address does on CUDA): a 503. Every later
+    /// request fails the same way; the process needs a restart.
     #[error("the device is unavailable: {0}")]
     DeviceLost(String),
     /// An item needs more device memory than the device can ever give it, even with nothing
@@ -169,7 +171,8 @@ pub enum EngineError {
         /// A stable machine-readable code, e.g. `video_decoder_missing`.
         code: &'static str,
     },
-    /// A device error other than out of memory failed the step that ran the request: a 500.
+    /// A device error other than out of memory or the device's loss failed the step that ran
+    /// the request: a 500.
     /// The engine goes on; other requests are not affected.
     #[error("device error: {0}")]
     Device(String),

@@ -46,7 +46,7 @@ use crate::memory::AllocError;
 use crate::model::{HostWeights, VisionConfig, WeightSource};
 use crate::preprocess::PreprocessedImage;
 use crate::scheduler::{RequestId, Scheduler, SchedulerError, SchedulerPolicy, StepOutput};
-use iris_plugin::{CopyRegion, DType};
+use iris_plugin::{CopyRegion, DType, ErrorCode};
 
 /// `Retry-After` of an item that did not fit in device memory next to other work, in seconds:
 /// that work drains within a few steps.
@@ -379,6 +379,14 @@ impl Worker {
             tracing::warn!(error = %more, "settling the device queue after a failed step");
         }
         let err = match err {
+            // The device can no longer compute (a fault left its context unusable, the device
+            // is gone): every later step fails the same way, so the request is told the device
+            // is lost (503), not that this one step met an error (500).
+            EncoderError::Device(device) | EncoderError::Alloc(AllocError::Device(device))
+                if device.code == ErrorCode::UNAVAILABLE =>
+            {
+                EngineError::DeviceLost(err.to_string())
+            }
             EncoderError::Device(_) | EncoderError::Alloc(_) => {
                 EngineError::Device(err.to_string())
             }
