@@ -7,7 +7,10 @@
 //! shutting down gives its memory back.
 //!
 //! As in `tests/ops.rs`, the parent test runs its scenario in a child process with the
-//! stand-ins first on `LD_LIBRARY_PATH` (see `common`).
+//! stand-ins first on `LD_LIBRARY_PATH` (see `common`). The driver defers what a GPU runs
+//! asynchronously (`IRIS_STANDIN_DEFER=1`: copies, fills, frees and host functions wait in their
+//! stream's queue until something needs them), so a missing wait between the engine's work and
+//! the plugin's streams shows here as wrong results or memory read too early.
 
 mod common;
 
@@ -32,7 +35,10 @@ const PLAN_BYTES: u64 = 1 << 20;
 fn a_reset_gives_back_the_cudnn_plans_built_while_serving() {
     run(
         "reset",
-        &[("IRIS_STANDIN_CUDNN_PLAN_BYTES", &PLAN_BYTES.to_string())],
+        &[
+            ("IRIS_STANDIN_CUDNN_PLAN_BYTES", &PLAN_BYTES.to_string()),
+            ("IRIS_STANDIN_DEFER", "1"),
+        ],
         Libraries::Full,
     );
 }
@@ -44,7 +50,7 @@ fn a_reset_gives_back_the_cudnn_plans_built_while_serving() {
 /// it.
 #[test]
 fn a_kernel_fault_while_serving_fails_requests_and_shutdown_gives_the_memory_back() {
-    run("fault", &[], Libraries::Full);
+    run("fault", &[("IRIS_STANDIN_DEFER", "1")], Libraries::Full);
 }
 
 /// The scenarios, run in a child process by the tests above (never on their own).

@@ -14,9 +14,9 @@
  * Deferred work (IRIS_STANDIN_DEFER=1) models what a GPU does asynchronously, stream by stream,
  * so that a missing cross-stream wait fails in CI as it would on a GPU:
  *   - Each stream (the legacy NULL stream too) has a FIFO queue of the work a GPU could still be
- *     doing: copies from or to page-locked host memory (cuMemHostAlloc), host functions
- *     (cuLaunchHostFunc), stream-ordered frees (cuMemFreeAsync, which free when reached) and
- *     waits for events (cuStreamWaitEvent). Work runs in order within a stream; nothing orders
+ *     doing: copies between device addresses and from or to page-locked host memory
+ *     (cuMemHostAlloc), fills, host functions (cuLaunchHostFunc), stream-ordered frees
+ *     (cuMemFreeAsync, which free when reached) and waits for events (cuStreamWaitEvent). Work runs in order within a stream; nothing orders
  *     two streams but events.
  *   - cuEventRecord(e, s) marks e at s's tail at the call (re-recording moves the mark); e is
  *     complete once s has run that far, and an event never recorded is complete.
@@ -25,8 +25,8 @@
  *   - Nothing runs by itself: queued work runs when something needs it, and only as far as
  *     needed. cuStreamSynchronize(s) runs s's queue; cuEventSynchronize(e) e's stream up to its
  *     mark; cuCtxSynchronize and iris_standin_flush() every queue. An operation on a stream that
- *     the stand-in does at once (a fill, a device copy, a copy from or to pageable memory, which
- *     the driver stages synchronously) first runs that stream's queue, as does a kernel launch
+ *     the stand-in does at once (a copy from or to pageable memory, which the driver stages
+ *     synchronously) first runs that stream's queue, as does a kernel launch
  *     (the emulator calls iris_standin_flush_stream(stream)) and a library's computation (the
  *     stand-in cuBLAS, cuBLASLt and cuDNN call it with their handle's or call's stream, looked
  *     up at run time; a handle's stream not set is NULL, the legacy stream, here as in CUDA).
@@ -158,13 +158,16 @@ struct host_block {
 static struct host_block *host_blocks;
 
 /* One piece of queued asynchronous work (IRIS_STANDIN_DEFER=1). */
-enum op_kind { OP_COPY, OP_FREE, OP_HOST_FN, OP_WAIT };
+enum op_kind { OP_COPY, OP_FILL, OP_FREE, OP_HOST_FN, OP_WAIT };
 struct stream;
 struct op {
     enum op_kind kind;
-    void *dst; /* OP_COPY: `bytes` from `src` to `dst` */
+    void *dst; /* OP_COPY: `bytes` from `src` to `dst`; OP_FILL: `count` values at `dst` */
     const void *src;
     size_t bytes;
+    unsigned int fill_value; /* OP_FILL: the value, `fill_width` bytes wide (1, 2 or 4) */
+    int fill_width;
+    size_t count;
     CUdeviceptr free_ptr;    /* OP_FREE: a stream-ordered free */
     void (*host_fn)(void *); /* OP_HOST_FN: called with `host_data` */
     void *host_data;
@@ -462,6 +465,19 @@ static int head_ready(const struct stream *stream) {
     return op && (op->kind != OP_WAIT || reached(op->wait_stream, op->wait_mark));
 }
 
+/* Writes `count` values of `width` bytes (1, 2 or 4) at `dst`. */
+static void fill(void *dst, unsigned int value, int width, size_t count) {
+    if (width == 1) {
+        memset(dst, (int)value, count);
+    } else if (width == 2) {
+        unsigned short *p = dst;
+        for (size_t i = 0; i < count; i++) p[i] = (unsigned short)value;
+    } else {
+        unsigned int *p = dst;
+        for (size_t i = 0; i < count; i++) p[i] = value;
+    }
+}
+
 /* Runs the head of `stream`'s queue, which head_ready allows; the caller holds state_lock.
  * Host functions run here, on the synchronising thread with the lock held, which is fine for
  * the plugin's (a memcpy): CUDA forbids calling the driver from one anyway. */
@@ -471,6 +487,7 @@ static void run_head_locked(struct stream *stream) {
     if (!stream->head) stream->tail = NULL;
     switch (op->kind) {
         case OP_COPY: memmove(op->dst, op->src, op->bytes); break;
+        case OP_FILL: fill(op->dst, op->fill_value, op->fill_width, op->count); break;
         case OP_FREE: device_free(op->free_ptr); break;
         case OP_HOST_FN: op->host_fn(op->host_data); break;
         case OP_WAIT: break; /* met: nothing to do */
@@ -768,14 +785,15 @@ CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
 }
 
 /* A copy on `stream` (NULL: a synchronous copy, which waits for every stream): queued when
- * deferring and `host` (the host side of the copy, if any) is page-locked, else done at once
- * after the work it must follow. */
+ * deferring, unless `host` (the host side of the copy, NULL for one between device addresses)
+ * is pageable memory, which the driver stages at once; else done at once after the work it
+ * must follow. */
 static CUresult copy(void *dst, const void *src, size_t bytes, const void *host,
                      struct stream *stream) {
     CONTEXT_GUARD();
     if (fail_copy) return fail_copy;
     pthread_mutex_lock(&state_lock);
-    if (defer && host && stream && pinned_locked(host)) {
+    if (defer && stream && (!host || pinned_locked(host))) {
         struct op *op = enqueue_locked(stream, OP_COPY);
         op->dst = dst;
         op->src = src;
@@ -811,41 +829,40 @@ CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t bytes) {
     return copy(dst, (const void *)(uintptr_t)src, bytes, NULL, NULL);
 }
 
-/* Runs what a fill on `stream` (NULL: a synchronous fill, after every stream) must follow. */
-static void before_fill(struct stream *stream) {
+/* A fill on `stream` (NULL: a synchronous fill, after every stream): queued when deferring,
+ * else done at once after the work it must follow. */
+static CUresult fill_on(CUdeviceptr dst, unsigned int value, int width, size_t count,
+                        struct stream *stream) {
+    CONTEXT_GUARD();
     pthread_mutex_lock(&state_lock);
-    if (stream) drain_locked(stream); else drain_all_locked();
+    if (defer && stream) {
+        struct op *op = enqueue_locked(stream, OP_FILL);
+        op->dst = (void *)(uintptr_t)dst;
+        op->fill_value = value;
+        op->fill_width = width;
+        op->count = count;
+    } else {
+        if (stream) drain_locked(stream); else drain_all_locked();
+        fill((void *)(uintptr_t)dst, value, width, count);
+    }
     pthread_mutex_unlock(&state_lock);
+    return SUCCESS;
 }
 
 CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t count) {
-    CONTEXT_GUARD();
-    before_fill(NULL);
-    memset((void *)(uintptr_t)dst, value, count);
-    return SUCCESS;
+    return fill_on(dst, value, 1, count, NULL);
 }
 
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t count, CUstream stream) {
-    CONTEXT_GUARD();
-    before_fill(stream_of(stream));
-    memset((void *)(uintptr_t)dst, value, count);
-    return SUCCESS;
+    return fill_on(dst, value, 1, count, stream_of(stream));
 }
 
 CUresult cuMemsetD16Async(CUdeviceptr dst, unsigned short value, size_t count, CUstream stream) {
-    CONTEXT_GUARD();
-    before_fill(stream_of(stream));
-    unsigned short *p = (unsigned short *)(uintptr_t)dst;
-    for (size_t i = 0; i < count; i++) p[i] = value;
-    return SUCCESS;
+    return fill_on(dst, value, 2, count, stream_of(stream));
 }
 
 CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t count, CUstream stream) {
-    CONTEXT_GUARD();
-    before_fill(stream_of(stream));
-    unsigned int *p = (unsigned int *)(uintptr_t)dst;
-    for (size_t i = 0; i < count; i++) p[i] = value;
-    return SUCCESS;
+    return fill_on(dst, value, 4, count, stream_of(stream));
 }
 
 /* A stream of its own (blocking or not: the legacy stream's implicit synchronisation is not
