@@ -5,7 +5,7 @@
 //! [`iris_core::config`]). Subcommands live in their own modules: [`devices`] lists plugins and
 //! their devices, [`plugin_check`] runs the conformance suite against one plugin, [`encode`] runs
 //! a vision tower on images, [`profile`] reports start-up memory, [`simulate`] runs a workload through the scheduler for capacity
-//! planning, [`serve`] puts the [`engine`] behind the [`http`] server, and [`bench`] is the main
+//! planning, [`serve`] puts the [`engine`] behind the [`http`] server, and [`bench`](mod@bench) is the main
 //! job: load, memory checkpoints and the verdict.
 
 mod bench;

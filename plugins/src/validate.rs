@@ -7,7 +7,7 @@
 //! buffer's length, then calls the function for its op: [`gemm`], [`norm`], [`activation`],
 //! [`binary`], [`rotary`], [`attention`], [`gather_rows`], [`cast`], [`fill`],
 //! [`copy_batch`], [`range`]. Each returns the checked operands as [`Mat`]s (dimensions as
-//! `usize`, the byte range touched) or an [`ErrorCode::INVALID_ARGUMENT`] error whose message
+//! `usize`, the byte range touched) or an [`ErrorCode::INVALID_ARGUMENT`](crate::abi::ErrorCode::INVALID_ARGUMENT) error whose message
 //! starts with the op and names the argument at fault.
 //!
 //! Workspace queries run the same functions with [`Checker::shapes_only`]: buffer handles are

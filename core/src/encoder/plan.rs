@@ -5,7 +5,7 @@
 //! for the next request and a new segment is made beside it, remainders stay unsplit. On a
 //! Qwen2-VL-2B tower that came to 1.65 times the live peak in f32. A step's sequence of
 //! allocations and frees is known before it runs, though: the same tower code walked by a
-//! planning [`Runner`](super::exec::Runner) records it (a *trace*), and [`StepPlan::new`]
+//! planning [`Runner`](super::exec::Runner) records it (a *trace*), and `StepPlan::new`
 //! places each tensor at an offset of one arena so that tensors alive at the same time never
 //! overlap, largest first, each in the lowest gap that holds it (the greedy-by-size placement
 //! of TensorFlow Lite's arena planner). The arena comes from the allocator as one block of

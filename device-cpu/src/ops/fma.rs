@@ -14,10 +14,10 @@
 //! The left operand is packed per task already widened, `[pairs][R][2]` f32 per block of `R`
 //! rows (the bits of each bf16 shifted into an f32), so each broadcast is one load.
 //!
-//! - AVX-512 ([`Avx512`]): blocks of 12 rows against the whole 32-column panel, 24
+//! - AVX-512 (`Avx512`): blocks of 12 rows against the whole 32-column panel, 24
 //!   accumulators; with the four widened weight vectors and the mask, 29 of the 32 vector
 //!   registers are live.
-//! - AVX2 ([`Avx2`]): blocks of 4 rows against each 16-column half of the panel in turn, 8
+//! - AVX2 (`Avx2`): blocks of 4 rows against each 16-column half of the panel in turn, 8
 //!   accumulators, four widened weight vectors, the mask and the broadcast: 14 of 16 registers.
 //!
 //! [`Kernel::FmaAvx512`]: super::native::Kernel::FmaAvx512

@@ -1,5 +1,5 @@
 //! `out = act(a · Wᵀ + bias) (+ out)` through the `gemm` crate's kernels, on the instruction set
-//! of the device's kernel tier ([`run_gemm`]).
+//! of the device's kernel tier (`run_gemm`).
 //!
 //! f32 operands go to the kernel in place: a weight stored `[n, k]` is read as `Wᵀ` through its
 //! strides, never copied. Bias is written into `out` first and the kernel accumulates onto it

@@ -970,10 +970,10 @@ impl PackKey {
 /// its weight's bytes.
 ///
 /// A weight stored densely (no gaps between rows) is held once: once packed, the pages of its
-/// buffer range go back to the OS ([`Region::release_pages`]) and the packed copy is the only
+/// buffer range go back to the OS (`Region::release_pages`) and the packed copy is the only
 /// one. Anything that then touches those bytes other than a product on the packed copy (a read,
 /// a copy, a write, another op) first unpacks them back into place and drops the copy
-/// ([`PackCache::touch`]), so the buffer's contents never change behind a caller's back. A
+/// (`PackCache::touch`), so the buffer's contents never change behind a caller's back. A
 /// weight with gaps keeps its bytes and the copy sits beside them. [`PackCache::bytes`] counts
 /// what the copies add to the buffers they belong to: the padding of the panels and the page
 /// ends that stay mapped, or the whole copy where it sits beside.

@@ -30,7 +30,7 @@ pub const MAX_SHARDS: usize = 256;
 /// The most addresses whose idle sockets, and consumers whose topologies, a client keeps: the
 /// least recently used are forgotten past it (their sockets closed). Requests name the
 /// consumer they push to, so without a bound every address ever answered would be kept, with
-/// up to [`MAX_IDLE_PER_ADDRESS`] open connections each, for the life of the server.
+/// up to `MAX_IDLE_PER_ADDRESS` open connections each, for the life of the server.
 pub const MAX_PEERS: usize = 1024;
 // A consumer's shards are all kept while it is pushed to.
 const _: () = assert!(MAX_PEERS >= MAX_SHARDS);
