@@ -409,5 +409,23 @@ fn outputs_that_cannot_be_written_and_zero_bounds_are_refused_before_the_load() 
         );
     }
     assert!(!dir.join("m.jpg").exists(), "the check left a file behind");
+    // The workload's counts are checked before a device opens or a model loads: with a device
+    // that does not exist, the refusal is still the count's.
+    for (extra, named) in [
+        (["--num-prompts", "0"], "--num-prompts is 0"),
+        (["--repeat-ratio", "2"], "--repeat-ratio is 2"),
+        (["--images-per-prompt", "0"], "--images-per-prompt is 0"),
+    ] {
+        let output = iris(&dir)
+            .args(["bench", "--device", "nonexistent", "--no-progress"])
+            .args(extra)
+            .output()
+            .expect("iris bench runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            !output.status.success() && stderr.contains(named) && !stderr.contains("plugin"),
+            "{extra:?}: {stderr}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -245,6 +245,8 @@ pub fn run(
     args: &BenchCmd,
 ) -> anyhow::Result<std::process::ExitCode> {
     args.bench.check_outputs()?;
+    // The workload's counts, before an engine starts (a model loads) for nothing.
+    workload::check_counts(&args.bench.workload_spec())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -434,12 +434,12 @@ impl Workload {
     }
 }
 
-/// Builds the workload: generates or reads the images and videos and assigns them to prompts.
+/// Checks the workload's counts and ratio (prompts, items per prompt, repeats), which need
+/// nothing read or generated: the bench checks them before it starts an engine.
 ///
 /// # Errors
-/// [`WorkloadError`] for out-of-range counts, an unreadable or empty dataset, an encoder error,
-/// or synthetic videos without FFmpeg.
-pub fn build_workload(spec: &WorkloadSpec) -> Result<Workload, WorkloadError> {
+/// [`WorkloadError`] naming the flag and its value.
+pub fn check_counts(spec: &WorkloadSpec) -> Result<(), WorkloadError> {
     if spec.num_prompts == 0 {
         return Err(out_of_range(
             "--num-prompts",
@@ -477,6 +477,16 @@ pub fn build_workload(spec: &WorkloadSpec) -> Result<Workload, WorkloadError> {
             "it must be between 0 and 1",
         ));
     }
+    Ok(())
+}
+
+/// Builds the workload: generates or reads the images and videos and assigns them to prompts.
+///
+/// # Errors
+/// [`WorkloadError`] for out-of-range counts, an unreadable or empty dataset, an encoder error,
+/// or synthetic videos without FFmpeg.
+pub fn build_workload(spec: &WorkloadSpec) -> Result<Workload, WorkloadError> {
+    check_counts(spec)?;
     let (image_prompts, fresh_images, image_repeats) = assign_slots(
         spec.num_prompts,
         spec.images_per_prompt,
