@@ -97,8 +97,58 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", error_text(&err));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// An error and its causes on one line, `outer: cause: ...`, as anyhow's `{:#}` writes them,
+/// but without a cause whose text the line already holds: many errors name their source in
+/// their own message, and would otherwise print it twice.
+fn error_text(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let cause = cause.to_string();
+        if text.contains(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use anyhow::Context;
+
+    use super::error_text;
+
+    #[test]
+    fn an_error_naming_its_source_prints_it_once() {
+        let read = iris_core::config::Config::resolve(
+            Some(std::path::Path::new("/nonexistent/iris.toml")),
+            &iris_core::config::Overrides::default(),
+        )
+        .context("cannot read configuration")
+        .unwrap_err();
+        let text = error_text(&read);
+        assert_eq!(
+            text.matches("No such file or directory").count(),
+            1,
+            "{text}"
+        );
+        assert!(
+            text.starts_with(
+                "cannot read configuration: cannot read config file /nonexistent/iris.toml"
+            ),
+            "{text}"
+        );
+        // Causes not already in the text are kept, in order.
+        let chained = anyhow::anyhow!("inner").context("middle").context("outer");
+        assert_eq!(error_text(&chained), "outer: middle: inner");
     }
 }
