@@ -120,6 +120,32 @@ pub struct SchedulerConfig {
     pub limit_mm_per_prompt: MmLimits,
 }
 
+impl SchedulerConfig {
+    /// Checks the values that must be positive (and the KV blocks beyond the null block),
+    /// which need no model: an engine checks them before it loads anything.
+    ///
+    /// # Errors
+    /// [`BudgetError::Zero`] or [`BudgetError::TooFewKvBlocks`], naming the setting.
+    pub fn check(&self) -> Result<(), BudgetError> {
+        let zero = |value: u64, name| {
+            if value == 0 {
+                Err(BudgetError::Zero { name })
+            } else {
+                Ok(())
+            }
+        };
+        zero(self.max_num_batched_tokens, "max_num_batched_tokens")?;
+        zero(self.max_num_seqs, "max_num_seqs")?;
+        zero(self.kv_block_size, "kv_block_size")?;
+        match self.num_kv_blocks {
+            Some(num_kv_blocks) if num_kv_blocks < 2 => {
+                Err(BudgetError::TooFewKvBlocks { num_kv_blocks })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
@@ -314,26 +340,7 @@ impl EncoderBudget {
         config: &SchedulerConfig,
         modalities: &[(Modality, ModalityLimits)],
     ) -> Result<Self, BudgetError> {
-        if config.max_num_batched_tokens == 0 {
-            return Err(BudgetError::Zero {
-                name: "max_num_batched_tokens",
-            });
-        }
-        if config.max_num_seqs == 0 {
-            return Err(BudgetError::Zero {
-                name: "max_num_seqs",
-            });
-        }
-        if config.kv_block_size == 0 {
-            return Err(BudgetError::Zero {
-                name: "kv_block_size",
-            });
-        }
-        if config.num_kv_blocks.is_some_and(|n| n < 2) {
-            return Err(BudgetError::TooFewKvBlocks {
-                num_kv_blocks: config.num_kv_blocks.unwrap_or(0),
-            });
-        }
+        config.check()?;
         let (compute, cache) = compute_mm_encoder_budget(config, modalities)?;
         let encoder_budget = compute.min(cache);
         let modalities = modalities

@@ -265,6 +265,11 @@ impl Engine {
     /// # Errors
     /// [`StartError`] with the numbers when memory is short, or what failed.
     pub fn start(config: EngineConfig, device: Device) -> Result<Engine, StartError> {
+        // Settings that need no model are refused before weights load or the device is used.
+        config
+            .scheduler
+            .check()
+            .map_err(|e| StartError::Scheduler(e.to_string()))?;
         let description = device.description();
         let device_name = description.name.to_string();
         let dtype_name = config.dtype.to_string();

@@ -1634,3 +1634,28 @@ async fn a_qwen3_vl_profile_sizes_vllms_two_frame_dummy_video() {
         (Modality::Image, [1, 256, 256])
     );
 }
+
+/// A scheduler setting that must be positive is refused before anything loads: with weights
+/// from a file that does not exist, the error is the setting's, not the file's.
+#[test]
+fn a_zero_scheduler_setting_is_refused_before_the_weights_load() {
+    for zeroed in ["max_num_batched_tokens", "max_num_seqs", "kv_block_size"] {
+        let mut config = EngineConfig::new(
+            ModelSpec::preset("tiny").expect("tiny preset"),
+            WeightSource::Safetensors(vec!["/nonexistent/model.safetensors".into()]),
+        );
+        match zeroed {
+            "max_num_batched_tokens" => config.scheduler.max_num_batched_tokens = 0,
+            "max_num_seqs" => config.scheduler.max_num_seqs = 0,
+            _ => config.scheduler.kv_block_size = 0,
+        }
+        let Err(err) = Engine::start(config, device()) else {
+            panic!("{zeroed} = 0 started an engine");
+        };
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("{zeroed} must be at least 1")),
+            "{zeroed}: {text}"
+        );
+    }
+}
