@@ -409,12 +409,16 @@ fn outputs_that_cannot_be_written_and_zero_bounds_are_refused_before_the_load() 
         );
     }
     assert!(!dir.join("m.jpg").exists(), "the check left a file behind");
-    // The workload's counts are checked before a device opens or a model loads: with a device
-    // that does not exist, the refusal is still the count's.
+    // The workload is built (its counts checked, its dataset read) before a device opens or a
+    // model loads: with a device that does not exist, the refusal is still the workload's.
     for (extra, named) in [
         (["--num-prompts", "0"], "--num-prompts is 0"),
         (["--repeat-ratio", "2"], "--repeat-ratio is 2"),
         (["--images-per-prompt", "0"], "--images-per-prompt is 0"),
+        (
+            ["--dataset", "/nonexistent/iris-bench-images"],
+            "cannot read dataset directory /nonexistent/iris-bench-images",
+        ),
     ] {
         let output = iris(&dir)
             .args(["bench", "--device", "nonexistent", "--no-progress"])

@@ -245,8 +245,6 @@ pub fn run(
     args: &BenchCmd,
 ) -> anyhow::Result<std::process::ExitCode> {
     args.bench.check_outputs()?;
-    // The workload's counts, before an engine starts (a model loads) for nothing.
-    workload::check_counts(&args.bench.workload_spec())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -277,6 +275,7 @@ pub fn run(
                 }
             };
             let sized = workload_admission(&args.bench, &args.engine)?;
+            let workload = runtime.block_on(build_workload(&args.bench))?;
             let engine = args.engine.start_with_admission(global, adjust, sized)?;
             let engine = std::sync::Arc::new(engine);
             eprintln!("{}", crate::engine::startup_line(&engine));
@@ -287,7 +286,7 @@ pub fn run(
                 Some(_) => target.with_epd(std::sync::Arc::clone(&epd)),
                 None => target,
             });
-            let code = runtime.block_on(run_against(target, &args.bench))?;
+            let code = runtime.block_on(run_against(target, &workload, &args.bench))?;
             if let Some(producer) = &epd.producer {
                 crate::settings::print_stdout(&store_summary(&producer.stats()))?;
             }
@@ -388,14 +387,14 @@ fn inject_cpu_faults(config: &mut iris_core::config::Config) {
         .or_insert_with(|| faults::CPU_FAIL_ALLOC_EVERY.to_string());
 }
 
-/// Runs the bench against `target` and finishes it (see [`finish`]).
+/// Builds the workload the flags describe (reads the datasets, makes the synthetic images and
+/// clips), off the async threads. The bench does this before it starts an in-process engine,
+/// so that a dataset that cannot be read is refused before a model loads.
 ///
 /// # Errors
-/// A bad workload or flag, a failed checkpoint or reset, or an unwritable result file.
-pub async fn run_against<T: runner::BenchTarget>(
-    target: std::sync::Arc<T>,
-    args: &BenchArgs,
-) -> anyhow::Result<u8> {
+/// A bad count or ratio, an unreadable or empty dataset, an encoder error, or synthetic
+/// videos without FFmpeg.
+pub async fn build_workload(args: &BenchArgs) -> anyhow::Result<workload::Workload> {
     let spec = args.workload_spec();
     let started = std::time::Instant::now();
     let workload = tokio::task::spawn_blocking(move || workload::build_workload(&spec))
@@ -411,7 +410,19 @@ pub async fn run_against<T: runner::BenchTarget>(
             started.elapsed().as_secs_f64()
         );
     }
-    let report = runner::run_bench(target, &workload, &args.run_options()).await?;
+    Ok(workload)
+}
+
+/// Runs `workload` against `target` and finishes the bench (see [`finish`]).
+///
+/// # Errors
+/// A bad flag, a failed checkpoint or reset, or an unwritable result file.
+pub async fn run_against<T: runner::BenchTarget>(
+    target: std::sync::Arc<T>,
+    workload: &workload::Workload,
+    args: &BenchArgs,
+) -> anyhow::Result<u8> {
+    let report = runner::run_bench(target, workload, &args.run_options()).await?;
     finish(&report, args)
 }
 
@@ -421,7 +432,8 @@ pub async fn run_against<T: runner::BenchTarget>(
 /// A bad URL, workload or flag, a failed checkpoint or reset, or an unwritable result file.
 pub async fn run_against_url(url: &str, args: &BenchArgs) -> anyhow::Result<u8> {
     let target = std::sync::Arc::new(runner::HttpTarget::new(url, args.api_key.clone())?);
-    run_against(target, args).await
+    let workload = build_workload(args).await?;
+    run_against(target, &workload, args).await
 }
 
 #[cfg(test)]

@@ -435,11 +435,8 @@ impl Workload {
 }
 
 /// Checks the workload's counts and ratio (prompts, items per prompt, repeats), which need
-/// nothing read or generated: the bench checks them before it starts an engine.
-///
-/// # Errors
-/// [`WorkloadError`] naming the flag and its value.
-pub fn check_counts(spec: &WorkloadSpec) -> Result<(), WorkloadError> {
+/// nothing read or generated, before anything is.
+fn check_counts(spec: &WorkloadSpec) -> Result<(), WorkloadError> {
     if spec.num_prompts == 0 {
         return Err(out_of_range(
             "--num-prompts",
