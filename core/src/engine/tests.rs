@@ -1413,7 +1413,15 @@ async fn load_video_reads_the_frames_the_models_loader_samples() {
         .load_video(b"not a clip".to_vec(), SamplingOptions::default())
         .await
     {
-        Err(EngineError::BadInput { code, .. }) => assert_eq!(code, "corrupt_video"),
+        Err(EngineError::BadInput { code, message }) => {
+            assert_eq!(code, "corrupt_video");
+            // The clip was written to a temporary file; a client has no use for its path.
+            assert!(
+                message.contains("the clip")
+                    && !message.contains(std::env::temp_dir().to_string_lossy().as_ref()),
+                "{message}"
+            );
+        }
         other => panic!("expected corrupt_video, got {other:?}"),
     }
 }

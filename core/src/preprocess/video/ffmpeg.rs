@@ -283,7 +283,7 @@ impl Ffmpeg {
             return Err(VideoError::Decode {
                 message: format!(
                     "could not open the video stream: {}",
-                    failure(&finished.stderr).unwrap_or_else(|| finished.status.to_string())
+                    failure(&finished.stderr, path).unwrap_or_else(|| finished.status.to_string())
                 ),
             });
         }
@@ -394,7 +394,7 @@ impl Ffmpeg {
         })?;
         if finished.output.is_empty() {
             return Err(VideoError::Decode {
-                message: failure(&finished.stderr)
+                message: failure(&finished.stderr, path)
                     .unwrap_or_else(|| "no frame could be decoded".to_owned()),
             });
         }
@@ -743,9 +743,11 @@ fn keep_start(mut pipe: impl Read) -> Vec<u8> {
     kept
 }
 
-/// FFmpeg's reason for a failure: a container outside [`CONTAINERS`] said so, else the first
-/// line it wrote.
-fn failure(stderr: &[u8]) -> Option<String> {
+/// FFmpeg's reason for a failure to read the clip at `path`: a container outside
+/// [`CONTAINERS`] said so, else the first line it wrote, with the input's name (`file:` and the
+/// path, a temporary file's for a server's request) said as "the clip": the caller names the
+/// clip itself, and a client has no use for the server's paths.
+fn failure(stderr: &[u8], path: &Path) -> Option<String> {
     let text = String::from_utf8_lossy(stderr);
     if let Some(line) = text.lines().find(|l| l.contains("Format not on whitelist")) {
         // FFmpeg names the demuxer that refused: "[hls @ 0x55d…] Format not on whitelist …".
@@ -758,7 +760,8 @@ fn failure(stderr: &[u8]) -> Option<String> {
             "its format ({format}) is not a container iris decodes (it decodes {CONTAINERS})"
         ));
     }
-    first_line(stderr)
+    let named = input(path);
+    first_line(stderr).map(|line| line.replace(named.to_string_lossy().as_ref(), "the clip"))
 }
 
 fn first_line(bytes: &[u8]) -> Option<String> {
