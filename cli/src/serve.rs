@@ -33,6 +33,9 @@ pub fn run(global: &GlobalArgs, args: &ServeCmd) -> anyhow::Result<ExitCode> {
         global.config()?.ec_transfer_config.as_ref(),
     )?);
     let server_config = args.server.server_config(Some(Arc::clone(&epd)))?;
+    if let Some(warning) = args.server.empty_api_key_warning() {
+        eprintln!("{warning}");
+    }
     let engine = Arc::new(args.engine.start(global)?);
     eprintln!("{}", startup_line(&engine));
     if let Some(producer) = &epd.producer {

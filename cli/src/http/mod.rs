@@ -122,6 +122,18 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// A warning for an API key given but empty (`--api-key ''`, or `IRIS_API_KEY` set to
+    /// nothing, as an unset shell variable expands): it leaves every route open, which the
+    /// operator who gave a key did not mean.
+    pub fn empty_api_key_warning(&self) -> Option<&'static str> {
+        self.api_key
+            .as_deref()
+            .filter(|key| key.trim().is_empty())
+            .map(|_| {
+                "iris serve: warning: the API key (--api-key or IRIS_API_KEY) is empty, so no route requires one"
+            })
+    }
+
     /// The server settings these flags describe, with the encoder-instance settings `epd`.
     ///
     /// # Errors
@@ -151,7 +163,7 @@ impl ServeArgs {
                 max_images_per_request: self.max_images_per_request,
                 max_image_pixels: self.max_image_pixels,
             },
-            api_key: self.api_key.clone().filter(|k| !k.is_empty()),
+            api_key: self.api_key.clone().filter(|k| !k.trim().is_empty()),
             epd,
             media: MediaAccess {
                 allowed_local_media_path,

@@ -395,6 +395,25 @@ async fn serve_args_bind_and_serve() {
         request::DEFAULT_MAX_BODY_BYTES
     );
     assert_eq!(config.api_key, None, "an empty key means no key");
+    assert!(
+        args.empty_api_key_warning()
+            .is_some_and(|w| w.contains("no route requires one")),
+        "and start-up says so"
+    );
+    let with_key = |key: &str| {
+        Cmd::try_parse_from(["serve", "--api-key", key])
+            .unwrap()
+            .serve
+    };
+    let blank = with_key("  ");
+    assert_eq!(blank.server_config(None).unwrap().api_key, None);
+    assert!(blank.empty_api_key_warning().is_some());
+    let set = with_key("secret");
+    assert_eq!(
+        set.server_config(None).unwrap().api_key.as_deref(),
+        Some("secret")
+    );
+    assert_eq!(set.empty_api_key_warning(), None);
     let listener = args.bind().await.unwrap();
     let addr = listener.local_addr().unwrap();
     assert!(addr.ip().is_loopback());
