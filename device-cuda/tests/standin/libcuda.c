@@ -16,8 +16,8 @@
  *   - Each stream (the legacy NULL stream too) has a FIFO queue of the work a GPU could still be
  *     doing: copies between device addresses and from or to page-locked host memory
  *     (cuMemHostAlloc), fills, host functions (cuLaunchHostFunc), stream-ordered frees
- *     (cuMemFreeAsync, which free when reached) and waits for events (cuStreamWaitEvent). Work runs in order within a stream; nothing orders
- *     two streams but events.
+ *     (cuMemFreeAsync, which free when reached) and waits for events (cuStreamWaitEvent).
+ *     Work runs in order within a stream; nothing orders two streams but events.
  *   - cuEventRecord(e, s) marks e at s's tail at the call (re-recording moves the mark); e is
  *     complete once s has run that far, and an event never recorded is complete.
  *     cuStreamWaitEvent(s, e) captures e's mark at the call, as CUDA does: later work on s runs
