@@ -619,9 +619,10 @@ impl CudaDevice {
         if err.code != ErrorCode::INTERNAL {
             return err;
         }
-        // SAFETY: the stream belongs to the context `enter` bound; a query runs nothing.
+        // SAFETY: the stream belongs to the context `enter` bound; a query runs nothing. Success
+        // and "still running" are not among the codes that stop the device.
         match unsafe { sys::cuStreamQuery(self.cu_stream()) } {
-            code if crate::error::is_fault(code) => {
+            code if crate::error::unavailable(code) => {
                 let message = err.message.as_str();
                 let symptom = message
                     .strip_prefix(op)

@@ -198,8 +198,8 @@ pub fn driver_hint(code: CUresult) -> &'static str {
 
 /// Driver codes that mean the driver or device cannot be used (as opposed to a fault of this
 /// plugin): no device, no driver, a stub library, a driver too old, a lost device, a system
-/// whose fabric manager is not running.
-fn unavailable(code: CUresult) -> bool {
+/// whose fabric manager is not running, a fault that left the context unusable.
+pub(crate) fn unavailable(code: CUresult) -> bool {
     matches!(
         code,
         CUresult::CUDA_ERROR_NO_DEVICE
@@ -217,12 +217,6 @@ fn unavailable(code: CUresult) -> bool {
             | CUresult::CUDA_ERROR_LAUNCH_FAILED
             | CUresult::CUDA_ERROR_ILLEGAL_ADDRESS
     )
-}
-
-/// Whether a status of a query of the queue (`cuStreamQuery`) is a fault that left the context
-/// unusable: not success, not "still running", and one of the codes that stop the device.
-pub(crate) fn is_fault(code: CUresult) -> bool {
-    code != CUresult::CUDA_SUCCESS && code != CUresult::CUDA_ERROR_NOT_READY && unavailable(code)
 }
 
 fn log_suffix(log: &str) -> String {

@@ -66,20 +66,36 @@ fn scenario() {
     }
 }
 
-/// The tiny model in f32 on the emulated device, warm-up off (the emulator is slow).
-fn tiny_engine() -> Engine {
+/// The emulated device (compute capability 8.0), opened with `extra` options.
+fn emulated_device(extra: &[(&str, &str)]) -> iris_plugin::Device {
     let plugin = load_library(&plugin_library()).expect("the plugin loads");
-    let options = common::emulated_kernels(80, common::standin_driver_version());
-    let device = plugin.open(0, &options).expect("the emulated device opens");
+    let mut options = common::emulated_kernels(80, common::standin_driver_version());
+    options.extend(
+        extra
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+    );
+    plugin.open(0, &options).expect("the emulated device opens")
+}
+
+/// `spec` with dummy weights, warm-up off (the ladder would run every step size on the
+/// emulator) and steps of two largest items.
+fn config(spec: ModelSpec) -> EngineConfig {
     let mut config = EngineConfig::new(
-        ModelSpec::preset("tiny").expect("the tiny preset"),
+        spec,
         WeightSource::Dummy {
             seed: DUMMY_DEFAULT_SEED,
         },
     );
     config.warm_up = WarmUpMode::Off;
     config.scheduler.max_num_batched_tokens = 2048;
-    Engine::start(config, device).expect("the engine starts")
+    config
+}
+
+/// The tiny model in f32 on the emulated device.
+fn tiny_engine() -> Engine {
+    let config = config(ModelSpec::preset("tiny").expect("the tiny preset"));
+    Engine::start(config, emulated_device(&[])).expect("the engine starts")
 }
 
 fn fault() {
@@ -129,24 +145,14 @@ fn fault() {
 }
 
 fn reset() {
-    let plugin = load_library(&plugin_library()).expect("the plugin loads");
-    let mut options = common::emulated_kernels(80, common::standin_driver_version());
-    options.push(("attention_engine".to_owned(), "cudnn".to_owned()));
-    let device = plugin.open(0, &options).expect("the emulated device opens");
+    let device = emulated_device(&[("attention_engine", "cudnn")]);
     let mut spec = ModelSpec::preset("tiny").expect("the tiny preset");
     // One head of 64: a head dim cuDNN's check at open covers (the preset has four of 16).
     spec.vision.num_heads = 1;
-    let mut config = EngineConfig::new(
-        spec,
-        WeightSource::Dummy {
-            seed: DUMMY_DEFAULT_SEED,
-        },
-    );
+    // Without the warm-up ladder, the first steps of each size pay for their plans after the
+    // baseline, which is what this test is about.
+    let mut config = config(spec);
     config.dtype = DType::BF16;
-    // The ladder would run every step size on the emulator; the first steps of each size pay
-    // for it instead, after the baseline, which is what this test is about.
-    config.warm_up = WarmUpMode::Off;
-    config.scheduler.max_num_batched_tokens = 2048;
     let runtime = runtime();
     runtime.block_on(async {
         let engine = Engine::start(config, device).expect("the engine starts");

@@ -126,12 +126,14 @@ impl ServeArgs {
     /// nothing, as an unset shell variable expands): it leaves every route open, which the
     /// operator who gave a key did not mean.
     pub fn empty_api_key_warning(&self) -> Option<&'static str> {
-        self.api_key
-            .as_deref()
-            .filter(|key| key.trim().is_empty())
-            .map(|_| {
-                "iris serve: warning: the API key (--api-key or IRIS_API_KEY) is empty, so no route requires one"
-            })
+        (self.api_key.is_some() && self.required_api_key().is_none()).then_some(
+            "iris serve: warning: the API key (--api-key or IRIS_API_KEY) is empty, so no route requires one",
+        )
+    }
+
+    /// The API key requests must carry: the one given, unless it is empty or blank.
+    fn required_api_key(&self) -> Option<&str> {
+        self.api_key.as_deref().filter(|key| !key.trim().is_empty())
     }
 
     /// The server settings these flags describe, with the encoder-instance settings `epd`.
@@ -163,7 +165,7 @@ impl ServeArgs {
                 max_images_per_request: self.max_images_per_request,
                 max_image_pixels: self.max_image_pixels,
             },
-            api_key: self.api_key.clone().filter(|k| !k.trim().is_empty()),
+            api_key: self.required_api_key().map(str::to_owned),
             epd,
             media: MediaAccess {
                 allowed_local_media_path,

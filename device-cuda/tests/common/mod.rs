@@ -98,19 +98,30 @@ pub fn system_driver() -> Option<String> {
     })
 }
 
-/// A counter or last value of a stand-in library the plugin has loaded (`library`, by its
-/// name), read through its `unsigned long long symbol(void)`.
-fn standin_counter(library: &str, symbol: &str) -> u64 {
-    // SAFETY: the library is a stand-in the plugin already opened; each counter symbol is an
-    // `unsigned long long (void)` function without side effects.
+/// A function of a stand-in library (`library`, by its name), normally one the plugin has
+/// loaded. The handle taken here is never closed, so the function stays valid.
+///
+/// # Safety
+/// `F` must be the function's C signature.
+unsafe fn standin_fn<F: Copy>(library: &str, symbol: &str) -> F {
+    // SAFETY: by the caller's contract; the library stays loaded for the process's life.
     unsafe {
         let loaded = libloading::Library::new(library)
             .unwrap_or_else(|err| panic!("the stand-in {library}: {err}"));
-        let counter: libloading::Symbol<unsafe extern "C" fn() -> u64> = loaded
-            .get(symbol.as_bytes())
+        let function = *loaded
+            .get::<F>(symbol.as_bytes())
             .unwrap_or_else(|err| panic!("{symbol} in {library}: {err}"));
-        counter()
+        std::mem::forget(loaded);
+        function
     }
+}
+
+/// A counter or last value of a stand-in library the plugin has loaded (`library`, by its
+/// name), read through its `unsigned long long symbol(void)`.
+fn standin_counter(library: &str, symbol: &str) -> u64 {
+    // SAFETY: each counter symbol is an `unsigned long long (void)` function without side
+    // effects, of a stand-in the plugin already opened.
+    unsafe { standin_fn::<unsafe extern "C" fn() -> u64>(library, symbol)() }
 }
 
 /// Calls that needed the stand-in driver's context after its last release destroyed it.
@@ -131,14 +142,12 @@ pub fn standin_used_memory() -> u64 {
 /// Arms a fault in the stand-in driver: the `launches`th kernel launch from now faults (an
 /// illegal address), and every later call in the context fails with the sticky error.
 pub fn standin_fault_launch(launches: u64) {
-    // SAFETY: the stand-in driver the plugin already opened; the symbol is a
-    // `void (unsigned long long)` setter.
+    // SAFETY: the symbol is a `void (unsigned long long)` setter of the stand-in driver the
+    // plugin already opened.
     unsafe {
-        let loaded = libloading::Library::new("libcuda.so.1").expect("the stand-in driver");
-        let arm: libloading::Symbol<unsafe extern "C" fn(u64)> = loaded
-            .get(b"iris_standin_fault_launch")
-            .expect("iris_standin_fault_launch in the stand-in driver");
-        arm(launches);
+        standin_fn::<unsafe extern "C" fn(u64)>("libcuda.so.1", "iris_standin_fault_launch")(
+            launches,
+        );
     }
 }
 

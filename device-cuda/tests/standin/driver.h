@@ -14,32 +14,32 @@ static inline void *driver_symbol(const char *name) {
     return driver ? dlsym(driver, name) : NULL;
 }
 
-typedef void (*flush_stream_fn)(void *);
+/* The driver's `name`, looked up once into `*slot` (NULL: not there yet, or a driver without
+ * it, which is looked for again). */
+static inline void *cached_driver_symbol(void **slot, const char *name) {
+    void *found = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (!found) {
+        found = driver_symbol(name);
+        __atomic_store_n(slot, found, __ATOMIC_RELEASE);
+    }
+    return found;
+}
 
 /* Runs the work queued on `stream` (and what it waits for) in the stand-in driver, as a GPU runs
  * it before a library call enqueued after it; nothing with a driver that has no queues. */
 static inline void run_queued_work(void *stream) {
-    static flush_stream_fn flush;
-    flush_stream_fn found = __atomic_load_n(&flush, __ATOMIC_ACQUIRE);
-    if (!found) {
-        found = (flush_stream_fn)driver_symbol("iris_standin_flush_stream");
-        __atomic_store_n(&flush, found, __ATOMIC_RELEASE);
-    }
+    static void *flush;
+    void (*found)(void *) =
+        (void (*)(void *))cached_driver_symbol(&flush, "iris_standin_flush_stream");
     if (found) found(stream);
 }
-
-typedef int (*context_error_fn)(void);
 
 /* Whether the driver's context can no longer compute (it faulted, or is destroyed), in which
  * case a library's computation fails as a kernel launch in that context would; never with a
  * driver that does not say. */
 static inline int context_failed(void) {
-    static context_error_fn check;
-    context_error_fn found = __atomic_load_n(&check, __ATOMIC_ACQUIRE);
-    if (!found) {
-        found = (context_error_fn)driver_symbol("iris_standin_context_error");
-        __atomic_store_n(&check, found, __ATOMIC_RELEASE);
-    }
+    static void *check;
+    int (*found)(void) = (int (*)(void))cached_driver_symbol(&check, "iris_standin_context_error");
     return found && found() != 0;
 }
 
