@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use iris_ec::mooncake::PushFailure;
 use iris_ec::mooncake::control::{ControlClient, MAX_SHARDS};
 use serde_json::json;
 use zeromq::{RepSocket, Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
@@ -157,6 +158,122 @@ async fn a_pooled_connection_the_consumer_closed_is_not_used() {
         // Let the peer's close arrive before the next request takes the pooled connection.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A peer that takes connections and, after `greet_after`, does the ZMTP handshake and answers
+/// each request with `{"ok": true}` after `reply_after`.
+async fn slow_peer(greet_after: Duration, reply_after: Duration) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                tokio::time::sleep(greet_after).await;
+                let mut greeting = [0u8; 64];
+                greeting[0] = 0xff;
+                greeting[9] = 0x7f;
+                greeting[10] = 3;
+                greeting[12..16].copy_from_slice(b"NULL");
+                if stream.write_all(&greeting).await.is_err() {
+                    return;
+                }
+                let mut theirs = [0u8; 64];
+                if stream.read_exact(&mut theirs).await.is_err() {
+                    return;
+                }
+                let mut ready = vec![0x04, 0];
+                ready.extend_from_slice(b"\x05READY\x0bSocket-Type\x00\x00\x00\x03REP");
+                ready[1] = u8::try_from(ready.len() - 2).unwrap();
+                let mut head = [0u8; 2];
+                if stream.write_all(&ready).await.is_err()
+                    || stream.read_exact(&mut head).await.is_err()
+                {
+                    return;
+                }
+                let mut body = vec![0u8; usize::from(head[1])];
+                if stream.read_exact(&mut body).await.is_err() {
+                    return;
+                }
+                read_request(&mut stream).await;
+                tokio::time::sleep(reply_after).await;
+                let body = br#"{"ok": true}"#;
+                let mut reply = vec![0x01, 0x00, 0x00, u8::try_from(body.len()).unwrap()];
+                reply.extend_from_slice(body);
+                let _ = stream.write_all(&reply).await;
+                tokio::time::sleep(Duration::from_secs(10)).await;
+            });
+        }
+    });
+    format!("tcp://127.0.0.1:{port}")
+}
+
+#[tokio::test]
+async fn a_peer_that_takes_the_connection_and_never_greets_did_not_answer() {
+    // A stopped consumer process (or another program on its port): the kernel completes the
+    // connection, nothing answers. That is a consumer that did not answer in time (a 504),
+    // not one that cannot be reached (a 502 asking whether it runs).
+    let addr = slow_peer(Duration::from_secs(60), Duration::ZERO).await;
+    let client = ControlClient::new(Duration::from_millis(500));
+    let err = client
+        .request(&addr, &json!({"op": "peers"}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.failure, PushFailure::Timeout, "{}", err.message);
+    assert!(
+        err.message
+            .contains("did not complete the ZMTP handshake within 0.5 s"),
+        "{}",
+        err.message
+    );
+}
+
+#[tokio::test]
+async fn one_deadline_bounds_the_connection_and_the_exchange() {
+    // Each phase alone fits in the limit; together they do not. `control_timeout_s` bounds
+    // one request as vLLM's socket timeouts do, not each phase of it.
+    let addr = slow_peer(Duration::from_millis(700), Duration::from_millis(700)).await;
+    let client = ControlClient::new(Duration::from_secs(1));
+    let err = client
+        .request(&addr, &json!({"op": "peers"}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.failure, PushFailure::Timeout, "{}", err.message);
+    // Within the limit, the same peer answers.
+    let client = ControlClient::new(Duration::from_secs(5));
+    let answer = client.request(&addr, &json!({"op": "peers"})).await;
+    assert_eq!(
+        answer.map_err(|err| err.message),
+        Ok(serde_json::Value::Null)
+    );
+}
+
+#[tokio::test]
+async fn a_long_answer_is_quoted_in_part() {
+    use tokio::io::AsyncWriteExt as _;
+    // An error of 200 kB (a consumer is named by the request, so anything may answer): the
+    // message quotes its start, not all of it, into every failed request's reply.
+    let addr = raw_peer(|mut stream| async move {
+        read_request(&mut stream).await;
+        let body = json!({"ok": false, "error": "x".repeat(200_000)}).to_string();
+        let mut reply = vec![0x01, 0x00, 0x02];
+        reply.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        reply.extend_from_slice(body.as_bytes());
+        let _ = stream.write_all(&reply).await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    })
+    .await;
+    let client = ControlClient::new(Duration::from_secs(5));
+    let err = client
+        .request(&addr, &json!({"op": "peers"}))
+        .await
+        .unwrap_err();
+    assert!(err.message.len() < 1000, "{} bytes", err.message.len());
+    assert!(
+        err.message.contains("refused `peers`: xxx") && err.message.contains("bytes in all"),
+        "{}",
+        err.message
+    );
 }
 
 /// A REP socket of libzmq, through pyzmq: the library vLLM's consumer answers with. Skipped,

@@ -110,26 +110,29 @@ impl ControlClient {
         self.timeout
     }
 
-    /// Sends `payload` to `addr` and returns the reply's `result`.
+    /// Sends `payload` to `addr` and returns the reply's `result`, within the client's time
+    /// limit: one deadline covers the connection, its handshake and the exchange (and the
+    /// one resend on a fresh connection), as vLLM's socket timeouts bound one request.
     ///
     /// # Errors
     /// [`ControlError`]: no answer within the time limit, a connection that failed, a reply that
     /// is not the envelope, or the consumer's own error (`ok: false`).
     pub async fn request(&self, addr: &str, payload: &Value) -> Result<Value, ControlError> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
         let text = payload.to_string();
         let op = payload.get("op").and_then(Value::as_str).unwrap_or("?");
         let pooled = self.take_idle(addr);
         let had_pooled = pooled.is_some();
         let mut connection = match pooled {
             Some(connection) => connection,
-            None => self.connect(addr).await?,
+            None => self.connect(addr, deadline).await?,
         };
-        let mut outcome = self.exchange(&mut connection, text.as_bytes()).await;
+        let mut outcome = exchange(&mut connection, text.as_bytes(), deadline).await;
         if had_pooled && matches!(&outcome, Err(Some(err)) if !err.sent) {
             // The idle connection lost its peer before the request left: nothing was
             // delivered, so it goes once more on a fresh one.
-            connection = self.connect(addr).await?;
-            outcome = self.exchange(&mut connection, text.as_bytes()).await;
+            connection = self.connect(addr, deadline).await?;
+            outcome = exchange(&mut connection, text.as_bytes(), deadline).await;
         }
         let frame = match outcome {
             Ok(frame) => frame,
@@ -165,7 +168,10 @@ impl ControlClient {
         let envelope: Value = serde_json::from_slice(&frame).map_err(|err| {
             ControlError::new(
                 PushFailure::Protocol,
-                format!("{addr} answered `{op}` with a frame that is not JSON: {err}"),
+                format!(
+                    "{addr} answered `{op}` with a frame that is not JSON ({err}): {}",
+                    excerpt(&String::from_utf8_lossy(&frame))
+                ),
             )
         })?;
         match envelope.get("ok") {
@@ -177,12 +183,15 @@ impl ControlClient {
                     .unwrap_or("EC control request failed");
                 Err(ControlError::new(
                     PushFailure::classify_consumer_error(error),
-                    format!("{addr} refused `{op}`: {error}"),
+                    format!("{addr} refused `{op}`: {}", excerpt(error)),
                 ))
             }
             _ => Err(ControlError::new(
                 PushFailure::Protocol,
-                format!("{addr} answered `{op}` without the ok/result envelope: {envelope}"),
+                format!(
+                    "{addr} answered `{op}` without the ok/result envelope: {}",
+                    excerpt(&envelope.to_string())
+                ),
             )),
         }
     }
@@ -214,7 +223,10 @@ impl ControlClient {
         let Some(ports) = ports else {
             return Err(ControlError::new(
                 PushFailure::Protocol,
-                format!("{consumer} answered `peers` without a list of ports: {reply}"),
+                format!(
+                    "{consumer} answered `peers` without a list of ports: {}",
+                    excerpt(&reply.to_string())
+                ),
             ));
         };
         // Every push fans out to every shard: a reply naming thousands is refused, not served.
@@ -246,36 +258,57 @@ impl ControlClient {
             .pop(consumer);
     }
 
-    async fn connect(&self, addr: &str) -> Result<ReqConnection, ControlError> {
-        match tokio::time::timeout(self.timeout, ReqConnection::connect(addr)).await {
-            Ok(Ok(connection)) => Ok(connection),
+    /// A new connection to `addr`, handshake done, by `deadline`. A peer that cannot be
+    /// reached in time is `unreachable`; one that took the connection and did not complete the
+    /// handshake in time (a stopped or overloaded consumer, or another program on the port)
+    /// did not answer: `timeout`.
+    async fn connect(
+        &self,
+        addr: &str,
+        deadline: tokio::time::Instant,
+    ) -> Result<ReqConnection, ControlError> {
+        let seconds = self.timeout.as_secs_f64();
+        let mut connection = match tokio::time::timeout_at(deadline, ReqConnection::open(addr))
+            .await
+        {
+            Ok(Ok(connection)) => connection,
+            Ok(Err(ZmtpError::Io(err))) => {
+                return Err(ControlError::new(
+                    PushFailure::Unreachable,
+                    format!("cannot connect to {addr}: {err}"),
+                ));
+            }
+            Ok(Err(ZmtpError::Protocol(message))) => {
+                return Err(ControlError::new(
+                    PushFailure::Protocol,
+                    format!("{addr} is not an EC control socket: {message}"),
+                ));
+            }
+            Err(_) => {
+                return Err(ControlError::new(
+                    PushFailure::Unreachable,
+                    format!(
+                        "cannot connect to {addr} within {seconds:.1} s (is the consumer running and its control port reachable?)"
+                    ),
+                ));
+            }
+        };
+        match tokio::time::timeout_at(deadline, connection.handshake()).await {
+            Ok(Ok(())) => Ok(connection),
             Ok(Err(ZmtpError::Io(err))) => Err(ControlError::new(
                 PushFailure::Unreachable,
-                format!("cannot connect to {addr}: {err}"),
+                format!("{addr} closed the connection during the ZMTP handshake: {err}"),
             )),
             Ok(Err(ZmtpError::Protocol(message))) => Err(ControlError::new(
                 PushFailure::Protocol,
                 format!("{addr} is not an EC control socket: {message}"),
             )),
             Err(_) => Err(ControlError::new(
-                PushFailure::Unreachable,
+                PushFailure::Timeout,
                 format!(
-                    "cannot connect to {addr} within {:.1} s (is the consumer running and its control port reachable?)",
-                    self.timeout.as_secs_f64()
+                    "{addr} took the connection but did not complete the ZMTP handshake within {seconds:.1} s (is the consumer's process stopped or overloaded, or another program on its port?)"
                 ),
             )),
-        }
-    }
-
-    /// One exchange on `connection` within the time limit; `Err(None)` past it.
-    async fn exchange(
-        &self,
-        connection: &mut ReqConnection,
-        request: &[u8],
-    ) -> Result<Vec<u8>, Option<ExchangeError>> {
-        match tokio::time::timeout(self.timeout, connection.exchange(request)).await {
-            Err(_) => Err(None),
-            Ok(reply) => reply.map_err(Some),
         }
     }
 
@@ -298,5 +331,31 @@ impl ControlClient {
         if list.len() < MAX_IDLE_PER_ADDRESS {
             list.push(socket);
         }
+    }
+}
+
+/// One exchange on `connection` by `deadline`; `Err(None)` past it.
+async fn exchange(
+    connection: &mut ReqConnection,
+    request: &[u8],
+    deadline: tokio::time::Instant,
+) -> Result<Vec<u8>, Option<ExchangeError>> {
+    match tokio::time::timeout_at(deadline, connection.exchange(request)).await {
+        Err(_) => Err(None),
+        Ok(reply) => reply.map_err(Some),
+    }
+}
+
+/// The longest part of a consumer's text that an error message quotes.
+const EXCERPT_CHARS: usize = 300;
+
+/// `text` as an error message quotes it: whole when short, else its start and its length.
+/// A consumer is named by the request, so what it answers is not trusted to be small: a reply
+/// quoted whole made every failed request carry it back (a 1 MiB error body per request).
+#[must_use]
+pub fn excerpt(text: &str) -> String {
+    match text.char_indices().nth(EXCERPT_CHARS) {
+        None => text.to_owned(),
+        Some((cut, _)) => format!("{}... ({} bytes in all)", &text[..cut], text.len()),
     }
 }

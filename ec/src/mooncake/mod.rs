@@ -47,7 +47,7 @@ pub use allow::{AllowListError, ConsumerAllowList};
 
 use crate::config::MooncakeSettings;
 use crate::storage::EcDtype;
-use control::{ControlClient, ControlError};
+use control::{ControlClient, ControlError, excerpt};
 use transfer::{TransferClient, TransferError};
 
 /// How long a consumer keeps a reservation it was not told about (vLLM's
@@ -226,13 +226,13 @@ impl ShardReservation {
                 .get(key)
                 .and_then(Value::as_str)
                 .map(str::to_owned)
-                .ok_or(format!("no `{key}` in {result}"))
+                .ok_or_else(|| format!("no `{key}` in {}", excerpt(&result.to_string())))
         };
         let number = |key: &str| {
             result
                 .get(key)
                 .and_then(Value::as_u64)
-                .ok_or(format!("no numeric `{key}` in {result}"))
+                .ok_or_else(|| format!("no numeric `{key}` in {}", excerpt(&result.to_string())))
         };
         Ok(Self {
             addr: addr.to_owned(),
@@ -542,7 +542,10 @@ impl MooncakeProducer {
                 let Some(answers) = answers.filter(|a| a.len() == items.len()) else {
                     return Err((
                         PushFailure::Protocol,
-                        format!("{addr} answered complete_batch with {result}"),
+                        format!(
+                            "{addr} answered complete_batch with {}",
+                            excerpt(&result.to_string())
+                        ),
                     ));
                 };
                 for ((index, _), answer) in items.iter().zip(answers) {
@@ -818,8 +821,11 @@ async fn cancel_all(
                         last = Some(ControlError {
                             failure: PushFailure::Consumer,
                             message: format!(
-                                "{} did not cancel transfer {} (mm_hash {}): {result}",
-                                shard.addr, spec.transfer_id, spec.mm_hash
+                                "{} did not cancel transfer {} (mm_hash {}): {}",
+                                shard.addr,
+                                spec.transfer_id,
+                                spec.mm_hash,
+                                excerpt(&result.to_string())
                             ),
                         });
                     }
@@ -889,7 +895,12 @@ async fn reserve_on(
     let items = result
         .get("items")
         .and_then(Value::as_array)
-        .ok_or_else(|| protocol(format!("{addr} answered reserve_batch with {result}")))?;
+        .ok_or_else(|| {
+            protocol(format!(
+                "{addr} answered reserve_batch with {}",
+                excerpt(&result.to_string())
+            ))
+        })?;
     if items.len() != specs.len() {
         // The answer cannot be trusted, but the shard may hold room under the ids it names:
         // each is cancelled under the transfer id at its position (an item past the request's
@@ -930,9 +941,10 @@ async fn reserve_on(
                     ControlError {
                         failure: PushFailure::classify_consumer_error(error),
                         message: format!(
-                            "{addr} refused to reserve {} bytes for mm_hash {}: {error}",
+                            "{addr} refused to reserve {} bytes for mm_hash {}: {}",
                             spec.nbytes(),
-                            spec.mm_hash
+                            spec.mm_hash,
+                            excerpt(error)
                         ),
                     },
                     None,

@@ -18,8 +18,9 @@ use std::io;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-/// The longest frame a peer may send: control replies are small JSON documents.
-pub const MAX_FRAME_BYTES: u64 = 16 << 20;
+/// The longest frame a peer may send: control replies are small JSON documents (a
+/// `reserve_batch` answer is about 250 bytes an item, so this is thousands of items).
+pub const MAX_FRAME_BYTES: u64 = 1 << 20;
 
 /// Frame flags (RFC 23): more frames follow; an 8-byte length; a command.
 const MORE: u8 = 0x01;
@@ -65,6 +66,18 @@ impl ReqConnection {
     /// [`ZmtpError::Io`] for a connection that fails, [`ZmtpError::Protocol`] for an address
     /// that is not `tcp://` or a peer that is not a ZMTP 3 REP socket.
     pub async fn connect(addr: &str) -> Result<ReqConnection, ZmtpError> {
+        let mut connection = Self::open(addr).await?;
+        connection.handshake().await?;
+        Ok(connection)
+    }
+
+    /// The first half of [`ReqConnection::connect`]: the TCP connection, without the ZMTP
+    /// handshake, so that a caller can tell a peer that cannot be reached from one that was
+    /// reached and does not answer.
+    ///
+    /// # Errors
+    /// As [`ReqConnection::connect`].
+    pub async fn open(addr: &str) -> Result<ReqConnection, ZmtpError> {
         let Some(host_port) = addr.strip_prefix("tcp://") else {
             return Err(ZmtpError::Protocol(format!(
                 "{addr} is not a tcp:// address"
@@ -73,12 +86,16 @@ impl ReqConnection {
         let stream = TcpStream::connect(host_port).await?;
         // Requests are small and each waits for its reply: no Nagle delay.
         stream.set_nodelay(true)?;
-        let mut connection = ReqConnection { stream };
-        connection.handshake().await?;
-        Ok(connection)
+        Ok(ReqConnection { stream })
     }
 
-    async fn handshake(&mut self) -> Result<(), ZmtpError> {
+    /// The second half of [`ReqConnection::connect`]: the greeting and READY exchange on a
+    /// connection from [`ReqConnection::open`].
+    ///
+    /// # Errors
+    /// [`ZmtpError::Io`] for a connection that breaks, [`ZmtpError::Protocol`] for a peer that
+    /// is not a ZMTP 3 REP socket.
+    pub async fn handshake(&mut self) -> Result<(), ZmtpError> {
         let mut greeting = [0u8; 64];
         greeting[0] = 0xff;
         greeting[9] = 0x7f;
