@@ -76,8 +76,9 @@ pub struct EpdArgs {
     /// off the list (502). Default: any host, as vLLM's producer.
     #[arg(long, value_name = "ENTRY", value_delimiter = ',')]
     pub allowed_ec_consumers: Vec<String>,
-    /// Bound of the bytes of entries this process keeps in the shared store; the oldest entries
-    /// it wrote are deleted beyond it (vLLM never deletes entries). Default: no bound.
+    /// Bound of the bytes of entries this process keeps in the shared store; beyond it the
+    /// entries it wrote that were least recently written or found are deleted, apart from those
+    /// of requests being answered (vLLM never deletes entries). Default: no bound.
     #[arg(long, value_name = "BYTES")]
     pub ec_storage_max_bytes: Option<u64>,
     /// Hash of item identifiers: blake3 (vLLM's default), sha256 or sha512. Must equal the
@@ -604,8 +605,8 @@ impl Epd {
     /// decoded video, `None` for an image.
     ///
     /// # Errors
-    /// [`ProduceError::BadRequest`] for an image whose header cannot be read, or a uuid that
-    /// cannot name one entry of the store.
+    /// [`ProduceError::BadRequest`] for an image whose header cannot be read, or (with the
+    /// shared-storage connector) a uuid that cannot name one entry of the store.
     pub fn identifiers(
         &self,
         items: &[Item],
@@ -613,6 +614,10 @@ impl Epd {
         factors: &HashFactors,
     ) -> Result<Vec<String>, ProduceError> {
         let background = factors.background_color()?;
+        let stores = matches!(
+            self.producer.as_ref().map(|p| &p.connector),
+            Some(Connector::SharedStorage(_))
+        );
         items
             .iter()
             .zip(videos)
@@ -643,14 +648,18 @@ impl Epd {
                         item_identifier(self.algorithm, &self.model_id, &source, factors)
                     }
                 };
-                check_identifier(&identifier).map_err(|reason| ProduceError::BadRequest {
-                    code: "invalid_uuid",
-                    message: format!(
-                        "{} {index}: uuid {:?} cannot name an EC store entry: {reason}",
-                        item.modality,
-                        item.uuid.as_deref().unwrap_or_default()
-                    ),
-                })?;
+                // Only a store makes a file of the identifier; a push (or no connector) sends
+                // it as a string, any string, as vLLM does.
+                if stores {
+                    check_identifier(&identifier).map_err(|reason| ProduceError::BadRequest {
+                        code: "invalid_uuid",
+                        message: format!(
+                            "{} {index}: uuid {:?} cannot name an EC store entry: {reason}",
+                            item.modality,
+                            item.uuid.as_deref().unwrap_or_default()
+                        ),
+                    })?;
+                }
                 Ok(identifier)
             })
             .collect()
@@ -753,6 +762,11 @@ impl Epd {
         unique.sort_unstable();
         let shape_of = |index: usize| entry_shape(&plans[index], &layout, dtype);
 
+        // The entries this reply will name stay until it is built: no write of this request
+        // (or of another) evicts them meanwhile.
+        let _pins = producer
+            .store
+            .pin(unique.iter().map(|&index| identifiers[index].as_str()));
         let mut stored = vec![Stored::Hit; identifiers.len()];
         let mut owned = Vec::new();
         let mut waiting = Vec::new();

@@ -14,18 +14,21 @@
 //! requests for one identifier encode and write once: the first becomes the owner, the others
 //! wait for it and then find the entry.
 //!
-//! With a byte bound, the store evicts the oldest entries this process wrote when a new entry
-//! would take it over the bound (entries found on disk at start are never deleted). vLLM never
-//! evicts: a consumer that reads an entry after its eviction fails that request.
+//! With a byte bound, the store evicts the entries this process wrote that were least recently
+//! written or found when a new entry would take it over the bound (entries found on disk at
+//! start are never deleted), but never one a request in flight names ([`SharedStorage::pin`]):
+//! a reply must not name an entry its own writes evicted. vLLM never evicts: a consumer that
+//! reads an entry after its eviction fails that request.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::{self, BufWriter, Read as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
 
+use lru::LruCache;
 use tokio::sync::watch;
 
 /// The file name of an entry inside its identifier's folder.
@@ -309,16 +312,51 @@ pub async fn wait_for_owner(mut receiver: watch::Receiver<bool>) {
 pub struct SharedStorage {
     root: PathBuf,
     max_bytes: Option<u64>,
-    written: Mutex<Written>,
+    written: Arc<Mutex<Written>>,
     inflight: Arc<Mutex<HashMap<String, watch::Sender<bool>>>>,
     counters: Counters,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Written {
-    /// Identifiers this process wrote, oldest first, with their file sizes.
-    order: VecDeque<(String, u64)>,
+    /// Identifiers this process wrote, with their file sizes, in the order of their last write
+    /// or find.
+    order: LruCache<String, u64>,
     bytes: u64,
+    /// Identifiers named by requests in flight, with how many name each: never evicted.
+    pinned: HashMap<String, usize>,
+}
+
+impl Default for Written {
+    fn default() -> Self {
+        Self {
+            order: LruCache::unbounded(),
+            bytes: 0,
+            pinned: HashMap::new(),
+        }
+    }
+}
+
+/// Keeps the entries of one request from eviction while it runs: from [`SharedStorage::pin`],
+/// released when dropped.
+#[derive(Debug)]
+pub struct Pins {
+    identifiers: Vec<String>,
+    written: Arc<Mutex<Written>>,
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        let mut written = self.written.lock().unwrap_or_else(PoisonError::into_inner);
+        for identifier in &self.identifiers {
+            if let Some(count) = written.pinned.get_mut(identifier) {
+                *count -= 1;
+                if *count == 0 {
+                    written.pinned.remove(identifier);
+                }
+            }
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -334,6 +372,20 @@ struct Counters {
 
 /// Distinguishes the temporary files of concurrent writes in one process.
 static TEMP_SEQUENCE: AtomicU64 = AtomicU64::new(0);
+
+/// A random number drawn once per process. With the process id it tells apart the temporary
+/// files of processes that share the folder: encoders in containers on several hosts can all
+/// be process 1, and a container restarted after a crash gets its predecessor's id (whose
+/// temporary files may still be there).
+fn process_nonce() -> u64 {
+    static NONCE: OnceLock<u64> = OnceLock::new();
+    *NONCE.get_or_init(|| {
+        use std::hash::BuildHasher as _;
+        // The standard library seeds each `RandomState` from the operating system's random
+        // source; the time only adds to it.
+        std::collections::hash_map::RandomState::new().hash_one(SystemTime::now())
+    })
+}
 
 impl SharedStorage {
     /// Opens the store at `root`, which must be an existing folder (iris does not create it:
@@ -363,7 +415,7 @@ impl SharedStorage {
         Ok(Self {
             root,
             max_bytes,
-            written: Mutex::default(),
+            written: Arc::default(),
             inflight: Arc::default(),
             counters: Counters::default(),
         })
@@ -397,8 +449,32 @@ impl SharedStorage {
         let found = check_entry(&self.entry_path(identifier), shape);
         if found == Lookup::Hit {
             self.counters.hits.fetch_add(1, Ordering::Relaxed);
+            // A found entry is in use again: the last to evict among this process's.
+            self.written
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .order
+                .promote(identifier);
         }
         Ok(found)
+    }
+
+    /// Keeps `identifiers` (a request's entries, found or to be written) from eviction until
+    /// the returned guard is dropped. A request pins its entries before it looks them up and
+    /// holds them until it has answered, so that its own writes (or a concurrent request's)
+    /// cannot delete an entry its reply names. While pinned entries alone exceed the bound,
+    /// the store stays over it; the next write after their release evicts.
+    #[must_use]
+    pub fn pin<'a>(&self, identifiers: impl IntoIterator<Item = &'a str>) -> Pins {
+        let identifiers: Vec<String> = identifiers.into_iter().map(str::to_owned).collect();
+        let mut written = self.written.lock().unwrap_or_else(PoisonError::into_inner);
+        for identifier in &identifiers {
+            *written.pinned.entry(identifier.clone()).or_default() += 1;
+        }
+        Pins {
+            identifiers,
+            written: Arc::clone(&self.written),
+        }
     }
 
     /// Claims the production of `identifier`'s entry: one owner at a time.
@@ -514,20 +590,37 @@ impl SharedStorage {
         let final_path = folder.join(FILE_NAME);
         let replaced_invalid = fs::symlink_metadata(&final_path).is_ok();
         let temp_path = folder.join(format!(
-            ".{FILE_NAME}.{}.{}.tmp",
+            ".{FILE_NAME}.{}.{:016x}.{}.tmp",
             std::process::id(),
+            process_nonce(),
             TEMP_SEQUENCE.fetch_add(1, Ordering::Relaxed)
         ));
-        let written = write_file(&temp_path, &header, data).and_then(|()| {
-            fs::rename(&temp_path, &final_path).map_err(|err| StoreError::Io {
-                action: "rename into place",
-                path: final_path.clone(),
+        let written = File::options()
+            .write(true)
+            .create_new(true)
+            .open(&temp_path)
+            .map_err(|err| StoreError::Io {
+                action: "create",
+                path: temp_path.clone(),
                 source: err,
             })
-        });
+            .and_then(|file| {
+                // From here the temporary file is this call's: on failure it is removed (a
+                // file this call did not create, as one whose name was taken, is left alone).
+                let written = write_file(file, &temp_path, &header, data).and_then(|()| {
+                    fs::rename(&temp_path, &final_path).map_err(|err| StoreError::Io {
+                        action: "rename into place",
+                        path: final_path.clone(),
+                        source: err,
+                    })
+                });
+                if written.is_err() {
+                    // Best effort: the error to report is the write's, not the clean-up's.
+                    let _ = fs::remove_file(&temp_path);
+                }
+                written
+            });
         if let Err(err) = written {
-            // Best effort: the error to report is the write's, not the clean-up's.
-            let _ = fs::remove_file(&temp_path);
             if created_folder {
                 let _ = fs::remove_dir(&folder);
             }
@@ -543,22 +636,32 @@ impl SharedStorage {
         })
     }
 
-    /// Records a written entry and evicts the oldest others while over the bound.
+    /// Records a written entry and evicts the least recently used others that no request in
+    /// flight pins, while over the bound.
     fn account(&self, identifier: &str, bytes: u64) -> u64 {
         let mut written = self.written.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(at) = written.order.iter().position(|(id, _)| id == identifier)
-            && let Some((_, old)) = written.order.remove(at)
-        {
+        if let Some(old) = written.order.put(identifier.to_owned(), bytes) {
             written.bytes -= old;
         }
-        written.order.push_back((identifier.to_owned(), bytes));
         written.bytes += bytes;
         let Some(max_bytes) = self.max_bytes else {
             return 0;
         };
         let mut evicted = 0;
-        while written.bytes > max_bytes && written.order.len() > 1 {
-            let Some((victim, size)) = written.order.pop_front() else {
+        while written.bytes > max_bytes {
+            // Least recently used first; the entry just written is the most recent and never
+            // its own victim.
+            let Some(victim) = written
+                .order
+                .iter()
+                .rev()
+                .map(|(id, _)| id)
+                .find(|id| *id != identifier && !written.pinned.contains_key(*id))
+                .cloned()
+            else {
+                break;
+            };
+            let Some(size) = written.order.pop(&victim) else {
                 break;
             };
             written.bytes -= size;
@@ -600,7 +703,8 @@ fn header_bytes(shape: &EntryShape) -> Vec<u8> {
     bytes
 }
 
-fn write_file(path: &Path, header: &[u8], data: &[u8]) -> Result<(), StoreError> {
+/// Writes the entry's bytes into `file` (created at `path`, which errors name).
+fn write_file(file: File, path: &Path, header: &[u8], data: &[u8]) -> Result<(), StoreError> {
     let io_err = |action: &'static str| {
         move |err: io::Error| StoreError::Io {
             action,
@@ -608,11 +712,6 @@ fn write_file(path: &Path, header: &[u8], data: &[u8]) -> Result<(), StoreError>
             source: err,
         }
     };
-    let file = File::options()
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .map_err(io_err("create"))?;
     let mut out = BufWriter::new(file);
     out.write_all(&(header.len() as u64).to_le_bytes())
         .and_then(|()| out.write_all(header))

@@ -588,3 +588,52 @@ async fn a_frame_lists_tokens_are_charged_before_its_frames_are_decoded() {
     assert!(reply.contains("frame 1"), "{reply}");
     assert_eq!(engine.encode_calls(), 0);
 }
+
+#[tokio::test]
+async fn a_bounded_store_keeps_every_entry_a_reply_names() {
+    // Two new images whose entries together exceed `--ec-storage-max-bytes`: writing the
+    // second evicted the first, and the reply named an entry that was gone.
+    let entry_bytes = {
+        let dir = tempfile::tempdir().unwrap();
+        let (app, _) = chat_app(Some(dir.path()), MediaAccess::default());
+        let body = chat(vec![image_part(&png(56, 56, 1), Some("probe"))]);
+        let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        std::fs::metadata(dir.path().join("probe/encoder_cache.safetensors"))
+            .unwrap()
+            .len()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let args = EpdArgs {
+        ec_transfer_config: Some(EC_CONFIG.replace("STORE", &dir.path().display().to_string())),
+        ec_storage_max_bytes: Some(entry_bytes * 3 / 2),
+        model_id: Some("Qwen/Qwen2.5-VL-3B-Instruct".into()),
+        ..EpdArgs::default()
+    };
+    let config = ServerConfig {
+        epd: Some(Arc::new(args.resolve("tiny", None).unwrap())),
+        ..ServerConfig::default()
+    };
+    let app = router(Arc::new(FakeEngine::new(false)), config).unwrap();
+    let exists = |id: &str| {
+        dir.path()
+            .join(id)
+            .join("encoder_cache.safetensors")
+            .is_file()
+    };
+    let body = chat(vec![
+        image_part(&png(56, 56, 1), Some("a")),
+        image_part(&png(56, 56, 2), Some("b")),
+    ]);
+    let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    for id in ["a", "b"] {
+        assert!(v["ec_transfer_params"].get(id).is_some(), "{v}");
+        assert!(exists(id), "the reply names {id}, whose entry is gone");
+    }
+    // The next request's write brings the store back under its bound.
+    let body = chat(vec![image_part(&png(56, 56, 3), Some("c"))]);
+    let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert!(!exists("a") && !exists("b") && exists("c"));
+}

@@ -462,3 +462,17 @@ async fn an_address_the_consumer_names_off_the_allow_list_is_a_502_and_its_reser
         assert!(consumer.resident(0, "u").is_some(), "{faults:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_takes_any_uuid_as_vllm_does() {
+    // Only the shared store makes a file of an identifier; a push sends it as a string, so a
+    // uuid that is no file name (`a/b`) is refused by the store's server alone.
+    let consumer = TestConsumer::start(1, 1 << 20, 1).await.unwrap();
+    let (app, _) = push_app(5.0);
+    let a = png(56, 56, 3);
+    let body = request(&[(&a, Some("tenant/a"))], &consumer.consumer_zmq(), &["t0"]);
+    let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["ec_transfer_params"]["tenant/a"]["transfer_id"], "t0");
+    assert!(consumer.resident(0, "tenant/a").is_some());
+}

@@ -305,6 +305,69 @@ fn the_bound_evicts_the_oldest_entries_this_process_wrote() {
 }
 
 #[test]
+fn a_requests_pinned_entries_are_not_evicted_and_a_found_entry_is_used_again() {
+    let s = shape(16, 16);
+    let entry_bytes = {
+        let (_dir, probe) = store(None);
+        probe.write("p", &s, &rows(&s, 0.0)).unwrap().bytes
+    };
+    let (dir, store) = store(Some(2 * entry_bytes + entry_bytes / 2));
+    let exists = |id: &str| dir.path().join(id).join(FILE_NAME).exists();
+    store.write("a", &s, &rows(&s, 1.0)).unwrap();
+    store.write("b", &s, &rows(&s, 1.0)).unwrap();
+    // A request finds `a` (the oldest write) and writes `c` and `d`: its reply names all
+    // three, so none of them may go, though they are over the bound; `b` goes.
+    let pins = store.pin(["a", "c", "d"]);
+    assert_eq!(store.lookup("a", &s).unwrap(), Lookup::Hit);
+    store.write("c", &s, &rows(&s, 1.0)).unwrap();
+    store.write("d", &s, &rows(&s, 1.0)).unwrap();
+    assert!(exists("a") && !exists("b") && exists("c") && exists("d"));
+    assert_eq!(store.stats().resident_bytes, 3 * entry_bytes);
+    // Released, the next write evicts down to the bound, least recently used first: `a`
+    // (found before `c` and `d` were written), then `c`.
+    drop(pins);
+    store.write("e", &s, &rows(&s, 1.0)).unwrap();
+    assert!(!exists("a") && !exists("c") && exists("d") && exists("e"));
+    // A find makes an entry the most recently used: `d`, found, outlives `e`.
+    assert_eq!(store.lookup("d", &s).unwrap(), Lookup::Hit);
+    store.write("f", &s, &rows(&s, 1.0)).unwrap();
+    assert!(exists("d") && !exists("e") && exists("f"));
+    // Two requests pin one entry: it stays until both have let go.
+    let first = store.pin(["d"]);
+    let second = store.pin(["d"]);
+    drop(first);
+    store.write("g", &s, &rows(&s, 1.0)).unwrap();
+    assert!(exists("d") && !exists("f"));
+    drop(second);
+    store.write("h", &s, &rows(&s, 1.0)).unwrap();
+    assert!(!exists("d") && exists("g") && exists("h"));
+}
+
+#[test]
+fn a_temporary_file_of_another_process_with_this_id_is_left_alone() {
+    // A container restarted after a crash has its predecessor's process id, and encoders in
+    // containers on several hosts share one: the temporary files such a process left (named
+    // with the id and a per-process sequence number) neither fail this process's writes nor
+    // are deleted by them.
+    let (dir, store) = store(None);
+    let folder = dir.path().join("a");
+    fs::create_dir(&folder).unwrap();
+    let next = TEMP_SEQUENCE.load(Ordering::Relaxed);
+    let strays: Vec<PathBuf> = (next..next + 64)
+        .map(|seq| folder.join(format!(".{FILE_NAME}.{}.{seq}.tmp", std::process::id())))
+        .collect();
+    for stray in &strays {
+        fs::write(stray, b"another writer's bytes").unwrap();
+    }
+    let s = shape(4, 4);
+    store.write("a", &s, &rows(&s, 1.0)).unwrap();
+    assert_eq!(store.lookup("a", &s).unwrap(), Lookup::Hit);
+    for stray in &strays {
+        assert_eq!(fs::read(stray).unwrap(), b"another writer's bytes");
+    }
+}
+
+#[test]
 fn a_missing_root_or_a_file_is_refused_at_open() {
     let dir = tempfile::tempdir().unwrap();
     let err = SharedStorage::open(dir.path().join("nope"), None).unwrap_err();
