@@ -494,6 +494,7 @@ impl Engine {
             layout,
             return_embeddings: options.return_embeddings,
             events,
+            hold: permit.hold(),
         };
         if !self.send(Command::Add(Box::new(request))) {
             return Err(self.stopped());

@@ -40,6 +40,7 @@ use crate::encoder::layout::Grid;
 use crate::encoder::plan::StepPlan;
 use crate::encoder::tower::VisionTower;
 use crate::engine::Shared;
+use crate::engine::admission::PermitHold;
 use crate::engine::api::{EngineError, ResetReport};
 use crate::engine::prompt::{Chunk, Event, PromptLayout};
 use crate::memory::AllocError;
@@ -75,6 +76,10 @@ pub(crate) struct AddRequest {
     pub layout: PromptLayout,
     pub return_embeddings: bool,
     pub events: mpsc::UnboundedSender<Event>,
+    /// The request's admission share, held while the core holds the request: a request whose
+    /// caller went away keeps its slot and tokens counted until the core lets it go (at the
+    /// next step boundary), not only until its future is dropped.
+    pub hold: PermitHold,
 }
 
 /// What the handle asks of the engine core.
@@ -145,6 +150,7 @@ struct Active {
     return_embeddings: bool,
     events: mpsc::UnboundedSender<Event>,
     encoded: Vec<bool>,
+    _hold: PermitHold,
 }
 
 /// Weights while asleep.
@@ -233,11 +239,14 @@ impl Worker {
                 self.publish();
             }
             Command::Abort(key) => {
-                if let Some(id) = self.by_key.remove(&key) {
+                let released = self.by_key.remove(&key).and_then(|id| {
                     self.scheduler.abort(id);
-                    self.active.remove(&id);
-                }
+                    self.active.remove(&id)
+                });
                 self.publish();
+                // The admission share goes after the gauges: a reader never sees the slot free
+                // while the core still counts the request in flight.
+                drop(released);
             }
             // Each reply goes out after the figures are published, so that a caller reading
             // them once the call returned sees its effect.
@@ -287,6 +296,7 @@ impl Worker {
                         layout: request.layout,
                         return_embeddings: request.return_embeddings,
                         events: request.events,
+                        _hold: request.hold,
                     },
                 );
             }
