@@ -32,11 +32,12 @@ pub fn run(global: &GlobalArgs, args: &ServeCmd) -> anyhow::Result<ExitCode> {
         &args.engine.model.model_id(),
         global.config()?.ec_transfer_config.as_ref(),
     )?);
-    let server_config = args.server.server_config(Some(Arc::clone(&epd)))?;
+    let mut server_config = args.server.server_config(Some(Arc::clone(&epd)))?;
     if let Some(warning) = args.server.empty_api_key_warning() {
         eprintln!("{warning}");
     }
     let engine = Arc::new(args.engine.start(global)?);
+    server_config.limits.mm_per_prompt = engine.mm_limits();
     eprintln!("{}", startup_line(&engine));
     if let Some(producer) = &epd.producer {
         eprintln!(

@@ -745,11 +745,11 @@ async fn bad_inputs_get_4xx_json_errors_and_leave_nothing_behind() {
             Some("unknown_image_format"),
         ),
         (
-            "AVIF media type",
+            "AVIF bytes (the media type is not what decides)",
             json!({"images": ["data:image/avif;base64,AAAAIGZ0eXBhdmlm"]})
                 .to_string()
                 .into_bytes(),
-            Some("unsupported_media_type"),
+            Some("unknown_image_format"),
         ),
         (
             "bad base64",

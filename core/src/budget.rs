@@ -11,7 +11,9 @@
 //! - max items per prompt = `max(1, min(limit_per_prompt, max_model_len / T))`, max items per batch
 //!   = `max(1, min(budget / T, requests * per_prompt))`, with `requests = max_num_seqs`, capped by
 //!   `max_num_batched_tokens / T` when chunked prefill is off;
-//! - a request whose item exceeds the cache is refused with the numbers and the flag to change.
+//! - a request whose item exceeds the cache or the compute budget is refused with the numbers
+//!   and the settings to change (the compute budget's is `--max-num-batched-tokens` unless
+//!   `max_num_encoder_input_tokens` is configured).
 //!
 //! [`EncoderBudget`] is the default [`BudgetPolicy`].
 //!
@@ -175,6 +177,17 @@ pub enum Modality {
     Video,
 }
 
+impl Modality {
+    /// The indefinite article of the modality's name ("an image", "a video").
+    #[must_use]
+    pub fn article(self) -> &'static str {
+        match self {
+            Modality::Image => "an",
+            Modality::Video => "a",
+        }
+    }
+}
+
 impl fmt::Display for Modality {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -215,6 +228,22 @@ impl MmLimits {
             Modality::Video => self.video,
         }
     }
+
+    /// Checks one request's counts of images and videos against the limits.
+    ///
+    /// # Errors
+    /// The message of the first count over its limit, naming `--limit-mm-per-prompt`.
+    pub fn check(&self, images: u64, videos: u64) -> Result<(), String> {
+        for (modality, count) in [(Modality::Image, images), (Modality::Video, videos)] {
+            let limit = self.get(modality);
+            if count > limit {
+                return Err(format!(
+                    "at most {limit} {modality}(s) may be provided in one request (--limit-mm-per-prompt), got {count}"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What the model allows per modality.
@@ -252,9 +281,13 @@ pub enum BudgetError {
         /// The step's token budget.
         max_num_batched_tokens: u64,
     },
-    /// An item needs more encoder-cache slots than the cache has.
+    /// An item needs more encoder-cache slots than the cache has. The advice names every
+    /// setting to raise: the compute budget too when the item exceeds it, so that following
+    /// it is not answered by [`BudgetError::ItemExceedsCompute`].
     #[error(
-        "the prompt contains an {modality} item with {tokens} embedding tokens, which exceeds the encoder cache size of {cache_size} tokens; reduce the input size or raise --encoder-cache-size to at least {tokens}"
+        "the prompt contains {article} {modality} item with {tokens} embedding tokens, which exceeds the encoder cache size of {cache_size} tokens; reduce the input size or raise --encoder-cache-size to at least {tokens}{also}",
+        article = .modality.article(),
+        also = also_raise_compute(*.tokens, *.compute_budget, .compute_setting)
     )]
     ItemExceedsCache {
         /// The modality.
@@ -263,10 +296,15 @@ pub enum BudgetError {
         tokens: u64,
         /// The cache size.
         cache_size: u64,
+        /// The compute budget per step.
+        compute_budget: u64,
+        /// The setting the compute budget derives from: [`COMPUTE_BUDGET_FLAG`], or
+        /// [`COMPUTE_BUDGET_SETTING`] when that is configured.
+        compute_setting: &'static str,
     },
     /// An item needs more encoder compute than one step allows.
     #[error(
-        "the {modality} item has {tokens} embedding tokens, more than the encoder compute budget of {compute_budget} tokens per step; raise --max-num-batched-tokens (or the encoder compute budget) to at least {tokens}"
+        "the {modality} item has {tokens} embedding tokens, more than the encoder compute budget of {compute_budget} tokens per step; reduce the input size or raise {compute_setting} (the compute budget is the larger of it and the model's largest item) to at least {tokens}"
     )]
     ItemExceedsCompute {
         /// The modality.
@@ -275,6 +313,8 @@ pub enum BudgetError {
         tokens: u64,
         /// The compute budget.
         compute_budget: u64,
+        /// The setting the compute budget derives from, as in [`BudgetError::ItemExceedsCache`].
+        compute_setting: &'static str,
     },
     /// A configuration value that must be positive is zero.
     #[error("{name} must be at least 1, got 0")]
@@ -302,6 +342,12 @@ pub enum BudgetError {
     },
 }
 
+/// The flag the encoder compute budget derives from when `max_num_encoder_input_tokens` is not
+/// configured (vLLM's default, and the only one the command line offers).
+pub const COMPUTE_BUDGET_FLAG: &str = "--max-num-batched-tokens";
+/// The setting the encoder compute budget derives from when configured; no flag sets it.
+pub const COMPUTE_BUDGET_SETTING: &str = "max_num_encoder_input_tokens";
+
 /// The budget rules a scheduler relies on. [`EncoderBudget`] is the default.
 pub trait BudgetPolicy {
     /// Embedding tokens the encoder may compute per step.
@@ -319,6 +365,8 @@ pub struct EncoderBudget {
     max_num_batched_tokens: u64,
     disable_chunked_mm_input: bool,
     compute: u64,
+    /// The setting `compute` derives from, named in errors.
+    compute_setting: &'static str,
     cache: u64,
     modalities: Vec<(Modality, ModalityBudget)>,
 }
@@ -370,6 +418,11 @@ impl EncoderBudget {
             max_num_batched_tokens: config.max_num_batched_tokens,
             disable_chunked_mm_input: config.disable_chunked_mm_input,
             compute,
+            compute_setting: if config.max_num_encoder_input_tokens.is_some() {
+                COMPUTE_BUDGET_SETTING
+            } else {
+                COMPUTE_BUDGET_FLAG
+            },
             cache,
             modalities,
         })
@@ -421,6 +474,8 @@ impl BudgetPolicy for EncoderBudget {
                 modality,
                 tokens: embeds,
                 cache_size: self.cache,
+                compute_budget: self.compute,
+                compute_setting: self.compute_setting,
             });
         }
         // An item's encoder output is computed in one step, so it must also fit the compute
@@ -430,6 +485,7 @@ impl BudgetPolicy for EncoderBudget {
                 modality,
                 tokens: embeds,
                 compute_budget: self.compute,
+                compute_setting: self.compute_setting,
             });
         }
         Ok(())
@@ -468,6 +524,18 @@ pub fn compute_mm_encoder_budget(
         .unwrap_or(config.max_num_batched_tokens)
         .max(m);
     Ok((compute, cache))
+}
+
+/// The advice [`BudgetError::ItemExceedsCache`] adds when the item exceeds the compute budget
+/// as well: raising the cache alone would only trade one refusal for the other.
+fn also_raise_compute(tokens: u64, compute_budget: u64, compute_setting: &str) -> String {
+    if compute_budget < tokens {
+        format!(
+            " and {compute_setting} (which sets the encoder compute budget per step, now {compute_budget}) to at least {tokens}"
+        )
+    } else {
+        String::new()
+    }
 }
 
 /// `tokens x width x dtype_bytes`, checked.
@@ -552,6 +620,64 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.contains("1001") && msg.contains("1000"), "{msg}");
         assert!(msg.contains("--encoder-cache-size"), "{msg}");
+        assert!(msg.contains("contains an image item"), "{msg}");
+        let video = b.check_item(Modality::Video, 1200, 1001).unwrap_err();
+        assert!(
+            video.to_string().contains("contains a video item"),
+            "{video}"
+        );
+    }
+
+    #[test]
+    fn each_refusal_names_every_setting_that_lifts_it() {
+        // Cache and compute both 1000: an item of 1001 needs both raised, and says so, so that
+        // raising the cache alone does not meet the compute refusal next.
+        let mut c = config(1000);
+        c.encoder_cache_size = Some(1000);
+        let b = EncoderBudget::new(&c, &[(Modality::Image, ModalityLimits::new(800))]).unwrap();
+        let msg = b
+            .check_item(Modality::Image, 1001, 1001)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("--encoder-cache-size to at least 1001")
+                && msg.contains("--max-num-batched-tokens (which sets the encoder compute budget"),
+            "{msg}"
+        );
+        // A cache that is large enough already: the one refusal names the flag that sets the
+        // compute budget, not a setting no flag has.
+        c.encoder_cache_size = Some(5000);
+        let b = EncoderBudget::new(&c, &[(Modality::Image, ModalityLimits::new(800))]).unwrap();
+        let msg = b
+            .check_item(Modality::Video, 1500, 1500)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("raise --max-num-batched-tokens") && msg.contains("at least 1500"),
+            "{msg}"
+        );
+        assert!(!msg.contains("--encoder-cache-size"), "{msg}");
+        // A cache refusal whose item fits the compute budget names the cache alone.
+        let mut big_compute = config(4000);
+        big_compute.encoder_cache_size = Some(1000);
+        let b = EncoderBudget::new(&big_compute, &[(Modality::Image, ModalityLimits::new(800))])
+            .unwrap();
+        let msg = b
+            .check_item(Modality::Image, 1001, 1001)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("--encoder-cache-size") && !msg.contains("--max-num-batched-tokens"),
+            "{msg}"
+        );
+        // A configured compute budget is named by its setting.
+        c.max_num_encoder_input_tokens = Some(1000);
+        let b = EncoderBudget::new(&c, &[(Modality::Image, ModalityLimits::new(800))]).unwrap();
+        let msg = b
+            .check_item(Modality::Image, 1500, 1500)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("raise max_num_encoder_input_tokens"), "{msg}");
     }
 
     #[test]

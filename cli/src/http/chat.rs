@@ -9,7 +9,8 @@
 //! proxy reads. `usage.prompt_tokens` counts the images' embedding tokens only: iris has no
 //! tokenizer.
 //!
-//! Images come as `data:` URLs; `file://` URLs under `--allowed-local-media-path` and
+//! Images come as base64 `data:` URLs of any media type (the bytes decide, as in vLLM);
+//! `file://` URLs under `--allowed-local-media-path` and
 //! `http(s)://` URLs of hosts in `--allowed-media-domains` are read too (both off by default;
 //! fetches have a time limit and the body-size limit, and follow no redirect). Videos
 //! (`video_url` parts) come the same three ways, a data URL of any media type; they are decoded
@@ -182,7 +183,7 @@ pub fn parse_chat_request(
             ));
         }
     };
-    let mut items = Vec::new();
+    let mut parts = Vec::new();
     for (m, message) in messages.iter().enumerate() {
         let field = format!("messages[{m}]");
         let Value::Object(message) = message else {
@@ -190,11 +191,11 @@ pub fn parse_chat_request(
         };
         match message.get("content") {
             None | Some(Value::Null | Value::String(_)) => {}
-            Some(Value::Array(parts)) => {
-                for (p, part) in parts.iter().enumerate() {
+            Some(Value::Array(content)) => {
+                for (p, part) in content.iter().enumerate() {
                     let pfield = format!("{field}.content[{p}]");
-                    if let Some(item) = parse_part(&pfield, part, limits, media)? {
-                        items.push(item);
+                    if let Some(part) = parse_part(&pfield, part)? {
+                        parts.push(part);
                     }
                 }
             }
@@ -207,7 +208,17 @@ pub fn parse_chat_request(
             }
         }
     }
-    request::check_image_count(items.len(), limits)?;
+    // Counted before anything is fetched, read or probed: a request over a limit costs nothing.
+    request::check_image_count(parts.len(), limits)?;
+    let videos = parts
+        .iter()
+        .filter(|part| part.modality == Modality::Video)
+        .count();
+    request::check_mm_counts(parts.len() - videos, videos, limits)?;
+    let items = parts
+        .into_iter()
+        .map(|part| part.load(limits, media))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(ChatRequest {
         model,
         epd: EpdRequest {
@@ -313,12 +324,35 @@ fn parse_ec_transfer_params(value: Option<&Value>) -> Result<Option<PushTarget>,
 }
 
 /// One content part: `Some(item)` for an image, `None` for text.
-fn parse_part(
-    field: &str,
-    part: &Value,
-    limits: &Limits,
-    media: &MediaAccess,
-) -> Result<Option<Item>, ApiError> {
+/// A media part of a message, its payload not yet read.
+struct MediaPart<'a> {
+    /// The URL's field, for errors.
+    field: String,
+    url: &'a str,
+    uuid: Option<String>,
+    modality: Modality,
+}
+
+impl MediaPart<'_> {
+    /// Reads the part's payload (a data URL, a local file or a remote URL) into an item.
+    fn load(self, limits: &Limits, media: &MediaAccess) -> Result<Item, ApiError> {
+        let (bytes, jpeg_sequence) = if self.modality == Modality::Video {
+            load_video(&self.field, self.url, limits, media)?
+        } else {
+            (load_image(&self.field, self.url, limits, media)?, false)
+        };
+        Ok(Item {
+            bytes,
+            uuid: self.uuid,
+            modality: self.modality,
+            jpeg_sequence,
+        })
+    }
+}
+
+/// A content part: `None` for text, else its medium, URL and uuid (the payload is read later,
+/// once the request's counts are checked).
+fn parse_part<'a>(field: &str, part: &'a Value) -> Result<Option<MediaPart<'a>>, ApiError> {
     let Value::Object(part) = part else {
         return Err(request::wrong_type(field, "a content part object", part));
     };
@@ -360,12 +394,11 @@ fn parse_part(
             };
             let ufield = format!("{field}.{key}");
             let url = part_url(field, &ufield, part.get(key), uuid.is_some(), "image")?;
-            let bytes = load_image(&format!("{ufield}.url"), url, limits, media)?;
-            Ok(Some(Item {
-                bytes,
+            Ok(Some(MediaPart {
+                field: format!("{ufield}.url"),
+                url,
                 uuid,
                 modality: Modality::Image,
-                jpeg_sequence: false,
             }))
         }
         "video_url" => {
@@ -377,12 +410,11 @@ fn parse_part(
                 uuid.is_some(),
                 "video",
             )?;
-            let (bytes, jpeg_sequence) = load_video(&format!("{ufield}.url"), url, limits, media)?;
-            Ok(Some(Item {
-                bytes,
+            Ok(Some(MediaPart {
+                field: format!("{ufield}.url"),
+                url,
                 uuid,
                 modality: Modality::Video,
-                jpeg_sequence,
             }))
         }
         "input_audio" | "audio_url" | "audio_embeds" => Err(ApiError::bad_request(
@@ -442,7 +474,8 @@ fn part_url<'a>(
     }
 }
 
-/// Loads an image URL: a `data:` URL, or a `file://` URL under the allowed folder.
+/// Loads an image URL: a `data:` URL (of any media type: the bytes decide), a `file://` URL
+/// under the allowed folder, or an `http(s)://` URL of an allowed host.
 fn load_image(
     field: &str,
     url: &str,
@@ -461,8 +494,23 @@ fn load_image(
             request::check_image_bytes(field, &bytes, limits)?;
             Ok(bytes)
         }
-        _ => request::decode_image_url(field, url, limits).map(|image| image.bytes),
+        Some("data") => request::decode_image_url(field, url, limits).map(|image| image.bytes),
+        other => Err(unsupported_scheme(field, other, Modality::Image)),
     }
+}
+
+/// The 400 for a media URL whose scheme is none of those chat reads (vLLM: "The URL must be
+/// either a HTTP, data or file URL."), its code naming the modality.
+fn unsupported_scheme(field: &str, scheme: Option<&str>, modality: Modality) -> ApiError {
+    let code = match modality {
+        Modality::Video => "invalid_video_url",
+        _ => "invalid_image_url",
+    };
+    let got = scheme.map_or_else(|| "no scheme".to_owned(), |s| format!("scheme {s:?}"));
+    ApiError::bad_request(
+        code,
+        format!("{field}: the URL must be an http(s), data or file URL, got {got}"),
+    )
 }
 
 /// Loads a video URL: a base64 `data:` URL of any media type (vLLM hands every one to the
@@ -481,15 +529,10 @@ fn load_video(
         Some("http" | "https") => {
             fetch_remote(field, url, limits, media, media.video_fetch_timeout)?
         }
-        _ => {
+        Some("data") => {
             let data = request::split_data_url(field, url, "data:video/<type>;base64,...")?;
             if !data.is_base64 {
-                return Err(ApiError::new(
-                    axum::http::StatusCode::NOT_IMPLEMENTED,
-                    "not_implemented_error",
-                    "unsupported_video_url",
-                    format!("{field}: only base64 data URLs (`;base64,`) carry videos"),
-                ));
+                return Err(request::not_base64(field, Modality::Video));
             }
             if data.media_type == "video/jpeg" {
                 if data.payload.trim().is_empty() {
@@ -502,6 +545,7 @@ fn load_video(
             }
             request::decode_base64(field, data.payload)?
         }
+        other => return Err(unsupported_scheme(field, other, Modality::Video)),
     };
     if bytes.is_empty() {
         return Err(ApiError::bad_request(

@@ -590,6 +590,175 @@ async fn a_frame_lists_tokens_are_charged_before_its_frames_are_decoded() {
 }
 
 #[tokio::test]
+async fn image_data_urls_of_any_media_type_are_decoded_by_their_bytes() {
+    use base64::Engine as _;
+    let (app, engine) = chat_app(None, MediaAccess::default());
+    let image = png(56, 56, 10);
+    let payload = base64::engine::general_purpose::STANDARD.encode(&image);
+    // vLLM's `ImageMediaIO.load_base64` ignores the declared type; the bytes decide.
+    for media_type in ["application/octet-stream", "image/x-png", "image/avif", ""] {
+        let url = format!("data:{media_type};base64,{payload}");
+        let body = chat(vec![
+            json!({"type": "image_url", "image_url": {"url": url}}),
+        ]);
+        let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+        assert_eq!(status, StatusCode::OK, "{media_type:?}: {v}");
+        assert_eq!(v["usage"]["prompt_tokens"], 4, "{media_type:?}: {v}");
+    }
+    // Bytes that are not an image still get the decoder's error, whatever the type says.
+    let url = "data:image/png;base64,aGVsbG8gd29ybGQ=";
+    let body = chat(vec![
+        json!({"type": "image_url", "image_url": {"url": url}}),
+    ]);
+    let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["code"], "unknown_image_format", "{v}");
+    assert!(engine.encode_calls() >= 1);
+}
+
+#[tokio::test]
+async fn a_data_url_that_is_not_base64_is_501_for_images_as_for_videos() {
+    let (app, _) = chat_app(None, MediaAccess::default());
+    for (part, code) in [
+        (
+            json!({"type": "image_url", "image_url": {"url": "data:image/png,abc"}}),
+            "unsupported_image_url",
+        ),
+        (
+            json!({"type": "video_url", "video_url": {"url": "data:video/mp4,abc"}}),
+            "unsupported_video_url",
+        ),
+    ] {
+        let (status, v) = call_json(
+            &app,
+            Method::POST,
+            "/v1/chat/completions",
+            Some(chat(vec![part])),
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_IMPLEMENTED, "{v}");
+        assert_eq!(v["error"]["code"], code, "{v}");
+        assert_eq!(v["error"]["type"], "not_implemented_error", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("base64")),
+            "{v}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_url_of_another_scheme_is_told_the_schemes_chat_reads() {
+    let (app, _) = chat_app(None, MediaAccess::default());
+    for (part, code) in [
+        (
+            json!({"type": "image_url", "image_url": {"url": "ftp://example.invalid/cat.png"}}),
+            "invalid_image_url",
+        ),
+        (
+            json!({"type": "video_url", "video_url": {"url": "ftp://example.invalid/cat.mp4"}}),
+            "invalid_video_url",
+        ),
+    ] {
+        let (status, v) = call_json(
+            &app,
+            Method::POST,
+            "/v1/chat/completions",
+            Some(chat(vec![part])),
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+        assert_eq!(v["error"]["code"], code, "{v}");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("must be an http(s), data or file URL") && message.contains("\"ftp\""),
+            "{v}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_media_item_limit_counts_videos_and_says_so() {
+    let engine = Arc::new(FakeEngine::new(false));
+    let config = ServerConfig {
+        limits: Limits {
+            max_images_per_request: 2,
+            ..Limits::default()
+        },
+        epd: Some(epd(None)),
+        ..ServerConfig::default()
+    };
+    let app = router(engine, config).unwrap();
+    let video = json!({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}});
+    let body = chat(vec![video.clone(), video.clone(), video]);
+    let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["code"], "too_many_images", "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("3 media items (images and videos)") && !message.contains("3 images"),
+        "{v}"
+    );
+}
+
+#[tokio::test]
+async fn the_per_prompt_limits_are_checked_before_any_media_is_read() {
+    // Videos off (`--limit-mm-per-prompt '{"image": 1, "video": 0}'`): a clip is refused by
+    // its count, not probed or decoded first (these bytes are no clip at all, and the file
+    // does not exist), as vLLM counts a prompt's items while it parses the message.
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(FakeEngine::new(false));
+    let config = ServerConfig {
+        limits: Limits {
+            mm_per_prompt: iris_core::budget::MmLimits { image: 1, video: 0 },
+            ..Limits::default()
+        },
+        epd: Some(epd(None)),
+        media: MediaAccess {
+            allowed_local_media_path: Some(dir.path().canonicalize().unwrap()),
+            ..MediaAccess::default()
+        },
+        ..ServerConfig::default()
+    };
+    let app = router(Arc::clone(&engine), config).unwrap();
+    let missing = format!("file://{}/missing.mp4", dir.path().display());
+    for video in [
+        json!({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAAAAAA"}}),
+        json!({"type": "video_url", "video_url": {"url": missing}}),
+    ] {
+        let body = chat(vec![image_part(&png(56, 56, 1), None), video.clone()]);
+        let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{video}: {v}");
+        assert_eq!(v["error"]["code"], "mm_limit_exceeded", "{video}: {v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("at most 0 video(s)") && message.contains("--limit-mm-per-prompt"),
+            "{message}"
+        );
+    }
+    // Two images: the image limit, before the second (not an image at all) is read.
+    let body = chat(vec![
+        image_part(&png(56, 56, 1), None),
+        json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}),
+    ]);
+    let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["code"], "mm_limit_exceeded", "{v}");
+    // `/v1/encode` counts first too.
+    let (status, v) = call_json(
+        &app,
+        Method::POST,
+        "/v1/encode",
+        Some(json!({"videos": ["data:video/mp4;base64,AAAAAAAA"]})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["code"], "mm_limit_exceeded", "{v}");
+    assert_eq!(engine.encode_calls(), 0);
+}
+
+#[tokio::test]
 async fn a_bounded_store_keeps_every_entry_a_reply_names() {
     // Two new images whose entries together exceed `--ec-storage-max-bytes`: writing the
     // second evicted the first, and the reply named an entry that was gone.

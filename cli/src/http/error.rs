@@ -1,7 +1,8 @@
 //! The one error shape every route answers with: `{"error": {"message", "type", "code"}}`.
 //!
 //! Bad input is a 4xx (an image too large for the device's memory included:
-//! `image_too_large_for_device`); refusals while sleeping (`engine_sleeping`), overloaded
+//! `image_too_large_for_device`; a body that stops arriving: 408 `body_read_timeout`);
+//! refusals while sleeping (`engine_sleeping`), overloaded
 //! (`overloaded`, with `Retry-After`), with a dead engine (`engine_dead`) or a lost device
 //! (`device_lost`), and an item that does not fit in device memory next to other work
 //! (`device_out_of_memory`, with `Retry-After`) are a 503; only faults inside iris are a 500
@@ -69,6 +70,20 @@ impl ApiError {
             "authentication_error",
             "invalid_api_key",
             "missing or invalid API key: send `Authorization: Bearer <key>`",
+        )
+    }
+
+    /// A 408 `body_read_timeout`: an admitted request did not send its body within `limit`
+    /// (`--body-read-timeout`). The response closes the connection, as RFC 9110 asks of a 408.
+    pub fn body_read_timeout(limit: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "body_read_timeout",
+            format!(
+                "the request body did not arrive within the body-read timeout of {} s (--body-read-timeout)",
+                limit.as_secs_f64()
+            ),
         )
     }
 
@@ -146,6 +161,12 @@ impl IntoResponse for ApiError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            // The rest of the body may still come: the connection cannot be reused.
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         response
     }

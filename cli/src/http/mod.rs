@@ -28,9 +28,11 @@
 //! code `engine_sleeping`.
 //!
 //! Failure handling: beyond the engine's backpressure bounds `POST /v1/encode` answers 503
-//! `overloaded` with `Retry-After` before its body is read. Once the engine is dead (its core
-//! panicked) or its device lost, `/health` and every other route answer 503 (`engine_dead`,
-//! `device_lost`): a client never reads zeros from a dead engine.
+//! `overloaded` with `Retry-After` before its body is read. An admitted request whose body has
+//! not arrived within [`ServerConfig::body_read_timeout`] is answered 408 `body_read_timeout`
+//! and its slot given back, so that clients that stop sending cannot hold every slot. Once the
+//! engine is dead (its core panicked) or its device lost, `/health` and every other route
+//! answer 503 (`engine_dead`, `device_lost`): a client never reads zeros from a dead engine.
 
 pub mod chat;
 pub mod engine_api;
@@ -42,7 +44,7 @@ pub(crate) mod test_engine;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::Router;
@@ -69,9 +71,11 @@ pub const API_KEY_ENV: &str = "IRIS_API_KEY";
 pub const DEFAULT_HOST: &str = "127.0.0.1";
 /// Default listen port.
 pub const DEFAULT_PORT: u16 = 8000;
+/// Default time limit for reading an admitted request's body, in seconds.
+pub const DEFAULT_BODY_READ_TIMEOUT_S: u64 = 60;
 
 /// Server settings that are not the engine's.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Input limits.
     pub limits: Limits,
@@ -82,6 +86,21 @@ pub struct ServerConfig {
     pub epd: Option<Arc<Epd>>,
     /// Where `file://` image URLs may be read from.
     pub media: MediaAccess,
+    /// Longest an admitted request may take to send its body (it holds a request slot
+    /// meanwhile); past it the request is answered 408.
+    pub body_read_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            limits: Limits::default(),
+            api_key: None,
+            epd: None,
+            media: MediaAccess::default(),
+            body_read_timeout: Duration::from_secs(DEFAULT_BODY_READ_TIMEOUT_S),
+        }
+    }
 }
 
 /// Flags of `iris serve` that belong to the HTTP layer (the engine's own flags live elsewhere).
@@ -93,13 +112,14 @@ pub struct ServeArgs {
     /// Port to listen on.
     #[arg(long, default_value_t = DEFAULT_PORT)]
     pub port: u16,
-    /// Require `Authorization: Bearer <key>` on every route but /health.
+    /// Require `Authorization: Bearer <key>` on every route but /health (the scheme in any
+    /// case, as RFC 9110 and vLLM take it).
     #[arg(long, env = API_KEY_ENV, hide_env_values = true)]
     pub api_key: Option<String>,
     /// Largest request body in bytes (larger ones get a 413).
     #[arg(long, default_value_t = request::DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
-    /// Most images in one request.
+    /// Most media items in one request, images and videos counted together.
     #[arg(long, default_value_t = request::DEFAULT_MAX_IMAGES_PER_REQUEST)]
     pub max_images_per_request: usize,
     /// Most pixels (width x height, read from the image header) in one image.
@@ -119,6 +139,10 @@ pub struct ServeArgs {
     /// Time limit of one video fetch, in seconds (vLLM's `VLLM_VIDEO_FETCH_TIMEOUT`).
     #[arg(long, value_name = "SECONDS", default_value_t = chat::DEFAULT_VIDEO_FETCH_TIMEOUT_S)]
     pub video_fetch_timeout: u64,
+    /// Longest an admitted request may take to send its body, in seconds; past it the request
+    /// gets a 408 and its slot is given back (a client that stops sending holds none).
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_BODY_READ_TIMEOUT_S)]
+    pub body_read_timeout: u64,
 }
 
 impl ServeArgs {
@@ -164,6 +188,8 @@ impl ServeArgs {
                 max_body_bytes: self.max_body_bytes,
                 max_images_per_request: self.max_images_per_request,
                 max_image_pixels: self.max_image_pixels,
+                // The engine's, set once it has started (see `iris serve`).
+                ..Limits::default()
             },
             api_key: self.required_api_key().map(str::to_owned),
             epd,
@@ -180,6 +206,7 @@ impl ServeArgs {
                     self.video_fetch_timeout.max(1),
                 ),
             },
+            body_read_timeout: Duration::from_secs(self.body_read_timeout.max(1)),
         })
     }
 
@@ -209,6 +236,7 @@ pub struct ServerState<E> {
     /// The key's blake3 hash: comparing hashes (constant-time `PartialEq`) hides the key's length.
     api_key_hash: Option<blake3::Hash>,
     metrics: HttpMetrics,
+    body_read_timeout: Duration,
 }
 
 /// Builds the router over `engine`.
@@ -228,6 +256,7 @@ pub fn router<E: Engine>(engine: Arc<E>, config: ServerConfig) -> Result<Router,
             .as_deref()
             .map(|k| blake3::hash(k.as_bytes())),
         metrics,
+        body_read_timeout: config.body_read_timeout,
     });
     let protected = Router::new()
         .route("/v1/encode", post(encode::<E>))
@@ -401,7 +430,8 @@ async fn chat_completions<E: Engine>(
 }
 
 /// Takes a request slot, then reads the body. Refused before the body is read, so that a burst
-/// beyond the bounds holds no memory.
+/// beyond the bounds holds no memory. The read is bounded by the body-read timeout: a client
+/// that stops sending gets a 408 and gives its slot back (the permit drops with the error).
 async fn admit_and_read<E: Engine>(
     state: &Arc<ServerState<E>>,
     request: Request,
@@ -410,8 +440,9 @@ async fn admit_and_read<E: Engine>(
         Ok(permit) => permit,
         Err(err) => return Err(refuse(request, err.into(), state.limits.max_body_bytes).await),
     };
-    let body = Bytes::from_request(request, state)
+    let body = tokio::time::timeout(state.body_read_timeout, Bytes::from_request(request, state))
         .await
+        .map_err(|_elapsed| ApiError::body_read_timeout(state.body_read_timeout))?
         .map_err(|rejection| body_rejection(&rejection, state.limits.max_body_bytes))?;
     Ok((permit, body))
 }
@@ -569,13 +600,22 @@ async fn require_api_key<E: Engine>(
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(|k| blake3::hash(k.trim().as_bytes()));
+            .and_then(bearer_token)
+            .map(|k| blake3::hash(k.as_bytes()));
         if given.as_ref() != Some(expected) {
             return ApiError::unauthorized().into_response();
         }
     }
     next.run(req).await
+}
+
+/// The token of an `Authorization: Bearer <token>` value, the scheme in any case (RFC 9110
+/// makes auth schemes case-insensitive; vLLM compares `scheme.lower()`).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
 }
 
 /// Answers 503 on every route once the engine is dead or its device lost.

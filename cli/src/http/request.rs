@@ -4,8 +4,10 @@
 //! OpenAI chat messages (`{"messages": [{"role": "user", "content": [parts]}]}`) or as a bare
 //! content-part list (`{"content": [parts]}`). Only data URLs are accepted: iris fetches nothing.
 //! Everything a client can get wrong is checked here, before the engine sees the request, and
-//! answered with a 400 that names the field: JSON syntax, field types, the data URL syntax, the
-//! media type, base64, the file signature, and the image dimensions read from the header alone.
+//! answered with a 4xx that names the field: JSON syntax, field types, the data URL syntax,
+//! base64, the file signature, and the image dimensions read from the header alone. A data
+//! URL's media type is not checked: as vLLM's `ImageMediaIO.load_base64`, iris identifies the
+//! bytes by their content (the file signature), whatever type the URL declares.
 
 use std::io::Cursor;
 
@@ -19,6 +21,7 @@ use super::engine_api::{
     ProcessorOverrides, SamplingOptions, VideoInput,
 };
 use super::error::ApiError;
+use iris_core::budget::{MmLimits, Modality};
 
 /// Default request body limit: 64 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
@@ -27,28 +30,18 @@ pub const DEFAULT_MAX_IMAGES_PER_REQUEST: usize = 16;
 /// Default pixel limit per image (width x height from the header): 4096 x 4096.
 pub const DEFAULT_MAX_IMAGE_PIXELS: u64 = 4096 * 4096;
 
-/// Media types accepted in data URLs.
-pub const ACCEPTED_MEDIA_TYPES: [&str; 9] = [
-    "image/png",
-    "image/jpeg",
-    "image/jpg",
-    "image/webp",
-    "image/gif",
-    "image/bmp",
-    "image/x-ms-bmp",
-    "image/tiff",
-    "image/x-tiff",
-];
-
 /// Input limits of the HTTP server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     /// Largest accepted request body, in bytes (larger bodies get a 413).
     pub max_body_bytes: usize,
-    /// Most images in one request.
+    /// Most media items (images and videos together) in one request.
     pub max_images_per_request: usize,
     /// Most pixels (width x height, from the image header) in one image.
     pub max_image_pixels: u64,
+    /// Most images and most videos in one request (`--limit-mm-per-prompt`, the engine's):
+    /// counted before any item is decoded, fetched or probed.
+    pub mm_per_prompt: MmLimits,
 }
 
 impl Default for Limits {
@@ -57,6 +50,7 @@ impl Default for Limits {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_images_per_request: DEFAULT_MAX_IMAGES_PER_REQUEST,
             max_image_pixels: DEFAULT_MAX_IMAGE_PIXELS,
+            mm_per_prompt: MmLimits::default(),
         }
     }
 }
@@ -150,6 +144,8 @@ pub fn parse_encode_request(body: &[u8], limits: &Limits) -> Result<EncodeReques
     };
     let urls = collect_urls(&obj)?;
     check_image_count(urls.len(), limits)?;
+    let videos = urls.iter().filter(|(_, _, video)| *video).count();
+    check_mm_counts(urls.len() - videos, videos, limits)?;
     let items = urls
         .into_iter()
         .map(|(field, url, video)| {
@@ -163,10 +159,14 @@ pub fn parse_encode_request(body: &[u8], limits: &Limits) -> Result<EncodeReques
     Ok(EncodeRequest { items, options })
 }
 
-/// Decodes a video data URL: base64, any media type but a JPEG frame list.
+/// Decodes a video data URL: base64 (else a 501, as chat's), any media type but a JPEG frame
+/// list.
 fn decode_video_url(field: &str, url: &str) -> Result<Vec<u8>, ApiError> {
     let data = split_data_url(field, url, "data:video/<type>;base64,...")?;
-    if !data.is_base64 || data.media_type == "video/jpeg" {
+    if !data.is_base64 {
+        return Err(not_base64(field, Modality::Video));
+    }
+    if data.media_type == "video/jpeg" {
         return Err(ApiError::bad_request(
             "unsupported_video_url",
             format!(
@@ -207,7 +207,8 @@ pub(crate) fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> 
     }
 }
 
-/// Checks that a request carries at least one image and at most the limit.
+/// Checks that a request carries at least one media item and at most the limit, which counts
+/// images and videos together (it bounds a request's work, whatever the medium).
 ///
 /// # Errors
 /// A 400 `no_images` or `too_many_images`.
@@ -215,19 +216,37 @@ pub(crate) fn check_image_count(count: usize, limits: &Limits) -> Result<(), Api
     if count == 0 {
         return Err(ApiError::bad_request(
             "no_images",
-            "the request contains no images",
+            "the request contains no images or videos",
         ));
     }
     if count > limits.max_images_per_request {
         return Err(ApiError::bad_request(
             "too_many_images",
             format!(
-                "the request has {count} images; the limit is {} per request",
+                "the request has {count} media items (images and videos); the limit is {} per request (--max-images-per-request)",
                 limits.max_images_per_request
             ),
         ));
     }
     Ok(())
+}
+
+/// Checks a request's counts of images and videos against `--limit-mm-per-prompt` before any
+/// of them is decoded (vLLM counts a prompt's items while it parses the message, before it
+/// loads any media): a video the engine would refuse by count is not probed and decoded first.
+///
+/// # Errors
+/// A 400 `mm_limit_exceeded`, the engine's own refusal.
+pub(crate) fn check_mm_counts(
+    images: usize,
+    videos: usize,
+    limits: &Limits,
+) -> Result<(), ApiError> {
+    let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+    limits
+        .mm_per_prompt
+        .check(count(images), count(videos))
+        .map_err(|message| ApiError::bad_request("mm_limit_exceeded", message))
 }
 
 /// Builds the JSON response for an encode call: the images' results under `images`, and the
@@ -513,7 +532,10 @@ pub(crate) fn decode_base64(field: &str, payload: &str) -> Result<Vec<u8>, ApiEr
     })
 }
 
-/// Parses `data:<media type>[;params];base64,<data>`, decodes it and checks the header.
+/// Parses `data:<media type>[;params];base64,<data>`, decodes it and checks the header. The
+/// media type is not checked (vLLM's `ImageMediaIO.load_base64` ignores it): the bytes' own
+/// signature decides, and bytes that are not an image iris decodes get `unknown_image_format`.
+/// A data URL that is not base64 is a 501, as vLLM's `NotImplementedError`.
 pub(crate) fn decode_image_url(
     field: &str,
     url: &str,
@@ -526,29 +548,28 @@ pub(crate) fn decode_image_url(
             format!("{field}: only data URLs are accepted; iris does not fetch http(s) URLs"),
         ));
     }
-    let DataUrl {
-        media_type,
-        is_base64,
-        payload,
-    } = split_data_url(field, url, "data:image/<type>;base64,...")?;
-    if !ACCEPTED_MEDIA_TYPES.contains(&media_type.as_str()) {
-        return Err(ApiError::bad_request(
-            "unsupported_media_type",
-            format!(
-                "{field}: media type {media_type:?} is not accepted; use one of {}",
-                ACCEPTED_MEDIA_TYPES.join(", ")
-            ),
-        ));
+    let data = split_data_url(field, url, "data:image/<type>;base64,...")?;
+    if !data.is_base64 {
+        return Err(not_base64(field, Modality::Image));
     }
-    if !is_base64 {
-        return Err(ApiError::bad_request(
-            "invalid_image_url",
-            format!("{field}: the data URL must be base64 encoded (`;base64,`)"),
-        ));
-    }
-    let bytes = decode_base64(field, payload)?;
+    let bytes = decode_base64(field, data.payload)?;
     check_image_bytes(field, &bytes, limits)?;
     Ok(ImageInput { bytes })
+}
+
+/// The 501 for a `modality` data URL that is not base64 (vLLM: "Only base64 data URLs are
+/// supported for now", a `NotImplementedError`), its code naming the modality.
+pub(crate) fn not_base64(field: &str, modality: Modality) -> ApiError {
+    let code = match modality {
+        Modality::Video => "unsupported_video_url",
+        _ => "unsupported_image_url",
+    };
+    ApiError::new(
+        axum::http::StatusCode::NOT_IMPLEMENTED,
+        "not_implemented_error",
+        code,
+        format!("{field}: only base64 data URLs (`;base64,`) carry {modality}s"),
+    )
 }
 
 /// Checks that `bytes` are an image file iris decodes, within the pixel limit, from the header
@@ -753,13 +774,8 @@ mod tests {
             ),
             (
                 json!({"images": ["data:image/avif;base64,AAAA"]}),
-                "unsupported_media_type",
-                "image/avif",
-            ),
-            (
-                json!({"images": ["data:image/png,abc"]}),
-                "invalid_image_url",
-                "base64",
+                "unknown_image_format",
+                "images[0]",
             ),
             (
                 json!({"images": [url, "data:image/png;base64,@@@"]}),
@@ -810,6 +826,18 @@ mod tests {
         }
         let err = parse_encode_request(b"{\"images\": [", &Limits::default()).unwrap_err();
         assert_eq!(err.code, "invalid_json");
+        for (url, code) in [
+            ("data:image/png,abc", "unsupported_image_url"),
+            ("data:image/png;charset=utf-8,abc", "unsupported_image_url"),
+        ] {
+            let err = parse(json!({"images": [url]})).unwrap_err();
+            assert_eq!((err.status.as_u16(), err.code), (501, code), "{url}");
+        }
+        let err = parse(json!({"videos": ["data:video/mp4,abc"]})).unwrap_err();
+        assert_eq!(
+            (err.status.as_u16(), err.code),
+            (501, "unsupported_video_url")
+        );
     }
 
     #[test]
@@ -823,7 +851,12 @@ mod tests {
         let body = json!({"images": [url, url, url]}).to_string();
         let err = parse_encode_request(body.as_bytes(), &limits).unwrap_err();
         assert_eq!(err.code, "too_many_images");
-        assert!(err.message.contains("3 images") && err.message.contains("limit is 2"));
+        assert!(
+            err.message.contains("3 media items (images and videos)")
+                && err.message.contains("limit is 2"),
+            "{}",
+            err.message
+        );
         let body = json!({"images": [url]}).to_string();
         let err = parse_encode_request(body.as_bytes(), &limits).unwrap_err();
         assert_eq!(err.code, "image_too_large");

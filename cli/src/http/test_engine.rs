@@ -8,8 +8,8 @@
 
 use std::collections::HashMap;
 use std::io::Cursor;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use serde_json::{Value, json};
 
@@ -46,6 +46,15 @@ pub(crate) const WEIGHTS_BYTES: u64 = 5 << 20;
 const BLOCK: u64 = 1 << 20;
 const TOTAL: u64 = 1 << 30;
 
+/// A request slot of the fake engine, given back when dropped.
+pub(crate) struct FakePermit(Arc<AtomicUsize>);
+
+impl Drop for FakePermit {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 #[derive(Default)]
 struct State {
     processor: HashMap<String, u64>,
@@ -61,6 +70,10 @@ pub(crate) struct FakeEngine {
     sleeping: AtomicBool,
     dead: AtomicBool,
     overloaded: AtomicBool,
+    /// Requests admitted and not finished (permits alive).
+    admitted: Arc<AtomicUsize>,
+    /// Most requests admitted at once, as `--max-queued-requests`.
+    max_admitted: AtomicUsize,
     leak_on_reset: bool,
     encode_calls: AtomicU64,
     /// Whether `reserve_video` refuses (as a full token bound does).
@@ -78,6 +91,8 @@ impl FakeEngine {
             sleeping: AtomicBool::new(false),
             dead: AtomicBool::new(false),
             overloaded: AtomicBool::new(false),
+            admitted: Arc::new(AtomicUsize::new(0)),
+            max_admitted: AtomicUsize::new(usize::MAX),
             leak_on_reset,
             encode_calls: AtomicU64::new(0),
             refuse_videos: AtomicBool::new(false),
@@ -118,6 +133,17 @@ impl FakeEngine {
     /// Makes admission refuse (or admit again), as the real engine does beyond its bounds.
     pub(crate) fn set_overloaded(&self, overloaded: bool) {
         self.overloaded.store(overloaded, Ordering::SeqCst);
+    }
+
+    /// Bounds the requests admitted at once to `max` (`--max-queued-requests`): more are
+    /// refused with `Overloaded` until a permit is dropped.
+    pub(crate) fn set_max_admitted(&self, max: usize) {
+        self.max_admitted.store(max, Ordering::SeqCst);
+    }
+
+    /// Requests admitted whose permit is still alive.
+    pub(crate) fn admitted(&self) -> usize {
+        self.admitted.load(Ordering::SeqCst)
     }
 
     /// Encode calls so far (each may carry several images).
@@ -247,17 +273,23 @@ fn merge(a: ResetReport, b: ResetReport) -> ResetReport {
 }
 
 impl Engine for FakeEngine {
-    type Permit = ();
+    type Permit = FakePermit;
     type Hold = ();
 
-    fn hold(&self, (): &()) {}
+    fn hold(&self, _permit: &FakePermit) {}
 
-    fn admit(&self) -> Result<(), EngineError> {
+    fn admit(&self) -> Result<FakePermit, EngineError> {
         self.health()?;
         if self.overloaded.load(Ordering::SeqCst) {
             return Err(EngineError::Overloaded);
         }
-        Ok(())
+        let max = self.max_admitted.load(Ordering::SeqCst);
+        self.admitted
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .map_err(|_full| EngineError::Overloaded)?;
+        Ok(FakePermit(Arc::clone(&self.admitted)))
     }
 
     fn health(&self) -> Result<(), EngineError> {
@@ -269,7 +301,7 @@ impl Engine for FakeEngine {
 
     async fn encode(
         &self,
-        (): (),
+        _permit: FakePermit,
         items: Vec<MediaInput>,
         opts: EncodeOptions,
     ) -> Result<Vec<ImageResult>, EngineError> {
@@ -288,7 +320,7 @@ impl Engine for FakeEngine {
 
     async fn plan(
         &self,
-        _permit: &mut (),
+        _permit: &mut FakePermit,
         items: &[MediaInput],
         _overrides: &ProcessorOverrides,
     ) -> Result<Vec<ImagePlan>, EngineError> {
@@ -308,7 +340,7 @@ impl Engine for FakeEngine {
 
     fn reserve_video(
         &self,
-        _permit: &mut (),
+        _permit: &mut FakePermit,
         index: usize,
         frames: usize,
         size: ImageSize,

@@ -118,6 +118,7 @@ async fn bad_inputs_are_4xx_json() {
         max_body_bytes: 8192,
         max_images_per_request: 2,
         max_image_pixels: 64 * 64,
+        ..Limits::default()
     };
     let (app, engine) = app(ServerConfig {
         limits,
@@ -148,7 +149,12 @@ async fn bad_inputs_are_4xx_json() {
         (
             json!({"images": ["data:image/avif;base64,AAAA"]}),
             StatusCode::BAD_REQUEST,
-            "unsupported_media_type",
+            "unknown_image_format",
+        ),
+        (
+            json!({"images": ["data:image/png,abc"]}),
+            StatusCode::NOT_IMPLEMENTED,
+            "unsupported_image_url",
         ),
         (
             json!({"images": [format!("data:image/png;base64,{}", "A".repeat(9000))]}),
@@ -206,6 +212,41 @@ async fn api_key_guards_everything_but_health() {
     }
     let (status, text) = call(&app, Method::GET, "/is_sleeping", None, Some("s3cret")).await;
     assert_eq!(status, 200, "{text}");
+    // The scheme is case-insensitive (RFC 9110; vLLM compares `scheme.lower()`).
+    let with_authorization = |value: &str| {
+        Request::get("/is_sleeping")
+            .header("authorization", value)
+            .body(Body::empty())
+            .unwrap()
+    };
+    for value in ["bearer s3cret", "BEARER s3cret", "beArer  s3cret"] {
+        let resp = app
+            .clone()
+            .oneshot(with_authorization(value))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{value}");
+    }
+    for value in ["Basic s3cret", "Bearers3cret", "bearer s3cre", "s3cret"] {
+        let resp = app
+            .clone()
+            .oneshot(with_authorization(value))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 401, "{value}");
+    }
+}
+
+#[tokio::test]
+async fn encode_decodes_image_data_urls_of_any_media_type_by_their_bytes() {
+    let (app, _) = app(ServerConfig::default());
+    let payload = STANDARD.encode(png(28, 28, 7));
+    for media_type in ["application/octet-stream", "image/x-png", "image/avif", ""] {
+        let body = json!({"images": [format!("data:{media_type};base64,{payload}")]});
+        let (status, v) = call_json(&app, Method::POST, "/v1/encode", Some(body)).await;
+        assert_eq!(status, 200, "{media_type:?}: {v}");
+        assert_eq!(v["images"][0]["num_tokens"], 1, "{media_type:?}: {v}");
+    }
 }
 
 #[tokio::test]
@@ -395,6 +436,17 @@ async fn serve_args_bind_and_serve() {
         request::DEFAULT_MAX_BODY_BYTES
     );
     assert_eq!(config.api_key, None, "an empty key means no key");
+    assert_eq!(
+        config.body_read_timeout,
+        Duration::from_secs(DEFAULT_BODY_READ_TIMEOUT_S)
+    );
+    let short = Cmd::try_parse_from(["serve", "--body-read-timeout", "5"])
+        .unwrap()
+        .serve;
+    assert_eq!(
+        short.server_config(None).unwrap().body_read_timeout,
+        Duration::from_secs(5)
+    );
     assert!(
         args.empty_api_key_warning()
             .is_some_and(|w| w.contains("no route requires one")),
@@ -543,4 +595,88 @@ async fn a_dead_engine_turns_health_and_every_route_503() {
         assert_eq!(status, 503, "{method} {path}: {v}");
         assert_error_shape(&v, "engine_dead");
     }
+}
+
+/// Sends `request` on a new connection and returns everything the server answers until it
+/// closes the connection.
+async fn exchange(addr: std::net::SocketAddr, request: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+    client.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut answer))
+        .await
+        .expect("no answer within 10 s")
+        .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test]
+async fn a_stalled_body_times_out_with_408_and_gives_its_slot_back() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let engine = Arc::new(FakeEngine::new(false));
+    // As `--max-queued-requests 2`.
+    engine.set_max_admitted(2);
+    let config = ServerConfig {
+        body_read_timeout: Duration::from_millis(500),
+        ..ServerConfig::default()
+    };
+    let app = router(Arc::clone(&engine), config).unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(listener, app, async move {
+        let _ = rx.await;
+    }));
+    // Two clients send their headers and part of their body, then stop.
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        client
+            .write_all(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"im")
+            .await
+            .unwrap();
+        stalled.push(client);
+    }
+    let admitted = async {
+        while engine.admitted() < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), admitted)
+        .await
+        .expect("the stalled requests were not admitted");
+    let body = json!({"images": [url(&png(28, 28, 5))]}).to_string();
+    let request = format!(
+        "POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    // While they hold both slots every other client is refused.
+    let answer = exchange(addr, &request).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    // Past the timeout each gets a 408 naming it, and its connection is closed.
+    for mut client in stalled {
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut answer))
+            .await
+            .expect("the stalled request was never answered")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(
+            answer.contains("\"code\":\"body_read_timeout\"")
+                && answer.contains("--body-read-timeout")
+                && answer.contains("0.5 s"),
+            "{answer}"
+        );
+        assert!(
+            answer.to_ascii_lowercase().contains("connection: close"),
+            "{answer}"
+        );
+    }
+    assert_eq!(engine.admitted(), 0, "the slots came back");
+    let answer = exchange(addr, &request).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    tx.send(()).unwrap();
+    server.await.unwrap().unwrap();
 }

@@ -676,18 +676,20 @@ impl Engine {
             .filter(|i| matches!(i, MediaInput::Video(_)))
             .count() as u64;
         let images = items.len() as u64 - videos;
-        for (modality, count) in [(Modality::Image, images), (Modality::Video, videos)] {
-            let limit = limits.get(modality);
-            if count > limit {
-                return Err(EngineError::BadInput {
-                    message: format!(
-                        "at most {limit} {modality}(s) may be provided in one request (--limit-mm-per-prompt), got {count}"
-                    ),
-                    code: "mm_limit_exceeded",
-                });
-            }
-        }
-        Ok(())
+        limits
+            .check(images, videos)
+            .map_err(|message| EngineError::BadInput {
+                message,
+                code: "mm_limit_exceeded",
+            })
+    }
+
+    /// The most images and videos one request may carry (`--limit-mm-per-prompt`): a server
+    /// checks them before it reads any media, as vLLM counts a prompt's items while it parses
+    /// the message.
+    #[must_use]
+    pub fn mm_limits(&self) -> crate::budget::MmLimits {
+        self.config.scheduler.limit_mm_per_prompt
     }
 
     /// The video processing of a request with `items`: the engine's, with the request's
