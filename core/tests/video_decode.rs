@@ -5,13 +5,19 @@
 //! refused with FFmpeg's reason, and a container that would open other files (an HLS playlist)
 //! is refused by name.
 //!
+//! A clip sampled to more than 100 frames decodes (FFmpeg's expression parser refuses a long
+//! flat `select` expression), and a clip with a rotation in its display matrix (a phone's
+//! portrait video) decodes turned as OpenCV turns it.
+//!
 //! These tests need the FFmpeg programs; `.ci/run` installs them and sets
 //! `IRIS_REQUIRE_FFMPEG`, under which their absence fails instead of skipping.
 
 use std::path::PathBuf;
+use std::process::Command;
 
-use iris_core::preprocess::video::ffmpeg::{Ffmpeg, VideoLimits, load_video};
-use iris_core::preprocess::video::{SamplingOptions, VideoError, VideoLoader};
+use iris_core::preprocess::video::ffmpeg::{Ffmpeg, VideoLimits, load_video, open_clip};
+use iris_core::preprocess::video::{SamplingOptions, VideoError, VideoLoader, sample_frames};
+use iris_core::preprocess::{ImageSize, RgbImage};
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
@@ -222,4 +228,193 @@ fn an_hls_playlist_naming_a_local_file_is_refused() {
         err.to_string().contains("not a container iris decodes"),
         "{err}"
     );
+}
+
+/// More than 100 frames sampled (104 of a 52 s clip at vLLM's 2 fps): the frames read are the
+/// ones the loader samples, each equal to that frame of the whole clip decoded by the `ffmpeg`
+/// program (every frame, no `select`).
+#[test]
+fn a_clip_sampled_to_more_than_100_frames_decodes() {
+    const FRAMES: u32 = 520;
+    const RATE: f64 = 10.0;
+    const SIDE: u32 = 16;
+    let Some(ffmpeg) = ffmpeg() else { return };
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = dir.path().join("long.mp4");
+    let run = |args: &[&str]| {
+        let out = Command::new(ffmpeg.ffmpeg_program())
+            .args(["-v", "error", "-nostdin"])
+            .args(args)
+            .output()
+            .expect("ffmpeg runs");
+        assert!(
+            out.status.success(),
+            "ffmpeg {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    };
+    let clip = path.to_str().expect("a UTF-8 path");
+    let make = format!(
+        "-f lavfi -i testsrc2=size={SIDE}x{SIDE}:rate={RATE} -frames:v {FRAMES} -c:v libx264 \
+         -preset ultrafast -pix_fmt yuv420p"
+    );
+    let mut args: Vec<&str> = make.split_whitespace().collect();
+    args.push(clip);
+    run(&args);
+    let mut args = vec!["-i", clip];
+    args.extend("-map 0:v:0 -fps_mode passthrough -f rawvideo -pix_fmt rgb24 pipe:1".split(' '));
+    let all = run(&args);
+    let frame_len = (SIDE * SIDE * 3) as usize;
+    assert_eq!(all.len(), FRAMES as usize * frame_len, "the whole clip");
+    let bytes = std::fs::read(&path).expect("the clip");
+    let options = SamplingOptions::default();
+    let limits = VideoLimits::default();
+    for loader in [VideoLoader::Qwen2Vl, VideoLoader::Qwen3Vl] {
+        let video = load_video(&ffmpeg, &bytes, loader, &options, &limits)
+            .unwrap_or_else(|err| panic!("{}: {err}", loader.name()));
+        let meta = &video.metadata;
+        assert_eq!(meta.total_num_frames, FRAMES);
+        assert_eq!(meta.fps, RATE);
+        let want = sample_frames(loader, FRAMES, RATE, &options).expect("sampling");
+        assert!(want.len() > 100, "{}: {} frames", loader.name(), want.len());
+        assert_eq!(meta.frames_indices, want, "{}: indices", loader.name());
+        assert_eq!(video.frames.len(), want.len());
+        for (&index, frame) in want.iter().zip(&video.frames) {
+            let at = index as usize * frame_len;
+            assert_eq!(frame.size, ImageSize::new(SIDE, SIDE));
+            assert!(
+                frame.pixels == all[at..at + frame_len],
+                "{}: frame {index} differs from the clip's",
+                loader.name()
+            );
+        }
+    }
+}
+
+/// How OpenCV turns a frame whose display matrix rotates it by `degrees` (counterclockwise,
+/// as FFmpeg's `av_display_rotation_get` gives it): its angle is `-round(degrees)` taken into
+/// [0, 360), and it turns the frame only for 90 (clockwise), 180 and 270 (counterclockwise).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Turn {
+    None,
+    Clockwise,
+    Half,
+    Counterclockwise,
+}
+
+/// `frame` turned, written out pixel by pixel: the pixel at column `x`, row `y` of a `w x h`
+/// frame goes to `(h-1-y, x)` turned clockwise, `(w-1-x, h-1-y)` turned half way round, and
+/// `(y, w-1-x)` turned counterclockwise.
+fn turned(frame: &RgbImage, turn: Turn) -> RgbImage {
+    let (w, h) = (frame.size.width as usize, frame.size.height as usize);
+    let size = match turn {
+        Turn::Clockwise | Turn::Counterclockwise => {
+            ImageSize::new(frame.size.height, frame.size.width)
+        }
+        Turn::None | Turn::Half => frame.size,
+    };
+    let out_width = size.width as usize;
+    let mut pixels = vec![0u8; frame.pixels.len()];
+    for y in 0..h {
+        for x in 0..w {
+            let (to_x, to_y) = match turn {
+                Turn::None => (x, y),
+                Turn::Clockwise => (h - 1 - y, x),
+                Turn::Half => (w - 1 - x, h - 1 - y),
+                Turn::Counterclockwise => (y, w - 1 - x),
+            };
+            let from = (y * w + x) * 3;
+            let to = (to_y * out_width + to_x) * 3;
+            pixels[to..to + 3].copy_from_slice(&frame.pixels[from..from + 3]);
+        }
+    }
+    RgbImage { size, pixels }
+}
+
+/// `clip` (an MP4 of one track) with a display matrix in its track header (`tkhd`) that
+/// rotates the frames by `degrees` counterclockwise: `[cos, -sin; sin, cos]` in 16.16 fixed
+/// point, which FFmpeg's `av_display_rotation_get` reads back as `degrees`.
+fn with_display_rotation(clip: &[u8], degrees: f64) -> Vec<u8> {
+    let at = clip
+        .windows(4)
+        .position(|w| w == b"tkhd")
+        .expect("a track header");
+    let version = clip[at + 4];
+    // After the box type: version and flags (4), two times (4 or 8 each), the track id (4),
+    // 4 reserved, the duration (4 or 8), 8 reserved, layer, group, volume, 2 reserved.
+    let times = if version == 1 { 8 } else { 4 };
+    let matrix = at + 4 + 4 + 2 * times + 4 + 4 + times + 8 + 2 + 2 + 2 + 2;
+    let fixed = |v: f64| {
+        #[allow(clippy::cast_possible_truncation)]
+        let n = (v * 65536.0).round() as i32;
+        n
+    };
+    let (sin, cos) = degrees.to_radians().sin_cos();
+    let mut out = clip.to_vec();
+    // a b u / c d v / x y w, each a big-endian 32-bit number.
+    for (i, value) in [
+        fixed(cos),
+        fixed(-sin),
+        0,
+        fixed(sin),
+        fixed(cos),
+        0,
+        0,
+        0,
+        1 << 30,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        out[matrix + 4 * i..matrix + 4 * i + 4].copy_from_slice(&value.to_be_bytes());
+    }
+    out
+}
+
+/// A clip whose display matrix rotates it decodes as vLLM's OpenCV decoder gives it: the
+/// frames of the unrotated clip turned by OpenCV's rule, at the turned size (probed before
+/// decoding, for admission and resizing), for both loaders.
+#[test]
+fn rotated_clips_decode_turned_as_opencv_turns_them() {
+    let Some(ffmpeg) = ffmpeg() else { return };
+    let bytes = std::fs::read(fixtures().join("even10.mp4")).expect("the clip");
+    let options = SamplingOptions::default();
+    let limits = VideoLimits::default();
+    for (degrees, turn) in [
+        // A phone held upright: FFmpeg reports -90, OpenCV turns clockwise.
+        (-90.0, Turn::Clockwise),
+        (180.0, Turn::Half),
+        (90.0, Turn::Counterclockwise),
+        // Not a multiple of 90: OpenCV leaves it as it is.
+        (45.0, Turn::None),
+        // Rounded to -90 by OpenCV (ffprobe's `rotation` would print -89).
+        (-89.6, Turn::Clockwise),
+    ] {
+        let rotated = with_display_rotation(&bytes, degrees);
+        for loader in [VideoLoader::Qwen2Vl, VideoLoader::Qwen3Vl] {
+            let what = format!("{degrees} degrees, {}", loader.name());
+            let plain = load_video(&ffmpeg, &bytes, loader, &options, &limits).expect("the clip");
+            let opened = open_clip(&ffmpeg, &rotated, loader, &options, &limits)
+                .unwrap_or_else(|err| panic!("{what}: {err}"));
+            let size = opened.size();
+            let video = opened
+                .decode(&ffmpeg, &limits)
+                .unwrap_or_else(|err| panic!("{what}: {err}"));
+            let want_size = match turn {
+                Turn::Clockwise | Turn::Counterclockwise => ImageSize::new(48, 64),
+                Turn::None | Turn::Half => ImageSize::new(64, 48),
+            };
+            assert_eq!(size, want_size, "{what}: probed size");
+            assert_eq!(video.metadata, plain.metadata, "{what}: metadata");
+            assert_eq!(video.frames.len(), plain.frames.len(), "{what}");
+            for (k, (got, source)) in video.frames.iter().zip(&plain.frames).enumerate() {
+                assert_eq!(got.size, want_size, "{what}: frame {k} size");
+                assert!(
+                    *got == turned(source, turn),
+                    "{what}: frame {k} is not the source frame turned {turn:?}"
+                );
+            }
+        }
+    }
 }

@@ -9,6 +9,11 @@
 //! keeps a decoder crash on a hostile clip out of the server, and needs no FFmpeg libraries at
 //! build time; images need nothing of this.
 //!
+//! A clip whose display matrix rotates it (a phone's portrait video) is turned as OpenCV turns
+//! it ([`Rotation`]), not as the `ffmpeg` program would: iris reads the frames unrotated
+//! (`-noautorotate`) and turns them itself, and [`VideoInfo::size`] is the turned size, so that
+//! admission, resizing and the identifier see the frames vLLM sees.
+//!
 //! The programs are found on `PATH`, or at `IRIS_FFMPEG` and `IRIS_FFPROBE`.
 //!
 //! The clips come from untrusted clients, so every run is confined: FFmpeg may open only the
@@ -84,8 +89,101 @@ pub struct VideoInfo {
     pub fps: f64,
     /// `total_frames / fps` (0 when the rate is unknown), as vLLM computes it.
     pub duration: f64,
-    /// Frame size.
+    /// Frame size as OpenCV gives the frames: after [`VideoInfo::rotation`]
+    /// (`CAP_PROP_FRAME_WIDTH` and `CAP_PROP_FRAME_HEIGHT`).
     pub size: ImageSize,
+    /// How the decoded frames are turned.
+    pub rotation: Rotation,
+}
+
+/// How OpenCV's FFmpeg backend turns a clip's frames (`CAP_PROP_ORIENTATION_AUTO`, on by
+/// default): by the angle of the stream's display matrix, `-round(av_display_rotation_get)`
+/// taken into [0, 360), with `cv::rotate`, and only when that angle is 90, 180 or 270; a clip
+/// with any other angle is left as it is.
+///
+/// ```
+/// use iris_core::preprocess::video::ffmpeg::Rotation;
+/// use iris_core::preprocess::{ImageSize, RgbImage};
+/// // A phone held upright: FFmpeg's angle is -90, OpenCV's 90.
+/// let upright = [0, 65536, 0, -65536, 0, 0, 0, 0, 1 << 30];
+/// assert_eq!(Rotation::of_display_matrix(&upright), Rotation::Clockwise);
+/// // A red pixel left of a blue one, turned counterclockwise: blue on top.
+/// let frame = RgbImage { size: ImageSize::new(2, 1), pixels: vec![255, 0, 0, 0, 0, 255] };
+/// let turned = Rotation::Counterclockwise.turn(frame);
+/// assert_eq!(turned.size, ImageSize::new(1, 2));
+/// assert_eq!(turned.pixels, [0, 0, 255, 255, 0, 0]);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rotation {
+    /// No display matrix, or an angle of 0 or one OpenCV does not apply.
+    None,
+    /// Angle 90: `ROTATE_90_CLOCKWISE`.
+    Clockwise,
+    /// Angle 180: `ROTATE_180`.
+    Half,
+    /// Angle 270: `ROTATE_90_COUNTERCLOCKWISE`.
+    Counterclockwise,
+}
+
+impl Rotation {
+    /// The rotation OpenCV applies for a stream's display matrix (FFmpeg's 3x3, row by row,
+    /// 16.16 fixed point but for the last column).
+    #[must_use]
+    pub fn of_display_matrix(matrix: &[i32; 9]) -> Rotation {
+        // FFmpeg's av_display_rotation_get: the counterclockwise angle, NaN for a singular
+        // matrix (OpenCV's angle is then no multiple of 90).
+        let fixed = |i: usize| f64::from(matrix[i]) / 65536.0;
+        let scale = [fixed(0).hypot(fixed(3)), fixed(1).hypot(fixed(4))];
+        if scale[0] == 0.0 || scale[1] == 0.0 {
+            return Rotation::None;
+        }
+        let counterclockwise =
+            -((fixed(1) / scale[1]).atan2(fixed(0) / scale[0]) * 180.0 / std::f64::consts::PI);
+        // OpenCV's cvRound rounds half to even; the angle is within [-180, 180].
+        match (-counterclockwise.round_ties_even()).rem_euclid(360.0) {
+            90.0 => Rotation::Clockwise,
+            180.0 => Rotation::Half,
+            270.0 => Rotation::Counterclockwise,
+            _ => Rotation::None,
+        }
+    }
+
+    /// The size of a `size` frame once turned (a quarter turn swaps the sides; turning back
+    /// does the same).
+    #[must_use]
+    pub fn turn_size(self, size: ImageSize) -> ImageSize {
+        match self {
+            Rotation::Clockwise | Rotation::Counterclockwise => {
+                ImageSize::new(size.height, size.width)
+            }
+            Rotation::None | Rotation::Half => size,
+        }
+    }
+
+    /// `frame` turned: each pixel moved, none changed.
+    #[must_use]
+    pub fn turn(self, frame: RgbImage) -> RgbImage {
+        if self == Rotation::None {
+            return frame;
+        }
+        let (width, height) = (frame.size.width as usize, frame.size.height as usize);
+        let size = self.turn_size(frame.size);
+        let mut pixels = Vec::with_capacity(frame.pixels.len());
+        // Row by row of the turned frame, the source pixel each position takes.
+        for row in 0..size.height as usize {
+            for col in 0..size.width as usize {
+                let (x, y) = match self {
+                    Rotation::Clockwise => (row, height - 1 - col),
+                    Rotation::Half => (width - 1 - col, height - 1 - row),
+                    Rotation::Counterclockwise => (width - 1 - row, col),
+                    Rotation::None => (col, row),
+                };
+                let at = (y * width + x) * 3;
+                pixels.extend_from_slice(&frame.pixels[at..at + 3]);
+            }
+        }
+        RgbImage { size, pixels }
+    }
 }
 
 /// The metadata vLLM's loaders return with the frames (`create_hf_metadata`), which its item
@@ -180,7 +278,8 @@ impl Ffmpeg {
                 "-select_streams",
                 "v:0",
                 "-show_entries",
-                "stream=width,height,nb_frames,r_frame_rate,avg_frame_rate,duration,time_base:format=duration",
+                "stream=width,height,nb_frames,r_frame_rate,avg_frame_rate,duration,time_base:\
+                 stream_side_data=displaymatrix:format=duration",
             ],
             path,
             deadline,
@@ -200,7 +299,10 @@ impl Ffmpeg {
                     message: format!("the video stream has no {key}"),
                 })
         };
-        let size = ImageSize::new(dimension("width")?, dimension("height")?);
+        let rotation = display_matrix(stream)?
+            .as_ref()
+            .map_or(Rotation::None, Rotation::of_display_matrix);
+        let size = rotation.turn_size(ImageSize::new(dimension("width")?, dimension("height")?));
         // FFmpeg's av_guess_frame_rate: the real base rate, unless it is implausibly high and
         // the average is plausible.
         let real = rate(&stream["r_frame_rate"]);
@@ -235,6 +337,7 @@ impl Ffmpeg {
             fps,
             duration,
             size,
+            rotation,
         })
     }
 
@@ -356,18 +459,19 @@ impl Ffmpeg {
         // Every frame is decoded up to the last one wanted (as OpenCV grabs them), but only the
         // wanted ones are converted to RGB and piped: the select filter drops the others before
         // the conversion, and the output stops after the last.
-        let select = wanted
-            .iter()
-            .map(|i| format!("eq(n,{i})"))
-            .collect::<Vec<_>>()
-            .join("+");
+        let terms: Vec<String> = wanted.iter().map(|i| format!("eq(n,{i})")).collect();
+        let select = sum_tree(&terms);
         let frame_len = usize::try_from(frame_bytes).map_err(|_| VideoError::Decode {
             message: format!("a frame of {frame_bytes} bytes does not fit in memory"),
         })?;
         let count = wanted.len();
+        // FFmpeg would turn the frames itself, not as OpenCV does (it also turns by other
+        // angles, and the size would not be the one probed): they come unrotated and
+        // `info.rotation` turns them.
+        let coded = info.rotation.turn_size(info.size);
         let mut command = Command::new(&self.ffmpeg);
         command
-            .args(["-v", "error", "-nostdin"])
+            .args(["-v", "error", "-nostdin", "-noautorotate"])
             .args(confinement())
             .arg("-i")
             .arg(input(path))
@@ -402,9 +506,11 @@ impl Ffmpeg {
         let frames = finished
             .output
             .into_iter()
-            .map(|pixels| RgbImage {
-                size: info.size,
-                pixels,
+            .map(|pixels| {
+                info.rotation.turn(RgbImage {
+                    size: coded,
+                    pixels,
+                })
             })
             .collect();
         Ok((read, frames))
@@ -542,6 +648,50 @@ fn read_sampled(
             frames_indices: read,
         },
     })
+}
+
+/// `terms` added up as a balanced tree, `((a+b)+(c+d))`: FFmpeg's expression parser refuses
+/// an expression nested too deep, and a flat `a+b+c+...` nests one level a term (over 100
+/// terms are refused); the tree nests one level each time the count doubles (10 levels for
+/// vLLM's 768 frames).
+fn sum_tree(terms: &[String]) -> String {
+    match terms {
+        [] => "0".to_owned(),
+        [one] => one.clone(),
+        _ => {
+            let (left, right) = terms.split_at(terms.len() / 2);
+            format!("({}+{})", sum_tree(left), sum_tree(right))
+        }
+    }
+}
+
+/// The display matrix in an ffprobe report on a stream (`stream_side_data=displaymatrix`),
+/// if it has one: ffprobe prints its rows as `"\n00000000:  a  b  u\n00000001: ..."`.
+fn display_matrix(stream: &Value) -> Result<Option<[i32; 9]>, VideoError> {
+    let Some(text) = stream["side_data_list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find_map(|side| side["displaymatrix"].as_str())
+    else {
+        return Ok(None);
+    };
+    let values: Vec<i32> = text
+        .lines()
+        .filter_map(|line| line.split_once(':'))
+        .flat_map(|(_, row)| row.split_whitespace().map(str::parse))
+        .collect::<Result<_, _>>()
+        .map_err(|_| unreadable_matrix(text))?;
+    values
+        .try_into()
+        .map(Some)
+        .map_err(|_| unreadable_matrix(text))
+}
+
+fn unreadable_matrix(text: &str) -> VideoError {
+    VideoError::Decode {
+        message: format!("ffprobe's display matrix {text:?} is not 9 numbers"),
+    }
 }
 
 /// The input options that keep FFmpeg to the one local file, read as one of [`CONTAINERS`].
