@@ -50,7 +50,7 @@ enum Command {
     Profile(profile::ProfileArgs),
     /// Capacity planning: run a workload through the scheduler and encoder cache manager.
     Simulate(simulate::SimulateArgs),
-    /// Serve the engine over HTTP (loopback by default) until Ctrl-C.
+    /// Serve the engine over HTTP (loopback by default) until Ctrl-C or SIGTERM.
     Serve(serve::ServeCmd),
     /// The main job: load an engine (or --url a server), measure throughput, latency and
     /// memory before start, after start, after the load and after reset_all, with a verdict.

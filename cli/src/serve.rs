@@ -1,4 +1,4 @@
-//! `iris serve`: the engine behind the HTTP server, until Ctrl-C.
+//! `iris serve`: the engine behind the HTTP server, until Ctrl-C or SIGTERM.
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -24,7 +24,7 @@ pub struct ServeCmd {
 }
 
 /// Runs `iris serve`: starts the engine (start-up profiling included), binds, prints
-/// `listening on http://ADDR` and serves until Ctrl-C, then drains in-flight requests.
+/// `listening on http://ADDR` and serves until Ctrl-C or SIGTERM, then drains in-flight requests.
 pub fn run(global: &GlobalArgs, args: &ServeCmd) -> anyhow::Result<ExitCode> {
     // Checked before the engine loads anything: a bad store path fails in a second, not after
     // start-up profiling.
@@ -63,7 +63,7 @@ pub fn run(global: &GlobalArgs, args: &ServeCmd) -> anyhow::Result<ExitCode> {
         writeln!(out, "iris serve: listening on http://{addr}")?;
         out.flush()?;
         drop(out);
-        http::serve(listener, app, http::ctrl_c())
+        http::serve(listener, app, http::shutdown_signal())
             .await
             .context("the server stopped")
     })?;

@@ -1593,3 +1593,54 @@ async fn a_broken_vendor_library_does_not_break_a_cpu_start_nor_auto() {
         "cpu"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_the_request_in_flight_and_exits_cleanly() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    // What `docker stop`, Kubernetes and systemd send: the server stops as on Ctrl-C, letting
+    // the request it has taken finish (the default action killed it, and the request with it).
+    let mut server = Server::start("sigterm", &[]);
+    let body = json!({"images": [data_url(&png(56, 56, 9))]}).to_string();
+    let (head, tail) = body.as_bytes().split_at(body.len() / 2);
+    let addr = server.base.trim_start_matches("http://").to_owned();
+    let mut client = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connects");
+    let request_head = format!(
+        "POST /v1/encode HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    client.write_all(request_head.as_bytes()).await.unwrap();
+    client.write_all(head).await.unwrap();
+    // The request is taken (its slot admitted, its body half read) before the signal.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = server.child.id().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("the kill program runs");
+    assert!(killed.success());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    client.write_all(tail).await.unwrap();
+    let mut answer = String::new();
+    tokio::time::timeout(REQUEST_TIMEOUT, client.read_to_string(&mut answer))
+        .await
+        .expect("the answer comes")
+        .expect("the answer reads");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = server.child.try_wait().expect("waits") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "iris serve still runs 30 s after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        status.success(),
+        "iris serve ended with {status} after SIGTERM"
+    );
+}

@@ -219,11 +219,29 @@ impl ServeArgs {
     }
 }
 
-/// Completes on Ctrl-C (SIGINT); pass it to [`serve`] to drain requests before exiting.
-pub async fn ctrl_c() {
-    // If the handler cannot be installed, the process still ends on the default SIGINT action.
-    if tokio::signal::ctrl_c().await.is_err() {
-        std::future::pending::<()>().await;
+/// Completes on Ctrl-C (SIGINT) or SIGTERM (what `docker stop`, Kubernetes and systemd send);
+/// pass it to [`serve`] to drain requests before exiting.
+pub async fn shutdown_signal() {
+    // If a handler cannot be installed, the process still ends on that signal's default action.
+    let interrupt = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
     }
 }
 
@@ -300,7 +318,7 @@ pub fn router<E: Engine>(engine: Arc<E>, config: ServerConfig) -> Result<Router,
 pub const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Serves `app` on `listener` until `shutdown` completes, then drains in-flight requests for
-/// at most [`DRAIN_LIMIT`] (a second Ctrl-C ends the drain at once).
+/// at most [`DRAIN_LIMIT`] (a second Ctrl-C or SIGTERM ends the drain at once).
 ///
 /// # Errors
 /// The I/O error that stopped the server.
@@ -338,8 +356,8 @@ pub async fn serve_draining(
                 "iris serve: requests still in flight {:.1} s after the shutdown signal; stopping without them",
                 drain_limit.as_secs_f64()
             ),
-            () = ctrl_c() => {
-                eprintln!("iris serve: a second Ctrl-C; stopping without the requests in flight");
+            () = shutdown_signal() => {
+                eprintln!("iris serve: a second shutdown signal; stopping without the requests in flight");
             }
         }
     };
