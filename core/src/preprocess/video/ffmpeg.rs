@@ -911,7 +911,25 @@ fn failure(stderr: &[u8], path: &Path) -> Option<String> {
         ));
     }
     let named = input(path);
-    first_line(stderr).map(|line| line.replace(named.to_string_lossy().as_ref(), "the clip"))
+    first_line(stderr)
+        .map(|line| without_addresses(&line.replace(named.to_string_lossy().as_ref(), "the clip")))
+}
+
+/// `line` without the addresses FFmpeg's log prefixes carry (`[mov,mp4,... @ 0x55f9b56c9e40]`
+/// becomes `[mov,mp4,...]`): a client is told what failed, not where the server's heap is.
+fn without_addresses(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut rest = line;
+    while let Some(at) = rest.find(" @ 0x") {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + " @ 0x".len()..];
+        let digits = after
+            .find(|c: char| !c.is_ascii_hexdigit())
+            .unwrap_or(after.len());
+        rest = &after[digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 fn first_line(bytes: &[u8]) -> Option<String> {
