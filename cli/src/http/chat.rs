@@ -215,10 +215,7 @@ pub fn parse_chat_request(
         .filter(|part| part.modality == Modality::Video)
         .count();
     request::check_mm_counts(parts.len() - videos, videos, limits)?;
-    let items = parts
-        .into_iter()
-        .map(|part| part.load(limits, media))
-        .collect::<Result<Vec<_>, _>>()?;
+    let items = load_parts(parts, limits, media)?;
     Ok(ChatRequest {
         model,
         epd: EpdRequest {
@@ -334,6 +331,12 @@ struct MediaPart<'a> {
 }
 
 impl MediaPart<'_> {
+    /// Whether the payload is fetched over the network.
+    fn is_remote(&self) -> bool {
+        let scheme = self.url.split_once(':').map_or("", |(scheme, _)| scheme);
+        scheme.eq_ignore_ascii_case("http") || scheme.eq_ignore_ascii_case("https")
+    }
+
     /// Reads the part's payload (a data URL, a local file or a remote URL) into an item.
     fn load(self, limits: &Limits, media: &MediaAccess) -> Result<Item, ApiError> {
         let (bytes, jpeg_sequence) = if self.modality == Modality::Video {
@@ -348,6 +351,66 @@ impl MediaPart<'_> {
             jpeg_sequence,
         })
     }
+}
+
+/// The most remote payloads one request fetches at once.
+const CONCURRENT_FETCHES: usize = 8;
+
+/// Reads the parts' payloads in request order, fetching the remote ones (`http(s)://`) side by
+/// side, up to [`CONCURRENT_FETCHES`] at a time, as vLLM gathers a message's fetches: a
+/// request of eight slow URLs waits for the slowest, not for their sum. The answer is the first
+/// failure in request order, after which no further part is read.
+fn load_parts(
+    parts: Vec<MediaPart<'_>>,
+    limits: &Limits,
+    media: &MediaAccess,
+) -> Result<Vec<Item>, ApiError> {
+    let count = parts.len();
+    let mut loaded: Vec<Option<Result<Item, ApiError>>> = Vec::with_capacity(count);
+    loaded.resize_with(count, || None);
+    std::thread::scope(|scope| {
+        let mut running = std::collections::VecDeque::new();
+        let finish = |index: usize,
+                      handle: std::thread::ScopedJoinHandle<'_, Result<Item, ApiError>>,
+                      loaded: &mut Vec<Option<Result<Item, ApiError>>>| {
+            loaded[index] = Some(handle.join().unwrap_or_else(|_| {
+                Err(ApiError::internal(
+                    "a media fetch panicked; the request cannot be served",
+                ))
+            }));
+        };
+        for (index, part) in parts.into_iter().enumerate() {
+            if loaded[..index].iter().flatten().any(Result::is_err) {
+                break;
+            }
+            if part.is_remote() {
+                if running.len() == CONCURRENT_FETCHES
+                    && let Some((oldest, handle)) = running.pop_front()
+                {
+                    finish(oldest, handle, &mut loaded);
+                }
+                running.push_back((index, scope.spawn(move || part.load(limits, media))));
+            } else {
+                loaded[index] = Some(part.load(limits, media));
+            }
+        }
+        for (index, handle) in running {
+            finish(index, handle, &mut loaded);
+        }
+    });
+    let mut items = Vec::with_capacity(count);
+    for result in loaded {
+        match result {
+            Some(result) => items.push(result?),
+            // Parts are left unread only after a failure, which came first and was returned.
+            None => {
+                return Err(ApiError::internal(
+                    "a media part was left unread without a failure before it",
+                ));
+            }
+        }
+    }
+    Ok(items)
 }
 
 /// A content part: `None` for text, else its medium, URL and uuid (the payload is read later,

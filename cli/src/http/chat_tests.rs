@@ -806,3 +806,67 @@ async fn a_bounded_store_keeps_every_entry_a_reply_names() {
     assert_eq!(status, StatusCode::OK, "{v}");
     assert!(!exists("a") && !exists("b") && exists("c"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_images_of_one_request_are_fetched_side_by_side() {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // Each connection is answered once four are open at once (or after 3 s): fetched one after
+    // the other, the four never overlap.
+    let image = png(56, 56, 11);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let open = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    {
+        let (open, most) = (Arc::clone(&open), Arc::clone(&most));
+        std::thread::spawn(move || {
+            for stream in listener.incoming().take(4) {
+                let Ok(mut stream) = stream else { continue };
+                let (open, most, image) = (Arc::clone(&open), Arc::clone(&most), image.clone());
+                std::thread::spawn(move || {
+                    let mut request = [0u8; 4096];
+                    let _ = stream.read(&mut request);
+                    let now = open.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+                    while open.load(Ordering::SeqCst) < 4 && std::time::Instant::now() < deadline {
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: image/png\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        image.len()
+                    );
+                    let _ = stream.write_all(head.as_bytes());
+                    let _ = stream.write_all(&image);
+                    let _ = stream.flush();
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                    open.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+    }
+    let media = MediaAccess {
+        allowed_media_domains: vec!["127.0.0.1".to_owned()],
+        fetch_timeout: std::time::Duration::from_secs(10),
+        ..MediaAccess::default()
+    };
+    let (app, engine) = chat_app(None, media);
+    let parts = (0..4)
+        .map(|i| json!({"type": "image_url", "image_url": {"url": format!("http://127.0.0.1:{port}/{i}.png")}}))
+        .collect();
+    let (status, v) = call_json(
+        &app,
+        Method::POST,
+        "/v1/chat/completions",
+        Some(chat(parts)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(engine.encode_calls(), 1);
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        4,
+        "the four fetches did not overlap"
+    );
+}
