@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use iris_ec::mooncake::PushFailure;
-use iris_ec::mooncake::control::{ControlClient, MAX_SHARDS};
+use iris_ec::mooncake::control::{ControlClient, ControlError, MAX_SHARDS};
 use serde_json::json;
 use zeromq::{RepSocket, Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
 
@@ -65,6 +65,15 @@ where
     F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
+    raw_peer_greeting_after(Duration::ZERO, serve).await
+}
+
+/// [`raw_peer`], greeting each connection only after `delay`.
+async fn raw_peer_greeting_after<F, Fut>(delay: Duration, serve: F) -> String
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -73,28 +82,48 @@ where
         while let Ok((mut stream, _)) = listener.accept().await {
             let serve = std::sync::Arc::clone(&serve);
             tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
                 let mut greeting = [0u8; 64];
                 greeting[0] = 0xff;
                 greeting[9] = 0x7f;
                 greeting[10] = 3;
                 greeting[12..16].copy_from_slice(b"NULL");
-                stream.write_all(&greeting).await.unwrap();
-                let mut theirs = [0u8; 64];
-                stream.read_exact(&mut theirs).await.unwrap();
                 let mut ready = vec![0x04, 0];
                 ready.extend_from_slice(b"\x05READY\x0bSocket-Type\x00\x00\x00\x03REP");
                 ready[1] = u8::try_from(ready.len() - 2).unwrap();
-                stream.write_all(&ready).await.unwrap();
-                // Their READY: flags, length, body.
-                let mut head = [0u8; 2];
-                stream.read_exact(&mut head).await.unwrap();
+                let (mut theirs, mut head) = ([0u8; 64], [0u8; 2]);
+                // A client that gave up meanwhile ends the connection: nothing to serve.
+                if stream.write_all(&greeting).await.is_err()
+                    || stream.read_exact(&mut theirs).await.is_err()
+                    || stream.write_all(&ready).await.is_err()
+                    // Their READY: flags, length, body.
+                    || stream.read_exact(&mut head).await.is_err()
+                {
+                    return;
+                }
                 let mut body = vec![0u8; usize::from(head[1])];
-                stream.read_exact(&mut body).await.unwrap();
-                serve(stream).await;
+                if stream.read_exact(&mut body).await.is_ok() {
+                    serve(stream).await;
+                }
             });
         }
     });
     format!("tcp://127.0.0.1:{port}")
+}
+
+/// The error of a `peers` request to `addr` under a client with `timeout`, which must fail.
+async fn peers_error(addr: &str, timeout: Duration) -> ControlError {
+    ControlClient::new(timeout)
+        .request(addr, &json!({"op": "peers"}))
+        .await
+        .unwrap_err()
+}
+
+/// The delimiter and the head of a long body frame of `len` bytes, as a REP socket replies.
+fn long_reply_head(len: u64) -> Vec<u8> {
+    let mut head = vec![0x01, 0x00, 0x02];
+    head.extend_from_slice(&len.to_be_bytes());
+    head
 }
 
 /// Reads one request (a delimiter and a short body) from `stream`.
@@ -116,17 +145,11 @@ async fn a_peer_declaring_a_huge_frame_fails_the_exchange_not_the_process() {
         read_request(&mut stream).await;
         // The delimiter, then a frame claiming 2^44 bytes: a decoder that reserved it first
         // aborted the process on the failed allocation.
-        let mut reply = vec![0x01, 0x00, 0x02];
-        reply.extend_from_slice(&(1u64 << 44).to_be_bytes());
-        let _ = stream.write_all(&reply).await;
+        let _ = stream.write_all(&long_reply_head(1 << 44)).await;
         tokio::time::sleep(Duration::from_secs(5)).await;
     })
     .await;
-    let client = ControlClient::new(Duration::from_secs(5));
-    let err = client
-        .request(&addr, &json!({"op": "peers"}))
-        .await
-        .unwrap_err();
+    let err = peers_error(&addr, Duration::from_secs(5)).await;
     assert!(
         err.message.contains("a frame of 17592186044416 bytes"),
         "{}",
@@ -160,52 +183,20 @@ async fn a_pooled_connection_the_consumer_closed_is_not_used() {
     }
 }
 
-/// A peer that takes connections and, after `greet_after`, does the ZMTP handshake and answers
-/// each request with `{"ok": true}` after `reply_after`.
+/// A peer that greets each connection after `greet_after` and answers each request with
+/// `{"ok": true}` after `reply_after`.
 async fn slow_peer(greet_after: Duration, reply_after: Duration) -> String {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                tokio::time::sleep(greet_after).await;
-                let mut greeting = [0u8; 64];
-                greeting[0] = 0xff;
-                greeting[9] = 0x7f;
-                greeting[10] = 3;
-                greeting[12..16].copy_from_slice(b"NULL");
-                if stream.write_all(&greeting).await.is_err() {
-                    return;
-                }
-                let mut theirs = [0u8; 64];
-                if stream.read_exact(&mut theirs).await.is_err() {
-                    return;
-                }
-                let mut ready = vec![0x04, 0];
-                ready.extend_from_slice(b"\x05READY\x0bSocket-Type\x00\x00\x00\x03REP");
-                ready[1] = u8::try_from(ready.len() - 2).unwrap();
-                let mut head = [0u8; 2];
-                if stream.write_all(&ready).await.is_err()
-                    || stream.read_exact(&mut head).await.is_err()
-                {
-                    return;
-                }
-                let mut body = vec![0u8; usize::from(head[1])];
-                if stream.read_exact(&mut body).await.is_err() {
-                    return;
-                }
-                read_request(&mut stream).await;
-                tokio::time::sleep(reply_after).await;
-                let body = br#"{"ok": true}"#;
-                let mut reply = vec![0x01, 0x00, 0x00, u8::try_from(body.len()).unwrap()];
-                reply.extend_from_slice(body);
-                let _ = stream.write_all(&reply).await;
-                tokio::time::sleep(Duration::from_secs(10)).await;
-            });
-        }
-    });
-    format!("tcp://127.0.0.1:{port}")
+    use tokio::io::AsyncWriteExt as _;
+    raw_peer_greeting_after(greet_after, move |mut stream| async move {
+        read_request(&mut stream).await;
+        tokio::time::sleep(reply_after).await;
+        let body = br#"{"ok": true}"#;
+        let mut reply = vec![0x01, 0x00, 0x00, u8::try_from(body.len()).unwrap()];
+        reply.extend_from_slice(body);
+        let _ = stream.write_all(&reply).await;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    })
+    .await
 }
 
 #[tokio::test]
@@ -214,11 +205,7 @@ async fn a_peer_that_takes_the_connection_and_never_greets_did_not_answer() {
     // connection, nothing answers. That is a consumer that did not answer in time (a 504),
     // not one that cannot be reached (a 502 asking whether it runs).
     let addr = slow_peer(Duration::from_secs(60), Duration::ZERO).await;
-    let client = ControlClient::new(Duration::from_millis(500));
-    let err = client
-        .request(&addr, &json!({"op": "peers"}))
-        .await
-        .unwrap_err();
+    let err = peers_error(&addr, Duration::from_millis(500)).await;
     assert_eq!(err.failure, PushFailure::Timeout, "{}", err.message);
     assert!(
         err.message
@@ -233,11 +220,7 @@ async fn one_deadline_bounds_the_connection_and_the_exchange() {
     // Each phase alone fits in the limit; together they do not. `control_timeout_s` bounds
     // one request as vLLM's socket timeouts do, not each phase of it.
     let addr = slow_peer(Duration::from_millis(700), Duration::from_millis(700)).await;
-    let client = ControlClient::new(Duration::from_secs(1));
-    let err = client
-        .request(&addr, &json!({"op": "peers"}))
-        .await
-        .unwrap_err();
+    let err = peers_error(&addr, Duration::from_secs(1)).await;
     assert_eq!(err.failure, PushFailure::Timeout, "{}", err.message);
     // Within the limit, the same peer answers.
     let client = ControlClient::new(Duration::from_secs(5));
@@ -256,18 +239,13 @@ async fn a_long_answer_is_quoted_in_part() {
     let addr = raw_peer(|mut stream| async move {
         read_request(&mut stream).await;
         let body = json!({"ok": false, "error": "x".repeat(200_000)}).to_string();
-        let mut reply = vec![0x01, 0x00, 0x02];
-        reply.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        let mut reply = long_reply_head(body.len() as u64);
         reply.extend_from_slice(body.as_bytes());
         let _ = stream.write_all(&reply).await;
         tokio::time::sleep(Duration::from_secs(5)).await;
     })
     .await;
-    let client = ControlClient::new(Duration::from_secs(5));
-    let err = client
-        .request(&addr, &json!({"op": "peers"}))
-        .await
-        .unwrap_err();
+    let err = peers_error(&addr, Duration::from_secs(5)).await;
     assert!(err.message.len() < 1000, "{} bytes", err.message.len());
     assert!(
         err.message.contains("refused `peers`: xxx") && err.message.contains("bytes in all"),

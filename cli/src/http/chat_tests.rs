@@ -617,64 +617,56 @@ async fn image_data_urls_of_any_media_type_are_decoded_by_their_bytes() {
 }
 
 #[tokio::test]
-async fn a_data_url_that_is_not_base64_is_501_for_images_as_for_videos() {
+async fn urls_chat_cannot_read_are_answered_alike_for_images_and_videos() {
+    // A data URL that is not base64 is a 501 (vLLM's NotImplementedError) for both media; a
+    // URL of another scheme is told the schemes chat reads.
     let (app, _) = chat_app(None, MediaAccess::default());
-    for (part, code) in [
+    let image = |url: &str| json!({"type": "image_url", "image_url": {"url": url}});
+    let video = |url: &str| json!({"type": "video_url", "video_url": {"url": url}});
+    let not_implemented = (StatusCode::NOT_IMPLEMENTED, "not_implemented_error");
+    let bad_request = (StatusCode::BAD_REQUEST, "invalid_request_error");
+    let schemes = "must be an http(s), data or file URL";
+    for (part, (status, kind), code, says) in [
         (
-            json!({"type": "image_url", "image_url": {"url": "data:image/png,abc"}}),
+            image("data:image/png,abc"),
+            not_implemented,
             "unsupported_image_url",
+            "base64",
         ),
         (
-            json!({"type": "video_url", "video_url": {"url": "data:video/mp4,abc"}}),
+            video("data:video/mp4,abc"),
+            not_implemented,
             "unsupported_video_url",
+            "base64",
         ),
-    ] {
-        let (status, v) = call_json(
-            &app,
-            Method::POST,
-            "/v1/chat/completions",
-            Some(chat(vec![part])),
-        )
-        .await;
-        assert_eq!(status, StatusCode::NOT_IMPLEMENTED, "{v}");
-        assert_eq!(v["error"]["code"], code, "{v}");
-        assert_eq!(v["error"]["type"], "not_implemented_error", "{v}");
-        assert!(
-            v["error"]["message"]
-                .as_str()
-                .is_some_and(|m| m.contains("base64")),
-            "{v}"
-        );
-    }
-}
-
-#[tokio::test]
-async fn a_url_of_another_scheme_is_told_the_schemes_chat_reads() {
-    let (app, _) = chat_app(None, MediaAccess::default());
-    for (part, code) in [
         (
-            json!({"type": "image_url", "image_url": {"url": "ftp://example.invalid/cat.png"}}),
+            image("ftp://example.invalid/cat.png"),
+            bad_request,
             "invalid_image_url",
+            schemes,
         ),
         (
-            json!({"type": "video_url", "video_url": {"url": "ftp://example.invalid/cat.mp4"}}),
+            video("ftp://example.invalid/cat.mp4"),
+            bad_request,
             "invalid_video_url",
+            schemes,
         ),
     ] {
-        let (status, v) = call_json(
+        let (got, v) = call_json(
             &app,
             Method::POST,
             "/v1/chat/completions",
-            Some(chat(vec![part])),
+            Some(chat(vec![part.clone()])),
         )
         .await;
-        assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
-        assert_eq!(v["error"]["code"], code, "{v}");
+        assert_eq!(got, status, "{part}: {v}");
+        assert_eq!(v["error"]["code"], code, "{part}: {v}");
+        assert_eq!(v["error"]["type"], kind, "{part}: {v}");
         let message = v["error"]["message"].as_str().unwrap_or_default();
-        assert!(
-            message.contains("must be an http(s), data or file URL") && message.contains("\"ftp\""),
-            "{v}"
-        );
+        assert!(message.contains(says), "{part}: {v}");
+        if says == schemes {
+            assert!(message.contains("\"ftp\""), "{part}: {v}");
+        }
     }
 }
 
