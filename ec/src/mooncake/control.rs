@@ -268,48 +268,42 @@ impl ControlClient {
         deadline: tokio::time::Instant,
     ) -> Result<ReqConnection, ControlError> {
         let seconds = self.timeout.as_secs_f64();
-        let mut connection = match tokio::time::timeout_at(deadline, ReqConnection::open(addr))
-            .await
-        {
-            Ok(Ok(connection)) => connection,
-            Ok(Err(ZmtpError::Io(err))) => {
-                return Err(ControlError::new(
-                    PushFailure::Unreachable,
-                    format!("cannot connect to {addr}: {err}"),
-                ));
+        // A connection that breaks is unreachable (`context` says in which phase); a peer that
+        // is not a ZMTP REP socket, a protocol failure.
+        let failed = |err: ZmtpError, context: String| match err {
+            ZmtpError::Io(err) => {
+                ControlError::new(PushFailure::Unreachable, format!("{context}: {err}"))
             }
-            Ok(Err(ZmtpError::Protocol(message))) => {
-                return Err(ControlError::new(
-                    PushFailure::Protocol,
-                    format!("{addr} is not an EC control socket: {message}"),
-                ));
-            }
-            Err(_) => {
-                return Err(ControlError::new(
-                    PushFailure::Unreachable,
-                    format!(
-                        "cannot connect to {addr} within {seconds:.1} s (is the consumer running and its control port reachable?)"
-                    ),
-                ));
-            }
-        };
-        match tokio::time::timeout_at(deadline, connection.handshake()).await {
-            Ok(Ok(())) => Ok(connection),
-            Ok(Err(ZmtpError::Io(err))) => Err(ControlError::new(
-                PushFailure::Unreachable,
-                format!("{addr} closed the connection during the ZMTP handshake: {err}"),
-            )),
-            Ok(Err(ZmtpError::Protocol(message))) => Err(ControlError::new(
+            ZmtpError::Protocol(message) => ControlError::new(
                 PushFailure::Protocol,
                 format!("{addr} is not an EC control socket: {message}"),
-            )),
-            Err(_) => Err(ControlError::new(
+            ),
+        };
+        let Ok(opened) = tokio::time::timeout_at(deadline, ReqConnection::open(addr)).await else {
+            return Err(ControlError::new(
+                PushFailure::Unreachable,
+                format!(
+                    "cannot connect to {addr} within {seconds:.1} s (is the consumer running and its control port reachable?)"
+                ),
+            ));
+        };
+        let mut connection =
+            opened.map_err(|err| failed(err, format!("cannot connect to {addr}")))?;
+        let Ok(handshake) = tokio::time::timeout_at(deadline, connection.handshake()).await else {
+            return Err(ControlError::new(
                 PushFailure::Timeout,
                 format!(
                     "{addr} took the connection but did not complete the ZMTP handshake within {seconds:.1} s (is the consumer's process stopped or overloaded, or another program on its port?)"
                 ),
-            )),
-        }
+            ));
+        };
+        handshake.map_err(|err| {
+            failed(
+                err,
+                format!("{addr} closed the connection during the ZMTP handshake"),
+            )
+        })?;
+        Ok(connection)
     }
 
     /// An idle connection to `addr` whose peer has not closed it (a consumer that restarted

@@ -60,23 +60,13 @@ pub struct ReqConnection {
 }
 
 impl ReqConnection {
-    /// Connects to `addr` (`tcp://host:port`) and completes the ZMTP handshake.
+    /// Connects to `addr` (`tcp://host:port`), without the ZMTP handshake
+    /// ([`ReqConnection::handshake`] follows), so that a caller can tell a peer that cannot be
+    /// reached from one that was reached and does not answer.
     ///
     /// # Errors
     /// [`ZmtpError::Io`] for a connection that fails, [`ZmtpError::Protocol`] for an address
-    /// that is not `tcp://` or a peer that is not a ZMTP 3 REP socket.
-    pub async fn connect(addr: &str) -> Result<ReqConnection, ZmtpError> {
-        let mut connection = Self::open(addr).await?;
-        connection.handshake().await?;
-        Ok(connection)
-    }
-
-    /// The first half of [`ReqConnection::connect`]: the TCP connection, without the ZMTP
-    /// handshake, so that a caller can tell a peer that cannot be reached from one that was
-    /// reached and does not answer.
-    ///
-    /// # Errors
-    /// As [`ReqConnection::connect`].
+    /// that is not `tcp://`.
     pub async fn open(addr: &str) -> Result<ReqConnection, ZmtpError> {
         let Some(host_port) = addr.strip_prefix("tcp://") else {
             return Err(ZmtpError::Protocol(format!(
@@ -89,8 +79,7 @@ impl ReqConnection {
         Ok(ReqConnection { stream })
     }
 
-    /// The second half of [`ReqConnection::connect`]: the greeting and READY exchange on a
-    /// connection from [`ReqConnection::open`].
+    /// The greeting and READY exchange on a connection from [`ReqConnection::open`].
     ///
     /// # Errors
     /// [`ZmtpError::Io`] for a connection that breaks, [`ZmtpError::Protocol`] for a peer that
