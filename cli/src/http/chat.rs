@@ -209,12 +209,11 @@ pub fn parse_chat_request(
         }
     }
     // Counted before anything is fetched, read or probed: a request over a limit costs nothing.
-    request::check_image_count(parts.len(), limits)?;
     let videos = parts
         .iter()
         .filter(|part| part.modality == Modality::Video)
         .count();
-    request::check_mm_counts(parts.len() - videos, videos, limits)?;
+    request::check_counts(parts.len() - videos, videos, limits)?;
     let items = load_parts(parts, limits, media)?;
     Ok(ChatRequest {
         model,
@@ -365,52 +364,54 @@ fn load_parts(
     limits: &Limits,
     media: &MediaAccess,
 ) -> Result<Vec<Item>, ApiError> {
-    let count = parts.len();
-    let mut loaded: Vec<Option<Result<Item, ApiError>>> = Vec::with_capacity(count);
-    loaded.resize_with(count, || None);
+    let mut loaded: Vec<Option<Result<Item, ApiError>>> = Vec::new();
+    loaded.resize_with(parts.len(), || None);
+    // Stores a part's result; whether it failed.
+    let mut store = |index: usize, result: Result<Item, ApiError>| {
+        let failed = result.is_err();
+        loaded[index] = Some(result);
+        failed
+    };
+    let join = |handle: std::thread::ScopedJoinHandle<'_, Result<Item, ApiError>>| {
+        handle.join().unwrap_or_else(|_| {
+            Err(ApiError::internal(
+                "a media fetch panicked; the request cannot be served",
+            ))
+        })
+    };
     std::thread::scope(|scope| {
         let mut running = std::collections::VecDeque::new();
-        let finish = |index: usize,
-                      handle: std::thread::ScopedJoinHandle<'_, Result<Item, ApiError>>,
-                      loaded: &mut Vec<Option<Result<Item, ApiError>>>| {
-            loaded[index] = Some(handle.join().unwrap_or_else(|_| {
-                Err(ApiError::internal(
-                    "a media fetch panicked; the request cannot be served",
-                ))
-            }));
-        };
+        let mut failed = false;
         for (index, part) in parts.into_iter().enumerate() {
-            if loaded[..index].iter().flatten().any(Result::is_err) {
+            if failed {
                 break;
             }
             if part.is_remote() {
                 if running.len() == CONCURRENT_FETCHES
                     && let Some((oldest, handle)) = running.pop_front()
                 {
-                    finish(oldest, handle, &mut loaded);
+                    failed = store(oldest, join(handle));
                 }
                 running.push_back((index, scope.spawn(move || part.load(limits, media))));
             } else {
-                loaded[index] = Some(part.load(limits, media));
+                failed = store(index, part.load(limits, media));
             }
         }
         for (index, handle) in running {
-            finish(index, handle, &mut loaded);
+            store(index, join(handle));
         }
     });
-    let mut items = Vec::with_capacity(count);
-    for result in loaded {
-        match result {
-            Some(result) => items.push(result?),
-            // Parts are left unread only after a failure, which came first and was returned.
-            None => {
-                return Err(ApiError::internal(
+    // In order, up to the first failure: every part before it was read.
+    loaded
+        .into_iter()
+        .map(|result| {
+            result.unwrap_or_else(|| {
+                Err(ApiError::internal(
                     "a media part was left unread without a failure before it",
-                ));
-            }
-        }
-    }
-    Ok(items)
+                ))
+            })
+        })
+        .collect()
 }
 
 /// A content part: `None` for text, else its medium, URL and uuid (the payload is read later,

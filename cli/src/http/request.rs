@@ -143,9 +143,8 @@ pub fn parse_encode_request(body: &[u8], limits: &Limits) -> Result<EncodeReques
         ..EncodeOptions::default()
     };
     let urls = collect_urls(&obj)?;
-    check_image_count(urls.len(), limits)?;
     let videos = urls.iter().filter(|(_, _, video)| *video).count();
-    check_mm_counts(urls.len() - videos, videos, limits)?;
+    check_counts(urls.len() - videos, videos, limits)?;
     let items = urls
         .into_iter()
         .map(|(field, url, video)| {
@@ -207,12 +206,16 @@ pub(crate) fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> 
     }
 }
 
-/// Checks that a request carries at least one media item and at most the limit, which counts
-/// images and videos together (it bounds a request's work, whatever the medium).
+/// Checks a request's counts of media before any item is decoded, fetched or probed: at least
+/// one item, at most `--max-images-per-request` of them (images and videos together: it bounds
+/// a request's work, whatever the medium), and each modality within `--limit-mm-per-prompt`
+/// (vLLM counts a prompt's items while it parses the message, before it loads any media, so a
+/// video the engine would refuse by count is not probed and decoded first).
 ///
 /// # Errors
-/// A 400 `no_images` or `too_many_images`.
-pub(crate) fn check_image_count(count: usize, limits: &Limits) -> Result<(), ApiError> {
+/// A 400 `no_images`, `too_many_images` or `mm_limit_exceeded` (the engine's own refusal).
+pub(crate) fn check_counts(images: usize, videos: usize, limits: &Limits) -> Result<(), ApiError> {
+    let count = images + videos;
     if count == 0 {
         return Err(ApiError::bad_request(
             "no_images",
@@ -228,20 +231,6 @@ pub(crate) fn check_image_count(count: usize, limits: &Limits) -> Result<(), Api
             ),
         ));
     }
-    Ok(())
-}
-
-/// Checks a request's counts of images and videos against `--limit-mm-per-prompt` before any
-/// of them is decoded (vLLM counts a prompt's items while it parses the message, before it
-/// loads any media): a video the engine would refuse by count is not probed and decoded first.
-///
-/// # Errors
-/// A 400 `mm_limit_exceeded`, the engine's own refusal.
-pub(crate) fn check_mm_counts(
-    images: usize,
-    videos: usize,
-    limits: &Limits,
-) -> Result<(), ApiError> {
     let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
     limits
         .mm_per_prompt
