@@ -630,15 +630,19 @@ mod tests {
 
     #[test]
     fn each_refusal_names_every_setting_that_lifts_it() {
+        // The refusal of an item of `tokens` under `config`.
+        let refusal = |config: &SchedulerConfig, modality: Modality, tokens: u64| {
+            EncoderBudget::new(config, &[(Modality::Image, ModalityLimits::new(800))])
+                .unwrap()
+                .check_item(modality, tokens, tokens)
+                .unwrap_err()
+                .to_string()
+        };
         // Cache and compute both 1000: an item of 1001 needs both raised, and says so, so that
         // raising the cache alone does not meet the compute refusal next.
         let mut c = config(1000);
         c.encoder_cache_size = Some(1000);
-        let b = EncoderBudget::new(&c, &[(Modality::Image, ModalityLimits::new(800))]).unwrap();
-        let msg = b
-            .check_item(Modality::Image, 1001, 1001)
-            .unwrap_err()
-            .to_string();
+        let msg = refusal(&c, Modality::Image, 1001);
         assert!(
             msg.contains("--encoder-cache-size to at least 1001")
                 && msg.contains("--max-num-batched-tokens (which sets the encoder compute budget"),
@@ -647,11 +651,7 @@ mod tests {
         // A cache that is large enough already: the one refusal names the flag that sets the
         // compute budget, not a setting no flag has.
         c.encoder_cache_size = Some(5000);
-        let b = EncoderBudget::new(&c, &[(Modality::Image, ModalityLimits::new(800))]).unwrap();
-        let msg = b
-            .check_item(Modality::Video, 1500, 1500)
-            .unwrap_err()
-            .to_string();
+        let msg = refusal(&c, Modality::Video, 1500);
         assert!(
             msg.contains("raise --max-num-batched-tokens") && msg.contains("at least 1500"),
             "{msg}"
@@ -660,23 +660,14 @@ mod tests {
         // A cache refusal whose item fits the compute budget names the cache alone.
         let mut big_compute = config(4000);
         big_compute.encoder_cache_size = Some(1000);
-        let b = EncoderBudget::new(&big_compute, &[(Modality::Image, ModalityLimits::new(800))])
-            .unwrap();
-        let msg = b
-            .check_item(Modality::Image, 1001, 1001)
-            .unwrap_err()
-            .to_string();
+        let msg = refusal(&big_compute, Modality::Image, 1001);
         assert!(
             msg.contains("--encoder-cache-size") && !msg.contains("--max-num-batched-tokens"),
             "{msg}"
         );
         // A configured compute budget is named by its setting.
         c.max_num_encoder_input_tokens = Some(1000);
-        let b = EncoderBudget::new(&c, &[(Modality::Image, ModalityLimits::new(800))]).unwrap();
-        let msg = b
-            .check_item(Modality::Image, 1500, 1500)
-            .unwrap_err()
-            .to_string();
+        let msg = refusal(&c, Modality::Image, 1500);
         assert!(msg.contains("raise max_num_encoder_input_tokens"), "{msg}");
     }
 

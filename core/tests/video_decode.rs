@@ -383,6 +383,10 @@ fn rotated_clips_decode_turned_as_opencv_turns_them() {
     let bytes = std::fs::read(fixtures().join("even10.mp4")).expect("the clip");
     let options = SamplingOptions::default();
     let limits = VideoLimits::default();
+    let loaders = [VideoLoader::Qwen2Vl, VideoLoader::Qwen3Vl];
+    // The unrotated clip, as each loader reads it.
+    let plain = loaders
+        .map(|loader| load_video(&ffmpeg, &bytes, loader, &options, &limits).expect("the clip"));
     for (degrees, turn) in [
         // A phone held upright: FFmpeg reports -90, OpenCV turns clockwise.
         (-90.0, Turn::Clockwise),
@@ -394,9 +398,9 @@ fn rotated_clips_decode_turned_as_opencv_turns_them() {
         (-89.6, Turn::Clockwise),
     ] {
         let rotated = with_display_rotation(&bytes, degrees);
-        for loader in [VideoLoader::Qwen2Vl, VideoLoader::Qwen3Vl] {
+        for (loader, plain) in loaders.iter().zip(&plain) {
+            let loader = *loader;
             let what = format!("{degrees} degrees, {}", loader.name());
-            let plain = load_video(&ffmpeg, &bytes, loader, &options, &limits).expect("the clip");
             let opened = open_clip(&ffmpeg, &rotated, loader, &options, &limits)
                 .unwrap_or_else(|err| panic!("{what}: {err}"));
             let size = opened.size();

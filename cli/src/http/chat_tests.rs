@@ -9,7 +9,7 @@ use axum::http::{Method, StatusCode};
 use serde_json::{Value, json};
 
 use super::test_engine::{FakeEngine, HIDDEN};
-use super::tests::{call, call_json, png, url};
+use super::tests::{app, call, call_json, png, url};
 use super::*;
 use crate::epd::EpdArgs;
 
@@ -17,8 +17,14 @@ const EC_CONFIG: &str = r#"{"ec_connector": "ECExampleConnector", "ec_role": "ec
     "ec_connector_extra_config": {"shared_storage_path": "STORE"}}"#;
 
 fn epd(store: Option<&Path>) -> Arc<Epd> {
+    epd_bounded(store, None)
+}
+
+/// [`epd`] with `--ec-storage-max-bytes` set to `max_bytes`.
+fn epd_bounded(store: Option<&Path>, max_bytes: Option<u64>) -> Arc<Epd> {
     let args = EpdArgs {
         ec_transfer_config: store.map(|dir| EC_CONFIG.replace("STORE", &dir.display().to_string())),
+        ec_storage_max_bytes: max_bytes,
         model_id: Some("Qwen/Qwen2.5-VL-3B-Instruct".into()),
         ..EpdArgs::default()
     };
@@ -672,16 +678,14 @@ async fn urls_chat_cannot_read_are_answered_alike_for_images_and_videos() {
 
 #[tokio::test]
 async fn the_media_item_limit_counts_videos_and_says_so() {
-    let engine = Arc::new(FakeEngine::new(false));
-    let config = ServerConfig {
+    let (app, _) = app(ServerConfig {
         limits: Limits {
             max_images_per_request: 2,
             ..Limits::default()
         },
         epd: Some(epd(None)),
         ..ServerConfig::default()
-    };
-    let app = router(engine, config).unwrap();
+    });
     let video = json!({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}});
     let body = chat(vec![video.clone(), video.clone(), video]);
     let (status, v) = call_json(&app, Method::POST, "/v1/chat/completions", Some(body)).await;
@@ -700,8 +704,7 @@ async fn the_per_prompt_limits_are_checked_before_any_media_is_read() {
     // its count, not probed or decoded first (these bytes are no clip at all, and the file
     // does not exist), as vLLM counts a prompt's items while it parses the message.
     let dir = tempfile::tempdir().unwrap();
-    let engine = Arc::new(FakeEngine::new(false));
-    let config = ServerConfig {
+    let (app, engine) = app(ServerConfig {
         limits: Limits {
             mm_per_prompt: iris_core::budget::MmLimits { image: 1, video: 0 },
             ..Limits::default()
@@ -712,8 +715,7 @@ async fn the_per_prompt_limits_are_checked_before_any_media_is_read() {
             ..MediaAccess::default()
         },
         ..ServerConfig::default()
-    };
-    let app = router(Arc::clone(&engine), config).unwrap();
+    });
     let missing = format!("file://{}/missing.mp4", dir.path().display());
     for video in [
         json!({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAAAAAA"}}),
@@ -765,17 +767,10 @@ async fn a_bounded_store_keeps_every_entry_a_reply_names() {
             .len()
     };
     let dir = tempfile::tempdir().unwrap();
-    let args = EpdArgs {
-        ec_transfer_config: Some(EC_CONFIG.replace("STORE", &dir.path().display().to_string())),
-        ec_storage_max_bytes: Some(entry_bytes * 3 / 2),
-        model_id: Some("Qwen/Qwen2.5-VL-3B-Instruct".into()),
-        ..EpdArgs::default()
-    };
-    let config = ServerConfig {
-        epd: Some(Arc::new(args.resolve("tiny", None).unwrap())),
+    let (app, _) = app(ServerConfig {
+        epd: Some(epd_bounded(Some(dir.path()), Some(entry_bytes * 3 / 2))),
         ..ServerConfig::default()
-    };
-    let app = router(Arc::new(FakeEngine::new(false)), config).unwrap();
+    });
     let exists = |id: &str| {
         dir.path()
             .join(id)

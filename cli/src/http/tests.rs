@@ -28,7 +28,7 @@ pub(super) fn url(bytes: &[u8]) -> String {
     format!("data:image/png;base64,{}", STANDARD.encode(bytes))
 }
 
-fn app(config: ServerConfig) -> (Router, Arc<FakeEngine>) {
+pub(super) fn app(config: ServerConfig) -> (Router, Arc<FakeEngine>) {
     let engine = Arc::new(FakeEngine::new(false));
     (router(Arc::clone(&engine), config).unwrap(), engine)
 }
@@ -219,21 +219,21 @@ async fn api_key_guards_everything_but_health() {
             .body(Body::empty())
             .unwrap()
     };
-    for value in ["bearer s3cret", "BEARER s3cret", "beArer  s3cret"] {
+    for (value, want) in [
+        ("bearer s3cret", 200),
+        ("BEARER s3cret", 200),
+        ("beArer  s3cret", 200),
+        ("Basic s3cret", 401),
+        ("Bearers3cret", 401),
+        ("bearer s3cre", 401),
+        ("s3cret", 401),
+    ] {
         let resp = app
             .clone()
             .oneshot(with_authorization(value))
             .await
             .unwrap();
-        assert_eq!(resp.status(), 200, "{value}");
-    }
-    for value in ["Basic s3cret", "Bearers3cret", "bearer s3cre", "s3cret"] {
-        let resp = app
-            .clone()
-            .oneshot(with_authorization(value))
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 401, "{value}");
+        assert_eq!(resp.status(), want, "{value}");
     }
 }
 
